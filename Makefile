@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:   make demo   |   make test
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean docs
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+docs: $(STAMP)
+	$(BIN)/sidecar metrics-doc --write docs/metrics.md
+	$(BIN)/sidecar deploy-gen --write
+
+clean:
+	rm -rf $(VENV) build *.egg-info

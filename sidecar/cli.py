@@ -1,0 +1,51 @@
+"""The `sidecar` console script. Each subcommand lives in its own module, imported lazily,
+exposing `add_arguments(parser)` and `main(args) -> int`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from sidecar import __version__
+
+SUBCOMMANDS = {
+    "run": ("sidecar.app", "run the daemon (metrics, push API, watchdog)"),
+    "status": ("sidecar.status", "show this node's health at a glance"),
+    "incidents": ("sidecar.incidents", "list the watchdog's incident records"),
+    "preflight": ("sidecar.preflight", "check this node before a job starts"),
+    "provision": ("sidecar.provision", "push dashboards, datasource and alert rules to Grafana"),
+    "deploy-gen": ("sidecar.deploygen", "regenerate deploy/ files from alerts/ and dashboards/"),
+    "metrics-doc": ("sidecar.collectors.docs", "write the metrics reference (docs/metrics.md)"),
+    "config-doc": ("sidecar.config", "write the settings reference (docs/configuration.md)"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sidecar", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        # Import only the module that runs: `sidecar status` must not pay for aiohttp's server.
+        if name == wanted:
+            importlib.import_module(module).add_arguments(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

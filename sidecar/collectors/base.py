@@ -1,0 +1,139 @@
+"""What every collector shares: the one-method interface, metric specifications (the single
+source of names, types and help, from which docs/metrics.md is generated), and the runner
+that samples collectors in the background and keeps the latest snapshot.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+PREFIX = "sidecar_"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric family's name (without `_total` for counters, as prometheus-client wants it),
+    type, help and label names. `collector` names the collector that exports it."""
+
+    name: str
+    type: str  # "gauge" | "counter" | "info"
+    help: str
+    labels: tuple[str, ...] = ()
+    collector: str = ""
+
+    def family(self) -> Metric:
+        if self.type == "gauge":
+            return GaugeMetricFamily(self.name, self.help, labels=self.labels)
+        if self.type == "counter":
+            return CounterMetricFamily(self.name, self.help, labels=self.labels)
+        if self.type == "info":
+            return InfoMetricFamily(self.name, self.help, labels=self.labels)
+        raise ValueError(f"unknown metric type {self.type}")
+
+    @property
+    def exposed_name(self) -> str:
+        if self.type == "counter":
+            return self.name + "_total"
+        if self.type == "info":
+            return self.name + "_info"
+        return self.name
+
+
+def spec(collector: str, name: str, type_: str, help_: str, labels: Sequence[str] = ()) -> MetricSpec:
+    return MetricSpec(PREFIX + name, type_, help_, tuple(labels), collector)
+
+
+class Collector(Protocol):
+    """A collector reads one data source and maps it to metric families. `collect` runs in an
+    executor thread (it may block on files or NVML); it returns no family for absent hardware
+    and raises only when the collection as a whole failed."""
+
+    name: str
+    metrics: Sequence[MetricSpec]
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
+@dataclass
+class CollectorResult:
+    families: list[Metric] = field(default_factory=list)
+    success: bool = False
+    duration_seconds: float = 0.0
+    finished_at: float = 0.0  # time.time() of the last run, 0 before the first
+    error: str | None = None
+
+
+RUNNER_METRICS = (
+    spec("runner", "scrape_collector_success", "gauge",
+         "1 if the collector's last run succeeded (a partial failure, such as one GPU lost, is 0).",
+         ["collector"]),
+    spec("runner", "scrape_collector_duration_seconds", "gauge",
+         "Duration of the collector's last run.", ["collector"]),
+)
+
+
+class PartialFailure(Exception):
+    """Raised by a collector *after* producing its families: some fields or devices failed.
+    The runner keeps the families and reports success 0 with this message."""
+
+    def __init__(self, message: str, families: list[Metric]):
+        super().__init__(message)
+        self.families = families
+
+
+class CollectorRunner:
+    """Runs each collector every `interval` seconds in the default executor and keeps the
+    latest result. A scrape reads `results`; it never waits on a collector."""
+
+    def __init__(self, collectors: Sequence[Collector], interval: float):
+        self.collectors = list(collectors)
+        self.interval = interval
+        self.results: dict[str, CollectorResult] = {c.name: CollectorResult() for c in self.collectors}
+        self.first_round = asyncio.Event()
+
+    def run_once_sync(self, collector: Collector) -> CollectorResult:
+        start = time.perf_counter()
+        try:
+            families = list(collector.collect())
+            result = CollectorResult(families, True)
+        except PartialFailure as e:
+            result = CollectorResult(list(e.families), False, error=str(e))
+        except Exception as e:  # one failing collector never breaks the endpoint
+            log.warning("collector %s failed: %s", collector.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            result = CollectorResult([], False, error=f"{type(e).__name__}: {e}")
+        result.duration_seconds = time.perf_counter() - start
+        result.finished_at = time.time()
+        return result
+
+    async def run_round(self) -> None:
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(
+            *(loop.run_in_executor(None, self.run_once_sync, c) for c in self.collectors))
+        for c, r in zip(self.collectors, results):
+            self.results[c.name] = r
+        self.first_round.set()
+
+    async def run_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.run_round()
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def families(self) -> Iterable[Metric]:
+        """The latest families of every collector plus the runner's own success/duration."""
+        success = RUNNER_METRICS[0].family()
+        duration = RUNNER_METRICS[1].family()
+        for name, r in self.results.items():
+            yield from r.families
+            if r.finished_at:
+                success.add_metric([name], 1.0 if r.success else 0.0)
+                duration.add_metric([name], r.duration_seconds)
+        yield success
+        yield duration

@@ -1,0 +1,434 @@
+"""The sidecar's settings: one typed object, from a YAML file, `SIDECAR_*` environment
+variables and flags (flag > env > file > default), validated at start.
+
+Every field carries its documentation in `metadata["help"]`; `sidecar config-doc` writes
+docs/configuration.md from it. Environment names are `SIDECAR_<FIELD>` for top-level fields
+and `SIDECAR_<SECTION>_<FIELD>` for sections (`SIDECAR_WATCHDOG_FLOOR_SECONDS`). A bad
+setting raises `ConfigError`, which `sidecar run` turns into exit status 2 and one line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+DEFAULT_PORT = 9402
+DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_SOCKET = "/run/sidecar/sidecar.sock"
+ENV_PREFIX = "SIDECAR_"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. The message names the setting and what is wrong, on one line."""
+
+
+def doc(text: str, **kw: Any) -> dict:
+    return {"help": text, **kw}
+
+
+def _fail(name: str, problem: str) -> None:
+    raise ConfigError(f"setting {name}: {problem}")
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        _fail(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def parse_hostport(value: str, name: str = "listen") -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
+        _fail(name, f"expected HOST:PORT, got {value!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+@dataclass
+class CollectorSettings:
+    interval_seconds: float = field(default=5.0, metadata=doc(
+        "How often the hardware collectors (gpu, nic, process, node) sample, in seconds. "
+        "`/metrics` always serves the latest sample and never waits on hardware."))
+    enabled: list[str] = field(default_factory=lambda: ["gpu", "nic", "process", "node"], metadata=doc(
+        "Collectors to run. Known: gpu, nic, process, node. Training metrics are always on."))
+    nvml_module: str = field(default="pynvml", metadata=doc(
+        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Tests and benchmarks point "
+        "it at `sidecar.testing.fake_nvml`."))
+    sysfs_root: str = field(default="/sys", metadata=doc(
+        "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
+    procfs_root: str = field(default="/proc", metadata=doc(
+        "Root of procfs (`/host/proc` in a container)."))
+    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*)$", metadata=doc(
+        "Regular expression of network interfaces not to export (virtual ones by default)."))
+    max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
+    xid_events: bool = field(default=True, metadata=doc(
+        "Wait for NVML XID events in a dedicated thread and count them per GPU and XID."))
+
+    def __post_init__(self) -> None:
+        _positive("collectors.interval_seconds", self.interval_seconds)
+        known = {"gpu", "nic", "process", "node"}
+        unknown = sorted(set(self.enabled) - known)
+        if unknown:
+            _fail("collectors.enabled", f"unknown collector(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        _positive("collectors.max_nics", self.max_nics)
+
+
+@dataclass
+class LimitSettings:
+    max_body_bytes: int = field(default=1 << 20, metadata=doc("Largest accepted request body (413 beyond)."))
+    max_items_per_push: int = field(default=10_000, metadata=doc("Most items in one `/v1/push`."))
+    max_jobs: int = field(default=16, metadata=doc("Most distinct jobs registered at once (429 beyond)."))
+    max_ranks_per_job: int = field(default=1024, metadata=doc("Most ranks of one job registered on this node."))
+    max_custom_metrics: int = field(default=32, metadata=doc(
+        "Most distinct custom metric names per job (429 beyond; the well-known ones never count)."))
+    max_phases: int = field(default=16, metadata=doc("Most distinct phase names per job."))
+    gone_retention_seconds: float = field(default=600.0, metadata=doc(
+        "How long a finished or dead rank stays in the registry (and in `/metrics`)."))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _positive(f"limits.{f.name}", getattr(self, f.name))
+
+
+@dataclass
+class WatchdogSettings:
+    enabled: bool = field(default=True, metadata=doc("Run the progress watchdog."))
+    observe_only: bool = field(default=False, metadata=doc(
+        "Detect, record and alert on stalls but never signal a process."))
+    check_interval_seconds: float = field(default=0.5, metadata=doc("How often rank states are evaluated."))
+    startup_timeout_seconds: float = field(default=900.0, metadata=doc(
+        "Budget from registration to the first step (imports, rendezvous, data loading, first compile)."))
+    floor_seconds: float = field(default=30.0, metadata=doc(
+        "Lowest training-step timeout. The effective timeout is multiplier x the step-time quantile, "
+        "clamped to [floor_seconds, ceiling_seconds]."))
+    ceiling_seconds: float = field(default=1800.0, metadata=doc("Highest training-step timeout."))
+    multiplier: float = field(default=8.0, metadata=doc("Effective timeout = multiplier x step-time quantile."))
+    quantile: float = field(default=0.99, metadata=doc("Quantile of recent step times the timeout follows."))
+    window: int = field(default=200, metadata=doc("How many recent step times the quantile is taken over."))
+    suspect_ratio: float = field(default=0.5, metadata=doc(
+        "A rank is SUSPECT once this share of its timeout has passed without progress."))
+    phase_timeouts: dict[str, float] = field(default_factory=lambda: {
+        "startup": 900.0, "checkpoint_save": 1800.0, "checkpoint_load": 1800.0,
+        "eval": 3600.0, "compile": 3600.0, "data_load": 1800.0}, metadata=doc(
+        "Budget per declared phase, in seconds; a phase declared with its own timeout uses that."))
+    default_phase_timeout_seconds: float = field(default=1800.0, metadata=doc(
+        "Budget of a declared phase that names no timeout and is not in phase_timeouts."))
+
+    def __post_init__(self) -> None:
+        for name in ("check_interval_seconds", "startup_timeout_seconds", "floor_seconds",
+                     "ceiling_seconds", "multiplier", "default_phase_timeout_seconds"):
+            _positive(f"watchdog.{name}", getattr(self, name))
+        if self.ceiling_seconds < self.floor_seconds:
+            _fail("watchdog.ceiling_seconds",
+                  f"must be >= watchdog.floor_seconds ({self.ceiling_seconds} < {self.floor_seconds})")
+        if not 0 < self.quantile <= 1:
+            _fail("watchdog.quantile", f"must be in (0, 1], got {self.quantile}")
+        if not 0 < self.suspect_ratio < 1:
+            _fail("watchdog.suspect_ratio", f"must be in (0, 1), got {self.suspect_ratio}")
+        _positive("watchdog.window", self.window)
+        for phase, budget in self.phase_timeouts.items():
+            _positive(f"watchdog.phase_timeouts.{phase}", float(budget))
+
+
+@dataclass
+class RemediationSettings:
+    dump_stacks: bool = field(default=True, metadata=doc(
+        "Ask hung ranks for their Python stacks (the hooks' faulthandler signal) before killing."))
+    py_spy: bool = field(default=True, metadata=doc("Also run `py-spy dump` on hung ranks when it is installed."))
+    dump_wait_seconds: float = field(default=2.0, metadata=doc("How long to wait for stack dumps."))
+    grace_seconds: float = field(default=10.0, metadata=doc("Wait between SIGTERM and SIGKILL."))
+    max_per_window: int = field(default=3, metadata=doc(
+        "Most remediations per window; past it the watchdog only alerts (restart-storm cap)."))
+    window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
+
+    def __post_init__(self) -> None:
+        _positive("remediation.dump_wait_seconds", self.dump_wait_seconds, allow_zero=True)
+        _positive("remediation.grace_seconds", self.grace_seconds, allow_zero=True)
+        _positive("remediation.max_per_window", self.max_per_window, allow_zero=True)
+        _positive("remediation.window_seconds", self.window_seconds)
+
+
+@dataclass
+class Settings:
+    listen: str = field(default=DEFAULT_LISTEN, metadata=doc(
+        "TCP address (HOST:PORT) for `/metrics`, health, status and, as a fallback, the push API. "
+        "Port 0 picks a free port (printed at start)."))
+    socket: str = field(default=DEFAULT_SOCKET, metadata=doc(
+        "Unix socket for the hooks (and `sidecar status`). Empty disables it."))
+    socket_mode: str = field(default="0660", metadata=doc(
+        "Permissions of the Unix socket, octal. Training processes need write access; 0660 plus "
+        "socket_group lets a group of users push, 0666 lets anyone on the node."))
+    socket_group: str = field(default="", metadata=doc("Group that owns the Unix socket (empty: unchanged)."))
+    token_file: str = field(default="", metadata=doc(
+        "File holding the bearer token the push API requires when TCP listens beyond loopback "
+        "(or set SIDECAR_TOKEN). Never a flag: flags show in `ps`."))
+    checkpoint_dir: str = field(default=".", metadata=doc(
+        "The training checkpoint directory; its filesystem's free space is exported."))
+    diag_dir: str = field(default="", metadata=doc(
+        "Where stack dumps and incidents go (empty: `diag/` next to the socket, or ./sidecar-diag)."))
+    log_level: str = field(default="info", metadata=doc("debug, info, warning or error."))
+    collectors: CollectorSettings = field(default_factory=CollectorSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
+    remediation: RemediationSettings = field(default_factory=RemediationSettings)
+
+    def __post_init__(self) -> None:
+        parse_hostport(self.listen)
+        try:
+            mode = int(str(self.socket_mode), 8)
+        except ValueError:
+            _fail("socket_mode", f"expected an octal mode like 0660, got {self.socket_mode!r}")
+        else:
+            if not 0 <= mode <= 0o777:
+                _fail("socket_mode", f"out of range: {self.socket_mode!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            _fail("log_level", f"expected debug, info, warning or error, got {self.log_level!r}")
+
+    @property
+    def listen_host(self) -> str:
+        return parse_hostport(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return parse_hostport(self.listen)[1]
+
+    @property
+    def socket_mode_int(self) -> int:
+        return int(str(self.socket_mode), 8)
+
+    @property
+    def diagnostics_dir(self) -> Path:
+        if self.diag_dir:
+            return Path(self.diag_dir)
+        if self.socket:
+            return Path(self.socket).parent / "diag"
+        return Path("sidecar-diag")
+
+    def push_token(self) -> str | None:
+        """The bearer token, from SIDECAR_TOKEN or token_file; None when neither is set."""
+        token = os.environ.get(ENV_PREFIX + "TOKEN", "").strip()
+        if token:
+            return token
+        if self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as e:
+                _fail("token_file", f"cannot read {self.token_file}: {e.strerror}")
+            if not token:
+                _fail("token_file", f"{self.token_file} is empty")
+            return token
+        return None
+
+    def requires_token(self) -> bool:
+        return self.listen_host not in ("127.0.0.1", "localhost", "::1")
+
+
+# ---------------------------------------------------------------- loading
+
+def _field_type(cls: type, f: dataclasses.Field) -> Any:
+    return typing.get_type_hints(cls)[f.name]
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            _fail(name, f"expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, prefix=name + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(name, args[0], value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        _fail(name, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            _fail(name, f"expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            _fail(name, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            _fail(name, f"expected a number, got {value!r}")
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            _fail(name, f"expected a number, got {value!r}")
+        if not math.isfinite(out):
+            _fail(name, f"expected a finite number, got {value!r}")
+        return out
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            _fail(name, f"expected a string, got {type(value).__name__}")
+        return str(value)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            _fail(name, f"expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value)]
+    if origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) or {}
+        if not isinstance(value, Mapping):
+            _fail(name, f"expected a mapping, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {str(k): _coerce(f"{name}.{k}", vt, v) for k, v in value.items()}
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        _fail(prefix + unknown[0], f"unknown setting; known in this section: {', '.join(sorted(fields))}")
+    kwargs = {k: _coerce(prefix + k, _field_type(cls, fields[k]), v) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - guarded by the unknown check
+        raise ConfigError(f"setting {prefix.rstrip('.') or 'root'}: {e}") from None
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            _fail(dotted, "is not a section")
+    node[parts[-1]] = value
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict:
+    """Map SIDECAR_<FIELD> and SIDECAR_<SECTION>_<FIELD> onto the settings tree."""
+    out: dict = {}
+    for f in dataclasses.fields(Settings):
+        tp = _field_type(Settings, f)
+        if dataclasses.is_dataclass(tp):
+            for sf in dataclasses.fields(tp):
+                key = f"{ENV_PREFIX}{f.name}_{sf.name}".upper()
+                if key in environ:
+                    _set_path(out, f"{f.name}.{sf.name}", environ[key])
+        else:
+            key = f"{ENV_PREFIX}{f.name}".upper()
+            if key in environ:
+                out[f.name] = environ[key]
+    return out
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] | None = None,
+                  environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from file < env < overrides (dotted keys, e.g. {"watchdog.floor_seconds": 5})."""
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
+    tree: dict = {}
+    if config_file:
+        try:
+            loaded = yaml.safe_load(Path(config_file).read_text())
+        except OSError as e:
+            raise ConfigError(f"setting config: cannot read {config_file}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"setting config: {config_file}{where} is not valid YAML") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"setting config: {config_file} must hold a mapping at the top")
+        tree = loaded or {}
+    _merge(tree, _env_overrides(environ))
+    for dotted, value in (overrides or {}).items():
+        _set_path(tree, dotted, value)
+    return _build(Settings, tree)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by the commands that load settings."""
+    parser.add_argument("--config", help="YAML settings file (also SIDECAR_CONFIG)")
+    parser.add_argument("--listen", help=f"TCP HOST:PORT (default {DEFAULT_LISTEN}; also SIDECAR_LISTEN)")
+    parser.add_argument("--socket", help=f"Unix socket path (default {DEFAULT_SOCKET}; also SIDECAR_SOCKET)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any setting by its dotted name, e.g. --set watchdog.floor_seconds=5")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for item in getattr(args, "set", []) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"setting --set: expected KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = yaml.safe_load(value) if value else ""
+    for name in ("listen", "socket"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
+    for flag, dotted in (("observe_only", "watchdog.observe_only"),):
+        if getattr(args, flag, False):
+            overrides[dotted] = True
+    return load_settings(getattr(args, "config", None), overrides)
+
+
+# ---------------------------------------------------------------- reference document
+
+def reference_markdown() -> str:
+    lines = ["# Settings reference", "",
+             "Generated by `sidecar config-doc --write docs/configuration.md` from `sidecar/config.py`.",
+             "Precedence: flag > environment > YAML file (`--config` or `SIDECAR_CONFIG`) > default.",
+             "Any setting can be given as a flag with `--set NAME=VALUE`.", ""]
+
+    def section(cls: type, prefix: str) -> None:
+        lines.append("| setting | environment | default | meaning |")
+        lines.append("| --- | --- | --- | --- |")
+        nested = []
+        for f in dataclasses.fields(cls):
+            tp = _field_type(cls, f)
+            if dataclasses.is_dataclass(tp):
+                nested.append((f.name, tp))
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            env = (ENV_PREFIX + (prefix.replace(".", "_") + f.name)).upper()
+            text = f.metadata.get("help", "").replace("|", "\\|")
+            shown = str(default).replace("|", "\\|") if default != "" else '""'
+            lines.append(f"| `{prefix}{f.name}` | `{env}` | `{shown}` | {text} |")
+        lines.append("")
+        for name, tp in nested:
+            lines.extend([f"## {name}", ""])
+            section(tp, name + ".")
+
+    lines.extend(["## top level", ""])
+    section(Settings, "")
+    lines.append("The push API's bearer token may also come from `SIDECAR_TOKEN` (never a flag).")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--write", metavar="PATH", help="write the reference to PATH instead of stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    text = reference_markdown()
+    if args.write:
+        Path(args.write).write_text(text)
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,162 @@
+"""Process and network helpers shared by the tests: free ports, processes started in their
+own session and always killed (with their children) at teardown, HTTP readiness waits."""
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(proc: subprocess.Popen | int, timeout: float = 10.0) -> None:
+    """SIGTERM a process and all its descendants, then SIGKILL what is left."""
+    pid = proc if isinstance(proc, int) else proc.pid
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+    if isinstance(proc, subprocess.Popen):
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=timeout)
+
+
+@contextlib.contextmanager
+def spawned(cmd: Sequence[str], log_path: Path, env: dict | None = None,
+            cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+    """Start `cmd` in a new session with output to `log_path`; kill its tree on exit."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                cwd=str(cwd or ROOT), start_new_session=True)
+    try:
+        yield proc
+    finally:
+        kill_tree(proc)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET an http://host:port/path URL; (status, body), or (0, b"") when unreachable."""
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("GET", u.path + (("?" + u.query) if u.query else ""))
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except OSError:
+        return 0, b""
+    finally:
+        conn.close()
+
+
+def http_json(url: str, timeout: float = 5.0):
+    status, body = http_get(url, timeout)
+    if status != 200:
+        raise RuntimeError(f"GET {url} -> {status}: {body[:200]!r}")
+    return json.loads(body)
+
+
+def tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "<no log>"
+
+
+class Sidecar:
+    """A real `sidecar run` process on a free port and a private socket."""
+
+    def __init__(self, workdir: Path, *settings: str, env: dict | None = None, name: str = "sidecar"):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.socket = str(self.workdir / f"{name}.sock")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = self.workdir / f"{name}.log"
+        self.settings = list(settings)
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self._cm = None
+
+    def command(self) -> list[str]:
+        cmd = [PYTHON, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{self.port}", "--socket", self.socket,
+               "--set", f"diag_dir={self.workdir / 'diag'}", "--set", "collectors.interval_seconds=1"]
+        for s in self.settings:
+            cmd += ["--set", s]
+        return cmd
+
+    def start(self, timeout: float = 30.0) -> "Sidecar":
+        self._cm = spawned(self.command(), self.log, env=self.env)
+        self.proc = self._cm.__enter__()
+        try:
+            wait_until(lambda: self.proc.poll() is not None or http_get(self.url + "/readyz")[0] == 200,
+                       timeout, what=f"sidecar ready on {self.url}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{tail(self.log)}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            cm.__exit__(None, None, None)
+
+    def status(self) -> dict:
+        return http_json(self.url + "/v1/status")
+
+    def metrics(self) -> str:
+        status, body = http_get(self.url + "/metrics")
+        assert status == 200, status
+        return body.decode()
+
+    def hook_env(self) -> dict:
+        return {"SIDECAR_SOCKET": self.socket}
+
+    def __enter__(self) -> "Sidecar":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
