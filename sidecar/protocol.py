@@ -1,0 +1,315 @@
+"""The hooks' wire protocol (version 1, docs/architecture.md): strict JSON bodies validated
+into typed records. Every refusal is a `ProtocolError` whose message names the field and
+what is wrong with it; the API turns it into a 4xx JSON answer.
+
+Validation is hand-written rather than schema-driven because it sits on the ingest hot
+path (tens of thousands of step records per second on one core).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+MAX_NAME = 128  # job ids, metric, phase and event names
+MAX_VERSIONS = 32
+MAX_EVENT_FIELDS = 16
+MAX_PID = 1 << 22  # Linux's pid_max ceiling
+NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
+# Metric and phase names become label values; keep them printable and unsurprising.
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class ProtocolError(ValueError):
+    """A request body the protocol refuses. `code` is the machine code of the error body."""
+
+    def __init__(self, message: str, code: str = "bad_field", status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+@dataclass(slots=True)
+class Registration:
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    pid: int
+    restart_count: int = 0
+    step: int | None = None
+    phase: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    stack_signal: int | None = None
+    stack_path: str | None = None
+    hooks_version: str | None = None
+
+
+@dataclass(slots=True)
+class StepItem:
+    step: int
+    time: float
+    metrics: dict[str, float]
+
+
+@dataclass(slots=True)
+class PhaseItem:
+    name: str
+    action: str  # "start" | "end"
+    time: float
+    timeout_seconds: float | None = None
+
+
+@dataclass(slots=True)
+class EventItem:
+    name: str
+    time: float
+    fields: dict[str, Any]
+
+
+Item = Union[StepItem, PhaseItem, EventItem]
+
+
+@dataclass(slots=True)
+class Push:
+    job_id: str
+    rank: int
+    pid: int
+    dropped: int
+    items: list[Item]
+
+
+@dataclass(slots=True)
+class Deregistration:
+    job_id: str
+    rank: int
+    pid: int
+    reason: str
+
+
+# ---------------------------------------------------------------- decoding
+
+def _refuse_constant(token: str) -> Any:
+    raise ProtocolError(f"body is not strict JSON: bare {token} is not allowed "
+                        f"(send a non-finite metric value as the string \"nan\", \"inf\" or \"-inf\")",
+                        code="bad_json")
+
+
+def decode(body: bytes) -> dict:
+    """Parse a strict-JSON object body."""
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)
+    except ProtocolError:
+        raise
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ProtocolError(f"body is not valid JSON: {e}", code="bad_json") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"body must be a JSON object, got {_kind(data)}", code="bad_json")
+    return data
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    return {dict: "an object", list: "an array"}.get(type(value), type(value).__name__)
+
+
+def _missing(where: str) -> ProtocolError:
+    return ProtocolError(f"{where}: required field is missing")
+
+
+def _int(obj: dict, key: str, where: str, lo: int = 0, hi: int | None = None,
+         default: Any = ..., nullable: bool = False) -> Any:
+    value = obj.get(key, ...)
+    if value is ... or (value is None and nullable):
+        if value is None:
+            return None
+        if default is ...:
+            raise _missing(where)
+        return default
+    if type(value) is not int:
+        # 3.0 is a float in JSON's eyes but an integer in everyone else's.
+        if type(value) is float and value.is_integer():
+            value = int(value)
+        else:
+            raise ProtocolError(f"{where}: expected an integer, got {_kind(value)}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ProtocolError(f"{where}: must be {bound}, got {value}")
+    return value
+
+
+def _time(obj: dict, where: str, default: float) -> float:
+    value = obj.get("time")
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ProtocolError(f"{where}: expected Unix seconds (a finite number >= 0), got {_kind(value)}")
+    return float(value)
+
+
+def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = False,
+          max_len: int = MAX_NAME) -> Any:
+    value = obj.get(key, ...)
+    if value is ... or (value is None and nullable):
+        if value is None:
+            return None
+        if default is ...:
+            raise _missing(where)
+        return default
+    if not isinstance(value, str):
+        raise ProtocolError(f"{where}: expected a string, got {_kind(value)}")
+    if not value or len(value) > max_len or CONTROL_RE.search(value):
+        raise ProtocolError(f"{where}: expected 1 to {max_len} printable characters, got {value[:40]!r}")
+    return value
+
+
+def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
+    value = obj.get(key, ...)
+    if value is None and nullable:
+        return None
+    if value is ...:
+        if nullable:
+            return None
+        raise _missing(where)
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise ProtocolError(f"{where}: expected a name of letters, digits and _.:/- "
+                            f"(at most {MAX_NAME}, starting with a letter or _), got {_kind(value)}")
+    return value
+
+
+def _object(obj: dict, key: str, where: str) -> dict:
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where}: expected an object, got {_kind(value)}")
+    return value
+
+
+def _metric_value(value: Any, where: str) -> float:
+    t = type(value)
+    if t is float:
+        return value
+    if t is int:
+        return float(value)
+    if t is str:
+        v = NONFINITE.get(value.lower())
+        if v is not None:
+            return v
+    raise ProtocolError(f"{where}: expected a number or \"nan\"/\"inf\"/\"-inf\", got {_kind(value)}")
+
+
+def _metrics(obj: dict, where: str) -> dict[str, float]:
+    raw = obj.get("metrics")
+    if raw is None:
+        return {}
+    if type(raw) is not dict:
+        raise ProtocolError(f"{where}.metrics: expected an object, got {_kind(raw)}")
+    out = {}
+    for k, v in raw.items():
+        if not NAME_RE.match(k):
+            raise ProtocolError(f"{where}.metrics: metric name {k[:40]!r} is not a name of letters, "
+                                f"digits and _.:/- (at most {MAX_NAME}, starting with a letter or _)")
+        out[k] = _metric_value(v, f"{where}.metrics.{k}")
+    return out
+
+
+def _identity(data: dict) -> tuple[str, int, int]:
+    return (_text(data, "job_id", "job_id"), _int(data, "rank", "rank", 0, 1 << 24),
+            _int(data, "pid", "pid", 1, MAX_PID))
+
+
+# ---------------------------------------------------------------- requests
+
+def parse_registration(data: dict) -> Registration:
+    job_id, rank, pid = _identity(data)
+    world_size = _int(data, "world_size", "world_size", 1, 1 << 24)
+    if rank >= world_size:
+        raise ProtocolError(f"rank: must be < world_size ({world_size}), got {rank}")
+    local_world_size = _int(data, "local_world_size", "local_world_size", 1, world_size, default=1)
+    local_rank = _int(data, "local_rank", "local_rank", 0, local_world_size - 1, default=0)
+    versions_raw = _object(data, "versions", "versions")
+    if len(versions_raw) > MAX_VERSIONS:
+        raise ProtocolError(f"versions: at most {MAX_VERSIONS} entries, got {len(versions_raw)}")
+    versions = {}
+    for k, v in versions_raw.items():
+        if v is None:
+            continue
+        if not NAME_RE.match(k):
+            raise ProtocolError(f"versions: key {k[:40]!r} is not a name")
+        versions[k] = _text(versions_raw, k, f"versions.{k}")
+    stack = _object(data, "stack_dump", "stack_dump")
+    return Registration(
+        job_id=job_id, rank=rank, local_rank=local_rank, world_size=world_size,
+        local_world_size=local_world_size, pid=pid,
+        restart_count=_int(data, "restart_count", "restart_count", 0, default=0, nullable=True) or 0,
+        step=_int(data, "step", "step", 0, nullable=True, default=None),
+        phase=_name(data, "phase", "phase", nullable=True),
+        versions=versions,
+        stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
+        stack_path=_text(stack, "path", "stack_dump.path", nullable=True, default=None, max_len=4096),
+        hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None))
+
+
+def parse_push(data: dict, max_items: int) -> Push:
+    job_id, rank, pid = _identity(data)
+    dropped = _int(data, "dropped", "dropped", 0, default=0, nullable=True) or 0
+    raw = data.get("items")
+    if type(raw) is not list:
+        raise ProtocolError(f"items: expected an array, got {_kind(raw) if 'items' in data else 'nothing'}")
+    if len(raw) > max_items:
+        raise ProtocolError(f"items: at most {max_items} per push (limits.max_items_per_push), got {len(raw)}",
+                            code="too_large", status=413)
+    now = time.time()
+    items: list[Item] = []
+    append = items.append
+    for i, obj in enumerate(raw):
+        where = f"items[{i}]"
+        if type(obj) is not dict:
+            raise ProtocolError(f"{where}: expected an object, got {_kind(obj)}")
+        kind = obj.get("type")
+        if kind == "step":
+            # Inline fast path for the common, well-formed step record.
+            step = obj.get("step")
+            if type(step) is not int or step < 0:
+                step = _int(obj, "step", f"{where}.step", 0)
+            t = obj.get("time")
+            if type(t) is not float or not (0 <= t < math.inf):
+                t = _time(obj, f"{where}.time", now)
+            append(StepItem(step, t, _metrics(obj, where)))
+        elif kind == "phase":
+            action = obj.get("action")
+            if action not in ("start", "end"):
+                raise ProtocolError(f"{where}.action: expected \"start\" or \"end\", got {_kind(action)}")
+            timeout = obj.get("timeout_seconds")
+            if timeout is not None and (type(timeout) not in (int, float) or not math.isfinite(timeout)
+                                        or timeout <= 0):
+                raise ProtocolError(f"{where}.timeout_seconds: expected a number > 0, got {_kind(timeout)}")
+            append(PhaseItem(_name(obj, "name", f"{where}.name"), action, _time(obj, f"{where}.time", now),
+                             None if timeout is None else float(timeout)))
+        elif kind == "event":
+            fields = _object(obj, "fields", f"{where}.fields")
+            if len(fields) > MAX_EVENT_FIELDS:
+                raise ProtocolError(f"{where}.fields: at most {MAX_EVENT_FIELDS} fields, got {len(fields)}")
+            append(EventItem(_name(obj, "name", f"{where}.name"), _time(obj, f"{where}.time", now), fields))
+        else:
+            raise ProtocolError(f"{where}.type: expected \"step\", \"phase\" or \"event\", got {_kind(kind)}")
+    return Push(job_id, rank, pid, dropped, items)
+
+
+def parse_deregistration(data: dict) -> Deregistration:
+    job_id, rank, pid = _identity(data)
+    reason = _text(data, "reason", "reason", default="finished", nullable=True) or "finished"
+    return Deregistration(job_id, rank, pid, reason)

@@ -1,0 +1,352 @@
+"""The registry of training ranks on this node, keyed by `(job_id, rank)`.
+
+The push API writes into it (registration, steps, phases, events); the watchdog, the
+training metrics and `/v1/status` read it. Everything runs on the event loop; the
+collectors' executor threads only take snapshots (`list(...)` of a dict is atomic under
+the GIL). Jobs, ranks, custom metric names and phase names are bounded so a misbehaving
+client cannot grow the registry, or the series count of `/metrics`, without limit.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sidecar.config import Settings
+    from sidecar.protocol import Deregistration, EventItem, PhaseItem, Push, Registration, StepItem
+
+RankKey = tuple[str, int]
+
+# Metric keys with their own series; any other key in a step's metrics is a custom metric.
+WELL_KNOWN_METRICS = frozenset({
+    "loss", "grad_norm", "lr", "step_time_seconds", "samples", "tokens",
+    "iterations_per_second", "samples_per_second", "tokens_per_second"})
+WELL_KNOWN_PHASES = frozenset({"startup", "checkpoint_save", "checkpoint_load", "eval", "compile", "data_load"})
+
+
+class RegistryError(Exception):
+    """A request the registry refuses. `code` and `status` map onto the API's error body."""
+
+    code = "bad_request"
+    status = 400
+
+
+class UnknownRank(RegistryError):
+    code, status = "unknown_rank", 409
+
+
+class StepNotIncreasing(RegistryError):
+    code, status = "step_not_increasing", 409
+
+
+class LimitExceeded(RegistryError):
+    code, status = "limit_exceeded", 429
+
+
+@dataclass
+class Rank:
+    """What the sidecar knows about one registered rank process."""
+
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    pid: int
+    pid_start_time: float | None  # psutil create_time(): with the pid, the identity of the process
+    restart_count: int = 0
+    registered_at: float = field(default_factory=time.monotonic)
+    registered_wall: float = field(default_factory=time.time)
+    peer_verified: bool = False  # registered over the Unix socket by pid or one of its ancestors
+    stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
+    stack_path: str | None = None  # where those stacks are written
+    versions: dict[str, str] = field(default_factory=dict)
+    hooks_version: str | None = None
+    step: int | None = None  # the last step reported
+    step_wall: float | None = None  # the rank's wall clock at that step
+    last_progress: float = 0.0  # monotonic time the step last advanced (or registration)
+    last_progress_wall: float = 0.0  # the same instant on the wall clock
+    # Seconds between consecutive step reports, per step: the watchdog's adaptive timeout
+    # follows these. An interval that overlapped a declared phase is not recorded.
+    step_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    phase: str | None = None  # the innermost declared phase now running
+    phase_started: float | None = None  # monotonic
+    phase_timeout: float | None = None  # the budget the rank declared for it, if any
+    metrics: dict[str, float] = field(default_factory=dict)  # latest well-known values (may be NaN)
+    custom: dict[str, float] = field(default_factory=dict)  # latest custom values
+    last_checkpoint_step: int | None = None
+    last_checkpoint_time: float | None = None  # wall clock
+    dropped: int = 0  # the hooks' running count of records they had to drop
+    nonfinite: collections.Counter = field(default_factory=collections.Counter)  # by metric key
+    records: int = 0  # items accepted since registration
+    events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
+    gone: bool = False
+    gone_reason: str | None = None
+    gone_at: float | None = None  # monotonic
+    # Declared phases as a stack of (name, started, timeout): phases may nest (eval inside
+    # a checkpoint-load retry, compile inside eval).
+    _phases: list[tuple[str, float, float | None]] = field(default_factory=list, repr=False)
+    _phase_since_step: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.last_progress:
+            self.last_progress = self.registered_at
+        if not self.last_progress_wall:
+            self.last_progress_wall = self.registered_wall
+
+    @property
+    def key(self) -> RankKey:
+        return (self.job_id, self.rank)
+
+    @property
+    def label(self) -> str:
+        return f"{self.job_id}/{self.rank}"
+
+    def progress_age(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.last_progress
+
+    # ------------------------------------------------------------ applying items
+
+    def _monotonic_of(self, wall: float, now_mono: float, now_wall: float) -> float:
+        """The monotonic instant of a rank's wall-clock time (items arrive batched, up to a
+        flush interval late), clamped between registration and now."""
+        return min(now_mono, max(self.registered_at, now_mono - (now_wall - wall)))
+
+    def apply_step(self, item: "StepItem", now_mono: float, now_wall: float) -> None:
+        if self.step is not None and item.step <= self.step:
+            raise StepNotIncreasing(
+                f"step {item.step} is not greater than the last step {self.step} of rank {self.label}")
+        interval = None
+        if self.step is not None and self.step_wall is not None:
+            elapsed = item.time - self.step_wall
+            if elapsed >= 0:
+                interval = elapsed / (item.step - self.step)
+        in_phase = self._phase_since_step or bool(self._phases)
+        if interval is not None and not in_phase:
+            self.step_times.append(interval)
+        self._phase_since_step = False
+        self.step = item.step
+        self.step_wall = item.time
+        self.last_progress = max(self.last_progress, self._monotonic_of(item.time, now_mono, now_wall))
+        self.last_progress_wall = item.time
+        step_time = None
+        for name, value in item.metrics.items():
+            if not math.isfinite(value):
+                self.nonfinite[name] += 1
+            if name in WELL_KNOWN_METRICS:
+                self.metrics[name] = value
+            else:
+                self.custom[name] = value
+        if "step_time_seconds" in item.metrics:
+            step_time = item.metrics["step_time_seconds"]
+        elif interval is not None:
+            step_time = interval
+            self.metrics["step_time_seconds"] = interval
+        self._derive_rates(item.metrics, step_time)
+
+    def _derive_rates(self, sent: dict[str, float], step_time: float | None) -> None:
+        usable = step_time is not None and math.isfinite(step_time) and step_time > 0
+        for rate, per_step in (("iterations_per_second", None), ("samples_per_second", "samples"),
+                               ("tokens_per_second", "tokens")):
+            if rate in sent or not usable:
+                continue
+            if per_step is None:
+                self.metrics[rate] = 1.0 / step_time
+            elif per_step in sent:
+                self.metrics[rate] = sent[per_step] / step_time
+
+    def apply_phase(self, item: "PhaseItem", now_mono: float, now_wall: float) -> None:
+        at = self._monotonic_of(item.time, now_mono, now_wall)
+        if item.action == "start":
+            self._phases.append((item.name, at, item.timeout_seconds))
+            self._phase_since_step = True
+        else:
+            # End the innermost phase of that name (and anything opened inside it and never
+            # closed); an end without a start is ignored, it may follow a sidecar restart.
+            for i in range(len(self._phases) - 1, -1, -1):
+                if self._phases[i][0] == item.name:
+                    del self._phases[i:]
+                    break
+            # The end of a phase is progress: the rank is back and the step timer restarts.
+            self.last_progress = max(self.last_progress, at)
+        if self._phases:
+            self.phase, self.phase_started, self.phase_timeout = self._phases[-1]
+        else:
+            self.phase, self.phase_started, self.phase_timeout = None, None, None
+
+    def apply_event(self, item: "EventItem") -> None:
+        self.events.append((item.time, item.name, dict(item.fields)))
+        if item.name == "checkpoint_saved":
+            step = item.fields.get("step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                self.last_checkpoint_step = step
+            self.last_checkpoint_time = item.time
+
+
+class Registry:
+    """Ranks by `(job_id, rank)`, with the limits of `settings.limits`."""
+
+    def __init__(self, settings: "Settings"):
+        self.settings = settings
+        self._ranks: dict[RankKey, Rank] = {}
+        self._custom_names: dict[str, set[str]] = {}  # per job
+        self._phase_names: dict[str, set[str]] = {}  # per job, beyond the well-known ones
+        self.registrations_total = 0
+
+    # ------------------------------------------------------------ reading
+
+    def ranks(self) -> list[Rank]:
+        return list(self._ranks.values())
+
+    def get(self, job_id: str, rank: int) -> Rank | None:
+        return self._ranks.get((job_id, rank))
+
+    def jobs(self) -> dict[str, list[Rank]]:
+        """Ranks grouped by job, ordered by rank."""
+        out: dict[str, list[Rank]] = {}
+        for r in sorted(self.ranks(), key=lambda r: (r.job_id, r.rank)):
+            out.setdefault(r.job_id, []).append(r)
+        return out
+
+    def versions_by_job(self) -> dict[str, dict[str, str]]:
+        """Per job, the software versions its ranks reported (the latest registration wins)."""
+        out: dict[str, dict[str, str]] = {}
+        for r in sorted(self.ranks(), key=lambda r: r.registered_at):
+            out.setdefault(r.job_id, {}).update(r.versions)
+        return out
+
+    def live_pids(self) -> list[tuple[str, int, int]]:
+        """(job_id, rank, pid) of every rank not gone: what the process collector watches."""
+        return [(r.job_id, r.rank, r.pid) for r in self.ranks() if not r.gone]
+
+    # ------------------------------------------------------------ writing
+
+    def register(self, reg: "Registration", *, pid_start_time: float | None,
+                 peer_verified: bool) -> Rank:
+        limits = self.settings.limits
+        key = (reg.job_id, reg.rank)
+        if key not in self._ranks:
+            job_ranks = sum(1 for k in self._ranks if k[0] == reg.job_id)
+            if job_ranks == 0 and len({k[0] for k in self._ranks}) >= limits.max_jobs:
+                self._evict_gone_job()
+                if len({k[0] for k in self._ranks}) >= limits.max_jobs:
+                    raise LimitExceeded(f"too many jobs: limits.max_jobs is {limits.max_jobs}")
+            if job_ranks >= limits.max_ranks_per_job:
+                raise LimitExceeded(
+                    f"too many ranks in job {reg.job_id}: limits.max_ranks_per_job is {limits.max_ranks_per_job}")
+        self._check_phase_name(reg.job_id, reg.phase)
+        rank = Rank(
+            job_id=reg.job_id, rank=reg.rank, local_rank=reg.local_rank, world_size=reg.world_size,
+            local_world_size=reg.local_world_size, pid=reg.pid, pid_start_time=pid_start_time,
+            restart_count=reg.restart_count, peer_verified=peer_verified,
+            stack_signal=reg.stack_signal, stack_path=reg.stack_path, versions=dict(reg.versions),
+            hooks_version=reg.hooks_version,
+            step_times=collections.deque(maxlen=self.settings.watchdog.window))
+        # A rank re-registering after a sidecar restart resumes where it was.
+        rank.step = reg.step
+        if reg.phase is not None:
+            rank._phases.append((reg.phase, rank.registered_at, None))
+            rank.phase, rank.phase_started = reg.phase, rank.registered_at
+        self._ranks[key] = rank
+        self.registrations_total += 1
+        return rank
+
+    def lookup(self, job_id: str, rank: int, pid: int) -> Rank:
+        """The live registration of `(job_id, rank)` by `pid`, or UnknownRank (the hooks then
+        re-register and resend)."""
+        r = self._ranks.get((job_id, rank))
+        if r is None or r.gone:
+            raise UnknownRank(f"rank {job_id}/{rank} is not registered")
+        if r.pid != pid:
+            raise UnknownRank(f"rank {job_id}/{rank} is registered by pid {r.pid}, not {pid}")
+        return r
+
+    def apply_push(self, push: "Push", now_mono: float | None = None, now_wall: float | None = None) -> int:
+        """Apply a push's items in order. Items before a refused one stay applied (the error
+        names the refused item), so a resend of the whole batch is refused at the first
+        already-applied step rather than double counted."""
+        from sidecar.protocol import EventItem, PhaseItem, StepItem
+
+        now_mono = time.monotonic() if now_mono is None else now_mono
+        now_wall = time.time() if now_wall is None else now_wall
+        r = self.lookup(push.job_id, push.rank, push.pid)
+        r.dropped = max(r.dropped, push.dropped)
+        accepted = 0
+        for item in push.items:
+            if isinstance(item, StepItem):
+                self._check_custom_names(r.job_id, item.metrics)
+                r.apply_step(item, now_mono, now_wall)
+            elif isinstance(item, PhaseItem):
+                self._check_phase_name(r.job_id, item.name)
+                r.apply_phase(item, now_mono, now_wall)
+            elif isinstance(item, EventItem):
+                r.apply_event(item)
+            accepted += 1
+            r.records += 1
+        return accepted
+
+    def deregister(self, dereg: "Deregistration") -> Rank:
+        r = self.lookup(dereg.job_id, dereg.rank, dereg.pid)
+        self.mark_gone(r.key, dereg.reason or "deregistered")
+        return r
+
+    def mark_gone(self, key: RankKey, reason: str) -> None:
+        r = self._ranks.get(key)
+        if r is not None and not r.gone:
+            r.gone, r.gone_reason, r.gone_at = True, reason, time.monotonic()
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop ranks gone longer than limits.gone_retention_seconds; returns how many."""
+        now = time.monotonic() if now is None else now
+        keep = self.settings.limits.gone_retention_seconds
+        stale = [k for k, r in self._ranks.items() if r.gone and r.gone_at is not None and now - r.gone_at > keep]
+        for k in stale:
+            del self._ranks[k]
+        self._forget_empty_jobs()
+        return len(stale)
+
+    # ------------------------------------------------------------ bounds
+
+    def _evict_gone_job(self) -> None:
+        """Make room for a new job by dropping the job whose ranks are all gone, oldest first."""
+        by_job: dict[str, list[Rank]] = {}
+        for r in self._ranks.values():
+            by_job.setdefault(r.job_id, []).append(r)
+        dead = [(max(r.gone_at or 0.0 for r in rs), job) for job, rs in by_job.items() if all(r.gone for r in rs)]
+        if dead:
+            _, job = min(dead)
+            for k in [k for k in self._ranks if k[0] == job]:
+                del self._ranks[k]
+            self._forget_empty_jobs()
+
+    def _forget_empty_jobs(self) -> None:
+        jobs = {k[0] for k in self._ranks}
+        for table in (self._custom_names, self._phase_names):
+            for job in [j for j in table if j not in jobs]:
+                del table[job]
+
+    def _check_custom_names(self, job_id: str, metrics: dict[str, float]) -> None:
+        names = self._custom_names.setdefault(job_id, set())
+        new = [m for m in metrics if m not in WELL_KNOWN_METRICS and m not in names]
+        if not new:
+            return
+        limit = self.settings.limits.max_custom_metrics
+        if len(names) + len(new) > limit:
+            raise LimitExceeded(
+                f"too many custom metric names in job {job_id} (at {new[0]!r}): "
+                f"limits.max_custom_metrics is {limit}")
+        names.update(new)
+
+    def _check_phase_name(self, job_id: str, phase: str | None) -> None:
+        if phase is None or phase in WELL_KNOWN_PHASES:
+            return
+        names = self._phase_names.setdefault(job_id, set())
+        if phase in names:
+            return
+        limit = self.settings.limits.max_phases
+        if len(names) >= limit:
+            raise LimitExceeded(f"too many phase names in job {job_id} (at {phase!r}): limits.max_phases is {limit}")
+        names.add(phase)
