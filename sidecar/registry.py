@@ -265,28 +265,57 @@ class Registry:
         return r
 
     def apply_push(self, push: "Push", now_mono: float | None = None, now_wall: float | None = None) -> int:
-        """Apply a push's items in order. Items before a refused one stay applied (the error
-        names the refused item), so a resend of the whole batch is refused at the first
-        already-applied step rather than double counted."""
+        """Apply a push's items in order, all or nothing: the whole batch is checked (steps
+        increasing, name limits) before anything changes, so a refused push can be fixed
+        and resent, and a resent push that was already applied is refused, not doubled."""
         from sidecar.protocol import EventItem, PhaseItem, StepItem
 
+        r = self.lookup(push.job_id, push.rank, push.pid)
+        self._check_push(r, push)
         now_mono = time.monotonic() if now_mono is None else now_mono
         now_wall = time.time() if now_wall is None else now_wall
-        r = self.lookup(push.job_id, push.rank, push.pid)
         r.dropped = max(r.dropped, push.dropped)
-        accepted = 0
         for item in push.items:
-            if isinstance(item, StepItem):
-                self._check_custom_names(r.job_id, item.metrics)
+            if type(item) is StepItem:
                 r.apply_step(item, now_mono, now_wall)
-            elif isinstance(item, PhaseItem):
-                self._check_phase_name(r.job_id, item.name)
+            elif type(item) is PhaseItem:
                 r.apply_phase(item, now_mono, now_wall)
-            elif isinstance(item, EventItem):
+            elif type(item) is EventItem:
                 r.apply_event(item)
-            accepted += 1
-            r.records += 1
-        return accepted
+        r.records += len(push.items)
+        return len(push.items)
+
+    def _check_push(self, r: Rank, push: "Push") -> None:
+        from sidecar.protocol import PhaseItem, StepItem
+
+        last = r.step
+        custom = self._custom_names.setdefault(r.job_id, set())
+        phases = self._phase_names.setdefault(r.job_id, set())
+        new_custom: dict[str, int] = {}
+        new_phases: dict[str, int] = {}
+        for i, item in enumerate(push.items):
+            if type(item) is StepItem:
+                if last is not None and item.step <= last:
+                    raise StepNotIncreasing(f"items[{i}].step: {item.step} is not greater than the "
+                                            f"previous step {last} of rank {r.label}")
+                last = item.step
+                for name in item.metrics:
+                    if name not in WELL_KNOWN_METRICS and name not in custom:
+                        new_custom.setdefault(name, i)
+            elif type(item) is PhaseItem:
+                if item.name not in WELL_KNOWN_PHASES and item.name not in phases:
+                    new_phases.setdefault(item.name, i)
+        limits = self.settings.limits
+        if len(custom) + len(new_custom) > limits.max_custom_metrics:
+            name = list(new_custom)[max(0, limits.max_custom_metrics - len(custom))]
+            raise LimitExceeded(f"items[{new_custom[name]}].metrics.{name}: too many custom metric names in "
+                                f"job {r.job_id}: limits.max_custom_metrics is {limits.max_custom_metrics}")
+        if len(phases) + len(new_phases) > limits.max_phases:
+            name = list(new_phases)[max(0, limits.max_phases - len(phases))]
+            raise LimitExceeded(f"items[{new_phases[name]}].name: too many phase names in job {r.job_id} "
+                                f"(at {name!r}): limits.max_phases is {limits.max_phases}")
+        custom.update(new_custom)
+        phases.update(new_phases)
 
     def deregister(self, dereg: "Deregistration") -> Rank:
         r = self.lookup(dereg.job_id, dereg.rank, dereg.pid)
@@ -327,18 +356,6 @@ class Registry:
         for table in (self._custom_names, self._phase_names):
             for job in [j for j in table if j not in jobs]:
                 del table[job]
-
-    def _check_custom_names(self, job_id: str, metrics: dict[str, float]) -> None:
-        names = self._custom_names.setdefault(job_id, set())
-        new = [m for m in metrics if m not in WELL_KNOWN_METRICS and m not in names]
-        if not new:
-            return
-        limit = self.settings.limits.max_custom_metrics
-        if len(names) + len(new) > limit:
-            raise LimitExceeded(
-                f"too many custom metric names in job {job_id} (at {new[0]!r}): "
-                f"limits.max_custom_metrics is {limit}")
-        names.update(new)
 
     def _check_phase_name(self, job_id: str, phase: str | None) -> None:
         if phase is None or phase in WELL_KNOWN_PHASES:

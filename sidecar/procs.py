@@ -1,0 +1,63 @@
+"""Process facts the sidecar trusts before it records or signals a process: start times (a
+pid plus its start time names one process, pid reuse cannot fool it), ancestry, and the
+peer credentials of a Unix socket connection."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import psutil
+
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+def start_time(pid: int) -> float | None:
+    """The process's start time (psutil's create_time), or None when it is not running or
+    not visible from here (another pid namespace)."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+def is_same_process(pid: int, started: float | None) -> bool:
+    """True when `pid` still runs and is the process that had that start time."""
+    if started is None:
+        return False
+    now = start_time(pid)
+    return now is not None and abs(now - started) < 0.01
+
+
+def ancestors(pid: int) -> list[int]:
+    """The pids of a process's parents, nearest first; empty when it is not running."""
+    try:
+        return [p.pid for p in psutil.Process(pid).parents()]
+    except (psutil.Error, ValueError):
+        return []
+
+
+def is_self_or_descendant(pid: int, ancestor: int) -> bool:
+    """True when `pid` is `ancestor` or was started (transitively) by it."""
+    return pid == ancestor or ancestor in ancestors(pid)
+
+
+def protected_pids() -> frozenset[int]:
+    """Processes that may never register (and so never be signalled): init, the sidecar
+    itself, and everything it runs under (its supervisor, a container's init)."""
+    me = os.getpid()
+    return frozenset({0, 1, me, *ancestors(me)})
+
+
+def peer_pid(sock: socket.socket | None) -> int | None:
+    """The pid of the process at the other end of a Unix stream socket (SO_PEERCRED: the
+    process that connected). None for other sockets, and when the peer lives in a pid
+    namespace this one cannot see (the kernel reports 0 then)."""
+    if sock is None or getattr(sock, "family", None) != socket.AF_UNIX:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    pid, _uid, _gid = _UCRED.unpack(raw)
+    return pid or None
