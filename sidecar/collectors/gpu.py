@@ -1,0 +1,223 @@
+"""GPU metrics from NVML: utilization, memory, temperature, power and energy, clocks and why they
+are held down, memory errors (ECC, retired pages, remapped rows), PCIe and NVLink health, XID
+events, and the GPU memory each registered rank holds.
+
+No NVIDIA library or driver means no GPU series and a successful collector: absent hardware is
+not a failure. A lost GPU is skipped (its `sidecar_gpu_lost` is 1) and the run reports a partial
+failure while the other GPUs are exported."""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from prometheus_client.core import Metric
+
+from sidecar.collectors.base import PartialFailure, spec
+from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, GpuLost, GpuReading, NvmlSession
+from sidecar.collectors.ranktree import RanksFn, pid_owners
+from sidecar.collectors.xid import XidWatcher
+
+log = logging.getLogger(__name__)
+
+NAME = "gpu"
+G = ("gpu",)
+
+INFO = spec(NAME, "gpu", "info", "GPU identity; value 1.", ["gpu", "uuid", "name", "pci_bus_id"])
+LOST = spec(NAME, "gpu_lost", "gauge",
+            "1 when NVML reports the GPU lost or in an unknown state (its other series are absent).", G)
+UTILIZATION = spec(NAME, "gpu_utilization_ratio", "gauge",
+                   "Share of the last sample period in which a kernel ran on the GPU.", G)
+MEMORY_UTILIZATION = spec(NAME, "gpu_memory_utilization_ratio", "gauge",
+                          "Share of the last sample period in which device memory was read or written.", G)
+MEMORY_USED = spec(NAME, "gpu_memory_used_bytes", "gauge", "Device memory in use.", G)
+MEMORY_TOTAL = spec(NAME, "gpu_memory_total_bytes", "gauge", "Device memory installed.", G)
+TEMPERATURE = spec(NAME, "gpu_temperature_celsius", "gauge", "GPU core temperature.", G)
+SLOWDOWN_TEMPERATURE = spec(NAME, "gpu_slowdown_temperature_celsius", "gauge",
+                            "Temperature at which the GPU slows its clocks.", G)
+SHUTDOWN_TEMPERATURE = spec(NAME, "gpu_shutdown_temperature_celsius", "gauge",
+                            "Temperature at which the GPU shuts down.", G)
+POWER = spec(NAME, "gpu_power_watts", "gauge", "Board power draw.", G)
+POWER_LIMIT = spec(NAME, "gpu_power_limit_watts", "gauge", "Enforced board power limit.", G)
+ENERGY = spec(NAME, "gpu_energy_joules", "counter", "Energy used since the driver was loaded.", G)
+SM_CLOCK = spec(NAME, "gpu_sm_clock_hertz", "gauge", "Current SM clock.", G)
+MEMORY_CLOCK = spec(NAME, "gpu_memory_clock_hertz", "gauge", "Current memory clock.", G)
+CLOCK_EVENT = spec(NAME, "gpu_clock_event_active", "gauge",
+                   "1 while this reason holds the clocks down (NVML clock event reasons; "
+                   "hw_slowdown, *_thermal_slowdown and hw_power_brake_slowdown cost throughput).",
+                   ["gpu", "reason"])
+ECC_ERRORS = spec(NAME, "gpu_ecc_errors", "counter",
+                  "ECC errors over the GPU's lifetime (aggregate counters), by type.", ["gpu", "type"])
+RETIRED_PAGES = spec(NAME, "gpu_retired_pages", "gauge",
+                     "Device memory pages retired (pre-Ampere), by cause.", ["gpu", "cause"])
+RETIRED_PAGES_PENDING = spec(NAME, "gpu_retired_pages_pending", "gauge",
+                             "1 when a page retirement waits for the next driver reload.", G)
+REMAPPED_ROWS = spec(NAME, "gpu_remapped_rows", "gauge",
+                     "Memory rows remapped (Ampere and later), by the error that caused it.", ["gpu", "type"])
+REMAPPED_ROWS_PENDING = spec(NAME, "gpu_remapped_rows_pending", "gauge",
+                             "1 when a row remap waits for a GPU reset.", G)
+REMAPPED_ROWS_FAILED = spec(NAME, "gpu_remapped_rows_failed", "gauge",
+                            "1 when a row remap failed: the GPU needs service.", G)
+PCIE_REPLAY = spec(NAME, "gpu_pcie_replay", "counter", "PCIe replays (link-level retransmissions).", G)
+PCIE_GEN = spec(NAME, "gpu_pcie_link_generation", "gauge", "Current PCIe link generation.", G)
+PCIE_MAX_GEN = spec(NAME, "gpu_pcie_link_max_generation", "gauge", "Highest PCIe link generation.", G)
+PCIE_WIDTH = spec(NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes).", G)
+PCIE_MAX_WIDTH = spec(NAME, "gpu_pcie_link_max_width", "gauge", "Widest PCIe link (lanes).", G)
+NVLINK_UP = spec(NAME, "gpu_nvlink_up", "gauge", "1 when the NVLink link is active.", ["gpu", "link"])
+NVLINK_ERRORS = spec(NAME, "gpu_nvlink_errors", "counter",
+                     "NVLink data-link errors, by type (replay, recovery, crc_flit, crc_data).",
+                     ["gpu", "link", "type"])
+XID_ERRORS = spec(NAME, "gpu_xid_errors", "counter",
+                  "XID events reported by the driver since the sidecar started, by XID "
+                  "(gpu is empty for an event the driver did not attribute to a GPU).", ["gpu", "xid"])
+LAST_XID = spec(NAME, "gpu_last_xid", "gauge", "The most recent XID on this GPU, 0 when none was seen.", G)
+LAST_XID_TIME = spec(NAME, "gpu_last_xid_timestamp_seconds", "gauge",
+                     "When the most recent XID on this GPU arrived (Unix time).", G)
+PROCESS_MEMORY = spec(NAME, "gpu_process_memory_bytes", "gauge",
+                      "Device memory held by a registered rank and its child processes.",
+                      ["gpu", "job_id", "rank"])
+
+METRICS = (INFO, LOST, UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL, TEMPERATURE,
+           SLOWDOWN_TEMPERATURE, SHUTDOWN_TEMPERATURE, POWER, POWER_LIMIT, ENERGY, SM_CLOCK, MEMORY_CLOCK,
+           CLOCK_EVENT, ECC_ERRORS, RETIRED_PAGES, RETIRED_PAGES_PENDING, REMAPPED_ROWS,
+           REMAPPED_ROWS_PENDING, REMAPPED_ROWS_FAILED, PCIE_REPLAY, PCIE_GEN, PCIE_MAX_GEN, PCIE_WIDTH,
+           PCIE_MAX_WIDTH, NVLINK_UP, NVLINK_ERRORS, XID_ERRORS, LAST_XID, LAST_XID_TIME, PROCESS_MEMORY)
+
+# Plain one-value-per-GPU families: (spec, GpuReading attribute).
+_SCALARS = (
+    (UTILIZATION, "utilization_ratio"), (MEMORY_UTILIZATION, "memory_utilization_ratio"),
+    (MEMORY_USED, "memory_used_bytes"), (MEMORY_TOTAL, "memory_total_bytes"),
+    (TEMPERATURE, "temperature_celsius"), (SLOWDOWN_TEMPERATURE, "slowdown_temperature_celsius"),
+    (SHUTDOWN_TEMPERATURE, "shutdown_temperature_celsius"), (POWER, "power_watts"),
+    (POWER_LIMIT, "power_limit_watts"), (ENERGY, "energy_joules"), (SM_CLOCK, "sm_clock_hertz"),
+    (MEMORY_CLOCK, "memory_clock_hertz"), (RETIRED_PAGES_PENDING, "retired_pages_pending"),
+    (PCIE_REPLAY, "pcie_replay"), (PCIE_GEN, "pcie_link_generation"), (PCIE_MAX_GEN, "pcie_link_max_generation"),
+    (PCIE_WIDTH, "pcie_link_width"), (PCIE_MAX_WIDTH, "pcie_link_max_width"),
+)
+
+MAX_PROBLEMS_SHOWN = 5
+
+
+class GpuCollector:
+    name = NAME
+    metrics = METRICS
+
+    def __init__(self, nvml_module: str, ranks: RanksFn, xid_events: bool = True):
+        self.session = NvmlSession(nvml_module)
+        self.ranks = ranks
+        self.xid_events = xid_events
+        self.xid: XidWatcher | None = None
+
+    def versions(self) -> tuple[str, str]:
+        """(driver version, CUDA driver version), "" before NVML answered or without a GPU."""
+        return self.session.driver_version, self.session.cuda_version
+
+    def close(self) -> None:
+        if self.xid is not None:
+            self.xid.stop()
+        self.session.close()
+
+    def collect(self) -> Iterable[Metric]:
+        if not self.session.start():
+            return []
+        if self.xid_events and self.xid is None:
+            self._start_xid_watcher()
+        readings: list[GpuReading] = []
+        lost: list[str] = []
+        problems: list[str] = []
+        for index in range(self.session.count):
+            try:
+                reading = self.session.read(index)
+            except GpuLost as e:
+                lost.append(str(index))
+                problems.append(str(e))
+                continue
+            readings.append(reading)
+            problems.extend(f"gpu {reading.gpu}: {err}" for err in reading.errors)
+        families = self._families(readings, lost)
+        if problems:
+            more = len(problems) - MAX_PROBLEMS_SHOWN
+            raise PartialFailure("; ".join(problems[:MAX_PROBLEMS_SHOWN]) + (f" (+{more} more)" if more > 0 else ""),
+                                 families)
+        return families
+
+    def _start_xid_watcher(self) -> None:
+        handles = {}
+        for index in range(self.session.count):
+            try:
+                handles[str(index)] = self.session.handle(index)
+            except GpuLost:
+                pass
+        self.xid = XidWatcher(self.session.nv, handles)
+        self.xid.start()
+
+    def _families(self, readings: list[GpuReading], lost: list[str]) -> list[Metric]:
+        info, lost_family = INFO.family(), LOST.family()
+        scalars = [(s.family(), attr) for s, attr in _SCALARS]
+        clock, ecc, retired = CLOCK_EVENT.family(), ECC_ERRORS.family(), RETIRED_PAGES.family()
+        rows, rows_pending, rows_failed = REMAPPED_ROWS.family(), REMAPPED_ROWS_PENDING.family(), \
+            REMAPPED_ROWS_FAILED.family()
+        nvlink_up, nvlink_errors = NVLINK_UP.family(), NVLINK_ERRORS.family()
+
+        for gpu in lost:
+            lost_family.add_metric([gpu], 1)
+        for r in readings:
+            g = r.gpu
+            info.add_metric([g, r.uuid, r.name, r.pci_bus_id], {})
+            lost_family.add_metric([g], 0)
+            for family, attr in scalars:
+                value = getattr(r, attr)
+                if value is not None:
+                    family.add_metric([g], float(value))
+            if r.clock_event_reasons is not None:
+                for reason, bit in CLOCK_EVENT_REASONS:
+                    clock.add_metric([g, reason], 1.0 if r.clock_event_reasons & bit else 0.0)
+            for kind, value in (("corrected", r.ecc_corrected), ("uncorrected", r.ecc_uncorrected)):
+                if value is not None:
+                    ecc.add_metric([g, kind], value)
+            for cause, value in (("single_bit", r.retired_pages_single_bit), ("double_bit", r.retired_pages_double_bit)):
+                if value is not None:
+                    retired.add_metric([g, cause], value)
+            if r.remapped_rows is not None:
+                correctable, uncorrectable, pending, failed = r.remapped_rows
+                rows.add_metric([g, "correctable"], correctable)
+                rows.add_metric([g, "uncorrectable"], uncorrectable)
+                rows_pending.add_metric([g], 1.0 if pending else 0.0)
+                rows_failed.add_metric([g], 1.0 if failed else 0.0)
+            for link in r.nvlinks:
+                if link.up is not None:
+                    nvlink_up.add_metric([g, str(link.link)], 1.0 if link.up else 0.0)
+                for kind, value in link.errors.items():
+                    nvlink_errors.add_metric([g, str(link.link), kind], value)
+
+        families = [info, lost_family, *(f for f, _ in scalars), clock, ecc, retired, rows, rows_pending,
+                    rows_failed, nvlink_up, nvlink_errors, *self._xid_families(), self._process_memory(readings)]
+        return [f for f in families if f.samples]
+
+    def _xid_families(self) -> list[Metric]:
+        errors, last, last_time = XID_ERRORS.family(), LAST_XID.family(), LAST_XID_TIME.family()
+        if self.xid is None:
+            return [errors, last, last_time]
+        counts, latest = self.xid.snapshot()
+        for (gpu, xid), count in sorted(counts.items()):
+            errors.add_metric([gpu, xid], count)
+        for gpu in self.xid.watched:
+            xid, when = latest.get(gpu, (0, None))
+            last.add_metric([gpu], xid)
+            if when is not None:
+                last_time.add_metric([gpu], when)
+        return [errors, last, last_time]
+
+    def _process_memory(self, readings: list[GpuReading]) -> Metric:
+        family = PROCESS_MEMORY.family()
+        if not any(r.processes for r in readings):
+            return family
+        owners = pid_owners(self.ranks())
+        for r in readings:
+            per_rank: dict[tuple[str, int], int] = {}
+            for pid, used in r.processes:
+                owner = owners.get(pid)
+                if owner is not None:
+                    per_rank[owner] = per_rank.get(owner, 0) + used
+            for (job_id, rank), used in sorted(per_rank.items()):
+                family.add_metric([r.gpu, job_id, str(rank)], used)
+        return family

@@ -1,0 +1,454 @@
+"""An NVML stand-in: a module with the pynvml functions the GPU collector calls, driven by a
+JSON spec instead of a driver. Select it with `collectors.nvml_module=sidecar.testing.fake_nvml`.
+
+It reuses pynvml's real constants and exception classes, so `except pynvml.NVMLError_GPUIsLost`
+catches what this module raises, and it keeps NVML's rules: nothing works before `nvmlInit`
+(Uninitialized), handles must come from `nvmlDeviceGetHandleByIndex` (InvalidArgument), an
+event wait times out with NVMLError_Timeout.
+
+The spec comes from `configure(dict)` (tests) or from the JSON file named by the environment
+variable SIDECAR_FAKE_NVML (re-read when the file changes, so a benchmark can update process
+lists while the sidecar runs). With neither, NVML behaves as if the library were not installed.
+
+    {"init_error": null,                  # e.g. "library_not_found", "driver_not_loaded"
+     "driver_version": "550.54.15", "cuda_driver_version": 12040,
+     "gpu_count": 8,
+     "gpu": {...},                        # field values for every GPU (see DEFAULT_GPU)
+     "gpus": {"3": {...}},                # overrides for one GPU, by index
+     "xid_events": [{"gpu": 3, "xid": 79, "at_seconds": 0.5}]}
+
+A GPU's "errors" maps an NVML function name (or "*" for every per-device call) to the error
+it raises: an NVML_ERROR_* name in lower case ("not_supported", "gpu_is_lost", "unknown").
+Energy grows with power over time, as on a real board.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml as _real
+
+# The real constants and error classes, so code written against pynvml behaves identically.
+for _name in dir(_real):
+    if _name.startswith(("NVML_", "NVMLError", "nvmlClocksEventReason", "nvmlClocksThrottleReason",
+                         "nvmlEventType")):
+        globals()[_name] = getattr(_real, _name)
+NVMLError = _real.NVMLError
+
+ENV_VAR = "SIDECAR_FAKE_NVML"
+
+DEFAULT_GPU: dict[str, Any] = {
+    "name": "NVIDIA H100 80GB HBM3",
+    "utilization_gpu": 97, "utilization_memory": 41,
+    "memory_total_bytes": 85_520_809_984, "memory_used_bytes": 61_203_283_968,
+    "temperature_celsius": 62, "slowdown_celsius": 87, "shutdown_celsius": 92,
+    "power_mw": 612_000, "power_limit_mw": 700_000, "energy_mj": 1_500_000_000,
+    "sm_clock_mhz": 1980, "memory_clock_mhz": 2619,
+    "clock_event_reasons": 0,             # bitmask of nvmlClocksEventReason*
+    "ecc_corrected": 0, "ecc_uncorrected": 0,
+    "retired_pages_single_bit": 0, "retired_pages_double_bit": 0, "retired_pages_pending": 0,
+    "remapped_rows": [0, 0, 0, 0],        # correctable, uncorrectable, pending, failed
+    "pcie_replay": 0, "pcie_gen": 5, "pcie_max_gen": 5, "pcie_width": 16, "pcie_max_width": 16,
+    "nvlink_links": 18, "nvlink_down": [],
+    "nvlink_errors": {"replay": 0, "recovery": 0, "crc_flit": 0, "crc_data": 0},  # every link
+    "nvlink_link_errors": {},             # per link overrides: {"3": {"crc_flit": 12}}
+    "processes": [],                      # [{"pid": 123, "used_memory_bytes": 456}]
+    "xid_supported": True,
+    "errors": {},
+}
+
+_NVLINK_COUNTERS = {_real.NVML_NVLINK_ERROR_DL_REPLAY: "replay", _real.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
+                    _real.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", _real.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
+
+
+def _error(name: str) -> _real.NVMLError:
+    code = getattr(_real, "NVML_ERROR_" + name.upper(), None)
+    if code is None:
+        raise ValueError(f"fake_nvml spec: unknown NVML error name {name!r}")
+    return _real.NVMLError(code)
+
+
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+    generation: int
+
+
+class _EventSet:
+    def __init__(self) -> None:
+        self.registered: set[int] = set()
+        self.freed = False
+
+
+class _State:
+    """The simulated driver: the spec, init refcount, event queue."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.spec: dict[str, Any] | None = None
+        self.spec_file: str | None = None
+        self.spec_mtime = 0.0
+        self.checked_at = 0.0
+        self.refcount = 0
+        self.generation = 0
+        self.init_time = 0.0
+        self.pending_xids: list[dict] = []  # not yet delivered, sorted by due time
+        self.event_sets: list[_EventSet] = []
+
+    def load(self) -> dict[str, Any] | None:
+        """The spec, re-reading the env file when it changed (at most twice a second)."""
+        path = os.environ.get(ENV_VAR)
+        if self.spec_file is None and self.spec is not None:
+            return self.spec  # configured programmatically
+        if not path:
+            return None
+        now = time.monotonic()
+        if path == self.spec_file and now - self.checked_at < 0.5:
+            return self.spec
+        self.checked_at = now
+        try:
+            mtime = os.stat(path).st_mtime
+            if path != self.spec_file or mtime != self.spec_mtime:
+                with open(path) as f:
+                    self.spec = json.load(f)
+                self.spec_file, self.spec_mtime = path, mtime
+        except (OSError, ValueError):
+            pass  # a file being rewritten: keep the previous spec
+        return self.spec
+
+
+_state = _State()
+
+
+def configure(spec: dict[str, Any] | None) -> None:
+    """Replace the spec (None: back to the SIDECAR_FAKE_NVML file) and reset the driver state,
+    as if the machine had rebooted."""
+    global _state
+    _state = _State()
+    if spec is not None:
+        _state.spec = copy.deepcopy(spec)
+
+
+def inject_xid(gpu: int, xid: int) -> None:
+    """Deliver an XID event now, as the driver would on a GPU fault."""
+    with _state.lock:
+        _state.pending_xids.insert(0, {"gpu": gpu, "xid": xid, "due": 0.0})
+        _state.lock.notify_all()
+
+
+# ---------------------------------------------------------------- internals
+
+def _spec() -> dict[str, Any]:
+    spec = _state.load()
+    if spec is None:
+        raise _error("library_not_found")
+    return spec
+
+
+def _require_init() -> dict[str, Any]:
+    if _state.refcount <= 0:
+        raise _error("uninitialized")
+    return _spec()
+
+
+def _gpu(handle: Any, function: str) -> tuple[int, dict[str, Any]]:
+    """The GPU's merged field values; raises the error the spec assigns to `function`."""
+    spec = _require_init()
+    if not isinstance(handle, _Handle) or handle.generation != _state.generation \
+            or not 0 <= handle.index < int(spec.get("gpu_count", 0)):
+        raise _error("invalid_argument")
+    values = dict(DEFAULT_GPU)
+    values.update(spec.get("gpu", {}))
+    values.update(spec.get("gpus", {}).get(str(handle.index), {}))
+    errors = values.get("errors") or {}
+    failure = errors.get(function) or errors.get("*")
+    if failure:
+        raise _error(failure)
+    return handle.index, values
+
+
+def _energy_mj(values: dict[str, Any]) -> int:
+    elapsed = time.monotonic() - _state.init_time
+    return int(values["energy_mj"] + values["power_mw"] * elapsed)  # mW x s = mJ
+
+
+# ---------------------------------------------------------------- library and system
+
+def nvmlInit() -> None:
+    nvmlInitWithFlags(0)
+
+
+def nvmlInitWithFlags(flags: int) -> None:
+    spec = _spec()
+    if spec.get("init_error"):
+        raise _error(spec["init_error"])
+    with _state.lock:
+        if _state.refcount == 0:
+            _state.generation += 1
+            _state.init_time = time.monotonic()
+            _state.pending_xids = sorted(
+                ({"gpu": int(e["gpu"]), "xid": int(e["xid"]), "due": _state.init_time + float(e.get("at_seconds", 0))}
+                 for e in spec.get("xid_events", [])), key=lambda e: e["due"])
+        _state.refcount += 1
+
+
+def nvmlShutdown() -> None:
+    _require_init()
+    with _state.lock:
+        _state.refcount -= 1
+        _state.lock.notify_all()
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    return str(_require_init().get("driver_version", "550.54.15"))
+
+
+def nvmlSystemGetCudaDriverVersion() -> int:
+    return int(_require_init().get("cuda_driver_version", 12040))
+
+
+nvmlSystemGetCudaDriverVersion_v2 = nvmlSystemGetCudaDriverVersion
+
+
+def nvmlErrorString(result: int) -> str:
+    return _real.NVMLError._errcode_to_string.get(result, f"NVML error {result}")
+
+
+# ---------------------------------------------------------------- devices
+
+def nvmlDeviceGetCount() -> int:
+    return int(_require_init().get("gpu_count", 0))
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
+    spec = _require_init()
+    if not isinstance(index, int) or not 0 <= index < int(spec.get("gpu_count", 0)):
+        raise _error("invalid_argument")
+    handle = _Handle(index, _state.generation)
+    _gpu(handle, "nvmlDeviceGetHandleByIndex")
+    return handle
+
+
+def nvmlDeviceGetIndex(handle: _Handle) -> int:
+    return _gpu(handle, "nvmlDeviceGetIndex")[0]
+
+
+def nvmlDeviceGetUUID(handle: _Handle) -> str:
+    i, v = _gpu(handle, "nvmlDeviceGetUUID")
+    return v.get("uuid") or f"GPU-fa4e0000-0000-4000-8000-{i:012d}"
+
+
+def nvmlDeviceGetName(handle: _Handle) -> str:
+    return _gpu(handle, "nvmlDeviceGetName")[1]["name"]
+
+
+def nvmlDeviceGetPciInfo(handle: _Handle) -> SimpleNamespace:
+    i, v = _gpu(handle, "nvmlDeviceGetPciInfo")
+    bus_id = v.get("pci_bus_id") or f"00000000:{0x18 + 0x10 * i:02X}:00.0"
+    # The real struct's busId is a char array: bytes, not str.
+    return SimpleNamespace(busId=bus_id.encode(), busIdLegacy=bus_id.encode(), domain=0,
+                           bus=int(bus_id.split(":")[1], 16), device=0, pciDeviceId=0x233010DE)
+
+
+nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
+
+
+def nvmlDeviceGetUtilizationRates(handle: _Handle) -> SimpleNamespace:
+    v = _gpu(handle, "nvmlDeviceGetUtilizationRates")[1]
+    return SimpleNamespace(gpu=int(v["utilization_gpu"]), memory=int(v["utilization_memory"]))
+
+
+def nvmlDeviceGetMemoryInfo(handle: _Handle, version: int | None = None) -> SimpleNamespace:
+    v = _gpu(handle, "nvmlDeviceGetMemoryInfo")[1]
+    total, used = int(v["memory_total_bytes"]), int(v["memory_used_bytes"])
+    return SimpleNamespace(total=total, used=used, free=total - used)
+
+
+def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
+    v = _gpu(handle, "nvmlDeviceGetTemperature")[1]
+    if sensor != _real.NVML_TEMPERATURE_GPU:
+        raise _error("invalid_argument")
+    return int(v["temperature_celsius"])
+
+
+def nvmlDeviceGetTemperatureThreshold(handle: _Handle, threshold: int) -> int:
+    v = _gpu(handle, "nvmlDeviceGetTemperatureThreshold")[1]
+    if threshold == _real.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+        return int(v["slowdown_celsius"])
+    if threshold == _real.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
+        return int(v["shutdown_celsius"])
+    raise _error("not_supported")
+
+
+def nvmlDeviceGetPowerUsage(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetPowerUsage")[1]["power_mw"])
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetEnforcedPowerLimit")[1]["power_limit_mw"])
+
+
+def nvmlDeviceGetTotalEnergyConsumption(handle: _Handle) -> int:
+    return _energy_mj(_gpu(handle, "nvmlDeviceGetTotalEnergyConsumption")[1])
+
+
+def nvmlDeviceGetClockInfo(handle: _Handle, clock_type: int) -> int:
+    v = _gpu(handle, "nvmlDeviceGetClockInfo")[1]
+    if clock_type == _real.NVML_CLOCK_SM:
+        return int(v["sm_clock_mhz"])
+    if clock_type == _real.NVML_CLOCK_MEM:
+        return int(v["memory_clock_mhz"])
+    raise _error("not_supported")
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetCurrentClocksEventReasons")[1]["clock_event_reasons"])
+
+
+def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetCurrentClocksThrottleReasons")[1]["clock_event_reasons"])
+
+
+def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter_type: int) -> int:
+    v = _gpu(handle, "nvmlDeviceGetTotalEccErrors")[1]
+    if error_type == _real.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+        return int(v["ecc_corrected"])
+    if error_type == _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+        return int(v["ecc_uncorrected"])
+    raise _error("invalid_argument")
+
+
+def nvmlDeviceGetRetiredPages(handle: _Handle, cause: int) -> list[int]:
+    v = _gpu(handle, "nvmlDeviceGetRetiredPages")[1]
+    if cause == _real.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS:
+        count = int(v["retired_pages_single_bit"])
+    elif cause == _real.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR:
+        count = int(v["retired_pages_double_bit"])
+    else:
+        raise _error("invalid_argument")
+    return [0x1000 * (n + 1) for n in range(count)]  # page addresses
+
+
+def nvmlDeviceGetRetiredPagesPendingStatus(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetRetiredPagesPendingStatus")[1]["retired_pages_pending"])
+
+
+def nvmlDeviceGetRemappedRows(handle: _Handle) -> tuple[int, int, int, int]:
+    rows = _gpu(handle, "nvmlDeviceGetRemappedRows")[1]["remapped_rows"]
+    return tuple(int(x) for x in rows)  # type: ignore[return-value]
+
+
+def nvmlDeviceGetPcieReplayCounter(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetPcieReplayCounter")[1]["pcie_replay"])
+
+
+def nvmlDeviceGetCurrPcieLinkGeneration(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetCurrPcieLinkGeneration")[1]["pcie_gen"])
+
+
+def nvmlDeviceGetMaxPcieLinkGeneration(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetMaxPcieLinkGeneration")[1]["pcie_max_gen"])
+
+
+def nvmlDeviceGetCurrPcieLinkWidth(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetCurrPcieLinkWidth")[1]["pcie_width"])
+
+
+def nvmlDeviceGetMaxPcieLinkWidth(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetMaxPcieLinkWidth")[1]["pcie_max_width"])
+
+
+def _nvlink(handle: _Handle, function: str, link: int) -> dict[str, Any]:
+    v = _gpu(handle, function)[1]
+    if not isinstance(link, int) or not 0 <= link < _real.NVML_NVLINK_MAX_LINKS:
+        raise _error("invalid_argument")
+    if link >= int(v["nvlink_links"]):
+        raise _error("not_supported")  # what NVML answers for links the board does not have
+    return v
+
+
+def nvmlDeviceGetNvLinkState(handle: _Handle, link: int) -> int:
+    v = _nvlink(handle, "nvmlDeviceGetNvLinkState", link)
+    return _real.NVML_FEATURE_DISABLED if link in v["nvlink_down"] else _real.NVML_FEATURE_ENABLED
+
+
+def nvmlDeviceGetNvLinkErrorCounter(handle: _Handle, link: int, counter: int) -> int:
+    v = _nvlink(handle, "nvmlDeviceGetNvLinkErrorCounter", link)
+    if counter not in _NVLINK_COUNTERS:
+        raise _error("invalid_argument")
+    counts = dict(v["nvlink_errors"])
+    counts.update(v["nvlink_link_errors"].get(str(link), {}))
+    return int(counts.get(_NVLINK_COUNTERS[counter], 0))
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: _Handle) -> list[SimpleNamespace]:
+    v = _gpu(handle, "nvmlDeviceGetComputeRunningProcesses")[1]
+    return [SimpleNamespace(pid=int(p["pid"]), usedGpuMemory=p.get("used_memory_bytes"),
+                            gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+            for p in v["processes"]]
+
+
+nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
+
+
+# ---------------------------------------------------------------- events
+
+def nvmlEventSetCreate() -> _EventSet:
+    _require_init()
+    event_set = _EventSet()
+    with _state.lock:
+        _state.event_sets.append(event_set)
+    return event_set
+
+
+def nvmlDeviceRegisterEvents(handle: _Handle, event_types: int, event_set: _EventSet) -> None:
+    i, v = _gpu(handle, "nvmlDeviceRegisterEvents")
+    if not isinstance(event_set, _EventSet) or event_set.freed:
+        raise _error("invalid_argument")
+    if event_types & ~_real.nvmlEventTypeXidCriticalError or not v.get("xid_supported", True):
+        raise _error("not_supported")
+    with _state.lock:
+        event_set.registered.add(i)
+
+
+def nvmlEventSetWait_v2(event_set: _EventSet, timeout_ms: int) -> SimpleNamespace:
+    _require_init()
+    if not isinstance(event_set, _EventSet) or event_set.freed:
+        raise _error("invalid_argument")
+    deadline = time.monotonic() + max(0, timeout_ms) / 1000.0
+    with _state.lock:
+        while True:
+            if _state.refcount <= 0:
+                raise _error("uninitialized")
+            now = time.monotonic()
+            for n, event in enumerate(_state.pending_xids):
+                if event["due"] <= now and event["gpu"] in event_set.registered:
+                    del _state.pending_xids[n]
+                    return SimpleNamespace(device=_Handle(event["gpu"], _state.generation),
+                                           eventType=_real.nvmlEventTypeXidCriticalError,
+                                           eventData=event["xid"], gpuInstanceId=0xFFFFFFFF,
+                                           computeInstanceId=0xFFFFFFFF)
+            if now >= deadline:
+                raise _error("timeout")
+            due = [e["due"] for e in _state.pending_xids if e["gpu"] in event_set.registered]
+            wake = min([deadline] + [d for d in due if d > now])
+            _state.lock.wait(timeout=max(0.0, min(wake - now, 0.25)))
+
+
+def nvmlEventSetWait(event_set: _EventSet, timeout_ms: int) -> SimpleNamespace:
+    return nvmlEventSetWait_v2(event_set, timeout_ms)
+
+
+def nvmlEventSetFree(event_set: _EventSet) -> None:
+    _require_init()
+    if not isinstance(event_set, _EventSet) or event_set.freed:
+        raise _error("invalid_argument")
+    with _state.lock:
+        event_set.freed = True
+        _state.event_sets.remove(event_set)
