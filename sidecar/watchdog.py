@@ -1,65 +1,488 @@
 """The progress watchdog: one explicit state machine per registered rank.
 
-(Interface first; the state machine lands in the next commits.)
+Every `check_interval_seconds` the watchdog reads the registry and moves each rank between
+states. Progress means the step counter advancing (or a declared phase ending); how long a
+rank may go without it depends on what it is doing:
+
+    start-up (no step yet)      watchdog.startup_timeout_seconds
+    a declared phase            the rank's own budget, else watchdog.phase_timeouts[name],
+                                else watchdog.default_phase_timeout_seconds
+    training steps              multiplier x quantile(recent step times), in [floor, ceiling]
+
+A rank is SUSPECT past `suspect_ratio` of its timeout and STALLED past all of it. The first
+STALLED rank of a job opens an incident: the watchdog blames one rank, and (unless it is in
+observe-only mode or the storm cap is reached) hands the job's local worker group to
+remediation, which runs as its own task while the watchdog keeps ticking. Process liveness
+is a separate signal: a rank whose process is gone is GONE, never remediated (torchrun
+handles crashes).
+
+    STARTING --first step--> HEALTHY <--progress--> SUSPECT --timeout--> STALLED
+        any watched state --remediation starts--> REMEDIATING --process exits--> GONE
+        any state --process gone / deregistered / replaced--> GONE
 """
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
+import math
 import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.config import Settings
+from sidecar.incidents import Incident, IncidentStore, RankSnapshot
+from sidecar.remediation import Remediator, StormCap, Target, is_running
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.registry import Registry
+    from sidecar.registry import Rank, RankKey, Registry
+
+log = logging.getLogger(__name__)
+
+
+class RankState(enum.Enum):
+    STARTING = "starting"  # registered, no step yet
+    HEALTHY = "healthy"  # progressing within its timeout
+    SUSPECT = "suspect"  # past suspect_ratio of its timeout
+    STALLED = "stalled"  # past its timeout
+    REMEDIATING = "remediating"  # its worker group is being dumped and killed
+    GONE = "gone"  # exited, deregistered or replaced by a new registration
+
+
+S = RankState
+WATCHING = frozenset({S.STARTING, S.HEALTHY, S.SUSPECT, S.STALLED})
+# The only transitions there are. Progress may bring a suspect or stalled rank back (a rank
+# re-registered without a step goes back to STARTING); a failed remediation leaves its
+# ranks STALLED; GONE is final (a new registration is a new rank).
+ALLOWED: dict[RankState, frozenset[RankState]] = {
+    S.STARTING: frozenset({S.HEALTHY, S.SUSPECT, S.STALLED, S.REMEDIATING, S.GONE}),
+    S.HEALTHY: frozenset({S.SUSPECT, S.STALLED, S.REMEDIATING, S.GONE}),
+    S.SUSPECT: frozenset({S.STARTING, S.HEALTHY, S.STALLED, S.REMEDIATING, S.GONE}),
+    S.STALLED: frozenset({S.STARTING, S.HEALTHY, S.SUSPECT, S.REMEDIATING, S.GONE}),
+    S.REMEDIATING: frozenset({S.STALLED, S.GONE}),
+    S.GONE: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A transition outside ALLOWED: a bug in the watchdog, never a rank's doing."""
+
 
 METRICS: tuple[MetricSpec, ...] = (
-    spec("watchdog", "rank_state", "gauge", "1 for the rank's current watchdog state.",
-         ["job_id", "rank", "state"]),
+    spec("watchdog", "rank_state", "gauge",
+         "1 for the rank's current watchdog state, 0 for the others "
+         "(starting, healthy, suspect, stalled, remediating, gone).", ["job_id", "rank", "state"]),
     spec("watchdog", "watchdog_timeout_seconds", "gauge",
-         "The rank's effective progress timeout now (depends on phase and step times).",
+         "The rank's effective progress timeout now (start-up, declared phase or adaptive step timeout).",
          ["job_id", "rank"]),
-    spec("watchdog", "watchdog_stalls", "counter", "Stalls detected, per job.", ["job_id"]),
+    spec("watchdog", "watchdog_stalls", "counter", "Stalls detected (one per incident), per job.", ["job_id"]),
     spec("watchdog", "watchdog_remediations", "counter",
          "Remediations by outcome: killed, suppressed (storm cap), observe_only, failed.",
          ["job_id", "outcome"]),
-    spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.",
-         ["from_state", "to_state"]),
+    spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
     spec("watchdog", "watchdog_last_incident_timestamp_seconds", "gauge",
-         "Unix time of the latest incident (0 before the first)."),
+         "Unix time of the latest incident (absent before the first)."),
     spec("watchdog", "watchdog_observe_only", "gauge",
          "1 when the watchdog only detects and reports, never signals."),
 )
 
 
+@dataclass
+class Deadline:
+    """How long a rank may go without progress now, and how long it has."""
+
+    timeout: float
+    age: float
+    basis: str  # "startup" | "phase:<name>" | "steps"
+
+
+@dataclass
+class _Track:
+    rank: "Rank"
+    state: RankState
+    since: float  # watchdog clock of the last transition
+    episode: "_Episode | None" = None
+
+
+@dataclass
+class _Episode:
+    """One stall of one job on this node, from detection until its ranks recover or go."""
+
+    job_id: str
+    incident: Incident
+    keys: list["RankKey"]
+    task: asyncio.Task | None = None
+    outcome: str = "pending"
+    suppressed: bool = False
+
+
+@dataclass
+class _Counters:
+    transitions: Counter = field(default_factory=Counter)  # (from, to)
+    stalls: Counter = field(default_factory=Counter)  # job_id
+    remediations: Counter = field(default_factory=Counter)  # (job_id, outcome)
+    last_incident: float | None = None
+
+
+def quantile(values: Iterable[float], q: float) -> float | None:
+    """The nearest-rank quantile (no interpolation: a timeout follows an observed value)."""
+    ordered = sorted(v for v in values if math.isfinite(v) and v >= 0)
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 class Watchdog:
-    def __init__(self, settings: Settings, registry: "Registry", clock=time.monotonic):
+    def __init__(self, settings: Settings, registry: "Registry", clock=time.monotonic,
+                 remediator: Remediator | None = None, store: IncidentStore | None = None):
         self.settings = settings
         self.registry = registry
         self.clock = clock
+        self.store = store or IncidentStore(settings.diagnostics_dir)
+        self.remediator = remediator or Remediator(settings.remediation)
+        self.storm_cap = StormCap(settings.remediation.max_per_window, settings.remediation.window_seconds, clock)
+        self.counters = _Counters()
+        self._tracks: dict["RankKey", _Track] = {}
+        self._episodes: dict[str, _Episode] = {}
+        self._finished: deque[_Episode] = deque(maxlen=20)
+
+    # ------------------------------------------------------------ the loop
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.watchdog.check_interval_seconds)
+        """Tick forever. A failing tick is logged and the next one runs: the watchdog must
+        outlive any bug in one evaluation."""
+        if not self.settings.watchdog.enabled:
+            return
+        interval = self.settings.watchdog.check_interval_seconds
+        try:
+            while True:
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("watchdog tick failed")
+                await asyncio.sleep(interval)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        tasks = [e.task for e in self._episodes.values() if e.task and not e.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def tick(self) -> None:
+        """One evaluation of every rank, then incidents for newly stalled jobs."""
+        now = self.clock()
+        present = set()
+        for rank in self.registry.ranks():
+            present.add(rank.key)
+            track = self._track(rank, now)
+            self._evaluate(track, now)
+        for key in [k for k in self._tracks if k not in present]:
+            del self._tracks[key]  # the registry forgot it (retention): so do we
+        self._open_episodes(now)
+        self._close_episodes()
+
+    def _track(self, rank: "Rank", now: float) -> _Track:
+        track = self._tracks.get(rank.key)
+        if track is not None and track.rank is rank:
+            return track
+        if track is not None:
+            self._transition(track, S.GONE, now, "replaced by a new registration")
+        # A registration that carries a step is a rank re-registering (the sidecar restarted):
+        # it is watched as healthy, with a fresh timer, never as a stall.
+        state = S.HEALTHY if rank.step is not None else S.STARTING
+        track = _Track(rank, state, now)
+        self._tracks[rank.key] = track
+        log.info("watching rank %s (pid %d) as %s", rank.label, rank.pid, state.value)
+        return track
+
+    def _evaluate(self, track: _Track, now: float) -> None:
+        rank = track.rank
+        if track.state is S.GONE:
+            return
+        if rank.gone:
+            self._transition(track, S.GONE, now, rank.gone_reason or "deregistered")
+            return
+        if not _process_alive(rank):
+            self.registry.mark_gone(rank.key, "process exited")
+            self._transition(track, S.GONE, now, "process exited")
+            return
+        if track.state is S.REMEDIATING:
+            return
+        d = self.deadline(rank, now)
+        if d.age >= d.timeout:
+            wanted = S.STALLED
+        elif d.age >= self.settings.watchdog.suspect_ratio * d.timeout:
+            wanted = S.SUSPECT
+        else:
+            wanted = S.STARTING if rank.step is None else S.HEALTHY
+        if wanted is S.STARTING and track.state is S.HEALTHY:
+            wanted = S.HEALTHY  # a started rank never goes back to starting
+        if wanted is not track.state:
+            self._transition(track, wanted, now,
+                             f"{d.age:.1f}s without progress, timeout {d.timeout:.1f}s ({d.basis})")
+
+    def _transition(self, track: _Track, new: RankState, now: float, reason: str) -> None:
+        """The one place a rank changes state: checked against ALLOWED, logged, counted."""
+        old = track.state
+        if new is old:
+            return
+        if new not in ALLOWED[old]:
+            raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
+        track.state, track.since = new, now
+        self.counters.transitions[(old.value, new.value)] += 1
+        level = logging.WARNING if new in (S.STALLED, S.REMEDIATING) else logging.INFO
+        log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid,
+                old.value, new.value, reason)
+
+    # ------------------------------------------------------------ timeouts
+
+    def deadline(self, rank: "Rank", now: float | None = None) -> Deadline:
+        now = self.clock() if now is None else now
+        wd = self.settings.watchdog
+        if rank.phase is not None:
+            budget = rank.phase_timeout or wd.phase_timeouts.get(rank.phase) or wd.default_phase_timeout_seconds
+            started = rank.phase_started if rank.phase_started is not None else rank.last_progress
+            return Deadline(float(budget), now - max(started, rank.last_progress), f"phase:{rank.phase}")
+        if rank.step is None:
+            return Deadline(wd.startup_timeout_seconds, now - rank.last_progress, "startup")
+        return Deadline(self.step_timeout(rank.step_times), now - rank.last_progress, "steps")
+
+    def step_timeout(self, step_times: Iterable[float]) -> float:
+        """multiplier x quantile of the recent step times, clamped to [floor, ceiling]; the
+        floor when there is no history yet."""
+        wd = self.settings.watchdog
+        recent = list(step_times)[-wd.window:]
+        q = quantile(recent, wd.quantile)
+        if q is None:
+            return wd.floor_seconds
+        return min(wd.ceiling_seconds, max(wd.floor_seconds, wd.multiplier * q))
+
+    # ------------------------------------------------------------ incidents
+
+    def _open_episodes(self, now: float) -> None:
+        stalled_jobs = sorted({t.rank.job_id for t in self._tracks.values()
+                               if t.state is S.STALLED and t.episode is None})
+        for job_id in stalled_jobs:
+            if job_id in self._episodes:
+                continue  # already being handled; its incident covers this rank too
+            self._start_episode(job_id, now)
+
+    def _start_episode(self, job_id: str, now: float) -> None:
+        members = [t for t in self._tracks.values() if t.rank.job_id == job_id and t.state in WATCHING]
+        members.sort(key=lambda t: t.rank.rank)
+        blamed, why = blame([t.rank for t in members], {t.rank.key: t.state for t in members})
+        stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
+        observe_only = self.settings.watchdog.observe_only
+        suppressed = not observe_only and not self.storm_cap.allow()
+        incident = self.store.open(
+            job_id, blamed_rank=blamed.rank if blamed else None, blame_reason=why,
+            timeout_seconds=stalled_deadline.timeout if stalled_deadline else None,
+            observe_only=observe_only, ranks=[self._snapshot(t, now) for t in members])
+        episode = _Episode(job_id, incident, [t.rank.key for t in members], suppressed=suppressed)
+        self._episodes[job_id] = episode
+        for t in members:
+            t.episode = episode
+        self.counters.stalls[job_id] += 1
+        self.counters.last_incident = incident.time
+        targets = [Target.of(t.rank) for t in members]
+        if observe_only or suppressed:
+            episode.outcome = "observe_only" if observe_only else "suppressed"
+            if suppressed:
+                incident.notes.append(
+                    f"storm cap: {self.settings.remediation.max_per_window} remediations per "
+                    f"{self.settings.remediation.window_seconds:.0f}s reached; not killing")
+            log.error("job %s stalled (%s); %s", job_id, incident.summary,
+                      "observe-only mode: not killing" if observe_only else "storm cap reached: not killing")
+            episode.task = asyncio.get_running_loop().create_task(
+                self._observe(episode, targets), name=f"observe-{job_id}")
+            return
+        log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, why, len(members))
+        for t in members:
+            self._transition(t, S.REMEDIATING, now, f"its job {job_id} stalled")
+        episode.task = asyncio.get_running_loop().create_task(
+            self._remediate(episode, targets), name=f"remediate-{job_id}")
+
+    def _snapshot(self, track: _Track, now: float) -> RankSnapshot:
+        r = track.rank
+        d = self.deadline(r, now)
+        return RankSnapshot(rank=r.rank, local_rank=r.local_rank, pid=r.pid, state=track.state.value,
+                            step=r.step, phase=r.phase, last_progress_age_seconds=round(d.age, 3),
+                            timeout_seconds=round(d.timeout, 3), stack_file=r.stack_path)
+
+    async def _remediate(self, episode: _Episode, targets: list[Target]) -> None:
+        incident = episode.incident
+        try:
+            await self.remediator.collect_stacks(incident, targets, self.store)
+            refine_blame(incident)
+            outcome = await self.remediator.terminate(incident, targets, self.store)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # remediation bugs must not take the watchdog down
+            log.exception("remediation of job %s failed", episode.job_id)
+            episode.incident.notes.append(f"remediation error: {type(e).__name__}: {e}")
+            outcome = "failed"
+        self._finish(episode, outcome)
+        if outcome != "killed":
+            now = self.clock()
+            for key in episode.keys:
+                t = self._tracks.get(key)
+                if t is not None and t.episode is episode and t.state is S.REMEDIATING:
+                    self._transition(t, S.STALLED, now, f"remediation {outcome}")
+
+    async def _observe(self, episode: _Episode, targets: list[Target]) -> None:
+        """Observe-only and storm-capped stalls: stacks from py-spy (it reads memory and never
+        signals), the incident, the count; no signal."""
+        try:
+            await self.remediator.collect_stacks(episode.incident, targets, self.store, signal_ranks=False)
+            refine_blame(episode.incident)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("collecting stacks of job %s failed", episode.job_id)
+        self._finish(episode, episode.outcome)
+
+    def _finish(self, episode: _Episode, outcome: str) -> None:
+        episode.outcome = outcome
+        episode.incident.outcome = outcome
+        self.store.save(episode.incident)
+        self.counters.remediations[(episode.job_id, outcome)] += 1
+
+    def _close_episodes(self) -> None:
+        """An episode ends when its task is done and none of its ranks is stalled or being
+        remediated any more (they progressed, exited, or were replaced)."""
+        for job_id, episode in list(self._episodes.items()):
+            if episode.task is not None and not episode.task.done():
+                continue
+            active = [t for t in self._tracks.values()
+                      if t.episode is episode and t.state in (S.STALLED, S.REMEDIATING)]
+            if active:
+                continue
+            for t in self._tracks.values():
+                if t.episode is episode:
+                    t.episode = None
+            del self._episodes[job_id]
+            self._finished.append(episode)
+
+    # ------------------------------------------------------------ reading
 
     def families(self) -> Iterable[Metric]:
-        return []
+        state, timeout, stalls, remediations, transitions, last, observe = (m.family() for m in METRICS)
+        now = self.clock()
+        for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
+            labels = [t.rank.job_id, str(t.rank.rank)]
+            for s in RankState:
+                state.add_metric(labels + [s.value], 1.0 if s is t.state else 0.0)
+            if t.state is not S.GONE:
+                timeout.add_metric(labels, self.deadline(t.rank, now).timeout)
+        for job_id, n in sorted(self.counters.stalls.items()):
+            stalls.add_metric([job_id], n)
+        for (job_id, outcome), n in sorted(self.counters.remediations.items()):
+            remediations.add_metric([job_id, outcome], n)
+        for (old, new), n in sorted(self.counters.transitions.items()):
+            transitions.add_metric([old, new], n)
+        if self.counters.last_incident is not None:
+            last.add_metric([], self.counters.last_incident)
+        observe.add_metric([], 1.0 if self.settings.watchdog.observe_only else 0.0)
+        return [state, timeout, stalls, remediations, transitions, last, observe]
 
     def status(self) -> dict:
-        return {"observe_only": self.settings.watchdog.observe_only, "remediations_in_window": 0,
-                "max_per_window": self.settings.remediation.max_per_window}
+        rem = self.settings.remediation
+        return {"enabled": self.settings.watchdog.enabled,
+                "observe_only": self.settings.watchdog.observe_only,
+                "remediations_in_window": self.storm_cap.in_window(),
+                "max_per_window": rem.max_per_window, "window_seconds": rem.window_seconds,
+                "active": [{"job_id": e.job_id, "incident": e.incident.id, "outcome": e.outcome}
+                           for e in self._episodes.values()]}
 
-    def rank_state(self, rank) -> str:
-        return "starting"
+    def rank_state(self, rank: "Rank") -> str:
+        track = self._tracks.get(rank.key)
+        if track is not None and track.rank is rank:
+            return track.state.value
+        if rank.gone:
+            return S.GONE.value
+        return (S.HEALTHY if rank.step is not None else S.STARTING).value
 
-    def timeout_for(self, rank) -> float | None:
-        return None
+    def timeout_for(self, rank: "Rank") -> float | None:
+        if rank.gone or self.rank_state(rank) == S.GONE.value:
+            return None
+        return self.deadline(rank).timeout
 
     def problems(self) -> list[str]:
-        return []
+        out = []
+        for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
+            if t.state in (S.SUSPECT, S.STALLED, S.REMEDIATING):
+                d = self.deadline(t.rank)
+                out.append(f"rank {t.rank.label} is {t.state.value}: no progress for {d.age:.0f}s "
+                           f"(timeout {d.timeout:.0f}s, {d.basis})")
+        for e in self._episodes.values():
+            if e.suppressed:
+                out.append(f"job {e.job_id}: remediation suppressed by the storm cap "
+                           f"({self.settings.remediation.max_per_window} per "
+                           f"{self.settings.remediation.window_seconds:.0f}s)")
+        return out
 
     def incidents(self, limit: int = 5) -> list[dict]:
-        return []
+        return self.store.latest(limit)
+
+
+# ---------------------------------------------------------------- attribution
+
+def blame(ranks: list["Rank"], states: dict) -> tuple["Rank | None", str]:
+    """The rank most likely to hold the job up, and why: the one with the lowest step (the
+    others wait for it in a collective), then the one whose progress is oldest."""
+    if not ranks:
+        return None, "no local rank"
+    stalled = [r for r in ranks if states.get(r.key) is S.STALLED]
+    if len(ranks) == 1:
+        return ranks[0], "the only local rank"
+
+    def step_of(r: "Rank") -> int:
+        return -1 if r.step is None else r.step
+
+    lowest = min(step_of(r) for r in ranks)
+    behind = [r for r in ranks if step_of(r) == lowest]
+    oldest = min(behind, key=lambda r: r.last_progress)
+    where = "no step yet" if lowest < 0 else f"step {lowest}"
+    if len(behind) < len(ranks):
+        return oldest, f"lowest step ({where}) of the job's local ranks"
+    if len(stalled) == 1:
+        return stalled[0], f"first to pass its timeout ({where})"
+    return oldest, f"oldest progress among ranks at {where}"
+
+
+def refine_blame(incident: Incident) -> None:
+    """After stack dumps: among the ranks at the lowest step, one that is not inside a
+    torch.distributed call while the others wait in one is the culprit."""
+    known = [r for r in incident.ranks if r.in_collective is not None]
+    if len(known) < 2:
+        return
+    steps = [r.step if r.step is not None else -1 for r in incident.ranks]
+    lowest = min(steps)
+    behind = [r for r in known if (r.step if r.step is not None else -1) == lowest]
+    outside = [r for r in behind if not r.in_collective]
+    if all(r.in_collective for r in known):
+        incident.notes.append("every local rank waits inside a collective: the rank holding the job up "
+                              "is probably on another node")
+        return
+    if outside and len(outside) < len(known):
+        chosen = outside[0] if incident.blamed_rank not in {r.rank for r in outside} else next(
+            r for r in outside if r.rank == incident.blamed_rank)
+        others = [r.rank for r in known if r.in_collective]
+        incident.blamed_rank = chosen.rank
+        incident.blame_reason = (f"not inside a collective while rank(s) {', '.join(map(str, others))} "
+                                 f"wait in one")
+
+
+def _process_alive(rank: "Rank") -> bool:
+    """Whether the registered process still runs. A rank whose start time could not be read
+    when it registered (another pid namespace) is taken as alive: it is watched, and
+    remediation's safety check will refuse to signal it."""
+    if rank.pid_start_time is None:
+        return True
+    return is_running(rank.pid, rank.pid_start_time)

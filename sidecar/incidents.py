@@ -1,0 +1,219 @@
+"""Incident records: what the watchdog saw and did about one stall, on disk.
+
+Each detection writes `<diag_dir>/incidents/<UTC time>-<job>.json` (the full record, rewritten
+atomically as remediation progresses) and a `.txt` summary for people. `sidecar incidents`
+lists them, newest first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+INCIDENTS_SUBDIR = "incidents"
+STACK_HEAD_LINES = 12  # lines of each stack dump kept inline (the full dump stays in its file)
+
+
+@dataclass
+class RankSnapshot:
+    """One rank of the hung job as the watchdog saw it at detection."""
+
+    rank: int
+    local_rank: int | None
+    pid: int
+    state: str
+    step: int | None
+    phase: str | None
+    last_progress_age_seconds: float | None
+    timeout_seconds: float | None
+    stack_file: str | None = None
+    stack_head: list[str] = field(default_factory=list)
+    stack_bytes: int = 0
+    py_spy: str | None = None
+    in_collective: bool | None = None
+
+
+@dataclass
+class Incident:
+    id: str
+    time: float  # Unix time of detection
+    job_id: str
+    node: str
+    blamed_rank: int | None
+    blame_reason: str
+    timeout_seconds: float | None
+    observe_only: bool
+    ranks: list[RankSnapshot]
+    outcome: str = "pending"  # killed | suppressed | observe_only | failed
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    path: str = ""
+
+    def event(self, name: str, at: float | None = None, **detail: Any) -> None:
+        """Record an action with its Unix time and its offset from detection."""
+        at = time.time() if at is None else at
+        self.timeline.append({"event": name, "time": round(at, 3),
+                              "after_detection_seconds": round(at - self.time, 3), **detail})
+
+    def event_time(self, name: str) -> float | None:
+        return next((e["time"] for e in self.timeline if e["event"] == name), None)
+
+    @property
+    def summary(self) -> str:
+        who = f"rank {self.blamed_rank}" if self.blamed_rank is not None else "no local rank"
+        timeout = f"{self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "?"
+        return f"job {self.job_id}: stall blamed on {who} ({self.blame_reason}); timeout {timeout}; {self.outcome}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["summary"] = self.summary
+        return out
+
+    def brief(self) -> dict[str, Any]:
+        """The incident as `/v1/status` lists it."""
+        return {"id": self.id, "time": self.time, "job_id": self.job_id, "blamed_rank": self.blamed_rank,
+                "outcome": self.outcome, "summary": self.summary, "path": self.path}
+
+    def text(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.time))
+        lines = [f"Incident {self.id}", f"  detected  {when} on {self.node}", f"  job       {self.job_id}",
+                 f"  blamed    {'rank ' + str(self.blamed_rank) if self.blamed_rank is not None else '-'}"
+                 f" ({self.blame_reason})",
+                 f"  timeout   {self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "  timeout   -",
+                 f"  outcome   {self.outcome}" + ("  (observe-only mode)" if self.observe_only else ""), "",
+                 "  rank  pid       state        step     phase            no progress for"]
+        for r in self.ranks:
+            age = f"{r.last_progress_age_seconds:.1f}s" if r.last_progress_age_seconds is not None else "-"
+            lines.append(f"  {r.rank:<5} {r.pid:<9} {r.state:<12} {str(r.step if r.step is not None else '-'):<8} "
+                         f"{str(r.phase or '-'):<16} {age}")
+        lines += ["", "  timeline"]
+        for e in self.timeline:
+            extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
+            lines.append(f"    +{e['after_detection_seconds']:7.3f}s  {e['event']}" + (f"  ({extra})" if extra else ""))
+        for r in self.ranks:
+            if r.stack_file or r.py_spy:
+                lines += ["", f"  stacks of rank {r.rank} (pid {r.pid}): {r.stack_file or 'py-spy only'}"]
+                lines += [f"    {line}" for line in r.stack_head]
+                if r.py_spy:
+                    lines += ["    -- py-spy --"] + [f"    {line}" for line in r.py_spy.splitlines()[:STACK_HEAD_LINES]]
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines) + "\n"
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80] or "job"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class IncidentStore:
+    """Incidents of one diag directory. Writing never raises: a full disk must not stop the
+    watchdog from remediating (the failure is logged and kept in memory)."""
+
+    def __init__(self, diag_dir: Path | str):
+        self.directory = Path(diag_dir) / INCIDENTS_SUBDIR
+        self.recent: list[Incident] = []
+
+    def open(self, job_id: str, **fields: Any) -> Incident:
+        now = time.time()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+        incident = Incident(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id,
+                            node=socket.gethostname(), **fields)
+        incident.path = str(self.directory / f"{incident.id}.json")
+        incident.event("detected", at=now)
+        self.recent.append(incident)
+        del self.recent[:-50]
+        self.save(incident)
+        return incident
+
+    def save(self, incident: Incident) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = Path(incident.path)
+            _atomic_write(path, json.dumps(incident.to_dict(), indent=2) + "\n")
+            _atomic_write(path.with_suffix(".txt"), incident.text())
+        except OSError as e:
+            log.error("cannot write incident %s: %s", incident.path, e)
+
+    def latest(self, limit: int = 5) -> list[dict[str, Any]]:
+        return [i.brief() for i in reversed(self.recent[-limit:])] if limit > 0 else []
+
+
+def load_incidents(diag_dir: Path | str, last: int | None = None) -> list[dict[str, Any]]:
+    """Incident records of a diag directory, newest first; unreadable files are skipped."""
+    directory = Path(diag_dir) / INCIDENTS_SUBDIR
+    records = []
+    for path in sorted(directory.glob("*.json"), reverse=True):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        if last is not None and len(records) >= last:
+            break
+    return records
+
+
+def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
+    return [line.rstrip() for line in text.splitlines() if line.strip()][:lines]
+
+
+# ---------------------------------------------------------------- `sidecar incidents`
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from sidecar.config import add_settings_arguments
+    add_settings_arguments(parser)
+    parser.add_argument("--diag-dir", help="diagnostics directory (default: the settings' diag_dir)")
+    parser.add_argument("--last", type=int, default=20, metavar="N", help="show the N newest (default 20)")
+    parser.add_argument("--json", action="store_true", help="print the full records as a JSON list")
+
+
+def _format_row(record: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.get("time", 0)))
+    blamed = record.get("blamed_rank")
+    timeline = {e.get("event"): e.get("after_detection_seconds") for e in record.get("timeline", [])}
+    killed = timeline.get("exit_observed")
+    return (f"{when}  {str(record.get('job_id', '?')):<20} {('rank ' + str(blamed)) if blamed is not None else '-':<8} "
+            f"{str(record.get('outcome', '?')):<13} {('+%.1fs' % killed) if killed is not None else '-':<8} "
+            f"{record.get('path', '')}")
+
+
+def main(args: argparse.Namespace) -> int:
+    diag_dir = args.diag_dir
+    if not diag_dir:
+        from sidecar.config import ConfigError, settings_from_args
+        try:
+            diag_dir = str(settings_from_args(args).diagnostics_dir)
+        except ConfigError as e:
+            print(f"sidecar incidents: {e}", file=sys.stderr)
+            return 2
+    if args.last is not None and args.last < 1:
+        print("sidecar incidents: --last must be >= 1", file=sys.stderr)
+        return 2
+    records = load_incidents(diag_dir, args.last)
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    if not records:
+        print(f"no incidents in {Path(diag_dir) / INCIDENTS_SUBDIR}")
+        return 0
+    print(f"{'detected (UTC)':<19}  {'job':<20} {'blamed':<8} {'outcome':<13} {'exited':<8} record")
+    for record in records:
+        print(_format_row(record))
+    return 0

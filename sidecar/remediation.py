@@ -1,0 +1,345 @@
+"""Remediation of a hung worker group: stack dumps, then SIGTERM, a grace period, SIGKILL.
+
+Every signal goes through `send()`, and `send()` asks `refusal()` right before signalling:
+only processes that registered (a `Target` is made from a registration), still the same
+process (pid plus start time: a reused pid is never signalled), never pid 1, the sidecar or
+its ancestors. A rank that leads its own process group (torchrun starts each worker in its
+own session) is signalled as a group, so its data-loader workers go with it; otherwise only
+the rank and its descendants are.
+
+The waits are asyncio sleeps and the blocking calls run in the default executor, so the
+watchdog keeps ticking while a group is being dumped and killed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import psutil
+
+from sidecar import procs
+from sidecar.config import RemediationSettings
+from sidecar.incidents import Incident, IncidentStore, stack_head
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.registry import Rank
+
+log = logging.getLogger(__name__)
+
+MAX_STACK_BYTES = 256 * 1024  # read at most this much of what a dump added to its file
+EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
+POLL_SECONDS = 0.1
+# A Python frame inside torch.distributed (faulthandler: `File ".../torch/distributed/x.py"`,
+# py-spy: `all_reduce (torch/distributed/x.py:12)`): the rank waits for its peers.
+COLLECTIVE_FRAME = re.compile(r"torch[/\\]distributed[/\\]")
+
+
+class Refused(Exception):
+    """A signal the safety rules do not allow; the message says why."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A registered rank process, with the identity it registered with."""
+
+    job_id: str
+    rank: int
+    pid: int
+    start_time: float | None
+    stack_signal: int | None = None
+    stack_path: str | None = None
+
+    @classmethod
+    def of(cls, rank: "Rank") -> "Target":
+        return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_path)
+
+
+# ---------------------------------------------------------------- safety
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_running(pid: int, start_time: float | None) -> bool:
+    """The process with that identity still runs (an unreaped zombie has exited)."""
+    return procs.is_same_process(pid, start_time) and not is_zombie(pid)
+
+
+def refusal(pid: int, start_time: float | None, protected: frozenset[int] | None = None) -> str | None:
+    """Why `pid` must not be signalled, or None when it may be. The one safety check, asked
+    right before every signal."""
+    protected = procs.protected_pids() if protected is None else protected
+    if pid <= 1:
+        return f"pid {pid} is never signalled"
+    if pid in protected:
+        return f"pid {pid} is the sidecar or one of its ancestors"
+    if start_time is None:
+        return f"pid {pid} has no recorded start time (not visible when it registered)"
+    if not procs.is_same_process(pid, start_time):
+        return f"pid {pid} is no longer the process that registered (exited or pid reused)"
+    return None
+
+
+def _forbidden_groups(protected: frozenset[int]) -> set[int]:
+    groups = {0, 1}
+    for pid in protected:
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(pid))
+    return groups
+
+
+def send(target: Target, sig: int, scope: str = "group") -> list[int]:
+    """Signal a registered rank: `scope="process"` the rank alone; `"group"` its process group
+    when it leads one of its own, else the rank and its descendants. Returns the pids (a
+    negative number is a process group) signalled; raises Refused."""
+    protected = procs.protected_pids()
+    reason = refusal(target.pid, target.start_time, protected)
+    if reason:
+        raise Refused(reason)
+    if scope == "process":
+        os.kill(target.pid, sig)
+        return [target.pid]
+    try:
+        pgid = os.getpgid(target.pid)
+    except ProcessLookupError:
+        raise Refused(f"pid {target.pid} exited") from None
+    if pgid == target.pid and pgid not in _forbidden_groups(protected):
+        os.killpg(pgid, sig)
+        return [-pgid]
+    # Not a group leader (or its group is ours): the rank and what it started, each checked.
+    sent = []
+    for p in [psutil.Process(target.pid)] + _descendants(target.pid):
+        if p.pid <= 1 or p.pid in protected:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)  # psutil refuses a pid reused since `p` was made
+            sent.append(p.pid)
+    return sent
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+# ---------------------------------------------------------------- storm cap
+
+class StormCap:
+    """At most `limit` remediations per sliding `window` seconds."""
+
+    def __init__(self, limit: int, window: float, clock: Callable[[], float] = time.monotonic):
+        self.limit, self.window, self.clock = limit, window, clock
+        self._times: list[float] = []
+
+    def _prune(self) -> None:
+        cutoff = self.clock() - self.window
+        self._times = [t for t in self._times if t > cutoff]
+
+    def allow(self) -> bool:
+        """Take one slot if there is one."""
+        self._prune()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(self.clock())
+        return True
+
+    def in_window(self) -> int:
+        self._prune()
+        return len(self._times)
+
+
+# ---------------------------------------------------------------- stacks
+
+def in_collective(text: str) -> bool | None:
+    """Whether a stack dump shows the rank inside torch.distributed; None without a dump."""
+    if not text.strip():
+        return None
+    return bool(COLLECTIVE_FRAME.search(text))
+
+
+def _file_size(path: str | None) -> int:
+    try:
+        return os.stat(path).st_size if path else 0
+    except OSError:
+        return 0
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(MAX_STACK_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def py_spy_path() -> str | None:
+    """py-spy on PATH or next to this Python (a virtual environment's bin/)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if local.exists() else None
+
+
+async def py_spy_dump(pid: int, timeout: float, nonblocking: bool) -> str:
+    """`py-spy dump --pid`: its output, or one line saying why there is none."""
+    exe = py_spy_path()
+    if exe is None:
+        return ""
+    cmd = [exe, "dump", "--pid", str(pid)] + (["--nonblocking"] if nonblocking else [])
+    try:
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+    except OSError as e:
+        return f"py-spy could not start: {e}"
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return f"py-spy gave no answer within {timeout:.0f}s"
+    text = out.decode(errors="replace")[:MAX_STACK_BYTES]
+    return text if proc.returncode == 0 else f"py-spy failed (exit {proc.returncode}): {text.strip()[:300]}"
+
+
+# ---------------------------------------------------------------- remediation
+
+class Remediator:
+    def __init__(self, settings: RemediationSettings):
+        self.settings = settings
+
+    async def collect_stacks(self, incident: Incident, targets: list[Target], store: IncidentStore,
+                             signal_ranks: bool = True) -> None:
+        """Ask each rank for its Python stacks (SIGCONT first: a stopped rank cannot dump), run
+        py-spy alongside, and keep what each dump file gained. Without `signal_ranks` only
+        py-spy's non-blocking mode runs: it reads memory and never stops the process."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        by_pid = {r.pid: r for r in incident.ranks}
+        sizes = {t.pid: _file_size(t.stack_path) for t in targets}
+        asked = []
+        if signal_ranks and s.dump_stacks:
+            for t in targets:
+                if not (t.stack_signal and t.stack_path):
+                    continue
+                try:
+                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "process")
+                    await loop.run_in_executor(None, send, t, t.stack_signal, "process")
+                    asked.append(t)
+                except (Refused, OSError) as e:
+                    incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
+            incident.event("dumps_requested", ranks=[t.rank for t in asked])
+        spy = None
+        if s.py_spy and py_spy_path():
+            timeout = max(5.0, s.dump_wait_seconds + 3.0)
+            spy = asyncio.gather(*(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks) for t in targets))
+        if asked:
+            await self._wait_for_dumps(asked, sizes)
+        got = []
+        for t in asked:
+            text = await loop.run_in_executor(None, _read_from, t.stack_path, sizes[t.pid])
+            snap = by_pid.get(t.pid)
+            if snap is not None and text.strip():
+                snap.stack_file, snap.stack_head, snap.stack_bytes = t.stack_path, stack_head(text), len(text)
+                snap.in_collective = in_collective(text)
+                got.append(t.rank)
+        if asked:
+            incident.event("dumps_received", ranks=got)
+        if spy is not None:
+            for t, text in zip(targets, await spy):
+                snap = by_pid.get(t.pid)
+                if snap is not None and text:
+                    snap.py_spy = text
+                    if snap.in_collective is None and not text.startswith("py-spy "):
+                        snap.in_collective = in_collective(text)
+            incident.event("py_spy_done")
+        store.save(incident)
+
+    async def _wait_for_dumps(self, targets: list[Target], sizes: dict[int, int]) -> None:
+        """Until every file has grown and then held still briefly, or dump_wait_seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.dump_wait_seconds
+        last: dict[int, int] = {}
+        still_since: float | None = None
+        while loop.time() < deadline:
+            now = {t.pid: _file_size(t.stack_path) for t in targets}
+            grown = all(now[p] > sizes[p] for p in now)
+            if grown and now == last:
+                still_since = still_since or loop.time()
+                if loop.time() - still_since >= 0.3:
+                    return
+            else:
+                still_since = None
+            last = now
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def terminate(self, incident: Incident, targets: list[Target], store: IncidentStore) -> str:
+        """SIGTERM each rank's group, wait grace_seconds, SIGKILL what is left; "killed" when
+        every rank is seen gone, else "failed"."""
+        loop = asyncio.get_running_loop()
+        # The tree as it is now: what a rank started is killed even if the rank dies first.
+        trees = {t.pid: await loop.run_in_executor(None, _descendants, t.pid) for t in targets}
+        signalled = await self._signal_all(incident, targets, signal.SIGTERM, "sigterm")
+        if not signalled:
+            incident.notes.append("no rank could be signalled")
+            store.save(incident)
+            return "failed"
+        store.save(incident)
+        left = await self._wait_exit(signalled, self.settings.grace_seconds)
+        if left:
+            await self._signal_all(incident, left, signal.SIGKILL, "sigkill")
+            for t in targets:
+                for p in trees.get(t.pid, []):
+                    with contextlib.suppress(psutil.Error):
+                        if p.is_running() and p.pid not in procs.protected_pids():
+                            p.kill()
+            left = await self._wait_exit(left, EXIT_WAIT_SECONDS)
+        if left:
+            incident.event("still_running", ranks=[t.rank for t in left])
+            outcome = "failed"
+        else:
+            incident.event("exit_observed", ranks=[t.rank for t in signalled])
+            outcome = "killed"
+        store.save(incident)
+        return outcome
+
+    async def _signal_all(self, incident: Incident, targets: list[Target], sig: int, event: str) -> list[Target]:
+        loop = asyncio.get_running_loop()
+        done, sent = [], []
+        for t in targets:
+            try:
+                if sig == signal.SIGTERM:  # a stopped process handles SIGTERM only once continued
+                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "group")
+                sent += await loop.run_in_executor(None, send, t, sig, "group")
+                done.append(t)
+            except (Refused, OSError) as e:
+                incident.notes.append(f"{signal.Signals(sig).name} not sent to rank {t.rank} (pid {t.pid}): {e}")
+                log.warning("not signalling rank %s/%d: %s", t.job_id, t.rank, e)
+        incident.event(event, ranks=[t.rank for t in done], pids=sent)
+        return done
+
+    async def _wait_exit(self, targets: list[Target], seconds: float) -> list[Target]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            left = [t for t in targets if await loop.run_in_executor(None, is_running, t.pid, t.start_time)]
+            if not left or loop.time() >= deadline:
+                return left
+            await asyncio.sleep(POLL_SECONDS)
