@@ -1,0 +1,62 @@
+"""`python -m trainer --config cfg.yaml --set section.field=value ...`, usually under torchrun:
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m trainer --config cfg.yaml
+
+Exit status 2 with one line on stderr for a bad configuration (checked before the rendezvous).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from trainer.config import ConfigError, help_text, load_config, parse_set
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="The bundled distributed trainer.")
+    p.add_argument("--config", help="YAML configuration file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field, e.g. --set batch.global_batch_size=64 (repeatable)")
+    p.add_argument("--final-params", metavar="PATH",
+                   help="rank 0 saves the final parameters here ({name: tensor}, torch.save)")
+    p.add_argument("--help-config", action="store_true", help="print every configuration field and exit")
+    return p.parse_args(argv)
+
+
+def setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s trainer[rank{rank}] %(levelname)s %(message)s"))
+    log = logging.getLogger("trainer")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == "0" else logging.WARNING)
+    log.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.help_config:
+        sys.stdout.write(help_text())
+        return 0
+    from trainer.distributed import world_size_from_env
+    try:
+        cfg = load_config(args.config, parse_set(args.set))
+        cfg.validate_for(world_size_from_env())
+    except ConfigError as e:
+        print(f"trainer: config error: {e}", file=sys.stderr)
+        return 2
+    setup_logging()
+    from trainer.train import Trainer
+    trainer = Trainer(cfg, final_params=args.final_params)
+    try:
+        trainer.train()
+        trainer.finish()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

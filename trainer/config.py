@@ -1,0 +1,428 @@
+"""The trainer's configuration: nested dataclasses, one YAML file, `TRAINER_<SECTION>_<FIELD>`
+environment variables and `--set section.field=value` flags (flag > env > file > default).
+
+Every field documents itself in `metadata["help"]` (printed by `python -m trainer --help-config`).
+Each section validates itself in `__post_init__`; anything wrong raises `ConfigError` with one
+line that names the field, which `python -m trainer` turns into exit status 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+ENV_PREFIX = "TRAINER_"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message is one line naming the field and the problem."""
+
+
+def doc(text: str) -> dict:
+    return {"help": text}
+
+
+def fail(name: str, problem: str) -> typing.NoReturn:
+    raise ConfigError(f"{name}: {problem}")
+
+
+def _check(name: str, ok: bool, problem: str) -> None:
+    if not ok:
+        fail(name, problem)
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    _check(name, math.isfinite(value) and value >= low, f"must be >= {low}, got {value!r}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(name, value in choices, f"expected one of {', '.join(choices)}, got {value!r}")
+
+
+def import_factory(name: str, path: str) -> Callable[..., Any]:
+    """Resolve `package.module:attribute`; a ConfigError names the field, the path and the ImportError."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        fail(name, f"expected an import path 'package.module:factory', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError or whatever the module raises while importing
+        fail(name, f"cannot import {path!r}: {type(e).__name__}: {e}")
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            fail(name, f"cannot import {path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    _check(name, callable(obj), f"{path!r} is not callable")
+    return obj
+
+
+# ---------------------------------------------------------------- sections
+
+@dataclass
+class ModelConfig:
+    factory: str = field(default="trainer.demo:build_model", metadata=doc(
+        "Import path `package.module:factory` of the model. Called as factory(**kwargs); returns an "
+        "nn.Module whose forward(inputs, targets) returns the scalar loss of a micro-batch."))
+    kwargs: dict[str, Any] = field(default_factory=dict, metadata=doc(
+        "Keyword arguments for the model factory (e.g. {hidden: 64, dropout: 0.1} for the demo)."))
+
+    def __post_init__(self) -> None:
+        import_factory("model.factory", self.factory)
+
+
+@dataclass
+class DataConfig:
+    factory: str = field(default="trainer.demo:build_dataset", metadata=doc(
+        "Import path `package.module:factory` of the dataset. Called as factory(seed=train.seed, "
+        "**kwargs); returns a map-style dataset whose items are (inputs, targets). Sample i must "
+        "depend only on the seed and i (exact resume relies on it)."))
+    kwargs: dict[str, Any] = field(default_factory=dict, metadata=doc(
+        "Keyword arguments for the dataset factory (e.g. {size: 4096, features: 32} for the demo)."))
+    num_workers: int = field(default=0, metadata=doc(
+        "DataLoader worker processes per rank (0 loads in the training process)."))
+    delay_seconds: float = field(default=0.0, metadata=doc(
+        "Extra seconds spent fetching each step's batches: makes demo and test steps last long enough "
+        "to watch (0.05-0.2 s)."))
+
+    def __post_init__(self) -> None:
+        import_factory("data.factory", self.factory)
+        _at_least("data.num_workers", self.num_workers, 0)
+        _at_least("data.delay_seconds", self.delay_seconds, 0)
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int = field(default=64, metadata=doc(
+        "Samples per optimizer step over all ranks. Must equal micro_batch_size x grad_accum_steps x "
+        "world_size; the data order does not depend on the world size."))
+    micro_batch_size: int = field(default=8, metadata=doc("Samples per forward/backward on one rank."))
+    grad_accum_steps: typing.Optional[int] = field(default=None, metadata=doc(
+        "Micro-batches accumulated per optimizer step. Derived from the two sizes and the world size; "
+        "an explicit value must agree with them."))
+
+    def __post_init__(self) -> None:
+        _at_least("batch.global_batch_size", self.global_batch_size, 1)
+        _at_least("batch.micro_batch_size", self.micro_batch_size, 1)
+        if self.grad_accum_steps is not None:
+            _at_least("batch.grad_accum_steps", self.grad_accum_steps, 1)
+
+    def accumulation_for(self, world_size: int) -> int:
+        """grad_accum_steps for this world size, or ConfigError naming the numbers that disagree."""
+        per_step = self.micro_batch_size * world_size
+        if self.grad_accum_steps is not None:
+            total = per_step * self.grad_accum_steps
+            _check("batch", total == self.global_batch_size,
+                   f"global_batch_size={self.global_batch_size} != micro_batch_size {self.micro_batch_size} "
+                   f"x grad_accum_steps {self.grad_accum_steps} x world_size {world_size} (= {total})")
+            return self.grad_accum_steps
+        _check("batch", self.global_batch_size % per_step == 0,
+               f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size "
+               f"{self.micro_batch_size} x world_size {world_size} (= {per_step})")
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=1e-3, metadata=doc("Peak learning rate of AdamW."))
+    weight_decay: float = field(default=0.01, metadata=doc("AdamW weight decay."))
+    warmup_steps: int = field(default=0, metadata=doc("Steps of linear warm-up from 0 to lr."))
+    schedule: str = field(default="cosine", metadata=doc(
+        "After warm-up: `constant`, or `cosine` decay to min_lr_ratio x lr at train.steps."))
+    min_lr_ratio: float = field(default=0.1, metadata=doc("Final learning rate of the cosine schedule, as a share of lr."))
+    max_grad_norm: float = field(default=1.0, metadata=doc(
+        "Clip the global gradient norm to this value (0: never clip; the norm is still reported)."))
+
+    def __post_init__(self) -> None:
+        _at_least("optim.lr", self.lr, 0)
+        _at_least("optim.weight_decay", self.weight_decay, 0)
+        _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        _one_of("optim.schedule", self.schedule, ("constant", "cosine"))
+        _check("optim.min_lr_ratio", 0 <= self.min_lr_ratio <= 1, f"must be in [0, 1], got {self.min_lr_ratio}")
+        _at_least("optim.max_grad_norm", self.max_grad_norm, 0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(default=100, metadata=doc("Optimizer steps to train for (the run's end)."))
+    seed: int = field(default=0, metadata=doc(
+        "Seed of everything: model initialisation, data order, per-rank dropout streams."))
+    device: str = field(default="auto", metadata=doc(
+        "`auto` (cuda:LOCAL_RANK when CUDA is available, else cpu), `cpu` or `cuda`."))
+    deterministic: bool = field(default=True, metadata=doc(
+        "Ask torch for deterministic kernels (needed for bitwise-exact resume on GPU)."))
+    log_every_steps: int = field(default=10, metadata=doc("Rank 0 logs step, loss and it/s every this many steps."))
+
+    def __post_init__(self) -> None:
+        _at_least("train.steps", self.steps, 1)
+        _one_of("train.device", self.device, ("auto", "cpu", "cuda"))
+        _at_least("train.log_every_steps", self.log_every_steps, 1)
+
+
+@dataclass
+class DDPOptions:
+    bucket_cap_mb: float = field(default=25.0, metadata=doc("DDP gradient bucket size in MiB."))
+    find_unused_parameters: bool = field(default=False, metadata=doc(
+        "Let DDP tolerate parameters that get no gradient (costs a graph walk per step)."))
+
+    def __post_init__(self) -> None:
+        _check("parallel.ddp.bucket_cap_mb", self.bucket_cap_mb > 0, f"must be > 0, got {self.bucket_cap_mb}")
+
+
+@dataclass
+class FSDPOptions:
+    reshard_after_forward: bool = field(default=True, metadata=doc(
+        "FSDP2: free gathered parameters after forward (less memory, one more all-gather in backward)."))
+    shard_children: bool = field(default=True, metadata=doc(
+        "FSDP2: shard each direct child module separately before the root (overlaps communication)."))
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = field(default="ddp", metadata=doc(
+        "`ddp` (DistributedDataParallel) or `fsdp` (FSDP2 fully_shard + torch.distributed.checkpoint). "
+        "Only the option block of the chosen strategy may be given."))
+    backend: str = field(default="auto", metadata=doc(
+        "Process group backend: `auto` (nccl with CUDA, else gloo), `gloo` or `nccl`."))
+    timeout_seconds: float = field(default=600.0, metadata=doc(
+        "Collective timeout of the process group. A hung peer fails the others after this long."))
+    ddp: typing.Optional[DDPOptions] = field(default=None, metadata=doc("Options of strategy ddp."))
+    fsdp: typing.Optional[FSDPOptions] = field(default=None, metadata=doc("Options of strategy fsdp."))
+
+    def __post_init__(self) -> None:
+        _one_of("parallel.strategy", self.strategy, ("ddp", "fsdp"))
+        _one_of("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        _check("parallel.timeout_seconds", self.timeout_seconds > 0, f"must be > 0, got {self.timeout_seconds}")
+        for other in ("ddp", "fsdp"):
+            if other != self.strategy and getattr(self, other) is not None:
+                fail(f"parallel.{other}", f"options of strategy {other} given but parallel.strategy is "
+                     f"{self.strategy}; remove the block or set parallel.strategy={other}")
+        if self.strategy == "ddp" and self.ddp is None:
+            self.ddp = DDPOptions()
+        if self.strategy == "fsdp" and self.fsdp is None:
+            self.fsdp = FSDPOptions()
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = field(default="", metadata=doc(
+        "Directory of `step-N/` checkpoints, seen by all ranks (shared across nodes). Empty: no checkpoints."))
+    every_steps: int = field(default=50, metadata=doc("Save every this many steps (and always at the last step)."))
+    keep_last: int = field(default=3, metadata=doc(
+        "Complete checkpoints to keep; older ones are deleted after a newer one is committed."))
+    resume: bool = field(default=True, metadata=doc(
+        "Resume from the newest complete checkpoint in `dir` at start (torchrun restarts rely on it)."))
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint.every_steps", self.every_steps, 1)
+        _at_least("checkpoint.keep_last", self.keep_last, 1)
+
+
+@dataclass
+class MonitorConfig:
+    enabled: bool = field(default=True, metadata=doc(
+        "Report steps, phases and events to the node sidecar through `trainer_hooks.Monitor` "
+        "(a no-op when no sidecar listens)."))
+
+
+FAULT_KINDS = ("none", "sigkill", "sigstop", "loop", "sleep", "dataloader", "sigkill_in_checkpoint")
+
+
+@dataclass
+class FaultConfig:
+    kind: str = field(default="none", metadata=doc(
+        "Injected fault: `none`; `sigkill` (the rank SIGKILLs itself at the start of step at_step); "
+        "`sigstop` (it SIGSTOPs itself there); `loop` (endless pure-Python busy loop after the forward "
+        "of step at_step, before its all-reduce); `sleep` (time.sleep(sleep_seconds) at the same place: "
+        "the other ranks block in the all-reduce); `dataloader` (fetching the batches of step at_step "
+        "never returns); `sigkill_in_checkpoint` (at the first checkpoint save with step >= at_step the "
+        "rank writes half of its file, then SIGKILLs itself before the commit)."))
+    rank: int = field(default=0, metadata=doc("Global rank that injects the fault."))
+    at_step: int = field(default=1, metadata=doc("Step (1-based) at which the fault fires."))
+    only_first_attempt: bool = field(default=True, metadata=doc(
+        "Fire only in the first attempt (TORCHELASTIC_RESTART_COUNT == 0), so the restarted run heals."))
+    sleep_seconds: float = field(default=1e6, metadata=doc("How long kind `sleep` sleeps."))
+    checkpoint_delay_seconds: float = field(default=0.0, metadata=doc(
+        "Every rank sleeps this long inside every checkpoint_save phase (any kind, every attempt): "
+        "makes a declared phase outlast the watchdog's step timeout."))
+
+    def __post_init__(self) -> None:
+        _one_of("faults.kind", self.kind, FAULT_KINDS)
+        _at_least("faults.rank", self.rank, 0)
+        _at_least("faults.at_step", self.at_step, 1)
+        _at_least("faults.sleep_seconds", self.sleep_seconds, 0)
+        _at_least("faults.checkpoint_delay_seconds", self.checkpoint_delay_seconds, 0)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def validate_for(self, world_size: int) -> int:
+        """Checks that need the world size; returns grad_accum_steps."""
+        if self.faults.kind != "none":
+            _check("faults.rank", self.faults.rank < world_size,
+                   f"rank {self.faults.rank} does not exist in world_size {world_size}")
+        return self.batch.accumulation_for(world_size)
+
+
+# ---------------------------------------------------------------- loading
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """Turn YAML/env/flag values into the field's declared type, or fail naming the field."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        _check(name, isinstance(value, Mapping), f"expected a mapping, got {value!r}")
+        return build(tp, value, prefix=name + ".")
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        _check(name, isinstance(value, bool), f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        try:
+            _check(name, not isinstance(value, (bool, float)), f"expected an integer, got {value!r}")
+            return int(value)
+        except (TypeError, ValueError):
+            fail(name, f"expected an integer, got {value!r}")
+    if tp is float:
+        try:
+            _check(name, not isinstance(value, bool), f"expected a number, got {value!r}")
+            return float(value)
+        except (TypeError, ValueError):
+            fail(name, f"expected a number, got {value!r}")
+    if tp is str:
+        _check(name, not isinstance(value, (dict, list)), f"expected a string, got {value!r}")
+        return "" if value is None else str(value)
+    if typing.get_origin(tp) is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        value = {} if value is None else value
+        _check(name, isinstance(value, Mapping), f"expected a mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
+    return value
+
+
+def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        fail(prefix + str(unknown[0]), f"unknown field; known in {prefix.rstrip('.') or 'the top level'}: "
+             f"{', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(prefix + k, hints[k], v) for k, v in data.items()})
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    *sections, leaf = dotted.split(".")
+    node = tree
+    for i, part in enumerate(sections):
+        node = node.setdefault(part, {})
+        _check(".".join(sections[:i + 1]), isinstance(node, dict), "is a value, not a section")
+    node[leaf] = value
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict:
+    """TRAINER_<SECTION>_<FIELD> for every field of every section (e.g. TRAINER_BATCH_GLOBAL_BATCH_SIZE)."""
+    out: dict = {}
+    hints = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(hints[section.name]):
+            key = f"{ENV_PREFIX}{section.name}_{f.name}".upper()
+            if key in environ:
+                _set_path(out, f"{section.name}.{f.name}", yaml.safe_load(environ[key]))
+    return out
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """`--set section.field=value` flags; values are parsed as YAML (numbers, booleans, mappings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            fail("--set", f"expected section.field=value, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            fail(key.strip(), f"cannot parse value {value!r}")
+    return out
+
+
+def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Config from the YAML file < TRAINER_* environment < dotted overrides < defaults underneath."""
+    environ = os.environ if environ is None else environ
+    tree: dict = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            fail("--config", f"cannot read {path}: {e.strerror}")
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            fail("--config", f"{path}{f' line {mark.line + 1}' if mark else ''} is not valid YAML")
+        _check("--config", loaded is None or isinstance(loaded, dict), f"{path} must hold a mapping at the top")
+        tree = loaded or {}
+    _merge(tree, env_overrides(environ))
+    for dotted, value in (overrides or {}).items():
+        _set_path(tree, dotted, value)
+    return build(Config, tree)
+
+
+def help_text() -> str:
+    """Every field with its type, default, environment variable and documentation."""
+    lines = ["Trainer configuration (YAML file via --config, env TRAINER_<SECTION>_<FIELD>, "
+             "flags --set section.field=value; flag > env > file > default).", ""]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            sub = inner[0] if inner and dataclasses.is_dataclass(inner[0]) else tp
+            if dataclasses.is_dataclass(sub):
+                if prefix:
+                    lines.append(f"  {prefix}{f.name}: {f.metadata.get('help', '')}")
+                else:
+                    lines.append(f"[{f.name}]")
+                walk(sub, f"{prefix}{f.name}.")
+                if not prefix:
+                    lines.append("")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            env = f"{ENV_PREFIX}{prefix.replace('.', '_')}{f.name}".upper() if prefix.count(".") == 1 else "-"
+            lines.append(f"  {prefix}{f.name} (default {default!r}; env {env})")
+            lines.append(f"      {f.metadata.get('help', '')}")
+
+    walk(Config, "")
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,62 @@
+"""Process group set-up: torchrun's environment when present, a one-process group otherwise, so the
+same code path (DDP or FSDP over a real process group) runs under `python -m trainer` too."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    local_rank: int
+    size: int
+    restart_count: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    """The world size torchrun announces (1 without torchrun); known before any rendezvous."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init(device_choice: str, backend_choice: str, timeout_seconds: float) -> World:
+    if "RANK" not in os.environ:  # plain `python -m trainer`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_choice, local_rank)
+    backend = backend_choice if backend_choice != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds),
+                            device_id=device if device.type == "cuda" else None)
+    return World(rank=dist.get_rank(), local_rank=local_rank, size=dist.get_world_size(),
+                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                 backend=backend, device=device)
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,76 @@
+"""Fault injection for watchdog tests and demos: one rank misbehaves at one step in a chosen way.
+
+The hooks sit where real faults happen: a dead or frozen process at the start of a step, a hang
+inside the step before its gradient all-reduce (the other ranks then wait in the collective, as
+they do behind a real straggler), a data fetch that never returns, a crash half-way through
+writing a checkpoint. Configured by the `faults` section (see trainer/config.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+from trainer.config import FaultConfig
+
+log = logging.getLogger("trainer")
+
+
+class FaultInjector:
+    def __init__(self, cfg: FaultConfig, rank: int, restart_count: int) -> None:
+        self.cfg = cfg
+        self.armed = (cfg.kind != "none" and rank == cfg.rank
+                      and not (cfg.only_first_attempt and restart_count > 0))
+        self.rank = rank
+
+    def _fires(self, kind: str, step: int) -> bool:
+        if self.armed and self.cfg.kind == kind and step == self.cfg.at_step:
+            log.warning("fault injection: %s on rank %d at step %d (pid %d)", kind, self.rank, step, os.getpid())
+            return True
+        return False
+
+    def step_start(self, step: int) -> None:
+        if self._fires("sigkill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fires("sigstop", step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def before_allreduce(self, step: int) -> None:
+        """Inside the step, after the forward pass, before backward starts DDP's all-reduce."""
+        if self._fires("loop", step):
+            _busy_loop_forever()
+        if self._fires("sleep", step):
+            time.sleep(self.cfg.sleep_seconds)
+
+    def fetch(self, step: int, next_step: Callable):
+        """Fetch step `step`'s batches through `next_step`, or never return."""
+        if self._fires("dataloader", step):
+            _dataloader_never_returns()
+        return next_step()
+
+    def checkpoint_interrupt(self, step: int) -> Callable[[], None] | None:
+        """A callable that SIGKILLs this rank half-way through writing its file of checkpoint `step`."""
+        if self.armed and self.cfg.kind == "sigkill_in_checkpoint" and step >= self.cfg.at_step:
+            def die() -> None:
+                log.warning("fault injection: sigkill_in_checkpoint on rank %d while writing step %d (pid %d)",
+                            self.rank, step, os.getpid())
+                os.kill(os.getpid(), signal.SIGKILL)
+            return die
+        return None
+
+    def checkpoint_delay(self) -> None:
+        if self.cfg.checkpoint_delay_seconds:
+            time.sleep(self.cfg.checkpoint_delay_seconds)
+
+
+def _busy_loop_forever() -> None:
+    n = 0
+    while True:  # pure Python, holds the GIL between bytecodes: a livelock, not a sleep
+        n = (n + 1) % 1_000_003
+
+
+def _dataloader_never_returns() -> None:
+    threading.Event().wait()

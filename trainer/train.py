@@ -1,0 +1,171 @@
+"""The training loop: build everything from the config, resume, train, close."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer import distributed, rng
+from trainer.checkpoint import Checkpointer
+from trainer.config import Config, import_factory
+from trainer.data import DataPosition, StepBatches
+from trainer.faults import FaultInjector
+from trainer.monitoring import open_monitor
+
+log = logging.getLogger("trainer")
+
+
+def lr_lambda(cfg: Config):
+    warmup, total, schedule, floor = cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.schedule, cfg.optim.min_lr_ratio
+
+    def factor(step: int) -> float:  # `step` counts optimizer steps already taken
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def parameters_digest(model: nn.Module) -> tuple[str, dict[str, torch.Tensor]]:
+    """sha256 of all parameters' bytes in named_parameters() order, and the full tensors (collective
+    under FSDP: every rank must call it)."""
+    h = hashlib.sha256()
+    full: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):  # an FSDP2 DTensor shard
+            t = t.full_tensor()
+        t = t.cpu().contiguous()
+        full[name] = t
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest(), full
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Trainer:
+    def __init__(self, cfg: Config, final_params: str | None = None) -> None:
+        self.cfg, self.final_params = cfg, final_params
+        self.world = distributed.init(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_seconds)
+        self.accum = cfg.validate_for(self.world.size)
+        self.monitor = open_monitor(cfg.monitor.enabled)
+        if self.world.is_main:
+            log.info("rendezvous done: world_size=%d backend=%s restart_count=%d strategy=%s device=%s grad_accum_steps=%d",
+                     self.world.size, self.world.backend, self.world.restart_count, cfg.parallel.strategy,
+                     self.world.device, self.accum)
+        self.monitor.event("rendezvous_done")
+        self.faults = FaultInjector(cfg.faults, self.world.rank, self.world.restart_count)
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.model, self.wrapped = self._build_model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.dataset = import_factory("data.factory", cfg.data.factory)(seed=cfg.train.seed, **cfg.data.kwargs)
+        if self.world.is_main:
+            log.info("data loaded: samples=%d steps_per_epoch=%d global_batch=%d micro_batch=%d",
+                     len(self.dataset), len(self.dataset) // cfg.batch.global_batch_size,
+                     cfg.batch.global_batch_size, cfg.batch.micro_batch_size)
+        self.monitor.event("data_loaded")
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.world, cfg.parallel.strategy, cfg.train.seed,
+                                         self.faults, self.monitor)
+        self.step = 0
+        position = DataPosition()
+        resumed = self.checkpointer.load_latest(self.model, self.optimizer, self.scheduler)
+        if resumed:
+            self.step, position = resumed.step, resumed.position
+            if self.world.is_main:
+                log.info("resumed from step %d (epoch %d, step %d of the epoch) at restart %d",
+                         self.step, position.epoch, position.step_in_epoch, self.world.restart_count)
+        self.data = StepBatches(self.dataset, seed=cfg.train.seed, global_batch=cfg.batch.global_batch_size,
+                                micro_batch=cfg.batch.micro_batch_size, accum=self.accum, rank=self.world.rank,
+                                world_size=self.world.size, num_workers=cfg.data.num_workers,
+                                delay_seconds=cfg.data.delay_seconds, position=position)
+
+    def _build_model(self) -> tuple[nn.Module, nn.Module]:
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        model = import_factory("model.factory", cfg.model.factory)(**cfg.model.kwargs).to(self.world.device)
+        rng.seed_rank(cfg.train.seed, self.world.rank)
+        if cfg.parallel.strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+            opts = cfg.parallel.fsdp
+            if opts.shard_children:
+                for child in model.children():
+                    fully_shard(child, reshard_after_forward=opts.reshard_after_forward)
+            fully_shard(model, reshard_after_forward=opts.reshard_after_forward)
+            return model, model
+        opts = cfg.parallel.ddp
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[self.world.local_rank] if self.world.device.type == "cuda" else None,
+            bucket_cap_mb=opts.bucket_cap_mb, find_unused_parameters=opts.find_unused_parameters)
+        return model, ddp
+
+    def _micro_step(self, step: int, batch, last: bool) -> torch.Tensor:
+        inputs, targets = (t.to(self.world.device, non_blocking=True) for t in batch)
+        sync = contextlib.nullcontext()
+        if not last and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
+            sync = self.wrapped.no_sync()
+        elif isinstance(self.wrapped, nn.Module) and hasattr(self.wrapped, "set_requires_gradient_sync"):
+            self.wrapped.set_requires_gradient_sync(last)  # FSDP2: reduce-scatter only on the last one
+        with sync:
+            loss = self.wrapped(inputs, targets) / self.accum
+            if last:
+                self.faults.before_allreduce(step)
+            loss.backward()
+        return loss.detach()
+
+    def train(self) -> None:
+        cfg, world = self.cfg, self.world
+        last_step = cfg.train.steps
+        self.wrapped.train()
+        window_start, window_steps = time.monotonic(), 0
+        while self.step < last_step:
+            step = self.step + 1
+            started = time.perf_counter()
+            self.faults.step_start(step)
+            batches, position = self.faults.fetch(step, self.data.next_step)
+            loss = sum(self._micro_step(step, b, i == len(batches) - 1) for i, b in enumerate(batches))
+            max_norm = cfg.optim.max_grad_norm or float("inf")
+            grad_norm = _local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step = step
+            samples = cfg.batch.micro_batch_size * self.accum
+            self.monitor.step(step, loss=loss, grad_norm=grad_norm, lr=lr, samples=samples,
+                              step_time_seconds=time.perf_counter() - started)
+            window_steps += 1
+            if world.is_main and (step % cfg.train.log_every_steps == 0 or step == last_step):
+                elapsed = time.monotonic() - window_start
+                log.info("step %d/%d loss=%.4f grad_norm=%.4f lr=%.3g it/s=%.2f samples/s=%.1f", step, last_step,
+                         loss.item(), grad_norm.item(), lr, window_steps / elapsed,
+                         window_steps * cfg.batch.global_batch_size / elapsed)
+                window_start, window_steps = time.monotonic(), 0
+            if self.checkpointer.due(step, last_step):
+                self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, position)
+
+    def finish(self) -> str:
+        digest, full = parameters_digest(self.model)
+        if self.world.is_main:
+            if self.final_params:
+                Path(self.final_params).parent.mkdir(parents=True, exist_ok=True)
+                torch.save(full, self.final_params)
+            log.info("training finished: step=%d params_sha256=%s", self.step, digest)
+        return digest
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.monitor.close()
+        distributed.close()
