@@ -1,0 +1,296 @@
+"""HTTP handlers: `/metrics`, `/healthz`, `/readyz`, `/v1/status` and the hooks' push API
+(`/v1/register`, `/v1/push`, `/v1/deregister`), with the middlewares that turn every
+refusal into a 4xx JSON body and keep the daemon up whatever a client sends."""
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import psutil
+from aiohttp import web
+from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
+
+from sidecar import __version__, procs, protocol, report
+from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
+from sidecar.config import Settings
+from sidecar.protocol import ProtocolError
+from sidecar.registry import Registry, RegistryError
+
+log = logging.getLogger(__name__)
+
+FLUSH_INTERVAL_SECONDS = 0.5  # how often the hooks should post their buffer (told at registration)
+PUSH_PATHS = frozenset({"/v1/register", "/v1/push", "/v1/deregister"})
+COMPRESS_ABOVE_BYTES = 4096
+
+
+@dataclass
+class IngestStats:
+    """The push API's own counters (exported as `sidecar_ingest_*`)."""
+
+    records: collections.Counter = field(default_factory=collections.Counter)  # accepted, by item type
+    rejected: collections.Counter = field(default_factory=collections.Counter)  # requests, by error code
+
+
+@dataclass
+class Daemon:
+    """Everything the handlers share; one per application."""
+
+    settings: Settings
+    registry: Registry
+    runner: CollectorRunner
+    watchdog: Any  # sidecar.watchdog.Watchdog (duck-typed: families, status, rank_state, ...)
+    token: str | None  # the push API's bearer token over TCP; None: no token
+    protected_pids: frozenset[int]
+    stats: IngestStats = field(default_factory=IngestStats)
+    started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
+
+
+DAEMON = web.AppKey("daemon", Daemon)
+EXPOSITION = web.AppKey("exposition", CollectorRegistry)
+
+METRICS: tuple[MetricSpec, ...] = (
+    BUILD_INFO := spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"]),
+    INGEST_RECORDS := spec("daemon", "ingest_records", "counter",
+                           "Items accepted by the push API, by type (step, phase, event).", ["type"]),
+    INGEST_REJECTED := spec("daemon", "ingest_rejected_requests", "counter",
+                            "Push API requests refused, by error code (bad_json, bad_field, too_large, "
+                            "unknown_rank, step_not_increasing, limit_exceeded, pid_mismatch, unauthorized).",
+                            ["code"]),
+    INGEST_REGISTRATIONS := spec("daemon", "ingest_registrations", "counter",
+                                 "Rank registrations accepted (re-registrations included)."),
+    DAEMON_CPU := spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used."),
+    DAEMON_RSS := spec("daemon", "daemon_resident_memory_bytes", "gauge", "The sidecar process's resident memory."),
+)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": message, "code": code}, status=status, headers=headers)
+
+
+# ---------------------------------------------------------------- middlewares
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Every refusal becomes `{"error", "code"}`; an unexpected exception is logged and
+    answered 500, and the daemon carries on."""
+    try:
+        return await handler(request)
+    except (ProtocolError, RegistryError, ApiError) as e:
+        status, code = e.status, e.code
+        message = str(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        status, code = e.status, {404: "not_found", 405: "method_not_allowed",
+                                  413: "too_large"}.get(e.status, "bad_request")
+        message = f"{e.reason}: {request.method} {request.path}"
+    except Exception:
+        log.exception("unexpected error handling %s %s", request.method, request.path)
+        status, code, message = 500, "internal", "internal error (logged by the sidecar)"
+    if request.path in PUSH_PATHS:
+        request.app[DAEMON].stats.rejected[code] += 1
+    headers = {"WWW-Authenticate": "Bearer"} if code == "unauthorized" else None
+    return error_response(status, code, message, headers)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """The push API needs the bearer token over TCP when one is configured (always when TCP
+    listens beyond loopback). The Unix socket is guarded by its file mode and peer
+    credentials instead; `/metrics`, health and status stay open."""
+    token = request.app[DAEMON].token
+    if token and request.path in PUSH_PATHS and _is_tcp(request):
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "the push API needs 'Authorization: Bearer <token>' over TCP")
+    return await handler(request)
+
+
+def _socket(request: web.Request) -> socket.socket | None:
+    transport = request.transport
+    return transport.get_extra_info("socket") if transport is not None else None
+
+
+def _is_tcp(request: web.Request) -> bool:
+    sock = _socket(request)
+    return sock is None or sock.family != socket.AF_UNIX
+
+
+# ---------------------------------------------------------------- push API
+
+async def read_json(request: web.Request) -> dict:
+    limit = request.app[DAEMON].settings.limits.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds limits.max_body_bytes ({limit})")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "too_large", f"body exceeds limits.max_body_bytes ({limit})") from None
+    return protocol.decode(body)
+
+
+def check_caller(request: web.Request, pid: int) -> bool:
+    """Over the Unix socket the connecting process must be `pid` or one of its ancestors
+    (a launcher registering its child). Returns whether the caller was verified; TCP
+    callers cannot be."""
+    peer = procs.peer_pid(_socket(request))
+    if peer is None:
+        return False
+    if peer != pid and not procs.is_self_or_descendant(pid, peer):
+        raise ApiError(403, "pid_mismatch",
+                       f"pid: {pid} is neither the connecting process ({peer}) nor one of its descendants")
+    return True
+
+
+async def register(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    reg = protocol.parse_registration(await read_json(request))
+    if reg.pid in d.protected_pids:
+        raise ApiError(403, "pid_mismatch", f"pid: {reg.pid} is init, the sidecar or one of its ancestors; "
+                                            "it may never register")
+    verified = check_caller(request, reg.pid)
+    started = procs.start_time(reg.pid)
+    rank = d.registry.register(reg, pid_start_time=started, peer_verified=verified)
+    log.info("registered rank %s pid %d (restart %d%s)", rank.label, rank.pid, rank.restart_count,
+             "" if verified else ", unverified peer")
+    return web.json_response({"ok": True, "key": rank.label, "diag_dir": str(job_diag_dir(d.settings, reg.job_id)),
+                              "flush_interval_s": FLUSH_INTERVAL_SECONDS})
+
+
+async def push(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    batch = protocol.parse_push(await read_json(request), d.settings.limits.max_items_per_push)
+    check_caller(request, batch.pid)
+    accepted = d.registry.apply_push(batch)
+    records = d.stats.records
+    for item in batch.items:
+        records[_ITEM_TYPES[type(item)]] += 1
+    return web.json_response({"ok": True, "accepted": accepted})
+
+
+_ITEM_TYPES = {protocol.StepItem: "step", protocol.PhaseItem: "phase", protocol.EventItem: "event"}
+
+
+async def deregister(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    dereg = protocol.parse_deregistration(await read_json(request))
+    check_caller(request, dereg.pid)
+    rank = d.registry.deregister(dereg)
+    log.info("rank %s deregistered: %s", rank.label, dereg.reason)
+    return web.json_response({"ok": True})
+
+
+_UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def job_diag_dir(settings: Settings, job_id: str) -> Path:
+    """The directory the job's stack dumps go to, created on demand so the hooks can write
+    into it (same group access as the socket; best effort: the hooks fall back to a
+    directory of their own)."""
+    name = _UNSAFE_PATH_CHARS.sub("_", job_id).lstrip(".") or "job"
+    path = settings.diagnostics_dir / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # Whoever may push may write dumps: the socket's read/write bits, plus search.
+        mode = settings.socket_mode_int
+        path.chmod(mode | ((mode & 0o444) >> 2) | 0o700)
+    except OSError as e:
+        log.warning("cannot prepare diagnostics directory %s: %s", path, e)
+    return path
+
+
+# ---------------------------------------------------------------- reading endpoints
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    if request.app[DAEMON].runner.first_round.is_set():
+        return web.json_response({"ready": True})
+    return web.json_response({"ready": False, "error": "collectors have not finished their first round"},
+                             status=503)
+
+
+async def status(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    body = report.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started)
+    return web.json_response(body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    body = encoder(request.app[EXPOSITION])
+    response = web.Response(body=body, headers={"Content-Type": content_type})
+    if len(body) > COMPRESS_ABOVE_BYTES:
+        response.enable_compression()  # only when the scraper accepts gzip
+    return response
+
+
+# ---------------------------------------------------------------- exposition
+
+class Exposition:
+    """The one prometheus-client collector of the private registry: the families of every
+    source, read at scrape time from what is already in memory."""
+
+    def __init__(self, sources: Iterable[Callable[[], Iterable[Metric]]]):
+        self.sources = list(sources)
+
+    def collect(self) -> Iterable[Metric]:
+        for source in self.sources:
+            try:
+                yield from source()
+            except Exception:  # one broken source never breaks the endpoint
+                log.exception("metric source %s failed", getattr(source, "__qualname__", source))
+
+
+def daemon_families(d: Daemon) -> Iterable[Metric]:
+    build = BUILD_INFO.family()
+    build.add_metric([__version__], 1)
+    records = INGEST_RECORDS.family()
+    for kind in ("step", "phase", "event"):
+        records.add_metric([kind], d.stats.records[kind])
+    rejected = INGEST_REJECTED.family()
+    for code, count in sorted(d.stats.rejected.items()):
+        rejected.add_metric([code], count)
+    registrations = INGEST_REGISTRATIONS.family()
+    registrations.add_metric([], d.registry.registrations_total)
+    yield from (build, records, rejected, registrations)
+    try:
+        cpu = d.process.cpu_times()
+        cpu_family, rss = DAEMON_CPU.family(), DAEMON_RSS.family()
+        cpu_family.add_metric([], cpu.user + cpu.system)
+        rss.add_metric([], d.process.memory_info().rss)
+        yield from (cpu_family, rss)
+    except psutil.Error:
+        pass
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/register", register)
+    app.router.add_post("/v1/push", push)
+    app.router.add_post("/v1/deregister", deregister)
+
+
+MIDDLEWARES = (errors_middleware, auth_middleware)
