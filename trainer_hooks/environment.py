@@ -1,0 +1,165 @@
+"""What the hooks learn from the process environment: who this rank is (torchrun's variables),
+where the sidecar listens, and the switches an operator can flip without touching code.
+
+Every variable read by the hooks is listed here, so this file is their reference:
+
+| variable | meaning |
+| --- | --- |
+| `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE` | set by torchrun; identify the rank |
+| `TORCHELASTIC_RUN_ID` | the job id (default `"default"`) |
+| `TORCHELASTIC_RESTART_COUNT` | how often torchrun restarted the worker group |
+| `SIDECAR_SOCKET` | the sidecar's Unix socket (preferred transport) |
+| `SIDECAR_URL` | `http://HOST:PORT` of the sidecar, used when `SIDECAR_SOCKET` is not set |
+| `SIDECAR_TOKEN` | bearer token sent with every request (needed when the sidecar listens beyond loopback) |
+| `SIDECAR_DIAG_DIR` | where stack dumps go (default: `diag/` next to the socket, else a temp dir) |
+| `SIDECAR_STACK_SIGNAL` | signal that dumps this rank's Python stacks (`SIGUSR2` default; `off` disables) |
+| `SIDECAR_FLUSH_INTERVAL` | seconds between batches sent to the sidecar (default 0.5) |
+| `SIDECAR_HOOKS_DISABLED` | `1` makes every hook a no-op |
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+from dataclasses import dataclass
+from typing import Mapping
+from urllib.parse import urlsplit
+
+log = logging.getLogger("trainer_hooks")
+
+DEFAULT_SOCKET = "/run/sidecar/sidecar.sock"
+DEFAULT_FLUSH_INTERVAL = 0.5
+DEFAULT_STACK_SIGNAL = signal.SIGUSR2
+_TRUE = ("1", "true", "yes", "on")
+_OFF = ("", "0", "off", "none", "no", "false", "disabled")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this rank is, as the register request names it."""
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the sidecar listens: a Unix socket path, or a TCP host and port."""
+    socket_path: str | None = None
+    host: str | None = None
+    port: int | None = None
+    base_path: str = ""
+    token: str | None = None
+
+    @property
+    def is_unix(self) -> bool:
+        return self.socket_path is not None
+
+    def describe(self) -> str:
+        return f"unix:{self.socket_path}" if self.is_unix else f"http://{self.host}:{self.port}{self.base_path}"
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        log.warning("trainer_hooks: ignoring %s=%r (not an integer), using %s", name, raw, default)
+        return default
+
+
+def identity(environ: Mapping[str, str], job_id: str | None = None, rank: int | None = None,
+             local_rank: int | None = None, world_size: int | None = None,
+             local_world_size: int | None = None, restart_count: int | None = None) -> Identity:
+    """Explicit arguments win; otherwise torchrun's variables; otherwise a single-process job."""
+    rank = _int(environ, "RANK", 0) if rank is None else int(rank)
+    world_size = _int(environ, "WORLD_SIZE", 1) if world_size is None else int(world_size)
+    return Identity(
+        job_id=str(job_id or environ.get("TORCHELASTIC_RUN_ID") or "default")[:128],
+        rank=rank,
+        local_rank=_int(environ, "LOCAL_RANK", rank) if local_rank is None else int(local_rank),
+        world_size=world_size,
+        local_world_size=(_int(environ, "LOCAL_WORLD_SIZE", world_size) if local_world_size is None
+                          else int(local_world_size)),
+        restart_count=(_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if restart_count is None
+                       else int(restart_count)),
+    )
+
+
+def endpoint(environ: Mapping[str, str], socket_path: str | None = None, url: str | None = None,
+             token: str | None = None) -> Endpoint:
+    """The sidecar's address: an explicit socket or URL, else SIDECAR_SOCKET, else SIDECAR_URL,
+    else the default socket. A malformed URL falls back to the default socket (and says so)."""
+    token = token if token is not None else (environ.get("SIDECAR_TOKEN", "").strip() or None)
+    if socket_path is None and url is None:
+        socket_path = environ.get("SIDECAR_SOCKET") or None
+        if socket_path is None:
+            url = environ.get("SIDECAR_URL") or None
+    if socket_path is not None:
+        return Endpoint(socket_path=socket_path, token=token)
+    if url is not None:
+        parts = urlsplit(url)
+        try:
+            port = parts.port or 80
+        except ValueError:
+            port = None
+        if parts.scheme == "http" and parts.hostname and port:
+            return Endpoint(host=parts.hostname, port=port, base_path=parts.path.rstrip("/"), token=token)
+        log.warning("trainer_hooks: cannot use sidecar URL %r (expected http://HOST:PORT); "
+                    "using the default socket %s", url, DEFAULT_SOCKET)
+    return Endpoint(socket_path=DEFAULT_SOCKET, token=token)
+
+
+def disabled(environ: Mapping[str, str]) -> bool:
+    return environ.get("SIDECAR_HOOKS_DISABLED", "").strip().lower() in _TRUE
+
+
+def flush_interval(environ: Mapping[str, str]) -> float | None:
+    """SIDECAR_FLUSH_INTERVAL in seconds, or None when unset or not a positive number."""
+    raw = environ.get("SIDECAR_FLUSH_INTERVAL", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 3600:
+        log.warning("trainer_hooks: ignoring SIDECAR_FLUSH_INTERVAL=%r (want seconds > 0)", raw)
+        return None
+    return value
+
+
+def stack_signal(environ: Mapping[str, str]) -> int | None:
+    """The stack-dump signal: SIDECAR_STACK_SIGNAL as a name (`SIGUSR2`, `USR1`) or number;
+    `off` (or `0`, `none`) disables the dump. Default SIGUSR2."""
+    raw = environ.get("SIDECAR_STACK_SIGNAL")
+    if raw is None:
+        return int(DEFAULT_STACK_SIGNAL)
+    text = raw.strip().upper()
+    if text.lower() in _OFF:
+        return None
+    if text.isdigit():
+        return int(text)
+    name = text if text.startswith("SIG") else "SIG" + text
+    sig = getattr(signal, name, None)
+    if isinstance(sig, signal.Signals):
+        return int(sig)
+    log.warning("trainer_hooks: unknown SIDECAR_STACK_SIGNAL=%r; stack dumps disabled", raw)
+    return None
+
+
+def diag_dir(environ: Mapping[str, str], endpoint_: Endpoint) -> str:
+    """SIDECAR_DIAG_DIR, else `diag/` next to the sidecar's socket (where the sidecar looks by
+    default), else a directory under the system's temp dir."""
+    explicit = environ.get("SIDECAR_DIAG_DIR")
+    if explicit:
+        return explicit
+    if endpoint_.is_unix:
+        return os.path.join(os.path.dirname(endpoint_.socket_path) or ".", "diag")
+    return os.path.join(tempfile.gettempdir(), "sidecar-diag")

@@ -1,0 +1,236 @@
+"""`Monitor`: what training code calls.
+
+    mon = Monitor()
+    mon.step(step, loss=loss, grad_norm=gn, lr=3e-4, samples=64, tokens=32768, step_time_seconds=dt)
+    with mon.phase("checkpoint_save", timeout=600): ...
+    mon.event("checkpoint_saved", step=17, path="/ckpt/step-17")
+    mon.close()
+
+On the training thread a call appends one tuple to a bounded deque and returns: no lock, no
+copy, no I/O, no formatting, no tensor access (a tensor is stored as a reference and read by
+the sender thread). Everything else happens on the sender thread (`sender.py`). Every call
+swallows its own errors: the hooks never raise into training.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import time
+import weakref
+from collections import deque
+from typing import Any, Mapping
+
+from trainer_hooks import environment, stacks
+from trainer_hooks.ratelimit import warn
+from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
+from trainer_hooks.sender import Sender
+
+log = logging.getLogger("trainer_hooks")
+
+DEFAULT_BUFFER_SIZE = 10_000
+CLOSE_BUDGET_SECONDS = 0.8
+_FROM_ENV: Any = object()
+_time = time.time
+_monitors: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
+
+
+class Monitor:
+    """Progress and metrics of one rank, pushed to the node's sidecar.
+
+    Identity defaults come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID); the sidecar's address
+    and the switches from `SIDECAR_*` variables (see `environment.py`). Explicit arguments win.
+
+    Args:
+        job_id, rank, local_rank, world_size, local_world_size, restart_count: the rank's identity.
+        enabled: False (or SIDECAR_HOOKS_DISABLED=1) makes every method a no-op.
+        socket, url, token: the sidecar's Unix socket, or its `http://HOST:PORT` URL and bearer token.
+        flush_interval: seconds between batches (default SIDECAR_FLUSH_INTERVAL, else what the
+            sidecar suggests at registration, else 0.5).
+        buffer_size: records kept while the sidecar is slow or away; the oldest are dropped
+            (and counted) beyond it.
+        diag_dir: where the stack-dump file goes (default SIDECAR_DIAG_DIR, else `diag/` next
+            to the socket, else a temp dir).
+        stack_signal: signal number for stack dumps, None to disable (default
+            SIDECAR_STACK_SIGNAL, else SIGUSR2).
+        environ: the environment to read (default `os.environ`).
+        connect_timeout, read_timeout, max_backoff: transport tuning, in seconds.
+    """
+
+    def __init__(self, job_id: str | None = None, rank: int | None = None, *,
+                 local_rank: int | None = None, world_size: int | None = None,
+                 local_world_size: int | None = None, restart_count: int | None = None,
+                 enabled: bool = True, socket: str | None = None, url: str | None = None,
+                 token: str | None = None, flush_interval: float | None = None,
+                 buffer_size: int = DEFAULT_BUFFER_SIZE, diag_dir: str | None = None,
+                 stack_signal: int | None = _FROM_ENV, environ: Mapping[str, str] | None = None,
+                 connect_timeout: float | None = None, read_timeout: float | None = None,
+                 max_backoff: float | None = None):
+        self._live = False
+        self._closed = False
+        self._pid = os.getpid()
+        self._buffer: deque = deque(maxlen=max(1, int(buffer_size)))
+        self._append = self._buffer.append
+        self._next_seq = itertools.count().__next__
+        self._sender: Sender | None = None
+        self._stack_dump: stacks.StackDump | None = None
+        self.identity: environment.Identity | None = None
+        try:
+            env = os.environ if environ is None else environ
+            if not enabled or environment.disabled(env):
+                return
+            self.identity = environment.identity(env, job_id, rank, local_rank, world_size,
+                                                 local_world_size, restart_count)
+            endpoint = environment.endpoint(env, socket, url, token)
+            signum = environment.stack_signal(env) if stack_signal is _FROM_ENV else stack_signal
+            self._stack_dump = stacks.install(diag_dir or environment.diag_dir(env, endpoint),
+                                              self.identity.job_id, self.identity.rank, signum)
+            interval = flush_interval or environment.flush_interval(env)
+            extra = {k: v for k, v in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout),
+                                        ("max_backoff", max_backoff)) if v is not None}
+            self._sender = Sender(self._buffer, endpoint, self.identity, self._pid, self._stack_dump,
+                                  flush_interval=interval or environment.DEFAULT_FLUSH_INTERVAL,
+                                  adopt_server_interval=interval is None, **extra)
+            self._live = True
+            _monitors.add(self)
+            atexit.register(self._close_at_exit)
+            self._sender.start()
+        except Exception as e:
+            self._live = False
+            warn("init", "trainer_hooks: monitoring disabled, setup failed (%s: %s)", type(e).__name__, e)
+
+    # ---------------------------------------------------------------- hot path (training thread)
+
+    def step(self, step: Any, **metrics: Any) -> None:
+        """Record that `step` finished, with its metrics (numbers or 1-element tensors; None
+        skipped). Well-known keys: loss, grad_norm, lr, step_time_seconds, samples, tokens,
+        iterations_per_second, samples_per_second, tokens_per_second; others are custom metrics."""
+        if self._live:
+            try:
+                self._append((self._next_seq(), STEP, _time(), step, metrics))
+            except Exception:
+                pass
+
+    def phase_start(self, name: str, timeout: float | None = None) -> None:
+        """A declared phase (checkpoint_save, eval, ...) begins; `timeout` is its budget in seconds."""
+        if self._live:
+            try:
+                self._append((self._next_seq(), PHASE_START, _time(), name, timeout))
+            except Exception:
+                pass
+
+    def phase_end(self, name: str) -> None:
+        if self._live:
+            try:
+                self._append((self._next_seq(), PHASE_END, _time(), name, None))
+            except Exception:
+                pass
+
+    def phase(self, name: str, timeout: float | None = None) -> "Phase":
+        """`with mon.phase("checkpoint_save", timeout=600): ...` sends start and end (end also
+        when the block raises; the exception propagates unchanged)."""
+        return Phase(self, name, timeout)
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Something happened: `checkpoint_saved` (step, path), `rendezvous_done`, `data_loaded`,
+        `checkpoint_loaded` (step), or any other name."""
+        if self._live:
+            try:
+                self._append((self._next_seq(), EVENT, _time(), name, fields))
+            except Exception:
+                pass
+
+    # ---------------------------------------------------------------- life cycle
+
+    def close(self, reason: str = "finished", timeout: float = CLOSE_BUDGET_SECONDS) -> None:
+        """Flush what is buffered, deregister and stop the sender, within about `timeout`
+        seconds even when the sidecar hangs. Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._live = False
+        if os.getpid() != self._pid:  # a forked child: the parent owns the registration and the file
+            return
+        try:
+            atexit.unregister(self._close_at_exit)
+            if self._sender is not None:
+                self._sender.stop(timeout, reason)
+        except Exception as e:
+            warn("close", "trainer_hooks: close failed (%s: %s)", type(e).__name__, e)
+        finally:
+            if self._stack_dump is not None:
+                try:
+                    self._stack_dump.close()
+                except Exception:
+                    pass
+
+    def _close_at_exit(self) -> None:
+        self.close(reason="exit")
+
+    def _forget_after_fork(self) -> None:
+        self._live = False
+        self._closed = True
+        self._buffer.clear()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- introspection
+
+    @property
+    def enabled(self) -> bool:
+        """True while calls are recorded (not disabled, not closed, not a forked copy)."""
+        return self._live
+
+    @property
+    def dropped(self) -> int:
+        """Records lost so far (buffer overflow, batches the sidecar never got)."""
+        return self._sender.dropped() if self._sender else 0
+
+    @property
+    def sent(self) -> int:
+        """Items the sidecar accepted."""
+        return self._sender.sent if self._sender else 0
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._sender and self._sender.registered)
+
+    @property
+    def registrations(self) -> int:
+        """Successful registrations: more than 1 means the hooks re-registered."""
+        return self._sender.registrations if self._sender else 0
+
+    @property
+    def stack_dump_path(self) -> str | None:
+        return self._stack_dump.path if self._stack_dump else None
+
+
+class Phase:
+    """The context manager `Monitor.phase` returns."""
+    __slots__ = ("_monitor", "_name", "_timeout")
+
+    def __init__(self, monitor: Monitor, name: str, timeout: float | None):
+        self._monitor, self._name, self._timeout = monitor, name, timeout
+
+    def __enter__(self) -> "Phase":
+        self._monitor.phase_start(self._name, self._timeout)
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self._monitor.phase_end(self._name)
+        return False
+
+
+def _after_fork_in_child() -> None:
+    # The sender thread does not survive fork; a DataLoader worker must not speak for the rank.
+    for monitor in list(_monitors):
+        monitor._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,272 @@
+"""The hooks' background thread: it drains the buffer the training thread appends to, turns
+records into protocol items, and posts them to the sidecar in batches.
+
+Failure handling, in one place:
+- sidecar unreachable (absent, killed, hung): the batch in flight is dropped and counted,
+  the next attempt waits a capped exponential backoff, and the next contact starts with a
+  fresh registration (the sidecar may have restarted and forgotten this rank). While it
+  waits, records stay in the bounded buffer, which drops the oldest when full (counted).
+- `409 unknown_rank`: re-register and resend the batch once. `409 step_not_increasing`
+  (the trainer rolled its step counter back): re-register without a step, resend once.
+- any other 4xx: log once (rate-limited), drop that batch, carry on.
+- 5xx: drop the batch and back off, as if unreachable.
+
+A re-registration carries the last step and phase the sidecar acknowledged, so a restarted
+sidecar resumes watching the rank instead of giving it a fresh start-up budget; the batches
+that follow bring it up to date in order.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from collections import deque
+
+from trainer_hooks.environment import Endpoint, Identity
+from trainer_hooks.ratelimit import warn
+from trainer_hooks.records import Encoder
+from trainer_hooks.stacks import StackDump
+from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
+
+log = logging.getLogger("trainer_hooks")
+
+HOOKS_VERSION = "0.1.0"
+BATCH_ITEMS = 1000          # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
+MAX_BACKOFF_SECONDS = 5.0   # a restarted sidecar hears from every rank within this long
+_MIN_SERVER_INTERVAL, _MAX_SERVER_INTERVAL = 0.05, 60.0
+
+
+def versions() -> dict:
+    """Versions worth knowing when debugging a job. torch/cuda/nccl only when the training
+    process imported torch itself: the hooks never import it."""
+    out = {"python": platform.python_version()}
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return out
+    try:
+        out["torch"] = str(torch.__version__)
+        cuda = getattr(getattr(torch, "version", None), "cuda", None)
+        if cuda:
+            out["cuda"] = str(cuda)
+            nccl = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(str(p) for p in nccl) if isinstance(nccl, tuple) else str(nccl)
+    except Exception:  # a partial import or a build without NCCL: report what we have
+        pass
+    return out
+
+
+def _dumps(body: dict) -> bytes:
+    # allow_nan=False: the records module already turned non-finite numbers into strings;
+    # this makes sure nothing non-strict ever reaches the wire.
+    return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
+
+
+class Sender:
+    def __init__(self, buffer: deque, endpoint: Endpoint, ident: Identity, pid: int,
+                 stack_dump: StackDump | None, flush_interval: float, adopt_server_interval: bool,
+                 connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT,
+                 max_backoff: float = MAX_BACKOFF_SECONDS, batch_items: int = BATCH_ITEMS):
+        self.buffer = buffer
+        self.endpoint = endpoint
+        self.ident = ident
+        self.pid = pid
+        self.stack_dump = stack_dump
+        self.flush_interval = flush_interval
+        self.adopt_server_interval = adopt_server_interval
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_backoff = max_backoff
+        self.batch_items = batch_items
+        self.encoder = Encoder()
+        self.registered = False
+        self.registrations = 0
+        self.sent = 0                 # items the sidecar accepted
+        self.lost = 0                 # records dropped: buffer overflow seen so far, failed batches
+        self._expected_seq = 0        # seq of the next record; a higher one means the buffer dropped some
+        self._acked_step: int | None = None
+        self._acked_phases: list[str] = []
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self._wake = threading.Event()
+        self._close_deadline: float | None = None
+        self._close_reason = "finished"
+        self.thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- thread life
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="trainer_hooks-sender", daemon=True)
+        self.thread.start()
+
+    def stop(self, budget: float, reason: str) -> None:
+        """Ask for a last flush and a deregistration within `budget` seconds, and wait at most
+        that long (plus a little): a hung sidecar cannot hold up the training process's exit."""
+        self._close_reason = reason
+        self._close_deadline = time.monotonic() + budget
+        self._wake.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(budget + 0.2)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.flush_interval)
+            if os.getpid() != self.pid:  # a forked child never speaks for the rank
+                return
+            try:
+                if self._close_deadline is not None:
+                    self.cycle(self._close_deadline, final=True)
+                    if self.registered:
+                        self.deregister(self._close_reason, self._close_deadline)
+                    return
+                self.cycle()
+            except Exception as e:  # the thread must outlive any bug of its own
+                warn("sender_error", "trainer_hooks: sender error (%s: %s); continuing", type(e).__name__, e)
+                self._failed()
+
+    # ---------------------------------------------------------------- one round
+
+    def dropped(self) -> int:
+        """Records lost so far: counted ones plus those the buffer dropped since the last take."""
+        try:
+            oldest = self.buffer[0][0]
+        except IndexError:
+            return self.lost
+        return self.lost + max(0, oldest - self._expected_seq)
+
+    def cycle(self, deadline: float | None = None, final: bool = False) -> None:
+        """Register if needed, then send everything buffered, a batch at a time."""
+        if not final and time.monotonic() < self._retry_at:
+            return
+        if not self.registered and not self.register(deadline):
+            self._failed()
+            return
+        while self.buffer:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            items = self._take()
+            if items and not self._send(items, deadline):
+                return
+        self._backoff = 0.0
+
+    def _take(self) -> list[dict]:
+        items = []
+        buffer, encode = self.buffer, self.encoder.item
+        while buffer and len(items) < self.batch_items:
+            record = buffer.popleft()
+            seq = record[0]
+            if seq > self._expected_seq:
+                self.lost += seq - self._expected_seq
+            self._expected_seq = max(self._expected_seq, seq + 1)
+            try:
+                item = encode(record)
+            except Exception as e:
+                warn(f"encode:{type(e).__name__}", "trainer_hooks: cannot encode a %s record (%s: %s); dropped",
+                     record[1], type(e).__name__, e)
+                item = None
+            if item is None:
+                self.lost += 1
+            else:
+                items.append(item)
+        return items
+
+    def _send(self, items: list[dict], deadline: float | None) -> bool:
+        """Push one batch; False when the round should stop (sidecar unreachable)."""
+        reply = self._post("/v1/push", self._push_body(items), deadline)
+        if reply is not None and reply.status == 409 and reply.code in ("unknown_rank", "step_not_increasing"):
+            self.registered = False
+            if not self.register(deadline, with_step=reply.code == "unknown_rank"):
+                self._lose(items)
+                self._failed()
+                return False
+            reply = self._post("/v1/push", self._push_body(items), deadline)
+        if reply is None or reply.status >= 500:
+            self._lose(items)
+            self.registered = False
+            self._failed()
+            return False
+        if reply.status == 200:
+            self._acknowledge(items)
+            return True
+        warn(f"push:{reply.status}:{reply.code}", "trainer_hooks: sidecar rejected a batch of %d items (%d %s); "
+             "dropped", len(items), reply.status, reply.error)
+        self._lose(items)
+        return True
+
+    def _push_body(self, items: list[dict]) -> bytes:
+        return _dumps({"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid,
+                       "dropped": self.dropped(), "items": items})
+
+    def _lose(self, items: list[dict]) -> None:
+        self.lost += len(items)
+
+    def _acknowledge(self, items: list[dict]) -> None:
+        self.sent += len(items)
+        for item in items:
+            kind = item["type"]
+            if kind == "step":
+                self._acked_step = item["step"]
+            elif kind == "phase":
+                name = item["name"]
+                if item["action"] == "start":
+                    self._acked_phases.append(name)
+                elif name in self._acked_phases:
+                    del self._acked_phases[len(self._acked_phases) - 1 - self._acked_phases[::-1].index(name)]
+        self._backoff = 0.0
+
+    def _failed(self) -> None:
+        self._backoff = min(self.max_backoff, max(self.flush_interval, self._backoff * 2))
+        self._retry_at = time.monotonic() + self._backoff * random.uniform(0.8, 1.2)
+
+    # ---------------------------------------------------------------- requests
+
+    def register(self, deadline: float | None = None, with_step: bool = True) -> bool:
+        body = {
+            "job_id": self.ident.job_id, "rank": self.ident.rank, "local_rank": self.ident.local_rank,
+            "world_size": self.ident.world_size, "local_world_size": self.ident.local_world_size,
+            "restart_count": self.ident.restart_count, "pid": self.pid,
+            "step": self._acked_step if with_step else None,
+            "phase": self._acked_phases[-1] if self._acked_phases else None,
+            "versions": versions(),
+            "stack_dump": self.stack_dump.as_wire() if self.stack_dump else None,
+            "hooks_version": HOOKS_VERSION,
+        }
+        reply = self._post("/v1/register", _dumps(body), deadline)
+        if reply is None:
+            return False
+        if reply.status != 200:
+            warn(f"register:{reply.status}:{reply.code}", "trainer_hooks: sidecar refused registration of "
+                 "%s rank %d (%d %s); will retry", self.ident.job_id, self.ident.rank, reply.status, reply.error)
+            return False
+        self.registered = True
+        self.registrations += 1
+        interval = reply.body.get("flush_interval_s")
+        if self.adopt_server_interval and isinstance(interval, (int, float)) and not isinstance(interval, bool):
+            self.flush_interval = min(_MAX_SERVER_INTERVAL, max(_MIN_SERVER_INTERVAL, float(interval)))
+        return True
+
+    def deregister(self, reason: str, deadline: float | None = None) -> None:
+        body = {"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid, "reason": reason}
+        reply = self._post("/v1/deregister", _dumps(body), deadline)
+        if reply is not None and reply.status == 200:
+            self.registered = False
+
+    def _post(self, path: str, body: bytes, deadline: float | None) -> Reply | None:
+        """The reply, or None when the sidecar is unreachable or the deadline leaves no time."""
+        connect_timeout, read_timeout = self.connect_timeout, self.read_timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0.01:
+                return None
+            connect_timeout, read_timeout = min(connect_timeout, left), min(read_timeout, left)
+        try:
+            return post(self.endpoint, path, body, connect_timeout, read_timeout)
+        except Unreachable as e:
+            warn("unreachable", "trainer_hooks: sidecar unreachable (%s); records are buffered and "
+                 "the oldest dropped when full", e)
+            return None
+
