@@ -15,7 +15,6 @@ import argparse
 import concurrent.futures
 import ctypes
 import ctypes.util
-import importlib
 import json
 import os
 import re
@@ -29,6 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from sidecar.collectors import sysfs
+from sidecar.collectors.nic import IB_ACTIVE
+from sidecar.collectors.nvml import GpuLost, GpuReading, NvmlSession
 from sidecar.config import ConfigError, Settings, parse_hostport, settings_from_args
 from sidecar.status import StatusError, Target, fetch, fetch_json, resolve_target
 
@@ -78,84 +80,33 @@ class Result:
 # ---------------------------------------------------------------- facts: NVML
 
 @dataclass
-class GpuFacts:
-    index: int
-    name: str = "?"
-    bus_id: str = "?"
-    ecc_uncorrected: int | None = None  # volatile: since the driver loaded
-    retired_pages_pending: bool | None = None
-    remap_pending: bool | None = None
-    remap_failed: bool | None = None
-    error: str | None = None  # the device could not be read at all
-
-
-@dataclass
 class NvmlFacts:
-    error: str | None = None  # set when NVML is unusable: no driver, no library
+    """What NVML says, read with the GPU collector's own session and device reader."""
+
+    error: str | None = None  # NVML unusable: no driver, no library, or broken
     driver_version: str | None = None
     cuda_version: str | None = None  # the newest CUDA the driver supports, "12.4"
-    gpus: list[GpuFacts] = field(default_factory=list)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _optional(nvml: Any, fn: str, *args: Any) -> Any:
-    """Call an NVML function that a GPU or driver may not support; None when it does not."""
-    try:
-        return getattr(nvml, fn)(*args)
-    except AttributeError:  # an older pynvml, or the stand-in, lacks it
-        return None
-    except nvml.NVMLError as e:
-        if isinstance(e, getattr(nvml, "NVMLError_GpuIsLost", ())):
-            raise
-        return None
+    gpus: list[GpuReading] = field(default_factory=list)
+    lost: dict[int, str] = field(default_factory=dict)  # index -> why the device cannot be read
 
 
 def read_nvml(module_name: str) -> NvmlFacts:
+    session = NvmlSession(module_name)
     try:
-        nvml = importlib.import_module(module_name)
-    except ImportError as e:
-        return NvmlFacts(error=f"NVML module {module_name!r} not importable ({e})")
+        if not session.start():
+            return NvmlFacts(error="no NVIDIA driver (NVML library or driver not found)")
+    except Exception as e:  # NVML present but broken: worth a FAIL, not a crash
+        return NvmlFacts(error=f"NVML present but failing: {e}")
     try:
-        nvml.nvmlInit()
-    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return NvmlFacts(error=f"no NVIDIA driver ({e})")
-    try:
-        facts = NvmlFacts(driver_version=_text(nvml.nvmlSystemGetDriverVersion()))
-        cuda = _optional(nvml, "nvmlSystemGetCudaDriverVersion_v2") or _optional(nvml, "nvmlSystemGetCudaDriverVersion")
-        if cuda:
-            facts.cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}"
-        for i in range(nvml.nvmlDeviceGetCount()):
-            facts.gpus.append(_read_gpu(nvml, i))
+        facts = NvmlFacts(driver_version=session.driver_version, cuda_version=session.cuda_version)
+        for index in range(session.count):
+            try:
+                facts.gpus.append(session.read(index))
+            except GpuLost as e:
+                facts.lost[index] = str(e)
         return facts
-    except Exception as e:
-        return NvmlFacts(error=f"NVML failed: {e}")
     finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
-
-
-def _read_gpu(nvml: Any, index: int) -> GpuFacts:
-    gpu = GpuFacts(index)
-    try:
-        h = nvml.nvmlDeviceGetHandleByIndex(index)
-        gpu.name = _text(_optional(nvml, "nvmlDeviceGetName", h) or "?")
-        pci = _optional(nvml, "nvmlDeviceGetPciInfo", h)
-        gpu.bus_id = _text(getattr(pci, "busId", "?")) if pci is not None else "?"
-        gpu.ecc_uncorrected = _optional(nvml, "nvmlDeviceGetTotalEccErrors", h,
-                                        nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
-        pending = _optional(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", h)
-        gpu.retired_pages_pending = None if pending is None else bool(pending)
-        remap = _optional(nvml, "nvmlDeviceGetRemappedRows", h)  # (corr, uncorr, pending, failed)
-        if remap is not None:
-            gpu.remap_pending, gpu.remap_failed = bool(remap[2]), bool(remap[3])
-    except Exception as e:
-        gpu.error = str(e) or type(e).__name__
-    return gpu
+        session.close()
 
 
 # ---------------------------------------------------------------- facts: torch, kernel log, sysfs
@@ -222,13 +173,6 @@ def parse_xids(log: str) -> dict[tuple[str, int], int]:
     return counts
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:  # absent, or EINVAL (speed of a down link)
-        return None
-
-
 @dataclass
 class LinkFacts:
     name: str  # eth0, or mlx5_0/1 for an InfiniBand port
@@ -237,30 +181,25 @@ class LinkFacts:
     speed: str | None = None
 
 
-def read_nics(sysfs: Path, exclude: str) -> list[LinkFacts]:
+def read_nics(sysfs_root: str, exclude: str) -> list[LinkFacts]:
+    pattern = re.compile(exclude) if exclude else None
     out = []
-    pattern = re.compile(exclude)
-    net = sysfs / "class" / "net"
-    for dev in sorted(net.iterdir()) if net.is_dir() else []:
-        if pattern.search(dev.name):
+    for name in sysfs.list_net_devices(sysfs_root):
+        if pattern and pattern.search(name):
             continue
-        state = _read(dev / "operstate") or "unknown"
-        speed = _read(dev / "speed")
-        out.append(LinkFacts(dev.name, state == "up", state,
-                             f"{int(speed) / 1000:g} Gb/s" if speed and speed.lstrip("-").isdigit()
-                             and int(speed) > 0 else None))
+        d = sysfs.read_net_device(sysfs_root, name)
+        out.append(LinkFacts(name, d.operstate == "up", d.operstate or "unknown",
+                             f"{d.speed_mbps / 1000:g} Gb/s" if d.speed_mbps else None))
     return out
 
 
-def read_ib_ports(sysfs: Path) -> list[LinkFacts]:
+def read_ib_ports(sysfs_root: str) -> list[LinkFacts]:
     out = []
-    root = sysfs / "class" / "infiniband"
-    for dev in sorted(root.iterdir()) if root.is_dir() else []:
-        ports = dev / "ports"
-        for port in sorted(ports.iterdir(), key=lambda p: p.name) if ports.is_dir() else []:
-            state = (_read(port / "state") or "?").split(":")[-1].strip()  # "4: ACTIVE"
-            out.append(LinkFacts(f"{dev.name}/{port.name}", state == "ACTIVE", state,
-                                 (_read(port / "rate") or "").split("(")[0].strip() or None))
+    for device, port in sysfs.list_infiniband_ports(sysfs_root):
+        p = sysfs.read_infiniband_port(sysfs_root, device, port)
+        rate = p.rate_bytes_per_second
+        out.append(LinkFacts(f"{device}/{port}", p.state_id == IB_ACTIVE, p.state or "?",
+                             f"{rate * 8 / 1e9:g} Gb/s" if rate else None))
     return out
 
 
@@ -337,7 +276,7 @@ def check_gpu_count(ctx: Context) -> Iterable[Result]:
         else:
             yield Result("gpu-count", SKIP, "no NVIDIA driver")
         return
-    found = len(nv.gpus)
+    found = len(nv.gpus) + len(nv.lost)
     if expected is not None and found != expected:
         yield Result("gpu-count", FAIL, f"{found} GPUs visible, expected {expected}",
                      "a GPU missing from NVML has usually fallen off the bus (see Xid 79): drain the node")
@@ -345,35 +284,36 @@ def check_gpu_count(ctx: Context) -> Iterable[Result]:
         yield Result("gpu-count", WARN, "the driver is loaded but no GPU is visible",
                      "check CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES and `nvidia-smi`")
     else:
-        names = sorted({g.name for g in nv.gpus})
+        names = sorted({g.name or "?" for g in nv.gpus})
         yield Result("gpu-count", PASS, f"{found} GPUs ({', '.join(names)})")
 
 
 def check_gpu_health(ctx: Context) -> Iterable[Result]:
     nv = ctx.nvml()
-    if nv.error or not nv.gpus:
+    if nv.error or not (nv.gpus or nv.lost):
         yield Result("gpu-health", SKIP, "no GPU to check")
         return
     bad = False
+    for index, why in sorted(nv.lost.items()):
+        bad = True
+        yield Result("gpu-health", FAIL, f"GPU {index} cannot be read: {why}", "drain the node; reset or replace the GPU")
     for g in nv.gpus:
-        where = f"GPU {g.index} ({g.bus_id})"
-        if g.error:
+        where = f"GPU {g.gpu} ({g.pci_bus_id or '?'})"
+        _, _, remap_pending, remap_failed = g.remapped_rows or (0, 0, 0, 0)
+        if g.retired_pages_pending or remap_pending:
             bad = True
-            yield Result("gpu-health", FAIL, f"{where}: cannot be read: {g.error}", "drain the node; reset or replace the GPU")
-            continue
-        if g.ecc_uncorrected:
-            bad = True
-            yield Result("gpu-health", FAIL, f"{where}: {g.ecc_uncorrected} uncorrected ECC errors since the driver loaded",
-                         "drain the node and reset the GPU (nvidia-smi -r); replace it if they return")
-        if g.retired_pages_pending or g.remap_pending:
-            bad = True
-            yield Result("gpu-health", FAIL, f"{where}: memory {'row remap' if g.remap_pending else 'page retirement'} "
+            yield Result("gpu-health", FAIL, f"{where}: memory {'row remap' if remap_pending else 'page retirement'} "
                          "pending", "reset the GPU (or reboot) so the retirement/remap takes effect")
-        if g.remap_failed:
+        if remap_failed:
             bad = True
             yield Result("gpu-health", FAIL, f"{where}: row remapping failed", "replace the GPU")
+        if g.ecc_uncorrected:
+            bad = True
+            yield Result("gpu-health", WARN, f"{where}: {g.ecc_uncorrected} uncorrected ECC errors over its life",
+                         "fine if its pages were retired/rows remapped; a rising count means replace it")
     if not bad:
-        yield Result("gpu-health", PASS, f"{len(nv.gpus)} GPUs: no uncorrected ECC errors, no pending retirements or remaps")
+        yield Result("gpu-health", PASS, f"{len(nv.gpus)} GPUs: no uncorrected ECC errors, "
+                     "no pending retirements or remaps")
 
 
 def check_xids(ctx: Context) -> Iterable[Result]:
@@ -425,10 +365,10 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 def check_nics(ctx: Context) -> Iterable[Result]:
-    sysfs = Path(ctx.settings.collectors.sysfs_root)
-    nics = read_nics(sysfs, ctx.settings.collectors.nic_exclude)
+    root = ctx.settings.collectors.sysfs_root
+    nics = read_nics(root, ctx.settings.collectors.nic_exclude)
     if not nics:
-        yield Result("nics", WARN, f"no network interface in {sysfs / 'class/net'} (after collectors.nic_exclude)",
+        yield Result("nics", WARN, f"no network interface in {root}/class/net (after collectors.nic_exclude)",
                      "in a container, mount the host's /sys and set collectors.sysfs_root")
         return
     down = [n for n in nics if not n.up]
@@ -441,7 +381,7 @@ def check_nics(ctx: Context) -> Iterable[Result]:
 
 
 def check_infiniband(ctx: Context) -> Iterable[Result]:
-    ports = read_ib_ports(Path(ctx.settings.collectors.sysfs_root))
+    ports = read_ib_ports(ctx.settings.collectors.sysfs_root)
     if not ports:
         yield Result("infiniband", SKIP, "no InfiniBand/RoCE devices")
         return
