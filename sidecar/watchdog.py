@@ -470,12 +470,11 @@ def refine_blame(incident: Incident) -> None:
         incident.notes.append("every local rank waits inside a collective: the rank holding the job up "
                               "is probably on another node")
         return
-    if outside and len(outside) < len(known):
-        chosen = outside[0] if incident.blamed_rank not in {r.rank for r in outside} else next(
-            r for r in outside if r.rank == incident.blamed_rank)
-        others = [r.rank for r in known if r.in_collective]
+    waiting = [r.rank for r in known if r.in_collective]
+    if outside and waiting:
+        chosen = next((r for r in outside if r.rank == incident.blamed_rank), outside[0])
         incident.blamed_rank = chosen.rank
-        incident.blame_reason = (f"not inside a collective while rank(s) {', '.join(map(str, others))} "
+        incident.blame_reason = (f"not inside a collective while rank(s) {', '.join(map(str, waiting))} "
                                  f"wait in one")
 
 

@@ -1,0 +1,60 @@
+"""Which rank is blamed when several ranks of a job stall."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sidecar.incidents import Incident, RankSnapshot
+from sidecar.remediation import in_collective
+from sidecar.watchdog import RankState, blame, refine_blame
+
+
+def rank(n: int, step: int | None, last_progress: float):
+    return SimpleNamespace(rank=n, step=step, last_progress=last_progress, key=("job", n))
+
+
+STALLED = {("job", n): RankState.STALLED for n in range(4)}
+
+
+def test_the_rank_with_the_lowest_step_is_blamed():
+    chosen, why = blame([rank(0, 7, 1.0), rank(1, 6, 5.0), rank(2, 7, 0.5)], STALLED)
+    assert chosen.rank == 1 and "lowest step" in why
+
+
+def test_among_equal_steps_the_oldest_progress_is_blamed():
+    chosen, why = blame([rank(0, 7, 3.0), rank(1, 7, 2.0)], STALLED)
+    assert chosen.rank == 1 and "oldest progress" in why
+
+
+def test_a_rank_that_never_stepped_is_behind_every_stepping_rank():
+    chosen, _ = blame([rank(0, 0, 1.0), rank(1, None, 9.0)], STALLED)
+    assert chosen.rank == 1
+
+
+def snap(n: int, step: int, collective: bool | None) -> RankSnapshot:
+    return RankSnapshot(rank=n, local_rank=n, pid=100 + n, state="stalled", step=step, phase=None,
+                        last_progress_age_seconds=10.0, timeout_seconds=5.0, in_collective=collective)
+
+
+def incident(*ranks: RankSnapshot, blamed: int = 0) -> Incident:
+    return Incident(id="x", time=0.0, job_id="job", node="n", blamed_rank=blamed, blame_reason="oldest progress",
+                    timeout_seconds=5.0, observe_only=False, ranks=list(ranks))
+
+
+def test_a_rank_outside_a_collective_while_the_others_wait_in_one_is_blamed():
+    i = incident(snap(0, 7, True), snap(1, 7, False), blamed=0)
+    refine_blame(i)
+    assert i.blamed_rank == 1 and "not inside a collective" in i.blame_reason
+
+
+def test_when_every_local_rank_waits_in_a_collective_the_culprit_is_elsewhere():
+    i = incident(snap(0, 7, True), snap(1, 7, True))
+    refine_blame(i)
+    assert i.blamed_rank == 0 and any("another node" in n for n in i.notes)
+
+
+def test_stack_dumps_inside_torch_distributed_are_collectives():
+    faulthandler = '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2800 in all_reduce'
+    py_spy = "    all_reduce (torch/distributed/distributed_c10d.py:2800)"
+    assert in_collective(faulthandler) and in_collective(py_spy)
+    assert in_collective('  File "/x/trainer/faults.py", line 44 in before_allreduce') is False
+    assert in_collective("") is None

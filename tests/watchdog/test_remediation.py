@@ -1,0 +1,135 @@
+"""Remediation of real (stand-in) rank processes: stacks, SIGTERM, grace, SIGKILL, the
+incident's timeline; observe-only and the storm cap never signal."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from sidecar.registry import Registry
+from sidecar.watchdog import Watchdog
+from tests.watchdog.conftest import register_hung, settings, step
+
+pytestmark = pytest.mark.asyncio
+
+
+async def stall(dog, registry, clock, ranks, steps=None) -> None:
+    """Report a step for each rank, then let time pass beyond the 10 s floor and tick."""
+    for i, r in enumerate(ranks):
+        step(registry, r, (steps or [1] * len(ranks))[i], clock)
+    dog.tick()
+    clock.advance(11)
+    dog.tick()
+
+
+async def finish(dog) -> None:
+    for episode in list(dog._episodes.values()):
+        await episode.task
+    dog.tick()
+
+
+def events(incident: dict) -> list[str]:
+    return [e["event"] for e in incident["timeline"]]
+
+
+async def test_a_hung_rank_is_dumped_terminated_and_recorded(tmp_path, clock, hung_rank):
+    s = settings(tmp_path)
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    proc, stacks = hung_rank()
+    r = register_hung(registry, proc, stacks)
+    await stall(dog, registry, clock, [r])
+    assert dog.rank_state(r) == "remediating"
+    await finish(dog)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert dog.rank_state(r) == "gone"
+    (brief,) = dog.incidents()
+    record = json.loads(Path(brief["path"]).read_text())
+    assert record["outcome"] == "killed" and record["blamed_rank"] == 0
+    assert events(record) == ["detected", "dumps_requested", "dumps_received", "sigterm", "exit_observed"]
+    (rank,) = record["ranks"]
+    assert any("hang_in_the_training_step" in line for line in rank["stack_head"])
+    assert rank["in_collective"] is False
+    text = Path(brief["path"]).with_suffix(".txt").read_text()
+    assert "hang_in_the_training_step" in text and "sigterm" in text
+    assert dog.counters.remediations[("job", "killed")] == 1
+
+
+async def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, clock, hung_rank):
+    s = settings(tmp_path, **{"remediation.grace_seconds": 0.5})
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    proc, stacks = hung_rank("ignore-term")
+    r = register_hung(registry, proc, stacks)
+    await stall(dog, registry, clock, [r])
+    await finish(dog)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
+    assert events(record)[-3:] == ["sigterm", "sigkill", "exit_observed"]
+
+
+async def test_a_stopped_rank_is_continued_so_it_can_dump_and_die(tmp_path, clock, hung_rank):
+    s = settings(tmp_path)
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    proc, stacks = hung_rank()
+    r = register_hung(registry, proc, stacks)
+    os.kill(proc.pid, signal.SIGSTOP)
+    await stall(dog, registry, clock, [r])
+    await finish(dog)
+    assert proc.wait(timeout=10) in (-signal.SIGTERM, -signal.SIGKILL)
+    record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
+    assert record["ranks"][0]["stack_head"], "the stopped rank dumped its stacks after SIGCONT"
+
+
+async def test_observe_only_records_and_counts_but_never_signals(tmp_path, clock, hung_rank):
+    s = settings(tmp_path, **{"watchdog.observe_only": True})
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    proc, stacks = hung_rank()
+    r = register_hung(registry, proc, stacks)
+    await stall(dog, registry, clock, [r])
+    await finish(dog)
+    assert proc.poll() is None
+    assert stacks.stat().st_size == 0, "not even the stack-dump signal was sent"
+    assert dog.rank_state(r) == "stalled"
+    assert dog.counters.remediations[("job", "observe_only")] == 1
+    record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
+    assert record["outcome"] == "observe_only" and "sigterm" not in events(record)
+    observe = next(f for f in dog.families() if f.name == "sidecar_watchdog_observe_only")
+    assert observe.samples[0].value == 1
+
+
+async def test_the_storm_cap_suppresses_remediation_past_its_limit(tmp_path, clock, hung_rank):
+    s = settings(tmp_path, **{"remediation.max_per_window": 1})
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    (p1, f1), (p2, f2) = hung_rank(), hung_rank()
+    r1 = register_hung(registry, p1, f1, job="first")
+    await stall(dog, registry, clock, [r1])
+    await finish(dog)
+    r2 = register_hung(registry, p2, f2, job="second")
+    await stall(dog, registry, clock, [r2])
+    await finish(dog)
+    assert p1.poll() is not None and p2.poll() is None
+    assert dog.counters.remediations[("second", "suppressed")] == 1
+    assert any("storm cap" in p for p in dog.problems())
+    assert dog.status()["remediations_in_window"] == 1
+
+
+async def test_the_whole_local_group_of_the_stalled_job_is_remediated(tmp_path, clock, hung_rank):
+    """The healthy-looking rank of a hung job waits for its peer: both are restarted together."""
+    s = settings(tmp_path)
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    (p0, f0), (p1, f1) = hung_rank(), hung_rank()
+    r0 = register_hung(registry, p0, f0, rank=0)
+    r1 = register_hung(registry, p1, f1, rank=1)
+    await stall(dog, registry, clock, [r0, r1], steps=[5, 4])
+    await finish(dog)
+    assert p0.wait(timeout=10) and p1.wait(timeout=10)
+    record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
+    assert record["blamed_rank"] == 1 and "lowest step" in record["blame_reason"]

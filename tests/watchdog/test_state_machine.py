@@ -1,0 +1,216 @@
+"""The per-rank state machine, driven tick by tick with a hand-moved clock over a real
+Registry whose ranks are real (sleeping) processes. Observe-only, so nothing is signalled."""
+from __future__ import annotations
+
+import pytest
+
+from sidecar.protocol import Deregistration
+from sidecar.registry import Registry
+from sidecar.watchdog import ALLOWED, IllegalTransition, RankState, Watchdog
+from tests.watchdog.conftest import phase, register, settings, step
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def world(tmp_path, clock, spawn):
+    s = settings(tmp_path, **{"watchdog.observe_only": True})
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    return s, registry, dog, spawn().pid
+
+
+def state(dog, r) -> str:
+    return dog.rank_state(r)
+
+
+async def test_a_new_rank_is_starting(world):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    dog.tick()
+    assert state(dog, r) == "starting"
+
+
+async def test_the_first_step_makes_a_rank_healthy(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    dog.tick()
+    step(registry, r, 1, clock)
+    dog.tick()
+    assert state(dog, r) == "healthy"
+
+
+async def test_a_rank_without_progress_turns_suspect_then_stalled(world, clock):
+    _, registry, dog, pid = world  # floor 10 s, suspect at half
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    clock.advance(4.9)
+    dog.tick()
+    assert state(dog, r) == "healthy"
+    clock.advance(0.2)
+    dog.tick()
+    assert state(dog, r) == "suspect"
+    clock.advance(5.0)
+    dog.tick()
+    assert state(dog, r) == "stalled"
+
+
+async def test_progress_brings_a_suspect_rank_back_to_healthy(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    clock.advance(6)
+    dog.tick()
+    assert state(dog, r) == "suspect"
+    step(registry, r, 2, clock)
+    dog.tick()
+    assert state(dog, r) == "healthy"
+
+
+async def test_a_stall_opens_one_incident_per_episode(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    clock.advance(11)
+    dog.tick()
+    clock.advance(5)
+    dog.tick()
+    assert state(dog, r) == "stalled"
+    assert dog.counters.stalls["job"] == 1
+    assert len(dog.incidents()) == 1
+
+
+async def test_a_rank_registering_with_a_step_is_healthy_with_a_fresh_timer(world, clock):
+    """After a sidecar restart the hooks re-register with their step: watched, never a stall."""
+    _, registry, dog, pid = world
+    r = register(registry, pid, step=500)
+    clock.advance(1)
+    dog.tick()
+    assert state(dog, r) == "healthy"
+    assert dog.deadline(r).age < 2
+
+
+async def test_a_new_registration_replaces_the_old_rank(world, clock, spawn):
+    _, registry, dog, pid = world
+    old = register(registry, pid)
+    step(registry, old, 3, clock)
+    dog.tick()
+    new = register(registry, spawn().pid)
+    dog.tick()
+    assert state(dog, new) == "starting"
+    assert dog.counters.transitions[("healthy", "gone")] == 1
+
+
+async def test_a_deregistered_rank_is_gone_without_incident(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    registry.deregister(Deregistration("job", 0, pid, "finished"))
+    clock.advance(60)
+    dog.tick()
+    assert state(dog, r) == "gone"
+    assert dog.incidents() == []
+
+
+async def test_a_rank_whose_process_died_is_gone_without_incident(world, clock, spawn):
+    _, registry, dog, _ = world
+    p = spawn()
+    r = register(registry, p.pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    p.kill()
+    p.wait()
+    clock.advance(60)
+    dog.tick()
+    assert state(dog, r) == "gone"
+    assert registry.get("job", 0).gone
+    assert dog.incidents() == []
+
+
+async def test_a_declared_phase_longer_than_the_step_timeout_is_not_a_stall(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    phase(registry, r, "checkpoint_save", "start", clock, timeout=100)
+    clock.advance(40)
+    dog.tick()
+    assert state(dog, r) == "healthy"
+    assert dog.timeout_for(r) == 100
+    phase(registry, r, "checkpoint_save", "end", clock)
+    clock.advance(4)
+    dog.tick()
+    assert state(dog, r) == "healthy", "the end of a phase restarts the step timer"
+
+
+async def test_a_declared_phase_past_its_budget_is_a_stall(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    phase(registry, r, "eval", "start", clock, timeout=20)
+    clock.advance(21)
+    dog.tick()
+    assert state(dog, r) == "stalled"
+
+
+async def test_a_phase_without_its_own_budget_uses_phase_timeouts(tmp_path, clock, spawn):
+    s = settings(tmp_path, **{"watchdog.observe_only": True, "watchdog.phase_timeouts": {"eval": 33}})
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    r = register(registry, spawn().pid)
+    step(registry, r, 1, clock)
+    phase(registry, r, "eval", "start", clock)
+    assert dog.timeout_for(r) == 33
+    phase(registry, r, "something_else", "start", clock)
+    assert dog.timeout_for(r) == s.watchdog.default_phase_timeout_seconds
+
+
+async def test_start_up_has_its_own_budget(world, clock):
+    _, registry, dog, pid = world  # startup 60 s, step floor 10 s
+    r = register(registry, pid)
+    clock.advance(25)
+    dog.tick()
+    assert state(dog, r) == "starting"
+    clock.advance(10)
+    dog.tick()
+    assert state(dog, r) == "suspect"
+    clock.advance(30)
+    dog.tick()
+    assert state(dog, r) == "stalled"
+
+
+async def test_every_transition_is_counted(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    dog.tick()
+    step(registry, r, 1, clock)
+    dog.tick()
+    clock.advance(6)
+    dog.tick()
+    clock.advance(6)
+    dog.tick()
+    t = dog.counters.transitions
+    assert (t[("starting", "healthy")], t[("healthy", "suspect")], t[("suspect", "stalled")]) == (1, 1, 1)
+    text = "".join(str(m.samples) for m in dog.families())
+    assert "'from_state': 'suspect', 'to_state': 'stalled'" in text
+
+
+async def test_a_transition_outside_the_table_is_refused(world):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    dog.tick()
+    track = dog._tracks[r.key]
+    track.state = RankState.GONE
+    with pytest.raises(IllegalTransition):
+        dog._transition(track, RankState.HEALTHY, 0.0, "test")
+    assert ALLOWED[RankState.GONE] == frozenset()
+
+
+async def test_rank_state_metric_has_one_series_per_state(world, clock):
+    _, registry, dog, pid = world
+    register(registry, pid)
+    dog.tick()
+    fam = next(f for f in dog.families() if f.name == "sidecar_rank_state")
+    current = {s.labels["state"]: s.value for s in fam.samples}
+    assert current == {"starting": 1, "healthy": 0, "suspect": 0, "stalled": 0, "remediating": 0, "gone": 0}
