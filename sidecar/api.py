@@ -177,6 +177,7 @@ async def register(request: web.Request) -> web.Response:
 async def push(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     batch = protocol.parse_push(await read_json(request), d.settings.limits.max_items_per_push)
+    d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
     check_caller(request, batch.pid)
     accepted = d.registry.apply_push(batch)
     records = d.stats.records
@@ -191,6 +192,7 @@ _ITEM_TYPES = {protocol.StepItem: "step", protocol.PhaseItem: "phase", protocol.
 async def deregister(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     dereg = protocol.parse_deregistration(await read_json(request))
+    d.registry.lookup(dereg.job_id, dereg.rank, dereg.pid)
     check_caller(request, dereg.pid)
     rank = d.registry.deregister(dereg)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)

@@ -65,7 +65,7 @@ class Served:
                       headers: dict | None = None) -> Reply:
         session = self._tcp if tcp else self._unix
         base = f"http://127.0.0.1:{self.port}" if tcp else "http://sidecar"
-        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        data = body if body is None or isinstance(body, (bytes, str)) or hasattr(body, "__aiter__") else json.dumps(body)
         async with session.request(method, base + path, data=data, headers=headers) as resp:
             text = await resp.text()
             try:
