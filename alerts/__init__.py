@@ -1,0 +1,1 @@
+"""Prometheus rules: `alerts/build.py` is the source, `*.rules.yml` are generated."""
