@@ -29,7 +29,7 @@ import psutil
 
 from sidecar import procs
 from sidecar.config import RemediationSettings
-from sidecar.incidents import Incident, IncidentStore, stack_head
+from sidecar.incidents import Incident, IncidentStore, main_thread, stack_head
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank
@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 MAX_STACK_BYTES = 256 * 1024  # read at most this much of what a dump added to its file
 EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
 POLL_SECONDS = 0.1
-# A Python frame inside torch.distributed (faulthandler: `File ".../torch/distributed/x.py"`,
-# py-spy: `all_reduce (torch/distributed/x.py:12)`): the rank waits for its peers.
-COLLECTIVE_FRAME = re.compile(r"torch[/\\]distributed[/\\]")
+# Frames of a rank that waits for its peers: anything inside torch.distributed (faulthandler:
+# `File ".../torch/distributed/x.py"`, py-spy: `all_reduce (torch/distributed/x.py:12)`), and
+# autograd's backward, where DDP waits for its gradient all-reduce.
+COLLECTIVE_FRAME = re.compile(r"torch[/\\]distributed[/\\]|_engine_run_backward")
 
 
 class Refused(Exception):
@@ -166,10 +167,11 @@ class StormCap:
 # ---------------------------------------------------------------- stacks
 
 def in_collective(text: str) -> bool | None:
-    """Whether a stack dump shows the rank inside torch.distributed; None without a dump."""
+    """Whether a stack dump shows the rank's main thread waiting for its peers (inside
+    torch.distributed or DDP's backward); None without a dump."""
     if not text.strip():
         return None
-    return bool(COLLECTIVE_FRAME.search(text))
+    return bool(COLLECTIVE_FRAME.search(main_thread(text)))
 
 
 def _file_size(path: str | None) -> int:
