@@ -11,7 +11,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import psutil
 from aiohttp import web
@@ -24,6 +24,7 @@ from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.protocol import ProtocolError
 from sidecar.registry import Registry, RegistryError
+from sidecar.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Daemon:
     settings: Settings
     registry: Registry
     runner: CollectorRunner
-    watchdog: Any  # sidecar.watchdog.Watchdog (duck-typed: families, status, rank_state, ...)
+    watchdog: Watchdog
     token: str | None  # the push API's bearer token over TCP; None: no token
     protected_pids: frozenset[int]
     stats: IngestStats = field(default_factory=IngestStats)

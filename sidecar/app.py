@@ -20,10 +20,12 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from sidecar import __version__, api, procs
+from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
 from sidecar.registry import Registry
+from sidecar.watchdog import Watchdog
 
 log = logging.getLogger("sidecar")
 
@@ -43,40 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- building
 
-def make_collectors(settings: Settings, registry: Registry) -> list:
-    try:
-        from sidecar.collectors import build_collectors
-    except ImportError as e:  # the hardware collectors are optional for the daemon's core
-        log.warning("no hardware collectors: %s", e)
-        return []
-    return list(build_collectors(settings, ranks=registry.live_pids, job_versions=registry.versions_by_job))
-
-
-def make_watchdog(settings: Settings, registry: Registry) -> Any:
-    try:
-        from sidecar.watchdog import Watchdog
-    except ImportError as e:
-        log.warning("no watchdog: %s", e)
-        return None
-    return Watchdog(settings, registry)
-
-
 def build_app(settings: Settings) -> web.Application:
     """The application, ready for a runner. Reads the push token (ConfigError if unreadable)."""
     registry = Registry(settings)
-    runner = CollectorRunner(make_collectors(settings, registry), settings.collectors.interval_seconds)
+    collectors = build_collectors(settings, ranks=registry.live_pids, job_versions=registry.versions_by_job)
+    runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
     daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
-                        watchdog=make_watchdog(settings, registry), token=settings.push_token(),
+                        watchdog=Watchdog(settings, registry), token=settings.push_token(),
                         protected_pids=procs.protected_pids())
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
 
     exposition = CollectorRegistry()
-    sources: list[Callable] = [runner.families, TrainingCollector(registry).collect,
-                               lambda: api.daemon_families(daemon)]
-    if daemon.watchdog is not None:
-        sources.append(daemon.watchdog.families)
-    exposition.register(api.Exposition(sources))
+    exposition.register(api.Exposition([runner.families, TrainingCollector(registry).collect,
+                                        daemon.watchdog.families, lambda: api.daemon_families(daemon)]))
     app[api.EXPOSITION] = exposition
 
     api.add_routes(app)
@@ -90,13 +72,18 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         "collectors": d.runner.run_forever,
         "retention": lambda: sweep_forever(d.registry),
     }
-    if d.watchdog is not None and d.settings.watchdog.enabled:
+    if d.settings.watchdog.enabled:
         jobs["watchdog"] = d.watchdog.run
     tasks = [asyncio.create_task(supervised(name, job), name=name) for name, job in jobs.items()]
     yield
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    for collector in d.runner.collectors:  # stop their threads (the GPU collector's XID waiter)
+        close = getattr(collector, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
 
 
 async def supervised(name: str, job: Callable[[], Awaitable[Any]]) -> None:

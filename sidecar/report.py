@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from sidecar.collectors.base import CollectorRunner
     from sidecar.config import Settings
     from sidecar.registry import Rank, Registry
+    from sidecar.watchdog import Watchdog
 
 UNHEALTHY_RANK_STATES = ("suspect", "stalled", "remediating")
 INCIDENTS_SHOWN = 5
@@ -159,9 +160,9 @@ def infiniband_section(s: Samples) -> list[dict]:
     return out
 
 
-def rank_entry(r: "Rank", watchdog: Any, now: float) -> dict:
-    state = watchdog.rank_state(r) if watchdog is not None else ("gone" if r.gone else "unknown")
-    timeout = watchdog.timeout_for(r) if watchdog is not None else None
+def rank_entry(r: "Rank", watchdog: "Watchdog", now: float) -> dict:
+    state = watchdog.rank_state(r)
+    timeout = watchdog.timeout_for(r)
     m = r.metrics
     return {
         "job_id": r.job_id, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size,
@@ -196,18 +197,20 @@ def collectors_section(runner: "CollectorRunner", now_wall: float) -> dict:
 
 # ---------------------------------------------------------------- the document
 
-def build_status(settings: "Settings", registry: "Registry", runner: "CollectorRunner", watchdog: Any,
+def build_status(settings: "Settings", registry: "Registry", runner: "CollectorRunner", watchdog: "Watchdog",
                  started: float) -> dict:
     now, now_wall = time.monotonic(), time.time()
     s = Samples(runner.families())
     ranks = [rank_entry(r, watchdog, now) for r in sorted(registry.ranks(), key=lambda r: (r.job_id, r.rank))]
     collectors = collectors_section(runner, now_wall)
 
-    problems = [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES]
+    # The watchdog words its own problems (stalled ranks with their timeout basis, the storm
+    # cap); a rank in a bad state it did not mention still gets a line here.
+    problems = list(watchdog.problems())
+    problems += [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES
+                 and not any(p.startswith(f"rank {e['job_id']}/{e['rank']} ") for p in problems)]
     problems += [f"collector {name} failing: {c['error'] or 'last run failed'}"
                  for name, c in collectors.items() if c["success"] is False]
-    if watchdog is not None:
-        problems += [p for p in watchdog.problems() if p not in problems]
 
     return {
         "version": __version__,
@@ -221,8 +224,6 @@ def build_status(settings: "Settings", registry: "Registry", runner: "CollectorR
         "infiniband": infiniband_section(s),
         "ranks": ranks,
         "collectors": collectors,
-        "watchdog": watchdog.status() if watchdog is not None else {
-            "observe_only": settings.watchdog.observe_only, "remediations_in_window": 0,
-            "max_per_window": settings.remediation.max_per_window},
-        "incidents": watchdog.incidents(INCIDENTS_SHOWN) if watchdog is not None else [],
+        "watchdog": watchdog.status(),
+        "incidents": watchdog.incidents(INCIDENTS_SHOWN),
     }
