@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Start the bundled trainer on this node of a multi-node job, under torchrun with a c10d
+# rendezvous and in-place restarts. Run the same command on every node; settings come from
+# the environment:
+#
+#   NNODES          nodes in the job: N, or MIN:MAX for an elastic job          (required)
+#   RDZV_ENDPOINT   HOST:PORT of the c10d rendezvous store, one of the nodes    (required)
+#   CONFIG          the trainer's YAML configuration                            (required)
+#   NPROC_PER_NODE  ranks per node (default: gpu, one per GPU)
+#   RDZV_ID         the job's id, the same on every node (default: training)
+#   MAX_RESTARTS    worker-group restarts torchrun allows (default: 3)
+#   SIDECAR_SOCKET  the node sidecar's socket (default: /run/sidecar/sidecar.sock)
+#   PYTHON          the training environment's interpreter (default: python3)
+#   PREFLIGHT       1 (default): run `sidecar preflight` first and stop if it fails; 0: skip
+#   EXPECT_GPUS     passed to preflight's --expect-gpus when set
+#   DRY_RUN         1: print the commands instead of running them
+#
+# Extra arguments are passed to the trainer, e.g. `--set train.steps=1000`.
+set -euo pipefail
+
+die() { echo "torchrun-launch: $*" >&2; exit 2; }
+[ -n "${NNODES:-}" ] || die "set NNODES (the number of nodes, or MIN:MAX)"
+[ -n "${RDZV_ENDPOINT:-}" ] || die "set RDZV_ENDPOINT (HOST:PORT of the rendezvous, one of the nodes)"
+[ -n "${CONFIG:-}" ] || die "set CONFIG (the trainer's YAML configuration)"
+[[ "$RDZV_ENDPOINT" =~ ^[^:]+:[0-9]+$ ]] || die "RDZV_ENDPOINT must be HOST:PORT, got '$RDZV_ENDPOINT'"
+NPROC_PER_NODE="${NPROC_PER_NODE:-gpu}"
+RDZV_ID="${RDZV_ID:-training}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+[[ "$MAX_RESTARTS" =~ ^[1-9][0-9]*$ ]] || die "MAX_RESTARTS must be >= 1 (restarts are how a hung group heals), got '$MAX_RESTARTS'"
+PYTHON="${PYTHON:-python3}"
+# The hooks in every rank find the node's sidecar through this.
+export SIDECAR_SOCKET="${SIDECAR_SOCKET:-/run/sidecar/sidecar.sock}"
+
+run() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+
+if [ "${PREFLIGHT:-1}" = 1 ]; then
+  if command -v sidecar >/dev/null 2>&1; then
+    preflight=(sidecar preflight --python "$PYTHON" --rdzv-endpoint "$RDZV_ENDPOINT")
+    [ -z "${EXPECT_GPUS:-}" ] || preflight+=(--expect-gpus "$EXPECT_GPUS")
+    run "${preflight[@]}" || die "preflight failed on $(hostname); fix the FAIL lines above (PREFLIGHT=0 skips it)"
+  else
+    echo "torchrun-launch: sidecar not on PATH, preflight skipped" >&2
+  fi
+fi
+
+cmd=("$PYTHON" -m torch.distributed.run
+  --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+  --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
+  --max-restarts "$MAX_RESTARTS"
+  -m trainer --config "$CONFIG" "$@")
+if [ "${DRY_RUN:-0}" = 1 ]; then run "${cmd[@]}"; else exec "${cmd[@]}"; fi
