@@ -1,0 +1,1 @@
+"""Grafana dashboards: `dashboards/build.py` is the source, `*.json` are generated."""

@@ -1,0 +1,80 @@
+"""The dashboards: generated from dashboards/build.py, shaped as Grafana expects, and every
+query valid PromQL on a real Prometheus."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dashboards import build
+from tests.alerts.realstack import Prometheus
+from tests.dashboards.panels import DASHBOARD_FILES, load, queries, substitute, variable_queries
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def test_dashboard_files_are_current_with_their_source():
+    expected = build.rendered_files()
+    assert sorted(p.name for p in DASHBOARD_FILES) == sorted(expected)
+    stale = [p.name for p in DASHBOARD_FILES if p.read_text() != expected[p.name]]
+    assert not stale, f"regenerate with `python -m dashboards.build`: {stale}"
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_panel_queries_the_datasource_variable(path):
+    d = load(path)
+    assert d["schemaVersion"] >= 39 and d["uid"] and d["title"]
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for panel in d["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], panel["title"]
+        for t in panel["targets"]:
+            assert t["datasource"] == DATASOURCE and t["expr"].strip()
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_panels_have_unique_ids_and_fit_the_grid(path):
+    d = load(path)
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_variable_used_in_a_query_is_defined(path):
+    d = load(path)
+    defined = {v["name"] for v in d["templating"]["list"]} | {"__rate_interval", "__interval", "__range"}
+    for where, expr in queries(d):
+        used = set(re.findall(r"\$\{?(\w+)", expr))
+        assert used <= defined, f"{where}: undefined {used - defined}"
+
+
+def test_dashboards_are_templated_by_job_node_rank_and_gpu():
+    names = {v["name"] for path in DASHBOARD_FILES for v in load(path)["templating"]["list"]}
+    assert {"datasource", "job_id", "instance", "rank", "gpu"} <= names
+
+
+def test_job_dashboard_reads_recording_rules():
+    from alerts.build import all_records
+    records = {r.record for r in all_records()}
+    exprs = " ".join(e for _, e in queries(load(build.HERE / "training-job.json")))
+    assert sum(r in exprs for r in records) >= 8
+
+
+def test_every_query_is_valid_promql_on_a_real_prometheus(tmp_path):
+    values = {"job_id": "j1", "instance": "127.0.0.1:1", "rank": "0", "gpu": "0", "device": "eth0",
+              "datasource": "unused"}
+    with Prometheus(tmp_path).running() as prom:
+        for path in DASHBOARD_FILES:
+            d = load(path)
+            for where, expr in queries(d):
+                answer = prom.query(substitute(expr, values))
+                assert answer["status"] == "success", f"{where}: {answer.get('error')}"
+            for name, selector, _label in variable_queries(d):
+                answer = prom.api("series", **{"match[]": substitute(selector, values)})
+                assert answer["status"] == "success", f"variable {name}: {answer.get('error')}"
