@@ -10,6 +10,8 @@ Failure handling, in one place:
   (the trainer rolled its step counter back): re-register without a step, resend once.
 - any other 4xx: log once (rate-limited), drop that batch, carry on.
 - 5xx: drop the batch and back off, as if unreachable.
+- nothing to send for a while: an empty push, so that a rank that went silent (hung, or in
+  a long phase) is still re-registered with a sidecar that restarted meanwhile.
 
 A re-registration carries the last step and phase the sidecar acknowledged, so a restarted
 sidecar resumes watching the rank instead of giving it a fresh start-up budget; the batches
@@ -38,6 +40,10 @@ log = logging.getLogger("trainer_hooks")
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000          # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
 MAX_BACKOFF_SECONDS = 5.0   # a restarted sidecar hears from every rank within this long
+# With nothing to send for this long, an empty push asks the sidecar whether it still knows
+# the rank: a rank that hangs (or sits in a long phase) sends nothing, and must still be
+# re-registered with a restarted sidecar so that its watchdog can see the hang.
+KEEPALIVE_SECONDS = 2.0
 _MIN_SERVER_INTERVAL, _MAX_SERVER_INTERVAL = 0.05, 60.0
 
 
@@ -70,7 +76,8 @@ class Sender:
     def __init__(self, buffer: deque, endpoint: Endpoint, ident: Identity, pid: int,
                  stack_dump: StackDump | None, flush_interval: float, adopt_server_interval: bool,
                  connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT,
-                 max_backoff: float = MAX_BACKOFF_SECONDS, batch_items: int = BATCH_ITEMS):
+                 max_backoff: float = MAX_BACKOFF_SECONDS, batch_items: int = BATCH_ITEMS,
+                 keepalive: float = KEEPALIVE_SECONDS):
         self.buffer = buffer
         self.endpoint = endpoint
         self.ident = ident
@@ -82,6 +89,7 @@ class Sender:
         self.read_timeout = read_timeout
         self.max_backoff = max_backoff
         self.batch_items = batch_items
+        self.keepalive = keepalive
         self.encoder = Encoder()
         self.registered = False
         self.registrations = 0
@@ -92,6 +100,7 @@ class Sender:
         self._acked_phases: list[str] = []
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._last_contact = 0.0      # monotonic time of the last answered request
         self._wake = threading.Event()
         self._close_deadline: float | None = None
         self._close_reason = "finished"
@@ -145,6 +154,9 @@ class Sender:
         if not self.registered and not self.register(deadline):
             self._failed()
             return
+        if not self.buffer and not final and time.monotonic() - self._last_contact >= self.keepalive:
+            self._send([], deadline)
+            return
         while self.buffer:
             if deadline is not None and time.monotonic() >= deadline:
                 return
@@ -189,6 +201,7 @@ class Sender:
             self.registered = False
             self._failed()
             return False
+        self._last_contact = time.monotonic()
         if reply.status == 200:
             self._acknowledge(items)
             return True
@@ -244,6 +257,7 @@ class Sender:
             return False
         self.registered = True
         self.registrations += 1
+        self._last_contact = time.monotonic()
         interval = reply.body.get("flush_interval_s")
         if self.adopt_server_interval and isinstance(interval, (int, float)) and not isinstance(interval, bool):
             self.flush_interval = min(_MAX_SERVER_INTERVAL, max(_MIN_SERVER_INTERVAL, float(interval)))

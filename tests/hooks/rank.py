@@ -68,12 +68,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="at this step fork a child that calls every hook (and close) and exits")
     p.add_argument("--hold-until", help="after the loop, wait for this file before closing")
     p.add_argument("--ready", help="touch this file once the monitor is set up")
+    p.add_argument("--read-timeout", type=float, help="the monitor's read timeout (seconds)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    mon = Monitor(buffer_size=args.buffer_size)
+    mon = Monitor(buffer_size=args.buffer_size, read_timeout=args.read_timeout)
     result: dict = {"pid": os.getpid(), "stack_dump_path": mon.stack_dump_path, "enabled": mon.enabled}
     if args.ready:
         Path(args.ready).touch()

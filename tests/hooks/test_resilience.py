@@ -1,0 +1,108 @@
+"""Whatever the sidecar does (absent, killed, restarted, hung), training is neither slowed nor
+broken: the rank's loop takes about as long as with hooks disabled, nothing is raised, lost
+records are counted, and the hooks find a restarted sidecar again.
+
+"About as long" is a generous bound that only catches blocking (one connect or read timeout
+on the training thread would show); speed itself is measured in bench/bench_hooks.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hooks.helpers import RankProcess, disabled_env, rank_env, rank_status, run_rank
+from tests.support import Sidecar, wait_until
+
+# 400 steps of 5 ms work: ~2 s of "training", long enough to kill a sidecar in the middle.
+LOOP = ("--steps", "400", "--sleep", "0.005", "--buffer-size", "100")
+
+
+def not_slowed(result: dict, baseline: dict) -> None:
+    assert result["elapsed"] < 2 * baseline["elapsed"] + 1.0, (result["elapsed"], baseline["elapsed"])
+    # a hook call that waited on the network would take >= the 0.5 s connect timeout
+    assert result["worst_call"] < 0.25, result["worst_call"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same loop with hooks disabled."""
+    return run_rank(tmp_path_factory.mktemp("baseline"), disabled_env(), *LOOP)
+
+
+def test_disabled_hooks_send_nothing(baseline: dict):
+    assert baseline["enabled"] is False and baseline["stack_dump_path"] is None
+    assert baseline["sent"] == 0 and baseline["registrations"] == 0
+
+
+def test_absent_sidecar_neither_slows_nor_breaks_training(tmp_path: Path, baseline: dict):
+    result = run_rank(tmp_path, rank_env(None, "absent", SIDECAR_SOCKET=str(tmp_path / "nobody.sock")), *LOOP)
+    not_slowed(result, baseline)
+    assert result["registrations"] == 0 and result["sent"] == 0
+    assert result["dropped"] == 400 - 100  # all but what the buffer still holds
+
+
+def test_hung_sidecar_neither_slows_nor_breaks_training(tmp_path: Path, baseline: dict, hung_server):
+    result = run_rank(tmp_path, rank_env(None, "hung", SIDECAR_SOCKET=hung_server.path), *LOOP)
+    not_slowed(result, baseline)
+    assert hung_server.connections >= 1
+    assert result["sent"] == 0 and result["dropped"] >= 400 - 100
+
+
+def test_close_is_bounded_with_a_hung_sidecar(tmp_path: Path, hung_server):
+    # A 30 s read timeout: an unbounded close would wait on it.
+    result = run_rank(tmp_path, rank_env(None, "hung-close", SIDECAR_SOCKET=hung_server.path),
+                      "--steps", "5", "--read-timeout", "30")
+    assert result["close_seconds"] < 5.0
+
+
+def test_sidecar_killed_mid_run(tmp_path: Path, baseline: dict, ranks):
+    with Sidecar(tmp_path / "doomed") as sidecar:
+        rank = RankProcess(tmp_path, rank_env(sidecar, "killed"), *LOOP)
+        ranks.append(rank)
+        wait_until(lambda: (r := rank_status(sidecar, "killed")) and (r["step"] or 0) >= 10, 30,
+                   what="first steps arrive")
+        os.kill(sidecar.proc.pid, signal.SIGKILL)
+        result = rank.finish()
+    assert result["last_step"] == 400
+    not_slowed(result, baseline)
+    assert result["dropped"] > 0
+
+
+def test_restarted_sidecar_sees_the_rank_again_at_its_current_step(tmp_path: Path, ranks):
+    first = Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true").start()
+    try:
+        # 30 steps, then the rank sits (like a hung or very slow rank) without closing.
+        rank = RankProcess(tmp_path, rank_env(first, "restarted"), "--steps", "30")
+        ranks.append(rank)
+        wait_until(lambda: (r := rank_status(first, "restarted")) and r["step"] == 30, 30, what="step 30")
+    finally:
+        first.stop()
+    time.sleep(0.5)
+    with Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true") as second:  # same socket path
+        assert second.socket == first.socket
+        # Nothing new was pushed: the step comes from the rank's re-registration.
+        seen = wait_until(lambda: rank_status(second, "restarted"), 30, what="rank re-registered")
+        assert seen["step"] == 30 and seen["pid"] == rank.pid and seen["state"] != "gone"
+        result = rank.finish()
+    assert result["registrations"] == 2
+
+
+def test_restarted_sidecar_receives_the_steps_made_while_it_was_down(tmp_path: Path, ranks):
+    first = Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true").start()
+    try:
+        rank = RankProcess(tmp_path, rank_env(first, "resumed"), "--steps", "0", "--sleep", "0.01")
+        ranks.append(rank)
+        wait_until(lambda: (r := rank_status(first, "resumed")) and (r["step"] or 0) >= 10, 30, what="steps")
+    finally:
+        first.stop()
+    with Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true") as second:
+        wait_until(lambda: (r := rank_status(second, "resumed")) and (r["step"] or 0) >= 10, 30,
+                   what="steps at the restarted sidecar")
+        rank.stop_stepping()
+        result = rank.finish()
+        assert rank_status(second, "resumed")["step"] == result["last_step"]
+    assert result["registrations"] == 2
