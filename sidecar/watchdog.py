@@ -474,8 +474,9 @@ def refine_blame(incident: Incident) -> None:
     if outside and waiting:
         chosen = next((r for r in outside if r.rank == incident.blamed_rank), outside[0])
         incident.blamed_rank = chosen.rank
-        incident.blame_reason = (f"not inside a collective while rank(s) {', '.join(map(str, waiting))} "
-                                 f"wait in one")
+        others = f"rank {waiting[0]} waits" if len(waiting) == 1 else \
+            f"ranks {', '.join(map(str, waiting))} wait"
+        incident.blame_reason = f"not waiting for its peers, while {others} for it in a collective"
 
 
 def _process_alive(rank: "Rank") -> bool:

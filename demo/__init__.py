@@ -1,0 +1,4 @@
+"""`python -m demo`: a real sidecar and a real 2-rank torchrun job on this machine; one rank
+hangs, the sidecar detects it, saves its stacks, kills the group, torchrun restarts it and the
+trainer resumes from its checkpoint. The pieces (processes, commands, the trainer's log) are
+reused by bench/bench_recovery.py."""

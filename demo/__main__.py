@@ -1,0 +1,3 @@
+from demo.narrate import main
+
+raise SystemExit(main())
