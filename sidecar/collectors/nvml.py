@@ -115,7 +115,7 @@ class _DeviceReader:
             return fn(self.handle, *args)
         except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
             self.unsupported.add(key)
-        except (nv.NVMLError_GPUIsLost, nv.NVMLError_Unknown) as e:
+        except (nv.NVMLError_GpuIsLost, nv.NVMLError_Unknown) as e:
             raise GpuLost(f"gpu {self.reading.gpu}: {function}: {e}") from None
         except nv.NVMLError as e:
             self.reading.errors.append(f"{function}: {e}")
@@ -285,7 +285,7 @@ class NvmlSession:
                 # The board has no such link: asked once per session, never again.
                 d.unsupported.add(key)
                 continue
-            except (nv.NVMLError_GPUIsLost, nv.NVMLError_Unknown) as e:
+            except (nv.NVMLError_GpuIsLost, nv.NVMLError_Unknown) as e:
                 raise GpuLost(f"gpu {d.reading.gpu}: nvmlDeviceGetNvLinkState: {e}") from None
             except nv.NVMLError as e:
                 d.reading.errors.append(f"nvmlDeviceGetNvLinkState({link}): {e}")

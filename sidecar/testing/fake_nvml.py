@@ -135,6 +135,11 @@ def configure(spec: dict[str, Any] | None) -> None:
         _state.spec = copy.deepcopy(spec)
 
 
+def update(spec: dict[str, Any]) -> None:
+    """Change the spec while the driver stays initialized: a GPU fails or recovers, values move."""
+    _state.spec = copy.deepcopy(spec)
+
+
 def inject_xid(gpu: int, xid: int) -> None:
     """Deliver an XID event now, as the driver would on a GPU fault."""
     with _state.lock:
