@@ -1,0 +1,136 @@
+"""`sidecar status` against live sidecars: what it shows and what its exit status says."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tests.ops.conftest import Rank, run_cli, wait_for_state
+from tests.support import Sidecar, free_port, wait_until
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    """A sidecar with two ranks of job run-42 that have made progress."""
+    sidecar = Sidecar(tmp_path_factory.mktemp("healthy"), "watchdog.observe_only=true").start()
+    made = [Rank(sidecar, "run-42", r, {"torch": "2.13.0"}) for r in (0, 1)]
+    try:
+        for r in made:
+            r.push_step(loss=2.25)
+        wait_until(lambda: all(r["step"] == 1 for r in sidecar.status()["ranks"]), 30, what="steps recorded")
+        yield sidecar
+    finally:
+        for r in made:
+            r.close()
+        sidecar.stop()
+
+
+def test_piped_output_is_plain_text_listing_every_rank(healthy):
+    out = run_cli("status", "--socket", healthy.socket)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b[" not in out.stdout
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("JOB "))
+    assert header.split()[:4] == ["JOB", "RANK", "PID", "STATE"]
+    rows = [line.split() for line in lines if line.startswith("run-42 ")]
+    assert [row[1] for row in rows] == ["0", "1"]
+    assert all(row[3] == "healthy" and row[4] == "1" and "2.25" in row for row in rows)
+    assert "HEALTHY" in lines[0] and "Problems: none" in out.stdout
+
+
+def test_json_is_the_raw_status_with_the_exit_code(healthy):
+    out = run_cli("status", "--url", healthy.url, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["exit_code"] == 0 and doc["problems"] == [] and doc["target"] == healthy.url
+    assert doc["status"]["health"] == "healthy"
+    assert sorted(r["rank"] for r in doc["status"]["ranks"]) == [0, 1]
+
+
+def test_socket_comes_from_sidecar_socket_when_no_flag_is_given(healthy):
+    out = run_cli("status", "--json", env={"SIDECAR_SOCKET": healthy.socket})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["target"] == healthy.socket
+
+
+def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):
+    settings = ("watchdog.observe_only=true", "watchdog.check_interval_seconds=0.2",
+                "watchdog.floor_seconds=1", "watchdog.ceiling_seconds=2")
+    with Sidecar(tmp_path, *settings) as sidecar:
+        rank = ranks(sidecar, "run-7", 3)
+        rank.push_step()
+        wait_for_state(sidecar, 3, "stalled")  # no more pushes
+        out = run_cli("status", "--socket", sidecar.socket)
+    assert out.returncode == 1, out.stdout + out.stderr
+    row = next(line.split() for line in out.stdout.splitlines() if line.startswith("run-7 "))
+    assert row[3] == "stalled"
+    problems = out.stdout.split("Problems:")[1]
+    assert "run-7" in problems and "3" in problems and "DEGRADED" in out.stdout
+
+
+def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):
+    spec = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2,
+            "gpus": {"1": {"errors": {"*": "gpu_is_lost"}}}}
+    spec_file = tmp_path / "nvml.json"
+    spec_file.write_text(json.dumps(spec))
+    with Sidecar(tmp_path, "collectors.nvml_module=sidecar.testing.fake_nvml",
+                 env={"SIDECAR_FAKE_NVML": str(spec_file)}) as sidecar:
+        wait_until(lambda: sidecar.status()["collectors"]["gpu"]["success"] is False, 30, what="gpu collector failing")
+        out = run_cli("status", "--socket", sidecar.socket, "--json")
+    assert out.returncode == 1
+    doc = json.loads(out.stdout)
+    assert doc["exit_code"] == 1
+    assert any("gpu" in p for p in doc["problems"]), doc["problems"]
+    assert [g["gpu"] for g in doc["status"]["gpus"]] == ["0"]  # the lost GPU has no readings
+
+
+def test_no_sidecar_exits_2_naming_the_socket(tmp_path):
+    missing = str(tmp_path / "nobody.sock")
+    out = run_cli("status", "--socket", missing)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert f"no sidecar at {missing} (no such socket)" in out.stderr
+    assert "--url" in out.stderr
+
+
+def test_refused_tcp_exits_2_naming_the_url():
+    url = f"http://127.0.0.1:{free_port()}"
+    out = run_cli("status", "--url", url, "--json")
+    assert out.returncode == 2
+    doc = json.loads(out.stdout)
+    assert doc["exit_code"] == 2 and doc["status"] is None
+    assert f"no sidecar at {url} (connection refused)" in doc["error"]
+
+
+class _Broken(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        if self.path == "/v1/status" and self.server.mode == "not-json":
+            body, code = b"<html>proxy login</html>", 200
+        else:
+            body, code = b'{"error": "the sidecar is shutting down", "code": "unavailable"}', 503
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("mode, expected", [("not-json", "did not answer JSON"),
+                                            ("error", "HTTP 503: the sidecar is shutting down")])
+def test_a_broken_answer_exits_2_saying_what_is_wrong(mode, expected):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
+    server.mode = mode
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = run_cli("status", "--url", url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 2
+    assert expected in out.stderr and url in out.stderr
