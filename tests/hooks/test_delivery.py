@@ -121,3 +121,15 @@ def test_unknown_rank_answer_makes_the_hooks_register_again(sidecar, tmp_path: P
                what="rank registered again")
     result = rank.finish()
     assert result["registrations"] == 2
+
+
+def test_forked_child_does_not_speak_for_the_rank(sidecar, tmp_path: Path, ranks):
+    # At step 5 the rank forks a child that steps to 1000005, sends an event and a phase,
+    # and closes (which would deregister the rank), then lives on for a while.
+    rank = RankProcess(tmp_path, rank_env(sidecar, "forked"), "--steps", "10", "--fork-at", "5")
+    ranks.append(rank)
+    wait_until(lambda: (r := rank_status(sidecar, "forked")) and r["step"] == 10, 30, what="step 10")
+    seen = rank_status(sidecar, "forked")
+    assert seen["pid"] == rank.pid and seen["state"] != "gone"
+    result = rank.finish()
+    assert result["sent"] == 10 and result["registrations"] == 1

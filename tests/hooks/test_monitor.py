@@ -1,0 +1,194 @@
+"""The Monitor in the training process itself: disabled mode, errors swallowed, phases,
+close, fork safety, stack dumps on a signal, and what it reads from the environment."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import wait_until
+from trainer_hooks import Monitor, environment
+from trainer_hooks.records import Encoder, number
+
+
+def quiet_monitor(tmp_path: Path, **kw) -> Monitor:
+    """A monitor whose sidecar is absent (nothing listens on its socket)."""
+    kw.setdefault("socket", str(tmp_path / "absent.sock"))
+    kw.setdefault("diag_dir", str(tmp_path / "diag"))
+    return Monitor(job_id="unit", rank=0, world_size=1, environ={}, **kw)
+
+
+def test_disabled_by_environment_is_a_no_op(tmp_path: Path, hung_server):
+    mon = Monitor(socket=hung_server.path, diag_dir=str(tmp_path / "diag"),
+                  environ={"SIDECAR_HOOKS_DISABLED": "1"})
+    mon.step(1, loss=1.0)
+    with mon.phase("eval"):
+        mon.event("x")
+    time.sleep(0.7)
+    mon.close()
+    assert not mon.enabled and mon.stack_dump_path is None
+    assert hung_server.connections == 0
+    assert not (tmp_path / "diag").exists()
+
+
+def test_disabled_by_argument_is_a_no_op(tmp_path: Path, hung_server):
+    mon = Monitor(enabled=False, socket=hung_server.path, environ={})
+    mon.step(1, loss=1.0)
+    time.sleep(0.7)
+    mon.close()
+    assert not mon.enabled and hung_server.connections == 0
+
+
+def test_hook_calls_never_raise_on_bad_input(tmp_path: Path):
+    mon = quiet_monitor(tmp_path)
+    mon.step("not a step", loss=object(), lr="fast", tokens=[1, 2])
+    mon.step(None)
+    mon.event(None, **{"weird key": object()})
+    with mon.phase(12345, timeout="soon"):
+        pass
+    mon.close()
+    mon.step(2, loss=1.0)  # after close: ignored
+    mon.close()
+
+
+def test_phase_block_exception_propagates_unchanged(tmp_path: Path):
+    mon = quiet_monitor(tmp_path)
+    error = KeyError("disk full")
+    with pytest.raises(KeyError) as caught:
+        with mon.phase("checkpoint_save", timeout=600):
+            raise error
+    assert caught.value is error
+    mon.close()
+
+
+def test_close_is_idempotent_and_quick_without_a_sidecar(tmp_path: Path):
+    mon = quiet_monitor(tmp_path)
+    mon.step(1, loss=1.0)
+    start = time.monotonic()
+    mon.close()
+    mon.close()
+    assert time.monotonic() - start < 5.0
+    assert not mon.enabled
+
+
+def test_forked_child_is_disabled_and_parent_is_not(tmp_path: Path):
+    mon = quiet_monitor(tmp_path)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            mon.step(10**6, loss=0.0)
+            mon.close()
+            os.write(write_fd, json.dumps({"enabled": mon.enabled, "dropped": mon.dropped}).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    os.waitpid(pid, 0)
+    child = json.loads(os.read(read_fd, 1000))
+    os.close(read_fd)
+    assert child == {"enabled": False, "dropped": 0}
+    assert mon.enabled
+    mon.close()
+
+
+STACK_RANK = """
+import sys, time
+from trainer_hooks import Monitor
+mon = Monitor(job_id="job/with odd name", rank=3, world_size=4)
+print(mon.stack_dump_path, flush=True)
+def waiting_for_allreduce():
+    time.sleep(60)
+waiting_for_allreduce()
+"""
+
+
+def test_stack_dump_written_on_signal(tmp_path: Path):
+    env = dict(os.environ, SIDECAR_SOCKET=str(tmp_path / "absent.sock"), SIDECAR_DIAG_DIR=str(tmp_path / "diag"))
+    proc = subprocess.Popen([sys.executable, "-c", STACK_RANK], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        path = Path(proc.stdout.readline().strip())
+        assert path == tmp_path / "diag" / "job_with_odd_name" / f"rank3-pid{proc.pid}.stacks"
+        time.sleep(0.3)  # into the sleep
+        proc.send_signal(signal.SIGUSR2)
+        text = wait_until(lambda: path.exists() and "waiting_for_allreduce" in path.read_text() and path.read_text(),
+                          20, what="stack dump")
+        assert "Current thread" in text and "trainer_hooks/sender.py" in text  # all threads
+        assert proc.poll() is None  # the dump does not kill the rank
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stack_dump_defaults_next_to_the_socket(tmp_path: Path):
+    mon = Monitor(job_id="j", rank=0, world_size=1, socket=str(tmp_path / "run" / "sidecar.sock"), environ={})
+    try:
+        assert mon.stack_dump_path == str(tmp_path / "run" / "diag" / "j" / f"rank0-pid{os.getpid()}.stacks")
+    finally:
+        mon.close()
+    assert not Path(mon.stack_dump_path).exists()  # an unused, empty dump file is cleaned up
+
+
+def test_stack_dump_can_be_switched_off(tmp_path: Path):
+    mon = Monitor(socket=str(tmp_path / "absent.sock"), diag_dir=str(tmp_path / "diag"),
+                  environ={"SIDECAR_STACK_SIGNAL": "off"})
+    assert mon.enabled and mon.stack_dump_path is None
+    mon.close()
+
+
+def test_unwritable_diag_dir_means_no_dump_and_no_error(tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    mon = quiet_monitor(tmp_path, diag_dir=str(blocker / "diag"))
+    assert mon.enabled and mon.stack_dump_path is None
+    mon.close()
+
+
+def test_application_signal_handler_is_left_alone(tmp_path: Path):
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        mon = quiet_monitor(tmp_path, stack_signal=int(signal.SIGUSR1))
+        assert mon.enabled and mon.stack_dump_path is None
+        mon.close()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_identity_comes_from_torchrun_environment():
+    ident = environment.identity({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                                  "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "run-42"})
+    assert ident == environment.Identity("run-42", 5, 1, 8, 4, 2)
+    assert environment.identity({}) == environment.Identity("default", 0, 0, 1, 1, 0)
+    assert environment.identity({"RANK": "5", "WORLD_SIZE": "8"}, job_id="mine", rank=7).rank == 7
+
+
+def test_endpoint_prefers_socket_then_url_then_default_socket():
+    both = {"SIDECAR_SOCKET": "/s.sock", "SIDECAR_URL": "http://127.0.0.1:9402"}
+    assert environment.endpoint(both).socket_path == "/s.sock"
+    tcp = environment.endpoint({"SIDECAR_URL": "http://127.0.0.1:9402", "SIDECAR_TOKEN": "t"})
+    assert (tcp.host, tcp.port, tcp.token, tcp.is_unix) == ("127.0.0.1", 9402, "t", False)
+    assert environment.endpoint({}).socket_path == environment.DEFAULT_SOCKET
+    assert environment.endpoint({"SIDECAR_URL": "ftp://x"}).socket_path == environment.DEFAULT_SOCKET
+
+
+def test_stack_signal_setting():
+    assert environment.stack_signal({}) == signal.SIGUSR2
+    assert environment.stack_signal({"SIDECAR_STACK_SIGNAL": "SIGUSR1"}) == signal.SIGUSR1
+    assert environment.stack_signal({"SIDECAR_STACK_SIGNAL": "usr1"}) == signal.SIGUSR1
+    assert environment.stack_signal({"SIDECAR_STACK_SIGNAL": "10"}) == 10
+    assert environment.stack_signal({"SIDECAR_STACK_SIGNAL": "off"}) is None
+    assert environment.stack_signal({"SIDECAR_STACK_SIGNAL": "SIGBOGUS"}) is None
+
+
+def test_non_finite_values_become_strings_and_the_wire_stays_strict_json():
+    assert [number(math.nan), number(math.inf), number(-math.inf)] == ["nan", "inf", "-inf"]
+    assert number(True) == 1 and number(3) == 3 and number(2.5) == 2.5
+    item = Encoder().item((0, "step", 1.0, 7, {"loss": math.nan, "bad name!": 1.0, "skip": None}))
+    assert item == {"type": "step", "step": 7, "time": 1.0, "metrics": {"loss": "nan", "bad_name_": 1.0}}
+    json.dumps(item, allow_nan=False)
