@@ -163,6 +163,8 @@ class Trainer:
                 Path(self.final_params).parent.mkdir(parents=True, exist_ok=True)
                 torch.save(full, self.final_params)
             log.info("training finished: step=%d params_sha256=%s", self.step, digest)
+        # Nobody tears the group down while a peer still talks to it (gloo aborts the process then).
+        dist.barrier()
         return digest
 
     def close(self) -> None:
