@@ -3,6 +3,7 @@
 refusal into a 4xx JSON body and keep the daemon up whatever a client sends."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import hmac
 import logging
@@ -147,11 +148,14 @@ async def read_json(request: web.Request) -> dict:
     return protocol.decode(body)
 
 
-def check_caller(request: web.Request, pid: int) -> bool:
-    """Over the Unix socket the connecting process must be `pid` or one of its ancestors
-    (a launcher registering its child). Returns whether the caller was verified; TCP
-    callers cannot be."""
-    peer = procs.peer_pid(_socket(request))
+LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+def check_caller(request: web.Request, pid: int, peer: int | None = None) -> bool:
+    """The connecting process (the Unix socket's peer credentials, or `peer` when the caller
+    found it another way) must be `pid` or one of its ancestors (a launcher registering its
+    child). Returns whether the caller was verified."""
+    peer = procs.peer_pid(_socket(request)) if peer is None else peer
     if peer is None:
         return False
     if peer != pid and not procs.is_self_or_descendant(pid, peer):
@@ -160,13 +164,24 @@ def check_caller(request: web.Request, pid: int) -> bool:
     return True
 
 
+async def loopback_peer(request: web.Request) -> int | None:
+    """For a TCP connection from this node, the pid of the client (None when not visible)."""
+    transport = request.transport
+    if transport is None or not _is_tcp(request):
+        return None
+    client, server = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not (isinstance(client, tuple) and isinstance(server, tuple) and client[0] in LOOPBACK):
+        return None
+    return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_peer_pid, client, server)
+
+
 async def register(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     reg = protocol.parse_registration(await read_json(request))
     if reg.pid in d.protected_pids:
         raise ApiError(403, "pid_mismatch", f"pid: {reg.pid} is init, the sidecar or one of its ancestors; "
                                             "it may never register")
-    verified = check_caller(request, reg.pid)
+    verified = check_caller(request, reg.pid, peer=await loopback_peer(request))
     started = procs.start_time(reg.pid)
     rank = d.registry.register(reg, pid_start_time=started, peer_verified=verified)
     log.info("registered rank %s pid %d (restart %d%s)", rank.label, rank.pid, rank.restart_count,

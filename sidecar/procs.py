@@ -61,3 +61,20 @@ def peer_pid(sock: socket.socket | None) -> int | None:
         return None
     pid, _uid, _gid = _UCRED.unpack(raw)
     return pid or None
+
+
+def tcp_peer_pid(client: tuple, server: tuple) -> int | None:
+    """The pid owning the client end of a loopback TCP connection (client and server are
+    (host, port) as the server sees them), or None when it cannot be seen: another user's
+    process while the sidecar is not root, or a process in another pid namespace. Scans
+    every process's descriptors, so callers run it off the event loop and only for rare
+    requests (registration)."""
+    want_client, want_server = (client[0], client[1]), (server[0], server[1])
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    for c in connections:
+        if c.pid and c.raddr and (c.laddr.ip, c.laddr.port) == want_client and (c.raddr.ip, c.raddr.port) == want_server:
+            return c.pid
+    return None

@@ -2,6 +2,7 @@
 the real promtool), `/v1/status` against the contract, start-up refusals and a clean stop."""
 from __future__ import annotations
 
+import grp
 import http.client
 import json
 import os
@@ -164,6 +165,12 @@ def test_listening_beyond_loopback_needs_a_token(tmp_path):
     assert result.stderr.count("\n") == 1 and "SIDECAR_TOKEN" in result.stderr
 
 
+def test_an_unknown_socket_group_exits_2(tmp_path):
+    result = run_sidecar("--socket", str(tmp_path / "s.sock"), "--set", "socket_group=no-such-group-here")
+    assert result.returncode == 2
+    assert result.stderr == "sidecar: setting socket_group: no group named 'no-such-group-here'\n"
+
+
 def listening_url(log) -> str:
     found = wait_until(lambda: re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace")),
                        30, what="the listening line")
@@ -171,6 +178,7 @@ def listening_url(log) -> str:
 
 
 def test_port_0_tcp_beyond_loopback_with_a_token_and_a_clean_stop(tmp_path):
+    group = grp.getgrgid(os.getgid()).gr_name
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.settimeout(30)
@@ -182,11 +190,15 @@ def test_port_0_tcp_beyond_loopback_with_a_token_and_a_clean_stop(tmp_path):
     stale.close()
     log = tmp_path / "sidecar.log"
     cmd = [PYTHON, "-m", "sidecar", "run", "--listen", "0.0.0.0:0", "--socket", str(sock_path),
-           "--set", "collectors.enabled=[]", "--set", f"diag_dir={tmp_path / 'diag'}"]
+           "--set", "collectors.enabled=[]", "--set", f"diag_dir={tmp_path / 'diag'}", "--observe-only",
+           "--set", f"socket_group={group}", "--set", 'socket_mode="0600"']
     with spawned(cmd, log, env={"NOTIFY_SOCKET": str(tmp_path / "notify"), "SIDECAR_TOKEN": "t0ken"}) as proc:
         try:
             assert notify.recv(256) == b"READY=1"
             url = listening_url(log).replace("0.0.0.0", "127.0.0.1")
+            assert "observe-only" in log.read_text()
+            info = os.stat(sock_path)
+            assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o600, os.getgid())
             assert http_get(url + "/healthz")[0] == 200
             conn = http.client.HTTPConnection(url.removeprefix("http://").split(":")[0], int(url.rsplit(":", 1)[1]))
             conn.request("POST", "/v1/register", json.dumps(registration(os.getpid())))

@@ -37,6 +37,15 @@ async def test_a_pid_that_is_not_the_callers_is_refused_over_the_socket(sidecar,
     assert str(stranger_pid) in reply.body["error"]
 
 
+async def test_over_loopback_tcp_the_client_process_is_looked_up(sidecar, child_pid, stranger_pid):
+    from sidecar.api import DAEMON
+    reply = await sidecar.post("/v1/register", registration(stranger_pid), tcp=True)
+    assert (reply.status, reply.code) == (403, "pid_mismatch")
+    reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True)
+    assert reply.status == 200
+    assert sidecar.app[DAEMON].registry.get("run-42", 0).peer_verified is True
+
+
 @pytest.mark.parametrize("pid", [1, "self", "parent"])
 async def test_init_the_sidecar_and_its_ancestors_may_never_register(sidecar, pid):
     pid = {"self": os.getpid(), "parent": os.getppid()}.get(pid, pid)
