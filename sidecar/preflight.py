@@ -557,13 +557,17 @@ def check_clock(ctx: Context) -> Iterable[Result]:
 # ---------------------------------------------------------------- peers: version skew
 
 # Fields whose difference across nodes breaks or endangers a job FAIL; the others WARN.
-SKEW_FAILS = ("driver_version", "cuda_version", "torch", "torch_version", "nccl", "nccl_version")
+SKEW_FAILS = frozenset({"driver_version", "cuda_version", "torch_version", "nccl_version", "torch_cuda_version"})
+# The same fact under its names in the sources: `/v1/status` node fields, the ranks'
+# registered `versions` (`cuda` there is the CUDA torch was built for), and the labels of
+# `sidecar_versions_info` on `/metrics`.
+RANK_VERSION_FIELDS = {"torch": "torch_version", "nccl": "nccl_version", "cuda": "torch_cuda_version",
+                       "python": "python_version"}
 
 
 def node_versions(status: dict, metrics_text: str | None) -> dict[str, set[str]]:
-    """The versions one sidecar knows, as {field: values}: the node's (driver, CUDA, kernel,
-    OS, the sidecar's own), the ranks' (`ranks[].versions` when present) and the labels of
-    `sidecar_versions_info` from `/metrics`. Several jobs may give one field several values."""
+    """The versions one sidecar knows, as {field: values}. Several jobs may give a field
+    several values; a value absent from one source is not a difference."""
     out: dict[str, set[str]] = {}
 
     def add(name: str, value: Any) -> None:
@@ -573,11 +577,11 @@ def node_versions(status: dict, metrics_text: str | None) -> dict[str, set[str]]
     add("sidecar_version", status.get("version"))
     node = status.get("node") if isinstance(status.get("node"), dict) else {}
     for key in ("driver_version", "cuda_version", "kernel", "os"):
-        add(f"node.{key}", node.get(key))
+        add(key, node.get(key))
     for r in status.get("ranks") or []:
         if isinstance(r, dict) and isinstance(r.get("versions"), dict):
             for key, value in r["versions"].items():
-                add(f"rank.{key}", value)
+                add(RANK_VERSION_FIELDS.get(key, f"{key}_version"), value)
     if metrics_text:
         from prometheus_client.parser import text_string_to_metric_families
         try:
@@ -586,7 +590,7 @@ def node_versions(status: dict, metrics_text: str | None) -> dict[str, set[str]]
                     if sample.name == "sidecar_versions_info":
                         for key, value in sample.labels.items():
                             if key != "job_id":
-                                add(f"versions_info.{key}", value)
+                                add(key, value)
         except ValueError:
             pass  # an unparsable exposition leaves only the status fields
     return out
@@ -603,8 +607,7 @@ def compare_versions(nodes: dict[str, dict[str, set[str]]]) -> list[Result]:
                 by_value.setdefault(value, []).append(node)
         if len(by_value) > 1:
             text = "; ".join(f"{value} on {', '.join(who)}" for value, who in sorted(by_value.items()))
-            severe = name.split(".")[-1] in SKEW_FAILS
-            results.append(Result("version-skew", FAIL if severe else WARN, f"{name} differs: {text}",
+            results.append(Result("version-skew", FAIL if name in SKEW_FAILS else WARN, f"{name} differs: {text}",
                                   "align drivers, CUDA and torch on every node before starting"))
     return results
 

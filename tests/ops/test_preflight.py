@@ -1,0 +1,239 @@
+"""`sidecar preflight`: every check reports on this GPU-less machine, peers' version skew
+fails naming the field, and the individual judgements (GPU health, Xids, shared storage,
+rendezvous, strictness) on controlled inputs."""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import socket
+
+import pytest
+
+from sidecar import preflight
+from sidecar.config import load_settings
+from sidecar.testing import fake_nvml
+from tests.ops.conftest import Rank, run_cli
+from tests.support import Sidecar, free_port, wait_until
+
+CHECKS = ["nvidia-driver", "gpu-count", "gpu-health", "xid", "torch", "nics", "infiniband", "rendezvous",
+          "shared-storage", "checkpoint-disk", "clock", "version-skew"]
+
+
+def _args(**over) -> argparse.Namespace:
+    """The namespace `sidecar preflight` would parse, with overrides."""
+    parser = argparse.ArgumentParser()
+    preflight.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in over.items():
+        setattr(args, key, value)
+    return args
+
+
+def _run(check, settings=None, **over) -> list[preflight.Result]:
+    ctx = preflight.Context(_args(**over), settings or load_settings(environ={}))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ctx._nvml = pool.submit(preflight.read_nvml, ctx.settings.collectors.nvml_module)
+        return list(check(ctx))
+
+
+def test_every_check_runs_and_reports_without_a_gpu(tmp_path):
+    out = run_cli("preflight", "--json", "--shared-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path),
+                  "--min-free-gb", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    doc = json.loads(out.stdout)
+    by_check = {}
+    for r in doc["results"]:
+        by_check.setdefault(r["check"], []).append(r)
+    assert [c for c in CHECKS if c not in by_check] == []
+    driver = by_check["nvidia-driver"][0]
+    assert driver["outcome"] == "WARN" and "no NVIDIA driver" in driver["detail"]
+    assert by_check["torch"][0]["outcome"] == "PASS" and "2.13" in by_check["torch"][0]["detail"]
+    assert not any("crashed" in r["detail"] for r in doc["results"])
+    failed = [r for r in doc["results"] if r["outcome"] == "FAIL"]
+    assert out.returncode == doc["exit_code"] == (1 if failed else 0), failed
+
+
+def test_plain_output_is_one_line_per_check_with_hints(tmp_path):
+    out = run_cli("preflight", "--checkpoint-dir", str(tmp_path), "--min-free-gb", "1e9")
+    assert out.returncode == 1
+    assert "\x1b[" not in out.stdout
+    line = next(line for line in out.stdout.splitlines() if " checkpoint-disk " in line)
+    assert line.startswith("FAIL") and "below 1e+09 GB" in line
+    assert "hint:" in out.stdout
+    assert out.stdout.splitlines()[-1].endswith("-> exit 1")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two live sidecars whose ranks run different torch versions."""
+    nodes, made = [], []
+    try:
+        for name, torch in (("a", "2.13.0"), ("b", "2.12.1")):
+            sidecar = Sidecar(tmp_path_factory.mktemp(f"node-{name}"), "watchdog.observe_only=true").start()
+            nodes.append(sidecar)
+            made.append(Rank(sidecar, "run-9", 0, {"torch": torch, "nccl": "2.27.3", "python": "3.11.7"}))
+        for sidecar in nodes:
+            wait_until(lambda s=sidecar: 'torch_version="2.1' in s.metrics(), 30, what="versions exported")
+        yield nodes
+    finally:
+        for r in made:
+            r.close()
+        for sidecar in nodes:
+            sidecar.stop()
+
+
+def test_peers_with_different_torch_fail_naming_field_values_and_nodes(two_nodes):
+    a, b = two_nodes
+    out = run_cli("preflight", "--json", "--peers", f"{a.url},{b.url}")
+    assert out.returncode == 1
+    skew = [r for r in json.loads(out.stdout)["results"] if r["check"] == "version-skew"]
+    assert [r["outcome"] for r in skew] == ["FAIL"], skew
+    detail = skew[0]["detail"]
+    assert detail.startswith("torch_version differs:")
+    assert f"2.12.1 on {socket.gethostname()} ({b.url})" in detail
+    assert f"2.13.0 on {socket.gethostname()} ({a.url})" in detail
+
+
+def test_peers_that_agree_pass(two_nodes):
+    a, _ = two_nodes
+    results = _run(preflight.check_peers, peers=f"{a.url},{a.url}/")
+    assert [r.outcome for r in results] == ["PASS"], results
+
+
+def test_an_unreachable_peer_fails_naming_it():
+    url = f"http://127.0.0.1:{free_port()}"
+    results = _run(preflight.check_peers, peers=url)
+    assert results[0].outcome == "FAIL" and url in results[0].detail
+
+
+def test_compare_versions_ignores_fields_a_node_does_not_report():
+    nodes = {"a": {"driver_version": {"550.54"}, "os": {"Ubuntu 22.04"}},
+             "b": {"driver_version": {"550.54"}}}
+    assert preflight.compare_versions(nodes) == []
+
+
+def test_kernel_and_os_skew_only_warns():
+    nodes = {"a": {"kernel": {"6.1"}}, "b": {"kernel": {"6.8"}}}
+    (result,) = preflight.compare_versions(nodes)
+    assert result.outcome == "WARN" and "kernel differs: 6.1 on a; 6.8 on b" in result.detail
+
+
+@pytest.fixture
+def nvml_stand_in():
+    yield load_settings(overrides={"collectors.nvml_module": "sidecar.testing.fake_nvml"}, environ={})
+    fake_nvml.configure(None)
+
+
+def test_gpu_checks_fail_on_a_lost_gpu_and_a_pending_remap(nvml_stand_in):
+    fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 3,
+                         "gpus": {"1": {"remapped_rows": [0, 1, 1, 0]}, "2": {"errors": {"*": "gpu_is_lost"}}}})
+    health = _run(preflight.check_gpu_health, nvml_stand_in)
+    assert [r.outcome for r in health] == ["FAIL", "FAIL"], health
+    assert health[0].detail.startswith("GPU 2 cannot be read")
+    assert health[1].detail.startswith("GPU 1 (") and "row remap pending" in health[1].detail
+    count = _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=8)
+    assert count[0].outcome == "FAIL" and "3 GPUs visible, expected 8" in count[0].detail
+    driver = _run(preflight.check_driver, nvml_stand_in)
+    assert driver[0].outcome == "PASS" and "550.54.15" in driver[0].detail and "CUDA 12.4" in driver[0].detail
+
+
+def test_healthy_gpus_pass(nvml_stand_in):
+    fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2})
+    assert [r.outcome for r in _run(preflight.check_gpu_health, nvml_stand_in)] == ["PASS"]
+    assert [r.outcome for r in _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
+
+
+def test_expecting_gpus_without_a_driver_fails():
+    results = _run(preflight.check_gpu_count, expect_gpus=8)
+    assert results[0].outcome == "FAIL"
+
+
+KERNEL_LOG = """\
+[  12.3] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15
+[ 812.1] NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name=python, Graphics SM Warp Exception
+[ 813.9] NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name=python, Graphics SM Warp Exception
+"""
+
+
+def test_application_xids_warn_and_strict_turns_that_into_failure(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text(KERNEL_LOG)
+    results = _run(preflight.check_xids, kernel_log=str(log))
+    assert [r.outcome for r in results] == ["WARN"]
+    assert "Xid 13 on 0000:3b:00 x2" in results[0].detail
+    assert preflight.exit_code(results, strict=False) == 0
+    assert preflight.exit_code(results, strict=True) == 1
+
+
+def test_a_hardware_xid_fails(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text(KERNEL_LOG + "[ 900.0] NVRM: Xid (PCI:0000:86:00): 79, pid='<unknown>', GPU has fallen off the bus.\n")
+    results = _run(preflight.check_xids, kernel_log=str(log))
+    assert results[0].outcome == "FAIL" and "Xid 79 on 0000:86:00 x1 (GPU has fallen off the bus)" in results[0].detail
+
+
+def test_an_unreadable_kernel_log_warns(tmp_path):
+    results = _run(preflight.check_xids, kernel_log=str(tmp_path / "absent.log"))
+    assert results[0].outcome == "WARN" and "kernel log not readable" in results[0].detail
+
+
+def test_shared_marker_written_on_one_node_is_found_on_another(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    wrote = _run(preflight.check_shared_dir, shared_dir=str(shared), shared_marker="write:job-17")
+    assert wrote[-1].check == "shared-marker" and wrote[-1].outcome == "PASS"
+    found = _run(preflight.check_shared_dir, shared_dir=str(shared), shared_marker="check:job-17")
+    assert found[-1].outcome == "PASS" and socket.gethostname() in found[-1].detail
+
+
+def test_shared_marker_missing_or_different_fails(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "a"), shared_marker="write:job-17")
+    other_token = _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "a"), shared_marker="check:job-18")
+    assert other_token[-1].outcome == "FAIL" and "'job-17', not 'job-18'" in other_token[-1].detail
+    elsewhere = _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "b"), shared_marker="check:job-17")
+    assert elsewhere[-1].outcome == "FAIL" and "no marker" in elsewhere[-1].detail
+
+
+def test_a_missing_shared_dir_fails(tmp_path):
+    results = _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "not-mounted"))
+    assert results[0].outcome == "FAIL"
+
+
+def test_rendezvous_listening_passes_and_a_taken_local_port_fails():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        endpoint = f"127.0.0.1:{server.getsockname()[1]}"
+        assert _run(preflight.check_rendezvous, rdzv_endpoint=endpoint)[0].outcome == "PASS"
+    free = f"127.0.0.1:{free_port()}"
+    result = _run(preflight.check_rendezvous, rdzv_endpoint=free)[0]
+    assert result.outcome == "PASS" and "will host the c10d store" in result.detail
+    with socket.socket() as taken:  # bound, not listening: connect is refused, bind fails
+        taken.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{taken.getsockname()[1]}"
+        assert _run(preflight.check_rendezvous, rdzv_endpoint=endpoint)[0].outcome == "FAIL"
+
+
+def test_a_malformed_rendezvous_endpoint_fails_naming_it():
+    result = _run(preflight.check_rendezvous, rdzv_endpoint="node-0")[0]
+    assert result.outcome == "FAIL" and "--rdzv-endpoint" in result.detail
+
+
+def test_torch_absent_from_the_interpreter_warns(tmp_path):
+    results = _run(preflight.check_torch, python="/bin/false")
+    assert results[0].outcome == "WARN" and "torch not importable" in results[0].detail
+
+
+def test_nic_and_infiniband_links_from_a_sysfs_tree(tmp_path):
+    for dev, state in (("eth0", "up"), ("eth1", "down")):
+        (tmp_path / "class/net" / dev).mkdir(parents=True)
+        (tmp_path / "class/net" / dev / "operstate").write_text(state + "\n")
+    port = tmp_path / "class/infiniband/mlx5_0/ports/1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("1: DOWN\n")
+    (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+    settings = load_settings(overrides={"collectors.sysfs_root": str(tmp_path)}, environ={})
+    nics = _run(preflight.check_nics, settings)[0]
+    assert nics.outcome == "WARN" and "eth1" in nics.hint and "eth0 up" in nics.detail
+    ib = _run(preflight.check_infiniband, settings)[0]
+    assert ib.outcome == "WARN" and "mlx5_0/1 DOWN 200 Gb/s" in ib.detail
