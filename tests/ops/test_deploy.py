@@ -1,0 +1,333 @@
+"""The deployment files: Kubernetes manifests validate against the Kubernetes schemas (CRDs
+by their required fields, their pod templates by the core schemas, their rules by
+promtool), the settings they carry load, the systemd unit verifies, the launcher refuses
+bad input, and the generated files are current."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from sidecar import deploygen
+from sidecar.config import load_settings
+from tests.support import PYTHON, ROOT
+
+K8S = ROOT / "deploy" / "kubernetes"
+BAREMETAL = ROOT / "deploy" / "baremetal"
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "PyTorchJob", "JobSet", "Kustomization"}
+PROMTOOL = shutil.which("promtool")
+
+
+def _documents() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if doc:
+                out.append((f"{path.relative_to(K8S)}#{i}", doc))
+    return out
+
+
+DOCS = _documents()
+BY_KIND: dict[str, list[dict]] = {}
+for _, _doc in DOCS:
+    BY_KIND.setdefault(_doc["kind"], []).append(_doc)
+
+
+def _validate(doc: dict) -> None:
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("name, doc", [d for d in DOCS if d[1]["kind"] not in CRD_KINDS], ids=lambda v: v
+                         if isinstance(v, str) else "")
+def test_manifest_validates_against_the_kubernetes_schema(name, doc):
+    _validate(doc)
+
+
+def test_every_manifest_kind_is_validated_somewhere():
+    assert {d["kind"] for _, d in DOCS} <= CRD_KINDS | {
+        "Namespace", "ServiceAccount", "ConfigMap", "ResourceQuota", "DaemonSet", "Service"}
+
+
+def _container(pod_spec: dict, name: str | None = None) -> dict:
+    return next(c for c in pod_spec["containers"] if name is None or c["name"] == name)
+
+
+def daemonset() -> dict:
+    (ds,) = BY_KIND["DaemonSet"]
+    return ds
+
+
+def test_daemonset_sees_host_processes_with_only_kill_and_ptrace():
+    pod = daemonset()["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    sc = _container(pod, "sidecar")["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def test_daemonset_mounts_host_sys_and_proc_read_only_where_the_settings_point():
+    pod = daemonset()["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m for m in _container(pod, "sidecar")["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for host, inside in (("/sys", "/host/sys"), ("/proc", "/host/proc")):
+        assert mounts[inside].get("readOnly") is True
+        assert volumes[mounts[inside]["name"]]["hostPath"]["path"] == host
+    settings = _configmap_settings()
+    assert settings.collectors.sysfs_root == "/host/sys" and settings.collectors.procfs_root == "/host/proc"
+    socket_dir = str(Path(settings.socket).parent)
+    assert volumes[mounts[socket_dir]["name"]]["hostPath"]["path"] == "/run/sidecar"
+
+
+def test_daemonset_probes_use_the_health_endpoints_on_the_configured_port():
+    container = _container(daemonset()["spec"]["template"]["spec"], "sidecar")
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    port = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
+    assert _configmap_settings().listen_port == port
+    assert {e["name"]: e["value"] for e in container["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+
+
+def _configmap_settings():
+    cm = next(c for c in BY_KIND["ConfigMap"] if c["metadata"]["name"] == "sidecar-config")
+    tree = yaml.safe_load(cm["data"]["sidecar.yaml"])
+    flat = {}
+
+    def walk(prefix, node):
+        for key, value in node.items():
+            if isinstance(value, dict) and key != "phase_timeouts":
+                walk(f"{prefix}{key}.", value)
+            else:
+                flat[prefix + key] = value
+    walk("", tree)
+    return load_settings(overrides=flat, environ={})  # a bad key or value raises ConfigError
+
+
+def test_the_daemonset_mounts_the_config_file_and_token_the_settings_name():
+    pod = daemonset()["spec"]["template"]["spec"]
+    container = _container(pod, "sidecar")
+    config_path = container["args"][container["args"].index("--config") + 1]
+    mounted = [m["mountPath"] for m in container["volumeMounts"]]
+    assert str(Path(config_path).parent) in mounted
+    assert str(Path(_configmap_settings().token_file).parent) in mounted
+
+
+def test_service_monitor_selects_the_service_and_its_port():
+    (service,) = BY_KIND["Service"]
+    (monitor,) = BY_KIND["ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert service["spec"]["clusterIP"] == "None"
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] and all(
+        e["port"] in ports and e.get("path", "/metrics") == "/metrics" for e in monitor["spec"]["endpoints"])
+    assert service["spec"]["selector"].items() <= daemonset()["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_prometheus_rules_have_the_operator_structure():
+    rules = BY_KIND.get("PrometheusRule", [])
+    assert rules, "no PrometheusRule generated from alerts/"
+    for rule in rules:
+        assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["name"]
+        for group in rule["spec"]["groups"]:
+            assert group["name"] and group["rules"]
+            for r in group["rules"]:
+                assert ("alert" in r) != ("record" in r) and r["expr"]
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+def test_prometheus_rules_embedded_in_the_objects_pass_promtool(tmp_path):
+    files = []
+    for i, rule in enumerate(BY_KIND.get("PrometheusRule", [])):
+        path = tmp_path / f"rules-{i}.yml"
+        path.write_text(yaml.safe_dump(rule["spec"]))
+        files.append(str(path))
+    assert files
+    out = subprocess.run([PROMTOOL, "check", "rules", *files], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dashboard_configmaps_carry_the_grafana_sidecar_label():
+    dashboards = [c for c in BY_KIND["ConfigMap"] if c["metadata"].get("labels", {}).get("grafana_dashboard")]
+    assert len(dashboards) == len(list((ROOT / "dashboards").glob("*.json")))
+    assert all(c["metadata"]["labels"]["grafana_dashboard"] == "1" for c in dashboards)
+
+
+def _torchrun_command(container: dict) -> list[str]:
+    return container.get("command", []) + container.get("args", [])
+
+
+def _assert_training_pod(pod_spec: dict) -> None:
+    container = pod_spec["containers"][0]
+    cmd = _torchrun_command(container)
+    assert cmd[0] == "torchrun" and "--rdzv-backend=c10d" in cmd
+    restarts = next(a for a in cmd if a.startswith("--max-restarts="))
+    assert int(restarts.split("=")[1]) > 0
+    assert cmd[cmd.index("-m") + 1] == "trainer" and any(a.startswith("--config=") for a in cmd)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    socket_dir = str(Path(env["SIDECAR_SOCKET"]).parent)
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == socket_dir)
+    volume = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"]["path"] == "/run/sidecar"
+    assert "--set=monitor.enabled=true" in cmd
+
+
+def test_pytorchjob_runs_the_trainer_elastically_with_c10d_and_the_socket():
+    (job,) = BY_KIND["PyTorchJob"]
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    assert job["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
+    assert job["spec"]["elasticPolicy"]["maxRestarts"] > 0
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    _validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker"}, "spec": template["spec"]})
+    _assert_training_pod(template["spec"])
+
+
+def test_jobset_runs_the_trainer_with_c10d_and_the_socket():
+    (jobset,) = BY_KIND["JobSet"]
+    assert jobset["apiVersion"].startswith("jobset.x-k8s.io/")
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        assert replicated["name"] and replicated["replicas"] >= 1
+        _validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "workers"},
+                   "spec": replicated["template"]["spec"]})
+        _assert_training_pod(replicated["template"]["spec"]["template"]["spec"])
+
+
+def test_kustomization_lists_files_that_exist():
+    for path in K8S.rglob("kustomization.yaml"):
+        for resource in yaml.safe_load(path.read_text())["resources"]:
+            assert (path.parent / resource).exists(), f"{path}: {resource}"
+
+
+# ---------------------------------------------------------------- generated files
+
+def test_generated_files_are_current():
+    assert deploygen.stale_files() == [], "run `sidecar deploy-gen --write`"
+
+
+def test_deploy_gen_check_names_a_stale_file_and_write_fixes_it(tmp_path, capsys):
+    for part in ("alerts", "dashboards"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    def args(*flags):
+        return argparse.Namespace(write="--write" in flags, check="--check" in flags, root=tmp_path)
+    assert deploygen.main(args("--write")) == 0
+    assert deploygen.main(args("--check")) == 0
+    rules = sorted((tmp_path / "alerts").glob("*.rules.yml"))[0]
+    rules.write_text(rules.read_text().replace("severity: critical", "severity: page", 1))
+    capsys.readouterr()
+    assert deploygen.main(args("--check")) == 1
+    stale = capsys.readouterr().err
+    assert f"stale: deploy/kubernetes/generated/prometheusrule-{rules.name.split('.')[0]}.yaml" in stale
+    assert deploygen.main(args("--write")) == 0 and deploygen.main(args("--check")) == 0
+
+
+def test_deploy_gen_names_a_broken_source(tmp_path, capsys):
+    (tmp_path / "alerts").mkdir()
+    (tmp_path / "dashboards").mkdir()
+    (tmp_path / "dashboards" / "broken.json").write_text("{not json")
+    ns = argparse.Namespace(write=False, check=True, root=tmp_path)
+    assert deploygen.main(ns) == 2
+    assert "dashboards/broken.json: not valid JSON" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- bare metal
+
+def _unit_directives(path: Path) -> dict[str, dict[str, list[str]]]:
+    """systemd's syntax: sections, repeatable keys; comments start with # or ;."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and current is not None, f"not a directive: {line!r}"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def test_systemd_unit_is_a_notify_service_with_only_the_capabilities_it_needs():
+    unit = _unit_directives(BAREMETAL / "sidecar.service")
+    assert set(unit) == {"Unit", "Service", "Install"}
+    service = unit["Service"]
+    assert service["Type"] == ["notify"] and service["Restart"] == ["on-failure"]
+    assert service["RuntimeDirectory"] == ["sidecar"]
+    assert service["CapabilityBoundingSet"] == ["CAP_KILL CAP_SYS_PTRACE"]
+    assert service["AmbientCapabilities"] == ["CAP_KILL CAP_SYS_PTRACE"]
+    # Hardening that would break it: hiding other users' processes or the GPU device nodes.
+    assert service.get("ProtectProc", ["default"]) == ["default"] and "ProcSubset" not in service
+    assert service.get("PrivateDevices", ["no"]) == ["no"] and "PrivateUsers" not in service
+    assert "/sidecar run" in service["ExecStart"][0]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_unit_verifies(tmp_path):
+    # verify checks that ExecStart exists: point it at this checkout's console script.
+    text = (BAREMETAL / "sidecar.service").read_text().replace("/opt/sidecar/bin/sidecar",
+                                                               str(Path(PYTHON).parent / "sidecar"))
+    unit = tmp_path / "sidecar.service"
+    unit.write_text(text)
+    out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    problems = [line for line in (out.stdout + out.stderr).splitlines() if "sidecar.service" in line]
+    assert out.returncode == 0 and problems == [], out.stdout + out.stderr
+
+
+def test_environment_file_example_names_only_real_settings():
+    env = {}
+    for line in (BAREMETAL / "sidecar.env.example").read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    assert "SIDECAR_SOCKET" in env and "SIDECAR_LISTEN" in env
+    env.pop("SIDECAR_TOKEN_FILE")  # only read when the daemon starts; the file is the operator's
+    settings = load_settings(environ=env)
+    assert settings.socket == "/run/sidecar/sidecar.sock"
+
+
+def _launch(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    full = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "PREFLIGHT": "0", **env}
+    return subprocess.run(["bash", str(BAREMETAL / "torchrun-launch.sh"), "--set", "train.steps=5"],
+                          capture_output=True, text=True, env=full, cwd=tmp_path, timeout=30)
+
+
+def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
+    out = _launch(tmp_path, NNODES="2", RDZV_ENDPOINT="node-0:29400", CONFIG="train.yaml", RDZV_ID="job-17")
+    assert out.returncode == 0, out.stderr
+    cmd = out.stdout.split()
+    assert cmd[:3] == ["python3", "-m", "torch.distributed.run"]
+    pairs = dict(zip(cmd, cmd[1:]))
+    assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "node-0:29400"
+    assert pairs["--rdzv-id"] == "job-17" and int(pairs["--max-restarts"]) > 0
+    assert pairs["--nnodes"] == "2" and pairs["-m"] == "trainer" and pairs["--config"] == "train.yaml"
+    assert cmd[-2:] == ["--set", "train.steps=5"]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RDZV_ENDPOINT": "node-0:29400", "CONFIG": "c.yaml"}, "set NNODES"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node-0", "CONFIG": "c.yaml"}, "RDZV_ENDPOINT must be HOST:PORT"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node-0:1", "CONFIG": "c.yaml", "MAX_RESTARTS": "0"}, "MAX_RESTARTS must be >= 1"),
+])
+def test_launcher_refuses_missing_or_bad_settings(tmp_path, env, message):
+    out = _launch(tmp_path, **env)
+    assert out.returncode == 2 and message in out.stderr and out.stdout == ""
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+def test_prometheus_config_example_is_valid(tmp_path):
+    out = subprocess.run([PROMTOOL, "check", "config", "--syntax-only", str(BAREMETAL / "prometheus.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    scrape = yaml.safe_load((BAREMETAL / "prometheus.yml").read_text())["scrape_configs"]
+    assert [s["job_name"] for s in scrape] == ["sidecar"]
