@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from trainer.config import ConfigError, help_text, load_config, parse_set
+from trainer.config import ConfigError, help_text, load_config, parse_set, world_size_from_env
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.help_config:
         sys.stdout.write(help_text())
         return 0
-    from trainer.distributed import world_size_from_env
     try:
         cfg = load_config(args.config, parse_set(args.set))
         cfg.validate_for(world_size_from_env())
+        cfg.check_imports()
     except ConfigError as e:
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2

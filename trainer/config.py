@@ -22,6 +22,11 @@ import yaml
 ENV_PREFIX = "TRAINER_"
 
 
+def world_size_from_env() -> int:
+    """The world size torchrun announces (1 without torchrun); known before any rendezvous."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class ConfigError(ValueError):
     """A setting is invalid; the message is one line naming the field and the problem."""
 
@@ -47,11 +52,16 @@ def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
     _check(name, value in choices, f"expected one of {', '.join(choices)}, got {value!r}")
 
 
-def import_factory(name: str, path: str) -> Callable[..., Any]:
-    """Resolve `package.module:attribute`; a ConfigError names the field, the path and the ImportError."""
+def _import_path(name: str, path: str) -> tuple[str, str]:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         fail(name, f"expected an import path 'package.module:factory', got {path!r}")
+    return module_name, attr
+
+
+def import_factory(name: str, path: str) -> Callable[..., Any]:
+    """Resolve `package.module:attribute`; a ConfigError names the field, the path and the ImportError."""
+    module_name, attr = _import_path(name, path)
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an ImportError or whatever the module raises while importing
@@ -76,7 +86,7 @@ class ModelConfig:
         "Keyword arguments for the model factory (e.g. {hidden: 64, dropout: 0.1} for the demo)."))
 
     def __post_init__(self) -> None:
-        import_factory("model.factory", self.factory)
+        _import_path("model.factory", self.factory)  # importing waits for Config.check_imports
 
 
 @dataclass
@@ -94,7 +104,7 @@ class DataConfig:
         "to watch (0.05-0.2 s)."))
 
     def __post_init__(self) -> None:
-        import_factory("data.factory", self.factory)
+        _import_path("data.factory", self.factory)
         _at_least("data.num_workers", self.num_workers, 0)
         _at_least("data.delay_seconds", self.delay_seconds, 0)
 
@@ -273,6 +283,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def check_imports(self) -> None:
+        """Import the model and dataset factories (slow: they import torch), after the cheap checks."""
+        import_factory("model.factory", self.model.factory)
+        import_factory("data.factory", self.data.factory)
 
     def validate_for(self, world_size: int) -> int:
         """Checks that need the world size; returns grad_accum_steps."""

@@ -28,11 +28,6 @@ class World:
         return self.rank == 0
 
 
-def world_size_from_env() -> int:
-    """The world size torchrun announces (1 without torchrun); known before any rendezvous."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
