@@ -10,7 +10,7 @@ import psutil
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import PartialFailure, spec
-from sidecar.collectors.ranktree import RanksFn, process_tree
+from sidecar.collectors.ranktree import RanksFn, tree_pids
 
 NAME = "process"
 R = ("job_id", "rank")
@@ -53,21 +53,15 @@ def _add(total: float | None, value: float) -> float:
     return value if total is None else total + value
 
 
-def read_rank(job_id: str, rank: int, pid: int, problems: list[str]) -> RankProcesses | None:
-    tree = process_tree(pid)
-    if tree is None:
-        return None
-    root, children = tree
-    try:
-        state = _STATE_OF.get(root.status(), "other")
-    except psutil.NoSuchProcess:
-        return None
-    except psutil.Error:
-        state = "other"
-    out = RankProcesses(job_id, rank, state, len(children))
-    for proc in (root, *children):
+def read_rank(job_id: str, rank: int, procs: list[psutil.Process], problems: list[str]) -> RankProcesses | None:
+    """Sum over the rank's process (first) and its descendants; None when the rank's process is gone."""
+    root, children = procs[0], procs[1:]
+    out = RankProcesses(job_id, rank, "other", len(children))
+    for proc in procs:
         try:
             with proc.oneshot():
+                if proc is root:
+                    out.state = _STATE_OF.get(proc.status(), "other")
                 t = proc.cpu_times()
                 # children_* hold reaped children: counting them keeps the total from dropping
                 # when a worker exits and its parent waits for it.
@@ -76,7 +70,9 @@ def read_rank(job_id: str, rank: int, pid: int, problems: list[str]) -> RankProc
                 out.threads = _add(out.threads, proc.num_threads())
                 out.open_fds = _add(out.open_fds, proc.num_fds())
         except psutil.ZombieProcess:
-            continue  # exited, not yet reaped: nothing left to count, the state says zombie
+            if proc is root:
+                out.state = "zombie"
+            # exited, not yet reaped: nothing left to count
         except psutil.NoSuchProcess:
             if proc is root:
                 return None
@@ -91,11 +87,39 @@ class ProcessCollector:
 
     def __init__(self, ranks: RanksFn):
         self.ranks = ranks
+        # psutil handles kept across rounds: creating one reads /proc/<pid>/stat. Which pids
+        # belong to a rank is decided afresh each round, so a reused pid is never misattributed.
+        self._handles: dict[int, psutil.Process] = {}
+
+    def _procs(self, pids: list[int]) -> list[psutil.Process] | None:
+        out = []
+        for pid in pids:
+            proc = self._handles.get(pid)
+            if proc is None:
+                try:
+                    proc = self._handles[pid] = psutil.Process(pid)
+                except psutil.NoSuchProcess:
+                    if pid == pids[0]:
+                        return None
+                    continue
+            out.append(proc)
+        return out
 
     def collect(self) -> Iterable[Metric]:
         problems: list[str] = []
-        readings = [r for job_id, rank, pid in self.ranks()
-                    if (r := read_rank(job_id, rank, pid, problems)) is not None]
+        readings = []
+        seen: set[int] = set()
+        for job_id, rank, pid in self.ranks():
+            pids = tree_pids(pid)
+            procs = self._procs(pids) if pids else None
+            if procs is None:
+                continue
+            seen.update(pids)
+            reading = read_rank(job_id, rank, procs, problems)
+            if reading is not None:
+                readings.append(reading)
+        for pid in set(self._handles) - seen:
+            del self._handles[pid]
         cpu, rss, threads, fds, children, state = (s.family() for s in METRICS)
         for r in readings:
             labels = [r.job_id, str(r.rank)]

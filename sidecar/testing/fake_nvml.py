@@ -92,26 +92,30 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.Condition()
         self.spec: dict[str, Any] | None = None
+        self.programmatic = False  # set by configure(): the env file is not consulted
         self.spec_file: str | None = None
         self.spec_mtime = 0.0
-        self.checked_at = 0.0
+        self.checked_at = float("-inf")
         self.refcount = 0
         self.generation = 0
         self.init_time = 0.0
         self.pending_xids: list[dict] = []  # not yet delivered, sorted by due time
         self.event_sets: list[_EventSet] = []
+        self.merged: dict[int, dict[str, Any]] = {}  # GPU index -> DEFAULT_GPU + spec values
+        self.merged_for: dict[str, Any] | None = None
 
     def load(self) -> dict[str, Any] | None:
-        """The spec, re-reading the env file when it changed (at most twice a second)."""
-        path = os.environ.get(ENV_VAR)
-        if self.spec_file is None and self.spec is not None:
-            return self.spec  # configured programmatically
-        if not path:
-            return None
+        """The spec, re-reading the env file when it changed (looked at twice a second)."""
+        if self.programmatic:
+            return self.spec
         now = time.monotonic()
-        if path == self.spec_file and now - self.checked_at < 0.5:
+        if now - self.checked_at < 0.5:
             return self.spec
         self.checked_at = now
+        path = os.environ.get(ENV_VAR)
+        if not path:
+            self.spec = self.spec_file = None
+            return None
         try:
             mtime = os.stat(path).st_mtime
             if path != self.spec_file or mtime != self.spec_mtime:
@@ -133,11 +137,13 @@ def configure(spec: dict[str, Any] | None) -> None:
     _state = _State()
     if spec is not None:
         _state.spec = copy.deepcopy(spec)
+        _state.programmatic = True
 
 
 def update(spec: dict[str, Any]) -> None:
     """Change the spec while the driver stays initialized: a GPU fails or recovers, values move."""
     _state.spec = copy.deepcopy(spec)
+    _state.programmatic = True
 
 
 def inject_xid(gpu: int, xid: int) -> None:
@@ -168,9 +174,14 @@ def _gpu(handle: Any, function: str) -> tuple[int, dict[str, Any]]:
     if not isinstance(handle, _Handle) or handle.generation != _state.generation \
             or not 0 <= handle.index < int(spec.get("gpu_count", 0)):
         raise _error("invalid_argument")
-    values = dict(DEFAULT_GPU)
-    values.update(spec.get("gpu", {}))
-    values.update(spec.get("gpus", {}).get(str(handle.index), {}))
+    if _state.merged_for is not spec:  # the spec changed: merge again (once per GPU, not per call)
+        _state.merged, _state.merged_for = {}, spec
+    values = _state.merged.get(handle.index)
+    if values is None:
+        values = dict(DEFAULT_GPU)
+        values.update(spec.get("gpu", {}))
+        values.update(spec.get("gpus", {}).get(str(handle.index), {}))
+        _state.merged[handle.index] = values
     errors = values.get("errors") or {}
     failure = errors.get(function) or errors.get("*")
     if failure:

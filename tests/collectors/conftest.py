@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from sidecar.collectors import xid
+from sidecar.collectors import ranktree, xid
 from sidecar.collectors.gpu import GpuCollector
 from sidecar.testing import fake_nvml
 from tests.collectors.helpers import FAKE
@@ -23,9 +23,11 @@ def fake_gpus():
 
 
 @pytest.fixture(autouse=True)
-def quick_xid_stop(monkeypatch):
-    """XID threads wait in short slices, so closing a GPU collector takes milliseconds."""
+def quick_and_fresh(monkeypatch):
+    """XID threads wait in short slices, so closing a GPU collector takes milliseconds; every
+    process-tree lookup scans anew, so a child started just before is always seen."""
     monkeypatch.setattr(xid, "WAIT_MS", 50)
+    monkeypatch.setattr(ranktree, "SNAPSHOT_MAX_AGE", 0.0)
 
 
 @pytest.fixture

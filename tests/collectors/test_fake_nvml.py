@@ -97,7 +97,7 @@ def test_the_spec_file_is_reread_when_it_changes(fake_gpus, tmp_path, monkeypatc
     assert nv.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU) == 50
     path.write_text(json.dumps({"gpu_count": 1, "gpu": {"temperature_celsius": 81}}))
     os.utime(path, (time.time() + 5, time.time() + 5))
-    nv._state.checked_at = 0.0  # skip the half-second re-check interval
+    nv._state.checked_at = float("-inf")  # skip the half-second re-check interval
     assert nv.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU) == 81
 
 

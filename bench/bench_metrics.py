@@ -1,0 +1,236 @@
+"""What `/metrics` costs, next to Debian's node_exporter on the same machine.
+
+    python -m bench.bench_metrics [--scrapes 500] [--steady-seconds 30]
+
+A real `sidecar run` samples 8 GPUs (the NVML stand-in, energy and all; 18 NVLinks each), a
+fixture sysfs with 4 NICs and 2 InfiniBand ports, and 8 real rank processes that register over
+the Unix socket and push 10 steps a second each, with collectors every 1 s.
+
+Two phases, the same for the sidecar and node_exporter:
+- steady: a scrape every 5 s (busier than Prometheus' usual 15 s) for --steady-seconds;
+  the CPU % of one core and the peak RSS over it are what a node pays for the exporter.
+- scrapes: --scrapes GETs of /metrics on a keep-alive connection, spaced 20 ms apart and
+  alternating between the two exporters so both see the same machine load; latency is
+  request sent to the last byte read.
+Targets (the sidecar): median <= 5 ms, p99 <= 20 ms, CPU <= 2 % of a core, RSS <= 80 MB.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python bench/bench_metrics.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from tests.support import PYTHON, Sidecar, free_port, http_get, spawned, tail, wait_until  # noqa: E402
+
+NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
+FIXTURE_SYSFS = ROOT / "tests" / "collectors" / "fixtures" / "sys"
+RANKS = 8
+GPUS = 8
+TARGETS = {"median_ms": 5.0, "p99_ms": 20.0, "cpu_percent": 2.0, "rss_mb": 80.0}
+
+RANK_SCRIPT = textwrap.dedent("""
+    import math, sys, time
+    from trainer_hooks import Monitor
+    rank = int(sys.argv[1])
+    mon = Monitor(job_id="bench", rank=rank, local_rank=rank, world_size=%d, local_world_size=%d)
+    step = 0
+    while True:
+        step += 1
+        mon.step(step, loss=2.0 + math.sin(step / 50), grad_norm=0.9, lr=3e-4, samples=64, tokens=32768,
+                 step_time_seconds=0.1)
+        time.sleep(0.1)
+""" % (RANKS, RANKS))
+
+
+@dataclass
+class Figures:
+    name: str
+    latencies_ms: list[float] = field(default_factory=list)
+    cpu_percent: float = 0.0
+    rss_mb: float = 0.0
+    body_bytes: int = 0
+    series: int = 0
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class Scraper:
+    """GET /metrics on one keep-alive connection (as Prometheus does), reconnecting if needed."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.conn: http.client.HTTPConnection | None = None
+
+    def get(self) -> tuple[float, bytes]:
+        for attempt in (1, 2):
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+            try:
+                start = time.perf_counter()
+                self.conn.request("GET", "/metrics", headers={"Accept": "text/plain"})
+                resp = self.conn.getresponse()
+                body = resp.read()
+                elapsed = (time.perf_counter() - start) * 1000
+                if resp.status != 200:
+                    raise RuntimeError(f"GET /metrics on port {self.port}: {resp.status}")
+                return elapsed, body
+            except (http.client.HTTPException, OSError):
+                self.conn.close()
+                self.conn = None
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def steady_phase(targets: list[tuple[Figures, psutil.Process, Scraper]], seconds: float) -> None:
+    """CPU and peak RSS over `seconds` with a scrape every 5 s."""
+    start_cpu = [cpu_seconds(p) for _, p, _ in targets]
+    start = time.monotonic()
+    next_scrape = start
+    while (now := time.monotonic()) < start + seconds:
+        for fig, proc, scraper in targets:
+            fig.rss_mb = max(fig.rss_mb, proc.memory_info().rss / 2**20)
+            if now >= next_scrape:
+                _, body = scraper.get()
+                fig.body_bytes = len(body)
+                fig.series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+        if now >= next_scrape:
+            next_scrape += 5.0
+        time.sleep(0.5)
+    wall = time.monotonic() - start
+    for (fig, proc, _), cpu0 in zip(targets, start_cpu):
+        fig.cpu_percent = 100.0 * (cpu_seconds(proc) - cpu0) / wall
+
+
+def scrape_phase(targets: list[tuple[Figures, psutil.Process, Scraper]], scrapes: int) -> None:
+    for _, _, scraper in targets:  # warm the connections
+        scraper.get()
+    for _ in range(scrapes):
+        for fig, proc, scraper in targets:
+            elapsed, _ = scraper.get()
+            fig.latencies_ms.append(elapsed)
+        time.sleep(0.02)
+    for fig, proc, _ in targets:
+        fig.rss_mb = max(fig.rss_mb, proc.memory_info().rss / 2**20)
+
+
+def nvml_spec(rank_pids: list[int]) -> dict:
+    gpus = {str(i): {"processes": [{"pid": pid, "used_memory_bytes": 61_000_000_000}]}
+            for i, pid in enumerate(rank_pids[:GPUS])}
+    return {"gpu_count": GPUS, "gpu": {"nvlink_links": 18}, "gpus": gpus}
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # the stand-in re-reads it when it changes; never a half-written file
+
+
+def report(figures: list[Figures]) -> bool:
+    print(f"\n{'exporter':<16}{'median ms':>10}{'p99 ms':>9}{'max ms':>9}{'CPU % core':>12}{'RSS MB':>9}"
+          f"{'series':>8}{'body KB':>9}")
+    for f in figures:
+        print(f"{f.name:<16}{f.quantile(0.5):>10.2f}{f.quantile(0.99):>9.2f}{max(f.latencies_ms):>9.2f}"
+              f"{f.cpu_percent:>12.2f}{f.rss_mb:>9.1f}{f.series:>8}{f.body_bytes / 1024:>9.1f}")
+    sidecar = figures[0]
+    checks = [("median", sidecar.quantile(0.5), TARGETS["median_ms"], "ms"),
+              ("p99", sidecar.quantile(0.99), TARGETS["p99_ms"], "ms"),
+              ("CPU", sidecar.cpu_percent, TARGETS["cpu_percent"], "% of a core"),
+              ("RSS", sidecar.rss_mb, TARGETS["rss_mb"], "MB")]
+    print()
+    ok = True
+    for what, value, target, unit in checks:
+        passed = value <= target
+        ok &= passed
+        print(f"sidecar {what:<7} {value:8.2f} {unit:<12} target <= {target:<6} {'PASS' if passed else 'FAIL'}")
+    if len(figures) > 1:
+        ne = figures[1]
+        print(f"\nversus node_exporter: median x{sidecar.quantile(0.5) / ne.quantile(0.5):.2f}, "
+              f"p99 x{sidecar.quantile(0.99) / ne.quantile(0.99):.2f}, "
+              f"CPU x{sidecar.cpu_percent / max(ne.cpu_percent, 1e-9):.2f}, RSS x{sidecar.rss_mb / ne.rss_mb:.2f}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scrapes", type=int, default=500)
+    parser.add_argument("--steady-seconds", type=float, default=30.0)
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
+    spec_path = work / "nvml.json"
+    write_json(spec_path, nvml_spec([]))
+    sidecar = Sidecar(work, "collectors.nvml_module=sidecar.testing.fake_nvml",
+                      f"collectors.sysfs_root={FIXTURE_SYSFS}", f"checkpoint_dir={work}",
+                      "log_level=warning", env={"SIDECAR_FAKE_NVML": str(spec_path)})
+    stack = []
+    try:
+        sidecar.start()
+        stack.append(sidecar.stop)
+        print(f"sidecar on {sidecar.url}; starting {RANKS} ranks", flush=True)
+        ranks = []
+        for rank in range(RANKS):
+            cm = spawned([PYTHON, "-c", RANK_SCRIPT, str(rank)], work / f"rank{rank}.log", env=sidecar.hook_env())
+            ranks.append(cm.__enter__())
+            stack.append(lambda cm=cm: cm.__exit__(None, None, None))
+        write_json(spec_path, nvml_spec([p.pid for p in ranks]))
+
+        def all_registered() -> bool:
+            status, body = http_get(sidecar.url + "/v1/status")
+            return status == 200 and len(json.loads(body).get("ranks", [])) == RANKS
+        wait_until(all_registered, 60, interval=0.5, what=f"{RANKS} ranks registered")
+        wait_until(lambda: b"sidecar_gpu_process_memory_bytes{" in http_get(sidecar.url + "/metrics")[1],
+                   30, interval=0.5, what="per-rank GPU memory")
+
+        targets = [(Figures("sidecar"), psutil.Process(sidecar.proc.pid), Scraper(sidecar.port))]
+        ne_port = free_port()
+        if os.access(NODE_EXPORTER, os.X_OK):
+            cm = spawned([NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{ne_port}"], work / "node_exporter.log")
+            ne = cm.__enter__()
+            stack.append(lambda: cm.__exit__(None, None, None))
+            wait_until(lambda: ne.poll() is not None or http_get(f"http://127.0.0.1:{ne_port}/metrics")[0] == 200,
+                       30, what="node_exporter up")
+            if ne.poll() is not None:
+                raise RuntimeError(f"node_exporter exited:\n{tail(work / 'node_exporter.log')}")
+            targets.append((Figures("node_exporter"), psutil.Process(ne.pid), Scraper(ne_port)))
+        else:
+            print(f"{NODE_EXPORTER} not installed: measuring the sidecar alone")
+        time.sleep(3)  # a few collector rounds before measuring
+
+        print(f"steady phase: {args.steady_seconds:.0f} s, one scrape every 5 s", flush=True)
+        steady_phase(targets, args.steady_seconds)
+        print(f"scrape phase: {args.scrapes} scrapes each, 20 ms apart", flush=True)
+        scrape_phase(targets, args.scrapes)
+        if sidecar.proc.poll() is not None:
+            raise RuntimeError(f"the sidecar exited:\n{tail(sidecar.log)}")
+        return 0 if report([fig for fig, _, _ in targets]) else 1
+    finally:
+        for undo in reversed(stack):
+            undo()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
