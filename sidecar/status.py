@@ -566,5 +566,8 @@ def main(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return EXIT_HEALTHY
     reading = read(target, args.timeout)
-    _show(reading, args, console)
+    try:
+        _show(reading, args, console)
+    except BrokenPipeError:  # `sidecar status | head`: the reader left early, the verdict stands
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return reading.exit_code

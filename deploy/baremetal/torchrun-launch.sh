@@ -13,6 +13,7 @@
 #   PYTHON          the training environment's interpreter (default: python3)
 #   PREFLIGHT       1 (default): run `sidecar preflight` first and stop if it fails; 0: skip
 #   EXPECT_GPUS     passed to preflight's --expect-gpus when set
+#   PREFLIGHT_ARGS  more preflight flags, e.g. "--shared-dir /mnt/shared --min-free-gb 200"
 #   DRY_RUN         1: print the commands instead of running them
 #
 # Extra arguments are passed to the trainer, e.g. `--set train.steps=1000`.
@@ -39,6 +40,8 @@ if [ "${PREFLIGHT:-1}" = 1 ]; then
   if command -v sidecar >/dev/null 2>&1; then
     preflight=(sidecar preflight --python "$PYTHON" --rdzv-endpoint "$RDZV_ENDPOINT")
     [ -z "${EXPECT_GPUS:-}" ] || preflight+=(--expect-gpus "$EXPECT_GPUS")
+    # shellcheck disable=SC2206  # word splitting of PREFLIGHT_ARGS is intended
+    [ -z "${PREFLIGHT_ARGS:-}" ] || preflight+=(${PREFLIGHT_ARGS})
     run "${preflight[@]}" || die "preflight failed on $(hostname); fix the FAIL lines above (PREFLIGHT=0 skips it)"
   else
     echo "torchrun-launch: sidecar not on PATH, preflight skipped" >&2

@@ -134,3 +134,27 @@ def test_a_broken_answer_exits_2_saying_what_is_wrong(mode, expected):
         server.server_close()
     assert out.returncode == 2
     assert expected in out.stderr and url in out.stderr
+
+
+def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "status", "--watch", "0.2", "--socket", healthy.socket],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        frames = 0
+        for line in proc.stdout:
+            frames += line.startswith("Problems:")
+            if frames == 2:
+                break
+        assert frames == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
