@@ -50,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     from trainer.train import Trainer
     trainer = Trainer(cfg, final_params=args.final_params)
+    ok = False
     try:
         trainer.train()
         trainer.finish()
+        ok = True
     finally:
-        trainer.close()
+        trainer.close(ok)
     return 0
 
 

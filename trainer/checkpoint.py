@@ -108,11 +108,14 @@ class Checkpointer:
         choice = [None]
         if self.world.is_main:
             found = self.store.latest_complete()
-            choice = [(found.step, str(found.path)) if found else None]
+            choice = [(found.step, str(found.path), self.store.manifest(found.path)["meta"]) if found else None]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None
-        step, path = choice[0][0], Path(choice[0][1])
+        step, path, meta = choice[0][0], Path(choice[0][1]), choice[0][2]
+        if meta.get("strategy") != self.strategy:
+            raise RuntimeError(f"checkpoint {path} was written with parallel.strategy={meta.get('strategy')}; "
+                               f"resume it with that strategy (this run uses {self.strategy})")
         started = time.monotonic()
         with self.monitor.phase("checkpoint_load"):
             self._read_model(path, model, optimizer)

@@ -125,6 +125,9 @@ class CheckpointStore:
 
     # ------------------------------------------------------------ reading
 
+    def manifest(self, path: Path) -> dict:
+        return json.loads((path / MANIFEST).read_bytes())
+
     def check(self, path: Path, verify: bool = True) -> str | None:
         """Why `path` is not a usable checkpoint, or None. verify=False trusts the files' checksums."""
         try:

@@ -22,7 +22,7 @@ class NullMonitor:
     def event(self, name: str, **fields: Any) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, reason: str = "finished") -> None:
         pass
 
 

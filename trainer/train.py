@@ -167,7 +167,7 @@ class Trainer:
         dist.barrier()
         return digest
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
         with contextlib.suppress(Exception):
-            self.monitor.close()
+            self.monitor.close(reason="finished" if ok else "failed")
         distributed.close()

@@ -35,3 +35,15 @@ def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
     assert "skipping" in run.log and "step-15.tmp" in run.log
     assert "resumed from step 10 " in run.log
     assert run.digest == reference_run.digest
+
+
+def test_fsdp_run_killed_mid_training_matches_its_uninterrupted_twin(tmp_path):
+    reference = torchrun(tmp_path / "reference", "parallel.strategy=fsdp")
+    killed = torchrun(tmp_path / "killed", "parallel.strategy=fsdp", "faults.kind=sigkill", "faults.rank=0",
+                      "faults.at_step=17")
+
+    assert reference.returncode == 0, reference.log[-3000:]
+    assert killed.returncode == 0, killed.log[-3000:]
+    assert "resumed from step 15 " in killed.log
+    assert killed.digest == reference.digest
+    assert_same_parameters(killed.final_params, reference.final_params)
