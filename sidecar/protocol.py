@@ -18,6 +18,7 @@ MAX_NAME = 128  # job ids, metric, phase and event names
 MAX_VERSIONS = 32
 MAX_EVENT_FIELDS = 16
 MAX_PID = 1 << 22  # Linux's pid_max ceiling
+MAX_COUNT = (1 << 63) - 1  # steps and counters: what an int64 (and a float, roughly) holds
 NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
 # Metric and phase names become label values; keep them printable and unsurprising.
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
@@ -154,7 +155,7 @@ def _time(obj: dict, where: str, default: float) -> float:
     value = obj.get("time")
     if value is None:
         return default
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+    if type(value) not in (int, float) or not 0 <= value < 1e12:  # Unix seconds, well past year 30000
         raise ProtocolError(f"{where}: expected Unix seconds (a finite number >= 0), got {_kind(value)}")
     return float(value)
 
@@ -202,7 +203,7 @@ def _metric_value(value: Any, where: str) -> float:
     t = type(value)
     if t is float:
         return value
-    if t is int:
+    if t is int and -1e308 < value < 1e308:  # beyond, float() overflows
         return float(value)
     if t is str:
         v = NONFINITE.get(value.lower())
@@ -254,8 +255,8 @@ def parse_registration(data: dict) -> Registration:
     return Registration(
         job_id=job_id, rank=rank, local_rank=local_rank, world_size=world_size,
         local_world_size=local_world_size, pid=pid,
-        restart_count=_int(data, "restart_count", "restart_count", 0, default=0, nullable=True) or 0,
-        step=_int(data, "step", "step", 0, nullable=True, default=None),
+        restart_count=_int(data, "restart_count", "restart_count", 0, MAX_COUNT, default=0, nullable=True) or 0,
+        step=_int(data, "step", "step", 0, MAX_COUNT, nullable=True, default=None),
         phase=_name(data, "phase", "phase", nullable=True),
         versions=versions,
         stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
@@ -265,7 +266,7 @@ def parse_registration(data: dict) -> Registration:
 
 def parse_push(data: dict, max_items: int) -> Push:
     job_id, rank, pid = _identity(data)
-    dropped = _int(data, "dropped", "dropped", 0, default=0, nullable=True) or 0
+    dropped = _int(data, "dropped", "dropped", 0, MAX_COUNT, default=0, nullable=True) or 0
     raw = data.get("items")
     if type(raw) is not list:
         raise ProtocolError(f"items: expected an array, got {_kind(raw) if 'items' in data else 'nothing'}")
@@ -283,10 +284,10 @@ def parse_push(data: dict, max_items: int) -> Push:
         if kind == "step":
             # Inline fast path for the common, well-formed step record.
             step = obj.get("step")
-            if type(step) is not int or step < 0:
-                step = _int(obj, "step", f"{where}.step", 0)
+            if type(step) is not int or not 0 <= step <= MAX_COUNT:
+                step = _int(obj, "step", f"{where}.step", 0, MAX_COUNT)
             t = obj.get("time")
-            if type(t) is not float or not (0 <= t < math.inf):
+            if type(t) is not float or not 0 <= t < 1e12:
                 t = _time(obj, f"{where}.time", now)
             append(StepItem(step, t, _metrics(obj, where)))
         elif kind == "phase":
@@ -294,8 +295,7 @@ def parse_push(data: dict, max_items: int) -> Push:
             if action not in ("start", "end"):
                 raise ProtocolError(f"{where}.action: expected \"start\" or \"end\", got {_kind(action)}")
             timeout = obj.get("timeout_seconds")
-            if timeout is not None and (type(timeout) not in (int, float) or not math.isfinite(timeout)
-                                        or timeout <= 0):
+            if timeout is not None and (type(timeout) not in (int, float) or not 0 < timeout < 1e9):
                 raise ProtocolError(f"{where}.timeout_seconds: expected a number > 0, got {_kind(timeout)}")
             append(PhaseItem(_name(obj, "name", f"{where}.name"), action, _time(obj, f"{where}.time", now),
                              None if timeout is None else float(timeout)))

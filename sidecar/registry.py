@@ -181,7 +181,7 @@ class Rank:
         self.events.append((item.time, item.name, dict(item.fields)))
         if item.name == "checkpoint_saved":
             step = item.fields.get("step")
-            if isinstance(step, int) and not isinstance(step, bool):
+            if type(step) is int and 0 <= step < 1 << 63:
                 self.last_checkpoint_step = step
             self.last_checkpoint_time = item.time
 
