@@ -212,6 +212,10 @@ def _metric_value(value: Any, where: str) -> float:
     raise ProtocolError(f"{where}: expected a number or \"nan\"/\"inf\"/\"-inf\", got {_kind(value)}")
 
 
+_CHECKED_NAMES: set[str] = set()  # metric names already matched against NAME_RE (hot path)
+_CHECKED_NAMES_MAX = 4096
+
+
 def _metrics(obj: dict, where: str) -> dict[str, float]:
     raw = obj.get("metrics")
     if raw is None:
@@ -220,10 +224,13 @@ def _metrics(obj: dict, where: str) -> dict[str, float]:
         raise ProtocolError(f"{where}.metrics: expected an object, got {_kind(raw)}")
     out = {}
     for k, v in raw.items():
-        if not NAME_RE.match(k):
-            raise ProtocolError(f"{where}.metrics: metric name {k[:40]!r} is not a name of letters, "
-                                f"digits and _.:/- (at most {MAX_NAME}, starting with a letter or _)")
-        out[k] = _metric_value(v, f"{where}.metrics.{k}")
+        if k not in _CHECKED_NAMES:
+            if not NAME_RE.match(k):
+                raise ProtocolError(f"{where}.metrics: metric name {k[:40]!r} is not a name of letters, "
+                                    f"digits and _.:/- (at most {MAX_NAME}, starting with a letter or _)")
+            if len(_CHECKED_NAMES) < _CHECKED_NAMES_MAX:
+                _CHECKED_NAMES.add(k)
+        out[k] = v if type(v) is float else _metric_value(v, f"{where}.metrics.{k}")
     return out
 
 
