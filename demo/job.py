@@ -45,7 +45,8 @@ class SidecarSpec:
 @dataclass
 class JobSpec:
     steps: int = 40
-    nproc: int = 2
+    nproc: int = 2  # ranks per node (torchrun agent)
+    nnodes: int = 1  # torchrun agents in the rendezvous (several need rdzv_port)
     fault: str = "sleep"  # trainer faults.kind
     fault_rank: int = 1
     fault_step: int = 18
@@ -53,17 +54,20 @@ class JobSpec:
     step_delay_seconds: float = 0.1  # data.delay_seconds: steps slow enough to watch
     max_restarts: int = 3
     process_group_timeout_seconds: float | None = None  # parallel.timeout_seconds
+    run_id: str = "demo"  # torchrun --rdzv-id: the job_id the sidecar shows
+    checkpoint_dir: str = ""  # shared by every node; empty: <workdir>/ckpt
     extra: list[str] = field(default_factory=list)  # more trainer `--set section.field=value`
 
     def command(self, workdir: Path, rdzv_port: int | None = None) -> list[str]:
-        sets = {"train.steps": self.steps, "train.log_every_steps": 1, "checkpoint.dir": str(workdir / "ckpt"),
+        sets = {"train.steps": self.steps, "train.log_every_steps": 1, "checkpoint.dir": self.checkpoint_dir or str(workdir / "ckpt"),
                 "checkpoint.every_steps": self.checkpoint_every, "data.delay_seconds": self.step_delay_seconds,
                 "batch.global_batch_size": 16, "batch.micro_batch_size": 8, "faults.kind": self.fault,
                 "faults.rank": self.fault_rank, "faults.at_step": self.fault_step}
         if self.process_group_timeout_seconds is not None:
             sets["parallel.timeout_seconds"] = self.process_group_timeout_seconds
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc),
-               "--max-restarts", str(self.max_restarts)]
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes),
+               "--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts),
+               "--rdzv-id", self.run_id]
         cmd += ["--standalone"] if rdzv_port is None else [
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
         cmd += ["-m", "trainer"]

@@ -251,14 +251,19 @@ class Watchdog:
             return Deadline(float(budget), now - max(started, rank.last_progress), f"phase:{rank.phase}")
         if rank.step is None:
             return Deadline(wd.startup_timeout_seconds, now - rank.last_progress, "startup")
-        return Deadline(self.step_timeout(rank.step_times), now - rank.last_progress, "steps")
+        return Deadline(self.step_timeout(rank.step_times, rank.metrics.get("step_time_seconds")),
+                        now - rank.last_progress, "steps")
 
-    def step_timeout(self, step_times: Iterable[float]) -> float:
-        """multiplier x quantile of the recent step times, clamped to [floor, ceiling]; the
-        floor when there is no history yet."""
+    def step_timeout(self, step_times: Iterable[float], last_step_time: float | None = None) -> float:
+        """multiplier x quantile of the recent step times, clamped to [floor, ceiling]. Before
+        there is an interval between two steps, the step time the rank reported with its first
+        step stands in (a slow first step must not make the second one a stall); without
+        either, the floor."""
         wd = self.settings.watchdog
         recent = list(step_times)[-wd.window:]
         q = quantile(recent, wd.quantile)
+        if q is None and last_step_time is not None:
+            q = quantile([last_step_time], 1.0)
         if q is None:
             return wd.floor_seconds
         return min(wd.ceiling_seconds, max(wd.floor_seconds, wd.multiplier * q))
@@ -457,25 +462,24 @@ def blame(ranks: list["Rank"], states: dict) -> tuple["Rank | None", str]:
 
 
 def refine_blame(incident: Incident) -> None:
-    """After stack dumps: among the ranks at the lowest step, one that is not inside a
-    torch.distributed call while the others wait in one is the culprit."""
+    """After stack dumps: among the ranks at the lowest step, one that is not waiting for its
+    peers while others wait in a collective is the culprit; when every local rank waits, the
+    culprit is on another node."""
     known = [r for r in incident.ranks if r.in_collective is not None]
-    if len(known) < 2:
-        return
-    steps = [r.step if r.step is not None else -1 for r in incident.ranks]
-    lowest = min(steps)
-    behind = [r for r in known if (r.step if r.step is not None else -1) == lowest]
-    outside = [r for r in behind if not r.in_collective]
-    if all(r.in_collective for r in known):
-        incident.notes.append("every local rank waits inside a collective: the rank holding the job up "
-                              "is probably on another node")
+    if not known:
         return
     waiting = [r.rank for r in known if r.in_collective]
+    if len(waiting) == len(known):
+        incident.blame_reason += "; every local rank waits in a collective, so the rank holding the job " \
+                                 "up is probably on another node"
+        return
+    lowest = min(r.step if r.step is not None else -1 for r in incident.ranks)
+    outside = [r for r in known if not r.in_collective and (r.step if r.step is not None else -1) == lowest]
     if outside and waiting:
         chosen = next((r for r in outside if r.rank == incident.blamed_rank), outside[0])
-        incident.blamed_rank = chosen.rank
         others = f"rank {waiting[0]} waits" if len(waiting) == 1 else \
             f"ranks {', '.join(map(str, waiting))} wait"
+        incident.blamed_rank = chosen.rank
         incident.blame_reason = f"not waiting for its peers, while {others} for it in a collective"
 
 

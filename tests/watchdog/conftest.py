@@ -114,3 +114,25 @@ def register_hung(registry: Registry, proc, stack_path, rank: int = 0, job: str 
     reg = Registration(job_id=job, rank=rank, local_rank=rank, world_size=2, local_world_size=2, pid=proc.pid,
                        stack_signal=int(_signal.SIGUSR2), stack_path=str(stack_path))
     return registry.register(reg, pid_start_time=procs.start_time(proc.pid), peer_verified=True)
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory, worker_id) -> str:
+    """The parameters' digest of the uninterrupted 16-step run, computed once per test session
+    (shared between xdist workers through a lock file)."""
+    from filelock import FileLock
+
+    from tests.watchdog import jobs
+
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent  # the session's directory, shared by its workers
+    with FileLock(str(root / "watchdog-reference.lock")):
+        cached = root / "watchdog-reference.digest"
+        if cached.exists():
+            return cached.read_text()
+        workdir = root / "watchdog-reference"
+        result = jobs.run(jobs.spec(), workdir, env={"SIDECAR_SOCKET": str(workdir / "no-sidecar.sock")})
+        assert result.returncode == 0 and result.digest, result.explain()
+        cached.write_text(result.digest)
+        return result.digest

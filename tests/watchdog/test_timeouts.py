@@ -50,3 +50,20 @@ def test_a_rank_s_timeout_follows_its_reported_steps(tmp_path, clock, spawn):
         step(registry, r, n, clock)
         clock.advance(3.0)
     assert d.timeout_for(r) == pytest.approx(15)
+
+
+def test_before_any_interval_the_reported_step_time_stands_in(tmp_path):
+    """A first step slower than the floor must not make the second one look like a stall."""
+    assert dog(tmp_path).step_timeout([], last_step_time=4.0) == 32
+    assert dog(tmp_path).step_timeout([], last_step_time=float("nan")) == 10
+
+
+def test_a_slow_first_step_does_not_stall_the_second(tmp_path, clock, spawn):
+    s = settings(tmp_path)
+    registry = Registry(s)
+    d = Watchdog(s, registry, clock=clock)
+    r = register(registry, spawn().pid)
+    clock.advance(5.0)
+    step(registry, r, 1, clock, step_time=5.0)
+    clock.advance(12.0)
+    assert d.deadline(r).timeout == 40 and d.deadline(r).age == pytest.approx(12)
