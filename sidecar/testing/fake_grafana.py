@@ -369,18 +369,18 @@ def build_app(token: str | None = None, user: str | None = None, password: str |
     return app
 
 
-class FakeGrafana:
-    """The stand-in served from a background thread on a free loopback port (for sync callers)."""
+class BackgroundServer:
+    """An aiohttp application served from a background thread on a free loopback port, for
+    synchronous callers (a CLI under test, a webhook receiver next to real binaries)."""
 
-    def __init__(self, **credentials: str | None):
-        self.state = GrafanaState()
-        self.app = build_app(state=self.state, **credentials)
+    def __init__(self, app: web.Application):
+        self.app = app
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-grafana", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="aiohttp-background", daemon=True)
 
-    def start(self) -> "FakeGrafana":
+    def start(self) -> "BackgroundServer":
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
         return self
@@ -397,14 +397,23 @@ class FakeGrafana:
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
             self._runner = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
 
-    def __enter__(self) -> "FakeGrafana":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class FakeGrafana(BackgroundServer):
+    """The Grafana stand-in on a free loopback port; `state` holds what it stored and saw."""
+
+    def __init__(self, **credentials: str | None):
+        self.state = GrafanaState()
+        super().__init__(build_app(state=self.state, **credentials))
 
 
 def main(argv: list[str] | None = None) -> int:
