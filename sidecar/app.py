@@ -156,9 +156,9 @@ def sd_notify(state: str) -> None:
 
 async def serve(settings: Settings) -> None:
     gid = socket_group_id(settings)
-    app = build_app(settings)
     if settings.socket:
         claim_socket_path(settings.socket)
+    app = build_app(settings)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     socket_inode = None
@@ -222,7 +222,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         socket_group_id(settings)
-        if settings.requires_token() and settings.push_token() is None:
+        token = settings.push_token()  # also proves token_file readable
+        if settings.requires_token() and token is None:
             raise ConfigError(f"setting token_file: listen {settings.listen} is beyond loopback, so the push API "
                               "needs a bearer token: set SIDECAR_TOKEN or token_file")
     except ConfigError as e:

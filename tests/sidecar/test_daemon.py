@@ -171,6 +171,24 @@ def test_an_unknown_socket_group_exits_2(tmp_path):
     assert result.stderr == "sidecar: setting socket_group: no group named 'no-such-group-here'\n"
 
 
+def test_an_unreadable_token_file_exits_2(tmp_path):
+    result = run_sidecar("--socket", str(tmp_path / "s.sock"), "--set", f"token_file={tmp_path / 'missing'}")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("sidecar: setting token_file: cannot read")
+
+
+def test_a_tcp_port_in_use_exits_1_and_leaves_no_socket(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_sidecar("--listen", f"127.0.0.1:{port}", "--socket", str(tmp_path / "s.sock"),
+                             "--set", "collectors.enabled=[]")
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
 def listening_url(log) -> str:
     found = wait_until(lambda: re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace")),
                        30, what="the listening line")
