@@ -23,7 +23,7 @@ from collections import deque
 from typing import Any, Mapping
 
 from trainer_hooks import environment, stacks
-from trainer_hooks.ratelimit import warn
+from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender
 

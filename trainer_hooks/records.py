@@ -20,7 +20,7 @@ import math
 import re
 from typing import Any
 
-from trainer_hooks.ratelimit import warn
+from trainer_hooks.errors import warn
 
 log = logging.getLogger("trainer_hooks")
 

@@ -30,7 +30,7 @@ import time
 from collections import deque
 
 from trainer_hooks.environment import Endpoint, Identity
-from trainer_hooks.ratelimit import warn
+from trainer_hooks.errors import warn
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post

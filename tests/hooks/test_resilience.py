@@ -17,12 +17,14 @@ import pytest
 from tests.hooks.helpers import RankProcess, disabled_env, rank_env, rank_status, run_rank
 from tests.support import Sidecar, wait_until
 
-# 400 steps of 5 ms work: ~2 s of "training", long enough to kill a sidecar in the middle.
-LOOP = ("--steps", "400", "--sleep", "0.005", "--buffer-size", "100")
+# 300 steps of 5 ms "work", with room for 100 records in the hooks' buffer.
+LOOP = ("--sleep", "0.005", "--buffer-size", "100")
+STEPS = 300
 
 
 def not_slowed(result: dict, baseline: dict) -> None:
-    assert result["elapsed"] < 2 * baseline["elapsed"] + 1.0, (result["elapsed"], baseline["elapsed"])
+    rate, baseline_rate = result["last_step"] / result["elapsed"], baseline["last_step"] / baseline["elapsed"]
+    assert rate > baseline_rate / 2, (rate, baseline_rate)
     # a hook call that waited on the network would take >= the 0.5 s connect timeout
     assert result["worst_call"] < 0.25, result["worst_call"]
 
@@ -30,7 +32,7 @@ def not_slowed(result: dict, baseline: dict) -> None:
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The same loop with hooks disabled."""
-    return run_rank(tmp_path_factory.mktemp("baseline"), disabled_env(), *LOOP)
+    return run_rank(tmp_path_factory.mktemp("baseline"), disabled_env(), "--steps", str(STEPS), *LOOP)
 
 
 def test_disabled_hooks_send_nothing(baseline: dict):
@@ -39,17 +41,19 @@ def test_disabled_hooks_send_nothing(baseline: dict):
 
 
 def test_absent_sidecar_neither_slows_nor_breaks_training(tmp_path: Path, baseline: dict):
-    result = run_rank(tmp_path, rank_env(None, "absent", SIDECAR_SOCKET=str(tmp_path / "nobody.sock")), *LOOP)
+    result = run_rank(tmp_path, rank_env(None, "absent", SIDECAR_SOCKET=str(tmp_path / "nobody.sock")),
+                      "--steps", str(STEPS), *LOOP)
     not_slowed(result, baseline)
     assert result["registrations"] == 0 and result["sent"] == 0
-    assert result["dropped"] == 400 - 100  # all but what the buffer still holds
+    assert result["dropped"] == STEPS - 100  # all but what the buffer still holds
 
 
 def test_hung_sidecar_neither_slows_nor_breaks_training(tmp_path: Path, baseline: dict, hung_server):
-    result = run_rank(tmp_path, rank_env(None, "hung", SIDECAR_SOCKET=hung_server.path), *LOOP)
+    result = run_rank(tmp_path, rank_env(None, "hung", SIDECAR_SOCKET=hung_server.path),
+                      "--steps", str(STEPS), *LOOP)
     not_slowed(result, baseline)
     assert hung_server.connections >= 1
-    assert result["sent"] == 0 and result["dropped"] >= 400 - 100
+    assert result["sent"] == 0 and result["dropped"] >= STEPS - 100
 
 
 def test_close_is_bounded_with_a_hung_sidecar(tmp_path: Path, hung_server):
@@ -61,13 +65,13 @@ def test_close_is_bounded_with_a_hung_sidecar(tmp_path: Path, hung_server):
 
 def test_sidecar_killed_mid_run(tmp_path: Path, baseline: dict, ranks):
     with Sidecar(tmp_path / "doomed") as sidecar:
-        rank = RankProcess(tmp_path, rank_env(sidecar, "killed"), *LOOP)
+        rank = RankProcess(tmp_path, rank_env(sidecar, "killed"), "--steps", "0", *LOOP)
         ranks.append(rank)
         wait_until(lambda: (r := rank_status(sidecar, "killed")) and (r["step"] or 0) >= 10, 30,
                    what="first steps arrive")
         os.kill(sidecar.proc.pid, signal.SIGKILL)
+        time.sleep(1.5)  # ~300 more steps: more than the buffer holds
         result = rank.finish()
-    assert result["last_step"] == 400
     not_slowed(result, baseline)
     assert result["dropped"] > 0
 

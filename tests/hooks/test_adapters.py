@@ -1,0 +1,65 @@
+"""The Hugging Face and Lightning callbacks, driven by the frameworks' real trainers on a
+tiny random model, report steps, evaluation and checkpoints to a real sidecar."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.hooks.helpers import metric_value, rank_env, rank_status
+from tests.support import PYTHON, spawned, tail, wait_until
+
+
+def train(framework: str, sidecar, tmp_path: Path, job_id: str) -> list:
+    out, log = tmp_path / "calls.json", tmp_path / "train.log"
+    with spawned([PYTHON, "-m", "tests.hooks.framework_rank", framework, str(out), str(tmp_path)], log,
+                 env=rank_env(sidecar, job_id)) as proc:
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{framework} training did not finish:\n{tail(log)}")
+    assert rc == 0, f"{framework} training failed:\n{tail(log)}"
+    return json.loads(out.read_text())
+
+
+def steps(calls: list) -> list[int]:
+    return [c[1] for c in calls if c[0] == "step"]
+
+
+def test_adapter_modules_import_without_the_frameworks():
+    # Importing the hooks never pulls a framework (or torch) in.
+    code = "import sys, trainer_hooks; print(sorted(m for m in ('torch', 'transformers', 'lightning') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+
+
+def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
+    pytest.importorskip("transformers")
+    calls = train("hf", sidecar, tmp_path, "adapter-hf")
+    assert steps(calls) == [1, 2, 3, 4, 5, 6]
+    step_metrics = [c[2] for c in calls if c[0] == "step"]
+    assert all({"loss", "grad_norm", "lr", "samples", "step_time_seconds"} <= set(m) for m in step_metrics)
+    # eval every 3 steps as a phase, checkpoints at steps 4 and 6, the monitor closed at the end
+    assert calls.index(["phase_start", "eval"]) < calls.index(["phase_end", "eval"]) < calls.index(["step", 4, step_metrics[3]])
+    assert [c[2] for c in calls if c[:2] == ["event", "evaluated"]] == [3, 6]
+    assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4, 6]
+    assert calls[-1] == ["close"]
+    seen = wait_until(lambda: rank_status(sidecar, "adapter-hf"), 10, what="rank in status")
+    assert seen["step"] == 6 and seen["loss"] > 0 and seen["lr"] > 0 and seen["state"] == "gone"
+    assert metric_value(sidecar.metrics(), "sidecar_training_last_checkpoint_step", job_id="adapter-hf") == 6
+
+
+def test_lightning_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
+    pytest.importorskip("lightning")
+    calls = train("lightning", sidecar, tmp_path, "adapter-lightning")
+    # 12 batches, 2 per optimizer step: each step reported once
+    assert steps(calls) == [1, 2, 3, 4, 5, 6]
+    assert all({"loss", "lr", "samples", "step_time_seconds"} <= set(c[2]) for c in calls if c[0] == "step")
+    assert calls.count(["phase_start", "eval"]) == calls.count(["phase_end", "eval"]) >= 1
+    assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4]
+    assert calls[-1] == ["close"]
+    seen = wait_until(lambda: rank_status(sidecar, "adapter-lightning"), 10, what="rank in status")
+    assert seen["step"] == 6 and seen["loss"] > 0 and seen["state"] == "gone"
