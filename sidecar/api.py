@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import grp
 import hmac
 import logging
+import os
 import re
 import socket
 import time
@@ -54,26 +56,24 @@ class Daemon:
     protected_pids: frozenset[int]
     stats: IngestStats = field(default_factory=IngestStats)
     started: float = field(default_factory=time.monotonic)
-    started_wall: float = field(default_factory=time.time)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
 
 
 DAEMON = web.AppKey("daemon", Daemon)
 EXPOSITION = web.AppKey("exposition", CollectorRegistry)
 
-METRICS: tuple[MetricSpec, ...] = (
-    BUILD_INFO := spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"]),
-    INGEST_RECORDS := spec("daemon", "ingest_records", "counter",
-                           "Items accepted by the push API, by type (step, phase, event).", ["type"]),
-    INGEST_REJECTED := spec("daemon", "ingest_rejected_requests", "counter",
-                            "Push API requests refused, by error code (bad_json, bad_field, too_large, "
-                            "unknown_rank, step_not_increasing, limit_exceeded, pid_mismatch, unauthorized).",
-                            ["code"]),
-    INGEST_REGISTRATIONS := spec("daemon", "ingest_registrations", "counter",
-                                 "Rank registrations accepted (re-registrations included)."),
-    DAEMON_CPU := spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used."),
-    DAEMON_RSS := spec("daemon", "daemon_resident_memory_bytes", "gauge", "The sidecar process's resident memory."),
-)
+BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
+INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
+                      "Items accepted by the push API, by type (step, phase, event).", ["type"])
+INGEST_REJECTED = spec("daemon", "ingest_rejected_requests", "counter",
+                       "Push API requests refused, by error code (bad_json, bad_field, too_large, unknown_rank, "
+                       "step_not_increasing, limit_exceeded, pid_mismatch, unauthorized, ...).", ["code"])
+INGEST_REGISTRATIONS = spec("daemon", "ingest_registrations", "counter",
+                            "Rank registrations accepted (re-registrations included).")
+DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used.")
+DAEMON_RSS = spec("daemon", "daemon_resident_memory_bytes", "gauge", "The sidecar process's resident memory.")
+METRICS: tuple[MetricSpec, ...] = (BUILD_INFO, INGEST_RECORDS, INGEST_REJECTED, INGEST_REGISTRATIONS,
+                                   DAEMON_CPU, DAEMON_RSS)
 
 
 class ApiError(Exception):
@@ -229,7 +229,9 @@ def job_diag_dir(settings: Settings, job_id: str) -> Path:
         # Whoever may push may write dumps: the socket's read/write bits, plus search.
         mode = settings.socket_mode_int
         path.chmod(mode | ((mode & 0o444) >> 2) | 0o700)
-    except OSError as e:
+        if settings.socket_group:
+            os.chown(path, -1, grp.getgrnam(settings.socket_group).gr_gid)
+    except (OSError, KeyError) as e:
         log.warning("cannot prepare diagnostics directory %s: %s", path, e)
     return path
 
