@@ -2,6 +2,7 @@
 body naming the problem while the daemon stays up and its series stay bounded."""
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -202,3 +203,17 @@ async def test_a_configured_token_guards_the_push_api_over_tcp_only(serve, child
     assert (await sidecar.post("/v1/register", registration(child_pid))).status == 200  # the Unix socket
     assert (await sidecar.get("/metrics", tcp=True)).status == 200
     assert (await sidecar.get("/v1/status", tcp=True)).status == 200
+
+
+async def test_gone_ranks_leave_metrics_after_the_retention(serve, child_pid):
+    sidecar = await serve(limits__gone_retention_seconds=0.4)
+    await sidecar.post("/v1/register", registration(child_pid))
+    await sidecar.post("/v1/push", push_body(child_pid, [step_item(1)]))
+    await sidecar.post("/v1/deregister", {"job_id": "run-42", "rank": 0, "pid": child_pid})
+    assert series(await sidecar.metrics(), "sidecar_training_step")  # still shown while retained
+    for _ in range(100):
+        if not series(await sidecar.metrics(), "sidecar_training_step"):
+            break
+        await asyncio.sleep(0.1)
+    assert series(await sidecar.metrics(), "sidecar_training_step") == []
+    assert (await sidecar.get("/v1/status")).body["ranks"] == []
