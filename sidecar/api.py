@@ -67,7 +67,7 @@ INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
                       "Items accepted by the push API, by type (step, phase, event).", ["type"])
 INGEST_REJECTED = spec("daemon", "ingest_rejected_requests", "counter",
                        "Push API requests refused, by error code (bad_json, bad_field, too_large, unknown_rank, "
-                       "step_not_increasing, limit_exceeded, pid_mismatch, unauthorized, ...).", ["code"])
+                       "step_not_increasing, limit_exceeded, pid_mismatch, unauthorized).", ["code"])
 INGEST_REGISTRATIONS = spec("daemon", "ingest_registrations", "counter",
                             "Rank registrations accepted (re-registrations included).")
 DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used.")
