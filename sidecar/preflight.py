@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -250,11 +251,15 @@ def read_clock_sync() -> tuple[bool | None, str]:
 class Context:
     args: argparse.Namespace
     settings: Settings
-    _nvml: concurrent.futures.Future | None = None
+    _nvml: NvmlFacts | None = None
+    _nvml_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def nvml(self) -> NvmlFacts:
-        """Read once, shared by the GPU checks (they run in parallel)."""
-        return self._nvml.result()
+        """NVML's facts, read once and shared by the GPU checks (which run in parallel)."""
+        with self._nvml_lock:
+            if self._nvml is None:
+                self._nvml = read_nvml(self.settings.collectors.nvml_module)
+            return self._nvml
 
 
 def check_driver(ctx: Context) -> Iterable[Result]:
@@ -659,8 +664,7 @@ CHECKS: list[Callable[[Context], Iterable[Result]]] = [
 def run_checks(ctx: Context) -> Iterable[Result]:
     """Run every check in parallel (torch's import and network timeouts dominate); yield the
     results in the order of CHECKS as soon as each is done."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(CHECKS) + 1) as pool:
-        ctx._nvml = pool.submit(read_nvml, ctx.settings.collectors.nvml_module)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(CHECKS)) as pool:
         futures = [(check, pool.submit(lambda c=check: list(c(ctx)))) for check in CHECKS]
         for check, future in futures:
             try:

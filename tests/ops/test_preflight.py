@@ -4,7 +4,6 @@ rendezvous, strictness) on controlled inputs."""
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import socket
 
@@ -31,10 +30,7 @@ def _args(**over) -> argparse.Namespace:
 
 
 def _run(check, settings=None, **over) -> list[preflight.Result]:
-    ctx = preflight.Context(_args(**over), settings or load_settings(environ={}))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        ctx._nvml = pool.submit(preflight.read_nvml, ctx.settings.collectors.nvml_module)
-        return list(check(ctx))
+    return list(check(preflight.Context(_args(**over), settings or load_settings(environ={}))))
 
 
 def test_every_check_runs_and_reports_without_a_gpu(tmp_path):
