@@ -146,6 +146,16 @@ def grafana_rules(groups: list[dict], folder_uid: str, datasource_uid: str) -> l
     return rules
 
 
+def with_datasource(dashboard: dict, uid: str, name: str) -> dict:
+    """The dashboard with its `datasource` variable preselecting the provisioned datasource
+    (otherwise Grafana shows the default datasource, which may be another Prometheus)."""
+    out = json.loads(json.dumps(dashboard))
+    for var in out.get("templating", {}).get("list", []):
+        if var.get("type") == "datasource":
+            var["current"] = {"selected": True, "text": name, "value": uid}
+    return out
+
+
 def datasource_payload(uid: str, name: str, url: str) -> dict:
     return {"uid": uid, "name": name, "type": "prometheus", "access": "proxy", "url": url, "isDefault": False,
             "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}}
@@ -311,6 +321,8 @@ class Provisioner:
             self.datasource(o.datasource_uid, o.datasource_name, o.datasource_url)
         if o.push_dashboards:
             for dash in o.dashboards:
+                if o.push_alerts or o.datasource_url:  # the datasource was checked above
+                    dash = with_datasource(dash, o.datasource_uid, o.datasource_name)
                 self.dashboard(dash, o.folder_uid)
         if o.push_alerts:
             self.alert_rules(grafana_rules(o.rule_groups, o.folder_uid, o.datasource_uid), o.folder_uid)
@@ -399,6 +411,8 @@ def write_files(out_dir: Path, o: Options, dashboards_path: str, out: Callable[[
     else:
         out("datasource: skipped (no --datasource-url); the dashboards ask for a Prometheus datasource")
     for dash in o.dashboards:
+        if o.datasource_url:
+            dash = with_datasource(dash, o.datasource_uid, o.datasource_name)
         _write(out_dir / "grafana" / "dashboards" / f"{dash['uid']}.json", json.dumps(dash, indent=2) + "\n", out)
     _write(out_dir / "prometheus" / "training-sidecar.rules.yml",
            "# Recording and alerting rules of the training sidecar (generated from alerts/).\n"

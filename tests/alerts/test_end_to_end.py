@@ -24,7 +24,8 @@ from tests.alerts.realstack import Alertmanager, Prometheus
 from tests.dashboards.panels import DASHBOARD_FILES, load, queries, substitute, variable_queries
 from tests.support import PYTHON, ROOT, Sidecar, spawned, tail, wait_until
 
-pytestmark = pytest.mark.slow
+# One stack for the module: xdist keeps the module on one worker (make test uses --dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("alerts-end-to-end")]
 
 FAULT_STEP = 12
 SHORT_FOR = "2s"

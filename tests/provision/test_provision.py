@@ -207,3 +207,29 @@ def test_the_console_script_runs_provision(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "prometheus/training-sidecar.rules.yml").exists()
+
+
+def test_dashboards_preselect_the_provisioned_datasource(grafana):
+    run(["--datasource-url", PROM_URL], token_env(grafana))
+    variables = grafana.state.dashboards["sidecar-training-job"]["dashboard"]["templating"]["list"]
+    ds = next(v for v in variables if v["name"] == "datasource")
+    assert ds["current"]["value"] == "sidecar-prometheus"
+
+
+def test_a_dashboard_saved_by_someone_else_meanwhile_is_not_overwritten(grafana):
+    from grafana_client import GrafanaApi
+    run(["--datasource-url", PROM_URL], token_env(grafana))
+    api = GrafanaApi.from_url(grafana.url, credential=TOKEN)
+    read = api.dashboard.get_dashboard
+
+    def read_then_someone_saves(uid):
+        answer = read(uid)
+        stored = grafana.state.dashboards[uid]["dashboard"]
+        stored.update(version=stored["version"] + 1, title="saved by a colleague")
+        return answer
+
+    api.dashboard.get_dashboard = read_then_someone_saves
+    changed = dict(dashboards()[0], description="new text")
+    with pytest.raises(provision.ProvisionError, match="412"):
+        provision.Provisioner(api, grafana.url, out=lambda line: None).dashboard(changed, "training-sidecar")
+    assert grafana.state.dashboards[changed["uid"]]["dashboard"]["title"] == "saved by a colleague"
