@@ -283,7 +283,7 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         return [_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value)]
     if origin is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value) or {}
+            value = yaml.load(value, Loader=yaml.BaseLoader) or {}
         if not isinstance(value, Mapping):
             _fail(name, f"expected a mapping, got {value!r}")
         _, vt = typing.get_args(tp)
@@ -347,7 +347,9 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
     tree: dict = {}
     if config_file:
         try:
-            loaded = yaml.safe_load(Path(config_file).read_text())
+            # BaseLoader keeps every scalar a string, so the schema types it (`0660` stays an
+            # octal mode instead of YAML 1.1's integer 432).
+            loaded = yaml.load(Path(config_file).read_text(), Loader=yaml.BaseLoader)
         except OSError as e:
             raise ConfigError(f"setting config: cannot read {config_file}: {e.strerror}") from None
         except yaml.YAMLError as e:
@@ -378,7 +380,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"setting --set: expected KEY=VALUE, got {item!r}")
-        overrides[key.strip()] = yaml.safe_load(value) if value else ""
+        overrides[key.strip()] = value  # typed by the schema in _coerce, not guessed by YAML
     for name in ("listen", "socket"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)
