@@ -28,11 +28,12 @@ def build_collectors(settings: "Settings", ranks: Callable[[], list[tuple[str, i
     if cfg.procfs_root.rstrip("/") not in ("", "/proc"):
         psutil.PROCFS_PATH = cfg.procfs_root  # psutil reads one procfs for the whole process
     gpu = GpuCollector(cfg.nvml_module, ranks, xid_events=cfg.xid_events) if "gpu" in cfg.enabled else None
+    no_gpu_versions = lambda: ("", "")  # noqa: E731
     build: dict[str, Callable[[], "Collector"]] = {
-        "gpu": lambda: gpu,  # type: ignore[return-value,dict-item]
+        "gpu": lambda: gpu,  # type: ignore[dict-item]
         "nic": lambda: NicCollector(cfg.sysfs_root, cfg.nic_exclude, cfg.max_nics),
         "process": lambda: ProcessCollector(ranks),
         "node": lambda: NodeCollector(settings.checkpoint_dir, job_versions,
-                                      gpu.versions if gpu is not None else (lambda: ("", ""))),
+                                      gpu.versions if gpu is not None else no_gpu_versions),
     }
     return [build[name]() for name in dict.fromkeys(cfg.enabled)]

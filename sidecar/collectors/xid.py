@@ -4,6 +4,7 @@ application faults, ...). NVML delivers them as events; a daemon thread blocks i
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from types import ModuleType
@@ -72,9 +73,10 @@ class XidWatcher:
             if (gpu, label) not in self._counts and \
                     sum(1 for g, _ in self._counts if g == gpu) >= MAX_XIDS_PER_GPU:
                 label = "other"
-            self._counts[(gpu, label)] = self._counts.get((gpu, label), 0) + 1
+            count = self._counts[(gpu, label)] = self._counts.get((gpu, label), 0) + 1
             self._last[gpu] = (xid, time.time())
-        log.warning("XID %d on gpu %s", xid, gpu)
+        if math.log10(count).is_integer():  # the 1st, 10th, 100th ...: a storm does not flood the log
+            log.warning("XID %d on gpu %s (%d so far)", xid, gpu, count)
 
     def _run(self) -> None:
         nv = self.nv

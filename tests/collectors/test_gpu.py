@@ -213,3 +213,15 @@ def test_process_memory_is_attributed_to_the_rank_and_its_children(fake_gpus, gp
     collector = gpu_collector(ranks=lambda: [("run-42", 3, proc.pid)])
     used = series(run(collector).families, "sidecar_gpu_process_memory_bytes")
     assert used == {(("gpu", "0"), ("job_id", "run-42"), ("rank", "3")): 1024}
+
+
+def test_the_real_pynvml_on_a_machine_without_a_driver_means_no_series():
+    import ctypes.util
+    import pytest
+    from sidecar.collectors.gpu import GpuCollector
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this machine has the NVIDIA driver")
+    collector = GpuCollector("pynvml", lambda: [])
+    result = run(collector)
+    collector.close()
+    assert result.success and result.families == []
