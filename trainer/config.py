@@ -258,7 +258,8 @@ class FaultConfig:
     rank: int = field(default=0, metadata=doc("Global rank that injects the fault."))
     at_step: int = field(default=1, metadata=doc("Step (1-based) at which the fault fires."))
     only_first_attempt: bool = field(default=True, metadata=doc(
-        "Fire only in the first attempt (TORCHELASTIC_RESTART_COUNT == 0), so the restarted run heals."))
+        "Fire only in the first attempt (TORCHELASTIC_RESTART_COUNT == 0 and the job's first worker-group "
+        "generation), so the restarted run heals."))
     sleep_seconds: float = field(default=1e6, metadata=doc("How long kind `sleep` sleeps."))
     checkpoint_delay_seconds: float = field(default=0.0, metadata=doc(
         "Every rank sleeps this long inside every checkpoint_save phase (any kind, every attempt): "

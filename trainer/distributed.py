@@ -20,6 +20,7 @@ class World:
     local_rank: int
     size: int
     restart_count: int
+    generation: int  # attempts of this job's worker group so far, agreed by all ranks (1: the first)
     backend: str
     device: torch.device
 
@@ -41,7 +42,7 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[dist.Store, int]:
     """A store namespace that belongs to this attempt of the worker group alone.
 
     Under torchrun's c10d rendezvous the workers share the agent's TCPStore across restarts, and
@@ -64,7 +65,7 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
             base.wait([key], timeout)
             acks[str(peer)] = base.get(key).decode()
         base.set(f"trainer/{gen}/go", json.dumps(acks))
-        return dist.PrefixStore(f"trainer/{gen}/", base)
+        return dist.PrefixStore(f"trainer/{gen}/", base), gen
     nonce, acked = secrets.token_hex(8), None
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
@@ -73,7 +74,7 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
             base.set(f"trainer/{gen}/ack/{rank}", nonce)
             acked = gen
         if base.check([f"trainer/{gen}/go"]) and json.loads(base.get(f"trainer/{gen}/go")).get(str(rank)) == nonce:
-            return dist.PrefixStore(f"trainer/{gen}/", base)
+            return dist.PrefixStore(f"trainer/{gen}/", base), int(gen)
         time.sleep(0.05)
     raise TimeoutError(f"rank {rank}: no generation from rank 0 within {timeout.total_seconds():.0f}s")
 
@@ -87,11 +88,11 @@ def init(device_choice: str, backend_choice: str, timeout_seconds: float) -> Wor
     backend = backend_choice if backend_choice != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=timeout_seconds)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = attempt_store(rank, size, timeout) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    store, generation = attempt_store(rank, size, timeout) if "TORCHELASTIC_RUN_ID" in os.environ else (None, 1)
     dist.init_process_group(backend, store=store, rank=rank if store else -1, world_size=size if store else -1,
                             timeout=timeout, device_id=device if device.type == "cuda" else None)
     return World(rank=dist.get_rank(), local_rank=local_rank, size=dist.get_world_size(),
-                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation=generation,
                  backend=backend, device=device)
 
 

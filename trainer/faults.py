@@ -20,10 +20,12 @@ log = logging.getLogger("trainer")
 
 
 class FaultInjector:
-    def __init__(self, cfg: FaultConfig, rank: int, restart_count: int) -> None:
+    def __init__(self, cfg: FaultConfig, rank: int, restart_count: int, generation: int = 1) -> None:
         self.cfg = cfg
-        self.armed = (cfg.kind != "none" and rank == cfg.rank
-                      and not (cfg.only_first_attempt and restart_count > 0))
+        # A node whose workers hung rather than failed restarts them without counting a restart,
+        # so its TORCHELASTIC_RESTART_COUNT may still be 0: the job-wide generation settles it.
+        first_attempt = restart_count == 0 and generation == 1
+        self.armed = cfg.kind != "none" and rank == cfg.rank and (first_attempt or not cfg.only_first_attempt)
         self.rank = rank
 
     def _fires(self, kind: str, step: int) -> bool:

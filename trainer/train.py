@@ -61,11 +61,11 @@ class Trainer:
         self.accum = cfg.validate_for(self.world.size)
         self.monitor = open_monitor(cfg.monitor.enabled)
         if self.world.is_main:
-            log.info("rendezvous done: world_size=%d backend=%s restart_count=%d strategy=%s device=%s grad_accum_steps=%d",
-                     self.world.size, self.world.backend, self.world.restart_count, cfg.parallel.strategy,
-                     self.world.device, self.accum)
+            log.info("rendezvous done: world_size=%d backend=%s restart_count=%d generation=%d strategy=%s "
+                     "device=%s grad_accum_steps=%d", self.world.size, self.world.backend, self.world.restart_count,
+                     self.world.generation, cfg.parallel.strategy, self.world.device, self.accum)
         self.monitor.event("rendezvous_done")
-        self.faults = FaultInjector(cfg.faults, self.world.rank, self.world.restart_count)
+        self.faults = FaultInjector(cfg.faults, self.world.rank, self.world.restart_count, self.world.generation)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model, self.wrapped = self._build_model()

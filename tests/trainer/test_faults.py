@@ -5,9 +5,9 @@ from trainer.config import FaultConfig
 from trainer.faults import FaultInjector
 
 
-def injector(rank=1, restart_count=0, **cfg) -> FaultInjector:
+def injector(rank=1, restart_count=0, generation=1, **cfg) -> FaultInjector:
     return FaultInjector(FaultConfig(**{"kind": "sleep", "rank": 1, "at_step": 3, "sleep_seconds": 0, **cfg}),
-                         rank=rank, restart_count=restart_count)
+                         rank=rank, restart_count=restart_count, generation=generation)
 
 
 def test_a_fault_is_armed_only_on_its_rank():
@@ -34,3 +34,7 @@ def test_the_checkpoint_fault_targets_the_first_save_at_or_after_its_step():
 
 def test_a_fetch_passes_through_when_no_fault_is_due():
     assert injector(kind="dataloader").fetch(2, lambda: "batches") == "batches"
+
+
+def test_a_later_generation_counts_as_a_restart_even_where_the_restart_count_is_still_zero():
+    assert not injector(restart_count=0, generation=2).armed
