@@ -413,6 +413,11 @@ def render_plain(screen: Screen) -> str:
     """Aligned text without escape codes, for pipes, logs and grep."""
     out = ["  ".join(c.text for c in screen.headline)]
     out.append("  ".join(f"{k}: {v}" for k, v in screen.facts))
+    if screen.problems:
+        out.append("Problems:")
+        out.extend(f"  - {p}" for p in screen.problems)
+    else:
+        out.append("Problems: none")
     for s in screen.sections:
         out.append("")
         if not s.rows:
@@ -423,12 +428,6 @@ def render_plain(screen: Screen) -> str:
         widths = [max(len(row[i]) for row in table) for i in range(len(s.columns))]
         for row in table:
             out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    out.append("")
-    if screen.problems:
-        out.append("Problems:")
-        out.extend(f"  - {p}" for p in screen.problems)
-    else:
-        out.append("Problems: none")
     return "\n".join(out) + "\n"
 
 
@@ -449,6 +448,13 @@ def render_rich(screen: Screen):
         facts.append(("  " if i else "") + k + " ", style="dim")
         facts.append(v)
     parts.append(facts)
+    if screen.problems:
+        problems = Text("Problems:", style="bold red")
+        for p in screen.problems:
+            problems.append(f"\n  - {p}", style="red")
+        parts.append(problems)
+    else:
+        parts.append(Text("Problems: none", style="green"))
     for s in screen.sections:
         if not s.rows:
             parts.append(Text.assemble((f"\n{s.title}: ", "bold"), (s.empty, "dim")))
@@ -460,13 +466,6 @@ def render_rich(screen: Screen):
         for row in s.rows:
             table.add_row(*(Text(c.text, style=c.style) for c in row))
         parts.append(table)
-    if screen.problems:
-        problems = Text("Problems:\n", style="bold red")
-        for p in screen.problems:
-            problems.append(f"  - {p}\n", style="red")
-        parts.append(problems)
-    else:
-        parts.append(Text("Problems: none", style="green"))
     return Group(*parts)
 
 
@@ -551,7 +550,9 @@ def _watch(target: Target, args: argparse.Namespace, console) -> int:
         from rich.console import Group
         return Group(stamp, render_rich(build_screen(reading.status)))
 
-    with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
+    # The alternate screen, like watch(1): a frame taller than the terminal is cropped at the
+    # bottom, where the least urgent sections are (the problems come first).
+    with Live(frame(), console=console, auto_refresh=False, screen=True) as live:
         while True:
             time.sleep(interval)
             live.update(frame(), refresh=True)

@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.ops.conftest import Rank, run_cli, wait_for_state
-from tests.support import Sidecar, free_port, wait_until
+from tests.support import ROOT, Sidecar, free_port, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +72,10 @@ def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):
     assert out.returncode == 1, out.stdout + out.stderr
     row = next(line.split() for line in out.stdout.splitlines() if line.startswith("run-7 "))
     assert row[3] == "stalled"
-    problems = out.stdout.split("Problems:")[1]
-    assert "run-7" in problems and "3" in problems and "DEGRADED" in out.stdout
+    lines = out.stdout.splitlines()
+    problems = [line for line in lines[lines.index("Problems:") + 1:] if line.startswith("  - ")]
+    assert any("run-7/3" in p and "stalled" in p for p in problems), problems
+    assert "DEGRADED" in lines[0]
 
 
 def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):
@@ -137,12 +145,6 @@ def test_a_broken_answer_exits_2_saying_what_is_wrong(mode, expected):
 
 
 def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from tests.support import ROOT
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     proc = subprocess.Popen([sys.executable, "-m", "sidecar", "status", "--watch", "0.2", "--socket", healthy.socket],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -158,3 +160,53 @@ def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
     finally:
         proc.kill()
         proc.wait()
+
+
+
+class _Terminal:
+    """`sidecar ARGS` with a pseudo-terminal (160x60) as stdin, stdout and stderr."""
+
+    def __init__(self, *args: str):
+        master, slave = os.openpty()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+        env.update(COLUMNS="160", LINES="60", TERM="xterm-256color")
+        self.proc = subprocess.Popen([sys.executable, "-m", "sidecar", *args], stdin=slave, stdout=slave,
+                                     stderr=slave, env=env, cwd=ROOT)
+        os.close(slave)
+        self.master, self.output = master, b""
+
+    def read_until(self, text: bytes, count: int = 1, timeout: float = 60.0) -> bytes:
+        deadline = time.monotonic() + timeout
+        while self.output.count(text) < count and time.monotonic() < deadline:
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.output += os.read(self.master, 65536)
+                except OSError:  # EIO: the process closed the terminal
+                    break
+        return self.output
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+def test_on_a_terminal_the_screen_has_colours(healthy):
+    term = _Terminal("status", "--socket", healthy.socket)
+    try:
+        out = term.read_until(b"run-42", count=2)
+        assert term.proc.wait(timeout=60) == 0
+    finally:
+        term.close()
+    assert b"\x1b[" in out and out.count(b"run-42") == 2
+
+
+def test_on_a_terminal_watch_redraws_on_the_alternate_screen_until_ctrl_c(healthy):
+    term = _Terminal("status", "--watch", "0.2", "--socket", healthy.socket)
+    try:
+        out = term.read_until(b"Problems", count=2)
+        assert out.count(b"Problems") >= 2 and b"\x1b[?1049h" in out
+        term.proc.send_signal(signal.SIGINT)
+        assert term.proc.wait(timeout=60) == 0
+    finally:
+        term.close()
