@@ -39,6 +39,10 @@ NVLINK_COUNTERS = (("replay", 0), ("recovery", 1), ("crc_flit", 2), ("crc_data",
 RETRY_ABSENT_SECONDS = 60.0  # a driver may be loaded after the sidecar starts
 
 
+class NvmlBroken(Exception):
+    """NVML is installed but unusable (e.g. a driver/library version mismatch after an upgrade)."""
+
+
 class GpuLost(Exception):
     """The device answered GPU_IS_LOST or UNKNOWN: nothing it reports can be trusted."""
 
@@ -137,6 +141,7 @@ class NvmlSession:
         self.cuda_version = ""
         self._next_attempt = 0.0
         self._absent_logged = False
+        self._broken: str | None = None  # why NVML is present but unusable, until the next attempt
         self._lock = threading.Lock()
 
     # -------------------------------------------------------------- session
@@ -148,8 +153,11 @@ class NvmlSession:
             if self.nv is not None:
                 return True
             if time.monotonic() < self._next_attempt:
+                if self._broken:  # keep reporting the failure until the next attempt
+                    raise NvmlBroken(self._broken)
                 return False
             self._next_attempt = time.monotonic() + RETRY_ABSENT_SECONDS
+            self._broken = None
             try:
                 nv = importlib.import_module(self.module_name)
             except ImportError as e:
@@ -158,13 +166,17 @@ class NvmlSession:
                 nv.nvmlInit()
             except (nv.NVMLError_LibraryNotFound, nv.NVMLError_DriverNotLoaded) as e:
                 return self._absent(str(e))
+            except nv.NVMLError as e:
+                self._broken = f"nvmlInit: {e}"
+                raise NvmlBroken(self._broken) from None
             try:
                 count = nv.nvmlDeviceGetCount()
                 self.driver_version = _text(nv.nvmlSystemGetDriverVersion())
                 self.cuda_version = cuda_version_string(int(nv.nvmlSystemGetCudaDriverVersion()))
-            except nv.NVMLError:
+            except nv.NVMLError as e:
                 nv.nvmlShutdown()
-                raise
+                self._broken = f"NVML initialized but cannot list GPUs: {e}"
+                raise NvmlBroken(self._broken) from None
             self.handles = [None] * count
             self.nv = nv
             log.info("NVML: %d GPU(s), driver %s, CUDA %s", count, self.driver_version, self.cuda_version)
