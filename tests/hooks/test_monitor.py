@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,6 +159,24 @@ def test_application_signal_handler_is_left_alone(tmp_path: Path):
         mon.close()
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
+def test_cuda_tensor_is_not_synchronised_on_the_training_thread(tmp_path: Path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    mon = quiet_monitor(tmp_path)
+    x = torch.ones((), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead
+    loss = x * 2  # not computed until the sleep is done
+    start = time.perf_counter()
+    mon.step(1, loss=loss, grad_norm=loss)
+    elapsed = time.perf_counter() - start
+    still_busy = not torch.cuda.current_stream().query()
+    mon.close()
+    assert still_busy and elapsed < 0.1
 
 
 def test_identity_comes_from_torchrun_environment():
