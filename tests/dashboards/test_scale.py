@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import time
@@ -54,7 +53,7 @@ def register_and_push(endpoint: Endpoint, rank: int, pid: int) -> None:
            "versions": {"torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "python": "3.11.7"},
            "hooks_version": "0.1.0"}
     reply = post(endpoint, "/v1/register", json.dumps(reg).encode())
-    assert reply.status == 200, (reply.status, reply.body if hasattr(reply, "body") else None)
+    assert reply.status == 200, (reply.status, reply.error)
     now = time.time()
     items = [{"type": "step", "step": s, "time": now + s * 0.1,
               "metrics": {"loss": 2.0, "grad_norm": 1.0, "lr": 3e-4, "step_time_seconds": 0.1, "samples": 8,

@@ -2,9 +2,7 @@
 idempotent runs, clear one-line errors, and the file mode."""
 from __future__ import annotations
 
-import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
