@@ -106,7 +106,10 @@ class Monitor:
     def step(self, step: Any, **metrics: Any) -> None:
         """Record that `step` finished, with its metrics (numbers or 1-element tensors; None
         skipped). Well-known keys: loss, grad_norm, lr, step_time_seconds, samples, tokens,
-        iterations_per_second, samples_per_second, tokens_per_second; others are custom metrics."""
+        iterations_per_second, samples_per_second, tokens_per_second; others are custom metrics.
+
+        A tensor is read later, on the sender thread: pass one that is not changed in place
+        afterwards (`loss.detach()`, not a running accumulator that is reset)."""
         if self._live:
             try:
                 self._append((self._next_seq(), STEP, _time(), step, metrics))

@@ -39,3 +39,11 @@ def test_the_command_writes_the_reference(tmp_path):
     out = tmp_path / "metrics.md"
     assert docs.main(argparse.Namespace(write=str(out))) == 0
     assert out.read_text() == docs.reference_markdown()
+
+
+def test_every_module_that_defines_metrics_is_in_the_reference():
+    defining = set()
+    for path in (ROOT / "sidecar").rglob("*.py"):
+        if re.search(r"^(RUNNER_)?METRICS\b.*=", path.read_text(), re.MULTILINE):
+            defining.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    assert defining and defining <= set(docs.MODULES), sorted(defining - set(docs.MODULES))
