@@ -142,7 +142,8 @@ class BatchConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = field(default=1e-3, metadata=doc("Peak learning rate of AdamW."))
+    lr: float = field(default=1e-2, metadata=doc(
+        "Peak learning rate of AdamW. The default suits the demo MLP; transformers want ~3e-4."))
     weight_decay: float = field(default=0.01, metadata=doc("AdamW weight decay."))
     warmup_steps: int = field(default=0, metadata=doc("Steps of linear warm-up from 0 to lr."))
     schedule: str = field(default="cosine", metadata=doc(
