@@ -628,7 +628,7 @@ def check_peers(ctx: Context) -> Iterable[Result]:
     if not peers:
         yield Result("version-skew", SKIP, "no --peers given")
         return
-    targets = [Target(url=p if "://" in p else f"http://{p}") for p in peers]
+    targets = [Target.of_url(p) for p in peers]
     local = resolve_target(ctx.args.socket, ctx.args.url)
     nodes: dict[str, dict[str, set[str]]] = {}
     for target in [local, *targets]:

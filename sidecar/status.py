@@ -60,6 +60,11 @@ class Target:
     def alternative(self) -> str:
         return "--url" if self.socket else "--socket"
 
+    @classmethod
+    def of_url(cls, url: str) -> "Target":
+        """A URL as operators type it: `node-3:9402` means `http://node-3:9402`."""
+        return cls(url=url if "://" in url else f"http://{url}")
+
 
 def resolve_target(socket_path: str | None = None, url: str | None = None,
                    environ: Mapping[str, str] | None = None) -> Target:
@@ -67,13 +72,13 @@ def resolve_target(socket_path: str | None = None, url: str | None = None,
     wins over the URL among the environment variables because it is the default transport."""
     environ = os.environ if environ is None else environ
     if url:
-        return Target(url=url)
+        return Target.of_url(url)
     if socket_path:
         return Target(socket=socket_path)
     if environ.get("SIDECAR_SOCKET"):
         return Target(socket=environ["SIDECAR_SOCKET"])
     if environ.get("SIDECAR_URL"):
-        return Target(url=environ["SIDECAR_URL"])
+        return Target.of_url(environ["SIDECAR_URL"])
     return Target(socket=DEFAULT_SOCKET)
 
 
