@@ -682,6 +682,8 @@ def exit_code(results: list[Result], strict: bool) -> int:
 # ---------------------------------------------------------------- the command
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit status: 0 nothing failed (warnings allowed), 1 a check failed (or warned, "
+                     "with --strict), 2 bad arguments")
     parser.add_argument("--config", help="the sidecar's YAML settings (nvml_module, sysfs_root, checkpoint_dir, "
                         "nic_exclude are used; also SIDECAR_CONFIG)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")

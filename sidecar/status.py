@@ -477,6 +477,8 @@ def render_rich(screen: Screen):
 # ---------------------------------------------------------------- the command
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit status: 0 healthy, 1 degraded (a rank suspect/stalled/remediating, a failing "
+                     "collector, any problem), 2 no sidecar or a broken answer")
     parser.add_argument("--socket", help=f"the sidecar's Unix socket (also SIDECAR_SOCKET; default {DEFAULT_SOCKET})")
     parser.add_argument("--url", help="the sidecar's HTTP address, e.g. http://127.0.0.1:9402 (also SIDECAR_URL)")
     parser.add_argument("--json", action="store_true",
