@@ -84,6 +84,7 @@ class NvmlFacts:
     """What NVML says, read with the GPU collector's own session and device reader."""
 
     error: str | None = None  # NVML unusable: no driver, no library, or broken
+    absent: bool = False  # unusable because there is no driver or library (a CPU node), not broken
     driver_version: str | None = None
     cuda_version: str | None = None  # the newest CUDA the driver supports, "12.4"
     gpus: list[GpuReading] = field(default_factory=list)
@@ -94,7 +95,7 @@ def read_nvml(module_name: str) -> NvmlFacts:
     session = NvmlSession(module_name)
     try:
         if not session.start():
-            return NvmlFacts(error="no NVIDIA driver (NVML library or driver not found)")
+            return NvmlFacts(error="no NVIDIA driver (NVML library or driver not found)", absent=True)
     except Exception as e:  # NVML present but broken: worth a FAIL, not a crash
         return NvmlFacts(error=f"NVML present but failing: {e}")
     try:
@@ -264,10 +265,14 @@ class Context:
 
 def check_driver(ctx: Context) -> Iterable[Result]:
     nv = ctx.nvml()
-    if nv.error:
-        yield Result("nvidia-driver", WARN, nv.error,
+    if nv.absent:
+        yield Result("nvidia-driver", WARN, nv.error or "no NVIDIA driver",
                      "expected on a CPU node; on a GPU node install the driver, or in a container set "
                      "runtimeClassName nvidia / NVIDIA_VISIBLE_DEVICES=all")
+        return
+    if nv.error:
+        yield Result("nvidia-driver", FAIL, nv.error,
+                     "the driver is loaded but NVML fails: check `nvidia-smi` and dmesg for Xids; reboot the node")
         return
     yield Result("nvidia-driver", PASS, f"driver {nv.driver_version}, CUDA {nv.cuda_version or '?'}")
 
@@ -278,7 +283,7 @@ def check_gpu_count(ctx: Context) -> Iterable[Result]:
         if expected:
             yield Result("gpu-count", FAIL, f"expected {expected} GPUs, NVML unusable", "see nvidia-driver")
         else:
-            yield Result("gpu-count", SKIP, "no NVIDIA driver")
+            yield Result("gpu-count", SKIP, "NVML unusable (see nvidia-driver)")
         return
     found = len(nv.gpus) + len(nv.lost)
     if expected is not None and found != expected:

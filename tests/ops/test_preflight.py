@@ -139,6 +139,13 @@ def test_healthy_gpus_pass(nvml_stand_in):
     assert [r.outcome for r in _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
 
 
+@pytest.mark.parametrize("init_error, outcome", [("driver_not_loaded", "WARN"), ("unknown", "FAIL")])
+def test_no_driver_warns_but_a_failing_driver_fails(nvml_stand_in, init_error, outcome):
+    fake_nvml.configure({"init_error": init_error})
+    (result,) = _run(preflight.check_driver, nvml_stand_in)
+    assert result.outcome == outcome, result
+
+
 def test_expecting_gpus_without_a_driver_fails():
     results = _run(preflight.check_gpu_count, expect_gpus=8)
     assert results[0].outcome == "FAIL"
