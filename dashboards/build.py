@@ -318,7 +318,11 @@ def node_hardware() -> dict:
         timeseries("Collector duration", f"sidecar_scrape_collector_duration_seconds{{{NODE}}}", "s", min_=0, w=12),
     ]
     variables = [
-        query_var("instance", "Node", "label_values(sidecar_build_info, instance)"),
+        query_var("job_id", "Job", "label_values(sidecar_training_ranks_registered, job_id)", include_all=True),
+        # Every node when Job is All (job_id=~".*" also matches build_info's missing job_id),
+        # else the nodes where the job has ranks.
+        query_var("instance", "Node", 'label_values({__name__=~"sidecar_build_info|sidecar_training_ranks_registered", '
+                  'job_id=~"$job_id"}, instance)'),
         query_var("gpu", "GPU", f"label_values(sidecar_gpu_info{{{NODE}}}, gpu)", multi=True, include_all=True),
         query_var("device", "NIC", f"label_values(sidecar_network_up{{{NODE}}}, device)", multi=True,
                   include_all=True),
