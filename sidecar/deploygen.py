@@ -120,30 +120,31 @@ def generate(root: Path = ROOT) -> dict[str, str]:
     return files
 
 
-def stale_files(root: Path = ROOT) -> list[str]:
-    """Generated files that are missing, different, or left over from a removed source."""
-    wanted = generate(root)
+def _stale(root: Path, wanted: dict[str, str]) -> list[str]:
     out_dir = root / OUTPUT
     have = {p.name for p in out_dir.glob("*.yaml")} if out_dir.is_dir() else set()
-    stale = [name for name, text in wanted.items()
-             if name not in have or (out_dir / name).read_text() != text]
-    stale += [name for name in have - set(wanted)]
+    stale = [name for name, text in wanted.items() if name not in have or (out_dir / name).read_text() != text]
+    stale += have - set(wanted)
     return sorted(str(OUTPUT / name) for name in stale)
+
+
+def stale_files(root: Path = ROOT) -> list[str]:
+    """Generated files that are missing, different, or left over from a removed source."""
+    return _stale(root, generate(root))
 
 
 def write(root: Path = ROOT) -> list[str]:
     """Bring the generated files up to date; the paths changed."""
-    changed = stale_files(root)
     wanted = generate(root)
+    changed = _stale(root, wanted)
     out_dir = root / OUTPUT
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path in out_dir.glob("*.yaml"):
-        if path.name not in wanted:
+    for name in changed:
+        path = root / name
+        if path.name in wanted:
+            path.write_text(wanted[path.name])
+        else:
             path.unlink()
-    for name, text in wanted.items():
-        target = out_dir / name
-        if not target.exists() or target.read_text() != text:
-            target.write_text(text)
     return changed
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -92,8 +91,3 @@ def rank_state(sidecar: Sidecar, rank: int) -> str | None:
 def wait_for_state(sidecar: Sidecar, rank: int, state: str, timeout: float = 60.0) -> None:
     wait_until(lambda: rank_state(sidecar, rank) == state, timeout, interval=0.2,
                what=f"rank {rank} to be {state}")
-
-
-@pytest.fixture
-def repo_root() -> Path:
-    return ROOT
