@@ -17,9 +17,11 @@ Targets (the sidecar): median <= 5 ms, p99 <= 20 ms, CPU <= 2 % of a core, RSS <
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -41,6 +43,8 @@ NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
 FIXTURE_SYSFS = ROOT / "tests" / "collectors" / "fixtures" / "sys"
 RANKS = 8
 GPUS = 8
+COLLECTOR_DURATION = re.compile(r'^sidecar_scrape_collector_duration_seconds\{collector="([^"]+)"\} (\S+)$',
+                                re.MULTILINE)
 TARGETS = {"median_ms": 5.0, "p99_ms": 20.0, "cpu_percent": 2.0, "rss_mb": 80.0}
 
 RANK_SCRIPT = textwrap.dedent("""
@@ -65,6 +69,7 @@ class Figures:
     rss_mb: float = 0.0
     body_bytes: int = 0
     series: int = 0
+    collector_ms: dict[str, list[float]] = field(default_factory=dict)  # the sidecar's own report
 
     def quantile(self, q: float) -> float:
         ordered = sorted(self.latencies_ms)
@@ -116,6 +121,8 @@ def steady_phase(targets: list[tuple[Figures, psutil.Process, Scraper]], seconds
                 _, body = scraper.get()
                 fig.body_bytes = len(body)
                 fig.series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+                for m in COLLECTOR_DURATION.finditer(body.decode()):
+                    fig.collector_ms.setdefault(m.group(1), []).append(float(m.group(2)) * 1000)
         if now >= next_scrape:
             next_scrape += 5.0
         time.sleep(0.5)
@@ -173,62 +180,86 @@ def report(figures: list[Figures]) -> bool:
     return ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scrapes", type=int, default=500)
-    parser.add_argument("--steady-seconds", type=float, default=30.0)
-    args = parser.parse_args(argv)
-
-    work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
+def start_node(stack: contextlib.ExitStack, work: Path, *settings: str) -> Sidecar:
+    """A sidecar over the NVML stand-in and the fixture sysfs, with RANKS ranks pushing steps."""
+    work.mkdir(parents=True, exist_ok=True)
     spec_path = work / "nvml.json"
     write_json(spec_path, nvml_spec([]))
     sidecar = Sidecar(work, "collectors.nvml_module=sidecar.testing.fake_nvml",
                       f"collectors.sysfs_root={FIXTURE_SYSFS}", f"checkpoint_dir={work}",
-                      "log_level=warning", env={"SIDECAR_FAKE_NVML": str(spec_path)})
-    stack = []
+                      "log_level=warning", *settings, env={"SIDECAR_FAKE_NVML": str(spec_path)})
+    sidecar.start()
+    stack.callback(sidecar.stop)
+    ranks = [stack.enter_context(spawned([PYTHON, "-c", RANK_SCRIPT, str(rank)], work / f"rank{rank}.log",
+                                         env=sidecar.hook_env()))
+             for rank in range(RANKS)]
+    write_json(spec_path, nvml_spec([p.pid for p in ranks]))  # NVML now "sees" the ranks on the GPUs
+
+    def all_registered() -> bool:
+        status, body = http_get(sidecar.url + "/v1/status")
+        return status == 200 and len(json.loads(body).get("ranks", [])) == RANKS
+    wait_until(all_registered, 60, interval=0.5, what=f"{RANKS} ranks registered")
+    return sidecar
+
+
+def start_node_exporter(stack: contextlib.ExitStack, work: Path) -> tuple[psutil.Process, int] | None:
+    if not os.access(NODE_EXPORTER, os.X_OK):
+        print(f"{NODE_EXPORTER} not installed: measuring the sidecar alone")
+        return None
+    port = free_port()
+    proc = stack.enter_context(spawned([NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}"],
+                                       work / "node_exporter.log"))
+    wait_until(lambda: proc.poll() is not None or http_get(f"http://127.0.0.1:{port}/metrics")[0] == 200,
+               30, what="node_exporter up")
+    if proc.poll() is not None:
+        raise RuntimeError(f"node_exporter exited:\n{tail(work / 'node_exporter.log')}")
+    return psutil.Process(proc.pid), port
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scrapes", type=int, default=500)
+    parser.add_argument("--steady-seconds", type=float, default=30.0)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also measure a sidecar with the hardware collectors off, to split its CPU "
+                             "between the collectors and the push API")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     try:
-        sidecar.start()
-        stack.append(sidecar.stop)
-        print(f"sidecar on {sidecar.url}; starting {RANKS} ranks", flush=True)
-        ranks = []
-        for rank in range(RANKS):
-            cm = spawned([PYTHON, "-c", RANK_SCRIPT, str(rank)], work / f"rank{rank}.log", env=sidecar.hook_env())
-            ranks.append(cm.__enter__())
-            stack.append(lambda cm=cm: cm.__exit__(None, None, None))
-        write_json(spec_path, nvml_spec([p.pid for p in ranks]))
+        with contextlib.ExitStack() as stack:
+            sidecar = start_node(stack, work / "all")
+            print(f"sidecar on {sidecar.url} with {RANKS} ranks pushing", flush=True)
+            wait_until(lambda: b"sidecar_gpu_process_memory_bytes{" in http_get(sidecar.url + "/metrics")[1],
+                       30, interval=0.5, what="per-rank GPU memory")
+            targets = [(Figures("sidecar"), psutil.Process(sidecar.proc.pid), Scraper(sidecar.port))]
+            ne = start_node_exporter(stack, work)
+            if ne is not None:
+                targets.append((Figures("node_exporter"), ne[0], Scraper(ne[1])))
+            time.sleep(3)  # a few collector rounds before measuring
 
-        def all_registered() -> bool:
-            status, body = http_get(sidecar.url + "/v1/status")
-            return status == 200 and len(json.loads(body).get("ranks", [])) == RANKS
-        wait_until(all_registered, 60, interval=0.5, what=f"{RANKS} ranks registered")
-        wait_until(lambda: b"sidecar_gpu_process_memory_bytes{" in http_get(sidecar.url + "/metrics")[1],
-                   30, interval=0.5, what="per-rank GPU memory")
-
-        targets = [(Figures("sidecar"), psutil.Process(sidecar.proc.pid), Scraper(sidecar.port))]
-        ne_port = free_port()
-        if os.access(NODE_EXPORTER, os.X_OK):
-            cm = spawned([NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{ne_port}"], work / "node_exporter.log")
-            ne = cm.__enter__()
-            stack.append(lambda: cm.__exit__(None, None, None))
-            wait_until(lambda: ne.poll() is not None or http_get(f"http://127.0.0.1:{ne_port}/metrics")[0] == 200,
-                       30, what="node_exporter up")
-            if ne.poll() is not None:
-                raise RuntimeError(f"node_exporter exited:\n{tail(work / 'node_exporter.log')}")
-            targets.append((Figures("node_exporter"), psutil.Process(ne.pid), Scraper(ne_port)))
-        else:
-            print(f"{NODE_EXPORTER} not installed: measuring the sidecar alone")
-        time.sleep(3)  # a few collector rounds before measuring
-
-        print(f"steady phase: {args.steady_seconds:.0f} s, one scrape every 5 s", flush=True)
-        steady_phase(targets, args.steady_seconds)
-        print(f"scrape phase: {args.scrapes} scrapes each, 20 ms apart", flush=True)
-        scrape_phase(targets, args.scrapes)
-        if sidecar.proc.poll() is not None:
-            raise RuntimeError(f"the sidecar exited:\n{tail(sidecar.log)}")
-        return 0 if report([fig for fig, _, _ in targets]) else 1
+            print(f"steady phase: {args.steady_seconds:.0f} s, one scrape every 5 s", flush=True)
+            steady_phase(targets, args.steady_seconds)
+            print(f"scrape phase: {args.scrapes} scrapes each, 20 ms apart", flush=True)
+            scrape_phase(targets, args.scrapes)
+            if sidecar.proc.poll() is not None:
+                raise RuntimeError(f"the sidecar exited:\n{tail(sidecar.log)}")
+        figures = [fig for fig, _, _ in targets]
+        if args.breakdown:
+            with contextlib.ExitStack() as stack:
+                bare = start_node(stack, work / "bare", "collectors.enabled=")
+                time.sleep(3)
+                without = Figures("sidecar, no hardware collectors")
+                steady_phase([(without, psutil.Process(bare.proc.pid), Scraper(bare.port))], args.steady_seconds)
+            figures.append(without)
+        ok = report(figures[:2] if ne is not None else figures[:1])
+        print("\ncollector run time (wall, median over the steady phase): " + ", ".join(
+            f"{name} {statistics.median(ms):.1f} ms" for name, ms in sorted(figures[0].collector_ms.items())))
+        if args.breakdown:
+            print(f"CPU split: hardware collectors {figures[0].cpu_percent - without.cpu_percent:.2f} % of a core, "
+                  f"the rest (push API of {RANKS} ranks, watchdog, scrapes) {without.cpu_percent:.2f} %")
+        return 0 if ok else 1
     finally:
-        for undo in reversed(stack):
-            undo()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -4,7 +4,8 @@ events, and the GPU memory each registered rank holds.
 
 No NVIDIA library or driver means no GPU series and a successful collector: absent hardware is
 not a failure. A lost GPU is skipped (its `sidecar_gpu_lost` is 1) and the run reports a partial
-failure while the other GPUs are exported."""
+failure while the other GPUs are exported. Error counters and link health are refreshed every
+10 s (nvml.HEALTH_SECONDS), the rest every collector round."""
 from __future__ import annotations
 
 import logging

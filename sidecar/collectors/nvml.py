@@ -8,6 +8,9 @@ The NVML module is nvidia-ml-py's `pynvml` or any module with its API (tests use
   and not asked again in this session;
 - GPU_IS_LOST / UNKNOWN on a device: the device is unusable; it is skipped this round;
 - anything else on a field: that field failed; the others are still read.
+
+Utilization, memory, power, clocks and processes are read every round; error counters,
+thresholds and NVLink health (most of the calls, values that rarely move) every HEALTH_SECONDS.
 """
 from __future__ import annotations
 
@@ -37,6 +40,13 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
 NVLINK_COUNTERS = (("replay", 0), ("recovery", 1), ("crc_flit", 2), ("crc_data", 3))  # NVML_NVLINK_ERROR_DL_*
 
 RETRY_ABSENT_SECONDS = 60.0  # a driver may be loaded after the sidecar starts
+HEALTH_SECONDS = 10.0  # error counters and link health are re-read this often at most
+
+# GpuReading fields read by `_read_health`, kept between its reads.
+HEALTH_FIELDS = ("slowdown_temperature_celsius", "shutdown_temperature_celsius", "ecc_corrected",
+                 "ecc_uncorrected", "retired_pages_single_bit", "retired_pages_double_bit",
+                 "retired_pages_pending", "remapped_rows", "pcie_replay", "pcie_link_max_generation",
+                 "pcie_link_max_width", "nvlinks")
 
 
 class NvmlBroken(Exception):
@@ -131,8 +141,10 @@ class NvmlSession:
     collector's executor thread), retried when absent, with device handles and the facts that
     never change (name, UUID, PCI bus id) cached."""
 
-    def __init__(self, module_name: str = "pynvml"):
+    def __init__(self, module_name: str = "pynvml", health_seconds: float = HEALTH_SECONDS):
         self.module_name = module_name
+        self.health_seconds = health_seconds
+        self._health: dict[int, tuple[float, dict[str, Any]]] = {}  # index -> (monotonic time, fields)
         self.nv: ModuleType | None = None
         self.handles: list[Any] = []
         self.static: dict[int, tuple[str, str, str]] = {}  # index -> (uuid, name, pci_bus_id)
@@ -221,8 +233,19 @@ class NvmlSession:
         handle = self.handle(index)
         r = GpuReading(gpu=str(index))
         d = _DeviceReader(nv, handle, r, self.unsupported.setdefault(index, set()))
-        self._read_static(index, d)
+        try:
+            self._read_static(index, d)
+            self._read_fast(d)
+            self._read_health(index, d)
+        except GpuLost:
+            self._health.pop(index, None)
+            raise
+        return r
 
+    @staticmethod
+    def _read_fast(d: _DeviceReader) -> None:
+        """What changes from one second to the next."""
+        nv, r = d.nv, d.reading
         util = d.call("nvmlDeviceGetUtilizationRates")
         if util is not None:
             r.utilization_ratio, r.memory_utilization_ratio = util.gpu / 100.0, util.memory / 100.0
@@ -230,17 +253,31 @@ class NvmlSession:
         if mem is not None:
             r.memory_used_bytes, r.memory_total_bytes = int(mem.used), int(mem.total)
         r.temperature_celsius = d.call("nvmlDeviceGetTemperature", nv.NVML_TEMPERATURE_GPU)
-        r.slowdown_temperature_celsius = d.call("nvmlDeviceGetTemperatureThreshold",
-                                                nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN, key="threshold_slowdown")
-        r.shutdown_temperature_celsius = d.call("nvmlDeviceGetTemperatureThreshold",
-                                                nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN, key="threshold_shutdown")
         r.power_watts = _scaled(d.call("nvmlDeviceGetPowerUsage"), 1e-3)
         r.power_limit_watts = _scaled(d.call("nvmlDeviceGetEnforcedPowerLimit"), 1e-3)
         r.energy_joules = _scaled(d.call("nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
         r.sm_clock_hertz = _scaled(d.call("nvmlDeviceGetClockInfo", nv.NVML_CLOCK_SM, key="clock_sm"), 1e6)
         r.memory_clock_hertz = _scaled(d.call("nvmlDeviceGetClockInfo", nv.NVML_CLOCK_MEM, key="clock_mem"), 1e6)
-        r.clock_event_reasons = self._clock_event_reasons(d)
+        r.clock_event_reasons = NvmlSession._clock_event_reasons(d)
+        r.pcie_link_generation = d.call("nvmlDeviceGetCurrPcieLinkGeneration")  # drops at idle to save power
+        r.pcie_link_width = d.call("nvmlDeviceGetCurrPcieLinkWidth")
+        procs = d.call("nvmlDeviceGetComputeRunningProcesses") or []
+        r.processes = [(int(p.pid), int(p.usedGpuMemory)) for p in procs if p.usedGpuMemory is not None]
 
+    def _read_health(self, index: int, d: _DeviceReader) -> None:
+        """Error counters, thresholds and link health: read at most every `health_seconds` (about
+        120 NVML calls per GPU with NVLink, which rarely change); reused in between."""
+        cached = self._health.get(index)
+        if cached is not None and time.monotonic() - cached[0] < self.health_seconds:
+            for name, value in cached[1].items():
+                setattr(d.reading, name, value)
+            return
+        nv, r = d.nv, d.reading
+        errors_before = len(r.errors)
+        r.slowdown_temperature_celsius = d.call("nvmlDeviceGetTemperatureThreshold",
+                                                nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN, key="threshold_slowdown")
+        r.shutdown_temperature_celsius = d.call("nvmlDeviceGetTemperatureThreshold",
+                                                nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN, key="threshold_shutdown")
         r.ecc_corrected = d.call("nvmlDeviceGetTotalEccErrors", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
                                  nv.NVML_AGGREGATE_ECC, key="ecc_corrected")
         r.ecc_uncorrected = d.call("nvmlDeviceGetTotalEccErrors", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
@@ -255,17 +292,12 @@ class NvmlSession:
         r.retired_pages_pending = None if pending is None else bool(pending)
         rows = d.call("nvmlDeviceGetRemappedRows")
         r.remapped_rows = None if rows is None else tuple(int(x) for x in rows)  # type: ignore[assignment]
-
         r.pcie_replay = d.call("nvmlDeviceGetPcieReplayCounter")
-        r.pcie_link_generation = d.call("nvmlDeviceGetCurrPcieLinkGeneration")
         r.pcie_link_max_generation = d.call("nvmlDeviceGetMaxPcieLinkGeneration")
-        r.pcie_link_width = d.call("nvmlDeviceGetCurrPcieLinkWidth")
         r.pcie_link_max_width = d.call("nvmlDeviceGetMaxPcieLinkWidth")
         r.nvlinks = self._nvlinks(d)
-
-        procs = d.call("nvmlDeviceGetComputeRunningProcesses") or []
-        r.processes = [(int(p.pid), int(p.usedGpuMemory)) for p in procs if p.usedGpuMemory is not None]
-        return r
+        if len(r.errors) == errors_before:  # a failed field is asked again next round
+            self._health[index] = (time.monotonic(), {name: getattr(r, name) for name in HEALTH_FIELDS})
 
     def _read_static(self, index: int, d: _DeviceReader) -> None:
         if index not in self.static:

@@ -175,6 +175,19 @@ def test_memory_error_counters(fake_gpus, gpu_collector):
     assert by_label(families, "sidecar_gpu_remapped_rows_pending", "gpu") == {"0": 1}
 
 
+def test_health_counters_are_reread_at_most_every_health_interval(fake_gpus, gpu_collector):
+    from sidecar.testing import fake_nvml
+    fake_gpus({"gpu_count": 1, "gpu": {"ecc_uncorrected": 0, "temperature_celsius": 60}})
+    collector = gpu_collector(xid_events=False)
+    run(collector)
+    fake_nvml.update({"gpu_count": 1, "gpu": {"ecc_uncorrected": 3, "temperature_celsius": 70}})
+    families = run(collector).families
+    assert by_label(families, "sidecar_gpu_temperature_celsius", "gpu") == {"0": 70}  # read every round
+    assert by_label(families, "sidecar_gpu_ecc_errors_total", "type")["uncorrected"] == 0  # not yet due
+    collector.session.health_seconds = 0.0
+    assert by_label(run(collector).families, "sidecar_gpu_ecc_errors_total", "type")["uncorrected"] == 3
+
+
 def test_xid_events_are_counted_per_gpu_and_xid(fake_gpus, gpu_collector):
     from sidecar.testing import fake_nvml
     fake_gpus({"gpu_count": 8, "xid_events": [{"gpu": 3, "xid": 79}, {"gpu": 3, "xid": 79}, {"gpu": 0, "xid": 13}]})
