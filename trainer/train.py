@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: Config, final_params: str | None = None) -> None:
         self.cfg, self.final_params = cfg, final_params
+        if cfg.train.deterministic:  # cuBLAS reads it when its first handle is created
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.world = distributed.init(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_seconds)
         self.accum = cfg.validate_for(self.world.size)
         self.monitor = open_monitor(cfg.monitor.enabled)
@@ -112,12 +115,13 @@ class Trainer:
         return model, ddp
 
     def _micro_step(self, step: int, batch, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients are only reduced on the step's last one."""
         inputs, targets = (t.to(self.world.device, non_blocking=True) for t in batch)
-        sync = contextlib.nullcontext()
-        if not last and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
-            sync = self.wrapped.no_sync()
-        elif isinstance(self.wrapped, nn.Module) and hasattr(self.wrapped, "set_requires_gradient_sync"):
-            self.wrapped.set_requires_gradient_sync(last)  # FSDP2: reduce-scatter only on the last one
+        if isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
+            sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
+        else:  # FSDP2
+            self.wrapped.set_requires_gradient_sync(last)
+            sync = contextlib.nullcontext()
         with sync:
             loss = self.wrapped(inputs, targets) / self.accum
             if last:
