@@ -15,7 +15,7 @@ import yaml
 
 from sidecar import deploygen
 from sidecar.config import load_settings
-from tests.support import PYTHON, ROOT
+from tests.support import PYTHON, ROOT, Sidecar
 
 K8S = ROOT / "deploy" / "kubernetes"
 BAREMETAL = ROOT / "deploy" / "baremetal"
@@ -331,3 +331,17 @@ def test_prometheus_config_example_is_valid(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     scrape = yaml.safe_load((BAREMETAL / "prometheus.yml").read_text())["scrape_configs"]
     assert [s["job_name"] for s in scrape] == ["sidecar"]
+
+
+def test_the_kubernetes_settings_start_a_daemon(tmp_path):
+    """Every key of the shipped ConfigMap is accepted by `sidecar run`, which becomes ready."""
+    cm = next(c for c in BY_KIND["ConfigMap"] if c["metadata"]["name"] == "sidecar-config")
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(cm["data"]["sidecar.yaml"])
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef\n")
+    # This machine's paths for what the DaemonSet mounts; everything else as shipped.
+    with Sidecar(tmp_path, f"token_file={token}", "collectors.sysfs_root=/sys", "collectors.procfs_root=/proc",
+                 env={"SIDECAR_CONFIG": str(config)}) as sidecar:
+        status = sidecar.status()
+    assert status["health"] == "healthy", status["problems"]
