@@ -345,3 +345,19 @@ def test_the_kubernetes_settings_start_a_daemon(tmp_path):
                  env={"SIDECAR_CONFIG": str(config)}) as sidecar:
         status = sidecar.status()
     assert status["health"] == "healthy", status["problems"]
+
+
+@pytest.mark.parametrize("secret", [None, "operator-chosen-token"])
+def test_the_push_token_init_container_uses_the_secret_or_makes_one_up(tmp_path, secret):
+    init = daemonset()["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"][:2] == ["python", "-c"]
+    script = init["command"][2]
+    given, token = tmp_path / "secret-token", tmp_path / "token"
+    if secret:
+        given.write_text(secret)
+    script = script.replace("/etc/sidecar/secret/token", str(given)).replace("/etc/sidecar/token/token", str(token))
+    subprocess.run([PYTHON, "-c", script], check=True, timeout=60)
+    assert token.stat().st_mode & 0o777 == 0o400
+    assert token.read_text() == secret if secret else len(token.read_text()) == 64
+    mounted = {m["mountPath"] for m in init["volumeMounts"]}
+    assert {"/etc/sidecar/secret", "/etc/sidecar/token"} <= mounted
