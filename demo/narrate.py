@@ -186,7 +186,9 @@ def main() -> int:
     console = Console()
     job, sidecar = JobSpec(), SidecarSpec()
     workdir = Path(tempfile.mkdtemp(prefix="sidecar-demo-"))
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C and SIGTERM both end in the cleanup below (even when started with SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     story = Story(console, job, sidecar, workdir)
     console.rule("training-node sidecar demo")
     console.print(f"A 2-rank torchrun job ({job.steps} steps, checkpoint every {job.checkpoint_every}) under a "

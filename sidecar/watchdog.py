@@ -27,7 +27,7 @@ import enum
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
@@ -148,7 +148,6 @@ class Watchdog:
         self.counters = _Counters()
         self._tracks: dict["RankKey", _Track] = {}
         self._episodes: dict[str, _Episode] = {}
-        self._finished: deque[_Episode] = deque(maxlen=20)
 
     # ------------------------------------------------------------ the loop
 
@@ -372,14 +371,13 @@ class Watchdog:
                 if t.episode is episode:
                     t.episode = None
             del self._episodes[job_id]
-            self._finished.append(episode)
 
     # ------------------------------------------------------------ reading
 
     def families(self) -> Iterable[Metric]:
         state, timeout, stalls, remediations, transitions, last, observe = (m.family() for m in METRICS)
         now = self.clock()
-        for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
+        for t in sorted(list(self._tracks.values()), key=lambda t: t.rank.key):
             labels = [t.rank.job_id, str(t.rank.rank)]
             for s in RankState:
                 state.add_metric(labels + [s.value], 1.0 if s is t.state else 0.0)
