@@ -179,8 +179,10 @@ class Watchdog:
         present = set()
         for rank in self.registry.ranks():
             present.add(rank.key)
-            track = self._track(rank, now)
-            self._evaluate(track, now)
+            try:
+                self._evaluate(self._track(rank, now), now)
+            except Exception:  # one rank's bad data must not blind the watchdog to the others
+                log.exception("evaluating rank %s failed", rank.label)
         for key in [k for k in self._tracks if k not in present]:
             del self._tracks[key]  # the registry forgot it (retention): so do we
         self._open_episodes(now)
