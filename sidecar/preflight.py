@@ -33,7 +33,7 @@ from sidecar.collectors import sysfs
 from sidecar.collectors.nic import IB_ACTIVE
 from sidecar.collectors.nvml import GpuLost, GpuReading, NvmlSession
 from sidecar.config import ConfigError, Settings, parse_hostport, settings_from_args
-from sidecar.status import StatusError, Target, fetch, fetch_json, resolve_target
+from sidecar.status import EXIT_HEALTHY, StatusError, Target, assess, fetch, fetch_json, resolve_target
 
 PASS, SKIP, WARN, FAIL = "PASS", "SKIP", "WARN", "FAIL"
 SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
@@ -564,6 +564,23 @@ def check_clock(ctx: Context) -> Iterable[Result]:
                      "start chrony or ntpd: skewed clocks make logs, incidents and dashboards disagree across nodes")
 
 
+def check_sidecar(ctx: Context) -> Iterable[Result]:
+    """The node's own sidecar: without it the job runs unwatched (the hooks drop quietly)."""
+    target = resolve_target(ctx.args.socket, ctx.args.url)
+    try:
+        status = fetch_json(target, "/v1/status")
+    except StatusError as e:
+        yield Result("sidecar", WARN, f"{e}: the job would run without metrics or the watchdog",
+                     "start it (systemctl start sidecar / the DaemonSet), or point --socket/--url at it")
+        return
+    verdict = assess(status)
+    if verdict.exit_code == EXIT_HEALTHY:
+        yield Result("sidecar", PASS, f"sidecar {status.get('version', '?')} at {target} is healthy")
+    else:
+        yield Result("sidecar", WARN, f"sidecar at {target} is degraded: {'; '.join(verdict.problems)}",
+                     "see `sidecar status`")
+
+
 # ---------------------------------------------------------------- peers: version skew
 
 # Fields whose difference across nodes breaks or endangers a job FAIL; the others WARN.
@@ -662,7 +679,7 @@ def check_peers(ctx: Context) -> Iterable[Result]:
 
 CHECKS: list[Callable[[Context], Iterable[Result]]] = [
     check_driver, check_gpu_count, check_gpu_health, check_xids, check_torch, check_nics, check_infiniband,
-    check_rendezvous, check_shared_dir, check_checkpoint_disk, check_clock, check_peers,
+    check_rendezvous, check_shared_dir, check_checkpoint_disk, check_clock, check_sidecar, check_peers,
 ]
 
 
@@ -707,8 +724,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-free-gb", type=float, default=20.0, help="free space needed for checkpoints (default 20)")
     parser.add_argument("--peers", metavar="URL,URL",
                         help="other nodes' sidecars (http://host:9402); fail on driver/CUDA/torch/NCCL skew")
-    parser.add_argument("--socket", help="this node's sidecar socket, compared with --peers when it answers")
-    parser.add_argument("--url", help="this node's sidecar URL, compared with --peers when it answers")
+    parser.add_argument("--socket", help="this node's sidecar socket (also SIDECAR_SOCKET): checked, and "
+                        "compared with --peers")
+    parser.add_argument("--url", help="this node's sidecar URL (also SIDECAR_URL), instead of the socket")
     parser.add_argument("--strict", action="store_true", help="WARN fails too (exit 1)")
     parser.add_argument("--json", action="store_true", help="print {exit_code, results: [...]} as JSON")
 

@@ -16,7 +16,7 @@ from tests.ops.conftest import Rank, run_cli
 from tests.support import Sidecar, free_port, wait_until
 
 CHECKS = ["nvidia-driver", "gpu-count", "gpu-health", "xid", "torch", "nics", "infiniband", "rendezvous",
-          "shared-storage", "checkpoint-disk", "clock", "version-skew"]
+          "shared-storage", "checkpoint-disk", "clock", "sidecar", "version-skew"]
 
 
 def _args(**over) -> argparse.Namespace:
@@ -100,6 +100,13 @@ def test_an_unreachable_peer_fails_naming_it():
     url = f"http://127.0.0.1:{free_port()}"
     results = _run(preflight.check_peers, peers=url)
     assert results[0].outcome == "FAIL" and url in results[0].detail
+
+
+def test_the_local_sidecar_passes_when_healthy_and_warns_when_absent(two_nodes, tmp_path):
+    healthy = _run(preflight.check_sidecar, socket=two_nodes[0].socket)[0]
+    assert healthy.outcome == "PASS" and two_nodes[0].socket in healthy.detail
+    absent = _run(preflight.check_sidecar, socket=str(tmp_path / "none.sock"))[0]
+    assert absent.outcome == "WARN" and "without metrics or the watchdog" in absent.detail
 
 
 def test_compare_versions_ignores_fields_a_node_does_not_report():
