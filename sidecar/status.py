@@ -531,7 +531,7 @@ def _show(reading: Reading, args: argparse.Namespace, console) -> None:
 
 
 def _rich_console():
-    """A rich console when stdout is a terminal (and NO_COLOR is not forcing plain text)."""
+    """A rich console when stdout is a terminal, else None: plain text (rich itself honours NO_COLOR)."""
     if not sys.stdout.isatty():
         return None
     from rich.console import Console
@@ -546,6 +546,7 @@ def _watch(target: Target, args: argparse.Namespace, console) -> int:
             if not args.json:
                 print("-" * 40, flush=True)
             time.sleep(interval)
+    from rich.console import Group
     from rich.live import Live
     from rich.text import Text
 
@@ -554,7 +555,6 @@ def _watch(target: Target, args: argparse.Namespace, console) -> int:
         stamp = Text(f"every {interval:g}s, {datetime.datetime.now():%H:%M:%S}; Ctrl-C to quit", style="dim")
         if reading.error:
             return Text.assemble(stamp, "\n", (f"sidecar status: {reading.error}", "bold red"))
-        from rich.console import Group
         return Group(stamp, render_rich(build_screen(reading.status)))
 
     # The alternate screen, like watch(1): a frame taller than the terminal is cropped at the
