@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from sidecar import deploygen
-from sidecar.config import load_settings
+from sidecar.config import DEFAULT_SOCKET, load_settings
 from tests.support import PYTHON, ROOT, Sidecar
 
 K8S = ROOT / "deploy" / "kubernetes"
@@ -270,6 +271,21 @@ def test_systemd_unit_is_a_notify_service_with_only_the_capabilities_it_needs():
     assert service.get("ProtectProc", ["default"]) == ["default"] and "ProcSubset" not in service
     assert service.get("PrivateDevices", ["no"]) == ["no"] and "PrivateUsers" not in service
     assert "/sidecar run" in service["ExecStart"][0]
+    assert f"/run/{service['RuntimeDirectory'][0]}" == str(Path(DEFAULT_SOCKET).parent)
+
+
+def test_the_daemon_tells_systemd_it_is_ready(tmp_path):
+    """Type=notify relies on the daemon sending READY=1 on $NOTIFY_SOCKET once it serves."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(60)
+    try:
+        with Sidecar(tmp_path, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")}) as sidecar:
+            message = notify.recv(4096).decode()
+            assert "READY=1" in message.split("\n")
+            assert sidecar.status()["health"] in ("healthy", "degraded")
+    finally:
+        notify.close()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
