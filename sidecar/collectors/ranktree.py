@@ -3,7 +3,8 @@
 
 Finding descendants means reading every process's parent. psutil's `children()` scans all of
 /proc on each call; with 8 ranks and two collectors that is 16 scans a round. Here one scan
-serves every lookup of a round (the snapshot is reused for half a second)."""
+serves every lookup for SNAPSHOT_MAX_AGE seconds: a new worker shows up that much later, and a
+process that exited meanwhile is simply not found when it is read."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import psutil
 RankRef = tuple[str, int, int]  # (job_id, rank, pid), as the registry reports live ranks
 RanksFn = Callable[[], list[RankRef]]
 
-SNAPSHOT_MAX_AGE = 0.5  # seconds; collectors of one round run within a few milliseconds
+SNAPSHOT_MAX_AGE = 5.0  # seconds; process trees change rarely (workers start with an epoch)
 
 _lock = threading.Lock()
 _snapshot: tuple[float, dict[int, list[int]]] = (float("-inf"), {})
