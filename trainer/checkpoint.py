@@ -9,10 +9,10 @@ Everything loads with `torch.load(weights_only=True)`.
 """
 from __future__ import annotations
 
-import io
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer import rng
-from trainer.checkpoint_store import CheckpointStore, FileDigest, digest_file, write_file
+from trainer.checkpoint_store import CheckpointStore, FileDigest, digest_file, write_stream
 from trainer.config import CheckpointConfig
 from trainer.data import DataPosition
 from trainer.distributed import World
@@ -34,12 +34,6 @@ class Resumed:
     step: int
     position: DataPosition
     path: Path
-
-
-def _to_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 class Checkpointer:
@@ -71,7 +65,7 @@ class Checkpointer:
             rank_state = {"step": step, "world_size": self.world.size, "data": position.state_dict(),
                           "scheduler": scheduler.state_dict(), "rng": rng.capture()}
             name = f"rank-{self.world.rank}.pt"
-            files[name] = write_file(tmp / name, _to_bytes(rank_state), self.faults.checkpoint_interrupt(step))
+            files[name] = write_stream(tmp / name, partial(torch.save, rank_state), self.faults.checkpoint_interrupt(step))
             gathered: list = [None] * self.world.size
             dist.all_gather_object(gathered, files)
             path = self.store.path_for(step)
@@ -98,7 +92,7 @@ class Checkpointer:
         if not self.world.is_main:  # DDP replicas are identical: one copy is enough
             return {}
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        return {"model.pt": write_file(tmp / "model.pt", _to_bytes(state))}
+        return {"model.pt": write_stream(tmp / "model.pt", partial(torch.save, state))}
 
     # ------------------------------------------------------------ load (collective)
 

@@ -18,7 +18,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 log = logging.getLogger("trainer")
 
@@ -49,19 +49,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, data: bytes, interrupt: Callable[[], None] | None = None) -> FileDigest:
-    """Write and fsync one file. `interrupt` (fault injection) runs after half of it is on disk."""
+class _DigestingWriter:
+    """A write-only file object that hashes and counts what passes through it, so a checkpoint file
+    is checksummed while torch.save streams it out (never held in memory twice)."""
+
+    def __init__(self, f: BinaryIO, interrupt: Callable[[], None] | None) -> None:
+        self.f, self.interrupt = f, interrupt
+        self.sha, self.size = hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+        if self.interrupt:  # fault injection: part of the file is on disk, the rest never will be
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.interrupt()
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_stream(path: Path, produce: Callable[[BinaryIO], object],
+                 interrupt: Callable[[], None] | None = None) -> FileDigest:
+    """Create `path` with what `produce(file)` writes, fsync it, and return its digest.
+    `interrupt` (fault injection) runs after the first chunk reaches the disk."""
     with open(path, "wb") as f:
-        half = len(data) // 2 if interrupt else len(data)
-        f.write(data[:half])
-        if interrupt:
-            f.flush()
-            os.fsync(f.fileno())
-            interrupt()
-        f.write(data[half:])
+        out = _DigestingWriter(f, interrupt)
+        produce(out)  # type: ignore[arg-type]
         f.flush()
         os.fsync(f.fileno())
-    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+    return FileDigest(out.size, out.sha.hexdigest())
+
+
+def write_file(path: Path, data: bytes, interrupt: Callable[[], None] | None = None) -> FileDigest:
+    return write_stream(path, lambda f: f.write(data), interrupt)
 
 
 def digest_file(path: Path) -> FileDigest:
