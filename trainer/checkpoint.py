@@ -58,8 +58,8 @@ class Checkpointer:
             self.faults.checkpoint_delay()
             if self.world.is_main:
                 self.store.root.mkdir(parents=True, exist_ok=True)
-                tmp = self.store.begin(step)
-            dist.barrier()
+                self.store.begin(step)
+            dist.barrier()  # the empty temp directory exists for everybody
             tmp = self.store.temp_for(step)
             files = self._write_model(tmp, model, optimizer)
             rank_state = {"step": step, "world_size": self.world.size, "data": position.state_dict(),

@@ -126,7 +126,8 @@ class CheckpointStore:
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
         write_file(tmp / MANIFEST, body)
         write_file(tmp / COMMIT, hashlib.sha256(body).hexdigest().encode())
-        _fsync_dir(tmp)
+        for directory in [*(d for d in tmp.rglob("*") if d.is_dir()), tmp]:  # the files' names are durable too
+            _fsync_dir(directory)
         if final.exists():  # a corrupt or stale step-N from an earlier attempt: the new one replaces it
             log.warning("checkpoint: replacing existing %s", final)
             shutil.rmtree(final)
