@@ -357,12 +357,17 @@ def check_torch(ctx: Context) -> Iterable[Result]:
         return
     if not t.cuda:
         yield Result("torch-cuda", FAIL, "GPUs present but torch is a CPU build", "install a CUDA build of torch")
-    elif nv.cuda_version and _version_tuple(t.cuda) > _version_tuple(nv.cuda_version):
-        yield Result("torch-cuda", FAIL, f"torch is built for CUDA {t.cuda}, the driver supports up to {nv.cuda_version}",
-                     "upgrade the driver, or install a torch built for an older CUDA")
+    elif nv.cuda_version and _version_tuple(t.cuda)[:1] > _version_tuple(nv.cuda_version)[:1]:
+        yield Result("torch-cuda", FAIL, f"torch is built for CUDA {t.cuda}, the driver supports up to "
+                     f"{nv.cuda_version}", "upgrade the driver, or install a torch built for an older CUDA")
     elif not t.cuda_available:
         yield Result("torch-cuda", FAIL, "torch cannot use the GPUs (torch.cuda.is_available() is False)",
                      "check the device files and CUDA_VISIBLE_DEVICES in the training environment")
+    elif nv.cuda_version and _version_tuple(t.cuda) > _version_tuple(nv.cuda_version):
+        # Same major version: runs through CUDA minor version compatibility, minus PTX JIT.
+        yield Result("torch-cuda", WARN, f"torch is built for CUDA {t.cuda}, newer than the driver's "
+                     f"{nv.cuda_version}", "works through minor version compatibility except for kernels "
+                     "JIT-compiled from PTX (Triton, torch.compile); upgrade the driver to be safe")
     elif not t.nccl:
         yield Result("torch-cuda", WARN, "torch has no NCCL", "multi-GPU training will fall back to gloo")
     else:

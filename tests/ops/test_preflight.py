@@ -153,6 +153,30 @@ def test_no_driver_warns_but_a_failing_driver_fails(nvml_stand_in, init_error, o
     assert result.outcome == outcome, result
 
 
+def _interpreter(tmp_path, **facts) -> str:
+    """A stand-in for the training environment's python that answers the torch probe."""
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\necho '{json.dumps(facts)}'\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("driver_cuda, torch_cuda, available, outcome", [
+    (12040, "12.4", True, "PASS"),
+    (12040, "12.8", True, "WARN"),   # minor version compatibility
+    (11080, "12.4", True, "FAIL"),   # a newer major version than the driver knows
+    (12040, "12.4", False, "FAIL"),  # cannot see the GPUs
+    (12040, None, False, "FAIL"),    # a CPU build on a GPU node
+])
+def test_torch_cuda_against_the_driver(nvml_stand_in, tmp_path, driver_cuda, torch_cuda, available, outcome):
+    fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": driver_cuda, "gpu_count": 2})
+    python = _interpreter(tmp_path, torch="2.7.0", cuda=torch_cuda, nccl="2.26.2" if torch_cuda else None,
+                          cuda_available=available, device_count=2 if available else 0)
+    torch, *cuda = _run(preflight.check_torch, nvml_stand_in, python=python)
+    assert torch.outcome == "PASS" and "torch 2.7.0" in torch.detail
+    assert [r.outcome for r in cuda] == [outcome], cuda
+
+
 def test_expecting_gpus_without_a_driver_fails():
     results = _run(preflight.check_gpu_count, expect_gpus=8)
     assert results[0].outcome == "FAIL"
