@@ -12,6 +12,7 @@ versions come from a subprocess of the training environment's interpreter (`--py
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import ctypes
 import ctypes.util
@@ -127,8 +128,8 @@ def read_torch(python: str, timeout: float) -> TorchFacts:
     facts = TorchFacts(python)
     try:
         proc = subprocess.run([python, "-c", TORCH_PROBE], capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        facts.error = f"{python} not found"
+    except OSError as e:  # absent or not executable
+        facts.error = f"cannot run {python}: {e.strerror or e}"
         return facts
     except subprocess.TimeoutExpired:
         facts.error = f"importing torch took over {timeout:g}s"
@@ -165,13 +166,9 @@ def read_kernel_log(path: str | None) -> tuple[str | None, str | None]:
     return proc.stdout, None
 
 
-def parse_xids(log: str) -> dict[tuple[str, int], int]:
+def parse_xids(log: str) -> collections.Counter[tuple[str, int]]:
     """Count of each (PCI bus id, Xid) in a kernel log."""
-    counts: dict[tuple[str, int], int] = {}
-    for m in XID_LINE.finditer(log):
-        key = (m.group(1), int(m.group(2)))
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return collections.Counter((m.group(1), int(m.group(2))) for m in XID_LINE.finditer(log))
 
 
 @dataclass
