@@ -16,7 +16,8 @@ from trainer.config import ConfigError, help_text, load_config, parse_set, world
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer", description="The bundled distributed trainer.")
-    p.add_argument("--config", help="YAML configuration file")
+    p.add_argument("--config", default=os.environ.get("TRAINER_CONFIG"),
+                   help="YAML configuration file (also TRAINER_CONFIG)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one field, e.g. --set batch.global_batch_size=64 (repeatable)")
     p.add_argument("--final-params", metavar="PATH",
