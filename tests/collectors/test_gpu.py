@@ -2,6 +2,8 @@
 NVML error (unsupported field, lost GPU, absent driver)."""
 from __future__ import annotations
 
+import pytest
+
 from sidecar.collectors.gpu import METRICS
 from tests.collectors.helpers import by_label, run, series
 from tests.support import wait_until
@@ -232,7 +234,7 @@ def test_process_memory_is_attributed_to_the_rank_and_its_children(fake_gpus, gp
 
 def test_the_real_pynvml_on_a_machine_without_a_driver_means_no_series():
     import ctypes.util
-    import pytest
+
     from sidecar.collectors.gpu import GpuCollector
     if ctypes.util.find_library("nvidia-ml"):
         pytest.skip("this machine has the NVIDIA driver")

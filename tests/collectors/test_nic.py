@@ -2,6 +2,7 @@
 ens1f0np0, ib0; lo and a veth excluded) and InfiniBand ports (mlx5_0 port 1 active, mlx5_1 down)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from sidecar.collectors import sysfs
 from sidecar.collectors.nic import NicCollector
 from sidecar.config import CollectorSettings
-from tests.collectors.helpers import FIXTURE_SYSFS, by_label, run, series
+from tests.collectors.helpers import FIXTURE_SYSFS, by_label, exposition, run, series
 
 DEFAULT_EXCLUDE = CollectorSettings().nic_exclude
 
@@ -113,3 +114,15 @@ def test_the_readers_return_typed_records_with_absent_files_as_none(tmp_path):
     (tmp_path / "class" / "net" / "x0").mkdir(parents=True)
     record = sysfs.read_net_device(tmp_path, "x0")
     assert record.device == "x0" and record.rx_bytes is None and record.operstate is None and not record.problems
+
+
+GOLDEN = FIXTURE_SYSFS.parent / "nic.prom"
+
+
+def test_the_exposition_matches_the_golden_file():
+    """The whole NIC exposition for the fixture tree. After an intended change, regenerate with
+    SIDECAR_UPDATE_GOLDEN=1 pytest tests/collectors/test_nic.py and review the diff."""
+    text = exposition(collect())
+    if os.environ.get("SIDECAR_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "the NIC exposition changed; see this test's docstring"
