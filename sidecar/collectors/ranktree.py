@@ -67,7 +67,7 @@ def descendant_pids(pid: int, children: dict[int, list[int]]) -> list[int]:
 
 def tree_pids(pid: int) -> list[int] | None:
     """The rank's pid followed by its descendants' pids; None when the rank's process is gone."""
-    if not psutil.pid_exists(pid):
+    if pid <= 0 or not psutil.pid_exists(pid):  # 0 would be the kernel's idle task
         return None
     return [pid, *descendant_pids(pid, children_map())]
 
@@ -77,7 +77,7 @@ def pid_owners(ranks: Iterable[RankRef]) -> dict[int, tuple[str, int]]:
     children = children_map()
     owners: dict[int, tuple[str, int]] = {}
     for job_id, rank, pid in ranks:
-        if psutil.pid_exists(pid):
+        if pid > 0 and psutil.pid_exists(pid):
             for p in (pid, *descendant_pids(pid, children)):
                 owners.setdefault(p, (job_id, rank))
     return owners

@@ -20,3 +20,7 @@ def test_pid_owners_maps_each_rank_tree_and_skips_gone_ranks(rank_process):
     proc, child_pid = rank_process()
     owners = ranktree.pid_owners([("run-42", 3, proc.pid), ("run-42", 4, 999_999_999)])
     assert owners == {proc.pid: ("run-42", 3), child_pid: ("run-42", 3)}
+
+
+def test_pid_zero_is_never_a_rank():
+    assert ranktree.tree_pids(0) is None and ranktree.pid_owners([("run-42", 0, 0)]) == {}
