@@ -8,7 +8,6 @@ failure while the other GPUs are exported. Error counters and link health are re
 10 s (nvml.HEALTH_SECONDS), the rest every collector round."""
 from __future__ import annotations
 
-import logging
 from typing import Iterable
 
 from prometheus_client.core import Metric
@@ -18,7 +17,6 @@ from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, GpuLost, GpuReading, Nv
 from sidecar.collectors.ranktree import RanksFn, pid_owners
 from sidecar.collectors.xid import XidWatcher
 
-log = logging.getLogger(__name__)
 
 NAME = "gpu"
 G = ("gpu",)
