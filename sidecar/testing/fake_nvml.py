@@ -6,9 +6,10 @@ catches what this module raises, and it keeps NVML's rules: nothing works before
 (Uninitialized), handles must come from `nvmlDeviceGetHandleByIndex` (InvalidArgument), an
 event wait times out with NVMLError_Timeout.
 
-The spec comes from `configure(dict)` (tests) or from the JSON file named by the environment
-variable SIDECAR_FAKE_NVML (re-read when the file changes, so a benchmark can update process
-lists while the sidecar runs). With neither, NVML behaves as if the library were not installed.
+The spec comes from `configure(dict)` (tests; `update(dict)` changes it without a "reboot",
+`inject_xid(gpu, xid)` fires an event) or from the JSON file named by the environment variable
+SIDECAR_FAKE_NVML (re-read when the file changes, so a benchmark can update process lists while
+the sidecar runs). With neither, NVML behaves as if the library were not installed.
 
     {"init_error": null,                  # e.g. "library_not_found", "driver_not_loaded"
      "driver_version": "550.54.15", "cuda_driver_version": 12040,
