@@ -202,14 +202,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the full records as a JSON list")
 
 
-def _format_row(record: dict[str, Any]) -> str:
+def _row(record: dict[str, Any]) -> list[str]:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.get("time", 0)))
     blamed = record.get("blamed_rank")
     timeline = {e.get("event"): e.get("after_detection_seconds") for e in record.get("timeline", [])}
-    killed = timeline.get("exit_observed")
-    return (f"{when}  {str(record.get('job_id', '?')):<20} {('rank ' + str(blamed)) if blamed is not None else '-':<8} "
-            f"{str(record.get('outcome', '?')):<13} {('+%.1fs' % killed) if killed is not None else '-':<8} "
-            f"{record.get('path', '')}")
+    exited = timeline.get("exit_observed")
+    return [when, str(record.get("job_id", "?")), f"rank {blamed}" if blamed is not None else "-",
+            str(record.get("outcome", "?")), f"+{exited:.1f}s" if exited is not None else "-",
+            str(record.get("path", ""))]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -231,7 +236,6 @@ def main(args: argparse.Namespace) -> int:
     if not records:
         print(f"no incidents in {Path(diag_dir) / INCIDENTS_SUBDIR}")
         return 0
-    print(f"{'detected (UTC)':<19}  {'job':<20} {'blamed':<8} {'outcome':<13} {'exited':<8} record")
-    for record in records:
-        print(_format_row(record))
+    header = ["detected (UTC)", "job", "blamed", "outcome", "exited", "record"]
+    print(_table([header] + [_row(r) for r in records]))
     return 0
