@@ -25,6 +25,9 @@ bench: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/sidecar metrics-doc --write docs/metrics.md
+	$(BIN)/sidecar config-doc --write docs/configuration.md
+	$(BIN)/python -m alerts.build
+	$(BIN)/python -m dashboards.build
 	$(BIN)/sidecar deploy-gen --write
 
 clean:

@@ -65,7 +65,7 @@ class CollectorSettings:
         "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
     procfs_root: str = field(default="/proc", metadata=doc(
         "Root of procfs (`/host/proc` in a container)."))
-    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*)$", metadata=doc(
+    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*|ifb.*|dummy.*)$", metadata=doc(
         "Regular expression of network interfaces not to export (virtual ones by default)."))
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(default=True, metadata=doc(
