@@ -1,9 +1,9 @@
 """Remediation of a hung worker group: stack dumps, then SIGTERM, a grace period, SIGKILL.
 
 Every signal goes through `send()`, and `send()` asks `refusal()` right before signalling:
-only processes that registered (a `Target` is made from a registration), still the same
-process (pid plus start time: a reused pid is never signalled), never pid 1, the sidecar or
-its ancestors. A rank that leads its own process group (torchrun starts each worker in its
+only processes that registered themselves (a `Target` is made from a registration whose
+caller was verified as that process or its launcher), still the same process (pid plus start
+time: a reused pid is never signalled), never pid 1, the sidecar or its ancestors. A rank that leads its own process group (torchrun starts each worker in its
 own session) is signalled as a group, so its data-loader workers go with it; otherwise only
 the rank and its descendants are.
 
@@ -59,10 +59,12 @@ class Target:
     start_time: float | None
     stack_signal: int | None = None
     stack_path: str | None = None
+    verified: bool = True  # registered by the process itself (or its launcher), per peer credentials
 
     @classmethod
     def of(cls, rank: "Rank") -> "Target":
-        return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_path)
+        return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_path,
+                   rank.peer_verified)
 
 
 # ---------------------------------------------------------------- safety
@@ -79,10 +81,14 @@ def is_running(pid: int, start_time: float | None) -> bool:
     return procs.is_same_process(pid, start_time) and not is_zombie(pid)
 
 
-def refusal(pid: int, start_time: float | None, protected: frozenset[int] | None = None) -> str | None:
-    """Why `pid` must not be signalled, or None when it may be. The one safety check, asked
+def refusal(target: Target, protected: frozenset[int] | None = None) -> str | None:
+    """Why `target` must not be signalled, or None when it may be. The one safety check, asked
     right before every signal."""
     protected = procs.protected_pids() if protected is None else protected
+    pid, start_time = target.pid, target.start_time
+    if not target.verified:
+        return (f"pid {pid} was registered by a client that could not be verified as that process "
+                f"or its launcher")
     if pid <= 1:
         return f"pid {pid} is never signalled"
     if pid in protected:
@@ -107,7 +113,7 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
     when it leads one of its own, else the rank and its descendants. Returns the pids (a
     negative number is a process group) signalled; raises Refused."""
     protected = procs.protected_pids()
-    reason = refusal(target.pid, target.start_time, protected)
+    reason = refusal(target, protected)
     if reason:
         raise Refused(reason)
     if scope == "process":

@@ -12,8 +12,8 @@ from sidecar import procs
 from sidecar.remediation import Refused, Target, refusal, send
 
 
-def target(pid: int, start_time: float | None) -> Target:
-    return Target("job", 0, pid, start_time)
+def target(pid: int, start_time: float | None, verified: bool = True) -> Target:
+    return Target("job", 0, pid, start_time, verified=verified)
 
 
 def test_a_reused_pid_is_never_signalled(spawn):
@@ -27,7 +27,7 @@ def test_a_reused_pid_is_never_signalled(spawn):
 
 
 def test_pid_1_is_never_signalled():
-    assert "never signalled" in refusal(1, procs.start_time(1) or 0.0)
+    assert "never signalled" in refusal(target(1, procs.start_time(1) or 0.0))
     with pytest.raises(Refused):
         send(target(1, procs.start_time(1)), signal.SIGCONT)
 
@@ -40,7 +40,7 @@ def test_the_sidecar_itself_is_never_signalled():
 def test_the_sidecar_s_ancestors_are_never_signalled():
     for pid in procs.ancestors(os.getpid()):
         if pid > 1:
-            assert "ancestors" in refusal(pid, procs.start_time(pid))
+            assert "ancestors" in refusal(target(pid, procs.start_time(pid)))
 
 
 def test_a_process_without_recorded_start_time_is_never_signalled(spawn):
@@ -55,7 +55,15 @@ def test_an_exited_process_is_never_signalled(spawn):
     started = procs.start_time(p.pid)
     p.kill()
     p.wait()
-    assert refusal(p.pid, started) is not None
+    assert refusal(target(p.pid, started)) is not None
+
+
+def test_a_rank_registered_by_an_unverified_client_is_never_signalled(spawn):
+    """A client that could claim any pid must not be able to get a process killed."""
+    p = spawn()
+    with pytest.raises(Refused, match="could not be verified"):
+        send(target(p.pid, procs.start_time(p.pid), verified=False), signal.SIGTERM)
+    assert p.poll() is None
 
 
 def test_a_registered_group_leader_is_signalled_as_a_group(spawn):
