@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import logging
 import os
 import time
 import weakref
@@ -26,8 +25,6 @@ from trainer_hooks import environment, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender
-
-log = logging.getLogger("trainer_hooks")
 
 DEFAULT_BUFFER_SIZE = 10_000
 CLOSE_BUDGET_SECONDS = 0.8
@@ -208,6 +205,11 @@ class Monitor:
     def registrations(self) -> int:
         """Successful registrations: more than 1 means the hooks re-registered."""
         return self._sender.registrations if self._sender else 0
+
+    @property
+    def sender_cpu_seconds(self) -> float:
+        """CPU time the background thread used so far (encoding, sending)."""
+        return self._sender.cpu_seconds if self._sender else 0.0
 
     @property
     def stack_dump_path(self) -> str | None:

@@ -15,14 +15,11 @@ the training thread never forces a device sync.
 """
 from __future__ import annotations
 
-import logging
 import math
 import re
 from typing import Any
 
 from trainer_hooks.errors import warn
-
-log = logging.getLogger("trainer_hooks")
 
 STEP = "step"
 PHASE_START = "phase_start"

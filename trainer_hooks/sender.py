@@ -20,7 +20,6 @@ that follow bring it up to date in order.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import platform
 import random
@@ -35,8 +34,6 @@ from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
 
-log = logging.getLogger("trainer_hooks")
-
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000          # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
 MAX_BACKOFF_SECONDS = 5.0   # a restarted sidecar hears from every rank within this long
@@ -44,6 +41,9 @@ MAX_BACKOFF_SECONDS = 5.0   # a restarted sidecar hears from every rank within t
 # the rank: a rank that hangs (or sits in a long phase) sends nothing, and must still be
 # re-registered with a restarted sidecar so that its watchdog can see the hang.
 KEEPALIVE_SECONDS = 2.0
+# Encoding is Python code holding the GIL; a hook call arriving meanwhile would wait for it
+# (up to the 5 ms switch interval). Yielding every few records keeps that wait short.
+YIELD_EVERY = 64
 _MIN_SERVER_INTERVAL, _MAX_SERVER_INTERVAL = 0.05, 60.0
 
 
@@ -95,6 +95,8 @@ class Sender:
         self.registrations = 0
         self.sent = 0                 # items the sidecar accepted
         self.lost = 0                 # records dropped: buffer overflow seen so far, failed batches
+        self.cpu_seconds = 0.0        # CPU time this thread spent (what the hooks cost beyond the calls)
+        self._cpu_mark = 0.0
         self._expected_seq = 0        # seq of the next record; a higher one means the buffer dropped some
         self._acked_step: int | None = None
         self._acked_phases: list[str] = []
@@ -126,6 +128,7 @@ class Sender:
             self._wake.wait(self.flush_interval)
             if os.getpid() != self.pid:  # a forked child never speaks for the rank
                 return
+            self._cpu_mark = time.thread_time()
             try:
                 if self._close_deadline is not None:
                     self.cycle(self._close_deadline, final=True)
@@ -136,6 +139,13 @@ class Sender:
             except Exception as e:  # the thread must outlive any bug of its own
                 warn("sender_error", "trainer_hooks: sender error (%s: %s); continuing", type(e).__name__, e)
                 self._failed()
+            finally:
+                self._account_cpu()
+
+    def _account_cpu(self) -> None:
+        now = time.thread_time()
+        self.cpu_seconds += now - self._cpu_mark
+        self._cpu_mark = now
 
     # ---------------------------------------------------------------- one round
 
@@ -163,12 +173,15 @@ class Sender:
             items = self._take()
             if items and not self._send(items, deadline):
                 return
+            self._account_cpu()
         self._backoff = 0.0
 
     def _take(self) -> list[dict]:
         items = []
         buffer, encode = self.buffer, self.encoder.item
         while buffer and len(items) < self.batch_items:
+            if len(items) % YIELD_EVERY == YIELD_EVERY - 1:
+                time.sleep(0)  # let the training thread have the GIL
             record = buffer.popleft()
             seq = record[0]
             if seq > self._expected_seq:
