@@ -94,7 +94,8 @@ class DataConfig:
     factory: str = field(default="trainer.demo:build_dataset", metadata=doc(
         "Import path `package.module:factory` of the dataset. Called as factory(seed=train.seed, "
         "**kwargs); returns a map-style dataset whose items are (inputs, targets). Sample i must "
-        "depend only on the seed and i (exact resume relies on it)."))
+        "depend only on the seed and i (exact resume relies on it); seed + 1 must give held-out samples "
+        "of the same task (evaluation uses it)."))
     kwargs: dict[str, Any] = field(default_factory=dict, metadata=doc(
         "Keyword arguments for the dataset factory (e.g. {size: 4096, features: 32} for the demo)."))
     num_workers: int = field(default=0, metadata=doc(
@@ -176,6 +177,22 @@ class TrainConfig:
         _at_least("train.steps", self.steps, 1)
         _one_of("train.device", self.device, ("auto", "cpu", "cuda"))
         _at_least("train.log_every_steps", self.log_every_steps, 1)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = field(default=0, metadata=doc(
+        "Evaluate every this many steps (0: never), inside a declared `eval` phase."))
+    batches: int = field(default=4, metadata=doc(
+        "Micro-batches per rank per evaluation, from a held-out copy of the dataset (seed train.seed + 1)."))
+    timeout_seconds: typing.Optional[float] = field(default=None, metadata=doc(
+        "Budget announced to the sidecar's watchdog for the eval phase (empty: the sidecar's own)."))
+
+    def __post_init__(self) -> None:
+        _at_least("eval.every_steps", self.every_steps, 0)
+        _at_least("eval.batches", self.batches, 1)
+        if self.timeout_seconds is not None:
+            _check("eval.timeout_seconds", self.timeout_seconds > 0, f"must be > 0, got {self.timeout_seconds}")
 
 
 @dataclass
@@ -281,6 +298,7 @@ class Config:
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

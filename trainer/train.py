@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import default_collate
 
 from trainer import distributed, rng
 from trainer.checkpoint import Checkpointer
@@ -82,6 +83,7 @@ class Trainer:
         self.monitor.event("data_loaded")
         self.checkpointer = Checkpointer(cfg.checkpoint, self.world, cfg.parallel.strategy, cfg.train.seed,
                                          self.faults, self.monitor)
+        self.heldout: list | None = None  # built on the first evaluation
         self.step = 0
         position = DataPosition()
         resumed = self.checkpointer.load_latest(self.model, self.optimizer, self.scheduler)
@@ -157,8 +159,38 @@ class Trainer:
                          loss.item(), grad_norm.item(), lr, window_steps / elapsed,
                          window_steps * cfg.batch.global_batch_size / elapsed)
                 window_start, window_steps = time.monotonic(), 0
+            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+                self.evaluate(step)
             if self.checkpointer.due(step, last_step):
                 self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, position)
+
+    def _heldout_batches(self) -> list:
+        """This rank's share of the first eval.batches x world_size micro-batches of a held-out copy."""
+        cfg = self.cfg
+        dataset = import_factory("data.factory", cfg.data.factory)(seed=cfg.train.seed + 1, **cfg.data.kwargs)
+        micro, world = cfg.batch.micro_batch_size, self.world.size
+        starts = range(self.world.rank * micro, len(dataset) - micro + 1, world * micro)
+        return [default_collate([dataset[j] for j in range(i, i + micro)]) for i in starts[:cfg.eval.batches]]
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float:
+        """Mean loss over held-out micro-batches of all ranks. Draws no random numbers (dropout is
+        off), so evaluating never changes what training computes."""
+        started = time.monotonic()
+        with self.monitor.phase("eval", timeout=self.cfg.eval.timeout_seconds):
+            self.wrapped.eval()
+            if self.heldout is None:
+                self.heldout = self._heldout_batches()
+            total = torch.zeros((), device=self.world.device)
+            for inputs, targets in self.heldout:
+                total += self.wrapped(inputs.to(self.world.device), targets.to(self.world.device))
+            total /= len(self.heldout)
+            dist.all_reduce(total)
+            loss = total.item() / self.world.size
+            self.wrapped.train()
+        if self.world.is_main:
+            log.info("eval: step=%d loss=%.4f seconds=%.3f", step, loss, time.monotonic() - started)
+        return loss
 
     def finish(self) -> str:
         digest, full = parameters_digest(self.model)
