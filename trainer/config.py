@@ -436,8 +436,8 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
 
 def help_text() -> str:
     """Every field with its type, default, environment variable and documentation."""
-    lines = ["Trainer configuration (YAML file via --config, env TRAINER_<SECTION>_<FIELD>, "
-             "flags --set section.field=value; flag > env > file > default).", ""]
+    lines = ["Trainer configuration: YAML file (--config or TRAINER_CONFIG) < environment "
+             "TRAINER_<SECTION>_<FIELD> < flags --set section.field=value (values parse as YAML).", ""]
 
     def walk(cls: type, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
