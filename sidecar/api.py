@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import psutil
 from aiohttp import web
 from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from sidecar import __version__, procs, protocol, report
@@ -61,6 +61,7 @@ class Daemon:
 
 DAEMON = web.AppKey("daemon", Daemon)
 EXPOSITION = web.AppKey("exposition", CollectorRegistry)
+LIVE_EXPOSITION = web.AppKey("live_exposition", CollectorRegistry)
 
 BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
 INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
@@ -257,7 +258,12 @@ async def status(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    body = encoder(request.app[EXPOSITION])
+    if encoder is generate_latest:
+        # Prometheus text: the hardware families were rendered by the collector round; only
+        # the live ones (training, watchdog, the daemon's own) are rendered per scrape.
+        body = request.app[DAEMON].runner.rendered_text() + generate_latest(request.app[LIVE_EXPOSITION])
+    else:
+        body = encoder(request.app[EXPOSITION])
     response = web.Response(body=body, headers={"Content-Type": content_type})
     if len(body) > COMPRESS_ABOVE_BYTES:
         response.enable_compression()  # only when the scraper accepts gzip

@@ -56,10 +56,14 @@ def build_app(settings: Settings) -> web.Application:
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
 
-    exposition = CollectorRegistry()
-    exposition.register(api.Exposition([runner.families, TrainingCollector(registry).collect,
-                                        daemon.watchdog.families, lambda: api.daemon_families(daemon)]))
+    live_sources = [TrainingCollector(registry).collect, daemon.watchdog.families,
+                    lambda: api.daemon_families(daemon)]
+    exposition = CollectorRegistry()  # everything, for OpenMetrics
+    exposition.register(api.Exposition([runner.families, *live_sources]))
+    live = CollectorRegistry()  # what changes between collector rounds; the rest is pre-rendered
+    live.register(api.Exposition([runner.health_families, *live_sources]))
     app[api.EXPOSITION] = exposition
+    app[api.LIVE_EXPOSITION] = live
 
     api.add_routes(app)
     app.cleanup_ctx.append(background_tasks)

@@ -275,8 +275,9 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             _fail(name, f"expected a string, got {type(value).__name__}")
         return str(value)
     if origin is list:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # "a,b" or YAML's "[a, b]"
+            value = (yaml.load(value, Loader=yaml.BaseLoader) if value.strip().startswith("[")
+                     else [v.strip() for v in value.split(",") if v.strip()])
         if not isinstance(value, list):
             _fail(name, f"expected a list, got {value!r}")
         (item,) = typing.get_args(tp)
@@ -380,6 +381,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"setting --set: expected KEY=VALUE, got {item!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
         overrides[key.strip()] = value  # typed by the schema in _coerce, not guessed by YAML
     for name in ("listen", "socket"):
         if getattr(args, name, None) is not None:

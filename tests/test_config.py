@@ -86,3 +86,8 @@ def test_settings_reference_is_current():
     doc = ROOT / "docs" / "configuration.md"
     assert doc.exists() and doc.read_text() == reference_markdown(), (
         "docs/configuration.md is stale: run `sidecar config-doc --write docs/configuration.md`")
+
+
+def test_an_empty_list_can_be_given_as_a_flag():
+    assert settings_from_args(args("collectors.enabled=[]")).collectors.enabled == []
+    assert settings_from_args(args("collectors.enabled=[gpu, nic]")).collectors.enabled == ["gpu", "nic"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,21 @@ class CollectorResult:
     duration_seconds: float = 0.0
     finished_at: float = 0.0  # time.time() of the last run, 0 before the first
     error: str | None = None
+    text: bytes = b""  # the families in Prometheus text format, rendered once per run
+
+
+class _Families:
+    """A fixed list of families with the `collect()` that prometheus-client's encoders call."""
+
+    def __init__(self, families: Iterable[Metric]):
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def render_text(families: Iterable[Metric]) -> bytes:
+    return generate_latest(_Families(families))  # type: ignore[arg-type]
 
 
 RUNNER_METRICS = (
@@ -110,6 +126,14 @@ class CollectorRunner:
             result = CollectorResult([], False, error=f"{type(e).__name__}: {e}")
         result.duration_seconds = time.perf_counter() - start
         result.finished_at = time.time()
+        # Rendering here, in the worker thread, once per round, keeps a scrape from paying for
+        # it: the hardware families are the bulk of the exposition.
+        try:
+            result.text = render_text(result.families)
+        except Exception as e:
+            log.warning("collector %s produced families that cannot be rendered: %s", collector.name, e)
+            result.families, result.text, result.success = [], b"", False
+            result.error = f"render: {e}"
         return result
 
     async def run_round(self) -> None:
@@ -128,10 +152,19 @@ class CollectorRunner:
 
     def families(self) -> Iterable[Metric]:
         """The latest families of every collector plus the runner's own success/duration."""
+        for r in self.results.values():
+            yield from r.families
+        yield from self.health_families()
+
+    def rendered_text(self) -> bytes:
+        """The latest families of every collector, already in Prometheus text format."""
+        return b"".join(r.text for r in self.results.values())
+
+    def health_families(self) -> Iterable[Metric]:
+        """The runner's own per-collector success and duration."""
         success = RUNNER_METRICS[0].family()
         duration = RUNNER_METRICS[1].family()
         for name, r in self.results.items():
-            yield from r.families
             if r.finished_at:
                 success.add_metric([name], 1.0 if r.success else 0.0)
                 duration.add_metric([name], r.duration_seconds)

@@ -209,7 +209,7 @@ def test_port_0_tcp_beyond_loopback_with_a_token_and_a_clean_stop(tmp_path):
     log = tmp_path / "sidecar.log"
     cmd = [PYTHON, "-m", "sidecar", "run", "--listen", "0.0.0.0:0", "--socket", str(sock_path),
            "--set", "collectors.enabled=[]", "--set", f"diag_dir={tmp_path / 'diag'}", "--observe-only",
-           "--set", f"socket_group={group}", "--set", 'socket_mode="0600"']
+           "--set", f"socket_group={group}", "--set", "socket_mode=0600"]
     with spawned(cmd, log, env={"NOTIFY_SOCKET": str(tmp_path / "notify"), "SIDECAR_TOKEN": "t0ken"}) as proc:
         try:
             assert notify.recv(256) == b"READY=1"
