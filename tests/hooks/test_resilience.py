@@ -76,21 +76,26 @@ def test_sidecar_killed_mid_run(tmp_path: Path, baseline: dict, ranks):
     assert result["dropped"] > 0
 
 
-def test_restarted_sidecar_sees_the_rank_again_at_its_current_step(tmp_path: Path, ranks):
+def test_restarted_sidecar_sees_the_rank_again_at_its_current_step_and_phase(tmp_path: Path, ranks):
     first = Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true").start()
+    leave_phase = tmp_path / "leave-phase"
     try:
-        # 30 steps, then the rank sits (like a hung or very slow rank) without closing.
-        rank = RankProcess(tmp_path, rank_env(first, "restarted"), "--steps", "30")
+        # 30 steps, then a long checkpoint save: the rank sends nothing new for a while.
+        rank = RankProcess(tmp_path, rank_env(first, "restarted"), "--steps", "30", "--checkpoint-at", "30",
+                           "--hold-in-phase", str(leave_phase))
         ranks.append(rank)
-        wait_until(lambda: (r := rank_status(first, "restarted")) and r["step"] == 30, 30, what="step 30")
+        wait_until(lambda: (r := rank_status(first, "restarted")) and r["phase"] == "checkpoint_save", 30,
+                   what="step 30 and the checkpoint phase")
     finally:
         first.stop()
     time.sleep(0.5)
     with Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true") as second:  # same socket path
         assert second.socket == first.socket
-        # Nothing new was pushed: the step comes from the rank's re-registration.
+        # Nothing new was pushed: step and phase come from the rank's re-registration.
         seen = wait_until(lambda: rank_status(second, "restarted"), 30, what="rank re-registered")
-        assert seen["step"] == 30 and seen["pid"] == rank.pid and seen["state"] != "gone"
+        assert (seen["step"], seen["phase"], seen["pid"]) == (30, "checkpoint_save", rank.pid)
+        assert seen["state"] not in ("gone", "starting")
+        leave_phase.touch()
         result = rank.finish()
     assert result["registrations"] == 2
 
