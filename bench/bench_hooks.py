@@ -8,8 +8,10 @@ Hook call: `mon.step` with 6 scalar metrics, timed one call at a time with perf_
 that the sender thread batches and posts (or retries) while calls are timed. Each
 measurement runs in its own process (the sidecar refuses registrations from its ancestors).
 Targets: median <= 2 us, p99 <= 20 us. Each line also gives the sender thread's CPU use:
-what the hooks cost the training process beyond the calls themselves. Training: mean step time of `torchrun -m trainer` with the
-monitor on (against a real sidecar) and off, and their ratio.
+what the hooks cost the training process beyond the calls themselves.
+
+Training (--training): mean step time of 2-rank `torchrun -m trainer` on the CPU with the
+monitor on (against a real sidecar) and off, in alternating runs, and their ratio.
 """
 from __future__ import annotations
 

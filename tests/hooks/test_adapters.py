@@ -29,11 +29,23 @@ def steps(calls: list) -> list[int]:
     return [c[1] for c in calls if c[0] == "step"]
 
 
-def test_adapter_modules_import_without_the_frameworks():
-    # Importing the hooks never pulls a framework (or torch) in.
-    code = "import sys, trainer_hooks; print(sorted(m for m in ('torch', 'transformers', 'lightning') if m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "[]"
+def python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_importing_the_hooks_pulls_in_no_framework_and_no_torch():
+    assert python("import sys, trainer_hooks; "
+                  "print([m for m in ('torch', 'transformers', 'lightning') if m in sys.modules])") == "[]"
+
+
+@pytest.mark.parametrize("module, absent, package", [
+    ("trainer_hooks.hf", ["transformers"], "pip install transformers"),
+    ("trainer_hooks.lightning", ["lightning", "lightning.pytorch", "pytorch_lightning"], "pip install lightning"),
+])
+def test_adapter_without_its_framework_says_what_to_install(module: str, absent: list, package: str):
+    hide = "; ".join(f"sys.modules[{m!r}] = None" for m in absent)  # makes `import m` fail
+    message = python(f"import sys; {hide}\ntry:\n    import {module}\nexcept ImportError as e:\n    print(e)")
+    assert package in message
 
 
 def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
@@ -43,7 +55,8 @@ def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Pat
     step_metrics = [c[2] for c in calls if c[0] == "step"]
     assert all({"loss", "grad_norm", "lr", "samples", "step_time_seconds"} <= set(m) for m in step_metrics)
     # eval every 3 steps as a phase, checkpoints at steps 4 and 6, the monitor closed at the end
-    assert calls.index(["phase_start", "eval"]) < calls.index(["phase_end", "eval"]) < calls.index(["step", 4, step_metrics[3]])
+    first_eval = calls.index(["phase_start", "eval"])
+    assert first_eval < calls.index(["phase_end", "eval"]) < calls.index(["step", 4, step_metrics[3]])
     assert [c[2] for c in calls if c[:2] == ["event", "evaluated"]] == [3, 6]
     assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4, 6]
     assert calls[-1] == ["close"]
