@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from demo.processes import free_port
-from tests.support import Sidecar
+from tests.support import Sidecar, wait_until
 from tests.watchdog import jobs
 
 pytestmark = pytest.mark.slow
@@ -103,3 +103,19 @@ def test_a_hang_on_one_of_two_nodes_is_remediated_and_both_nodes_finish(tmp_path
         records = jobs.incidents(node0) + jobs.incidents(node1)
         culprit = [i for i in records if i["blamed_rank"] == 1]
         assert culprit and culprit[0]["outcome"] == "killed", records
+
+
+def test_observe_only_reports_a_real_hang_and_leaves_the_job_alone(tmp_path):
+    with Sidecar(tmp_path, *jobs.SIDECAR_SETTINGS, "watchdog.observe_only=true") as sidecar:
+        with jobs.start(jobs.spec(fault="sleep"), tmp_path, sidecar.hook_env()) as proc:
+            def reported():
+                briefs = sidecar.status()["incidents"]
+                return briefs if briefs and briefs[0]["outcome"] == "observe_only" else None
+            wait_until(reported, jobs.JOB_TIMEOUT, interval=0.3, what="an observe-only incident")
+            status = sidecar.status()
+            assert {r["state"] for r in status["ranks"]} == {"stalled"}
+            assert status["health"] == "degraded" and status["watchdog"]["observe_only"] is True
+            assert proc.poll() is None, "torchrun is still running: nothing was killed"
+            assert "restart_count=1" not in (tmp_path / "torchrun.log").read_text()
+        (incident,) = jobs.incidents(sidecar)
+        assert "sigterm" not in [e["event"] for e in incident["timeline"]]
