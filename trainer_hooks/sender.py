@@ -8,6 +8,7 @@ Failure handling, in one place:
   waits, records stay in the bounded buffer, which drops the oldest when full (counted).
 - `409 unknown_rank`: re-register and resend the batch once. `409 step_not_increasing`
   (the trainer rolled its step counter back): re-register without a step, resend once.
+  A batch never spans a rollback (`_take`), so at most one re-registration per rollback.
 - any other 4xx: log once (rate-limited), drop that batch, carry on.
 - 5xx: drop the batch and back off, as if unreachable.
 - nothing to send for a while: an empty push, so that a rank that went silent (hung, or in
@@ -100,6 +101,7 @@ class Sender:
         self._expected_seq = 0        # seq of the next record; a higher one means the buffer dropped some
         self._acked_step: int | None = None
         self._acked_phases: list[str] = []
+        self._held_back: dict | None = None  # a rolled-back step item that starts the next batch
         self._backoff = 0.0
         self._retry_at = 0.0
         self._last_contact = 0.0      # monotonic time of the last answered request
@@ -167,7 +169,7 @@ class Sender:
         if not self.buffer and not final and time.monotonic() - self._last_contact >= self.keepalive:
             self._send([], deadline)
             return
-        while self.buffer:
+        while self.buffer or self._held_back is not None:
             if deadline is not None and time.monotonic() >= deadline:
                 return
             items = self._take()
@@ -177,7 +179,14 @@ class Sender:
         self._backoff = 0.0
 
     def _take(self) -> list[dict]:
-        items = []
+        """The next batch. A batch ends before a step that does not increase (the trainer
+        rolled back): the sidecar refuses such a batch whole, while a batch that starts with
+        the rollback only needs a re-registration."""
+        items: list[dict] = []
+        last_step = None
+        if self._held_back is not None:
+            items.append(self._held_back)
+            last_step, self._held_back = self._held_back["step"], None
         buffer, encode = self.buffer, self.encoder.item
         while buffer and len(items) < self.batch_items:
             if len(items) % YIELD_EVERY == YIELD_EVERY - 1:
@@ -195,8 +204,13 @@ class Sender:
                 item = None
             if item is None:
                 self.lost += 1
-            else:
-                items.append(item)
+                continue
+            if item["type"] == "step":
+                if last_step is not None and item["step"] <= last_step:
+                    self._held_back = item
+                    break
+                last_step = item["step"]
+            items.append(item)
         return items
 
     def _send(self, items: list[dict], deadline: float | None) -> bool:

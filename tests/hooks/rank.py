@@ -52,6 +52,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps to run; 0: until --run-until exists")
     p.add_argument("--run-until", help="with --steps 0: keep stepping until this file exists")
     p.add_argument("--first-step", type=int, default=1)
+    p.add_argument("--rewind-to", type=int, default=-1,
+                   help="after the steps, roll back to this step (a restore) and run --rewind-steps more")
+    p.add_argument("--rewind-steps", type=int, default=5)
     p.add_argument("--sleep", type=float, default=0.005, help="seconds of 'work' per step")
     p.add_argument("--buffer-size", type=int, default=10_000)
     p.add_argument("--nan-loss-at", type=int, default=-1, help="send loss=NaN at this step")
@@ -72,6 +75,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def step_numbers(args: argparse.Namespace):
+    if args.steps:
+        yield from range(args.first_step, args.first_step + args.steps)
+    else:
+        step = args.first_step
+        while not os.path.exists(args.run_until):
+            yield step
+            step += 1
+    if args.rewind_to >= 0:
+        yield from range(args.rewind_to, args.rewind_to + args.rewind_steps)
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     mon = Monitor(buffer_size=args.buffer_size, read_timeout=args.read_timeout)
@@ -84,8 +99,8 @@ def main(argv: list[str]) -> int:
     worst = 0.0
     raised: list[str] = []
     start = time.perf_counter()
-    step = args.first_step
-    while (step < args.first_step + args.steps) if args.steps else not os.path.exists(args.run_until):
+    step = 0
+    for step in step_numbers(args):
         time.sleep(args.sleep)
         loss: object = 1.0 / step
         grad_norm: object = 0.5
@@ -113,8 +128,7 @@ def main(argv: list[str]) -> int:
             fork_child(mon, step)
         if step == args.pause_after:
             time.sleep(args.pause_seconds)
-        step += 1
-    result.update(elapsed=time.perf_counter() - start, worst_call=worst, last_step=step - 1, raised=raised)
+    result.update(elapsed=time.perf_counter() - start, worst_call=worst, last_step=step, raised=raised)
     wait_for(args.hold_until)
     t0 = time.perf_counter()
     mon.close()

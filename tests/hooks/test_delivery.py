@@ -90,7 +90,7 @@ def test_tensors_are_read_on_the_sender_thread_not_the_training_thread(sidecar, 
     assert result["sent"] == 5
 
 
-def test_rank_reaches_a_sidecar_over_tcp_with_a_token(tmp_path: Path):
+def test_tcp_push_works_with_the_token_and_is_refused_without(tmp_path: Path):
     with Sidecar(tmp_path / "tcp", "watchdog.observe_only=true", env={"SIDECAR_TOKEN": "s3cret"}) as tcp:
         env = rank_env(None, "delivery-tcp", SIDECAR_URL=tcp.url, SIDECAR_TOKEN="s3cret")
         result = run_rank(tmp_path, env, "--steps", "5")
@@ -121,6 +121,13 @@ def test_unknown_rank_answer_makes_the_hooks_register_again(sidecar, tmp_path: P
                what="rank registered again")
     result = rank.finish()
     assert result["registrations"] == 2
+
+
+def test_steps_rolled_back_by_the_trainer_still_arrive(sidecar, tmp_path: Path):
+    # Steps 1-10, then a restore to step 4 and steps 4-8 (a rollback after a loss spike).
+    result = run_rank(tmp_path, rank_env(sidecar, "delivery-rewind"), "--steps", "10", "--rewind-to", "4")
+    assert result["sent"] == 15 and result["dropped"] == 0 and result["registrations"] == 2
+    assert rank_status(sidecar, "delivery-rewind")["step"] == 8
 
 
 def test_forked_child_does_not_speak_for_the_rank(sidecar, tmp_path: Path, ranks):
