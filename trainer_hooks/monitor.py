@@ -39,6 +39,7 @@ class Monitor:
     Identity defaults come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID); the sidecar's address
     and the switches from `SIDECAR_*` variables (see `environment.py`). Explicit arguments win.
+    Create it after importing torch: the registration then reports torch, CUDA and NCCL versions.
 
     Args:
         job_id, rank, local_rank, world_size, local_world_size, restart_count: the rank's identity.
