@@ -134,7 +134,7 @@ class Monitor:
         when the block raises; the exception propagates unchanged)."""
         return Phase(self, name, timeout)
 
-    def event(self, name: str, **fields: Any) -> None:
+    def event(self, name: str, /, **fields: Any) -> None:
         """Something happened: `checkpoint_saved` (step, path), `rendezvous_done`, `data_loaded`,
         `checkpoint_loaded` (step), or any other name."""
         if self._live:
