@@ -193,9 +193,11 @@ class Sender:
                 time.sleep(0)  # let the training thread have the GIL
             record = buffer.popleft()
             seq = record[0]
-            if seq > self._expected_seq:
-                self.lost += seq - self._expected_seq
-            self._expected_seq = max(self._expected_seq, seq + 1)
+            if seq >= self._expected_seq:
+                self.lost += seq - self._expected_seq  # the buffer dropped the ones in between
+                self._expected_seq = seq + 1
+            else:  # two threads appended out of numbering order: counted lost above, it is not
+                self.lost -= 1
             try:
                 item = encode(record)
             except Exception as e:

@@ -70,6 +70,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fork-at", type=int, default=-1,
                    help="at this step fork a child that calls every hook (and close) and exits")
     p.add_argument("--hold-until", help="after the loop, wait for this file before closing")
+    p.add_argument("--event-threads", type=int, default=0,
+                   help="threads that each send --events-per-thread events while the steps run")
+    p.add_argument("--events-per-thread", type=int, default=1000)
+    p.add_argument("--wait-sent", type=int, default=0,
+                   help="before closing, wait (up to 30 s) until the sidecar accepted this many items")
     p.add_argument("--ready", help="touch this file once the monitor is set up")
     p.add_argument("--read-timeout", type=float, help="the monitor's read timeout (seconds)")
     return p.parse_args(argv)
@@ -98,7 +103,11 @@ def main(argv: list[str]) -> int:
         import torch  # noqa: F811 - only when asked: the hooks themselves never import it
     worst = 0.0
     raised: list[str] = []
+    senders = [threading.Thread(target=send_events, args=(mon, i, args.events_per_thread))
+               for i in range(args.event_threads)]
     start = time.perf_counter()
+    for t in senders:
+        t.start()
     step = 0
     for step in step_numbers(args):
         time.sleep(args.sleep)
@@ -128,14 +137,24 @@ def main(argv: list[str]) -> int:
             fork_child(mon, step)
         if step == args.pause_after:
             time.sleep(args.pause_seconds)
+    for t in senders:
+        t.join()
     result.update(elapsed=time.perf_counter() - start, worst_call=worst, last_step=step, raised=raised)
     wait_for(args.hold_until)
+    deadline = time.monotonic() + 30
+    while mon.sent < args.wait_sent and time.monotonic() < deadline:
+        time.sleep(0.05)
     t0 = time.perf_counter()
     mon.close()
     result.update(close_seconds=time.perf_counter() - t0, sent=mon.sent, dropped=mon.dropped,
                   registrations=mon.registrations, tensor_readers=sorted(DuckTensor.readers))
     Path(args.result).write_text(json.dumps(result))
     return 0
+
+
+def send_events(mon: Monitor, thread: int, count: int) -> None:
+    for i in range(count):
+        mon.event("progress_note", thread=thread, i=i)
 
 
 def fork_child(mon: Monitor, step: int) -> None:

@@ -130,6 +130,15 @@ def test_steps_rolled_back_by_the_trainer_still_arrive(sidecar, tmp_path: Path):
     assert rank_status(sidecar, "delivery-rewind")["step"] == 8
 
 
+def test_hooks_called_from_several_threads_lose_nothing(sidecar, tmp_path: Path):
+    # 200 steps on the main thread while 4 threads send 2000 events each.
+    result = run_rank(tmp_path, rank_env(sidecar, "delivery-threads"), "--steps", "200", "--sleep", "0.001",
+                      "--event-threads", "4", "--events-per-thread", "2000", "--buffer-size", "20000",
+                      "--wait-sent", str(200 + 4 * 2000))
+    assert result["sent"] == 200 + 4 * 2000 and result["dropped"] == 0
+    assert rank_status(sidecar, "delivery-threads")["step"] == 200
+
+
 def test_forked_child_does_not_speak_for_the_rank(sidecar, tmp_path: Path, ranks):
     # At step 5 the rank forks a child that steps to 1000005, sends an event and a phase,
     # and closes (which would deregister the rank), then lives on for a while.
