@@ -200,6 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--diag-dir", help="diagnostics directory (default: the settings' diag_dir)")
     parser.add_argument("--last", type=int, default=20, metavar="N", help="show the N newest (default 20)")
     parser.add_argument("--json", action="store_true", help="print the full records as a JSON list")
+    parser.add_argument("--full", action="store_true",
+                        help="print each incident's summary: ranks, timeline and the first lines of every stack dump")
 
 
 def _row(record: dict[str, Any]) -> list[str]:
@@ -235,6 +237,14 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not records:
         print(f"no incidents in {Path(diag_dir) / INCIDENTS_SUBDIR}")
+        return 0
+    if args.full:
+        for record in records:
+            summary = Path(str(record.get("path", ""))).with_suffix(".txt")
+            try:
+                print(summary.read_text())
+            except OSError:
+                print(f"(no summary at {summary})\n")
         return 0
     header = ["detected (UTC)", "job", "blamed", "outcome", "exited", "record"]
     print(_table([header] + [_row(r) for r in records]))

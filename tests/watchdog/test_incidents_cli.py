@@ -62,3 +62,9 @@ def test_a_summary_for_people_sits_next_to_each_record(tmp_path):
     store = write_incidents(tmp_path, ["alpha"])
     text = (tmp_path / "incidents" / (store.recent[0].id + ".txt")).read_text()
     assert "blamed    rank 1 (lowest step)" in text and "exit_observed" in text
+
+
+def test_full_output_prints_each_summary_with_its_stacks(tmp_path):
+    write_incidents(tmp_path, ["alpha"])
+    out = sidecar("--diag-dir", str(tmp_path), "--full")
+    assert out.returncode == 0 and "Incident " in out.stdout and "timeline" in out.stdout
