@@ -1,7 +1,17 @@
 """Trainer hooks: push a rank's progress and metrics to the node's sidecar.
 
-Standard library only; never imports torch. See `Monitor`, and `trainer_hooks.hf` /
-`trainer_hooks.lightning` for Hugging Face and Lightning callbacks.
+    from trainer_hooks import Monitor
+    mon = Monitor()              # identity from torchrun's environment, sidecar from SIDECAR_SOCKET
+    mon.step(step, loss=loss.detach(), grad_norm=gn, lr=lr, samples=64, tokens=32768, step_time_seconds=dt)
+    with mon.phase("checkpoint_save", timeout=600):
+        save()
+    mon.event("checkpoint_saved", step=step, path=path)
+    mon.close()
+
+Standard library only; never imports torch. A call costs the training thread about a
+microsecond and never blocks or raises, whatever the sidecar does. `trainer_hooks.hf` and
+`trainer_hooks.lightning` hold Hugging Face and Lightning callbacks; `environment.py` lists
+the environment variables.
 """
 from trainer_hooks.monitor import Monitor, Phase
 from trainer_hooks.sender import HOOKS_VERSION as __version__
