@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.hooks.helpers import HungServer, RankProcess
+from tests.hooks.helpers import TOKEN, HungServer, RankProcess
 from tests.support import Sidecar
 
 
@@ -21,8 +21,10 @@ def hung_server(tmp_path: Path) -> Iterator[HungServer]:
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
-    """One real sidecar shared by a module's tests; each test uses its own job id."""
-    with Sidecar(tmp_path_factory.mktemp("sidecar"), "watchdog.observe_only=true") as s:
+    """One real sidecar shared by a module's tests; each test uses its own job id. Its push
+    API needs TOKEN over TCP, and it allows one custom metric name per job."""
+    with Sidecar(tmp_path_factory.mktemp("sidecar"), "watchdog.observe_only=true", "limits.max_custom_metrics=1",
+                 env={"SIDECAR_TOKEN": TOKEN}) as s:
         yield s
 
 

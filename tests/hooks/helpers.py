@@ -15,6 +15,7 @@ import pytest
 from tests.support import PYTHON, ROOT, Sidecar, spawned, tail, wait_until
 
 RANK_TIMEOUT = 60.0
+TOKEN = "s3cret-token"  # the bearer token of the shared test sidecar's TCP push API
 
 
 class HungServer:

@@ -6,8 +6,8 @@ import math
 import urllib.request
 from pathlib import Path
 
-from tests.hooks.helpers import RankProcess, metric_value, rank_env, rank_status, run_rank
-from tests.support import Sidecar, wait_until
+from tests.hooks.helpers import TOKEN, RankProcess, metric_value, rank_env, rank_status, run_rank
+from tests.support import wait_until
 
 
 def test_steps_and_metrics_arrive_in_status_and_metrics(sidecar, tmp_path: Path, ranks):
@@ -90,23 +90,22 @@ def test_tensors_are_read_on_the_sender_thread_not_the_training_thread(sidecar, 
     assert result["sent"] == 5
 
 
-def test_tcp_push_works_with_the_token_and_is_refused_without(tmp_path: Path):
-    with Sidecar(tmp_path / "tcp", "watchdog.observe_only=true", env={"SIDECAR_TOKEN": "s3cret"}) as tcp:
-        env = rank_env(None, "delivery-tcp", SIDECAR_URL=tcp.url, SIDECAR_TOKEN="s3cret")
-        result = run_rank(tmp_path, env, "--steps", "5")
-        assert result["sent"] == 5 and result["registrations"] == 1
-        refused = run_rank(tmp_path, rank_env(None, "delivery-notoken", SIDECAR_URL=tcp.url), "--steps", "5")
-        assert refused["registrations"] == 0 and refused["sent"] == 0
+def test_tcp_push_works_with_the_token_and_is_refused_without(sidecar, tmp_path: Path):
+    env = rank_env(None, "delivery-tcp", SIDECAR_URL=sidecar.url, SIDECAR_TOKEN=TOKEN)
+    result = run_rank(tmp_path, env, "--steps", "5")
+    assert result["sent"] == 5 and result["registrations"] == 1
+    refused = run_rank(tmp_path, rank_env(None, "delivery-notoken", SIDECAR_URL=sidecar.url), "--steps", "5")
+    assert refused["registrations"] == 0 and refused["sent"] == 0
 
 
-def test_rejected_batch_is_dropped_and_later_batches_arrive(tmp_path: Path):
-    with Sidecar(tmp_path / "strict", "watchdog.observe_only=true", "limits.max_custom_metrics=1") as strict:
-        # Steps 1-5 carry two custom metrics (429 limit_exceeded); after a pause, steps 6-10 do not.
-        result = run_rank(tmp_path, rank_env(strict, "delivery-rejected"), "--steps", "10",
-                          "--custom-until", "5", "--pause-after", "5", "--pause-seconds", "1.5")
-        assert result["dropped"] == 5 and result["sent"] == 5
-        seen = rank_status(strict, "delivery-rejected")
-        assert seen["step"] == 10 and seen["dropped"] == 5
+def test_rejected_batch_is_dropped_and_later_batches_arrive(sidecar, tmp_path: Path):
+    # Steps 1-5 carry two custom metrics, one more than the sidecar allows (429 limit_exceeded);
+    # after a pause, steps 6-10 carry none.
+    result = run_rank(tmp_path, rank_env(sidecar, "delivery-rejected"), "--steps", "10",
+                      "--custom-until", "5", "--pause-after", "5", "--pause-seconds", "1.5")
+    assert result["dropped"] == 5 and result["sent"] == 5
+    seen = rank_status(sidecar, "delivery-rejected")
+    assert seen["step"] == 10 and seen["dropped"] == 5
 
 
 def test_unknown_rank_answer_makes_the_hooks_register_again(sidecar, tmp_path: Path, ranks):
@@ -115,8 +114,9 @@ def test_unknown_rank_answer_makes_the_hooks_register_again(sidecar, tmp_path: P
     wait_until(lambda: (r := rank_status(sidecar, "delivery-409")) and (r["step"] or 0) >= 5, 30, what="steps")
     # Someone (an operator, a sidecar that lost its state) forgets the rank: its pushes get 409.
     body = json.dumps({"job_id": "delivery-409", "rank": 0, "pid": rank.pid, "reason": "test"}).encode()
-    urllib.request.urlopen(urllib.request.Request(sidecar.url + "/v1/deregister", data=body,
-                                                  headers={"Content-Type": "application/json"}), timeout=10)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+    urllib.request.urlopen(urllib.request.Request(sidecar.url + "/v1/deregister", data=body, headers=headers),
+                           timeout=10)
     wait_until(lambda: (r := rank_status(sidecar, "delivery-409")) and r["state"] != "gone", 30,
                what="rank registered again")
     result = rank.finish()
