@@ -211,3 +211,12 @@ def test_non_finite_values_become_strings_and_the_wire_stays_strict_json():
     item = Encoder().item((0, "step", 1.0, 7, {"loss": math.nan, "bad name!": 1.0, "skip": None}))
     assert item == {"type": "step", "step": 7, "time": 1.0, "metrics": {"loss": "nan", "bad_name_": 1.0}}
     json.dumps(item, allow_nan=False)
+
+
+def test_flush_interval_and_disable_switches():
+    assert environment.flush_interval({"SIDECAR_FLUSH_INTERVAL": "0.2"}) == 0.2
+    assert environment.flush_interval({"SIDECAR_FLUSH_INTERVAL": "-1"}) is None
+    assert environment.flush_interval({"SIDECAR_FLUSH_INTERVAL": "soon"}) is None
+    assert environment.flush_interval({}) is None
+    assert all(environment.disabled({"SIDECAR_HOOKS_DISABLED": v}) for v in ("1", "true", "YES", "on"))
+    assert not any(environment.disabled({"SIDECAR_HOOKS_DISABLED": v}) for v in ("", "0", "false"))
