@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from sidecar.xids import HARDWARE_XIDS
+
 HERE = Path(__file__).resolve().parent
 
 # Where the runbook is published; each alert links to `#<alertname in lower case>`.
@@ -55,7 +57,7 @@ THRESHOLDS: dict[str, float | str] = {
     # 48 double-bit ECC, 61/62 internal micro-controller breakpoint/halt, 64 row remapping
     # failure, 74 NVLink error, 79 fallen off the bus, 94/95 contained/uncontained ECC,
     # 119/120 GSP timeout/error, 140 unrecovered ECC.
-    "xid_critical": "48|61|62|64|74|79|94|95|119|120|140",
+    "xid_critical": "|".join(str(x) for x in sorted(HARDWARE_XIDS)),
     "xid_window": "1h",                 # an XID keeps its alert this long
     "thermal_margin_celsius": 3,        # temperature within this of the slowdown threshold
     "nvlink_errors_per_second": 1,

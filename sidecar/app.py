@@ -226,6 +226,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         socket_group_id(settings)
+        settings.collectors.check_host_paths()
         token = settings.push_token()  # also proves token_file readable
         if settings.requires_token() and token is None:
             raise ConfigError(f"setting token_file: listen {settings.listen} is beyond loopback, so the push API "

@@ -79,6 +79,13 @@ class CollectorSettings:
             _fail("collectors.enabled", f"unknown collector(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         _positive("collectors.max_nics", self.max_nics)
 
+    def check_host_paths(self) -> None:
+        """On the node that runs the collectors (not where a settings file is merely checked),
+        the roots must exist: psutil reads every process through procfs_root."""
+        for name in ("sysfs_root", "procfs_root"):
+            if not os.path.isdir(getattr(self, name)):
+                _fail(f"collectors.{name}", f"{getattr(self, name)!r} is not a directory")
+
 
 @dataclass
 class LimitSettings:

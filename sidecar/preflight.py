@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from sidecar.xids import HARDWARE_XIDS
 from sidecar.collectors import sysfs
 from sidecar.collectors.nic import IB_ACTIVE
 from sidecar.collectors.nvml import GpuLost, GpuReading, NvmlSession
@@ -41,14 +42,6 @@ SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
 STYLE = {PASS: "green", SKIP: "dim", WARN: "yellow", FAIL: "bold red"}
 MARKER_NAME = ".sidecar-preflight-marker"
 CONNECT_TIMEOUT_SECONDS = 3.0
-# Xids that mean the GPU or its memory is damaged or gone (NVIDIA's Xid catalog; the same set
-# as the SidecarGpuXidCritical alert): a node that logged one since boot should not start a
-# job. Others (13, 31, 43, ...) are mostly application faults and only warn.
-HARDWARE_XIDS = {48: "double-bit ECC error", 61: "internal micro-controller breakpoint",
-                 62: "internal micro-controller halt", 64: "ECC page retirement or row remapper failure",
-                 74: "NVLink error", 79: "GPU has fallen off the bus", 94: "contained ECC error",
-                 95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error",
-                 140: "unrecovered ECC error"}
 XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+)")
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "ceph", "cephfs", "beegfs",
                        "wekafs", "glusterfs", "9p", "virtiofs", "fuse")

@@ -91,3 +91,14 @@ def test_settings_reference_is_current():
 def test_an_empty_list_can_be_given_as_a_flag():
     assert settings_from_args(args("collectors.enabled=[]")).collectors.enabled == []
     assert settings_from_args(args("collectors.enabled=[gpu, nic]")).collectors.enabled == ["gpu", "nic"]
+
+
+def test_a_missing_procfs_root_is_refused_at_start_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "sidecar", "run", "--listen", "127.0.0.1:0",
+                             "--socket", str(tmp_path / "s.sock"), "--set", f"collectors.procfs_root={tmp_path / 'nope'}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"sidecar: setting collectors.procfs_root: '{tmp_path / 'nope'}' is not a directory"]
