@@ -86,6 +86,30 @@ def render_text(families: Iterable[Metric]) -> bytes:
     return generate_latest(_Families(families))  # type: ignore[arg-type]
 
 
+class TextCache:
+    """Renders families to Prometheus text, reusing the bytes of a family whose samples are
+    unchanged since the last round (slow-moving families: NVLink and ECC counters refreshed
+    every few rounds, link speeds, info metrics). Comparing samples costs a fraction of
+    formatting them. One cache per collector; a collector runs in one thread at a time."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[list, bytes]] = {}
+
+    def render(self, families: Sequence[Metric]) -> bytes:
+        out, seen = [], {}
+        for family in families:
+            key = family.name
+            cached = self._last.get(key)
+            if cached is not None and cached[0] == family.samples:
+                text = cached[1]
+            else:
+                text = render_text([family])
+            seen[key] = (family.samples, text)
+            out.append(text)
+        self._last = seen
+        return b"".join(out)
+
+
 RUNNER_METRICS = (
     spec("runner", "scrape_collector_success", "gauge",
          "1 if the collector's last run succeeded (a partial failure, such as one GPU lost, is 0).",
@@ -112,6 +136,7 @@ class CollectorRunner:
         self.collectors = list(collectors)
         self.interval = interval
         self.results: dict[str, CollectorResult] = {c.name: CollectorResult() for c in self.collectors}
+        self._text = {c.name: TextCache() for c in self.collectors}
         self.first_round = asyncio.Event()
 
     def run_once_sync(self, collector: Collector) -> CollectorResult:
@@ -129,7 +154,7 @@ class CollectorRunner:
         # Rendering here, in the worker thread, once per round, keeps a scrape from paying for
         # it: the hardware families are the bulk of the exposition.
         try:
-            result.text = render_text(result.families)
+            result.text = self._text.setdefault(collector.name, TextCache()).render(result.families)
         except Exception as e:
             log.warning("collector %s produced families that cannot be rendered: %s", collector.name, e)
             result.families, result.text, result.success = [], b"", False
