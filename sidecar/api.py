@@ -31,7 +31,6 @@ from sidecar.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-FLUSH_INTERVAL_SECONDS = 0.5  # how often the hooks should post their buffer (told at registration)
 PUSH_PATHS = frozenset({"/v1/register", "/v1/push", "/v1/deregister"})
 COMPRESS_ABOVE_BYTES = 4096
 
@@ -188,7 +187,7 @@ async def register(request: web.Request) -> web.Response:
     log.info("registered rank %s pid %d (restart %d%s)", rank.label, rank.pid, rank.restart_count,
              "" if verified else ", unverified peer")
     return web.json_response({"ok": True, "key": rank.label, "diag_dir": str(job_diag_dir(d.settings, reg.job_id)),
-                              "flush_interval_s": FLUSH_INTERVAL_SECONDS})
+                              "flush_interval_s": d.settings.hooks_flush_interval_seconds})
 
 
 async def push(request: web.Request) -> web.Response:

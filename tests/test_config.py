@@ -102,3 +102,8 @@ def test_a_missing_procfs_root_is_refused_at_start_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"sidecar: setting collectors.procfs_root: '{tmp_path / 'nope'}' is not a directory"]
+
+
+def test_a_step_floor_shorter_than_the_hooks_flush_interval_is_refused():
+    with pytest.raises(ConfigError, match="setting watchdog.floor_seconds: must exceed hooks_flush_interval_seconds"):
+        settings_from_args(args("watchdog.floor_seconds=1", "hooks_flush_interval_seconds=1"))

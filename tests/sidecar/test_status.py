@@ -42,7 +42,7 @@ async def test_a_rank_reports_its_latest_values(sidecar, child_pid):
 
 async def test_a_stalled_rank_makes_the_node_degraded(serve, child_pid):
     sidecar = await serve(watchdog__observe_only=True, watchdog__floor_seconds=0.5, watchdog__ceiling_seconds=1,
-                          watchdog__check_interval_seconds=0.1)
+                          watchdog__check_interval_seconds=0.1, hooks_flush_interval_seconds=0.2)
     await sidecar.post("/v1/register", registration(child_pid))
     await sidecar.post("/v1/push", push_body(child_pid, [step_item(1)]))
     body = await status_when(sidecar, lambda b: b["ranks"][0]["state"] == "stalled")
