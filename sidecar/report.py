@@ -186,7 +186,7 @@ def rank_problem(entry: dict) -> str:
 
 def collectors_section(runner: "CollectorRunner", now_wall: float) -> dict:
     out = {}
-    for name, r in runner.results.items():
+    for name, r in runner.snapshot().items():
         ran = r.finished_at > 0
         out[name] = {"success": r.success if ran else None,
                      "duration_seconds": round(r.duration_seconds, 6) if ran else None,

@@ -137,6 +137,8 @@ class CollectorRunner:
         self.interval = interval
         self.results: dict[str, CollectorResult] = {c.name: CollectorResult() for c in self.collectors}
         self._text = {c.name: TextCache() for c in self.collectors}
+        self._running_since: dict[str, float] = {}
+        self.hung_after_seconds: float | None = None  # default: 3 intervals, at least 10 s
         self.first_round = asyncio.Event()
 
     def run_once_sync(self, collector: Collector) -> CollectorResult:
@@ -162,18 +164,41 @@ class CollectorRunner:
         return result
 
     async def run_round(self) -> None:
-        loop = asyncio.get_running_loop()
-        results = await asyncio.gather(
-            *(loop.run_in_executor(None, self.run_once_sync, c) for c in self.collectors))
-        for c, r in zip(self.collectors, results):
-            self.results[c.name] = r
+        """Run every collector once, concurrently (tests and start-up use this)."""
+        await asyncio.gather(*(self._run_one(c) for c in self.collectors))
         self.first_round.set()
 
+    async def _run_one(self, collector: Collector) -> None:
+        loop = asyncio.get_running_loop()
+        self._running_since[collector.name] = time.monotonic()
+        try:
+            self.results[collector.name] = await loop.run_in_executor(None, self.run_once_sync, collector)
+        finally:
+            self._running_since.pop(collector.name, None)
+        if all(r.finished_at for r in self.results.values()):
+            self.first_round.set()
+
     async def run_forever(self) -> None:
+        """Each collector on its own schedule: a collector stuck in a driver call (NVML can
+        block for minutes when a GPU falls off the bus) delays only itself, and is reported
+        as failing once it has run for longer than `hung_after` seconds."""
+        await asyncio.gather(*(self._loop(c) for c in self.collectors))
+
+    async def _loop(self, collector: Collector) -> None:
         while True:
             started = time.monotonic()
-            await self.run_round()
+            await self._run_one(collector)
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    @property
+    def hung_after(self) -> float:
+        return self.hung_after_seconds or max(3 * self.interval, 10.0)
+
+    def hung(self) -> dict[str, float]:
+        """Collectors whose current run has lasted longer than `hung_after`: name -> seconds."""
+        now = time.monotonic()
+        return {name: now - since for name, since in self._running_since.items()
+                if now - since > self.hung_after}
 
     def families(self) -> Iterable[Metric]:
         """The latest families of every collector plus the runner's own success/duration."""
@@ -185,11 +210,20 @@ class CollectorRunner:
         """The latest families of every collector, already in Prometheus text format."""
         return b"".join(r.text for r in self.results.values())
 
+    def snapshot(self) -> dict[str, CollectorResult]:
+        """The latest result per collector, a hung one marked failing (its families stay)."""
+        out = dict(self.results)
+        for name, seconds in self.hung().items():
+            r = out[name]
+            out[name] = CollectorResult(r.families, False, seconds, r.finished_at or time.time(),
+                                        f"hung: its current run has lasted {seconds:.0f}s", r.text)
+        return out
+
     def health_families(self) -> Iterable[Metric]:
         """The runner's own per-collector success and duration."""
         success = RUNNER_METRICS[0].family()
         duration = RUNNER_METRICS[1].family()
-        for name, r in self.results.items():
+        for name, r in self.snapshot().items():
             if r.finished_at:
                 success.add_metric([name], 1.0 if r.success else 0.0)
                 duration.add_metric([name], r.duration_seconds)
