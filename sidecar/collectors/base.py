@@ -182,6 +182,8 @@ class CollectorRunner:
         """Each collector on its own schedule: a collector stuck in a driver call (NVML can
         block for minutes when a GPU falls off the bus) delays only itself, and is reported
         as failing once it has run for longer than `hung_after` seconds."""
+        if not self.collectors:
+            self.first_round.set()
         await asyncio.gather(*(self._loop(c) for c in self.collectors))
 
     async def _loop(self, collector: Collector) -> None:

@@ -56,3 +56,13 @@ async def test_a_stuck_collector_delays_only_itself_and_is_reported_hung():
         stuck.release.set()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_with_no_collectors_the_runner_is_ready_at_once():
+    runner = CollectorRunner([], interval=1.0)
+    task = asyncio.create_task(runner.run_forever())
+    try:
+        await asyncio.wait_for(runner.first_round.wait(), 5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
