@@ -12,13 +12,14 @@ import argparse
 import dataclasses
 import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from sidecar.settings_tree import SettingsTree
 
 DEFAULT_PORT = 9402
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -34,7 +35,7 @@ def doc(text: str, **kw: Any) -> dict:
     return {"help": text, **kw}
 
 
-def _fail(name: str, problem: str) -> None:
+def _fail(name: str, problem: str) -> typing.NoReturn:
     raise ConfigError(f"setting {name}: {problem}")
 
 
@@ -253,108 +254,7 @@ def _field_type(cls: type, f: dataclasses.Field) -> Any:
     return typing.get_type_hints(cls)[f.name]
 
 
-def _coerce(name: str, tp: Any, value: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            _fail(name, f"expected a mapping, got {type(value).__name__}")
-        return _build(tp, value, prefix=name + ".")
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(name, args[0], value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        _fail(name, f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            _fail(name, f"expected an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            _fail(name, f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            _fail(name, f"expected a number, got {value!r}")
-        try:
-            out = float(value)
-        except (TypeError, ValueError):
-            _fail(name, f"expected a number, got {value!r}")
-        if not math.isfinite(out):
-            _fail(name, f"expected a finite number, got {value!r}")
-        return out
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            _fail(name, f"expected a string, got {type(value).__name__}")
-        return str(value)
-    if origin is list:
-        if isinstance(value, str):  # "a,b" or YAML's "[a, b]"
-            value = (yaml.load(value, Loader=yaml.BaseLoader) if value.strip().startswith("[")
-                     else [v.strip() for v in value.split(",") if v.strip()])
-        if not isinstance(value, list):
-            _fail(name, f"expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value)]
-    if origin is dict:
-        if isinstance(value, str):
-            value = yaml.load(value, Loader=yaml.BaseLoader) or {}
-        if not isinstance(value, Mapping):
-            _fail(name, f"expected a mapping, got {value!r}")
-        _, vt = typing.get_args(tp)
-        return {str(k): _coerce(f"{name}.{k}", vt, v) for k, v in value.items()}
-    return value
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        _fail(prefix + unknown[0], f"unknown setting; known in this section: {', '.join(sorted(fields))}")
-    kwargs = {k: _coerce(prefix + k, _field_type(cls, fields[k]), v) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - guarded by the unknown check
-        raise ConfigError(f"setting {prefix.rstrip('.') or 'root'}: {e}") from None
-
-
-def _set_path(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            _fail(dotted, "is not a section")
-    node[parts[-1]] = value
-
-
-def _env_overrides(environ: Mapping[str, str]) -> dict:
-    """Map SIDECAR_<FIELD> and SIDECAR_<SECTION>_<FIELD> onto the settings tree."""
-    out: dict = {}
-    for f in dataclasses.fields(Settings):
-        tp = _field_type(Settings, f)
-        if dataclasses.is_dataclass(tp):
-            for sf in dataclasses.fields(tp):
-                key = f"{ENV_PREFIX}{f.name}_{sf.name}".upper()
-                if key in environ:
-                    _set_path(out, f"{f.name}.{sf.name}", environ[key])
-        else:
-            key = f"{ENV_PREFIX}{f.name}".upper()
-            if key in environ:
-                out[f.name] = environ[key]
-    return out
-
-
-def _merge(base: dict, over: Mapping) -> dict:
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
-        else:
-            base[k] = v
-    return base
+_TREE = SettingsTree(_fail, loader=yaml.BaseLoader, noun="setting")
 
 
 def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] | None = None,
@@ -362,25 +262,10 @@ def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] |
     """Settings from file < env < overrides (dotted keys, e.g. {"watchdog.floor_seconds": 5})."""
     environ = os.environ if environ is None else environ
     config_file = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
-    tree: dict = {}
-    if config_file:
-        try:
-            # BaseLoader keeps every scalar a string, so the schema types it (`0660` stays an
-            # octal mode instead of YAML 1.1's integer 432).
-            loaded = yaml.load(Path(config_file).read_text(), Loader=yaml.BaseLoader)
-        except OSError as e:
-            raise ConfigError(f"setting config: cannot read {config_file}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"setting config: {config_file}{where} is not valid YAML") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"setting config: {config_file} must hold a mapping at the top")
-        tree = loaded or {}
-    _merge(tree, _env_overrides(environ))
-    for dotted, value in (overrides or {}).items():
-        _set_path(tree, dotted, value)
-    return _build(Settings, tree)
+    # BaseLoader keeps every scalar a string, so the schema types it (`0660` stays an octal
+    # mode instead of YAML 1.1's integer 432); environment values stay strings the same way.
+    tree = _TREE.read_file(config_file, "config") if config_file else {}
+    return _TREE.load(Settings, tree, _TREE.env_overrides(Settings, ENV_PREFIX, environ), overrides=overrides)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -401,7 +286,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
-        overrides[key.strip()] = value  # typed by the schema in _coerce, not guessed by YAML
+        overrides[key.strip()] = value  # typed by the schema, not guessed by YAML
     for name in ("listen", "socket"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)

@@ -11,13 +11,13 @@ import dataclasses
 import importlib
 import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import yaml
+
+from sidecar.settings_tree import SettingsTree
 
 ENV_PREFIX = "TRAINER_"
 
@@ -319,84 +319,13 @@ class Config:
 
 # ---------------------------------------------------------------- loading
 
-def _coerce(name: str, tp: Any, value: Any) -> Any:
-    """Turn YAML/env/flag values into the field's declared type, or fail naming the field."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
-    if dataclasses.is_dataclass(tp):
-        if value is None:
-            value = {}
-        _check(name, isinstance(value, Mapping), f"expected a mapping, got {value!r}")
-        return build(tp, value, prefix=name + ".")
-    if tp is bool:
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        _check(name, isinstance(value, bool), f"expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        try:
-            _check(name, not isinstance(value, (bool, float)), f"expected an integer, got {value!r}")
-            return int(value)
-        except (TypeError, ValueError):
-            fail(name, f"expected an integer, got {value!r}")
-    if tp is float:
-        try:
-            _check(name, not isinstance(value, bool), f"expected a number, got {value!r}")
-            return float(value)
-        except (TypeError, ValueError):
-            fail(name, f"expected a number, got {value!r}")
-    if tp is str:
-        _check(name, not isinstance(value, (dict, list)), f"expected a string, got {value!r}")
-        return "" if value is None else str(value)
-    if typing.get_origin(tp) is dict:
-        if isinstance(value, str):
-            value = yaml.safe_load(value)
-        value = {} if value is None else value
-        _check(name, isinstance(value, Mapping), f"expected a mapping, got {value!r}")
-        return {str(k): v for k, v in value.items()}
-    return value
-
-
-def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        fail(prefix + str(unknown[0]), f"unknown field; known in {prefix.rstrip('.') or 'the top level'}: "
-             f"{', '.join(fields)}")
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: _coerce(prefix + k, hints[k], v) for k, v in data.items()})
-
-
-def _set_path(tree: dict, dotted: str, value: Any) -> None:
-    *sections, leaf = dotted.split(".")
-    node = tree
-    for i, part in enumerate(sections):
-        node = node.setdefault(part, {})
-        _check(".".join(sections[:i + 1]), isinstance(node, dict), "is a value, not a section")
-    node[leaf] = value
-
-
-def _merge(base: dict, over: Mapping) -> dict:
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
-        else:
-            base[k] = v
-    return base
+# The file and text values read as YAML (safe_load): `1e-3`, `true`, `{hidden: 64}` are typed values.
+_TREE = SettingsTree(fail, loader=yaml.SafeLoader, noun="field")
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict:
     """TRAINER_<SECTION>_<FIELD> for every field of every section (e.g. TRAINER_BATCH_GLOBAL_BATCH_SIZE)."""
-    out: dict = {}
-    hints = typing.get_type_hints(Config)
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(hints[section.name]):
-            key = f"{ENV_PREFIX}{section.name}_{f.name}".upper()
-            if key in environ:
-                _set_path(out, f"{section.name}.{f.name}", yaml.safe_load(environ[key]))
-    return out
+    return _TREE.env_overrides(Config, ENV_PREFIX, environ, parse=yaml.safe_load)
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -417,21 +346,8 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
                 environ: Mapping[str, str] | None = None) -> Config:
     """Config from the YAML file < TRAINER_* environment < dotted overrides < defaults underneath."""
     environ = os.environ if environ is None else environ
-    tree: dict = {}
-    if path:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as e:
-            fail("--config", f"cannot read {path}: {e.strerror}")
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            fail("--config", f"{path}{f' line {mark.line + 1}' if mark else ''} is not valid YAML")
-        _check("--config", loaded is None or isinstance(loaded, dict), f"{path} must hold a mapping at the top")
-        tree = loaded or {}
-    _merge(tree, env_overrides(environ))
-    for dotted, value in (overrides or {}).items():
-        _set_path(tree, dotted, value)
-    return build(Config, tree)
+    tree = _TREE.read_file(path, "--config") if path else {}
+    return _TREE.load(Config, tree, env_overrides(environ), overrides=overrides)
 
 
 def help_text() -> str:
