@@ -108,21 +108,6 @@ async def sidecar(serve) -> Served:
 
 
 @pytest.fixture
-def spawn():
-    """Start real processes standing in for ranks; all killed at teardown."""
-    started: list[subprocess.Popen] = []
-
-    def start(cmd: list[str] | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(cmd or ["sleep", "600"], start_new_session=True)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        kill_tree(p)
-
-
-@pytest.fixture
 def child_pid(spawn) -> int:
     """A child of the test process: the test may register it over the Unix socket."""
     return spawn().pid

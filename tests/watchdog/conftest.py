@@ -2,7 +2,6 @@
 Registry, and a clock the test moves by hand."""
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
@@ -11,7 +10,6 @@ from sidecar import procs
 from sidecar.config import load_settings
 from sidecar.protocol import PhaseItem, Push, Registration, StepItem
 from sidecar.registry import Registry
-from tests.support import kill_tree
 
 
 class FakeClock:
@@ -31,21 +29,6 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
-
-
-@pytest.fixture
-def spawn():
-    """Start real processes in their own session (as torchrun starts workers); all killed at teardown."""
-    started: list[subprocess.Popen] = []
-
-    def start(cmd: list[str] | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(cmd or ["sleep", "600"], start_new_session=True)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        kill_tree(p)
 
 
 def settings(tmp_path, **overrides):
