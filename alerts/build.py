@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from sidecar import generated
 from sidecar.xids import HARDWARE_XIDS
 
 HERE = Path(__file__).resolve().parent
@@ -422,14 +423,8 @@ def rendered_files(runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str |
 
 
 def write(out_dir: Path, runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str | None = None) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in rendered_files(runbook_base_url, for_override).items():
-        path = out_dir / name
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            written.append(path)
-    return written
+    """Write the rule files that differ into out_dir; the paths written."""
+    return generated.write(out_dir, rendered_files(runbook_base_url, for_override))
 
 
 def main(argv: list[str] | None = None) -> int:

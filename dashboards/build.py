@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from alerts.build import THRESHOLDS
+from sidecar import generated
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_VERSION = 39
@@ -390,20 +391,14 @@ def rendered_files() -> dict[str, str]:
 
 
 def write(out_dir: Path = HERE) -> list[Path]:
-    written = []
-    for name, text in rendered_files().items():
-        path = out_dir / name
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            written.append(path)
-    return written
+    """Write the dashboards that differ into out_dir; the paths written."""
+    return generated.write(out_dir, rendered_files())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dashboards.build", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=HERE, help="directory for the JSON files (default: dashboards/)")
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     for path in write(args.out):
         print(f"wrote {path}")
     return 0

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from sidecar import generated
 from sidecar.settings_tree import SettingsTree
 
 DEFAULT_PORT = 9402
@@ -329,14 +330,8 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--write", metavar="PATH", help="write the reference to PATH instead of stdout")
+add_arguments = generated.add_write_argument
 
 
 def main(args: argparse.Namespace) -> int:
-    text = reference_markdown()
-    if args.write:
-        Path(args.write).write_text(text)
-    else:
-        print(text, end="")
-    return 0
+    return generated.write_or_print(reference_markdown(), args.write)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from sidecar import generated
+
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = Path("deploy/kubernetes/generated")
 COMMON_LABELS = {"app.kubernetes.io/name": "training-sidecar", "app.kubernetes.io/part-of": "training-sidecar"}
@@ -120,32 +122,15 @@ def generate(root: Path = ROOT) -> dict[str, str]:
     return files
 
 
-def _stale(root: Path, wanted: dict[str, str]) -> list[str]:
-    out_dir = root / OUTPUT
-    have = {p.name for p in out_dir.glob("*.yaml")} if out_dir.is_dir() else set()
-    stale = [name for name, text in wanted.items() if name not in have or (out_dir / name).read_text() != text]
-    stale += have - set(wanted)
-    return sorted(str(OUTPUT / name) for name in stale)
-
-
 def stale_files(root: Path = ROOT) -> list[str]:
     """Generated files that are missing, different, or left over from a removed source."""
-    return _stale(root, generate(root))
+    return [str(OUTPUT / name) for name in generated.stale(root / OUTPUT, generate(root), leftovers="*.yaml")]
 
 
 def write(root: Path = ROOT) -> list[str]:
     """Bring the generated files up to date; the paths changed."""
-    wanted = generate(root)
-    changed = _stale(root, wanted)
-    out_dir = root / OUTPUT
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in changed:
-        path = root / name
-        if path.name in wanted:
-            path.write_text(wanted[path.name])
-        else:
-            path.unlink()
-    return changed
+    changed = generated.write(root / OUTPUT, generate(root), leftovers="*.yaml")
+    return [str(OUTPUT / path.name) for path in changed]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from pathlib import Path
 
+from sidecar import generated
 from sidecar.collectors.base import MetricSpec
 
 # Modules that define metrics, in the order the reference lists them. A module that does not
@@ -73,14 +73,8 @@ def reference_markdown(specs: list[MetricSpec] | None = None) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--write", metavar="PATH", help="write the reference to PATH instead of stdout")
+add_arguments = generated.add_write_argument
 
 
 def main(args: argparse.Namespace) -> int:
-    text = reference_markdown()
-    if args.write:
-        Path(args.write).write_text(text)
-    else:
-        print(text, end="")
-    return 0
+    return generated.write_or_print(reference_markdown(), args.write)
