@@ -183,7 +183,7 @@ def _short_frame(line: str) -> str:
 
 
 def main() -> int:
-    console = Console()
+    console = Console(soft_wrap=True)  # piped output keeps one line per event
     job, sidecar = JobSpec(), SidecarSpec()
     workdir = Path(tempfile.mkdtemp(prefix="sidecar-demo-"))
     # Ctrl-C and SIGTERM both end in the cleanup below (even when started with SIGINT ignored).
