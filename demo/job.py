@@ -28,6 +28,7 @@ class SidecarSpec:
         settings = {
             "diag_dir": str(workdir / "diag"), "checkpoint_dir": str(workdir / "ckpt"),
             "collectors.interval_seconds": 1, "watchdog.check_interval_seconds": 0.25,
+            "hooks_flush_interval_seconds": 0.5,  # a short floor needs frequent pushes
             "watchdog.floor_seconds": self.floor_seconds,
             "watchdog.startup_timeout_seconds": self.startup_timeout_seconds,
             "watchdog.observe_only": str(self.observe_only).lower(),

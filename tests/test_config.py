@@ -105,5 +105,6 @@ def test_a_missing_procfs_root_is_refused_at_start_with_one_line(tmp_path):
 
 
 def test_a_step_floor_shorter_than_the_hooks_flush_interval_is_refused():
-    with pytest.raises(ConfigError, match="setting watchdog.floor_seconds: must exceed hooks_flush_interval_seconds"):
-        settings_from_args(args("watchdog.floor_seconds=1", "hooks_flush_interval_seconds=1"))
+    with pytest.raises(ConfigError, match="setting watchdog.floor_seconds: must be at least 2 x hooks_flush"):
+        settings_from_args(args("watchdog.floor_seconds=2", "hooks_flush_interval_seconds=1"))
+    assert settings_from_args(args("watchdog.floor_seconds=2", "hooks_flush_interval_seconds=0.5")).watchdog.floor_seconds == 2

@@ -13,7 +13,7 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_TOKEN` | bearer token sent with every request (needed when the sidecar listens beyond loopback) |
 | `SIDECAR_DIAG_DIR` | where stack dumps go (default: `diag/` next to the socket, else a temp dir) |
 | `SIDECAR_STACK_SIGNAL` | signal that dumps this rank's Python stacks (`SIGUSR2` default; `off` disables) |
-| `SIDECAR_FLUSH_INTERVAL` | seconds between batches sent to the sidecar (default: what the sidecar says at registration, 1 s unless configured; 0.5 before that) |
+| `SIDECAR_FLUSH_INTERVAL` | seconds between batches sent to the sidecar (default: what the sidecar says at registration, 2 s unless configured; 0.5 before that) |
 | `SIDECAR_HOOKS_DISABLED` | `1` makes every hook a no-op |
 """
 from __future__ import annotations

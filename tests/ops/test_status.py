@@ -73,7 +73,7 @@ def test_target_is_the_flag_then_sidecar_socket_then_sidecar_url_then_the_defaul
 
 def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):
     settings = ("watchdog.observe_only=true", "watchdog.check_interval_seconds=0.2",
-                "watchdog.floor_seconds=1", "watchdog.ceiling_seconds=2", "hooks_flush_interval_seconds=0.5")
+                "watchdog.floor_seconds=1", "watchdog.ceiling_seconds=2", "hooks_flush_interval_seconds=0.2")
     with Sidecar(tmp_path, *settings) as sidecar:
         rank = ranks(sidecar, "run-7", 3)
         rank.push_step()

@@ -20,7 +20,7 @@ JOB_TIMEOUT = 240.0  # only catches hangs; a loaded machine is slow
 # Fast detection for tests: a 3 s floor, quick dumps and a short grace period.
 SIDECAR_SETTINGS = ("watchdog.floor_seconds=3", "watchdog.startup_timeout_seconds=180",
                     "watchdog.check_interval_seconds=0.25", "remediation.dump_wait_seconds=1",
-                    "remediation.grace_seconds=3")
+                    "remediation.grace_seconds=3", "hooks_flush_interval_seconds=0.5")
 
 
 def spec(**overrides) -> JobSpec:
