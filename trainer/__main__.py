@@ -61,5 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown once everything is written and closed. Under
+    torchrun, gloo's C++ threads can still be running while Python finalizes, and the process
+    then aborts ("terminate called without an active exception", SIGABRT) after training
+    finished, which torchrun reports as a failed worker (seen here with FSDP2 on gloo)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_now(code)
+    sys.exit(code)
