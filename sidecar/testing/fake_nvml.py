@@ -455,7 +455,7 @@ def nvmlEventSetWait_v2(event_set: _EventSet, timeout_ms: int) -> SimpleNamespac
                 raise _error("timeout")
             due = [e["due"] for e in _state.pending_xids if e["gpu"] in event_set.registered]
             wake = min([deadline] + [d for d in due if d > now])
-            _state.lock.wait(timeout=max(0.0, min(wake - now, 0.25)))
+            _state.lock.wait(timeout=max(0.0, min(wake - now, 1.0)))
 
 
 def nvmlEventSetWait(event_set: _EventSet, timeout_ms: int) -> SimpleNamespace:
