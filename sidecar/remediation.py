@@ -76,6 +76,21 @@ def is_zombie(pid: int) -> bool:
         return False
 
 
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+def _ask_for_stacks(target: Target, stopped: bool) -> None:
+    send(target, target.stack_signal, "process")
+    if stopped:
+        send(target, signal.SIGCONT, "process")
+        send(target, signal.SIGSTOP, "process")
+
+
 def is_running(pid: int, start_time: float | None) -> bool:
     """The process with that identity still runs (an unreaped zombie has exited)."""
     return procs.is_same_process(pid, start_time) and not is_zombie(pid)
@@ -235,21 +250,28 @@ class Remediator:
 
     async def collect_stacks(self, incident: Incident, targets: list[Target], store: IncidentStore,
                              signal_ranks: bool = True) -> None:
-        """Ask each rank for its Python stacks (SIGCONT first: a stopped rank cannot dump), run
-        py-spy alongside, and keep what each dump file gained. Without `signal_ranks` only
-        py-spy's non-blocking mode runs: it reads memory and never stops the process."""
+        """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
+        file gained. A stopped rank gets the dump signal, SIGCONT and SIGSTOP at once: the
+        pending dump signal is the lowest-numbered, so the kernel runs faulthandler's C handler
+        first and the rank stops again before it runs any training code (continuing it for the
+        whole dump wait would let it train on, or even finish, before the SIGTERM). Without
+        `signal_ranks` only py-spy's non-blocking mode runs: it never stops the process."""
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
         sizes = {t.pid: _file_size(t.stack_path) for t in targets}
         asked = []
+        stopped = {t.pid for t in targets if await loop.run_in_executor(None, is_stopped, t.pid)}
+        for t in targets:
+            if t.pid in stopped:
+                incident.notes.append(f"rank {t.rank} (pid {t.pid}) was stopped (SIGSTOP or a tracer); "
+                                      "continued only to dump its stacks, then stopped again")
         if signal_ranks and s.dump_stacks:
             for t in targets:
                 if not (t.stack_signal and t.stack_path):
                     continue
                 try:
-                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "process")
-                    await loop.run_in_executor(None, send, t, t.stack_signal, "process")
+                    await loop.run_in_executor(None, _ask_for_stacks, t, t.pid in stopped)
                     asked.append(t)
                 except (Refused, OSError) as e:
                     incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
@@ -257,7 +279,8 @@ class Remediator:
         spy = None
         if s.py_spy and py_spy_path():
             timeout = max(5.0, s.dump_wait_seconds + 3.0)
-            spy = asyncio.gather(*(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks) for t in targets))
+            spy = asyncio.gather(*(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks or t.pid in stopped)
+                                   for t in targets))
         if asked:
             await self._wait_for_dumps(asked, sizes)
         got = []
@@ -333,9 +356,10 @@ class Remediator:
         done, sent = [], []
         for t in targets:
             try:
-                if sig == signal.SIGTERM:  # a stopped process handles SIGTERM only once continued
-                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "group")
                 sent += await loop.run_in_executor(None, send, t, sig, "group")
+                if sig == signal.SIGTERM:  # a stopped process handles SIGTERM only once continued,
+                    # and continued after the SIGTERM is pending, it runs no training code first
+                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "group")
                 done.append(t)
             except (Refused, OSError) as e:
                 incident.notes.append(f"{signal.Signals(sig).name} not sent to rank {t.rank} (pid {t.pid}): {e}")

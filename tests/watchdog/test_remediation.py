@@ -71,7 +71,7 @@ async def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path
     assert events(record)[-3:] == ["sigterm", "sigkill", "exit_observed"]
 
 
-async def test_a_stopped_rank_is_continued_so_it_can_dump_and_die(tmp_path, clock, hung_rank):
+async def test_a_stopped_rank_dumps_its_stacks_and_dies(tmp_path, clock, hung_rank):
     s = settings(tmp_path)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
@@ -82,7 +82,7 @@ async def test_a_stopped_rank_is_continued_so_it_can_dump_and_die(tmp_path, cloc
     await finish(dog)
     assert proc.wait(timeout=10) in (-signal.SIGTERM, -signal.SIGKILL)
     record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
-    assert record["ranks"][0]["stack_head"], "the stopped rank dumped its stacks after SIGCONT"
+    assert record["ranks"][0]["stack_head"], "the stopped rank dumped its stacks"
 
 
 async def test_observe_only_records_and_counts_but_never_signals(tmp_path, clock, hung_rank):
