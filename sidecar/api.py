@@ -164,6 +164,15 @@ def check_caller(request: web.Request, pid: int, peer: int | None = None) -> boo
     return True
 
 
+def check_session(request: web.Request, rank, session: str | None) -> None:
+    """Over TCP nothing tells who is calling, so a push or deregistration must carry the
+    session its registration returned. A wrong one answers unknown_rank: honest hooks
+    register again (and are checked then), a forger learns nothing."""
+    if _is_tcp(request) and not (session and hmac.compare_digest(session, rank.session)):
+        raise ApiError(409, "unknown_rank", f"session: {'stale' if session else 'missing'} for rank {rank.label} "
+                                            "over TCP; register again")
+
+
 async def loopback_peer(request: web.Request) -> int | None:
     """For a TCP connection from this node, the pid of the client (None when not visible)."""
     transport = request.transport
@@ -186,14 +195,16 @@ async def register(request: web.Request) -> web.Response:
     rank = d.registry.register(reg, pid_start_time=started, peer_verified=verified)
     log.info("registered rank %s pid %d (restart %d%s)", rank.label, rank.pid, rank.restart_count,
              "" if verified else ", unverified peer")
-    return web.json_response({"ok": True, "key": rank.label, "diag_dir": str(job_diag_dir(d.settings, reg.job_id)),
+    return web.json_response({"ok": True, "key": rank.label, "session": rank.session,
+                              "diag_dir": str(job_diag_dir(d.settings, reg.job_id)),
                               "flush_interval_s": d.settings.hooks_flush_interval_seconds})
 
 
 async def push(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     batch = protocol.parse_push(await read_json(request), d.settings.limits.max_items_per_push)
-    d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
+    rank = d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
+    check_session(request, rank, batch.session)
     check_caller(request, batch.pid)
     accepted = d.registry.apply_push(batch)
     records = d.stats.records
@@ -208,7 +219,8 @@ _ITEM_TYPES = {protocol.StepItem: "step", protocol.PhaseItem: "phase", protocol.
 async def deregister(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     dereg = protocol.parse_deregistration(await read_json(request))
-    d.registry.lookup(dereg.job_id, dereg.rank, dereg.pid)
+    rank = d.registry.lookup(dereg.job_id, dereg.rank, dereg.pid)
+    check_session(request, rank, dereg.session)
     check_caller(request, dereg.pid)
     rank = d.registry.deregister(dereg)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)

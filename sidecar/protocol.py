@@ -83,6 +83,7 @@ class Push:
     pid: int
     dropped: int
     items: list[Item]
+    session: str | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class Deregistration:
     rank: int
     pid: int
     reason: str
+    session: str | None = None
 
 
 # ---------------------------------------------------------------- decoding
@@ -313,10 +315,17 @@ def parse_push(data: dict, max_items: int) -> Push:
             append(EventItem(_name(obj, "name", f"{where}.name"), _time(obj, f"{where}.time", now), fields))
         else:
             raise ProtocolError(f"{where}.type: expected \"step\", \"phase\" or \"event\", got {_kind(kind)}")
-    return Push(job_id, rank, pid, dropped, items)
+    return Push(job_id, rank, pid, dropped, items, _session(data))
 
 
 def parse_deregistration(data: dict) -> Deregistration:
     job_id, rank, pid = _identity(data)
     reason = _text(data, "reason", "reason", default="finished", nullable=True) or "finished"
-    return Deregistration(job_id, rank, pid, reason)
+    return Deregistration(job_id, rank, pid, reason, _session(data))
+
+
+def _session(data: dict) -> str | None:
+    value = data.get("session")
+    if value is not None and (type(value) is not str or len(value) > 128):
+        raise ProtocolError("session: expected the string the registration returned")
+    return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ class Rank:
     stack_path: str | None = None  # where those stacks are written
     versions: dict[str, str] = field(default_factory=dict)
     hooks_version: str | None = None
+    # Returned at registration; pushes and deregistrations over TCP must carry it (the Unix
+    # socket checks the caller's pid instead), so another local user cannot forge progress.
+    session: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     step: int | None = None  # the last step reported
     step_wall: float | None = None  # the rank's wall clock at that step
     last_progress: float = 0.0  # monotonic time the step last advanced (or registration)

@@ -143,12 +143,21 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
         return [-pgid]
     # Not a group leader (or its group is ours): the rank and what it started, each checked.
     sent = []
-    for p in [psutil.Process(target.pid)] + _descendants(target.pid):
+    try:
+        tree = [psutil.Process(target.pid)] + _descendants(target.pid)
+    except psutil.NoSuchProcess:
+        raise Refused(f"pid {target.pid} exited") from None
+    for p in tree:
         if p.pid <= 1 or p.pid in protected:
             continue
-        with contextlib.suppress(psutil.NoSuchProcess):
+        try:
             p.send_signal(sig)  # psutil refuses a pid reused since `p` was made
             sent.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.AccessDenied:  # a child of another user: the others still get the signal
+            log.warning("no permission to signal pid %d (descendant of rank %s/%d)", p.pid, target.job_id,
+                        target.rank)
     return sent
 
 
@@ -273,7 +282,7 @@ class Remediator:
                 try:
                     await loop.run_in_executor(None, _ask_for_stacks, t, t.pid in stopped)
                     asked.append(t)
-                except (Refused, OSError) as e:
+                except (Refused, OSError, psutil.Error) as e:
                     incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
@@ -361,7 +370,7 @@ class Remediator:
                     # and continued after the SIGTERM is pending, it runs no training code first
                     await loop.run_in_executor(None, send, t, signal.SIGCONT, "group")
                 done.append(t)
-            except (Refused, OSError) as e:
+            except (Refused, OSError, psutil.Error) as e:
                 incident.notes.append(f"{signal.Signals(sig).name} not sent to rank {t.rank} (pid {t.pid}): {e}")
                 log.warning("not signalling rank %s/%d: %s", t.job_id, t.rank, e)
         incident.event(event, ranks=[t.rank for t in done], pids=sent)

@@ -103,6 +103,7 @@ class Sender:
         self._acked_phases: list[str] = []
         self._held_back: dict | None = None  # a rolled-back step item that starts the next batch
         self._backoff = 0.0
+        self.session: str | None = None  # returned by the registration
         self._retry_at = 0.0
         self._last_contact = 0.0      # monotonic time of the last answered request
         self._wake = threading.Event()
@@ -241,7 +242,7 @@ class Sender:
 
     def _push_body(self, items: list[dict]) -> bytes:
         return _dumps({"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid,
-                       "dropped": self.dropped(), "items": items})
+                       "dropped": self.dropped(), "items": items, "session": self.session})
 
     def _lose(self, items: list[dict]) -> None:
         self.lost += len(items)
@@ -285,6 +286,8 @@ class Sender:
                  "%s rank %d (%d %s); will retry", self.ident.job_id, self.ident.rank, reply.status, reply.error)
             return False
         self.registered = True
+        session = reply.body.get("session")
+        self.session = session if isinstance(session, str) else None  # proves who we are over TCP
         self.registrations += 1
         self._last_contact = time.monotonic()
         interval = reply.body.get("flush_interval_s")
@@ -293,7 +296,8 @@ class Sender:
         return True
 
     def deregister(self, reason: str, deadline: float | None = None) -> None:
-        body = {"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid, "reason": reason}
+        body = {"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid, "reason": reason,
+                "session": self.session}
         reply = self._post("/v1/deregister", _dumps(body), deadline)
         if reply is not None and reply.status == 200:
             self.registered = False

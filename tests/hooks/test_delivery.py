@@ -1,13 +1,28 @@
 """What a rank sends reaches a real sidecar: steps, metrics, phases, events, non-finite values."""
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import socket
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.hooks.helpers import TOKEN, RankProcess, metric_value, rank_env, rank_status, run_rank
 from tests.support import wait_until
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("sidecar", timeout=10)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
 
 
 def test_steps_and_metrics_arrive_in_status_and_metrics(sidecar, tmp_path: Path, ranks):
@@ -112,11 +127,18 @@ def test_unknown_rank_answer_makes_the_hooks_register_again(sidecar, tmp_path: P
     rank = RankProcess(tmp_path, rank_env(sidecar, "delivery-409"), "--steps", "0", "--sleep", "0.02")
     ranks.append(rank)
     wait_until(lambda: (r := rank_status(sidecar, "delivery-409")) and (r["step"] or 0) >= 5, 30, what="steps")
-    # Someone (an operator, a sidecar that lost its state) forgets the rank: its pushes get 409.
+    # Someone allowed to (the rank's launcher, over the Unix socket) forgets the rank: its
+    # pushes get 409. Over TCP that takes the rank's session, which only the rank has.
     body = json.dumps({"job_id": "delivery-409", "rank": 0, "pid": rank.pid, "reason": "test"}).encode()
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
-    urllib.request.urlopen(urllib.request.Request(sidecar.url + "/v1/deregister", data=body, headers=headers),
-                           timeout=10)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(sidecar.url + "/v1/deregister", data=body, headers=headers),
+                               timeout=10)
+    assert refused.value.code == 409
+    conn = UnixHTTPConnection(sidecar.socket)
+    conn.request("POST", "/v1/deregister", body, {"Content-Type": "application/json"})
+    assert conn.getresponse().status == 200
+    conn.close()
     wait_until(lambda: (r := rank_status(sidecar, "delivery-409")) and r["state"] != "gone", 30,
                what="rank registered again")
     result = rank.finish()

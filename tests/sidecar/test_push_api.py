@@ -47,6 +47,24 @@ async def test_over_loopback_tcp_the_client_process_is_looked_up(sidecar, child_
     assert sidecar.app[DAEMON].registry.get("run-42", 0).peer_verified is True
 
 
+async def test_over_tcp_a_push_or_deregistration_needs_the_session_of_the_registration(sidecar, child_pid):
+    reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True)
+    session = reply.body["session"]
+    forged = push_body(child_pid, [step_item(1)])
+    reply = await sidecar.post("/v1/push", forged, tcp=True)
+    assert (reply.status, reply.code) == (409, "unknown_rank") and "session: missing" in reply.body["error"]
+    reply = await sidecar.post("/v1/push", {**forged, "session": "guess"}, tcp=True)
+    assert (reply.status, reply.code) == (409, "unknown_rank") and "session: stale" in reply.body["error"]
+    reply = await sidecar.post("/v1/deregister", {"job_id": "run-42", "rank": 0, "pid": child_pid}, tcp=True)
+    assert reply.status == 409
+    reply = await sidecar.post("/v1/push", {**forged, "session": session}, tcp=True)
+    assert reply.status == 200
+    # A new registration makes the old session stale.
+    await sidecar.post("/v1/register", registration(child_pid), tcp=True)
+    reply = await sidecar.post("/v1/push", {**push_body(child_pid, [step_item(2)]), "session": session}, tcp=True)
+    assert reply.status == 409
+
+
 @pytest.mark.parametrize("pid", [1, "self", "parent"])
 async def test_init_the_sidecar_and_its_ancestors_may_never_register(sidecar, pid):
     pid = {"self": os.getpid(), "parent": os.getppid()}.get(pid, pid)
