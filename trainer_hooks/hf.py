@@ -40,6 +40,7 @@ class SidecarCallback(TrainerCallback):
         self._pending: tuple[int, dict] | None = None
         self._last_step_end: float | None = None
         self._in_eval = False
+        self._in_save = False
 
     # ---------------------------------------------------------------- training
 
@@ -68,6 +69,12 @@ class SidecarCallback(TrainerCallback):
         except (AttributeError, IndexError, KeyError, TypeError):
             pass
         self._pending = (state.global_step, metrics)
+        # DefaultFlowCallback (always first) has decided by now; the Trainer saves right after
+        # logging and evaluating, and calls on_save only once the checkpoint is written. Opening
+        # the phase here puts the whole save under its budget instead of the step timeout.
+        if getattr(control, "should_save", False) and not self._in_save and self.monitor is not None:
+            self.monitor.phase_start("checkpoint_save")
+            self._in_save = True
 
     @guarded
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -105,12 +112,18 @@ class SidecarCallback(TrainerCallback):
         if self.monitor is None:
             return
         self._send_pending()
+        if self._in_save:
+            self.monitor.phase_end("checkpoint_save")
+            self._in_save = False
         self.monitor.event("checkpoint_saved", step=state.global_step,
                            path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
         self._send_pending()
+        if self._in_save and self.monitor is not None:
+            self.monitor.phase_end("checkpoint_save")
+            self._in_save = False
         if self.monitor is not None and self._owns_monitor:
             self.monitor.close()
             self.monitor = None  # a later train() starts a fresh one

@@ -110,6 +110,10 @@ class SidecarCallback(Callback):
 
     @guarded
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # Lightning calls this before it writes the file: the write runs inside the phase, so
+        # a long save is judged by the checkpoint budget, not the step timeout.
+        if self._saved_step is None and self.monitor is not None:
+            self.monitor.phase_start("checkpoint_save")
         self._saved_step = trainer.global_step
 
     @guarded
@@ -126,4 +130,5 @@ class SidecarCallback(Callback):
     def _send_saved(self) -> None:
         if self._saved_step is not None and self.monitor is not None:
             step, self._saved_step = self._saved_step, None
+            self.monitor.phase_end("checkpoint_save")
             self.monitor.event("checkpoint_saved", step=step)

@@ -48,6 +48,16 @@ def test_adapter_without_its_framework_says_what_to_install(module: str, absent:
     assert package in message
 
 
+def assert_saves_inside_their_phase(calls: list, saves: int) -> None:
+    """The framework writes each checkpoint between a checkpoint_save phase's start and end,
+    so a long save is judged by the phase's budget, not the step timeout."""
+    starts = [i for i, c in enumerate(calls) if c[:2] == ["phase_start", "checkpoint_save"]]
+    ends = [i for i, c in enumerate(calls) if c[:2] == ["phase_end", "checkpoint_save"]]
+    events = [i for i, c in enumerate(calls) if c[:2] == ["event", "checkpoint_saved"]]
+    assert len(starts) == len(ends) == len(events) == saves
+    assert all(s < e < ev for s, e, ev in zip(starts, ends, events))
+
+
 def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
     pytest.importorskip("transformers")
     calls = train("hf", sidecar, tmp_path, "adapter-hf")
@@ -59,6 +69,7 @@ def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Pat
     assert first_eval < calls.index(["phase_end", "eval"]) < calls.index(["step", 4, step_metrics[3]])
     assert [c[2] for c in calls if c[:2] == ["event", "evaluated"]] == [3, 6]
     assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4, 6]
+    assert_saves_inside_their_phase(calls, 2)
     assert calls[-1] == ["close"]
     seen = wait_until(lambda: rank_status(sidecar, "adapter-hf"), 10, what="rank in status")
     assert seen["step"] == 6 and seen["loss"] > 0 and seen["lr"] > 0 and seen["state"] == "gone"
@@ -73,6 +84,7 @@ def test_lightning_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
     assert all({"loss", "lr", "samples", "step_time_seconds"} <= set(c[2]) for c in calls if c[0] == "step")
     assert calls.count(["phase_start", "eval"]) == calls.count(["phase_end", "eval"]) >= 1
     assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4]
+    assert_saves_inside_their_phase(calls, 1)
     assert calls[-1] == ["close"]
     seen = wait_until(lambda: rank_status(sidecar, "adapter-lightning"), 10, what="rank in status")
     assert seen["step"] == 6 and seen["loss"] > 0 and seen["state"] == "gone"
