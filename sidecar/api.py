@@ -164,6 +164,19 @@ def check_caller(request: web.Request, pid: int, peer: int | None = None) -> boo
     return True
 
 
+def check_not_taken(registry, reg: protocol.Registration) -> None:
+    """A rank still held by another live process of the same attempt is a second job with the
+    same job_id (torchrun's --rdzv-id) on this node. Replacing it back and forth would reset
+    both ranks' stall timers on every push and mix their metrics, so the newcomer is refused.
+    A restarted worker (a higher restart count) or a dead holder is replaced as usual."""
+    held = registry.get(reg.job_id, reg.rank)
+    if (held is not None and not held.gone and held.pid != reg.pid and reg.restart_count <= held.restart_count
+            and procs.is_same_process(held.pid, held.pid_start_time)):
+        raise ApiError(409, "rank_taken", f"rank {held.label} is held by pid {held.pid}, still running at restart "
+                                          f"{held.restart_count}: two jobs with job_id {reg.job_id!r} on this node? "
+                                          "give each its own --rdzv-id")
+
+
 def check_session(request: web.Request, rank, session: str | None) -> None:
     """Over TCP nothing tells who is calling, so a push or deregistration must carry the
     session its registration returned. A wrong one answers unknown_rank: honest hooks
@@ -191,6 +204,7 @@ async def register(request: web.Request) -> web.Response:
         raise ApiError(403, "pid_mismatch", f"pid: {reg.pid} is init, the sidecar or one of its ancestors; "
                                             "it may never register")
     verified = check_caller(request, reg.pid, peer=await loopback_peer(request))
+    check_not_taken(d.registry, reg)
     started = procs.start_time(reg.pid)
     rank = d.registry.register(reg, pid_start_time=started, peer_verified=verified)
     log.info("registered rank %s pid %d (restart %d%s)", rank.label, rank.pid, rank.restart_count,

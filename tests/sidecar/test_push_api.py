@@ -47,6 +47,15 @@ async def test_over_loopback_tcp_the_client_process_is_looked_up(sidecar, child_
     assert sidecar.app[DAEMON].registry.get("run-42", 0).peer_verified is True
 
 
+async def test_a_rank_held_by_another_live_process_of_the_same_attempt_is_refused(sidecar, spawn):
+    first, second = spawn().pid, spawn().pid
+    assert (await sidecar.post("/v1/register", registration(first))).status == 200
+    reply = await sidecar.post("/v1/register", registration(second))
+    assert (reply.status, reply.code) == (409, "rank_taken") and f"held by pid {first}" in reply.body["error"]
+    # A restarted worker (torchrun's restart count went up) takes the rank over.
+    assert (await sidecar.post("/v1/register", registration(second, restart_count=1))).status == 200
+
+
 async def test_over_tcp_a_push_or_deregistration_needs_the_session_of_the_registration(sidecar, child_pid):
     reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True)
     session = reply.body["session"]
