@@ -12,12 +12,20 @@ import psutil
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 def start_time(pid: int) -> float | None:
-    """The process's start time (psutil's create_time), or None when it is not running or
-    not visible from here (another pid namespace)."""
+    """Seconds from boot to the process's start (field 22 of /proc/<pid>/stat), or None when
+    it is not running or not visible from here (another pid namespace). With the pid, it names
+    one process. Boot-relative on purpose: psutil's create_time() adds the boot time derived
+    from the wall clock, so a stepped clock (chrony, a migrated VM) would make every rank look
+    like a new process."""
     try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, ValueError):
+        with open(f"{psutil.PROCFS_PATH}/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19]) / _CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -25,8 +33,7 @@ def is_same_process(pid: int, started: float | None) -> bool:
     """True when `pid` still runs and is the process that had that start time."""
     if started is None:
         return False
-    now = start_time(pid)
-    return now is not None and abs(now - started) < 0.01
+    return start_time(pid) == started
 
 
 def ancestors(pid: int) -> list[int]:

@@ -57,7 +57,7 @@ class Rank:
     world_size: int
     local_world_size: int
     pid: int
-    pid_start_time: float | None  # psutil create_time(): with the pid, the identity of the process
+    pid_start_time: float | None  # seconds from boot (procs.start_time): with the pid, the process's identity
     restart_count: int = 0
     registered_at: float = field(default_factory=time.monotonic)
     registered_wall: float = field(default_factory=time.time)

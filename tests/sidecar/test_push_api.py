@@ -29,7 +29,9 @@ async def test_registration_over_the_socket_records_a_verified_identity(sidecar,
     await sidecar.post("/v1/register", registration(child_pid))
     rank = sidecar.app[DAEMON].registry.get("run-42", 0)
     assert rank.peer_verified is True
-    assert rank.pid_start_time == psutil.Process(child_pid).create_time()
+    # The start time is boot-relative: psutil's wall-clock create_time less the boot time.
+    process = psutil.Process(child_pid)
+    assert abs(psutil.boot_time() + rank.pid_start_time - process.create_time()) < 0.05
 
 
 async def test_a_pid_that_is_not_the_callers_is_refused_over_the_socket(sidecar, stranger_pid):

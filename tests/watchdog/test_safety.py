@@ -82,7 +82,7 @@ def test_a_rank_that_does_not_lead_its_group_is_signalled_with_its_descendants_o
     shell = spawn(["bash", "-c", "bash -c 'sleep 600 & wait' & wait"])
     (rank,) = _wait_children(shell.pid, 1, recursive=False)
     (grandchild,) = _wait_children(rank.pid, 1)
-    sent = send(target(rank.pid, rank.create_time()), signal.SIGKILL)
+    sent = send(target(rank.pid, procs.start_time(rank.pid)), signal.SIGKILL)
     assert set(sent) == {rank.pid, grandchild.pid}
     psutil.wait_procs([grandchild], timeout=10)
     assert shell.wait(timeout=10) == 0, "the shell leading the group was not signalled"
