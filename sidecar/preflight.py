@@ -375,13 +375,8 @@ def check_nics(ctx: Context) -> Iterable[Result]:
         yield Result("nics", WARN, f"no network interface in {root}/class/net (after collectors.nic_exclude)",
                      "in a container, mount the host's /sys and set collectors.sysfs_root")
         return
-    down = [n for n in nics if not n.up]
-    text = ", ".join(f"{n.name} {n.state}" + (f" {n.speed}" if n.speed else "") for n in nics)
-    if down:
-        yield Result("nics", WARN, text, f"{', '.join(n.name for n in down)} not up: check the cable/switch port "
-                     "or exclude unused ones with collectors.nic_exclude")
-    else:
-        yield Result("nics", PASS, text)
+    yield links_result("nics", nics, "not up: check the cable/switch port "
+                       "or exclude unused ones with collectors.nic_exclude")
 
 
 def check_infiniband(ctx: Context) -> Iterable[Result]:
@@ -389,13 +384,17 @@ def check_infiniband(ctx: Context) -> Iterable[Result]:
     if not ports:
         yield Result("infiniband", SKIP, "no InfiniBand/RoCE devices")
         return
-    down = [p for p in ports if not p.up]
-    text = ", ".join(f"{p.name} {p.state}" + (f" {p.speed}" if p.speed else "") for p in ports)
+    yield links_result("infiniband", ports, "not ACTIVE: NCCL skips them; "
+                       "check `ibstat`, the cable and the subnet manager")
+
+
+def links_result(check: str, links: list, down_hint: str) -> Result:
+    """PASS listing every link (name, state, speed), or WARN naming the ones that are down."""
+    text = ", ".join(f"{link.name} {link.state}" + (f" {link.speed}" if link.speed else "") for link in links)
+    down = [link.name for link in links if not link.up]
     if down:
-        yield Result("infiniband", WARN, text, f"{', '.join(p.name for p in down)} not ACTIVE: NCCL skips them; "
-                     "check `ibstat`, the cable and the subnet manager")
-    else:
-        yield Result("infiniband", PASS, text)
+        return Result(check, WARN, text, f"{', '.join(down)} {down_hint}")
+    return Result(check, PASS, text)
 
 
 def _is_local_address(host: str) -> bool:
