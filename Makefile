@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean docs
+.PHONY: demo test bench venv clean docs system-deps
+
+# Prometheus, promtool, Alertmanager and amtool from Debian's packages (the tests start them).
+system-deps:
+	bash scripts/system-deps.sh
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -17,7 +21,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)
