@@ -23,7 +23,8 @@ from demo.job import SidecarClient, SidecarSpec, wait_for
 from demo.processes import Processes, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = {name: ROOT / "bench" / "cycles" / f"train_{name}.py" for name in ("plain", "hf", "lightning")}
+SCRIPTS = {name: ROOT / "bench" / "cycles" / f"train_{name}.py" for name in ("plain", "hf", "lightning", "unmodified")}
+ATTACHED = {"unmodified"}  # run through `-m trainer_hooks.attach` (zero-code attach)
 # Fast cycles: a 2 s step floor, quick dumps, a 1 s grace, no storm cap in the way.
 SIDECAR = dict(floor_seconds=2.0, dump_wait_seconds=0.5, grace_seconds=1.0,
                extra=["remediation.max_per_window=1000", "hooks_flush_interval_seconds=0.25"])
@@ -54,15 +55,16 @@ class Cycles:
                 f"rc={self.returncode}  ({self.wall_seconds:.0f} s)")
 
 
-def launcher_command(launcher: str, script: Path, nproc: int, max_restarts: int) -> list[str]:
+def launcher_command(launcher: str, script: Path, nproc: int, max_restarts: int, attach: bool = False) -> list[str]:
     if launcher == "torchrun":
         head = [sys.executable, "-m", "torch.distributed.run"]
     elif launcher == "ft_launcher":
-        exe = shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
-        head = [exe, "--ft-param-rank_heartbeat_timeout=1000000", "--ft-param-initial_rank_heartbeat_timeout=1000000"]
+        head = [sys.executable, "-c", "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; "
+                "sys.argv[0] = 'ft_launcher'; sys.exit(main())", "--ft-param-rank_heartbeat_timeout=1000000", "--ft-param-initial_rank_heartbeat_timeout=1000000"]
     else:
         raise ValueError(launcher)
-    return head + ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), str(script)]
+    tail = ["-m", "trainer_hooks.attach", str(script)] if attach else [str(script)]
+    return head + ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), *tail]
 
 
 def read_records(path: Path) -> list[dict]:
@@ -118,7 +120,8 @@ def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, han
             env["SIDECAR_SOCKET"] = sock
         else:
             env["SIDECAR_HOOKS_DISABLED"] = "1"
-        job = procs.start("job", launcher_command(launcher, SCRIPTS[script], nproc, cycles + 2), env=env)
+        job = procs.start("job", launcher_command(launcher, SCRIPTS[script], nproc, cycles + 2,
+                                                  attach=script in ATTACHED), env=env)
         deadline = time.monotonic() + timeout
         while job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
