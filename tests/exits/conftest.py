@@ -17,7 +17,8 @@ from tests.support import PYTHON, ROOT, Sidecar, kill_tree, spawned, tail, wait_
 RANK = str(ROOT / "tests" / "exits" / "exit_rank.py")
 SETTINGS = ("watchdog.check_interval_seconds=0.25", "hooks_flush_interval_seconds=0.5",
             "remediation.py_spy=false", "remediation.dump_wait_seconds=0.5", "remediation.grace_seconds=2",
-            "watchdog.floor_seconds=3", "exits.group_seconds=20")
+            "watchdog.floor_seconds=60", "exits.group_seconds=20")
+HANG_SETTINGS = SETTINGS + ("watchdog.floor_seconds=3",)
 TIMEOUT = 120.0  # generous: the machine is shared
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.exits.conftest import counted, exits_of, incidents, rank_env, register, wait_for_exit
 from tests.support import PYTHON, Sidecar, tail, wait_until
-from tests.exits.conftest import RANK, SETTINGS
+from tests.exits.conftest import HANG_SETTINGS, RANK
 
 
 def test_a_clean_finish_is_finished_and_opens_no_incident(sidecar, ranks):
@@ -65,7 +65,12 @@ def test_a_nonfinite_guard_names_the_checkpoint_to_resume_from(sidecar, ranks):
     assert "resume from checkpoint step 4" in incident["summary"]
 
 
-def test_a_watchdog_kill_is_watchdog(sidecar, ranks):
+def test_a_watchdog_kill_is_watchdog(tmp_path, ranks):
+    with Sidecar(tmp_path / "hang", *HANG_SETTINGS) as sidecar:
+        _watchdog_kill(sidecar, ranks)
+
+
+def _watchdog_kill(sidecar, ranks):
     r = ranks(rank_env(sidecar, "hung"), "hang").wait_ready()
     r.start_fatal()
     r.wait(timeout=120)
