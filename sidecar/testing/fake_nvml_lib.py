@@ -330,11 +330,9 @@ def _threshold(lib, device, which, out):
 
 def _device_value(function: str, ctype: Any) -> None:
     """A `nvmlReturn_t f(nvmlDevice_t, T *out)` symbol answered by the model's function of that name."""
-    getter = getattr(model, function)
-
     @symbol(function, P, P)
     def impl(lib, device, out):
-        _out(out, ctype, getter(lib.handle(device)))
+        _out(out, ctype, getattr(model, function)(lib.handle(device)))
 
 
 for _function, _ctype in (("nvmlDeviceGetPowerUsage", c_uint), ("nvmlDeviceGetEnforcedPowerLimit", c_uint),
