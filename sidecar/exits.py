@@ -116,6 +116,7 @@ class Evidence:
     oom_kernel_log: str | None = None  # the kernel's "Killed process <pid>" line
     xid: tuple[str, int, float] | None = None  # (gpu, xid, unix time) on a GPU the rank used
     xid_unused_gpu: tuple[str, int, float] | None = None  # an XID in the window on another GPU
+    thread_exception: str | None = None  # "Type: message" of the latest thread that died of one
 
 
 def decide(ev: Evidence) -> tuple[str, list[str]]:
@@ -129,6 +130,8 @@ def decide(ev: Evidence) -> tuple[str, list[str]]:
     if ev.report is not None:
         lines.append(f"the rank's hooks reported {ev.report.type}: {ev.report.message}"
                      + (f" (thread {ev.report.thread})" if ev.report.thread else ""))
+    if ev.thread_exception:
+        lines.append(f"a thread of the rank died earlier of {ev.thread_exception}")
     if ev.oom_kernel_log:
         lines.append(f"kernel log: {ev.oom_kernel_log}")
     if ev.oom_cgroup:
@@ -296,6 +299,9 @@ class ExitTracker:
         status, source = self._status(w) if w.exited_at is not None else (None, None)
         ev = Evidence(deregistered=w.deregistered, report=w.report, status=status, status_source=source,
                       remediated_by=w.remediated_by)
+        thread = [f for _, name, f in w.rank.events if name == "thread_exception"]
+        if thread:
+            ev.thread_exception = f"{str(thread[-1].get('type'))[:200]}: {str(thread[-1].get('message'))[:300]}"
         if w.exited_at is None:
             return ev
         if w.cgroup is not None and w.oom_baseline is not None:

@@ -2,6 +2,7 @@
 killed from outside, by the kernel's OOM killer or by the watchdog, watched by a real sidecar."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -10,7 +11,7 @@ import pytest
 
 from tests.exits.conftest import counted, exits_of, incidents, rank_env, register, wait_for_exit
 from tests.support import PYTHON, Sidecar, tail, wait_until
-from tests.exits.conftest import HANG_SETTINGS, RANK
+from tests.exits.conftest import HANG_SETTINGS, RANK, SETTINGS
 
 
 def test_a_clean_finish_is_finished_and_opens_no_incident(sidecar, ranks):
@@ -127,3 +128,49 @@ def test_a_hung_sidecar_delays_an_exception_exit_by_a_fraction_of_a_second(tmp_p
         assert "RuntimeError: boom" in out.stderr
     finally:
         server.close()
+
+
+def test_a_rank_that_dies_soon_after_an_xid_on_its_gpu_is_gpu_error(tmp_path, ranks):
+    """The NVML stand-in: gpu 1 reports XID 79 (fallen off the bus) 2 s after the sidecar starts;
+    the rank shows up in gpu 1's process list, then dies. A rank on gpu 0 killed the same way
+    is only `signal`: the XID was not on a GPU it used."""
+    spec = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2,
+            "xid_events": [{"gpu": 1, "xid": 79, "at_seconds": 2}]}
+    spec_file = tmp_path / "nvml.json"
+    spec_file.write_text(json.dumps(spec))
+    with Sidecar(tmp_path / "gpu", *SETTINGS, "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
+                 env={"SIDECAR_FAKE_NVML": str(spec_file)}) as sidecar:
+        on_bad = ranks(rank_env(sidecar, "xid"), "hold", name="on-bad-gpu").wait_ready()
+        on_good = ranks(rank_env(sidecar, "xid", rank=1, world=2), "hold", name="on-good-gpu").wait_ready()
+        spec["gpus"] = {"1": {"processes": [{"pid": on_bad.proc.pid, "used_memory_bytes": 1 << 30}]},
+                        "0": {"processes": [{"pid": on_good.proc.pid, "used_memory_bytes": 1 << 30}]}}
+        spec_file.write_text(json.dumps(spec))
+        wait_until(lambda: 'sidecar_gpu_xid_errors_total{gpu="1",xid="79"}' in sidecar.metrics()
+                   and 'sidecar_gpu_process_memory_bytes{gpu="1",job_id="xid",rank="0"}' in sidecar.metrics()
+                   and 'sidecar_gpu_process_memory_bytes{gpu="0",job_id="xid",rank="1"}' in sidecar.metrics(),
+                   60, what="the XID and both ranks on their GPUs")
+        time.sleep(1.5)  # one more exit-tracker poll after the collector round
+        for r in (on_bad, on_good):
+            os.kill(r.proc.pid, signal.SIGKILL)
+            r.wait()
+        assert wait_for_exit(sidecar, "xid", rank=0)["reason"] == "gpu_error"
+        assert wait_for_exit(sidecar, "xid", rank=1)["reason"] == "signal"
+        by_rank = {e["rank"]: e for e in exits_of(sidecar, "xid")}
+        assert any("XID 79 on gpu 1 (it used)" in line for line in by_rank[0]["evidence"]), by_rank[0]
+        assert any("XID 79 on gpu 1 (it was not seen using)" in line for line in by_rank[1]["evidence"])
+
+
+def test_an_exception_that_ends_a_thread_is_kept_as_evidence(sidecar, tmp_path):
+    """A thread's death does not end the process: it is an event, and evidence when the rank dies."""
+    code = ("import os, threading, time\nfrom trainer_hooks import Monitor\nm = Monitor(flush_interval=0.2)\n"
+            "m.step(1, loss=1.0)\n"
+            "def worker():\n    raise ConnectionError('prefetch server went away')\n"
+            "t = threading.Thread(target=worker, name='prefetch'); t.start(); t.join()\n"
+            "time.sleep(1.0)\nos._exit(3)\n")
+    import subprocess
+    env = {**os.environ, **rank_env(sidecar, "thread")}
+    out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "ConnectionError: prefetch server went away" in out.stderr
+    assert wait_for_exit(sidecar, "thread")["reason"] == "nonzero_exit"
+    (recorded,) = exits_of(sidecar, "thread")
+    assert "a thread of the rank died earlier of ConnectionError: prefetch server went away" in recorded["evidence"]
