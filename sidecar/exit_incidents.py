@@ -2,8 +2,9 @@
 store (so `sidecar incidents` lists both kinds).
 
 When one worker dies, torchrun stops the others, and on a node with eight ranks the first
-death is followed by seven more within seconds. Those exits go into the one incident that the
-first opened (for `exits.group_seconds`), which names the first as the likely cause. An exit
+death is followed by seven more within seconds. Those exits (of the same restart attempt) go into
+the one incident that the first opened (for `exits.group_seconds`), which names the first as the
+likely cause; the next attempt's failure is a new incident. An exit
 the sidecar's own remediation caused has its stall incident already and opens none.
 """
 from __future__ import annotations
@@ -78,22 +79,24 @@ class ExitIncidents:
 
     def __init__(self, store: IncidentStore, group_seconds: float, clock=time.monotonic):
         self.store, self.group_seconds, self.clock = store, group_seconds, clock
-        self._open: dict[str, tuple[float, ExitIncident]] = {}  # job_id -> (opened, incident)
+        self._open: dict[tuple[str, int], tuple[float, ExitIncident]] = {}  # (job_id, restart) -> (opened, incident)
 
-    def add(self, entry: dict[str, Any]) -> str:
-        """File one decided exit; returns the incident's id."""
+    def add(self, entry: dict[str, Any]) -> tuple[str, bool]:
+        """File one decided exit; returns the incident's id and whether this exit opened it."""
         job_id, now = entry["job_id"], self.clock()
-        for job in [j for j, (opened, _) in self._open.items() if now - opened > self.group_seconds]:
-            del self._open[job]
-        current = self._open.get(job_id)
-        if current is None:
+        key = (job_id, entry.get("restart_count") or 0)
+        for stale in [k for k, (opened, _) in self._open.items() if now - opened > self.group_seconds]:
+            del self._open[stale]
+        current = self._open.get(key)
+        opened = current is None
+        if opened:
             incident = self.store.open(job_id, cls=ExitIncident, blamed_rank=entry["rank"],
                                        blame_reason=f"first local rank to exit ({entry['reason']})",
                                        timeout_seconds=None, observe_only=False, ranks=[], outcome=entry["reason"])
-            self._open[job_id] = (now, incident)
+            self._open[key] = (now, incident)
         else:
             incident = current[1]
         incident.exits.append(entry)
         incident.event("rank_exit", at=entry["time"], rank=entry["rank"], reason=entry["reason"])
         self.store.save(incident)
-        return incident.id
+        return incident.id, opened

@@ -62,6 +62,10 @@ METRICS: tuple[MetricSpec, ...] = (
          "Rank process exits by reason: finished, watchdog, oom_killed, gpu_error, exception/cuda_oom, "
          "exception/collective_timeout, exception/communication, exception/nonfinite, exception/other, "
          "signal, nonzero_exit, unknown.", ["job_id", "reason"]),
+    spec("exits", "job_failures", "counter",
+         "Failures of a job's worker group on this node, by the reason of the first rank to exit (the likely "
+         "cause: torchrun stops the other workers, which then exit with `signal`). Reasons as "
+         "sidecar_rank_exits_total, without finished.", ["job_id", "reason"]),
     spec("exits", "rank_last_exit_timestamp_seconds", "gauge",
          "Unix time of the job's latest rank exit classified on this node, by its reason.", ["job_id", "reason"]),
 )
@@ -208,6 +212,8 @@ class ExitTracker:
         self.xids, self.gpu_use, self.clock = xids, gpu_use, clock
         self._watches: dict[int, _Watch] = {}  # by id(rank): a re-registration is a new Rank
         self.counts: Counter = Counter()  # (job_id, reason)
+        self.failures: Counter = Counter()  # (job_id, reason of the first exit)
+        self._remediations_counted: list[str] = []  # watchdog incidents already counted as a failure
         self.last_time: dict[tuple[str, str], float] = {}
         self.last: dict[str, Any] | None = None  # the latest decided exit, for /v1/status
         self.recent: list[dict[str, Any]] = []
@@ -359,8 +365,14 @@ class ExitTracker:
         rank.exit_reason = reason
         level = logging.INFO if reason == "finished" else logging.WARNING
         log.log(level, "rank %s (pid %d) exit: %s; %s", rank.label, rank.pid, reason, "; ".join(lines) or "-")
-        if reason not in ("finished", "watchdog"):
-            entry["incident"] = self.incidents.add(entry)
+        if reason == "watchdog":
+            if ev.remediated_by not in self._remediations_counted:
+                self._remediations_counted = self._remediations_counted[-255:] + [ev.remediated_by]
+                self.failures[(rank.job_id, reason)] += 1
+        elif reason != "finished":
+            entry["incident"], first = self.incidents.add(entry)
+            if first:
+                self.failures[(rank.job_id, reason)] += 1
         return entry
 
     def _drop_oldest_job(self) -> None:
@@ -368,18 +380,22 @@ class ExitTracker:
         for key in [k for k in self.counts if k[0] == oldest]:
             del self.counts[key]
             self.last_time.pop(key, None)
+        for key in [k for k in self.failures if k[0] == oldest]:
+            del self.failures[key]
 
     # ------------------------------------------------------------ reading
 
     def families(self) -> Iterable[Metric]:
-        exits, last = (m.family() for m in METRICS)
+        exits, failures, last = (m.family() for m in METRICS)
         for (job_id, reason), n in sorted(self.counts.items()):
             exits.add_metric([job_id, reason], n)
             last.add_metric([job_id, reason], self.last_time[(job_id, reason)])
-        return [exits, last]
+        for (job_id, reason), n in sorted(self.failures.items()):
+            failures.add_metric([job_id, reason], n)
+        return [exits, failures, last]
 
     def status(self) -> dict[str, Any]:
-        brief = ("job_id", "rank", "pid", "reason", "time", "step", "incident")
+        brief = ("job_id", "rank", "pid", "restart_count", "reason", "time", "step", "incident")
         return {"last": {k: self.last.get(k) for k in brief} | {"evidence": self.last["evidence"][:3]}
                 if self.last else None,
                 "recent": [{k: e.get(k) for k in brief} for e in reversed(self.recent[-5:])],

@@ -95,18 +95,18 @@ def incidents(sidecar: Sidecar, kind: str | None = None) -> list[dict]:
     return out
 
 
-def counted(sidecar: Sidecar, job_id: str) -> dict[str, float]:
-    """sidecar_rank_exits_total of the job, by reason."""
+def counted(sidecar: Sidecar, job_id: str, name: str = "sidecar_rank_exits_total") -> dict[str, float]:
+    """A counter of the job (sidecar_rank_exits_total), by reason."""
     out = {}
     for line in sidecar.metrics().splitlines():
-        if line.startswith("sidecar_rank_exits_total{") and f'job_id="{job_id}"' in line:
+        if line.startswith(name + "{") and f'job_id="{job_id}"' in line:
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = float(line.rsplit(" ", 1)[1])
     return out
 
 
 def wait_for_exit(sidecar: Sidecar, job_id: str, reason: str | None = None, rank: int | None = None,
-                  timeout: float = 60.0) -> dict:
+                  timeout: float = 60.0, restart: int | None = None) -> dict:
     """The first counted exit of the job (of that rank, with that reason) once decided."""
     def decided():
         try:
@@ -114,7 +114,8 @@ def wait_for_exit(sidecar: Sidecar, job_id: str, reason: str | None = None, rank
         except Exception:
             return None
         for e in recent:
-            if e["job_id"] == job_id and (rank is None or e["rank"] == rank) and (reason is None or e["reason"] == reason):
+            if e["job_id"] == job_id and (rank is None or e["rank"] == rank) and (reason is None or e["reason"] == reason) \
+                    and (restart is None or e.get("restart_count") == restart):
                 return e
         return None
     try:

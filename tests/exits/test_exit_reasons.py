@@ -78,6 +78,7 @@ def _watchdog_kill(sidecar, ranks):
     exit_ = wait_for_exit(sidecar, "hung", timeout=60)
     assert exit_["reason"] == "watchdog"
     assert counted(sidecar, "hung") == {"watchdog": 1.0}
+    assert counted(sidecar, "hung", "sidecar_job_failures_total") == {"watchdog": 1.0}
     assert exits_of(sidecar, "hung") == [], "the stall incident is the record; no exit incident"
     (stall,) = [i for i in incidents(sidecar, "stall") if i["job_id"] == "hung"]
     assert stall["outcome"] == "killed"
