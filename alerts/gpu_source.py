@@ -148,6 +148,33 @@ DCGM: list[Mapping] = [
             "pod mapping joined with the rank's `namespace`, `pod`, `container`)", extra="job_id, rank"),
 ]
 
+# The uncommented lines of dcgm-exporter's etc/default-counters.csv (main, 2026), each mapped
+# above or listed here with why not (a test checks the table covers them all).
+DEFAULT_COUNTERS = (
+    "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_MEM_CLOCK", "DCGM_FI_DEV_MEMORY_TEMP", "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+    "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_ENC_UTIL", "DCGM_FI_DEV_DEC_UTIL",
+    "DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_RESERVED",
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "DCGM_FI_DEV_VGPU_LICENSE_STATUS",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE", "DCGM_FI_DRIVER_VERSION", "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "DCGM_FI_PROF_DRAM_ACTIVE", "DCGM_FI_PROF_PCIE_TX_BYTES",
+    "DCGM_FI_PROF_PCIE_RX_BYTES",
+)
+NOT_MAPPED = {
+    "DCGM_FI_DEV_MEMORY_TEMP": ("celsius", "no counterpart of ours (HBM temperature)"),
+    "DCGM_FI_DEV_ENC_UTIL": ("percent", "no counterpart (video encoder)"),
+    "DCGM_FI_DEV_DEC_UTIL": ("percent", "no counterpart (video decoder)"),
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("counter", "no counterpart (NVLink traffic)"),
+    "DCGM_FI_DEV_VGPU_LICENSE_STATUS": ("status", "no counterpart (vGPU licensing)"),
+    "DCGM_FI_DRIVER_VERSION": ("label", "a label on every series; `sidecar_versions_info` keeps the sidecar's"),
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("ratio", "no counterpart (DCP profiling)"),
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("ratio", "no counterpart (DCP profiling)"),
+    "DCGM_FI_PROF_DRAM_ACTIVE": ("ratio", "no counterpart (DCP profiling)"),
+    "DCGM_FI_PROF_PCIE_TX_BYTES": ("bytes per second", "no counterpart (PCIe traffic)"),
+    "DCGM_FI_PROF_PCIE_RX_BYTES": ("bytes per second", "no counterpart (PCIe traffic)"),
+}
+
 # Our metrics with no dcgm-exporter counterpart (their panels and alerts need the sidecar source).
 SIDECAR_ONLY = ("sidecar_gpu_lost", "sidecar_gpu_nvlink_up", "sidecar_gpu_last_xid_timestamp_seconds")
 
@@ -179,4 +206,6 @@ def markdown_table() -> str:
         fields = ", ".join(f"`{f}`" for f in m.dcgm)
         rows.append(f"| {fields} | {'yes' if m.default else 'no (enable it)'} | `{m.ours}` | {m.unit} | "
                     f"{m.note or 'as is'} |")
+    for field, (unit, why) in NOT_MAPPED.items():
+        rows.append(f"| `{field}` | yes | not mapped | {unit} | {why} |")
     return "\n".join(rows) + "\n"
