@@ -246,23 +246,27 @@ class NvmlSession:
             self._health.pop(index, None)
             self.handles[index] = None  # a GPU that comes back after a reset gets a new handle
             raise
-        finally:
-            self._log_changes(r.gpu, states)
         r.unavailable = states.reported()
         return r
 
-    @staticmethod
-    def _log_changes(gpu: str, states: FieldStates) -> None:
-        if states.newly_unavailable:
-            fields = ", ".join(f"{key} ({u.reason})" for key, u in states.newly_unavailable)
-            level = logging.INFO if all(u.reason == "not_supported" for _, u in states.newly_unavailable) \
-                else logging.WARNING
-            log.log(level, "gpu %s: not reading %s; asked again later (sidecar_gpu_field_unavailable)", gpu, fields)
-            log.debug("gpu %s: %s", gpu, "; ".join(u.detail for _, u in states.newly_unavailable))
+    def log_field_changes(self) -> None:
+        """One log line for the fields that became unavailable (or readable again) since the last
+        call, across all GPUs: a field failing on 8 GPUs is one line, not 8, and not one a round."""
+        gone: dict[tuple[str, str], list[str]] = {}
+        back: dict[str, list[str]] = {}
+        for index, states in sorted(self.fields.items()):
+            for key, u in states.newly_unavailable:
+                gone.setdefault((key, u.reason), []).append(str(index))
+            for key in states.recovered:
+                back.setdefault(key, []).append(str(index))
             states.newly_unavailable.clear()
-        if states.recovered:
-            log.info("gpu %s: reading %s again", gpu, ", ".join(states.recovered))
             states.recovered.clear()
+        if gone:
+            level = logging.INFO if all(reason == "not_supported" for _, reason in gone) else logging.WARNING
+            log.log(level, "NVML does not give %s; asked again later (see sidecar_gpu_field_unavailable)",
+                    "; ".join(f"{key} ({reason}) on gpu {','.join(gpus)}" for (key, reason), gpus in gone.items()))
+        if back:
+            log.info("NVML gives again %s", "; ".join(f"{key} on gpu {','.join(gpus)}" for key, gpus in back.items()))
 
     def _read_fast(self, d: DeviceReader, r: GpuReading) -> None:
         """What changes from one second to the next."""
@@ -277,6 +281,10 @@ class NvmlSession:
             r.memory_free_bytes = int(mem.free)
             reserved = getattr(mem, "reserved", None)
             r.memory_reserved_bytes = None if reserved is None else int(reserved)
+            if reserved is None:  # nvmlMemory_v1: the driver's reservation is counted in used
+                d.states.failed("memory_reserved", "function_not_found", "no nvmlDeviceGetMemoryInfo_v2", d.now)
+            else:
+                d.states.succeeded("memory_reserved")
         r.temperature_celsius = d.first("temperature", [
             ("nvmlDeviceGetTemperature", getattr(nv, "nvmlDeviceGetTemperature", None)),
             ("nvmlDeviceGetTemperatureV", getattr(nv, "nvmlDeviceGetTemperatureV1", None))], nv.NVML_TEMPERATURE_GPU)
