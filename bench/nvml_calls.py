@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sidecar.collectors import nvml as nvml_session  # noqa: E402
+from sidecar.collectors.base import PartialFailure  # noqa: E402
 from sidecar.collectors.gpu import GpuCollector  # noqa: E402
 
 
@@ -51,7 +52,7 @@ class CallCounter:
         self.calls: Counter[str] = Counter()
         self._lookup: Any = None
 
-    def __enter__(self) -> "CallCounter":
+    def __enter__(self) -> CallCounter:
         self._lookup = lookup = self.nv._nvmlGetFunctionPointer
         calls = self.calls
 
@@ -60,7 +61,7 @@ class CallCounter:
         self.nv._nvmlGetFunctionPointer = counting
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.nv._nvmlGetFunctionPointer = self._lookup
 
     def total(self) -> int:
@@ -88,7 +89,7 @@ class RoundCost:
 
 def measure(module_name: str, rounds: int = 5) -> RoundCost:
     """Run a GPU collector on `module_name` (pynvml, or the fake library module) and count."""
-    collector = GpuCollector(module_name, lambda: [], xid_events=False)
+    collector = GpuCollector(module_name, list, xid_events=False)
     try:
         if not collector.session.start():
             raise RuntimeError(collector.session.broken or "no NVIDIA GPUs")
@@ -113,7 +114,7 @@ def _rounds(collector: GpuCollector, nv: ModuleType, rounds: int, health: bool) 
             for _ in range(rounds):
                 try:
                     collector.collect()
-                except Exception:  # a lost GPU: a partial failure, still a round
+                except PartialFailure:  # a lost GPU: still a round
                     pass
             return counter.total(), time.perf_counter() - start
     finally:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any
 
 RETRY_UNSUPPORTED_SECONDS = 600.0
 RETRY_FAILED_SECONDS = 60.0
@@ -69,9 +70,7 @@ class FieldStates:
 
     def skipped(self, key: str, now: float) -> bool:
         u = self.unavailable.get(key)
-        if u is None or now >= u.retry_at:
-            return False
-        return True
+        return u is not None and now < u.retry_at
 
     def failed(self, key: str, reason: str, detail: str, now: float, reported: bool = True) -> None:
         wait = RETRY_UNSUPPORTED_SECONDS if reason in UNSUPPORTED else RETRY_FAILED_SECONDS
