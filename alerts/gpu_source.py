@@ -95,12 +95,16 @@ DCGM: list[Mapping] = [
     _simple("sidecar_gpu_memory_utilization_ratio", "ratio", "DCGM_FI_DEV_MEM_COPY_UTIL", " / 100", True,
             "percent / 100"),
     _simple("sidecar_gpu_memory_used_bytes", "bytes", "DCGM_FI_DEV_FB_USED", f" * {MIB}", True, "MiB × 1048576"),
+    _simple("sidecar_gpu_memory_free_bytes", "bytes", "DCGM_FI_DEV_FB_FREE", f" * {MIB}", True, "MiB × 1048576"),
+    _simple("sidecar_gpu_memory_reserved_bytes", "bytes", "DCGM_FI_DEV_FB_RESERVED", f" * {MIB}", True,
+            "MiB × 1048576"),
     Mapping("sidecar_gpu_memory_total_bytes", "bytes",
             ("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_RESERVED"),
             f"(\n  {per_gpu('DCGM_FI_DEV_FB_USED')}\n  + {per_gpu('DCGM_FI_DEV_FB_FREE')}\n"
             f"  + ({per_gpu('DCGM_FI_DEV_FB_RESERVED')} or {per_gpu('DCGM_FI_DEV_FB_USED')} * 0)\n) * {MIB}",
             True, "(used + free + reserved) MiB × 1048576"),
     _simple("sidecar_gpu_temperature_celsius", "celsius", "DCGM_FI_DEV_GPU_TEMP", "", True),
+    _simple("sidecar_gpu_memory_temperature_celsius", "celsius", "DCGM_FI_DEV_MEMORY_TEMP", "", True),
     _simple("sidecar_gpu_slowdown_temperature_celsius", "celsius", "DCGM_FI_DEV_SLOWDOWN_TEMP", "", False),
     _simple("sidecar_gpu_shutdown_temperature_celsius", "celsius", "DCGM_FI_DEV_SHUTDOWN_TEMP", "", False),
     _simple("sidecar_gpu_power_watts", "watts", "DCGM_FI_DEV_POWER_USAGE", "", True),
@@ -113,6 +117,16 @@ DCGM: list[Mapping] = [
               f"floor({per_gpu('DCGM_FI_DEV_CLOCKS_EVENT_REASONS')} / {bit}) % 2",
               False, f"bit {bit:#x} of the bitmask → `reason=\"{name}\"`", extra="reason", labels=(("reason", name),))
       for name, bit in CLOCK_REASONS],
+    *_labelled("sidecar_gpu_clock_violation_seconds_total", "seconds", "policy",
+               tuple((f"DCGM_FI_DEV_{field}_VIOLATION", policy) for field, policy in (
+                   ("POWER", "power"), ("THERMAL", "thermal"), ("SYNC_BOOST", "sync_boost"),
+                   ("BOARD_LIMIT", "board_limit"), ("LOW_UTIL", "low_utilization"), ("RELIABILITY", "reliability"))),
+               False, scale=" / 1e9"),
+    _simple("sidecar_gpu_encoder_utilization_ratio", "ratio", "DCGM_FI_DEV_ENC_UTIL", " / 100", True, "percent / 100"),
+    _simple("sidecar_gpu_decoder_utilization_ratio", "ratio", "DCGM_FI_DEV_DEC_UTIL", " / 100", True, "percent / 100"),
+    *_labelled("sidecar_gpu_ecc_volatile_errors_total", "errors", "type",
+               (("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "corrected"), ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "uncorrected")),
+               False),
     *_labelled("sidecar_gpu_ecc_errors_total", "errors", "type",
                (("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "corrected"), ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "uncorrected")),
                False),
@@ -126,6 +140,9 @@ DCGM: list[Mapping] = [
     _simple("sidecar_gpu_remapped_rows_pending", "boolean", "DCGM_FI_DEV_ROW_REMAP_PENDING", "", False),
     _simple("sidecar_gpu_remapped_rows_failed", "boolean", "DCGM_FI_DEV_ROW_REMAP_FAILURE", "", True),
     _simple("sidecar_gpu_pcie_replay_total", "replays", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "", True),
+    *_labelled("sidecar_gpu_pcie_throughput_bytes_per_second", "bytes per second", "direction",
+               (("DCGM_FI_PROF_PCIE_TX_BYTES", "transmit"), ("DCGM_FI_PROF_PCIE_RX_BYTES", "receive")), True,
+               note="DCGM's profiling rate (the sidecar samples NVML's 20 ms throughput)"),
     _simple("sidecar_gpu_pcie_link_generation", "generation", "DCGM_FI_DEV_PCIE_LINK_GEN", "", False),
     _simple("sidecar_gpu_pcie_link_max_generation", "generation", "DCGM_FI_DEV_PCIE_MAX_LINK_GEN", "", False),
     _simple("sidecar_gpu_pcie_link_width", "lanes", "DCGM_FI_DEV_PCIE_LINK_WIDTH", "", False),
@@ -162,21 +179,18 @@ DEFAULT_COUNTERS = (
     "DCGM_FI_PROF_PCIE_RX_BYTES",
 )
 NOT_MAPPED = {
-    "DCGM_FI_DEV_MEMORY_TEMP": ("celsius", "no counterpart of ours (HBM temperature)"),
-    "DCGM_FI_DEV_ENC_UTIL": ("percent", "no counterpart (video encoder)"),
-    "DCGM_FI_DEV_DEC_UTIL": ("percent", "no counterpart (video decoder)"),
-    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("counter", "no counterpart (NVLink traffic)"),
-    "DCGM_FI_DEV_VGPU_LICENSE_STATUS": ("status", "no counterpart (vGPU licensing)"),
-    "DCGM_FI_DRIVER_VERSION": ("label", "a label on every series; `sidecar_versions_info` keeps the sidecar's"),
-    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("ratio", "no counterpart (DCP profiling)"),
-    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("ratio", "no counterpart (DCP profiling)"),
-    "DCGM_FI_PROF_DRAM_ACTIVE": ("ratio", "no counterpart (DCP profiling)"),
-    "DCGM_FI_PROF_PCIE_TX_BYTES": ("bytes per second", "no counterpart (PCIe traffic)"),
-    "DCGM_FI_PROF_PCIE_RX_BYTES": ("bytes per second", "no counterpart (PCIe traffic)"),
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("counter", "no counterpart (NVML's NVLink utilization counters are deprecated)"),
+    "DCGM_FI_DEV_VGPU_LICENSE_STATUS": ("status", "no counterpart (vGPU only)"),
+    "DCGM_FI_DRIVER_VERSION": ("label", "a label on every series; `sidecar_versions_info{driver_version}` has the sidecar's"),
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("ratio", "no counterpart (DCGM profiling, no NVML equivalent)"),
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("ratio", "no counterpart (DCGM profiling, no NVML equivalent)"),
+    "DCGM_FI_PROF_DRAM_ACTIVE": ("ratio", "no counterpart (DCGM profiling, no NVML equivalent)"),
 }
 
-# Our metrics with no dcgm-exporter counterpart (their panels and alerts need the sidecar source).
-SIDECAR_ONLY = ("sidecar_gpu_lost", "sidecar_gpu_nvlink_up", "sidecar_gpu_last_xid_timestamp_seconds")
+# Our metrics with no dcgm-exporter counterpart (their panels and alerts need the sidecar source),
+# with their labels besides instance and gpu.
+SIDECAR_ONLY = {"sidecar_gpu_lost": "", "sidecar_gpu_nvlink_up": "link", "sidecar_gpu_last_xid_timestamp_seconds": "",
+                "sidecar_gpu_field_unavailable": "field, reason"}
 
 
 def sidecar_source() -> list[tuple[str, str]]:
@@ -184,8 +198,8 @@ def sidecar_source() -> list[tuple[str, str]]:
     seen: dict[str, str] = {}
     for m in DCGM:
         seen.setdefault(m.ours, m.extra)
-    for ours in SIDECAR_ONLY:
-        seen.setdefault(ours, "link" if "nvlink" in ours else "")
+    for ours, extra in SIDECAR_ONLY.items():
+        seen.setdefault(ours, extra)
     out = []
     for ours, extra in seen.items():
         labels = ", ".join(x for x in (BY, extra) if x)

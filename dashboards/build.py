@@ -234,6 +234,31 @@ def training_job() -> dict:
                      variables, panels, annotations)
 
 
+def gpu_parity_panels() -> list[dict]:
+    """The counters dcgm-exporter exports by default that NVML also gives (docs/dcgm.md)."""
+    return [
+        timeseries("GPU memory free and reserved", [
+            (f"gpu:sidecar_gpu_memory_free_bytes{{{GPUS}}}", "GPU {{gpu}} free"),
+            (f"gpu:sidecar_gpu_memory_reserved_bytes{{{GPUS}}}", "GPU {{gpu}} reserved by the driver")],
+            "bytes", min_=0, w=8),
+        timeseries("Memory (HBM) temperature", f"gpu:sidecar_gpu_memory_temperature_celsius{{{GPUS}}}", "celsius", w=8),
+        timeseries("PCIe throughput", f"gpu:sidecar_gpu_pcie_throughput_bytes_per_second{{{GPUS}}}", "Bps",
+                   "NVML's 20 ms samples, every 10 s, by direction.", min_=0, w=8),
+        timeseries("Encoder and decoder utilization", [
+            (f"gpu:sidecar_gpu_encoder_utilization_ratio{{{GPUS}}}", "GPU {{gpu}} encoder"),
+            (f"gpu:sidecar_gpu_decoder_utilization_ratio{{{GPUS}}}", "GPU {{gpu}} decoder")],
+            "percentunit", min_=0, max_=1, w=8),
+        timeseries("Time clocks were held down, by policy",
+                   f"sum by (gpu, policy) (rate(gpu:sidecar_gpu_clock_violation_seconds_total{{{GPUS}}}[$__rate_interval]))",
+                   "percentunit", "Share of time each policy (power, thermal, ...) kept the clocks below target: "
+                   "the durations behind the clock event reasons.", min_=0, w=8),
+        timeseries("ECC errors since the driver was loaded", f"gpu:sidecar_gpu_ecc_volatile_errors_total{{{GPUS}}}",
+                   "short", "Volatile counters; the ECC errors panel shows the lifetime (aggregate) ones.", min_=0, w=8),
+        table("GPU fields NVML does not give", f"gpu:sidecar_gpu_field_unavailable{{{GPUS}}} == 1",
+              "Fields left out for a GPU, with NVML's reason (not_supported, no_permission, not_ready, ...).", w=8),
+    ]
+
+
 def node_hardware() -> dict:
     margin = THRESHOLDS["thermal_margin_celsius"]
     panels = [
@@ -281,6 +306,7 @@ def node_hardware() -> dict:
                    "short", min_=0, w=8, threshold=THRESHOLDS["pcie_replays_per_second"]),
         timeseries("GPU memory per rank", f"gpu:sidecar_gpu_process_memory_bytes{{{GPUS}}}", "bytes",
                    "Memory each rank's processes hold on each GPU.", min_=0, w=8),
+        *gpu_parity_panels(),
         row("Network"),
         timeseries("NIC throughput", [
             (f'rate(sidecar_network_receive_bytes_total{{{NODE}, device=~"$device"}}[$__rate_interval])', "{{device}} rx"),

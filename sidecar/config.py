@@ -61,8 +61,9 @@ class CollectorSettings:
     enabled: list[str] = field(default_factory=lambda: ["gpu", "nic", "process", "node"], metadata=doc(
         "Collectors to run. Known: gpu, nic, process, node. Training metrics are always on."))
     nvml_module: str = field(default="pynvml", metadata=doc(
-        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Tests and benchmarks point "
-        "it at `sidecar.testing.fake_nvml`."))
+        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Without a GPU, "
+        "`sidecar.testing.fake_nvml_lib` is pynvml over a fake libnvidia-ml and "
+        "`sidecar.testing.fake_nvml` a lighter stand-in (both read the spec in SIDECAR_FAKE_NVML)."))
     sysfs_root: str = field(default="/sys", metadata=doc(
         "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
     procfs_root: str = field(default="/proc", metadata=doc(

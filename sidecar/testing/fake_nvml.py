@@ -61,8 +61,24 @@ DEFAULT_GPU: dict[str, Any] = {
     "nvlink_link_errors": {},             # per link overrides: {"3": {"crc_flit": 12}}
     "processes": [],                      # [{"pid": 123, "used_memory_bytes": 456}]
     "xid_supported": True,
+    "memory_temperature_celsius": 48, "memory_reserved_bytes": 553_648_128,
+    "pcie_tx_kbps": 12_000, "pcie_rx_kbps": 34_000,   # nvmlDeviceGetPcieThroughput answers in KB/s
+    "encoder_utilization": 0, "decoder_utilization": 0,
+    "ecc_volatile_corrected": 0, "ecc_volatile_uncorrected": 0,
+    "violation_ns": {},                   # {"power": ns, "thermal": ns, ...}: time held down, per policy
+    "mig_mode": [0, 0],                   # current, pending; with MIG on, MIG_UNSUPPORTED answer NOT_SUPPORTED
     "errors": {},
 }
+
+# What a MIG-enabled GPU with instances answers NOT_SUPPORTED for on its parent device.
+MIG_UNSUPPORTED = frozenset({"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetEncoderUtilization",
+                             "nvmlDeviceGetDecoderUtilization", "nvmlDeviceGetRemappedRows",
+                             "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus"})
+
+VIOLATION_POLICIES = {_real.NVML_PERF_POLICY_POWER: "power", _real.NVML_PERF_POLICY_THERMAL: "thermal",
+                      _real.NVML_PERF_POLICY_SYNC_BOOST: "sync_boost", _real.NVML_PERF_POLICY_BOARD_LIMIT: "board_limit",
+                      _real.NVML_PERF_POLICY_LOW_UTILIZATION: "low_utilization",
+                      _real.NVML_PERF_POLICY_RELIABILITY: "reliability"}
 
 _NVLINK_COUNTERS = {_real.NVML_NVLINK_ERROR_DL_REPLAY: "replay", _real.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
                     _real.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", _real.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
@@ -187,6 +203,8 @@ def _gpu(handle: Any, function: str) -> tuple[int, dict[str, Any]]:
     failure = errors.get(function) or errors.get("*")
     if failure:
         raise _error(failure)
+    if function in MIG_UNSUPPORTED and int(values["mig_mode"][0]) == _real.NVML_DEVICE_MIG_ENABLE:
+        raise _error("not_supported")
     return handle.index, values
 
 
@@ -282,9 +300,13 @@ def nvmlDeviceGetUtilizationRates(handle: _Handle) -> SimpleNamespace:
 
 
 def nvmlDeviceGetMemoryInfo(handle: _Handle, version: int | None = None) -> SimpleNamespace:
+    """Version 1 (no `reserved`; used includes the driver's reservation) or, with
+    version=nvmlMemory_v2, version 2 (reserved apart: total = reserved + used + free)."""
     v = _gpu(handle, "nvmlDeviceGetMemoryInfo")[1]
-    total, used = int(v["memory_total_bytes"]), int(v["memory_used_bytes"])
-    return SimpleNamespace(total=total, used=used, free=total - used)
+    total, used, reserved = int(v["memory_total_bytes"]), int(v["memory_used_bytes"]), int(v["memory_reserved_bytes"])
+    if version:
+        return SimpleNamespace(version=version, total=total, reserved=reserved, used=used, free=total - used - reserved)
+    return SimpleNamespace(total=total, used=used + reserved, free=total - used - reserved)
 
 
 def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
@@ -292,6 +314,10 @@ def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
     if sensor != _real.NVML_TEMPERATURE_GPU:
         raise _error("invalid_argument")
     return int(v["temperature_celsius"])
+
+
+def nvmlDeviceGetTemperatureV1(handle: _Handle, sensor: int) -> int:
+    return nvmlDeviceGetTemperature(handle, sensor)
 
 
 def nvmlDeviceGetTemperatureThreshold(handle: _Handle, threshold: int) -> int:
@@ -334,11 +360,12 @@ def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
 
 def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter_type: int) -> int:
     v = _gpu(handle, "nvmlDeviceGetTotalEccErrors")[1]
-    if error_type == _real.NVML_MEMORY_ERROR_TYPE_CORRECTED:
-        return int(v["ecc_corrected"])
-    if error_type == _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
-        return int(v["ecc_uncorrected"])
-    raise _error("invalid_argument")
+    prefix = {_real.NVML_AGGREGATE_ECC: "ecc_", _real.NVML_VOLATILE_ECC: "ecc_volatile_"}.get(counter_type)
+    kind = {_real.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
+            _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected"}.get(error_type)
+    if prefix is None or kind is None:
+        raise _error("invalid_argument")
+    return int(v[prefix + kind])
 
 
 def nvmlDeviceGetRetiredPages(handle: _Handle, cause: int) -> list[int]:
@@ -412,6 +439,63 @@ def nvmlDeviceGetComputeRunningProcesses(handle: _Handle) -> list[SimpleNamespac
 
 
 nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
+
+
+def nvmlDeviceGetPcieThroughput(handle: _Handle, counter: int) -> int:
+    v = _gpu(handle, "nvmlDeviceGetPcieThroughput")[1]
+    if counter == _real.NVML_PCIE_UTIL_TX_BYTES:
+        return int(v["pcie_tx_kbps"])
+    if counter == _real.NVML_PCIE_UTIL_RX_BYTES:
+        return int(v["pcie_rx_kbps"])
+    raise _error("invalid_argument")
+
+
+def nvmlDeviceGetEncoderUtilization(handle: _Handle) -> list[int]:
+    return [int(_gpu(handle, "nvmlDeviceGetEncoderUtilization")[1]["encoder_utilization"]), 167_000]
+
+
+def nvmlDeviceGetDecoderUtilization(handle: _Handle) -> list[int]:
+    return [int(_gpu(handle, "nvmlDeviceGetDecoderUtilization")[1]["decoder_utilization"]), 167_000]
+
+
+def violation_ns(handle: _Handle, policy: int) -> tuple[int, int]:
+    """(reference time, violation time) in ns, as nvmlDeviceGetViolationStatus fills them."""
+    v = _gpu(handle, "nvmlDeviceGetViolationStatus")[1]
+    if policy not in VIOLATION_POLICIES:
+        raise _error("invalid_argument")
+    return time.time_ns() // 1000, int(v["violation_ns"].get(VIOLATION_POLICIES[policy], 0))
+
+
+def nvmlDeviceGetViolationStatus(handle: _Handle, policy: int) -> SimpleNamespace:
+    reference, violation = violation_ns(handle, policy)
+    return SimpleNamespace(referenceTime=reference, violationTime=violation)
+
+
+def field_value(handle: _Handle, field_id: int) -> tuple[int, int, int]:
+    """One entry of nvmlDeviceGetFieldValues: (nvmlReturn, value type, value). A field's own
+    error comes from the spec's errors under its NVML_FI_* name."""
+    v = _gpu(handle, "nvmlDeviceGetFieldValues")[1]
+    names = {_real.NVML_FI_DEV_MEMORY_TEMP: "NVML_FI_DEV_MEMORY_TEMP"}
+    name = names.get(field_id)
+    if name is None:
+        return _real.NVML_ERROR_NOT_SUPPORTED, 0, 0
+    failure = (v.get("errors") or {}).get(name)
+    if failure:
+        return _error(failure).value, 0, 0
+    return _real.NVML_SUCCESS, _real.NVML_VALUE_TYPE_UNSIGNED_INT, int(v["memory_temperature_celsius"])
+
+
+def nvmlDeviceGetFieldValues(handle: _Handle, field_ids: list[int]) -> Any:
+    values = (_real.c_nvmlFieldValue_t * len(field_ids))()
+    for n, field_id in enumerate(field_ids):
+        ret, value_type, value = field_value(handle, field_id)
+        values[n].fieldId, values[n].nvmlReturn, values[n].valueType = field_id, ret, value_type
+        values[n].value.uiVal = value
+    return values
+
+
+def nvmlDeviceGetMigMode(handle: _Handle) -> list[int]:
+    return [int(x) for x in _gpu(handle, "nvmlDeviceGetMigMode")[1]["mig_mode"]]
 
 
 # ---------------------------------------------------------------- events
