@@ -26,7 +26,8 @@ Energy grows with power over time, as on a real board.
 
 The driver state lives in sidecar.testing.nvml_model, shared with the fake C library
 (sidecar.testing.fake_nvml_lib), which the GPU collector's tests use. This module is the
-lighter stand-in: pynvml's API without pynvml's code, for the demo and other tests' sidecars.
+lighter stand-in: pynvml's API without pynvml's code, for `bench_metrics --nvml module` and
+quick experiments.
 """
 from __future__ import annotations
 
