@@ -355,7 +355,7 @@ class NvmlSession:
     @staticmethod
     def _check_mig_mode(d: DeviceReader, r: GpuReading) -> None:
         """What a GPU supports changes with its MIG mode: on a change, every field is asked again."""
-        mode = d.call("mig_mode", "nvmlDeviceGetMigMode")
+        mode = d.call("mig_mode", "nvmlDeviceGetMigMode", reported=False)  # no MIG on this board: no news
         r.mig_mode = None if mode is None else int(mode[0])
         states = d.states
         if r.mig_mode is not None and states.mig_mode is not None and r.mig_mode != states.mig_mode:
