@@ -144,12 +144,11 @@ def compute_processes_v1(nv: ModuleType) -> Callable[[Any], list[Any]] | None:
     """The unversioned `nvmlDeviceGetComputeRunningProcesses` symbol (R470 and older drivers),
     which nvidia-ml-py 12+ no longer wraps: its `nvmlDeviceGetComputeRunningProcesses` calls `_v3`.
     None when `nv` is not pynvml over a C library (the Python stand-in)."""
-    lookup = getattr(nv, "_nvmlGetFunctionPointer", None)
-    if lookup is None:
+    if getattr(nv, "_nvmlGetFunctionPointer", None) is None:
         return None
 
     def call(handle: Any) -> list[_ProcessInfoV1]:
-        fn = lookup("nvmlDeviceGetComputeRunningProcesses")
+        fn = nv._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses")
         count = ctypes.c_uint(0)
         ret = fn(handle, ctypes.byref(count), None)
         if ret == nv.NVML_SUCCESS:

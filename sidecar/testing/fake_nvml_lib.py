@@ -19,11 +19,11 @@ An absent symbol is what `getattr(CDLL, name)` does on a real library without it
 which pynvml turns into NVMLError_FunctionNotFound (or NVMLLibraryMismatchError in its
 unversioned wrappers). `calls` counts the C calls per symbol (the benchmark's NVML-calls figure).
 
-Which stand-in to use: this library for every test of the collector, preflight and
-`bench/gpu_check.py`-style checks; the pure-Python module `sidecar.testing.fake_nvml` (pynvml's
-API without pynvml's code) only where a cheap, dependency-free load is wanted: the demo and
-other tests' sidecars. As a `collectors.nvml_module`, name this module: it installs itself on
-first use and then is pynvml.
+Which stand-in to use: this library everywhere (the collector's and preflight's tests, every
+test that starts a sidecar, the metrics benchmark, gpu_check's own test); the pure-Python
+module `sidecar.testing.fake_nvml` (pynvml's API without pynvml's code) only for
+`bench_metrics --nvml module`. As a `collectors.nvml_module`, name this module: it installs
+itself on first use and then is pynvml.
 """
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def stack(tmp_path_factory):
         am = stack.enter_context(Alertmanager(work / "am", alertmanager_config(webhook.url)).running())
         # Observe-only: the hung rank stays stalled (no kill, no restart) so the alert persists.
         sidecar = stack.enter_context(Sidecar(
-            work / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml", "watchdog.observe_only=true",
+            work / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml_lib", "watchdog.observe_only=true",
             "watchdog.floor_seconds=3", "watchdog.check_interval_seconds=0.25", "hooks_flush_interval_seconds=0.5",
             "watchdog.startup_timeout_seconds=240", f"checkpoint_dir={work / 'ckpt'}",
             env={"SIDECAR_FAKE_NVML": str(nvml_spec)}))
