@@ -16,7 +16,7 @@ from typing import Iterable
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import PartialFailure, spec
-from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, GpuLost, GpuReading, NvmlSession
+from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
 from sidecar.collectors.ranktree import RanksFn, pid_owners
 from sidecar.collectors.xid import XidWatcher
 
@@ -112,6 +112,31 @@ METRICS = (INFO, LOST, FIELD_UNAVAILABLE, UTILIZATION, MEMORY_UTILIZATION, MEMOR
            PCIE_MAX_WIDTH, PCIE_THROUGHPUT, NVLINK_UP, NVLINK_ERRORS, XID_ERRORS, LAST_XID, LAST_XID_TIME,
            PROCESS_MEMORY)
 
+# Per-GPU families -> the fields (labels of sidecar_gpu_field_unavailable) they come from: a
+# family absent for a GPU must have one of these reported unavailable (bench/gpu_check.py checks).
+FIELDS_OF: dict[str, tuple[str, ...]] = {s.name: fields for s, fields in (
+    (UTILIZATION, ("utilization",)), (MEMORY_UTILIZATION, ("utilization",)), (MEMORY_USED, ("memory",)),
+    (MEMORY_TOTAL, ("memory",)), (MEMORY_FREE, ("memory",)), (MEMORY_RESERVED, ("memory", "memory_reserved")),
+    (TEMPERATURE, ("temperature",)), (MEMORY_TEMPERATURE, ("memory_temperature",)),
+    (SLOWDOWN_TEMPERATURE, ("slowdown_temperature",)), (SHUTDOWN_TEMPERATURE, ("shutdown_temperature",)),
+    (POWER, ("power",)), (POWER_LIMIT, ("power_limit",)), (ENERGY, ("energy",)), (SM_CLOCK, ("sm_clock",)),
+    (MEMORY_CLOCK, ("memory_clock",)), (CLOCK_EVENT, ("clock_event_reasons",)),
+    (CLOCK_VIOLATION, tuple(f"violation_{p}" for p, _ in VIOLATION_POLICIES)),
+    (ENCODER_UTILIZATION, ("encoder_utilization",)), (DECODER_UTILIZATION, ("decoder_utilization",)),
+    (ECC_ERRORS, ("ecc_corrected", "ecc_uncorrected")),
+    (ECC_VOLATILE_ERRORS, ("ecc_volatile_corrected", "ecc_volatile_uncorrected")),
+    (RETIRED_PAGES, ("retired_pages_single_bit", "retired_pages_double_bit")),
+    (RETIRED_PAGES_PENDING, ("retired_pages_pending",)), (REMAPPED_ROWS, ("remapped_rows",)),
+    (REMAPPED_ROWS_PENDING, ("remapped_rows",)), (REMAPPED_ROWS_FAILED, ("remapped_rows",)),
+    (PCIE_REPLAY, ("pcie_replay",)), (PCIE_GEN, ("pcie_link_generation",)),
+    (PCIE_MAX_GEN, ("pcie_link_max_generation",)), (PCIE_WIDTH, ("pcie_link_width",)),
+    (PCIE_MAX_WIDTH, ("pcie_link_max_width",)), (PCIE_THROUGHPUT, ("pcie_tx_throughput", "pcie_rx_throughput")))}
+# Families that exist only in some situations, and which.
+CONDITIONAL = {NVLINK_UP.name: "GPUs with NVLink", NVLINK_ERRORS.name: "GPUs with NVLink",
+               XID_ERRORS.name: "after an XID event", LAST_XID.name: "GPUs with XID event support",
+               LAST_XID_TIME.name: "after an XID event", PROCESS_MEMORY.name: "registered ranks using the GPU",
+               FIELD_UNAVAILABLE.name: "fields NVML does not give"}
+
 # Plain one-value-per-GPU families: (spec, GpuReading attribute).
 _SCALARS = (
     (UTILIZATION, "utilization_ratio"), (MEMORY_UTILIZATION, "memory_utilization_ratio"),
@@ -171,6 +196,7 @@ class GpuCollector:
                 problems.append(str(e))
                 continue
             readings.append(reading)
+        self.session.log_field_changes()
         families = self._families(readings, lost)
         if problems:
             more = len(problems) - MAX_PROBLEMS_SHOWN

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from sidecar.collectors.nvml_fields import DeviceReader, FieldStates, GpuLost, compute_processes_v1
+from sidecar.collectors.nvml_fields import DeviceReader, FieldStates, GpuLost, compute_processes_v1, reason_of
 
 __all__ = ["GpuLost", "GpuReading", "NvmlSession", "NvLinkReading", "CLOCK_EVENT_REASONS", "VIOLATION_POLICIES"]
 
@@ -145,6 +145,7 @@ class NvmlSession:
         self.handles: list[Any] = []
         self.static: dict[int, tuple[str, str, str]] = {}  # index -> (uuid, name, pci_bus_id)
         self.fields: dict[int, FieldStates] = {}
+        self.generations: dict[str, list[tuple[str, Any]]] = {}
         self.driver_version = ""
         self.cuda_version = ""
         self.broken: str | None = None  # why NVML is present but unusable, until an attempt succeeds
@@ -187,6 +188,7 @@ class NvmlSession:
                 log.info("NVML works again")
             self.broken = None
             self.handles = [None] * count
+            self.generations = call_generations(nv)
             self.nv = nv
             log.info("NVML: %d GPU(s), driver %s, CUDA %s", count, self.driver_version, self.cuda_version)
             return True
@@ -246,23 +248,27 @@ class NvmlSession:
             self._health.pop(index, None)
             self.handles[index] = None  # a GPU that comes back after a reset gets a new handle
             raise
-        finally:
-            self._log_changes(r.gpu, states)
         r.unavailable = states.reported()
         return r
 
-    @staticmethod
-    def _log_changes(gpu: str, states: FieldStates) -> None:
-        if states.newly_unavailable:
-            fields = ", ".join(f"{key} ({u.reason})" for key, u in states.newly_unavailable)
-            level = logging.INFO if all(u.reason == "not_supported" for _, u in states.newly_unavailable) \
-                else logging.WARNING
-            log.log(level, "gpu %s: not reading %s; asked again later (sidecar_gpu_field_unavailable)", gpu, fields)
-            log.debug("gpu %s: %s", gpu, "; ".join(u.detail for _, u in states.newly_unavailable))
+    def log_field_changes(self) -> None:
+        """One log line for the fields that became unavailable (or readable again) since the last
+        call, across all GPUs: a field failing on 8 GPUs is one line, not 8, and not one a round."""
+        gone: dict[tuple[str, str], list[str]] = {}
+        back: dict[str, list[str]] = {}
+        for index, states in sorted(self.fields.items()):
+            for key, u in states.newly_unavailable:
+                gone.setdefault((key, u.reason), []).append(str(index))
+            for key in states.recovered:
+                back.setdefault(key, []).append(str(index))
             states.newly_unavailable.clear()
-        if states.recovered:
-            log.info("gpu %s: reading %s again", gpu, ", ".join(states.recovered))
             states.recovered.clear()
+        if gone:
+            level = logging.INFO if all(reason == "not_supported" for _, reason in gone) else logging.WARNING
+            log.log(level, "NVML does not give %s; asked again later (see sidecar_gpu_field_unavailable)",
+                    "; ".join(f"{key} ({reason}) on gpu {','.join(gpus)}" for (key, reason), gpus in gone.items()))
+        if back:
+            log.info("NVML gives again %s", "; ".join(f"{key} on gpu {','.join(gpus)}" for key, gpus in back.items()))
 
     def _read_fast(self, d: DeviceReader, r: GpuReading) -> None:
         """What changes from one second to the next."""
@@ -270,32 +276,27 @@ class NvmlSession:
         util = d.call("utilization", "nvmlDeviceGetUtilizationRates")
         if util is not None:
             r.utilization_ratio, r.memory_utilization_ratio = util.gpu / 100.0, util.memory / 100.0
-        mem = d.first("memory", [("nvmlDeviceGetMemoryInfo_v2", _bind(nv, "nvmlDeviceGetMemoryInfo", version=MEMORY_V2)),
-                                 ("nvmlDeviceGetMemoryInfo", getattr(nv, "nvmlDeviceGetMemoryInfo", None))])
+        g = self.generations
+        mem = d.first("memory", g["memory"])
         if mem is not None:
             r.memory_used_bytes, r.memory_total_bytes = int(mem.used), int(mem.total)
             r.memory_free_bytes = int(mem.free)
             reserved = getattr(mem, "reserved", None)
             r.memory_reserved_bytes = None if reserved is None else int(reserved)
-        r.temperature_celsius = d.first("temperature", [
-            ("nvmlDeviceGetTemperature", getattr(nv, "nvmlDeviceGetTemperature", None)),
-            ("nvmlDeviceGetTemperatureV", getattr(nv, "nvmlDeviceGetTemperatureV1", None))], nv.NVML_TEMPERATURE_GPU)
+            if reserved is None:  # nvmlMemory_v1: the driver's reservation is counted in used
+                d.states.failed("memory_reserved", "function_not_found", "no nvmlDeviceGetMemoryInfo_v2", d.now)
+            else:
+                d.states.succeeded("memory_reserved")
+        r.temperature_celsius = d.first("temperature", g["temperature"], nv.NVML_TEMPERATURE_GPU)
         r.power_watts = _scaled(d.call("power", "nvmlDeviceGetPowerUsage"), 1e-3)
         r.power_limit_watts = _scaled(d.call("power_limit", "nvmlDeviceGetEnforcedPowerLimit"), 1e-3)
         r.energy_joules = _scaled(d.call("energy", "nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
         r.sm_clock_hertz = _scaled(d.call("sm_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_SM), 1e6)
         r.memory_clock_hertz = _scaled(d.call("memory_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_MEM), 1e6)
-        # The "event" name replaced "throttle" in NVML 12.2; old drivers only know the latter.
-        r.clock_event_reasons = d.first("clock_event_reasons", [
-            ("nvmlDeviceGetCurrentClocksEventReasons", getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)),
-            ("nvmlDeviceGetCurrentClocksThrottleReasons",
-             getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None))])
+        r.clock_event_reasons = d.first("clock_event_reasons", g["clock_event_reasons"])
         r.pcie_link_generation = d.call("pcie_link_generation", "nvmlDeviceGetCurrPcieLinkGeneration")  # drops at idle
         r.pcie_link_width = d.call("pcie_link_width", "nvmlDeviceGetCurrPcieLinkWidth")
-        procs = d.first("processes", [
-            ("nvmlDeviceGetComputeRunningProcesses_v3", getattr(nv, "nvmlDeviceGetComputeRunningProcesses_v3", None)),
-            ("nvmlDeviceGetComputeRunningProcesses_v2", getattr(nv, "nvmlDeviceGetComputeRunningProcesses_v2", None)),
-            ("nvmlDeviceGetComputeRunningProcesses", compute_processes_v1(nv))]) or []
+        procs = d.first("processes", g["processes"]) or []
         r.processes = [(int(p.pid), int(p.usedGpuMemory)) for p in procs
                        if p.usedGpuMemory is not None and p.usedGpuMemory != NOT_AVAILABLE_ULL]
 
@@ -354,7 +355,7 @@ class NvmlSession:
     @staticmethod
     def _check_mig_mode(d: DeviceReader, r: GpuReading) -> None:
         """What a GPU supports changes with its MIG mode: on a change, every field is asked again."""
-        mode = d.call("mig_mode", "nvmlDeviceGetMigMode")
+        mode = d.call("mig_mode", "nvmlDeviceGetMigMode", reported=False)  # no MIG on this board: no news
         r.mig_mode = None if mode is None else int(mode[0])
         states = d.states
         if r.mig_mode is not None and states.mig_mode is not None and r.mig_mode != states.mig_mode:
@@ -408,15 +409,27 @@ class NvmlSession:
 NOT_AVAILABLE_ULL = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE for unsigned long long fields
 
 
-def _bind(nv: ModuleType, function: str, **kwargs: Any) -> Any:
-    fn = getattr(nv, function, None)
-    if fn is None:
-        return None
-    return lambda handle, *args: fn(handle, *args, **kwargs)
+def call_generations(nv: ModuleType) -> dict[str, list[tuple[str, Any]]]:
+    """The fields read through more than one generation of an NVML call, newest first (the
+    reader keeps, per GPU, the first generation the driver has)."""
+    def the(name: str) -> tuple[str, Any]:
+        return name, getattr(nv, name, None)
+    memory_info = getattr(nv, "nvmlDeviceGetMemoryInfo", None)
+    memory_v2 = None if memory_info is None else (lambda handle: memory_info(handle, version=MEMORY_V2))
+    return {
+        "memory": [("nvmlDeviceGetMemoryInfo_v2", memory_v2), the("nvmlDeviceGetMemoryInfo")],
+        "temperature": [the("nvmlDeviceGetTemperature"),
+                        ("nvmlDeviceGetTemperatureV", getattr(nv, "nvmlDeviceGetTemperatureV1", None))],
+        # The "event" name replaced "throttle" in NVML 12.2; old drivers only know the latter.
+        "clock_event_reasons": [the("nvmlDeviceGetCurrentClocksEventReasons"),
+                                the("nvmlDeviceGetCurrentClocksThrottleReasons")],
+        # pynvml's unversioned wrapper calls _v3; drivers before R510 have _v2 or only the unversioned symbol.
+        "processes": [the("nvmlDeviceGetComputeRunningProcesses_v3"), the("nvmlDeviceGetComputeRunningProcesses_v2"),
+                      ("nvmlDeviceGetComputeRunningProcesses", compute_processes_v1(nv))],
+    }
 
 
 def _field_reason(nv: ModuleType, code: int) -> str:
-    from sidecar.collectors.nvml_fields import reason_of
     return reason_of(nv, nv.NVMLError(code))
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any
 
 RETRY_UNSUPPORTED_SECONDS = 600.0
 RETRY_FAILED_SECONDS = 60.0
@@ -69,9 +70,7 @@ class FieldStates:
 
     def skipped(self, key: str, now: float) -> bool:
         u = self.unavailable.get(key)
-        if u is None or now >= u.retry_at:
-            return False
-        return True
+        return u is not None and now < u.retry_at
 
     def failed(self, key: str, reason: str, detail: str, now: float, reported: bool = True) -> None:
         wait = RETRY_UNSUPPORTED_SECONDS if reason in UNSUPPORTED else RETRY_FAILED_SECONDS
@@ -145,12 +144,11 @@ def compute_processes_v1(nv: ModuleType) -> Callable[[Any], list[Any]] | None:
     """The unversioned `nvmlDeviceGetComputeRunningProcesses` symbol (R470 and older drivers),
     which nvidia-ml-py 12+ no longer wraps: its `nvmlDeviceGetComputeRunningProcesses` calls `_v3`.
     None when `nv` is not pynvml over a C library (the Python stand-in)."""
-    lookup = getattr(nv, "_nvmlGetFunctionPointer", None)
-    if lookup is None:
+    if getattr(nv, "_nvmlGetFunctionPointer", None) is None:
         return None
 
     def call(handle: Any) -> list[_ProcessInfoV1]:
-        fn = lookup("nvmlDeviceGetComputeRunningProcesses")
+        fn = nv._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses")
         count = ctypes.c_uint(0)
         ret = fn(handle, ctypes.byref(count), None)
         if ret == nv.NVML_SUCCESS:

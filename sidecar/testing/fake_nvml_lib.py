@@ -19,11 +19,11 @@ An absent symbol is what `getattr(CDLL, name)` does on a real library without it
 which pynvml turns into NVMLError_FunctionNotFound (or NVMLLibraryMismatchError in its
 unversioned wrappers). `calls` counts the C calls per symbol (the benchmark's NVML-calls figure).
 
-Which stand-in to use: this library for every test of the collector, preflight and
-`bench/gpu_check.py`-style checks; the pure-Python module `sidecar.testing.fake_nvml` (pynvml's
-API without pynvml's code) only where a cheap, dependency-free load is wanted: the demo and
-other tests' sidecars. As a `collectors.nvml_module`, name this module: it installs itself on
-first use and then is pynvml.
+Which stand-in to use: this library everywhere (the collector's and preflight's tests, every
+test that starts a sidecar, the metrics benchmark, gpu_check's own test); the pure-Python
+module `sidecar.testing.fake_nvml` (pynvml's API without pynvml's code) only for
+`bench_metrics --nvml module`. As a `collectors.nvml_module`, name this module: it installs
+itself on first use and then is pynvml.
 """
 from __future__ import annotations
 
@@ -32,13 +32,28 @@ import logging
 import threading
 import traceback
 from collections import Counter
-from ctypes import (CFUNCTYPE, POINTER, Structure, Union, c_char, c_double, c_int, c_int64, c_longlong,
-                    c_uint, c_uint32, c_ulong, c_ulonglong, c_ushort, c_void_p, sizeof)
-from typing import Any, Callable
+from collections.abc import Callable
+from ctypes import CFUNCTYPE, c_int, c_uint, c_ulonglong, c_void_p, sizeof
+from typing import Any
 
 import pynvml
 
 from sidecar.testing import fake_nvml as model
+from sidecar.testing.nvml_h import (
+    MEMORY_V2,
+    NOT_AVAILABLE_ULL,
+    TEMPERATURE_V1,
+    EventData,
+    FieldValue,
+    Memory_v1,
+    Memory_v2,
+    PciInfo,
+    ProcessInfo_v1,
+    ProcessInfo_v2,
+    Temperature_v1,
+    Utilization,
+    ViolationTime,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,69 +67,8 @@ GENERATIONS: dict[str, frozenset[str]] = {
 }
 
 
-# ---------------------------------------------------------------- nvml.h layouts
-
-class Memory_v1(Structure):
-    _fields_ = [("total", c_ulonglong), ("free", c_ulonglong), ("used", c_ulonglong)]
-
-
-class Memory_v2(Structure):
-    _fields_ = [("version", c_uint), ("total", c_ulonglong), ("reserved", c_ulonglong), ("free", c_ulonglong),
-                ("used", c_ulonglong)]
-
-
-class Utilization(Structure):
-    _fields_ = [("gpu", c_uint), ("memory", c_uint)]
-
-
-class PciInfo(Structure):
-    _fields_ = [("busIdLegacy", c_char * 16), ("domain", c_uint), ("bus", c_uint), ("device", c_uint),
-                ("pciDeviceId", c_uint), ("pciSubSystemId", c_uint), ("busId", c_char * 32)]
-
-
-class ProcessInfo_v1(Structure):
-    _fields_ = [("pid", c_uint), ("usedGpuMemory", c_ulonglong)]
-
-
-class ProcessInfo_v2(Structure):  # also v3's layout
-    _fields_ = [("pid", c_uint), ("usedGpuMemory", c_ulonglong), ("gpuInstanceId", c_uint),
-                ("computeInstanceId", c_uint)]
-
-
-class EventData(Structure):
-    _fields_ = [("device", c_void_p), ("eventType", c_ulonglong), ("eventData", c_ulonglong),
-                ("gpuInstanceId", c_uint), ("computeInstanceId", c_uint)]
-
-
-class ViolationTime(Structure):
-    _fields_ = [("referenceTime", c_ulonglong), ("violationTime", c_ulonglong)]
-
-
-class Value(Union):
-    _fields_ = [("dVal", c_double), ("uiVal", c_uint), ("ulVal", c_ulong), ("ullVal", c_ulonglong),
-                ("sllVal", c_longlong), ("siVal", c_int), ("usVal", c_ushort)]
-
-
-class FieldValue(Structure):
-    _fields_ = [("fieldId", c_uint32), ("scopeId", c_uint32), ("timestamp", c_int64), ("latencyUsec", c_int64),
-                ("valueType", c_int), ("nvmlReturn", c_int), ("value", Value)]
-
-
-class Temperature_v1(Structure):
-    _fields_ = [("version", c_uint), ("sensorType", c_uint), ("temperature", c_int)]
-
-
-def struct_version(struct: type, version: int) -> int:
-    """NVML_STRUCT_VERSION(name, ver): the struct's size with the version in the top byte."""
-    return sizeof(struct) | (version << 24)
-
-
-MEMORY_V2 = struct_version(Memory_v2, 2)
-TEMPERATURE_V1 = struct_version(Temperature_v1, 1)
-NOT_AVAILABLE_ULL = 2**64 - 1
 HANDLE_BASE = 0x7E57_0000_0000
 EVENT_SET_BASE = 0x7E58_0000_0000
-
 P, U, I, ULL = c_void_p, c_uint, c_int, c_ulonglong
 
 
@@ -190,7 +144,7 @@ class FakeNvmlLibrary:
                 return e.value
             except Exception:  # never let ctypes swallow it and return 0 (SUCCESS)
                 self.faults.append(f"{name}: {traceback.format_exc()}")
-                log.error("fake NVML library: %s failed", name, exc_info=True)
+                log.exception("fake NVML library: %s failed", name)
                 return pynvml.NVML_ERROR_UNKNOWN
             return pynvml.NVML_SUCCESS if restype is c_int else value
         return call

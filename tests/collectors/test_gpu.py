@@ -258,3 +258,8 @@ def test_a_healthy_gpu_costs_twelve_nvml_calls_per_round_between_health_reads(fa
     run(collector)
     per_gpu = (sum(lib.calls.values()) - before) / 8
     assert per_gpu <= 13, dict(lib.calls)  # 12 calls, +1 for the second call of a non-empty process list
+
+
+def test_every_per_gpu_family_names_the_fields_it_comes_from():
+    from sidecar.collectors.gpu import CONDITIONAL, FIELDS_OF, INFO, LOST
+    assert {s.name for s in METRICS} == set(FIELDS_OF) | set(CONDITIONAL) | {INFO.name, LOST.name}
