@@ -42,6 +42,7 @@ from prometheus_client.core import Metric
 from sidecar import exit_evidence as kernel
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.exit_incidents import ExitIncidents
+from sidecar.protocol import CONTROL_RE
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config import Settings
@@ -416,7 +417,8 @@ def rollback_hint(rank: "Rank") -> dict[str, Any] | None:
     hint: dict[str, Any] = {"first_nonfinite_loss_step": bad}
     if before:
         step, path = max(before, key=lambda c: c[0])
-        hint.update(checkpoint_step=step, checkpoint_path=path)
+        # The rank's text, shown to people (never opened): no control characters in a terminal.
+        hint.update(checkpoint_step=step, checkpoint_path=None if path is None else CONTROL_RE.sub(" ", path))
     return hint
 
 
