@@ -60,7 +60,7 @@ CLIENT = textwrap.dedent(r'''
 
     def sleeper():
         """A process of this user that stands in for a rank (a child: we may register it)."""
-        return subprocess.Popen(["sleep", "600"])
+        return subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def report(**values):
         print("RESULT " + json.dumps(values), flush=True)
