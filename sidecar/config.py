@@ -61,8 +61,9 @@ class CollectorSettings:
     enabled: list[str] = field(default_factory=lambda: ["gpu", "nic", "process", "node"], metadata=doc(
         "Collectors to run. Known: gpu, nic, process, node. Training metrics are always on."))
     nvml_module: str = field(default="pynvml", metadata=doc(
-        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Tests and benchmarks point "
-        "it at `sidecar.testing.fake_nvml`."))
+        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Without a GPU, "
+        "`sidecar.testing.fake_nvml_lib` is pynvml over a fake libnvidia-ml and "
+        "`sidecar.testing.fake_nvml` a lighter stand-in (both read the spec in SIDECAR_FAKE_NVML)."))
     sysfs_root: str = field(default="/sys", metadata=doc(
         "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
     procfs_root: str = field(default="/proc", metadata=doc(
@@ -72,9 +73,15 @@ class CollectorSettings:
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(default=True, metadata=doc(
         "Wait for NVML XID events in a dedicated thread and count them per GPU and XID."))
+    gpu_source: str = field(default="sidecar", metadata=doc(
+        "Where the cluster's GPU metrics come from: `sidecar` (this daemon's NVML collector) or `dcgm` "
+        "(NVIDIA dcgm-exporter, as the GPU Operator runs it): then the gpu collector is off, whatever "
+        "`enabled` says, and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."))
 
     def __post_init__(self) -> None:
         _positive("collectors.interval_seconds", self.interval_seconds)
+        if self.gpu_source not in ("sidecar", "dcgm"):
+            _fail("collectors.gpu_source", f"expected sidecar or dcgm, got {self.gpu_source!r}")
         known = {"gpu", "nic", "process", "node"}
         unknown = sorted(set(self.enabled) - known)
         if unknown:

@@ -74,6 +74,7 @@ class Rank:
     stack_path: str | None = None  # where those stacks are written
     versions: dict[str, str] = field(default_factory=dict)
     hooks_version: str | None = None
+    kubernetes: dict[str, str] = field(default_factory=dict)  # its pod's namespace, pod, container labels
     claimed_pid: int | None = None  # the pid the rank calls itself (its own pid namespace's); None: `pid`
     owner_uid: int | None = None  # the uid its process runs as (None: unknown, an unverified TCP caller)
     pidfd: object = field(default=None, repr=False)  # identity.PidFd of the process, where the kernel has them
@@ -220,6 +221,10 @@ class Registry:
     def ranks(self) -> list[Rank]:
         return list(self._ranks.values())
 
+    def pod_labels(self) -> dict[tuple[str, str], dict[str, str]]:
+        """(job_id, rank as text) -> the rank's Kubernetes labels, for ranks that sent them."""
+        return {(r.job_id, str(r.rank)): r.kubernetes for r in self.ranks() if r.kubernetes}
+
     def get(self, job_id: str, rank: int) -> Rank | None:
         return self._ranks.get((job_id, rank))
 
@@ -269,7 +274,7 @@ class Registry:
             owner_uid=owner_uid, pidfd=pidfd,
             restart_count=reg.restart_count, peer_verified=peer_verified,
             stack_signal=reg.stack_signal, stack_path=reg.stack_path, versions=dict(reg.versions),
-            hooks_version=reg.hooks_version,
+            hooks_version=reg.hooks_version, kubernetes=dict(reg.kubernetes),
             step_times=collections.deque(maxlen=self.settings.watchdog.window))
         # A rank re-registering after a sidecar restart resumes where it was, inside the phase
         # it declared with the budget it declared.
