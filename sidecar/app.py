@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
-from sidecar import __version__, api, procs
+from sidecar import __version__, api, podlabels, procs
 from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
@@ -50,13 +50,16 @@ def build_app(settings: Settings) -> web.Application:
     registry = Registry(settings)
     collectors = build_collectors(settings, ranks=registry.live_pids, job_versions=registry.versions_by_job)
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
+    runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
     daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
                         watchdog=Watchdog(settings, registry), token=settings.push_token(),
                         protected_pids=procs.protected_pids())
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
 
-    live_sources = [TrainingCollector(registry).collect, daemon.watchdog.families,
+    training = TrainingCollector(registry)
+    live_sources = [lambda: podlabels.attach(training.collect(), registry.pod_labels),
+                    lambda: podlabels.attach(daemon.watchdog.families(), registry.pod_labels),
                     lambda: api.daemon_families(daemon)]
     exposition = CollectorRegistry()  # everything, for OpenMetrics
     exposition.register(api.Exposition([runner.families, *live_sources]))

@@ -73,9 +73,15 @@ class CollectorSettings:
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(default=True, metadata=doc(
         "Wait for NVML XID events in a dedicated thread and count them per GPU and XID."))
+    gpu_source: str = field(default="sidecar", metadata=doc(
+        "Where the cluster's GPU metrics come from: `sidecar` (this daemon's NVML collector) or `dcgm` "
+        "(NVIDIA dcgm-exporter, as the GPU Operator runs it): then the gpu collector is off, whatever "
+        "`enabled` says, and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."))
 
     def __post_init__(self) -> None:
         _positive("collectors.interval_seconds", self.interval_seconds)
+        if self.gpu_source not in ("sidecar", "dcgm"):
+            _fail("collectors.gpu_source", f"expected sidecar or dcgm, got {self.gpu_source!r}")
         known = {"gpu", "nic", "process", "node"}
         unknown = sorted(set(self.enabled) - known)
         if unknown:

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from sidecar import podlabels
+
 MAX_NAME = 128  # job ids, metric, phase and event names
 MAX_VERSIONS = 32
 MAX_EVENT_FIELDS = 16
@@ -49,6 +51,7 @@ class Registration:
     stack_signal: int | None = None
     stack_path: str | None = None
     hooks_version: str | None = None
+    kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/podlabels.py)
 
 
 @dataclass(slots=True)
@@ -261,6 +264,10 @@ def parse_registration(data: dict) -> Registration:
             raise ProtocolError(f"versions: key {k[:40]!r} is not a name")
         versions[k] = _text(versions_raw, k, f"versions.{k}")
     stack = _object(data, "stack_dump", "stack_dump")
+    try:
+        kubernetes = podlabels.parse(data.get("kubernetes"))
+    except podlabels.PodLabelError as e:
+        raise ProtocolError(str(e)) from None
     return Registration(
         job_id=job_id, rank=rank, local_rank=local_rank, world_size=world_size,
         local_world_size=local_world_size, pid=pid,
@@ -270,7 +277,8 @@ def parse_registration(data: dict) -> Registration:
         versions=versions,
         stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
         stack_path=_text(stack, "path", "stack_dump.path", nullable=True, default=None, max_len=4096),
-        hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None))
+        hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
+        kubernetes=kubernetes)
 
 
 def parse_push(data: dict, max_items: int) -> Push:

@@ -66,6 +66,7 @@ class Rank:
     stack_path: str | None = None  # where those stacks are written
     versions: dict[str, str] = field(default_factory=dict)
     hooks_version: str | None = None
+    kubernetes: dict[str, str] = field(default_factory=dict)  # its pod's namespace, pod, container labels
     # Returned at registration; pushes and deregistrations over TCP must carry it (the Unix
     # socket checks the caller's pid instead), so another local user cannot forge progress.
     session: str = field(default_factory=lambda: secrets.token_urlsafe(16))
@@ -205,6 +206,10 @@ class Registry:
     def ranks(self) -> list[Rank]:
         return list(self._ranks.values())
 
+    def pod_labels(self) -> dict[tuple[str, str], dict[str, str]]:
+        """(job_id, rank as text) -> the rank's Kubernetes labels, for ranks that sent them."""
+        return {(r.job_id, str(r.rank)): r.kubernetes for r in self.ranks() if r.kubernetes}
+
     def get(self, job_id: str, rank: int) -> Rank | None:
         return self._ranks.get((job_id, rank))
 
@@ -247,7 +252,7 @@ class Registry:
             local_world_size=reg.local_world_size, pid=reg.pid, pid_start_time=pid_start_time,
             restart_count=reg.restart_count, peer_verified=peer_verified,
             stack_signal=reg.stack_signal, stack_path=reg.stack_path, versions=dict(reg.versions),
-            hooks_version=reg.hooks_version,
+            hooks_version=reg.hooks_version, kubernetes=dict(reg.kubernetes),
             step_times=collections.deque(maxlen=self.settings.watchdog.window))
         # A rank re-registering after a sidecar restart resumes where it was.
         rank.step = reg.step

@@ -278,6 +278,8 @@ class Sender:
             "stack_dump": self.stack_dump.as_wire() if self.stack_dump else None,
             "hooks_version": HOOKS_VERSION,
         }
+        if self.ident.kubernetes:
+            body["kubernetes"] = dict(self.ident.kubernetes)
         reply = self._post("/v1/register", _dumps(body), deadline)
         if reply is None:
             return False

@@ -104,7 +104,8 @@ def stack(tmp_path_factory):
             "watchdog.startup_timeout_seconds=240", f"checkpoint_dir={work / 'ckpt'}",
             env={"SIDECAR_FAKE_NVML": str(nvml_spec)}))
         prom = stack.enter_context(Prometheus(work / "prom", targets=[f"127.0.0.1:{sidecar.port}"],
-                                              rule_files=sorted(rules.glob("*.rules.yml")),
+                                              rule_files=[*sorted(rules.glob("*.rules.yml")),
+                                                          rules / "gpu-source" / "sidecar.rules.yml"],
                                               alertmanager=am.address).running())
         job = stack.enter_context(spawned(torchrun_command(work), work / "torchrun.log", env=sidecar.hook_env()))
         yield {"prom": prom, "sidecar": sidecar, "webhook": webhook, "job": job, "work": work}
