@@ -177,7 +177,8 @@ async def serve(settings: Settings) -> None:
     if settings.socket:
         claim_socket_path(settings.socket)
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           keepalive_timeout=settings.idle_timeout_seconds)
     await runner.setup()
     socket_inode = None
     try:

@@ -81,14 +81,6 @@ def zombie_exit_status(pid: int, start_time: float | None, procfs: str = "/proc"
         return None
 
 
-def has_exited(fd: int) -> bool:
-    """A pidfd polls readable once its process has exited."""
-    import select
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
 def describe_status(status: int) -> str:
     if os.WIFSIGNALED(status):
         return f"killed by {signal_name(os.WTERMSIG(status))}" + (" (core dumped)" if os.WCOREDUMP(status) else "")

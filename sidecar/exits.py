@@ -42,6 +42,7 @@ from prometheus_client.core import Metric
 from sidecar import exit_evidence as kernel
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.exit_incidents import ExitIncidents
+from sidecar.identity import PidFd
 from sidecar.protocol import CONTROL_RE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -178,7 +179,7 @@ class _Watch:
     """One registered rank process, from registration until its exit is decided."""
 
     rank: "Rank"
-    pidfd: int | None
+    pidfd: "PidFd | None"  # the registration's own (identity.py), or one opened here; closed with its last holder
     cgroup: kernel.MemoryCgroup | None
     oom_baseline: int | None
     gpus: set[str] = field(default_factory=set)
@@ -189,9 +190,7 @@ class _Watch:
     exited_wall: float | None = None
 
     def close(self) -> None:
-        if self.pidfd is not None:
-            kernel.os.close(self.pidfd)
-            self.pidfd = None
+        self.pidfd = None
         if self.cgroup is not None:
             self.cgroup.close()
             self.cgroup = None
@@ -231,8 +230,11 @@ class ExitTracker:
                 self._watches[id(rank)] = w
                 return
         cgroup = kernel.memory_cgroup_of(rank.pid, rank.pid_start_time, self.procfs)
-        watch = _Watch(rank, kernel.open_pidfd(rank.pid, rank.pid_start_time), cgroup,
-                       cgroup.oom_kills() if cgroup else None)
+        pidfd = getattr(rank, "pidfd", None)
+        if pidfd is None:
+            fd = kernel.open_pidfd(rank.pid, rank.pid_start_time)
+            pidfd = PidFd(fd) if fd is not None else None
+        watch = _Watch(rank, pidfd, cgroup, cgroup.oom_kills() if cgroup else None)
         self._watches[id(rank)] = watch
         limit = self.settings.limits.max_jobs * self.settings.limits.max_ranks_per_job
         if len(self._watches) > limit:  # only ever exceeded by processes that never exit
@@ -288,13 +290,13 @@ class ExitTracker:
 
     def _alive(self, w: _Watch) -> bool:
         if w.pidfd is not None:
-            return not kernel.has_exited(w.pidfd)
+            return w.pidfd.alive()
         from sidecar.remediation import is_running
         return w.rank.pid_start_time is None or is_running(w.rank.pid, w.rank.pid_start_time)
 
     def _status(self, w: _Watch) -> tuple[int | None, str | None]:
         if w.pidfd is not None:
-            status = kernel.pidfd_exit_status(w.pidfd)
+            status = kernel.pidfd_exit_status(w.pidfd.fd)
             if status is not None:
                 return status, "pidfd"
         status = kernel.zombie_exit_status(w.rank.pid, w.rank.pid_start_time, self.procfs)

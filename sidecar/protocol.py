@@ -47,6 +47,7 @@ class Registration:
     restart_count: int = 0
     step: int | None = None
     phase: str | None = None
+    phase_timeout_seconds: float | None = None  # the budget the rank declared for `phase`
     versions: dict[str, str] = field(default_factory=dict)
     stack_signal: int | None = None
     stack_path: str | None = None
@@ -207,6 +208,15 @@ def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
     return value
 
 
+def _timeout(obj: dict, key: str, where: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value < 1e9:
+        raise ProtocolError(f"{where}: expected a number of seconds > 0, got {_kind(value)}")
+    return float(value)
+
+
 def _object(obj: dict, key: str, where: str) -> dict:
     value = obj.get(key)
     if value is None:
@@ -286,6 +296,7 @@ def parse_registration(data: dict) -> Registration:
         restart_count=_int(data, "restart_count", "restart_count", 0, MAX_COUNT, default=0, nullable=True) or 0,
         step=_int(data, "step", "step", 0, MAX_COUNT, nullable=True, default=None),
         phase=_name(data, "phase", "phase", nullable=True),
+        phase_timeout_seconds=_timeout(data, "phase_timeout_seconds", "phase_timeout_seconds"),
         versions=versions,
         stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
         stack_path=_text(stack, "path", "stack_dump.path", nullable=True, default=None, max_len=4096),
@@ -323,11 +334,8 @@ def parse_push(data: dict, max_items: int) -> Push:
             action = obj.get("action")
             if action not in ("start", "end"):
                 raise ProtocolError(f"{where}.action: expected \"start\" or \"end\", got {_kind(action)}")
-            timeout = obj.get("timeout_seconds")
-            if timeout is not None and (type(timeout) not in (int, float) or not 0 < timeout < 1e9):
-                raise ProtocolError(f"{where}.timeout_seconds: expected a number > 0, got {_kind(timeout)}")
             append(PhaseItem(_name(obj, "name", f"{where}.name"), action, _time(obj, f"{where}.time", now),
-                             None if timeout is None else float(timeout)))
+                             _timeout(obj, "timeout_seconds", f"{where}.timeout_seconds")))
         elif kind == "event":
             fields = _object(obj, "fields", f"{where}.fields")
             if len(fields) > MAX_EVENT_FIELDS:

@@ -18,7 +18,7 @@ from alerts import build as alerts_build
 from sidecar.testing.fake_grafana import BackgroundServer
 from tests.alerts.realstack import Prometheus
 from tests.dashboards.panels import DASHBOARD_FILES, load, queries, substitute
-from tests.ops.conftest import post
+from tests.ops.conftest import post, run_cli
 from tests.support import Sidecar, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dcgm-stack")]
@@ -104,7 +104,10 @@ def test_dcgm_mode_gpu_panels_and_alerts_work_from_dcgm_exporter_series(tmp_path
     with dcgm_stack(tmp_path) as (sidecar, prom):
         # No NVML poller: the sidecar exports no GPU series of its own.
         assert "sidecar_gpu_" not in sidecar.metrics()
-        assert "gpu" not in sidecar.status()["collectors"] and "process" in sidecar.status()["collectors"]
+        status = sidecar.status()
+        assert "gpu" not in status["collectors"] and "process" in status["collectors"]
+        assert status["node"]["gpu_source"] == "dcgm" and status["gpus"] == []
+        assert "read by dcgm-exporter" in run_cli("status", "--url", sidecar.url).stdout
         wait_until(lambda: prom.series_count("gpu:sidecar_gpu_process_memory_bytes") > 0
                    and prom.series_count("job_id_instance:sidecar_gpu_utilization_ratio:avg") > 0,
                    90, interval=1, what="recorded GPU series from dcgm-exporter")

@@ -136,6 +136,10 @@ def test_service_monitor_selects_the_service_and_its_port():
     assert [e["port"] for e in monitor["spec"]["endpoints"]] and all(
         e["port"] in ports and e.get("path", "/metrics") == "/metrics" for e in monitor["spec"]["endpoints"])
     assert service["spec"]["selector"].items() <= daemonset()["spec"]["template"]["metadata"]["labels"].items()
+    # The ranks' own namespace/pod/container labels win over the target's (the sidecar pod's), which are dropped.
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["honorLabels"] is True
+        assert {"action": "labeldrop", "regex": "(namespace|pod|container)"} in endpoint["relabelings"]
 
 
 def test_prometheus_rules_have_the_operator_structure():
