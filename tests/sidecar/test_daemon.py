@@ -25,7 +25,7 @@ FAKE_GPUS = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_c
 STATUS_KEYS = {"version", "time", "uptime_seconds", "health", "problems", "node", "gpus", "nics", "infiniband",
                "ranks", "collectors", "watchdog", "incidents", "exits"}
 NODE_KEYS = {"hostname", "kernel", "os", "cpu_utilization_ratio", "memory_total_bytes", "memory_available_bytes",
-             "checkpoint_dir", "checkpoint_avail_bytes", "driver_version", "cuda_version"}
+             "checkpoint_dir", "checkpoint_avail_bytes", "driver_version", "cuda_version", "gpu_source"}
 GPU_KEYS = {"gpu", "name", "uuid", "utilization_ratio", "memory_used_bytes", "memory_total_bytes",
             "temperature_celsius", "slowdown_temperature_celsius", "power_watts", "clock_events",
             "ecc_uncorrected", "xid_total"}
