@@ -100,6 +100,7 @@ def node_section(settings: "Settings", s: Samples) -> dict:
         "memory_available_bytes": _int(s.value("sidecar_node_memory_available_bytes")),
         "checkpoint_dir": settings.checkpoint_dir,
         "checkpoint_avail_bytes": _int(s.value("sidecar_checkpoint_filesystem_avail_bytes")),
+        "gpu_source": settings.collectors.gpu_source,  # "dcgm": dcgm-exporter reads the GPUs, not this daemon
         "driver_version": labels.get("driver_version") or None,
         "cuda_version": labels.get("cuda_version") or None,
     }
@@ -173,7 +174,7 @@ def rank_entry(r: "Rank", watchdog: "Watchdog", now: float) -> dict:
         "phase": r.phase,
         "last_progress_age_seconds": round(max(0.0, now - r.last_progress), 3),
         "timeout_seconds": finite(timeout),
-        "restart_count": r.restart_count, "dropped": r.dropped,
+        "restart_count": r.restart_count, "dropped": r.dropped, "exit_reason": r.exit_reason,
     }
 
 
@@ -226,4 +227,5 @@ def build_status(settings: "Settings", registry: "Registry", runner: "CollectorR
         "collectors": collectors,
         "watchdog": watchdog.status(),
         "incidents": watchdog.incidents(INCIDENTS_SHOWN),
+        "exits": watchdog.exits.status() if watchdog.exits is not None else None,
     }
