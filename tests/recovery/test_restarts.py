@@ -83,6 +83,7 @@ def test_the_helper_imports_no_torch_until_called_and_the_switch_turns_it_off():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 10 cycles of 5-12 s each on a loaded 2-core machine
 @pytest.mark.parametrize("script", ["plain", "hf", "lightning"])
 def test_ten_hang_kill_restart_cycles_all_come_back(script: str, tmp_path: Path):
     if script != "plain":
