@@ -14,7 +14,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import psutil
 from aiohttp import web
@@ -28,6 +28,9 @@ from sidecar.config import Settings
 from sidecar.protocol import ProtocolError
 from sidecar.registry import Registry, RegistryError
 from sidecar.watchdog import Watchdog
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.exits import ExitTracker
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class Daemon:
     stats: IngestStats = field(default_factory=IngestStats)
     started: float = field(default_factory=time.monotonic)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
+    exits: "ExitTracker | None" = None  # why each rank process exited (sidecar/exits.py)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
@@ -212,6 +216,8 @@ async def register(request: web.Request) -> web.Response:
     check_not_taken(d.registry, reg, claimed.pid)
     rank = d.registry.register(reg, pid_start_time=claimed.start_time, peer_verified=peer is not None,
                                host_pid=claimed.pid, owner_uid=claimed.uid, pidfd=claimed.pidfd)
+    if d.exits is not None:
+        d.exits.watch(rank)
     log.info("registered rank %s pid %d%s uid %s (restart %d%s)", rank.label, rank.pid,
              f" (pid {reg.pid} in its namespace)" if rank.claimed_pid is not None else "", rank.owner_uid,
              rank.restart_count, "" if peer is not None else ", unverified peer")
@@ -252,6 +258,8 @@ async def deregister(request: web.Request) -> web.Response:
     check_session(request, rank, dereg.session)
     check_sender(request, rank)
     rank = d.registry.deregister(dereg)
+    if d.exits is not None:
+        d.exits.deregistered(rank, dereg.reason, dereg.exit)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)
     return web.json_response({"ok": True})
 

@@ -16,6 +16,7 @@ MODULES = (
     "sidecar.api",
     "sidecar.collectors.training",
     "sidecar.watchdog",
+    "sidecar.exits",
     "sidecar.remediation",
     "sidecar.collectors.gpu",
     "sidecar.collectors.nic",
