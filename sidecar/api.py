@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import grp
 import hmac
 import logging
-import os
-import re
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable
 
 import psutil
@@ -22,7 +18,7 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from sidecar import __version__, procs, protocol, report
+from sidecar import __version__, diagfiles, procs, protocol, report, stackfiles
 from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.protocol import ProtocolError
@@ -206,11 +202,15 @@ async def register(request: web.Request) -> web.Response:
     verified = check_caller(request, reg.pid, peer=await loopback_peer(request))
     check_not_taken(d.registry, reg)
     started = procs.start_time(reg.pid)
+    previous = d.registry.get(reg.job_id, reg.rank)
     rank = d.registry.register(reg, pid_start_time=started, peer_verified=verified)
+    rank.stack_file = stackfiles.for_rank(d.settings.diagnostics_dir, rank, previous, verified)
     log.info("registered rank %s pid %d (restart %d%s)", rank.label, rank.pid, rank.restart_count,
              "" if verified else ", unverified peer")
     return web.json_response({"ok": True, "key": rank.label, "session": rank.session,
-                              "diag_dir": str(job_diag_dir(d.settings, reg.job_id)),
+                              "diag_dir": str(d.settings.diagnostics_dir / diagfiles.job_dir_name(reg.job_id)),
+                              "stack_dump": ({"path": rank.stack_file.path, "signal": rank.stack_signal}
+                                             if rank.stack_file is not None else None),
                               "flush_interval_s": d.settings.hooks_flush_interval_seconds})
 
 
@@ -239,27 +239,6 @@ async def deregister(request: web.Request) -> web.Response:
     rank = d.registry.deregister(dereg)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)
     return web.json_response({"ok": True})
-
-
-_UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def job_diag_dir(settings: Settings, job_id: str) -> Path:
-    """The directory the job's stack dumps go to, created on demand so the hooks can write
-    into it (same group access as the socket; best effort: the hooks fall back to a
-    directory of their own)."""
-    name = _UNSAFE_PATH_CHARS.sub("_", job_id).lstrip(".") or "job"
-    path = settings.diagnostics_dir / name
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        # Whoever may push may write dumps: the socket's read/write bits, plus search.
-        mode = settings.socket_mode_int
-        path.chmod(mode | ((mode & 0o444) >> 2) | 0o700)
-        if settings.socket_group:
-            os.chown(path, -1, grp.getgrnam(settings.socket_group).gr_gid)
-    except (OSError, KeyError) as e:
-        log.warning("cannot prepare diagnostics directory %s: %s", path, e)
-    return path
 
 
 # ---------------------------------------------------------------- reading endpoints

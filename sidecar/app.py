@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
-from sidecar import __version__, api, procs
+from sidecar import __version__, api, procs, stackfiles
 from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
@@ -113,6 +113,9 @@ async def sweep_forever(registry: Registry) -> None:
         dropped = registry.sweep()
         if dropped:
             log.info("dropped %d rank(s) gone longer than limits.gone_retention_seconds", dropped)
+        held = [r.stack_file.path for r in registry.ranks() if r.stack_file is not None]
+        await asyncio.get_running_loop().run_in_executor(None, stackfiles.prune, registry.settings.diagnostics_dir,
+                                                         held)
 
 
 # ---------------------------------------------------------------- serving
@@ -226,6 +229,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         socket_group_id(settings)
+        settings.incident_group_id()
         settings.collectors.check_host_paths()
         token = settings.push_token()  # also proves token_file readable
         if settings.requires_token() and token is None:

@@ -142,7 +142,7 @@ class Watchdog:
         self.settings = settings
         self.registry = registry
         self.clock = clock
-        self.store = store or IncidentStore(settings.diagnostics_dir)
+        self.store = store or IncidentStore.for_settings(settings)
         self.remediator = remediator or Remediator(settings.remediation)
         self.storm_cap = StormCap(settings.remediation.max_per_window, settings.remediation.window_seconds, clock)
         self.counters = _Counters()
