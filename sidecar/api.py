@@ -15,12 +15,12 @@ from typing import Callable, Iterable
 import psutil
 from aiohttp import web
 from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from sidecar import __version__, diagfiles, procs, protocol, report, stackfiles
 from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
+from sidecar.exposition import MetricsEndpoint
 from sidecar.protocol import ProtocolError
 from sidecar.registry import Registry, RegistryError
 from sidecar.watchdog import Watchdog
@@ -55,8 +55,7 @@ class Daemon:
 
 
 DAEMON = web.AppKey("daemon", Daemon)
-EXPOSITION = web.AppKey("exposition", CollectorRegistry)
-LIVE_EXPOSITION = web.AppKey("live_exposition", CollectorRegistry)
+METRICS_ENDPOINT = web.AppKey("metrics_endpoint", MetricsEndpoint)
 
 BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
 INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
@@ -261,34 +260,15 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Rendered in the endpoint's own thread (exposition.py): a scrape never holds the event
+    loop, whatever the number of series."""
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    if encoder is generate_latest:
-        # Prometheus text: the hardware families were rendered by the collector round; only
-        # the live ones (training, watchdog, the daemon's own) are rendered per scrape.
-        body = request.app[DAEMON].runner.rendered_text() + generate_latest(request.app[LIVE_EXPOSITION])
-    else:
-        body = encoder(request.app[EXPOSITION])
+    endpoint = request.app[METRICS_ENDPOINT]
+    body = await asyncio.get_running_loop().run_in_executor(endpoint.executor, endpoint.render, encoder)
     response = web.Response(body=body, headers={"Content-Type": content_type})
     if len(body) > COMPRESS_ABOVE_BYTES:
         response.enable_compression()  # only when the scraper accepts gzip
     return response
-
-
-# ---------------------------------------------------------------- exposition
-
-class Exposition:
-    """The one prometheus-client collector of the private registry: the families of every
-    source, read at scrape time from what is already in memory."""
-
-    def __init__(self, sources: Iterable[Callable[[], Iterable[Metric]]]):
-        self.sources = list(sources)
-
-    def collect(self) -> Iterable[Metric]:
-        for source in self.sources:
-            try:
-                yield from source()
-            except Exception:  # one broken source never breaks the endpoint
-                log.exception("metric source %s failed", getattr(source, "__qualname__", source))
 
 
 def daemon_families(d: Daemon) -> Iterable[Metric]:

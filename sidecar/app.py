@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client.registry import CollectorRegistry
 
 from sidecar import __version__, api, procs, stackfiles
 from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
+from sidecar.exposition import MetricsEndpoint
 from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
 
@@ -48,22 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_app(settings: Settings) -> web.Application:
     """The application, ready for a runner. Reads the push token (ConfigError if unreadable)."""
     registry = Registry(settings)
-    collectors = build_collectors(settings, ranks=registry.live_pids, job_versions=registry.versions_by_job)
+    # The per-rank collectors look only at the ranks /metrics has room for (exposition.py).
+    watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
+    collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
     daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
                         watchdog=Watchdog(settings, registry), token=settings.push_token(),
                         protected_pids=procs.protected_pids())
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
-
-    live_sources = [TrainingCollector(registry).collect, daemon.watchdog.families,
-                    lambda: api.daemon_families(daemon)]
-    exposition = CollectorRegistry()  # everything, for OpenMetrics
-    exposition.register(api.Exposition([runner.families, *live_sources]))
-    live = CollectorRegistry()  # what changes between collector rounds; the rest is pre-rendered
-    live.register(api.Exposition([runner.health_families, *live_sources]))
-    app[api.EXPOSITION] = exposition
-    app[api.LIVE_EXPOSITION] = live
+    endpoint = MetricsEndpoint(runner, registry, TrainingCollector(registry), daemon.watchdog,
+                               [lambda: api.daemon_families(daemon)], settings.limits.max_series)
+    app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)
     app.cleanup_ctx.append(background_tasks)
@@ -83,6 +79,7 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    app[api.METRICS_ENDPOINT].close()
     for collector in d.runner.collectors:  # stop their threads (the GPU collector's XID waiter)
         close = getattr(collector, "close", None)
         if close is not None:

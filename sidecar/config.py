@@ -98,6 +98,10 @@ class LimitSettings:
     max_custom_metrics: int = field(default=32, metadata=doc(
         "Most distinct custom metric names per job (429 beyond; the well-known ones never count)."))
     max_phases: int = field(default=16, metadata=doc("Most distinct phase names per job."))
+    max_series: int = field(default=3000, metadata=doc(
+        "Most series `/metrics` answers, all sources together (docs/scale.md). Hardware series are "
+        "bounded by the hardware; per-rank series (training, watchdog, process) and custom metrics "
+        "beyond the budget are left out, counted in sidecar_metrics_series_dropped."))
     gone_retention_seconds: float = field(default=600.0, metadata=doc(
         "How long a finished or dead rank stays in the registry (and in `/metrics`)."))
 

@@ -19,7 +19,13 @@ from typing import Iterator
 import pytest
 
 from tests.support import PYTHON, Sidecar, tail, wait_until
-from tests.unpriv import UNPRIV_PYTHON, run_as, stage_hooks, unprivileged_user, world_dir
+from tests.unpriv import (
+    UNPRIV_PYTHON,
+    run_as,
+    stage_hooks,
+    unprivileged_user,
+    world_dir,
+)
 
 QUICK_STALLS = ("socket_mode=0666", "collectors.enabled=[]", "hooks_flush_interval_seconds=0.5",
                 "watchdog.check_interval_seconds=0.25", "watchdog.startup_timeout_seconds=2",
