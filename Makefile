@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean docs system-deps
+.PHONY: demo test bench gpu-check venv clean docs system-deps
 
 # Prometheus, promtool, Alertmanager and amtool from Debian's packages (the tests start them).
 system-deps:
@@ -26,6 +26,10 @@ test: $(STAMP) system-deps
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# On a GPU node: the GPU collector against the real NVML (skips cleanly without a driver).
+gpu-check: $(STAMP) system-deps
+	$(BIN)/python -m bench.gpu_check
 
 docs: $(STAMP)
 	$(BIN)/sidecar metrics-doc --write docs/metrics.md

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from sidecar import generated
+from alerts import gpu_source
 from sidecar.xids import HARDWARE_XIDS
 
 HERE = Path(__file__).resolve().parent
@@ -100,9 +101,11 @@ class Alert:
 class Record:
     record: str
     expr: str
+    labels: dict[str, str] = field(default_factory=dict)
 
     def rule(self, *_: object) -> dict:
-        return {"record": self.record, "expr": _clean(self.expr)}
+        out = {"record": self.record, "expr": _clean(self.expr)}
+        return {**out, "labels": self.labels} if self.labels else out
 
 
 @dataclass
@@ -155,9 +158,9 @@ RECORDING = Group("sidecar-recording", [
            "max by (job_id) (sidecar_training_learning_rate)"),
     Record("job_id_state:sidecar_rank_state:count",
            "count by (job_id, state) (sidecar_rank_state == 1)"),
-    # GPU metrics carry no job label: a node belongs to the jobs that have ranks registered on it.
+    # GPU metrics (gpu:*, from either GPU source, alerts/gpu_source.py) carry no job label: a node belongs to the jobs that have ranks registered on it.
     Record("job_id_instance:sidecar_gpu_utilization_ratio:avg",
-           "avg by (instance) (sidecar_gpu_utilization_ratio)\n"
+           "avg by (instance) (gpu:sidecar_gpu_utilization_ratio)\n"
            "* on (instance) group_right\n"
            "group by (job_id, instance) (sidecar_training_ranks_registered)"),
     Record("job_id:sidecar_gpu_utilization_ratio:spread",
@@ -265,62 +268,62 @@ TRAINING = Group("sidecar-training", [
 
 GPU = Group("sidecar-gpu", [
     Alert("SidecarGpuXidCritical",
-          increased(f'sidecar_gpu_xid_errors_total{{xid=~"{T["xid_critical"]}"}}', T["xid_window"], "instance, gpu, xid"),
+          increased(f'gpu:sidecar_gpu_xid_errors_total{{xid=~"{T["xid_critical"]}"}}', T["xid_window"], "instance, gpu, xid"),
           "critical", f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
           "The driver reported an XID whose recovery needs a GPU reset or a node reboot. Drain the node."),
     Alert("SidecarGpuXid",
-          increased(f'sidecar_gpu_xid_errors_total{{xid!~"{T["xid_critical"]}"}}', "15m", "instance, gpu, xid"),
+          increased(f'gpu:sidecar_gpu_xid_errors_total{{xid!~"{T["xid_critical"]}"}}', "15m", "instance, gpu, xid"),
           "warning", f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
           "The driver reported an XID error (often an application fault such as 13, 31 or 43)."),
     Alert("SidecarGpuUncorrectableEcc",
           # Not `increased`: the counters exist from the start (at 0 on a healthy GPU), and a
           # series that looks new after a scrape gap may hold errors from long ago.
-          'sum by (instance, gpu) (increase(sidecar_gpu_ecc_errors_total{type="uncorrected"}[1h])) > 0',
+          'sum by (instance, gpu) (increase(gpu:sidecar_gpu_ecc_errors_total{type="uncorrected"}[1h])) > 0',
           "critical", f"Uncorrectable ECC error on {LABELS_GPU}",
           "GPU memory returned data it could not correct. The process that used it has likely crashed."),
     Alert("SidecarGpuRowRemapPending",
-          "max by (instance, gpu) (sidecar_gpu_remapped_rows_pending) > 0\n"
-          "or max by (instance, gpu) (sidecar_gpu_retired_pages_pending) > 0",
+          "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_pending) > 0\n"
+          "or max by (instance, gpu) (gpu:sidecar_gpu_retired_pages_pending) > 0",
           "warning", f"Memory row remap pending on {LABELS_GPU}",
           "A memory row remap (or page retirement) waits for the next GPU reset to take effect."),
     Alert("SidecarGpuRowRemapFailed",
-          "max by (instance, gpu) (sidecar_gpu_remapped_rows_failed) > 0",
+          "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_failed) > 0",
           "critical", f"Memory row remap failed on {LABELS_GPU}",
           "The GPU ran out of spare rows or failed to remap one: the GPU needs replacing (RMA)."),
     Alert("SidecarGpuThermalSlowdown",
-          'max by (instance, gpu) (sidecar_gpu_clock_event_active{reason=~"sw_thermal_slowdown|hw_thermal_slowdown"}) == 1\n'
+          'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"sw_thermal_slowdown|hw_thermal_slowdown"}) == 1\n'
           "or max by (instance, gpu) (\n"
-          f"  sidecar_gpu_temperature_celsius >= sidecar_gpu_slowdown_temperature_celsius - {T['thermal_margin_celsius']}\n"
+          f"  gpu:sidecar_gpu_temperature_celsius >= gpu:sidecar_gpu_slowdown_temperature_celsius - {T['thermal_margin_celsius']}\n"
           ")",
           "warning", f"Thermal slowdown on {LABELS_GPU}",
           "The GPU slows its clocks for heat, or runs within a few degrees of its slowdown temperature.",
           for_="5m"),
     Alert("SidecarGpuHardwareSlowdown",
-          'max by (instance, gpu) (sidecar_gpu_clock_event_active{reason=~"hw_slowdown|hw_power_brake_slowdown"}) == 1',
+          'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"hw_slowdown|hw_power_brake_slowdown"}) == 1',
           "warning", f"Hardware slowdown on {LABELS_GPU}",
           "The GPU's clocks are cut by a hardware slowdown (power brake, PSU or external signal).",
           for_="2m"),
     Alert("SidecarGpuNvlinkDown",
-          "sidecar_gpu_nvlink_up == 0\n"
-          "and on (instance) (max by (instance) (sidecar_gpu_nvlink_up) == 1)",
+          "gpu:sidecar_gpu_nvlink_up == 0\n"
+          "and on (instance) (max by (instance) (gpu:sidecar_gpu_nvlink_up) == 1)",
           "critical", f"NVLink {{{{ $labels.link }}}} down on {LABELS_GPU}",
           "An NVLink is down while other links on the node are up: collectives fall back or hang.",
           for_="2m"),
     Alert("SidecarGpuNvlinkErrors",
-          "sum by (instance, gpu, link) (rate(sidecar_gpu_nvlink_errors_total[5m]))"
+          "sum by (instance, gpu, link) (rate(gpu:sidecar_gpu_nvlink_errors_total[5m]))"
           f" > {T['nvlink_errors_per_second']}",
           "warning", f"NVLink {{{{ $labels.link }}}} errors on {LABELS_GPU}",
           f"The link counts more than {T['nvlink_errors_per_second']} CRC/replay/recovery errors per second.",
           for_="10m"),
     Alert("SidecarGpuPcieReplays",
-          f"rate(sidecar_gpu_pcie_replay_total[5m]) > {T['pcie_replays_per_second']}",
+          f"rate(gpu:sidecar_gpu_pcie_replay_total[5m]) > {T['pcie_replays_per_second']}",
           "warning", f"PCIe replays on {LABELS_GPU}",
           "The GPU's PCIe link keeps retransmitting: a marginal riser, slot or cable.", for_="10m"),
     Alert("SidecarGpuPcieLinkDegraded",
-          "sidecar_gpu_pcie_link_width < sidecar_gpu_pcie_link_max_width\n"
+          "gpu:sidecar_gpu_pcie_link_width < gpu:sidecar_gpu_pcie_link_max_width\n"
           "or (\n"
-          "  sidecar_gpu_pcie_link_generation < sidecar_gpu_pcie_link_max_generation\n"
-          f"  and on (instance, gpu) sidecar_gpu_utilization_ratio > {T['pcie_busy_ratio']}\n"
+          "  gpu:sidecar_gpu_pcie_link_generation < gpu:sidecar_gpu_pcie_link_max_generation\n"
+          f"  and on (instance, gpu) gpu:sidecar_gpu_utilization_ratio > {T['pcie_busy_ratio']}\n"
           ")",
           "warning", f"PCIe link degraded on {LABELS_GPU}",
           "The GPU's PCIe link trained below its maximum width, or below its maximum generation while busy.",
@@ -386,6 +389,13 @@ FILES: dict[str, list[Group]] = {
 }
 
 
+# The GPU source a cluster loads, one of the two (docs/dcgm.md): alerts/gpu-source/<source>.rules.yml.
+SOURCES: dict[str, Group] = {
+    "sidecar": Group("sidecar-gpu-source-sidecar", [Record(r, e) for r, e in gpu_source.sidecar_source()]),
+    "dcgm": Group("sidecar-gpu-source-dcgm", [Record(r, e, labels) for r, e, labels in gpu_source.dcgm_source()]),
+}
+
+
 def all_alerts() -> list[Alert]:
     return [r for groups in FILES.values() for g in groups for r in g.rules if isinstance(r, Alert)]
 
@@ -422,9 +432,16 @@ def rendered_files(runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str |
     return {f"{stem}.rules.yml": render(groups, runbook_base_url, for_override) for stem, groups in FILES.items()}
 
 
+def source_files() -> dict[str, str]:
+    """Name under alerts/ -> content of each GPU source's recording rules."""
+    return {f"gpu-source/{name}.rules.yml": render([group]) for name, group in SOURCES.items()}
+
+
 def write(out_dir: Path, runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str | None = None) -> list[Path]:
-    """Write the rule files that differ into out_dir; the paths written."""
-    return generated.write(out_dir, rendered_files(runbook_base_url, for_override))
+    """Write the rule files that differ into out_dir (the GPU sources into out_dir/gpu-source/);
+    the paths written."""
+    return (generated.write(out_dir, rendered_files(runbook_base_url, for_override))
+            + generated.write(out_dir, source_files()))
 
 
 def main(argv: list[str] | None = None) -> int:

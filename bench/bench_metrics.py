@@ -2,9 +2,12 @@
 
     python -m bench.bench_metrics [--scrapes 500] [--steady-seconds 30]
 
-A real `sidecar run` samples 8 GPUs (the NVML stand-in, energy and all; 18 NVLinks each), a
-fixture sysfs with 4 NICs and 2 InfiniBand ports, and 8 real rank processes that register over
-the Unix socket and push 10 steps a second each, with collectors every 1 s.
+A real `sidecar run` samples 8 GPUs (18 NVLinks each) through the real pynvml over the fake
+libnvidia-ml (`--nvml module` swaps in the pure-Python stand-in instead, which skips pynvml's
+ctypes code), a fixture sysfs with 4 NICs and 2 InfiniBand ports, and 8 real rank processes that
+register over the Unix socket and push 10 steps a second each, with collectors every 1 s.
+It also prints the NVML calls per GPU per round (bench/nvml_calls.py), healthy and with a field
+that fails every round.
 
 Two phases, the same for the sidecar and node_exporter:
 - steady: a scrape every 5 s (busier than Prometheus' usual 15 s) for --steady-seconds;
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/bench_metrics.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from bench import nvml_calls  # noqa: E402
 from tests.support import PYTHON, Sidecar, free_port, http_get, spawned, tail, wait_until  # noqa: E402
 
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
@@ -180,12 +184,15 @@ def report(figures: list[Figures]) -> bool:
     return ok
 
 
-def start_node(stack: contextlib.ExitStack, work: Path, *settings: str) -> Sidecar:
-    """A sidecar over the NVML stand-in and the fixture sysfs, with RANKS ranks pushing steps."""
+NVML_MODULES = {"library": "sidecar.testing.fake_nvml_lib", "module": "sidecar.testing.fake_nvml"}
+
+
+def start_node(stack: contextlib.ExitStack, work: Path, *settings: str, nvml: str = "library") -> Sidecar:
+    """A sidecar over a fake NVML and the fixture sysfs, with RANKS ranks pushing steps."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path = work / "nvml.json"
     write_json(spec_path, nvml_spec([]))
-    sidecar = Sidecar(work, "collectors.nvml_module=sidecar.testing.fake_nvml",
+    sidecar = Sidecar(work, f"collectors.nvml_module={NVML_MODULES[nvml]}",
                       f"collectors.sysfs_root={FIXTURE_SYSFS}", f"checkpoint_dir={work}",
                       "log_level=warning", *settings, env={"SIDECAR_FAKE_NVML": str(spec_path)})
     sidecar.start()
@@ -220,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scrapes", type=int, default=500)
     parser.add_argument("--steady-seconds", type=float, default=30.0)
+    parser.add_argument("--nvml", choices=sorted(NVML_MODULES), default="library",
+                        help="library: the real pynvml over the fake libnvidia-ml (default); module: the "
+                             "pure-Python stand-in")
     parser.add_argument("--breakdown", action="store_true",
                         help="also measure a sidecar with the hardware collectors off, to split its CPU "
                              "between the collectors and the push API")
@@ -228,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     try:
         with contextlib.ExitStack() as stack:
-            sidecar = start_node(stack, work / "all")
-            print(f"sidecar on {sidecar.url} with {RANKS} ranks pushing", flush=True)
+            sidecar = start_node(stack, work / "all", nvml=args.nvml)
+            print(f"sidecar on {sidecar.url} with {RANKS} ranks pushing, NVML: {NVML_MODULES[args.nvml]}",
+                  flush=True)
             wait_until(lambda: b"sidecar_gpu_process_memory_bytes{" in http_get(sidecar.url + "/metrics")[1],
                        30, interval=0.5, what="per-rank GPU memory")
             targets = [(Figures("sidecar"), psutil.Process(sidecar.proc.pid), Scraper(sidecar.port))]
@@ -247,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = [fig for fig, _, _ in targets]
         if args.breakdown:
             with contextlib.ExitStack() as stack:
-                bare = start_node(stack, work / "bare", "collectors.enabled=")
+                bare = start_node(stack, work / "bare", "collectors.enabled=", nvml=args.nvml)
                 time.sleep(3)
                 without = Figures("sidecar, no hardware collectors")
                 steady_phase([(without, psutil.Process(bare.proc.pid), Scraper(bare.port))], args.steady_seconds)
@@ -258,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.breakdown:
             print(f"CPU split: hardware collectors {figures[0].cpu_percent - without.cpu_percent:.2f} % of a core, "
                   f"the rest (push API of {RANKS} ranks, watchdog, scrapes) {without.cpu_percent:.2f} %")
+        for line in nvml_calls.report(interval=1.0):
+            print(line)
         return 0 if ok else 1
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -234,53 +234,79 @@ def training_job() -> dict:
                      variables, panels, annotations)
 
 
+def gpu_parity_panels() -> list[dict]:
+    """The counters dcgm-exporter exports by default that NVML also gives (docs/dcgm.md)."""
+    return [
+        timeseries("GPU memory free and reserved", [
+            (f"gpu:sidecar_gpu_memory_free_bytes{{{GPUS}}}", "GPU {{gpu}} free"),
+            (f"gpu:sidecar_gpu_memory_reserved_bytes{{{GPUS}}}", "GPU {{gpu}} reserved by the driver")],
+            "bytes", min_=0, w=8),
+        timeseries("Memory (HBM) temperature", f"gpu:sidecar_gpu_memory_temperature_celsius{{{GPUS}}}", "celsius", w=8),
+        timeseries("PCIe throughput", f"gpu:sidecar_gpu_pcie_throughput_bytes_per_second{{{GPUS}}}", "Bps",
+                   "NVML's 20 ms samples, every 10 s, by direction.", min_=0, w=8),
+        timeseries("Encoder and decoder utilization", [
+            (f"gpu:sidecar_gpu_encoder_utilization_ratio{{{GPUS}}}", "GPU {{gpu}} encoder"),
+            (f"gpu:sidecar_gpu_decoder_utilization_ratio{{{GPUS}}}", "GPU {{gpu}} decoder")],
+            "percentunit", min_=0, max_=1, w=8),
+        timeseries("Time clocks were held down, by policy",
+                   f"sum by (gpu, policy) (rate(gpu:sidecar_gpu_clock_violation_seconds_total{{{GPUS}}}[$__rate_interval]))",
+                   "percentunit", "Share of time each policy (power, thermal, ...) kept the clocks below target: "
+                   "the durations behind the clock event reasons.", min_=0, w=8),
+        timeseries("ECC errors since the driver was loaded", f"gpu:sidecar_gpu_ecc_volatile_errors_total{{{GPUS}}}",
+                   "short", "Volatile counters; the ECC errors panel shows the lifetime (aggregate) ones.", min_=0, w=8),
+        table("GPU fields NVML does not give", f"gpu:sidecar_gpu_field_unavailable{{{GPUS}}} == 1",
+              "Fields left out for a GPU, with NVML's reason (not_supported, no_permission, not_ready, ...).", w=8),
+    ]
+
+
 def node_hardware() -> dict:
     margin = THRESHOLDS["thermal_margin_celsius"]
     panels = [
         row("GPU"),
-        timeseries("GPU utilization", f"sidecar_gpu_utilization_ratio{{{GPUS}}}", "percentunit",
+        timeseries("GPU utilization", f"gpu:sidecar_gpu_utilization_ratio{{{GPUS}}}", "percentunit",
                    min_=0, max_=1, w=8),
-        timeseries("GPU memory used", [(f"sidecar_gpu_memory_used_bytes{{{GPUS}}}", "GPU {{gpu}} used"),
-                                       (f"sidecar_gpu_memory_total_bytes{{{GPUS}}}", "GPU {{gpu}} total")],
+        timeseries("GPU memory used", [(f"gpu:sidecar_gpu_memory_used_bytes{{{GPUS}}}", "GPU {{gpu}} used"),
+                                       (f"gpu:sidecar_gpu_memory_total_bytes{{{GPUS}}}", "GPU {{gpu}} total")],
                    "bytes", min_=0, w=8),
-        timeseries("GPU memory bandwidth utilization", f"sidecar_gpu_memory_utilization_ratio{{{GPUS}}}",
+        timeseries("GPU memory bandwidth utilization", f"gpu:sidecar_gpu_memory_utilization_ratio{{{GPUS}}}",
                    "percentunit", min_=0, max_=1, w=8),
         timeseries("Temperature against slowdown threshold", [
-            (f"sidecar_gpu_temperature_celsius{{{GPUS}}}", "GPU {{gpu}}"),
-            (f"sidecar_gpu_slowdown_temperature_celsius{{{GPUS}}}", "GPU {{gpu}} slowdown"),
-            (f"sidecar_gpu_slowdown_temperature_celsius{{{GPUS}}} - {margin}", "GPU {{gpu}} alert")],
+            (f"gpu:sidecar_gpu_temperature_celsius{{{GPUS}}}", "GPU {{gpu}}"),
+            (f"gpu:sidecar_gpu_slowdown_temperature_celsius{{{GPUS}}}", "GPU {{gpu}} slowdown"),
+            (f"gpu:sidecar_gpu_slowdown_temperature_celsius{{{GPUS}}} - {margin}", "GPU {{gpu}} alert")],
             "celsius", "SidecarGpuThermalSlowdown fires within "
             f"{margin} degrees of the slowdown temperature.", w=8),
-        timeseries("Power", [(f"sidecar_gpu_power_watts{{{GPUS}}}", "GPU {{gpu}}"),
-                             (f"sidecar_gpu_power_limit_watts{{{GPUS}}}", "GPU {{gpu}} limit")],
+        timeseries("Power", [(f"gpu:sidecar_gpu_power_watts{{{GPUS}}}", "GPU {{gpu}}"),
+                             (f"gpu:sidecar_gpu_power_limit_watts{{{GPUS}}}", "GPU {{gpu}} limit")],
                    "watt", min_=0, w=8),
-        timeseries("Clocks", [(f"sidecar_gpu_sm_clock_hertz{{{GPUS}}}", "GPU {{gpu}} SM"),
-                              (f"sidecar_gpu_memory_clock_hertz{{{GPUS}}}", "GPU {{gpu}} memory")],
+        timeseries("Clocks", [(f"gpu:sidecar_gpu_sm_clock_hertz{{{GPUS}}}", "GPU {{gpu}} SM"),
+                              (f"gpu:sidecar_gpu_memory_clock_hertz{{{GPUS}}}", "GPU {{gpu}} memory")],
                    "hertz", min_=0, w=8),
         timeseries("Clock event reasons (throttling)",
-                   f'sidecar_gpu_clock_event_active{{{GPUS}, reason!="gpu_idle"}} == 1', "short",
+                   f'gpu:sidecar_gpu_clock_event_active{{{GPUS}, reason!="gpu_idle"}} == 1', "short",
                    "Active reasons the GPU runs below its maximum clock (idle is left out).",
                    bars=True, stack=True, w=8),
-        timeseries("ECC errors", f"sum by (gpu, type) (increase(sidecar_gpu_ecc_errors_total{{{GPUS}}}[$__rate_interval]))",
+        timeseries("ECC errors", f"sum by (gpu, type) (increase(gpu:sidecar_gpu_ecc_errors_total{{{GPUS}}}[$__rate_interval]))",
                    "short", bars=True, min_=0, w=8),
-        timeseries("XID errors", f"sum by (gpu, xid) (increase(sidecar_gpu_xid_errors_total{{{GPUS}}}[$__rate_interval]))",
+        timeseries("XID errors", f"sum by (gpu, xid) (increase(gpu:sidecar_gpu_xid_errors_total{{{GPUS}}}[$__rate_interval]))",
                    "short", "Driver XID events by code (48, 79, 94, 95 ... need a reset).", bars=True, min_=0, w=8),
-        table("Memory repair", f"sidecar_gpu_remapped_rows_pending{{{GPUS}}} + on (instance, gpu) "
-              f"sidecar_gpu_remapped_rows_failed{{{GPUS}}} > 0",
+        table("Memory repair", f"gpu:sidecar_gpu_remapped_rows_pending{{{GPUS}}} + on (instance, gpu) "
+              f"gpu:sidecar_gpu_remapped_rows_failed{{{GPUS}}} > 0",
               "GPUs with row remaps pending (reset needed) or failed (replace the GPU).", w=8),
-        timeseries("NVLink links up", f"sum by (gpu) (sidecar_gpu_nvlink_up{{{GPUS}}})", "short", min_=0, w=8),
+        timeseries("NVLink links up", f"sum by (gpu) (gpu:sidecar_gpu_nvlink_up{{{GPUS}}})", "short", min_=0, w=8),
         timeseries("NVLink errors per second",
-                   f"sum by (gpu, type) (rate(sidecar_gpu_nvlink_errors_total{{{GPUS}}}[$__rate_interval]))",
+                   f"sum by (gpu, type) (rate(gpu:sidecar_gpu_nvlink_errors_total{{{GPUS}}}[$__rate_interval]))",
                    "short", min_=0, w=8),
-        timeseries("PCIe link", [(f"sidecar_gpu_pcie_link_generation{{{GPUS}}}", "GPU {{gpu}} gen"),
-                                 (f"sidecar_gpu_pcie_link_max_generation{{{GPUS}}}", "GPU {{gpu}} max gen"),
-                                 (f"sidecar_gpu_pcie_link_width{{{GPUS}}}", "GPU {{gpu}} width"),
-                                 (f"sidecar_gpu_pcie_link_max_width{{{GPUS}}}", "GPU {{gpu}} max width")],
+        timeseries("PCIe link", [(f"gpu:sidecar_gpu_pcie_link_generation{{{GPUS}}}", "GPU {{gpu}} gen"),
+                                 (f"gpu:sidecar_gpu_pcie_link_max_generation{{{GPUS}}}", "GPU {{gpu}} max gen"),
+                                 (f"gpu:sidecar_gpu_pcie_link_width{{{GPUS}}}", "GPU {{gpu}} width"),
+                                 (f"gpu:sidecar_gpu_pcie_link_max_width{{{GPUS}}}", "GPU {{gpu}} max width")],
                    "short", min_=0, w=8),
-        timeseries("PCIe replays per second", f"rate(sidecar_gpu_pcie_replay_total{{{GPUS}}}[$__rate_interval])",
+        timeseries("PCIe replays per second", f"rate(gpu:sidecar_gpu_pcie_replay_total{{{GPUS}}}[$__rate_interval])",
                    "short", min_=0, w=8, threshold=THRESHOLDS["pcie_replays_per_second"]),
-        timeseries("GPU memory per rank", f"sidecar_gpu_process_memory_bytes{{{GPUS}}}", "bytes",
+        timeseries("GPU memory per rank", f"gpu:sidecar_gpu_process_memory_bytes{{{GPUS}}}", "bytes",
                    "Memory each rank's processes hold on each GPU.", min_=0, w=8),
+        *gpu_parity_panels(),
         row("Network"),
         timeseries("NIC throughput", [
             (f'rate(sidecar_network_receive_bytes_total{{{NODE}, device=~"$device"}}[$__rate_interval])', "{{device}} rx"),
@@ -324,7 +350,7 @@ def node_hardware() -> dict:
         # else the nodes where the job has ranks.
         query_var("instance", "Node", 'label_values({__name__=~"sidecar_build_info|sidecar_training_ranks_registered", '
                   'job_id=~"$job_id"}, instance)'),
-        query_var("gpu", "GPU", f"label_values(sidecar_gpu_info{{{NODE}}}, gpu)", multi=True, include_all=True),
+        query_var("gpu", "GPU", f"label_values(gpu:sidecar_gpu_info{{{NODE}}}, gpu)", multi=True, include_all=True),
         query_var("device", "NIC", f"label_values(sidecar_network_up{{{NODE}}}, device)", multi=True,
                   include_all=True),
     ]
@@ -361,13 +387,13 @@ def rank_drilldown() -> dict:
         timeseries("Hook records dropped", f"increase(sidecar_hooks_dropped_records_total{{{RANK}}}[$__rate_interval])",
                    "short", bars=True, min_=0, w=12),
         row("GPU"),
-        timeseries("GPU memory of this rank", f"sidecar_gpu_process_memory_bytes{{{RANK}}}", "bytes", min_=0, w=8),
-        timeseries("Utilization of its GPUs", f"sidecar_gpu_utilization_ratio{{{GPUS}}}", "percentunit",
+        timeseries("GPU memory of this rank", f"gpu:sidecar_gpu_process_memory_bytes{{{RANK}}}", "bytes", min_=0, w=8),
+        timeseries("Utilization of its GPUs", f"gpu:sidecar_gpu_utilization_ratio{{{GPUS}}}", "percentunit",
                    min_=0, max_=1, w=8),
-        timeseries("Temperature of its GPUs", f"sidecar_gpu_temperature_celsius{{{GPUS}}}", "celsius", w=8),
-        timeseries("Power of its GPUs", f"sidecar_gpu_power_watts{{{GPUS}}}", "watt", min_=0, w=12),
+        timeseries("Temperature of its GPUs", f"gpu:sidecar_gpu_temperature_celsius{{{GPUS}}}", "celsius", w=8),
+        timeseries("Power of its GPUs", f"gpu:sidecar_gpu_power_watts{{{GPUS}}}", "watt", min_=0, w=12),
         timeseries("Clock event reasons of its GPUs",
-                   f'sidecar_gpu_clock_event_active{{{GPUS}, reason!="gpu_idle"}} == 1', "short",
+                   f'gpu:sidecar_gpu_clock_event_active{{{GPUS}, reason!="gpu_idle"}} == 1', "short",
                    bars=True, stack=True, w=12),
     ]
     variables = [
@@ -375,7 +401,7 @@ def rank_drilldown() -> dict:
         query_var("rank", "Rank", f"label_values(sidecar_training_step{{{JOB}}}, rank)"),
         query_var("instance", "Node", f"label_values(sidecar_training_step{{{RANK}}}, instance)"),
         # The rank's GPUs, from the memory its processes hold; all of the node's when unknown.
-        query_var("gpu", "GPU", f"label_values(sidecar_gpu_process_memory_bytes{{{RANK}}}, gpu)",
+        query_var("gpu", "GPU", f"label_values(gpu:sidecar_gpu_process_memory_bytes{{{RANK}}}, gpu)",
                   multi=True, include_all=True),
     ]
     return dashboard("sidecar-rank", "Rank drill-down",

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from sidecar import __version__, api, procs, stackfiles
+from sidecar import __version__, api, podlabels, procs, stackfiles
 from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
@@ -52,13 +52,15 @@ def build_app(settings: Settings) -> web.Application:
     watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
     collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
+    runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
     daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
                         watchdog=Watchdog(settings, registry), token=settings.push_token(),
                         protected_pids=procs.protected_pids())
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
     endpoint = MetricsEndpoint(runner, registry, TrainingCollector(registry), daemon.watchdog,
-                               [lambda: api.daemon_families(daemon)], settings.limits.max_series)
+                               [lambda: api.daemon_families(daemon)], settings.limits.max_series,
+                               relabel=lambda families: podlabels.attach(families, registry.pod_labels))
     app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)
@@ -163,7 +165,8 @@ async def serve(settings: Settings) -> None:
     if settings.socket:
         claim_socket_path(settings.socket)
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           keepalive_timeout=settings.idle_timeout_seconds)
     await runner.setup()
     socket_inode = None
     try:

@@ -61,8 +61,9 @@ class CollectorSettings:
     enabled: list[str] = field(default_factory=lambda: ["gpu", "nic", "process", "node"], metadata=doc(
         "Collectors to run. Known: gpu, nic, process, node. Training metrics are always on."))
     nvml_module: str = field(default="pynvml", metadata=doc(
-        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Tests and benchmarks point "
-        "it at `sidecar.testing.fake_nvml`."))
+        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Without a GPU, "
+        "`sidecar.testing.fake_nvml_lib` is pynvml over a fake libnvidia-ml and "
+        "`sidecar.testing.fake_nvml` a lighter stand-in (both read the spec in SIDECAR_FAKE_NVML)."))
     sysfs_root: str = field(default="/sys", metadata=doc(
         "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
     procfs_root: str = field(default="/proc", metadata=doc(
@@ -72,9 +73,15 @@ class CollectorSettings:
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(default=True, metadata=doc(
         "Wait for NVML XID events in a dedicated thread and count them per GPU and XID."))
+    gpu_source: str = field(default="sidecar", metadata=doc(
+        "Where the cluster's GPU metrics come from: `sidecar` (this daemon's NVML collector) or `dcgm` "
+        "(NVIDIA dcgm-exporter, as the GPU Operator runs it): then the gpu collector is off, whatever "
+        "`enabled` says, and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."))
 
     def __post_init__(self) -> None:
         _positive("collectors.interval_seconds", self.interval_seconds)
+        if self.gpu_source not in ("sidecar", "dcgm"):
+            _fail("collectors.gpu_source", f"expected sidecar or dcgm, got {self.gpu_source!r}")
         known = {"gpu", "nic", "process", "node"}
         unknown = sorted(set(self.enabled) - known)
         if unknown:
@@ -98,6 +105,17 @@ class LimitSettings:
     max_custom_metrics: int = field(default=32, metadata=doc(
         "Most distinct custom metric names per job (429 beyond; the well-known ones never count)."))
     max_phases: int = field(default=16, metadata=doc("Most distinct phase names per job."))
+    max_ranks: int = field(default=2048, metadata=doc(
+        "Most ranks registered at once on this node, all users together (429 beyond)."))
+    max_jobs_per_user: int = field(default=4, metadata=doc(
+        "Most jobs with live ranks one uid may have registered at once (root: only the node-wide "
+        "limits.max_jobs). Ranks registered over TCP without a visible caller count as one user."))
+    max_ranks_per_user: int = field(default=256, metadata=doc(
+        "Most live ranks of one uid (root: only limits.max_ranks)."))
+    max_custom_metrics_per_user: int = field(default=64, metadata=doc(
+        "Most distinct custom metric names over all jobs of one uid (root: only the per-job limit)."))
+    max_phases_per_user: int = field(default=32, metadata=doc(
+        "Most distinct phase names over all jobs of one uid (root: only the per-job limit)."))
     max_series: int = field(default=3000, metadata=doc(
         "Most series `/metrics` answers, all sources together (docs/scale.md). Hardware series are "
         "bounded by the hardware; per-rank series (training, watchdog, process) and custom metrics "
@@ -158,13 +176,17 @@ class RemediationSettings:
     dump_wait_seconds: float = field(default=2.0, metadata=doc("How long to wait for stack dumps."))
     grace_seconds: float = field(default=10.0, metadata=doc("Wait between SIGTERM and SIGKILL."))
     max_per_window: int = field(default=3, metadata=doc(
-        "Most remediations per window; past it the watchdog only alerts (restart-storm cap)."))
+        "Most remediations per window of the jobs of one uid; past it the watchdog only alerts "
+        "about that user's stalls (restart-storm cap). Another user's jobs keep their own."))
+    max_per_window_node: int = field(default=8, metadata=doc(
+        "Most remediations per window on this node, all users together (the storm cap's ceiling)."))
     window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
 
     def __post_init__(self) -> None:
         _positive("remediation.dump_wait_seconds", self.dump_wait_seconds, allow_zero=True)
         _positive("remediation.grace_seconds", self.grace_seconds, allow_zero=True)
         _positive("remediation.max_per_window", self.max_per_window, allow_zero=True)
+        _positive("remediation.max_per_window_node", self.max_per_window_node, allow_zero=True)
         _positive("remediation.window_seconds", self.window_seconds)
 
 
@@ -198,6 +220,10 @@ class Settings:
         "SIDECAR_FLUSH_INTERVAL wins). Each push is a request the sidecar pays for (about half of "
         "its CPU with 8 ranks at 1 s); a healthy rank's progress reaches the watchdog up to this "
         "late, so watchdog.floor_seconds must be at least twice it plus the check interval."))
+    idle_timeout_seconds: float = field(default=30.0, metadata=doc(
+        "A connection that has not completed a request within this many seconds (idle keep-alive "
+        "connections and half-sent requests alike) is closed, and a request body must arrive within "
+        "it (408). Above the Prometheus scrape interval, so scrapes can reuse their connection."))
     collectors: CollectorSettings = field(default_factory=CollectorSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
@@ -220,6 +246,7 @@ class Settings:
             _fail("incident_file_mode", f"must not let group or others write, nor anyone execute "
                   f"(0600, 0640 or 0644), got {self.incident_file_mode!r}")
         _positive("hooks_flush_interval_seconds", self.hooks_flush_interval_seconds)
+        _positive("idle_timeout_seconds", self.idle_timeout_seconds)
         # Between two batches a healthy rank's progress looks up to one flush interval old.
         slack = 2 * self.hooks_flush_interval_seconds + self.watchdog.check_interval_seconds
         if self.watchdog.floor_seconds < slack:

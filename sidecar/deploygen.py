@@ -3,24 +3,31 @@
 `alerts/*.yml` (Prometheus rule files) become PrometheusRule objects for the Prometheus
 Operator; `dashboards/*.json` become ConfigMaps labelled `grafana_dashboard: "1"`, which the
 Grafana chart's dashboard sidecar (kiwigrid k8s-sidecar) watches and loads. The files go to
-`deploy/kubernetes/generated/` with a kustomization listing them. `alerts/` and
+`deploy/kubernetes/base/generated/` with a kustomization listing them. `alerts/` and
 `dashboards/` stay the single source: `--check` (run by the tests) fails when the generated
-files are stale, naming them.
+files are stale, naming them. The GPU sources (`alerts/gpu-source/*.rules.yml`, docs/dcgm.md)
+become one kustomization each, `generated/gpu-source-<source>/`: the base includes the
+sidecar's, the gpu-operator overlay swaps in dcgm-exporter's.
+
+The sources are the package's data (sidecar/assets), so an installed wheel generates too:
+`--write DIR` writes the whole deploy tree (Kubernetes base, overlays, examples, bare-metal and
+Alertmanager files, generated objects) into DIR, ready for `kubectl apply -k DIR/kubernetes/...`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import yaml
 
-from sidecar import generated
+from sidecar import assets, generated
 
-ROOT = Path(__file__).resolve().parent.parent
-OUTPUT = Path("deploy/kubernetes/generated")
+ROOT = assets.ROOT  # holds alerts/, dashboards/ and deploy/ (in a checkout: links to the top level)
+OUTPUT = Path("deploy/kubernetes/base/generated")
 COMMON_LABELS = {"app.kubernetes.io/name": "training-sidecar", "app.kubernetes.io/part-of": "training-sidecar"}
 DASHBOARD_FOLDER = "Training"  # the Grafana folder; the chart's sidecar reads the `grafana_folder` annotation
 
@@ -79,10 +86,10 @@ def _load_yaml(path: Path, root: Path) -> object:
         raise SourceError(f"{path.relative_to(root)}{where}: not valid YAML") from None
 
 
-def prometheus_rule(path: Path, root: Path) -> tuple[str, str]:
+def prometheus_rule(path: Path, root: Path, stem: str | None = None) -> tuple[str, str]:
     doc = _load_yaml(path, root)
     assert isinstance(doc, dict)
-    stem = _stem(path, path.suffix)
+    stem = stem or _stem(path, path.suffix)
     obj = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -112,32 +119,56 @@ def dashboard_configmap(path: Path, root: Path) -> tuple[str, str]:
     return f"dashboard-{stem}.yaml", _dump(obj, path.relative_to(root).as_posix())
 
 
-def generate(root: Path = ROOT) -> dict[str, str]:
-    """{file name under deploy/kubernetes/generated/: content}."""
+def _kustomization(resources: list[str], source: str) -> str:
+    return _dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                  "resources": sorted(resources)}, source)
+
+
+def generate(root: Path = ROOT) -> dict[str, dict[str, str]]:
+    """{directory under deploy/kubernetes/base/generated/ ("" for itself): {file name: content}}."""
     files = dict(prometheus_rule(p, root) for p in rule_files(root))
     files.update(dashboard_configmap(p, root) for p in sorted((root / "dashboards").glob("*.json")))
-    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                     "resources": sorted(files)}
-    files["kustomization.yaml"] = _dump(kustomization, "alerts/ and dashboards/")
-    return files
+    files["kustomization.yaml"] = _kustomization(list(files), "alerts/ and dashboards/")
+    out = {"": files}
+    for path in sorted((root / "alerts" / "gpu-source").glob("*.rules.yml")):
+        source = _stem(path, ".rules.yml")
+        name, text = prometheus_rule(path, root, stem=f"gpu-source-{source}")
+        out[f"gpu-source-{source}"] = {name: text, "kustomization.yaml": _kustomization(
+            [name], f"alerts/gpu-source/{path.name}")}
+    return out
 
 
 def stale_files(root: Path = ROOT) -> list[str]:
     """Generated files that are missing, different, or left over from a removed source."""
-    return [str(OUTPUT / name) for name in generated.stale(root / OUTPUT, generate(root), leftovers="*.yaml")]
+    return [str(OUTPUT / sub / name) for sub, files in generate(root).items()
+            for name in generated.stale(root / OUTPUT / sub, files, leftovers="*.yaml")]
 
 
-def write(root: Path = ROOT) -> list[str]:
-    """Bring the generated files up to date; the paths changed."""
-    changed = generated.write(root / OUTPUT, generate(root), leftovers="*.yaml")
-    return [str(OUTPUT / path.name) for path in changed]
+def write(root: Path = ROOT, out: Path | None = None) -> list[str]:
+    """Bring the generated files under `out` (default: root's deploy/kubernetes/base/generated) up
+    to date; the paths changed."""
+    base = root / OUTPUT if out is None else out
+    return [str(OUTPUT / sub / path.name) for sub, files in generate(root).items()
+            for path in generated.write(base / sub, files, leftovers="*.yaml")]
+
+
+def write_tree(directory: Path, root: Path = ROOT) -> list[str]:
+    """The whole deploy tree into `directory` (its kubernetes/, baremetal/, alertmanager/, ...),
+    with the generated objects made afresh from the rules and dashboards; the files written."""
+    shutil.copytree(root / "deploy", directory, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    write(root, directory / "kubernetes" / "generated")
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help=f"write the files into {OUTPUT}/")
+    mode.add_argument("--write", nargs="?", const="", metavar="DIR",
+                      help=f"bring {OUTPUT}/ up to date in the checkout; with DIR, write the whole deploy tree "
+                           "(Kubernetes base and overlays, examples, bare-metal and Alertmanager files) into DIR")
     mode.add_argument("--check", action="store_true", help="exit 1, naming them, when the files are stale")
-    parser.add_argument("--root", type=Path, default=ROOT, help="the repository root (default: this checkout)")
+    parser.add_argument("--root", type=Path, default=ROOT,
+                        help="where alerts/, dashboards/ and deploy/ are (default: the installed package's data)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -152,12 +183,22 @@ def main(args: argparse.Namespace) -> int:
                 return 1
             print(f"{OUTPUT}/ is current")
             return 0
-        if args.write:
+        if args.write is not None:
+            directory = Path(args.write)
+            if args.write and directory.exists() and not directory.is_dir():
+                print(f"sidecar deploy-gen: {directory} is not a directory", file=sys.stderr)
+                return 2
+            if args.write:
+                written = write_tree(directory, args.root)
+                print(f"{directory}/: {len(written)} files; apply with "
+                      f"`kubectl apply --server-side -k {directory}/kubernetes` (or one of its overlays/)")
+                return 0
             changed = write(args.root)
             print(f"{OUTPUT}/: " + (f"updated {', '.join(changed)}" if changed else "already current"))
             return 0
-        for name, text in generate(args.root).items():
-            sys.stdout.write(f"---\n# {OUTPUT / name}\n{text}")
+        for sub, files in generate(args.root).items():
+            for name, text in files.items():
+                sys.stdout.write(f"---\n# {OUTPUT / sub / name}\n{text}")
         return 0
     except SourceError as e:
         print(f"sidecar deploy-gen: {e}", file=sys.stderr)

@@ -133,8 +133,10 @@ class MetricsEndpoint:
     """The families of `/metrics`, within `limit` series."""
 
     def __init__(self, runner: CollectorRunner, registry: "Registry", training: "TrainingCollector",
-                 watchdog: "Watchdog", other_sources: Iterable[Callable[[], Iterable[Metric]]], limit: int):
+                 watchdog: "Watchdog", other_sources: Iterable[Callable[[], Iterable[Metric]]], limit: int,
+                 relabel: Callable[[Iterable[Metric]], list[Metric]] = list):
         self.runner, self.registry, self.training, self.watchdog = runner, registry, training, watchdog
+        self.relabel = relabel  # adds each rank's pod labels (podlabels.py)
         self.other_sources = list(other_sources)  # the daemon's own families
         self.limit = limit
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-render")
@@ -185,8 +187,8 @@ class MetricsEndpoint:
                     for f in (self.runner.results[name].families if name in self.runner.results else [])]
         built = [*_filtered(per_rank, lambda f, labels: _rank_key(labels) in first.ranks),
                  *self.runner.health_families(),
-                 *self.training.collect(only=first.ranks, custom=first.custom),
-                 *self.watchdog.families(only=first.ranks)]
+                 *self.relabel(self.training.collect(only=first.ranks, custom=first.custom)),
+                 *self.relabel(self.watchdog.families(only=first.ranks))]
         for source in self.other_sources:
             try:
                 built.extend(source())

@@ -25,6 +25,7 @@ def write(out_dir: Path, files: Mapping[str, str], leftovers: str | None = None)
     changed = stale(out_dir, files, leftovers)
     for name in changed:
         if name in files:
+            (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
             (out_dir / name).write_text(files[name])
         else:
             (out_dir / name).unlink()

@@ -89,8 +89,10 @@ def read_nvml(module_name: str) -> NvmlFacts:
     session = NvmlSession(module_name)
     try:
         if not session.start():
+            if session.broken:  # NVML present but broken: worth a FAIL, not a crash
+                return NvmlFacts(error=f"NVML present but failing: {session.broken}")
             return NvmlFacts(error="no NVIDIA driver (NVML library or driver not found)", absent=True)
-    except Exception as e:  # NVML present but broken: worth a FAIL, not a crash
+    except Exception as e:
         return NvmlFacts(error=f"NVML present but failing: {e}")
     try:
         facts = NvmlFacts(driver_version=session.driver_version, cuda_version=session.cuda_version)
@@ -287,12 +289,28 @@ def check_gpu_count(ctx: Context) -> Iterable[Result]:
         yield Result("gpu-count", PASS, f"{found} GPUs ({', '.join(names)})")
 
 
+def _unchecked_health(g: GpuReading) -> list[str]:
+    """The health facts NVML did not give for this GPU, each with the reason. Pending memory
+    repairs count as checked when either mechanism answered: row remapping (Ampere and later)
+    or page retirement (before), since a board has only one of them."""
+    def why(*fields: str) -> str:
+        reasons = ", ".join(f"{f}: {g.unavailable.get(f, 'not read')}" for f in fields)
+        return reasons + ("; MIG mode is on" if g.mig_mode else "")
+    out = []
+    if g.remapped_rows is None and g.retired_pages_pending is None:
+        out.append(f"pending row remaps or page retirements ({why('remapped_rows', 'retired_pages_pending')})")
+    if g.ecc_uncorrected is None:
+        out.append(f"uncorrected ECC errors ({why('ecc_uncorrected')})")
+    return out
+
+
 def check_gpu_health(ctx: Context) -> Iterable[Result]:
     nv = ctx.nvml()
     if nv.error or not (nv.gpus or nv.lost):
         yield Result("gpu-health", SKIP, "no GPU to check")
         return
     bad = False
+    checked = 0
     for index, why in sorted(nv.lost.items()):
         bad = True
         yield Result("gpu-health", FAIL, f"GPU {index} cannot be read: {why}", "drain the node; reset or replace the GPU")
@@ -310,8 +328,15 @@ def check_gpu_health(ctx: Context) -> Iterable[Result]:
             bad = True
             yield Result("gpu-health", WARN, f"{where}: {g.ecc_uncorrected} uncorrected ECC errors over its life",
                          "fine if its pages were retired/rows remapped; a rising count means replace it")
-    if not bad:
-        yield Result("gpu-health", PASS, f"{len(nv.gpus)} GPUs: no uncorrected ECC errors, "
+        unchecked = _unchecked_health(g)
+        if unchecked:
+            yield Result("gpu-health", WARN, f"{where}: could not check {'; '.join(unchecked)}",
+                         "NVML did not give these; on a MIG GPU check them with MIG off "
+                         "(`nvidia-smi -q -d ROW_REMAPPER,ECC`)")
+        else:
+            checked += 1
+    if not bad and checked:
+        yield Result("gpu-health", PASS, f"{checked} GPUs: no uncorrected ECC errors, "
                      "no pending retirements or remaps")
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from sidecar import podlabels
+
 MAX_NAME = 128  # job ids, metric, phase and event names
 MAX_VERSIONS = 32
 MAX_EVENT_FIELDS = 16
@@ -45,9 +47,11 @@ class Registration:
     restart_count: int = 0
     step: int | None = None
     phase: str | None = None
+    phase_timeout_seconds: float | None = None  # the budget the rank declared for `phase`
     versions: dict[str, str] = field(default_factory=dict)
     stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
     hooks_version: str | None = None
+    kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/podlabels.py)
 
 
 @dataclass(slots=True)
@@ -191,6 +195,15 @@ def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
     return value
 
 
+def _timeout(obj: dict, key: str, where: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value < 1e9:
+        raise ProtocolError(f"{where}: expected a number of seconds > 0, got {_kind(value)}")
+    return float(value)
+
+
 def _object(obj: dict, key: str, where: str) -> dict:
     value = obj.get(key)
     if value is None:
@@ -273,16 +286,22 @@ def parse_registration(data: dict) -> Registration:
             raise ProtocolError(f"versions: key {k[:40]!r} is not a name")
         versions[k] = _text(versions_raw, k, f"versions.{k}")
     stack = _object(data, "stack_dump", "stack_dump")
+    try:
+        kubernetes = podlabels.parse(data.get("kubernetes"))
+    except podlabels.PodLabelError as e:
+        raise ProtocolError(str(e)) from None
     return Registration(
         job_id=job_id, rank=rank, local_rank=local_rank, world_size=world_size,
         local_world_size=local_world_size, pid=pid,
         restart_count=_int(data, "restart_count", "restart_count", 0, MAX_COUNT, default=0, nullable=True) or 0,
         step=_int(data, "step", "step", 0, MAX_COUNT, nullable=True, default=None),
         phase=_name(data, "phase", "phase", nullable=True),
+        phase_timeout_seconds=_timeout(data, "phase_timeout_seconds", "phase_timeout_seconds"),
         versions=versions,
         # stack_dump.path (hooks before 0.2) is ignored: the sidecar creates the dump file itself.
         stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
-        hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None))
+        hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
+        kubernetes=kubernetes)
 
 
 def parse_push(data: dict, max_items: int) -> Push:
@@ -315,11 +334,8 @@ def parse_push(data: dict, max_items: int) -> Push:
             action = obj.get("action")
             if action not in ("start", "end"):
                 raise ProtocolError(f"{where}.action: expected \"start\" or \"end\", got {_kind(action)}")
-            timeout = obj.get("timeout_seconds")
-            if timeout is not None and (type(timeout) not in (int, float) or not 0 < timeout < 1e9):
-                raise ProtocolError(f"{where}.timeout_seconds: expected a number > 0, got {_kind(timeout)}")
             append(PhaseItem(_name(obj, "name", f"{where}.name"), action, _time(obj, f"{where}.time", now),
-                             None if timeout is None else float(timeout)))
+                             _timeout(obj, "timeout_seconds", f"{where}.timeout_seconds")))
         elif kind == "event":
             fields = _object(obj, "fields", f"{where}.fields")
             if len(fields) > MAX_EVENT_FIELDS:

@@ -29,9 +29,12 @@ from urllib.parse import urlsplit
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DASHBOARDS = ROOT / "dashboards"
-DEFAULT_RULES = ROOT / "alerts"
+from sidecar import assets
+
+# The package's data (sidecar/assets): an installed wheel provisions without the repository.
+DEFAULT_DASHBOARDS = assets.DASHBOARDS
+DEFAULT_RULES = assets.ALERTS
+GPU_SOURCES = ("sidecar", "dcgm")
 DEFAULT_FOLDER_UID = "training-sidecar"
 DEFAULT_FOLDER_TITLE = "Training sidecar"
 DEFAULT_DATASOURCE_UID = "sidecar-prometheus"
@@ -74,10 +77,17 @@ def rule_files(directory: Path) -> list[Path]:
     return paths
 
 
-def load_rule_groups(directory: Path) -> list[dict]:
-    """Every Prometheus rule group of the directory's rule files, in file order."""
+def load_rule_groups(directory: Path, gpu_source: str | None = None) -> list[dict]:
+    """Every Prometheus rule group of the directory's rule files, in file order; with
+    `gpu_source`, first the recording rules of that GPU source (gpu-source/<source>.rules.yml)."""
     groups = []
-    for p in rule_files(directory):
+    paths = rule_files(directory)
+    if gpu_source is not None:
+        source = Path(directory) / "gpu-source" / f"{gpu_source}.rules.yml"
+        if not source.is_file():
+            raise UsageError(f"no rule file for GPU source {gpu_source!r}: {source}")
+        paths.insert(0, source)
+    for p in paths:
         try:
             doc = yaml.safe_load(p.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
@@ -444,6 +454,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-files", metavar="DIR", type=Path,
                         help="write Grafana provisioning files, dashboards and a Prometheus rules file to DIR "
                              "instead of calling Grafana")
+    parser.add_argument("--gpu-source", choices=GPU_SOURCES, default="sidecar",
+                        help="with --write-files: whose GPU series the rules file maps onto the names the dashboards "
+                             "and GPU alerts read: the sidecar's own, or dcgm-exporter's (docs/dcgm.md)")
     parser.add_argument("--dashboards-path", default="/var/lib/grafana/dashboards/training-sidecar",
                         help="with --write-files: where Grafana will find the dashboard files")
 
@@ -457,7 +470,8 @@ def _options(args: argparse.Namespace) -> Options:
         folder_uid=args.folder_uid, folder_title=args.folder_title, datasource_uid=args.datasource_uid,
         datasource_name=args.datasource_name, datasource_url=args.datasource_url,
         dashboards=[] if args.no_dashboards else load_dashboards(args.dashboards_dir),
-        rule_groups=load_rule_groups(args.rules_dir) if (not args.no_alerts or args.write_files) else [],
+        rule_groups=(load_rule_groups(args.rules_dir, args.gpu_source if args.write_files else None)
+                     if (not args.no_alerts or args.write_files) else []),
         push_dashboards=not args.no_dashboards, push_alerts=not args.no_alerts)
 
 

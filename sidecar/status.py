@@ -398,7 +398,9 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
     ]
     sections = [
         Section("GPUs", ["GPU", "NAME", "UTIL", "MEMORY", "TEMP/SLOWDOWN", "POWER", "THROTTLE", "ECC UNCORR", "XID"],
-                _gpu_rows(_list(status, "gpus")), "none (no NVIDIA driver or no GPU)"),
+                _gpu_rows(_list(status, "gpus")),
+                "read by dcgm-exporter (collectors.gpu_source: dcgm)" if node.get("gpu_source") == "dcgm"
+                else "none (no NVIDIA driver or no GPU)"),
         Section("NICs", ["DEVICE", "LINK", "SPEED", "RX", "TX", "ERRORS"], _nic_rows(_list(status, "nics"))),
         Section("InfiniBand", ["DEVICE", "PORT", "STATE", "RATE"], _ib_rows(_list(status, "infiniband"))),
         Section("Ranks", ["JOB", "RANK", "PID", "STATE", "STEP", "STEP TIME", "IT/S", "LOSS", "GRAD NORM",

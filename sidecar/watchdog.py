@@ -36,7 +36,7 @@ from prometheus_client.core import Metric
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.incidents import Incident, IncidentStore, RankSnapshot
-from sidecar.remediation import Remediator, StormCap, Target, is_running
+from sidecar.remediation import OwnerStormCaps, Remediator, Target, is_running
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank, RankKey, Registry
@@ -147,7 +147,8 @@ class Watchdog:
         self.clock = clock
         self.store = store or IncidentStore.for_settings(settings)
         self.remediator = remediator or Remediator(settings.remediation)
-        self.storm_cap = StormCap(settings.remediation.max_per_window, settings.remediation.window_seconds, clock)
+        rem = settings.remediation
+        self.storm_cap = OwnerStormCaps(rem.max_per_window, rem.max_per_window_node, rem.window_seconds, clock)
         self.counters = _Counters()
         self._tracks: dict["RankKey", _Track] = {}
         self._episodes: dict[str, _Episode] = {}
@@ -312,7 +313,9 @@ class Watchdog:
         blamed, why = blame([t.rank for t in members], {t.rank.key: t.state for t in members})
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
         observe_only = self.settings.watchdog.observe_only
-        suppressed = not observe_only and not self.storm_cap.allow()
+        owner = members[0].rank.owner_uid if members else None
+        full = None if observe_only else self.storm_cap.allow(owner)
+        suppressed = full is not None
         incident = self.store.open(
             job_id, blamed_rank=blamed.rank if blamed else None, blame_reason=why,
             timeout_seconds=stalled_deadline.timeout if stalled_deadline else None,
@@ -327,9 +330,7 @@ class Watchdog:
         if observe_only or suppressed:
             episode.outcome = "observe_only" if observe_only else "suppressed"
             if suppressed:
-                incident.notes.append(
-                    f"storm cap: {self.settings.remediation.max_per_window} remediations per "
-                    f"{self.settings.remediation.window_seconds:.0f}s reached; not killing")
+                incident.notes.append(f"storm cap: {full} reached; not killing")
             log.error("job %s stalled (%s); %s", job_id, incident.summary,
                       "observe-only mode: not killing" if observe_only else "storm cap reached: not killing")
             episode.task = asyncio.get_running_loop().create_task(
@@ -520,4 +521,6 @@ def _process_alive(rank: "Rank") -> bool:
     remediation's safety check will refuse to signal it."""
     if rank.pid_start_time is None:
         return True
+    if rank.pidfd is not None:  # a poll, no /proc read
+        return rank.pidfd.alive()
     return is_running(rank.pid, rank.pid_start_time)

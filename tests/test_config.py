@@ -52,6 +52,7 @@ def test_lists_and_mappings_from_strings():
     ("watchdog.quantile=2", "setting watchdog.quantile"),
     ("watchdog.nonsense=1", "setting watchdog.nonsense: unknown setting"),
     ("collectors.enabled=gpu,disk", "unknown collector(s) disk"),
+    ("collectors.gpu_source=nvidia", "setting collectors.gpu_source: expected sidecar or dcgm, got 'nvidia'"),
     ("listen=nowhere", "setting listen: expected HOST:PORT"),
     ("socket_mode=999", "setting socket_mode: expected an octal mode"),
     ("watchdog.observe_only=maybe", "expected true or false"),

@@ -14,10 +14,12 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_STACK_SIGNAL` | signal that dumps this rank's Python stacks (`SIGUSR2` default; `off` disables) |
 | `SIDECAR_FLUSH_INTERVAL` | seconds between batches sent to the sidecar (default: what the sidecar says at registration, 2 s unless configured; 0.5 before that) |
 | `SIDECAR_HOOKS_DISABLED` | `1` makes every hook a no-op |
+| `SIDECAR_POD_NAMESPACE`, `SIDECAR_POD_NAME`, `SIDECAR_CONTAINER_NAME` | the rank's pod (Kubernetes downward API): `namespace`, `pod`, `container` labels on its series; unset means no label |
 """
 from __future__ import annotations
 
 import logging
+import re
 import signal
 from dataclasses import dataclass
 from typing import Mapping
@@ -41,6 +43,7 @@ class Identity:
     world_size: int
     local_world_size: int
     restart_count: int
+    kubernetes: tuple[tuple[str, str], ...] = ()  # (label, value) of the rank's pod, from the downward API
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,31 @@ def identity(environ: Mapping[str, str], job_id: str | None = None, rank: int | 
                           else int(local_world_size)),
         restart_count=(_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if restart_count is None
                        else int(restart_count)),
+        kubernetes=kubernetes(environ),
     )
+
+
+# Downward-API variables of the job examples -> label; Kubernetes' rules for the names
+# (the sidecar checks them again and refuses a registration that breaks them).
+POD_VARIABLES = (("SIDECAR_POD_NAMESPACE", "namespace", 63), ("SIDECAR_POD_NAME", "pod", 253),
+                 ("SIDECAR_CONTAINER_NAME", "container", 63))
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS = {"namespace": re.compile(_DNS_LABEL + r"\Z"), "container": re.compile(_DNS_LABEL + r"\Z"),
+        "pod": re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*\Z")}
+
+
+def kubernetes(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The rank's pod labels from the set, non-empty, well-formed variables; others are left out."""
+    out = []
+    for variable, label, max_len in POD_VARIABLES:
+        value = environ.get(variable, "").strip()
+        if not value:
+            continue
+        if len(value) > max_len or not _DNS[label].match(value):
+            log.warning("trainer_hooks: ignoring %s=%r (not a Kubernetes %s name)", variable, value[:64], label)
+            continue
+        out.append((label, value))
+    return tuple(out)
 
 
 def endpoint(environ: Mapping[str, str], socket_path: str | None = None, url: str | None = None,

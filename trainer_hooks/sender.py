@@ -100,7 +100,7 @@ class Sender:
         self._cpu_mark = 0.0
         self._expected_seq = 0        # seq of the next record; a higher one means the buffer dropped some
         self._acked_step: int | None = None
-        self._acked_phases: list[str] = []
+        self._acked_phases: list[tuple[str, float | None]] = []  # (name, timeout_seconds)
         self._held_back: dict | None = None  # a rolled-back step item that starts the next batch
         self._backoff = 0.0
         self.session: str | None = None  # returned by the registration
@@ -256,9 +256,11 @@ class Sender:
             elif kind == "phase":
                 name = item["name"]
                 if item["action"] == "start":
-                    self._acked_phases.append(name)
-                elif name in self._acked_phases:
-                    del self._acked_phases[len(self._acked_phases) - 1 - self._acked_phases[::-1].index(name)]
+                    self._acked_phases.append((name, item.get("timeout_seconds")))
+                else:
+                    names = [n for n, _ in self._acked_phases]
+                    if name in names:
+                        del self._acked_phases[len(names) - 1 - names[::-1].index(name)]
         self._backoff = 0.0
 
     def _failed(self) -> None:
@@ -273,11 +275,15 @@ class Sender:
             "world_size": self.ident.world_size, "local_world_size": self.ident.local_world_size,
             "restart_count": self.ident.restart_count, "pid": self.pid,
             "step": self._acked_step if with_step else None,
-            "phase": self._acked_phases[-1] if self._acked_phases else None,
+            "phase": self._acked_phases[-1][0] if self._acked_phases else None,
+            # A restarted sidecar must judge the phase by the rank's own budget, not its default.
+            "phase_timeout_seconds": self._acked_phases[-1][1] if self._acked_phases else None,
             "versions": versions(),
             "stack_dump": self.stack_dump.as_wire() if self.stack_dump else None,
             "hooks_version": HOOKS_VERSION,
         }
+        if self.ident.kubernetes:
+            body["kubernetes"] = dict(self.ident.kubernetes)
         reply = self._post("/v1/register", _dumps(body), deadline)
         if reply is None:
             return False

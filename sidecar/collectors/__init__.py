@@ -27,7 +27,9 @@ def build_collectors(settings: "Settings", ranks: Callable[[], list[tuple[str, i
     cfg = settings.collectors
     if cfg.procfs_root.rstrip("/") not in ("", "/proc"):
         psutil.PROCFS_PATH = cfg.procfs_root  # psutil reads one procfs for the whole process
-    gpu = GpuCollector(cfg.nvml_module, ranks, xid_events=cfg.xid_events) if "gpu" in cfg.enabled else None
+    # With dcgm-exporter as the GPU source, no second NVML poller (docs/dcgm.md).
+    gpu_on = "gpu" in cfg.enabled and cfg.gpu_source == "sidecar"
+    gpu = GpuCollector(cfg.nvml_module, ranks, xid_events=cfg.xid_events) if gpu_on else None
     no_gpu_versions = lambda: ("", "")  # noqa: E731
     build: dict[str, Callable[[], "Collector"]] = {
         "gpu": lambda: gpu,  # type: ignore[dict-item]
@@ -36,4 +38,4 @@ def build_collectors(settings: "Settings", ranks: Callable[[], list[tuple[str, i
         "node": lambda: NodeCollector(settings.checkpoint_dir, job_versions,
                                       gpu.versions if gpu is not None else no_gpu_versions),
     }
-    return [build[name]() for name in dict.fromkeys(cfg.enabled)]
+    return [build[name]() for name in dict.fromkeys(cfg.enabled) if name != "gpu" or gpu_on]

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -141,14 +141,19 @@ class CollectorRunner:
         self._running_since: dict[str, float] = {}
         self.hung_after_seconds: float | None = None  # default: 3 intervals, at least 10 s
         self.first_round = asyncio.Event()
+        # Applied to each run's families before they are rendered (the ranks' pod labels).
+        self.relabel: Callable[[list[Metric]], list[Metric]] | None = None
 
     def run_once_sync(self, collector: Collector) -> CollectorResult:
         start = time.perf_counter()
         try:
             families = list(collector.collect())
+            if self.relabel is not None:
+                families = self.relabel(families)
             result = CollectorResult(families, True)
         except PartialFailure as e:
-            result = CollectorResult(list(e.families), False, error=str(e))
+            families = list(e.families)
+            result = CollectorResult(self.relabel(families) if self.relabel else families, False, error=str(e))
         except Exception as e:  # one failing collector never breaks the endpoint
             log.warning("collector %s failed: %s", collector.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
             result = CollectorResult([], False, error=f"{type(e).__name__}: {e}")

@@ -3,9 +3,12 @@ are held down, memory errors (ECC, retired pages, remapped rows), PCIe and NVLin
 events, and the GPU memory each registered rank holds.
 
 No NVIDIA library or driver means no GPU series and a successful collector: absent hardware is
-not a failure. A lost GPU is skipped (its `sidecar_gpu_lost` is 1) and the run reports a partial
-failure while the other GPUs are exported. Error counters and link health are refreshed every
-10 s (nvml.HEALTH_SECONDS), the rest every collector round."""
+not a failure. NVML present but broken (nvmlInit fails otherwise) is a failed run, logged once.
+A lost GPU (GPU_IS_LOST, or no handle) is skipped (its `sidecar_gpu_lost` is 1) and the run
+reports a partial failure while the other GPUs are exported. A field NVML does not give for a
+GPU (unsupported, no permission, not ready, ...) only lacks its series, and
+`sidecar_gpu_field_unavailable` says which and why. Error counters, link health and slow-moving
+fields are refreshed every 10 s (nvml.HEALTH_SECONDS), the rest every collector round."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -13,7 +16,7 @@ from typing import Iterable
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import PartialFailure, spec
-from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, GpuLost, GpuReading, NvmlSession
+from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
 from sidecar.collectors.ranktree import RanksFn, pid_owners
 from sidecar.collectors.xid import XidWatcher
 
@@ -30,7 +33,13 @@ MEMORY_UTILIZATION = spec(NAME, "gpu_memory_utilization_ratio", "gauge",
                           "Share of the last sample period in which device memory was read or written.", G)
 MEMORY_USED = spec(NAME, "gpu_memory_used_bytes", "gauge", "Device memory in use.", G)
 MEMORY_TOTAL = spec(NAME, "gpu_memory_total_bytes", "gauge", "Device memory installed.", G)
+MEMORY_FREE = spec(NAME, "gpu_memory_free_bytes", "gauge", "Device memory free (DCGM_FI_DEV_FB_FREE).", G)
+MEMORY_RESERVED = spec(NAME, "gpu_memory_reserved_bytes", "gauge",
+                       "Device memory the driver reserves for itself (DCGM_FI_DEV_FB_RESERVED; drivers whose "
+                       "NVML has no nvmlMemory_v2 count it in used).", G)
 TEMPERATURE = spec(NAME, "gpu_temperature_celsius", "gauge", "GPU core temperature.", G)
+MEMORY_TEMPERATURE = spec(NAME, "gpu_memory_temperature_celsius", "gauge",
+                          "Device memory (HBM) temperature, refreshed every 10 s.", G)
 SLOWDOWN_TEMPERATURE = spec(NAME, "gpu_slowdown_temperature_celsius", "gauge",
                             "Temperature at which the GPU slows its clocks.", G)
 SHUTDOWN_TEMPERATURE = spec(NAME, "gpu_shutdown_temperature_celsius", "gauge",
@@ -44,8 +53,19 @@ CLOCK_EVENT = spec(NAME, "gpu_clock_event_active", "gauge",
                    "1 while this reason holds the clocks down (NVML clock event reasons; "
                    "hw_slowdown, *_thermal_slowdown and hw_power_brake_slowdown cost throughput).",
                    ["gpu", "reason"])
+CLOCK_VIOLATION = spec(NAME, "gpu_clock_violation_seconds", "counter",
+                       "Time the clocks were held below their target by this policy (NVML violation counters: "
+                       "power, thermal, sync_boost, board_limit, low_utilization, reliability), refreshed every 10 s.",
+                       ["gpu", "policy"])
+ENCODER_UTILIZATION = spec(NAME, "gpu_encoder_utilization_ratio", "gauge",
+                           "Share of time the video encoder was busy, refreshed every 10 s.", G)
+DECODER_UTILIZATION = spec(NAME, "gpu_decoder_utilization_ratio", "gauge",
+                           "Share of time the video decoder was busy, refreshed every 10 s.", G)
 ECC_ERRORS = spec(NAME, "gpu_ecc_errors", "counter",
                   "ECC errors over the GPU's lifetime (aggregate counters), by type.", ["gpu", "type"])
+ECC_VOLATILE_ERRORS = spec(NAME, "gpu_ecc_volatile_errors", "counter",
+                           "ECC errors since the driver was last loaded (volatile counters), by type.",
+                           ["gpu", "type"])
 RETIRED_PAGES = spec(NAME, "gpu_retired_pages", "gauge",
                      "Device memory pages retired (pre-Ampere), by cause.", ["gpu", "cause"])
 RETIRED_PAGES_PENDING = spec(NAME, "gpu_retired_pages_pending", "gauge",
@@ -61,6 +81,9 @@ PCIE_GEN = spec(NAME, "gpu_pcie_link_generation", "gauge", "Current PCIe link ge
 PCIE_MAX_GEN = spec(NAME, "gpu_pcie_link_max_generation", "gauge", "Highest PCIe link generation.", G)
 PCIE_WIDTH = spec(NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes).", G)
 PCIE_MAX_WIDTH = spec(NAME, "gpu_pcie_link_max_width", "gauge", "Widest PCIe link (lanes).", G)
+PCIE_THROUGHPUT = spec(NAME, "gpu_pcie_throughput_bytes_per_second", "gauge",
+                       "PCIe traffic over a 20 ms NVML sample, by direction (transmit, receive), "
+                       "refreshed every 10 s.", ["gpu", "direction"])
 NVLINK_UP = spec(NAME, "gpu_nvlink_up", "gauge", "1 when the NVLink link is active.", ["gpu", "link"])
 NVLINK_ERRORS = spec(NAME, "gpu_nvlink_errors", "counter",
                      "NVLink data-link errors, by type (replay, recovery, crc_flit, crc_data).",
@@ -74,18 +97,53 @@ LAST_XID_TIME = spec(NAME, "gpu_last_xid_timestamp_seconds", "gauge",
 PROCESS_MEMORY = spec(NAME, "gpu_process_memory_bytes", "gauge",
                       "Device memory held by a registered rank and its child processes.",
                       ["gpu", "job_id", "rank"])
+FIELD_UNAVAILABLE = spec(NAME, "gpu_field_unavailable", "gauge",
+                         "1 while NVML does not give this field of this GPU, with the reason (the NVML error in "
+                         "lower case: not_supported, function_not_found, no_permission, not_ready, unknown, ...). "
+                         "The field's series are absent meanwhile. It is asked again after 10 minutes "
+                         "(not supported) or 1 minute (other errors), and after a MIG mode change.",
+                         ["gpu", "field", "reason"])
 
-METRICS = (INFO, LOST, UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL, TEMPERATURE,
-           SLOWDOWN_TEMPERATURE, SHUTDOWN_TEMPERATURE, POWER, POWER_LIMIT, ENERGY, SM_CLOCK, MEMORY_CLOCK,
-           CLOCK_EVENT, ECC_ERRORS, RETIRED_PAGES, RETIRED_PAGES_PENDING, REMAPPED_ROWS,
-           REMAPPED_ROWS_PENDING, REMAPPED_ROWS_FAILED, PCIE_REPLAY, PCIE_GEN, PCIE_MAX_GEN, PCIE_WIDTH,
-           PCIE_MAX_WIDTH, NVLINK_UP, NVLINK_ERRORS, XID_ERRORS, LAST_XID, LAST_XID_TIME, PROCESS_MEMORY)
+METRICS = (INFO, LOST, FIELD_UNAVAILABLE, UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL, MEMORY_FREE,
+           MEMORY_RESERVED, TEMPERATURE, MEMORY_TEMPERATURE, SLOWDOWN_TEMPERATURE, SHUTDOWN_TEMPERATURE, POWER,
+           POWER_LIMIT, ENERGY, SM_CLOCK, MEMORY_CLOCK, CLOCK_EVENT, CLOCK_VIOLATION, ENCODER_UTILIZATION,
+           DECODER_UTILIZATION, ECC_ERRORS, ECC_VOLATILE_ERRORS, RETIRED_PAGES, RETIRED_PAGES_PENDING,
+           REMAPPED_ROWS, REMAPPED_ROWS_PENDING, REMAPPED_ROWS_FAILED, PCIE_REPLAY, PCIE_GEN, PCIE_MAX_GEN, PCIE_WIDTH,
+           PCIE_MAX_WIDTH, PCIE_THROUGHPUT, NVLINK_UP, NVLINK_ERRORS, XID_ERRORS, LAST_XID, LAST_XID_TIME,
+           PROCESS_MEMORY)
+
+# Per-GPU families -> the fields (labels of sidecar_gpu_field_unavailable) they come from: a
+# family absent for a GPU must have one of these reported unavailable (bench/gpu_check.py checks).
+FIELDS_OF: dict[str, tuple[str, ...]] = {s.name: fields for s, fields in (
+    (UTILIZATION, ("utilization",)), (MEMORY_UTILIZATION, ("utilization",)), (MEMORY_USED, ("memory",)),
+    (MEMORY_TOTAL, ("memory",)), (MEMORY_FREE, ("memory",)), (MEMORY_RESERVED, ("memory", "memory_reserved")),
+    (TEMPERATURE, ("temperature",)), (MEMORY_TEMPERATURE, ("memory_temperature",)),
+    (SLOWDOWN_TEMPERATURE, ("slowdown_temperature",)), (SHUTDOWN_TEMPERATURE, ("shutdown_temperature",)),
+    (POWER, ("power",)), (POWER_LIMIT, ("power_limit",)), (ENERGY, ("energy",)), (SM_CLOCK, ("sm_clock",)),
+    (MEMORY_CLOCK, ("memory_clock",)), (CLOCK_EVENT, ("clock_event_reasons",)),
+    (CLOCK_VIOLATION, tuple(f"violation_{p}" for p, _ in VIOLATION_POLICIES)),
+    (ENCODER_UTILIZATION, ("encoder_utilization",)), (DECODER_UTILIZATION, ("decoder_utilization",)),
+    (ECC_ERRORS, ("ecc_corrected", "ecc_uncorrected")),
+    (ECC_VOLATILE_ERRORS, ("ecc_volatile_corrected", "ecc_volatile_uncorrected")),
+    (RETIRED_PAGES, ("retired_pages_single_bit", "retired_pages_double_bit")),
+    (RETIRED_PAGES_PENDING, ("retired_pages_pending",)), (REMAPPED_ROWS, ("remapped_rows",)),
+    (REMAPPED_ROWS_PENDING, ("remapped_rows",)), (REMAPPED_ROWS_FAILED, ("remapped_rows",)),
+    (PCIE_REPLAY, ("pcie_replay",)), (PCIE_GEN, ("pcie_link_generation",)),
+    (PCIE_MAX_GEN, ("pcie_link_max_generation",)), (PCIE_WIDTH, ("pcie_link_width",)),
+    (PCIE_MAX_WIDTH, ("pcie_link_max_width",)), (PCIE_THROUGHPUT, ("pcie_tx_throughput", "pcie_rx_throughput")))}
+# Families that exist only in some situations, and which.
+CONDITIONAL = {NVLINK_UP.name: "GPUs with NVLink", NVLINK_ERRORS.name: "GPUs with NVLink",
+               XID_ERRORS.name: "after an XID event", LAST_XID.name: "GPUs with XID event support",
+               LAST_XID_TIME.name: "after an XID event", PROCESS_MEMORY.name: "registered ranks using the GPU",
+               FIELD_UNAVAILABLE.name: "fields NVML does not give"}
 
 # Plain one-value-per-GPU families: (spec, GpuReading attribute).
 _SCALARS = (
     (UTILIZATION, "utilization_ratio"), (MEMORY_UTILIZATION, "memory_utilization_ratio"),
-    (MEMORY_USED, "memory_used_bytes"), (MEMORY_TOTAL, "memory_total_bytes"),
-    (TEMPERATURE, "temperature_celsius"), (SLOWDOWN_TEMPERATURE, "slowdown_temperature_celsius"),
+    (MEMORY_USED, "memory_used_bytes"), (MEMORY_TOTAL, "memory_total_bytes"), (MEMORY_FREE, "memory_free_bytes"),
+    (MEMORY_RESERVED, "memory_reserved_bytes"), (TEMPERATURE, "temperature_celsius"),
+    (MEMORY_TEMPERATURE, "memory_temperature_celsius"), (ENCODER_UTILIZATION, "encoder_utilization_ratio"),
+    (DECODER_UTILIZATION, "decoder_utilization_ratio"), (SLOWDOWN_TEMPERATURE, "slowdown_temperature_celsius"),
     (SHUTDOWN_TEMPERATURE, "shutdown_temperature_celsius"), (POWER, "power_watts"),
     (POWER_LIMIT, "power_limit_watts"), (ENERGY, "energy_joules"), (SM_CLOCK, "sm_clock_hertz"),
     (MEMORY_CLOCK, "memory_clock_hertz"), (RETIRED_PAGES_PENDING, "retired_pages_pending"),
@@ -117,6 +175,8 @@ class GpuCollector:
 
     def collect(self) -> Iterable[Metric]:
         if not self.session.start():
+            if self.session.broken:  # logged once by the session; the run fails until NVML works
+                raise PartialFailure(self.session.broken, [])
             return []
         if self.xid_events and self.xid is None:
             self._start_xid_watcher()
@@ -131,7 +191,7 @@ class GpuCollector:
                 problems.append(str(e))
                 continue
             readings.append(reading)
-            problems.extend(f"gpu {reading.gpu}: {err}" for err in reading.errors)
+        self.session.log_field_changes()
         families = self._families(readings, lost)
         if problems:
             more = len(problems) - MAX_PROBLEMS_SHOWN
@@ -150,7 +210,9 @@ class GpuCollector:
         self.xid.start()
 
     def _families(self, readings: list[GpuReading], lost: list[str]) -> list[Metric]:
-        info, lost_family = INFO.family(), LOST.family()
+        info, lost_family, unavailable = INFO.family(), LOST.family(), FIELD_UNAVAILABLE.family()
+        violation, ecc_volatile, pcie_throughput = CLOCK_VIOLATION.family(), ECC_VOLATILE_ERRORS.family(), \
+            PCIE_THROUGHPUT.family()
         scalars = [(s.family(), attr) for s, attr in _SCALARS]
         clock, ecc, retired = CLOCK_EVENT.family(), ECC_ERRORS.family(), RETIRED_PAGES.family()
         rows, rows_pending, rows_failed = REMAPPED_ROWS.family(), REMAPPED_ROWS_PENDING.family(), \
@@ -163,6 +225,8 @@ class GpuCollector:
             g = r.gpu
             info.add_metric([g, r.uuid, r.name, r.pci_bus_id], {})
             lost_family.add_metric([g], 0)
+            for name, reason in sorted(r.unavailable.items()):
+                unavailable.add_metric([g, name, reason], 1.0)
             for family, attr in scalars:
                 value = getattr(r, attr)
                 if value is not None:
@@ -173,6 +237,15 @@ class GpuCollector:
             for kind, value in (("corrected", r.ecc_corrected), ("uncorrected", r.ecc_uncorrected)):
                 if value is not None:
                     ecc.add_metric([g, kind], value)
+            for kind, value in (("corrected", r.ecc_volatile_corrected), ("uncorrected", r.ecc_volatile_uncorrected)):
+                if value is not None:
+                    ecc_volatile.add_metric([g, kind], value)
+            for policy, seconds in r.violation_seconds.items():
+                violation.add_metric([g, policy], seconds)
+            for direction, value in (("transmit", r.pcie_tx_bytes_per_second),
+                                     ("receive", r.pcie_rx_bytes_per_second)):
+                if value is not None:
+                    pcie_throughput.add_metric([g, direction], value)
             for cause, value in (("single_bit", r.retired_pages_single_bit), ("double_bit", r.retired_pages_double_bit)):
                 if value is not None:
                     retired.add_metric([g, cause], value)
@@ -188,8 +261,9 @@ class GpuCollector:
                 for kind, value in link.errors.items():
                     nvlink_errors.add_metric([g, str(link.link), kind], value)
 
-        families = [info, lost_family, *(f for f, _ in scalars), clock, ecc, retired, rows, rows_pending,
-                    rows_failed, nvlink_up, nvlink_errors, *self._xid_families(), self._process_memory(readings)]
+        families = [info, lost_family, unavailable, *(f for f, _ in scalars), clock, violation, ecc, ecc_volatile,
+                    retired, rows, rows_pending, rows_failed, pcie_throughput, nvlink_up, nvlink_errors,
+                    *self._xid_families(), self._process_memory(readings)]
         return [f for f in families if f.samples]
 
     def _xid_families(self) -> list[Metric]:

@@ -88,6 +88,12 @@ class XidWatcher:
             except nv.NVMLError_Timeout:
                 failures = 0
                 continue
+            except nv.NVMLError_FunctionNotFound:
+                if wait is nv.nvmlEventSetWait:
+                    log.warning("XID events unavailable: this driver has no nvmlEventSetWait")
+                    return
+                wait = nv.nvmlEventSetWait  # a driver older than nvmlEventSetWait_v2 (NVML 11)
+                continue
             except nv.NVMLError as e:
                 # A lost GPU or a driver in trouble: keep listening, without spinning.
                 failures += 1

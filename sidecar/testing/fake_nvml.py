@@ -18,22 +18,43 @@ the sidecar runs). With neither, NVML behaves as if the library were not install
      "gpus": {"3": {...}},                # overrides for one GPU, by index
      "xid_events": [{"gpu": 3, "xid": 79, "at_seconds": 0.5}]}
 
-A GPU's "errors" maps an NVML function name (or "*" for every per-device call) to the error
-it raises: an NVML_ERROR_* name in lower case ("not_supported", "gpu_is_lost", "unknown").
+A GPU's "errors" maps an NVML function name (or "*" for every per-device call, or a field
+value's NVML_FI_* name) to the error it raises: an NVML_ERROR_* name in lower case
+("not_supported", "gpu_is_lost", "unknown", "not_ready", "no_permission"). "mig_mode": [1, 1]
+makes a GPU answer NOT_SUPPORTED where MIG hides a field (nvml_model.MIG_UNSUPPORTED).
 Energy grows with power over time, as on a real board.
+
+The driver state lives in sidecar.testing.nvml_model, shared with the fake C library
+(sidecar.testing.fake_nvml_lib), which the GPU collector's tests use. This module is the
+lighter stand-in: pynvml's API without pynvml's code, for `bench_metrics --nvml module` and
+quick experiments.
 """
 from __future__ import annotations
 
-import copy
-import json
-import os
-import threading
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pynvml as _real
+
+from sidecar.testing.nvml_model import (  # noqa: F401
+    _NVLINK_COUNTERS,
+    DEFAULT_GPU,
+    ENV_VAR,
+    MIG_UNSUPPORTED,
+    VIOLATION_POLICIES,
+    _energy_mj,
+    _error,
+    _EventSet,
+    _gpu,
+    _Handle,
+    _require_init,
+    _spec,
+    _state,
+    configure,
+    inject_xid,
+    update,
+)
 
 # The real constants and error classes, so code written against pynvml behaves identically.
 for _name in dir(_real):
@@ -41,158 +62,6 @@ for _name in dir(_real):
                          "nvmlEventType")):
         globals()[_name] = getattr(_real, _name)
 NVMLError = _real.NVMLError
-
-ENV_VAR = "SIDECAR_FAKE_NVML"
-
-DEFAULT_GPU: dict[str, Any] = {
-    "name": "NVIDIA H100 80GB HBM3",
-    "utilization_gpu": 97, "utilization_memory": 41,
-    "memory_total_bytes": 85_520_809_984, "memory_used_bytes": 61_203_283_968,
-    "temperature_celsius": 62, "slowdown_celsius": 87, "shutdown_celsius": 92,
-    "power_mw": 612_000, "power_limit_mw": 700_000, "energy_mj": 1_500_000_000,
-    "sm_clock_mhz": 1980, "memory_clock_mhz": 2619,
-    "clock_event_reasons": 0,             # bitmask of nvmlClocksEventReason*
-    "ecc_corrected": 0, "ecc_uncorrected": 0,
-    "retired_pages_single_bit": 0, "retired_pages_double_bit": 0, "retired_pages_pending": 0,
-    "remapped_rows": [0, 0, 0, 0],        # correctable, uncorrectable, pending, failed
-    "pcie_replay": 0, "pcie_gen": 5, "pcie_max_gen": 5, "pcie_width": 16, "pcie_max_width": 16,
-    "nvlink_links": 18, "nvlink_down": [],
-    "nvlink_errors": {"replay": 0, "recovery": 0, "crc_flit": 0, "crc_data": 0},  # every link
-    "nvlink_link_errors": {},             # per link overrides: {"3": {"crc_flit": 12}}
-    "processes": [],                      # [{"pid": 123, "used_memory_bytes": 456}]
-    "xid_supported": True,
-    "errors": {},
-}
-
-_NVLINK_COUNTERS = {_real.NVML_NVLINK_ERROR_DL_REPLAY: "replay", _real.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
-                    _real.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", _real.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
-
-
-def _error(name: str) -> _real.NVMLError:
-    code = getattr(_real, "NVML_ERROR_" + name.upper(), None)
-    if code is None:
-        raise ValueError(f"fake_nvml spec: unknown NVML error name {name!r}")
-    return _real.NVMLError(code)
-
-
-@dataclass(frozen=True)
-class _Handle:
-    index: int
-    generation: int
-
-
-class _EventSet:
-    def __init__(self) -> None:
-        self.registered: set[int] = set()
-        self.freed = False
-
-
-class _State:
-    """The simulated driver: the spec, init refcount, event queue."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Condition()
-        self.spec: dict[str, Any] | None = None
-        self.programmatic = False  # set by configure(): the env file is not consulted
-        self.spec_file: str | None = None
-        self.spec_mtime = 0.0
-        self.checked_at = float("-inf")
-        self.refcount = 0
-        self.generation = 0
-        self.init_time = 0.0
-        self.pending_xids: list[dict] = []  # not yet delivered, sorted by due time
-        self.event_sets: list[_EventSet] = []
-        self.merged: dict[int, dict[str, Any]] = {}  # GPU index -> DEFAULT_GPU + spec values
-        self.merged_for: dict[str, Any] | None = None
-
-    def load(self) -> dict[str, Any] | None:
-        """The spec, re-reading the env file when it changed (looked at twice a second)."""
-        if self.programmatic:
-            return self.spec
-        now = time.monotonic()
-        if now - self.checked_at < 0.5:
-            return self.spec
-        self.checked_at = now
-        path = os.environ.get(ENV_VAR)
-        if not path:
-            self.spec = self.spec_file = None
-            return None
-        try:
-            mtime = os.stat(path).st_mtime
-            if path != self.spec_file or mtime != self.spec_mtime:
-                with open(path) as f:
-                    self.spec = json.load(f)
-                self.spec_file, self.spec_mtime = path, mtime
-        except (OSError, ValueError):
-            pass  # a file being rewritten: keep the previous spec
-        return self.spec
-
-
-_state = _State()
-
-
-def configure(spec: dict[str, Any] | None) -> None:
-    """Replace the spec (None: back to the SIDECAR_FAKE_NVML file) and reset the driver state,
-    as if the machine had rebooted."""
-    global _state
-    _state = _State()
-    if spec is not None:
-        _state.spec = copy.deepcopy(spec)
-        _state.programmatic = True
-
-
-def update(spec: dict[str, Any]) -> None:
-    """Change the spec while the driver stays initialized: a GPU fails or recovers, values move."""
-    _state.spec = copy.deepcopy(spec)
-    _state.programmatic = True
-
-
-def inject_xid(gpu: int, xid: int) -> None:
-    """Deliver an XID event now, as the driver would on a GPU fault."""
-    with _state.lock:
-        _state.pending_xids.insert(0, {"gpu": gpu, "xid": xid, "due": 0.0})
-        _state.lock.notify_all()
-
-
-# ---------------------------------------------------------------- internals
-
-def _spec() -> dict[str, Any]:
-    spec = _state.load()
-    if spec is None:
-        raise _error("library_not_found")
-    return spec
-
-
-def _require_init() -> dict[str, Any]:
-    if _state.refcount <= 0:
-        raise _error("uninitialized")
-    return _spec()
-
-
-def _gpu(handle: Any, function: str) -> tuple[int, dict[str, Any]]:
-    """The GPU's merged field values; raises the error the spec assigns to `function`."""
-    spec = _require_init()
-    if not isinstance(handle, _Handle) or handle.generation != _state.generation \
-            or not 0 <= handle.index < int(spec.get("gpu_count", 0)):
-        raise _error("invalid_argument")
-    if _state.merged_for is not spec:  # the spec changed: merge again (once per GPU, not per call)
-        _state.merged, _state.merged_for = {}, spec
-    values = _state.merged.get(handle.index)
-    if values is None:
-        values = dict(DEFAULT_GPU)
-        values.update(spec.get("gpu", {}))
-        values.update(spec.get("gpus", {}).get(str(handle.index), {}))
-        _state.merged[handle.index] = values
-    errors = values.get("errors") or {}
-    failure = errors.get(function) or errors.get("*")
-    if failure:
-        raise _error(failure)
-    return handle.index, values
-
-
-def _energy_mj(values: dict[str, Any]) -> int:
-    elapsed = time.monotonic() - _state.init_time
-    return int(values["energy_mj"] + values["power_mw"] * elapsed)  # mW x s = mJ
 
 
 # ---------------------------------------------------------------- library and system
@@ -282,9 +151,13 @@ def nvmlDeviceGetUtilizationRates(handle: _Handle) -> SimpleNamespace:
 
 
 def nvmlDeviceGetMemoryInfo(handle: _Handle, version: int | None = None) -> SimpleNamespace:
+    """Version 1 (no `reserved`; used includes the driver's reservation) or, with
+    version=nvmlMemory_v2, version 2 (reserved apart: total = reserved + used + free)."""
     v = _gpu(handle, "nvmlDeviceGetMemoryInfo")[1]
-    total, used = int(v["memory_total_bytes"]), int(v["memory_used_bytes"])
-    return SimpleNamespace(total=total, used=used, free=total - used)
+    total, used, reserved = int(v["memory_total_bytes"]), int(v["memory_used_bytes"]), int(v["memory_reserved_bytes"])
+    if version:
+        return SimpleNamespace(version=version, total=total, reserved=reserved, used=used, free=total - used - reserved)
+    return SimpleNamespace(total=total, used=used + reserved, free=total - used - reserved)
 
 
 def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
@@ -292,6 +165,10 @@ def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
     if sensor != _real.NVML_TEMPERATURE_GPU:
         raise _error("invalid_argument")
     return int(v["temperature_celsius"])
+
+
+def nvmlDeviceGetTemperatureV1(handle: _Handle, sensor: int) -> int:
+    return nvmlDeviceGetTemperature(handle, sensor)
 
 
 def nvmlDeviceGetTemperatureThreshold(handle: _Handle, threshold: int) -> int:
@@ -334,11 +211,12 @@ def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
 
 def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter_type: int) -> int:
     v = _gpu(handle, "nvmlDeviceGetTotalEccErrors")[1]
-    if error_type == _real.NVML_MEMORY_ERROR_TYPE_CORRECTED:
-        return int(v["ecc_corrected"])
-    if error_type == _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
-        return int(v["ecc_uncorrected"])
-    raise _error("invalid_argument")
+    prefix = {_real.NVML_AGGREGATE_ECC: "ecc_", _real.NVML_VOLATILE_ECC: "ecc_volatile_"}.get(counter_type)
+    kind = {_real.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
+            _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected"}.get(error_type)
+    if prefix is None or kind is None:
+        raise _error("invalid_argument")
+    return int(v[prefix + kind])
 
 
 def nvmlDeviceGetRetiredPages(handle: _Handle, cause: int) -> list[int]:
@@ -412,6 +290,63 @@ def nvmlDeviceGetComputeRunningProcesses(handle: _Handle) -> list[SimpleNamespac
 
 
 nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
+
+
+def nvmlDeviceGetPcieThroughput(handle: _Handle, counter: int) -> int:
+    v = _gpu(handle, "nvmlDeviceGetPcieThroughput")[1]
+    if counter == _real.NVML_PCIE_UTIL_TX_BYTES:
+        return int(v["pcie_tx_kbps"])
+    if counter == _real.NVML_PCIE_UTIL_RX_BYTES:
+        return int(v["pcie_rx_kbps"])
+    raise _error("invalid_argument")
+
+
+def nvmlDeviceGetEncoderUtilization(handle: _Handle) -> list[int]:
+    return [int(_gpu(handle, "nvmlDeviceGetEncoderUtilization")[1]["encoder_utilization"]), 167_000]
+
+
+def nvmlDeviceGetDecoderUtilization(handle: _Handle) -> list[int]:
+    return [int(_gpu(handle, "nvmlDeviceGetDecoderUtilization")[1]["decoder_utilization"]), 167_000]
+
+
+def violation_ns(handle: _Handle, policy: int) -> tuple[int, int]:
+    """(reference time, violation time) in ns, as nvmlDeviceGetViolationStatus fills them."""
+    v = _gpu(handle, "nvmlDeviceGetViolationStatus")[1]
+    if policy not in VIOLATION_POLICIES:
+        raise _error("invalid_argument")
+    return time.time_ns() // 1000, int(v["violation_ns"].get(VIOLATION_POLICIES[policy], 0))
+
+
+def nvmlDeviceGetViolationStatus(handle: _Handle, policy: int) -> SimpleNamespace:
+    reference, violation = violation_ns(handle, policy)
+    return SimpleNamespace(referenceTime=reference, violationTime=violation)
+
+
+def field_value(handle: _Handle, field_id: int) -> tuple[int, int, int]:
+    """One entry of nvmlDeviceGetFieldValues: (nvmlReturn, value type, value). A field's own
+    error comes from the spec's errors under its NVML_FI_* name."""
+    v = _gpu(handle, "nvmlDeviceGetFieldValues")[1]
+    names = {_real.NVML_FI_DEV_MEMORY_TEMP: "NVML_FI_DEV_MEMORY_TEMP"}
+    name = names.get(field_id)
+    if name is None:
+        return _real.NVML_ERROR_NOT_SUPPORTED, 0, 0
+    failure = (v.get("errors") or {}).get(name)
+    if failure:
+        return _error(failure).value, 0, 0
+    return _real.NVML_SUCCESS, _real.NVML_VALUE_TYPE_UNSIGNED_INT, int(v["memory_temperature_celsius"])
+
+
+def nvmlDeviceGetFieldValues(handle: _Handle, field_ids: list[int]) -> Any:
+    values = (_real.c_nvmlFieldValue_t * len(field_ids))()
+    for n, field_id in enumerate(field_ids):
+        ret, value_type, value = field_value(handle, field_id)
+        values[n].fieldId, values[n].nvmlReturn, values[n].valueType = field_id, ret, value_type
+        values[n].value.uiVal = value
+    return values
+
+
+def nvmlDeviceGetMigMode(handle: _Handle) -> list[int]:
+    return [int(x) for x in _gpu(handle, "nvmlDeviceGetMigMode")[1]["mig_mode"]]
 
 
 # ---------------------------------------------------------------- events

@@ -19,7 +19,7 @@ ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 
 class Prometheus:
     def __init__(self, workdir: Path, targets: Sequence[str] = (), rule_files: Sequence[Path] = (),
-                 alertmanager: str | None = None, interval: str = "1s"):
+                 alertmanager: str | None = None, interval: str = "1s", scrape_configs: Sequence[dict] = ()):
         self.workdir = Path(workdir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -27,7 +27,8 @@ class Prometheus:
         config: dict = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{"job_name": "sidecar", "static_configs": [{"targets": list(targets)}]}],
+            "scrape_configs": list(scrape_configs) or [
+                {"job_name": "sidecar", "static_configs": [{"targets": list(targets)}]}],
         }
         if alertmanager:
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}

@@ -99,12 +99,13 @@ def stack(tmp_path_factory):
         am = stack.enter_context(Alertmanager(work / "am", alertmanager_config(webhook.url)).running())
         # Observe-only: the hung rank stays stalled (no kill, no restart) so the alert persists.
         sidecar = stack.enter_context(Sidecar(
-            work / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml", "watchdog.observe_only=true",
+            work / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml_lib", "watchdog.observe_only=true",
             "watchdog.floor_seconds=3", "watchdog.check_interval_seconds=0.25", "hooks_flush_interval_seconds=0.5",
             "watchdog.startup_timeout_seconds=240", f"checkpoint_dir={work / 'ckpt'}",
             env={"SIDECAR_FAKE_NVML": str(nvml_spec)}))
         prom = stack.enter_context(Prometheus(work / "prom", targets=[f"127.0.0.1:{sidecar.port}"],
-                                              rule_files=sorted(rules.glob("*.rules.yml")),
+                                              rule_files=[*sorted(rules.glob("*.rules.yml")),
+                                                          rules / "gpu-source" / "sidecar.rules.yml"],
                                               alertmanager=am.address).running())
         job = stack.enter_context(spawned(torchrun_command(work), work / "torchrun.log", env=sidecar.hook_env()))
         yield {"prom": prom, "sidecar": sidecar, "webhook": webhook, "job": job, "work": work}

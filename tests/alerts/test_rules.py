@@ -84,3 +84,54 @@ def test_for_override_shortens_every_alert_and_keeps_expressions(tmp_path):
                 assert r_short["expr"] == r_real["expr"]
                 if "alert" in r_short:
                     assert r_short["for"] == "5s"
+
+
+# ---------------------------------------------------------------- GPU sources (docs/dcgm.md)
+
+SOURCE_FILES = sorted((ALERTS_DIR / "gpu-source").glob("*.rules.yml"))
+
+
+def test_gpu_source_files_are_current_and_pass_promtool():
+    expected = build.source_files()
+    assert sorted(f"gpu-source/{p.name}" for p in SOURCE_FILES) == sorted(expected)
+    stale = [name for name, text in expected.items() if (ALERTS_DIR / name).read_text() != text]
+    assert not stale, f"regenerate with `python -m alerts.build`: {stale}"
+    out = subprocess.run([PROMTOOL, "check", "rules", *map(str, SOURCE_FILES)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_both_gpu_sources_record_every_gpu_name_the_alerts_and_dashboards_read():
+    from alerts import gpu_source
+    from tests.dashboards.panels import DASHBOARD_FILES, load, queries
+    read = set()
+    for group in build.FILES.values():
+        for g in group:
+            read |= {n for r in g.rules for n in re.findall(r"gpu:sidecar_gpu_\w+", r.expr)}
+    for path in DASHBOARD_FILES:
+        read |= {n for _, e in queries(load(path)) for n in re.findall(r"gpu:sidecar_gpu_\w+", e)}
+    sidecar = {r for r, _ in gpu_source.sidecar_source()}
+    dcgm = {r for r, _, _ in gpu_source.dcgm_source()}
+    assert read and read <= sidecar, sorted(read - sidecar)
+    assert read - dcgm == {gpu_source.recorded(m) for m in gpu_source.SIDECAR_ONLY} & read
+    # No panel or alert reads a GPU series of one source directly.
+    for path in [*RULE_FILES, *DASHBOARD_FILES]:
+        text = re.sub(r"gpu:sidecar_gpu_\w+|job_id(_instance)?:sidecar_gpu_\w+:\w+", "", path.read_text())
+        assert not re.search(r"sidecar_gpu_\w+|DCGM_FI_\w+", text), path.name
+
+
+def test_every_gpu_alert_but_nvlink_down_fires_through_dcgm_series_in_a_unit_test():
+    dcgm_tests = yaml.safe_load((ALERTS_DIR / "tests" / "gpu-dcgm.test.yml").read_text())
+    assert dcgm_tests["rule_files"] == ["../gpu-source/dcgm.rules.yml", "../gpu.rules.yml"]
+    cases = [c for t in dcgm_tests["tests"] for c in t.get("alert_rule_test", [])]
+    for alert in build.GPU.rules:
+        fires = any(c["alertname"] == alert.name and c.get("exp_alerts") for c in cases)
+        assert fires == (alert.name != "SidecarGpuNvlinkDown"), alert.name  # dcgm-exporter has no link state
+
+
+def test_docs_dcgm_carries_the_mapping_table():
+    from alerts import gpu_source
+    mapped = {f for m in gpu_source.DCGM for f in m.dcgm}
+    assert set(gpu_source.DEFAULT_COUNTERS) <= mapped | set(gpu_source.NOT_MAPPED)
+    assert all(m.default == all(f in gpu_source.DEFAULT_COUNTERS for f in m.dcgm) for m in gpu_source.DCGM)
+    assert gpu_source.markdown_table() in (ROOT / "docs" / "dcgm.md").read_text(), \
+        "paste alerts.gpu_source.markdown_table() into docs/dcgm.md"

@@ -1,5 +1,5 @@
-"""Fixtures for the collector tests: the NVML stand-in configured per test, GPU collectors that
-are always closed, and real processes standing in for ranks."""
+"""Fixtures for the collector tests: the real pynvml over a fake NVML library configured per test,
+GPU collectors that are always closed, and real processes standing in for ranks."""
 from __future__ import annotations
 
 import subprocess
@@ -10,15 +10,18 @@ import pytest
 
 from sidecar.collectors import ranktree, xid
 from sidecar.collectors.gpu import GpuCollector
-from sidecar.testing import fake_nvml
+from sidecar.testing import fake_nvml, fake_nvml_lib
 from tests.collectors.helpers import FAKE
 from tests.support import kill_tree
 
 
 @pytest.fixture
 def fake_gpus():
-    """Configure the NVML stand-in: `fake_gpus({"gpu_count": 8, ...})`; reset afterwards."""
-    yield fake_nvml.configure
+    """Boot a machine: `fake_gpus({"gpu_count": 8, ...})` (the spec of sidecar.testing.fake_nvml,
+    plus "driver_generation" and "missing_functions") installs a fake libnvidia-ml under the real
+    pynvml and returns it (its `calls` count the C calls). Uninstalled afterwards."""
+    yield fake_nvml_lib.configure
+    fake_nvml_lib.uninstall()
     fake_nvml.configure(None)
 
 

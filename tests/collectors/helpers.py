@@ -9,7 +9,8 @@ from prometheus_client.core import Metric
 
 from sidecar.collectors.base import CollectorResult, CollectorRunner
 
-FAKE = "sidecar.testing.fake_nvml"
+FAKE = "sidecar.testing.fake_nvml_lib"  # the real pynvml over a fake libnvidia-ml
+FAKE_MODULE = "sidecar.testing.fake_nvml"  # the pure-Python stand-in (pynvml's API only)
 FIXTURE_SYSFS = Path(__file__).parent / "fixtures" / "sys"
 
 

@@ -26,8 +26,11 @@ PROMTOOL = shutil.which("promtool")
 
 
 def _documents() -> list[tuple[str, dict]]:
+    """The manifests as shipped (overlays and components are rendered in test_overlays.py)."""
     out = []
     for path in sorted(K8S.rglob("*.yaml")):
+        if path.relative_to(K8S).parts[0] in ("overlays", "components"):
+            continue
         for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
             if doc:
                 out.append((f"{path.relative_to(K8S)}#{i}", doc))
@@ -133,6 +136,10 @@ def test_service_monitor_selects_the_service_and_its_port():
     assert [e["port"] for e in monitor["spec"]["endpoints"]] and all(
         e["port"] in ports and e.get("path", "/metrics") == "/metrics" for e in monitor["spec"]["endpoints"])
     assert service["spec"]["selector"].items() <= daemonset()["spec"]["template"]["metadata"]["labels"].items()
+    # The ranks' own namespace/pod/container labels win over the target's (the sidecar pod's), which are dropped.
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["honorLabels"] is True
+        assert {"action": "labeldrop", "regex": "(namespace|pod|container)"} in endpoint["relabelings"]
 
 
 def test_prometheus_rules_have_the_operator_structure():
@@ -205,7 +212,8 @@ def test_jobset_runs_the_trainer_with_c10d_and_the_socket():
 
 def test_kustomization_lists_files_that_exist():
     for path in K8S.rglob("kustomization.yaml"):
-        for resource in yaml.safe_load(path.read_text())["resources"]:
+        doc = yaml.safe_load(path.read_text())
+        for resource in doc.get("resources", []) + doc.get("components", []):
             assert (path.parent / resource).exists(), f"{path}: {resource}"
 
 
@@ -219,7 +227,7 @@ def test_deploy_gen_check_names_a_stale_file_and_write_fixes_it(tmp_path, capsys
     for part in ("alerts", "dashboards"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     def args(*flags):
-        return argparse.Namespace(write="--write" in flags, check="--check" in flags, root=tmp_path)
+        return argparse.Namespace(write="" if "--write" in flags else None, check="--check" in flags, root=tmp_path)
     assert deploygen.main(args("--write")) == 0
     assert deploygen.main(args("--check")) == 0
     rules = sorted((tmp_path / "alerts").glob("*.rules.yml"))[0]
@@ -227,7 +235,7 @@ def test_deploy_gen_check_names_a_stale_file_and_write_fixes_it(tmp_path, capsys
     capsys.readouterr()
     assert deploygen.main(args("--check")) == 1
     stale = capsys.readouterr().err
-    assert f"stale: deploy/kubernetes/generated/prometheusrule-{rules.name.split('.')[0]}.yaml" in stale
+    assert f"stale: deploy/kubernetes/base/generated/prometheusrule-{rules.name.split('.')[0]}.yaml" in stale
     assert deploygen.main(args("--write")) == 0 and deploygen.main(args("--check")) == 0
 
 
@@ -235,7 +243,7 @@ def test_deploy_gen_names_a_broken_source(tmp_path, capsys):
     (tmp_path / "alerts").mkdir()
     (tmp_path / "dashboards").mkdir()
     (tmp_path / "dashboards" / "broken.json").write_text("{not json")
-    ns = argparse.Namespace(write=False, check=True, root=tmp_path)
+    ns = argparse.Namespace(write=None, check=True, root=tmp_path)
     assert deploygen.main(ns) == 2
     assert "dashboards/broken.json: not valid JSON" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ import pytest
 
 from sidecar import preflight
 from sidecar.config import load_settings
-from sidecar.testing import fake_nvml
+from sidecar.testing import fake_nvml, fake_nvml_lib
 from tests.ops.conftest import Rank, run_cli
 from tests.support import Sidecar, free_port, wait_until
 
@@ -123,7 +123,10 @@ def test_kernel_and_os_skew_only_warns():
 
 @pytest.fixture
 def nvml_stand_in():
-    yield load_settings(overrides={"collectors.nvml_module": "sidecar.testing.fake_nvml"}, environ={})
+    """The real pynvml over a fake libnvidia-ml (configure it with fake_nvml.configure)."""
+    fake_nvml_lib.install()
+    yield load_settings(overrides={"collectors.nvml_module": "sidecar.testing.fake_nvml_lib"}, environ={})
+    fake_nvml_lib.uninstall()
     fake_nvml.configure(None)
 
 
@@ -146,7 +149,33 @@ def test_healthy_gpus_pass(nvml_stand_in):
     assert [r.outcome for r in _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
 
 
-@pytest.mark.parametrize("init_error, outcome", [("driver_not_loaded", "WARN"), ("unknown", "FAIL")])
+def test_a_mig_gpu_does_not_pass_health_it_could_not_read(nvml_stand_in):
+    fake_nvml.configure({"gpu_count": 2, "gpus": {"1": {"mig_mode": [1, 1]}}})
+    health = _run(preflight.check_gpu_health, nvml_stand_in)
+    assert [r.outcome for r in health] == ["WARN", "PASS"], health
+    assert health[0].detail.startswith("GPU 1 (") and "could not check pending row remaps" in health[0].detail
+    assert "remapped_rows: not_supported" in health[0].detail and "MIG mode is on" in health[0].detail
+    assert health[1].detail.startswith("1 GPUs:")
+
+
+@pytest.mark.parametrize("error", ["no_permission", "unknown"])
+def test_health_fields_that_fail_to_read_are_not_passed(nvml_stand_in, error):
+    fake_nvml.configure({"gpu_count": 1, "gpu": {"errors": {"nvmlDeviceGetRemappedRows": error,
+                                                            "nvmlDeviceGetRetiredPagesPendingStatus": error,
+                                                            "nvmlDeviceGetTotalEccErrors": error}}})
+    health = _run(preflight.check_gpu_health, nvml_stand_in)
+    assert [r.outcome for r in health] == ["WARN"], health
+    assert f"remapped_rows: {error}" in health[0].detail and f"ecc_uncorrected: {error}" in health[0].detail
+
+
+def test_an_r470_driver_is_checked_not_crashed(nvml_stand_in):
+    fake_nvml.configure({"gpu_count": 2, "driver_generation": "r470"})
+    assert [r.outcome for r in _run(preflight.check_gpu_health, nvml_stand_in)] == ["PASS"]
+    assert [r.outcome for r in _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
+
+
+@pytest.mark.parametrize("init_error, outcome", [("driver_not_loaded", "WARN"), ("unknown", "FAIL"),
+                                                 ("lib_rm_version_mismatch", "FAIL")])
 def test_no_driver_warns_but_a_failing_driver_fails(nvml_stand_in, init_error, outcome):
     fake_nvml.configure({"init_error": init_error})
     (result,) = _run(preflight.check_driver, nvml_stand_in)

@@ -93,7 +93,7 @@ def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):
             "gpus": {"1": {"errors": {"*": "gpu_is_lost"}}}}
     spec_file = tmp_path / "nvml.json"
     spec_file.write_text(json.dumps(spec))
-    with Sidecar(tmp_path, "collectors.nvml_module=sidecar.testing.fake_nvml",
+    with Sidecar(tmp_path, "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
                  env={"SIDECAR_FAKE_NVML": str(spec_file)}) as sidecar:
         wait_until(lambda: sidecar.status()["collectors"]["gpu"]["success"] is False, 30, what="gpu collector failing")
         out = run_cli("status", "--socket", sidecar.socket, "--json")

@@ -70,7 +70,7 @@ def daemon(tmp_path_factory, rank_process):
     """One real sidecar with two stand-in GPUs and one rank that pushed a few steps."""
     work = tmp_path_factory.mktemp("daemon")
     (work / "gpus.json").write_text(json.dumps(FAKE_GPUS))
-    with Sidecar(work, "collectors.nvml_module=sidecar.testing.fake_nvml", f"checkpoint_dir={work}",
+    with Sidecar(work, "collectors.nvml_module=sidecar.testing.fake_nvml_lib", f"checkpoint_dir={work}",
                  env={"SIDECAR_FAKE_NVML": str(work / "gpus.json")}) as sc:
         pid = rank_process.pid
         status, body = post(sc.socket, "/v1/register", registration(pid, world_size=1))

@@ -1,0 +1,73 @@
+"""A rank's Kubernetes identity: `namespace`, `pod` and `container` labels on its series.
+
+The hooks read them from downward-API variables the job's pod sets (SIDECAR_POD_NAMESPACE,
+SIDECAR_POD_NAME, SIDECAR_CONTAINER_NAME; docs/operator-guide.md) and send them in the
+registration's `kubernetes` object. They are a rank's claim like everything else it sends: the
+sidecar checks them against Kubernetes' own rules for these names (DNS-1123 labels of at most
+63 characters for the namespace and the container, a DNS-1123 subdomain of at most 253 for the
+pod) and refuses anything else with 400. A variable that is not set means no label: outside
+Kubernetes the series carry none of the three, never empty values.
+
+The labels add no series: a rank has one pod at a time, and a rank registering again from
+another pod replaces its registration (and its series) rather than adding to them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+from prometheus_client.core import Metric
+
+KEYS = ("namespace", "pod", "container")
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+RULES: dict[str, tuple[re.Pattern, int, str]] = {
+    "namespace": (_LABEL, 63, "a DNS-1123 label"),
+    "pod": (_SUBDOMAIN, 253, "a DNS-1123 subdomain"),
+    "container": (_LABEL, 63, "a DNS-1123 label"),
+}
+
+
+class PodLabelError(ValueError):
+    """The `kubernetes` object of a registration is not what Kubernetes would name."""
+
+
+def parse(value: Any) -> dict[str, str]:
+    """The validated labels of a registration's `kubernetes` field (None or absent: none)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise PodLabelError("kubernetes: expected an object with namespace, pod and container")
+    out = {}
+    for key, text in value.items():
+        if key not in RULES:
+            raise PodLabelError(f"kubernetes: unknown key {str(key)[:40]!r}; known: {', '.join(KEYS)}")
+        if text is None:
+            continue
+        pattern, max_len, what = RULES[key]
+        if not isinstance(text, str) or len(text) > max_len or not pattern.match(text):
+            shown = repr(text[:64]) if isinstance(text, str) else type(text).__name__
+            chars = "lower-case letters, digits, '-' and '.'" if key == "pod" else "lower-case letters, digits and '-'"
+            raise PodLabelError(f"kubernetes.{key}: expected {what} ({chars}, at most {max_len} characters), "
+                                f"got {shown}")
+        out[key] = text
+    return out
+
+
+def attach(families: Iterable[Metric], labels_of: Callable[[], dict[tuple[str, str], dict[str, str]]]) -> list[Metric]:
+    """`families` with each rank's pod labels added to its samples (those labelled job_id and rank).
+    `labels_of()` maps (job_id, rank as text) to the labels; it is called once, only when needed."""
+    families = list(families)
+    lookup: dict[tuple[str, str], dict[str, str]] | None = None
+    for family in families:
+        if not family.samples or "rank" not in family.samples[0].labels:
+            continue
+        if lookup is None:
+            lookup = labels_of()
+            if not lookup:
+                return families
+        family.samples = [
+            s._replace(labels={**s.labels, **extra})
+            if (extra := lookup.get((s.labels.get("job_id", ""), s.labels.get("rank", "")))) else s
+            for s in family.samples]
+    return families
