@@ -43,6 +43,7 @@ THRESHOLDS: dict[str, float | str] = {
     "no_progress_seconds": 1800,        # no rank of the job advanced its step for this long
     "storm_killed_per_hour": 3,         # watchdog kills of one job per hour that count as a storm
     "restarts_per_hour": 3,             # worker-group restarts of one job per hour (any cause)
+    "exit_window": "15m",               # a rank exit of a given reason keeps its alert this long
     # --- training signals (job level, from the recording rules)
     "grad_norm_factor": 10,             # grad norm above this multiple of its median over the last hour
     "lr_jump_factor": 2,                # learning rate above this multiple of its maximum over the last hour
@@ -127,6 +128,8 @@ def increased(selector: str, window: str, by: str) -> str:
 
 
 LABELS_RANK = "{{ $labels.job_id }} rank {{ $labels.rank }} on {{ $labels.instance }}"
+RESTARTS = ("max by (job_id) (sidecar_training_restarts)\n"
+            f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}")
 LABELS_GPU = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
 
 # ------------------------------------------------------------------ recording rules
@@ -193,11 +196,40 @@ TRAINING = Group("sidecar-training", [
           "The watchdog keeps killing this job's workers, or its storm cap suppressed a remediation: "
           "restarting does not fix the cause."),
     Alert("SidecarJobRestartLoop",
-          "max by (job_id) (sidecar_training_restarts)\n"
-          f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}",
-          "warning", "Job {{ $labels.job_id }} restarted repeatedly",
+          f"({RESTARTS}) * on (job_id) group_left (reason) (\n"
+          "  0 * topk by (job_id) (1, sum by (job_id, reason) (increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
+          ")\n"
+          f'or on (job_id) label_replace({RESTARTS}, "reason", "not recorded", "", "")',
+          "warning", "Job {{ $labels.job_id }} restarted repeatedly ({{ $labels.reason }})",
           f"torchrun restarted the worker group of job {{{{ $labels.job_id }}}} at least {T['restarts_per_hour']} "
-          "times in the last hour (crashes, OOM, communication timeouts or watchdog kills)."),
+          "times in the last hour. The most frequent cause (the first rank to exit each time, "
+          "sidecar_job_failures_total): {{ $labels.reason }}. `sidecar incidents` on the job's nodes has the "
+          "evidence; the runbook section of that reason says what to do."),
+    Alert("SidecarRankCudaOutOfMemory",
+          increased('sidecar_rank_exits_total{reason="exception/cuda_oom"}', T["exit_window"], "job_id, instance"),
+          "warning", "CUDA out of memory in job {{ $labels.job_id }} on {{ $labels.instance }}",
+          "A rank of job {{ $labels.job_id }} died of torch.OutOfMemoryError. Lower the micro-batch size (keep the "
+          "global batch with more accumulation steps), enable activation checkpointing, or set "
+          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation."),
+    Alert("SidecarRankKernelOOMKilled",
+          increased('sidecar_rank_exits_total{reason="oom_killed"}', T["exit_window"], "job_id, instance"),
+          "warning", "Kernel OOM killer killed a rank of job {{ $labels.job_id }} on {{ $labels.instance }}",
+          "A rank ran out of host memory (its memory cgroup or the node) and the kernel killed it. Lower DataLoader "
+          "workers and prefetching, pinned-memory buffers and CPU-side copies, or raise the container's memory "
+          "limit; `sidecar incidents` names the cgroup."),
+    Alert("SidecarCollectiveTimeout",
+          increased('sidecar_rank_exits_total{reason="exception/collective_timeout"}', T["exit_window"],
+                    "job_id, instance"),
+          "warning", "Collective timeout in job {{ $labels.job_id }} on {{ $labels.instance }}",
+          "A rank of job {{ $labels.job_id }} died waiting for its peers in a collective (gloo or NCCL timeout). "
+          "The rank that timed out is usually not the culprit: find the straggler (a rank that is stalled, slow "
+          "or gone on another node: SidecarRankStraggler, stall incidents, NIC and InfiniBand errors) before "
+          "raising the process-group timeout."),
+    Alert("SidecarRankGpuError",
+          increased('sidecar_rank_exits_total{reason="gpu_error"}', T["exit_window"], "job_id, instance"),
+          "critical", "A rank of job {{ $labels.job_id }} died after an XID on {{ $labels.instance }}",
+          "A rank died right after its GPU reported an XID: the GPU, not the job, failed. Drain the node, check "
+          "SidecarGpuXidCritical and nvidia-smi -q, reset or replace the GPU before scheduling on it again."),
     Alert("SidecarTrainingLossNonFinite",
           increased('sidecar_training_nonfinite_total{metric="loss"}', "5m", "job_id, instance, rank") + "\n"
           "or max by (job_id, instance, rank) (\n"

@@ -195,6 +195,16 @@ def training_job() -> dict:
              "remediation {{outcome}}")], "short", bars=True, min_=0),
         table("Ranks not healthy", f'sidecar_rank_state{{{JOB}, state!="healthy"}} == 1',
               "Ranks in any state but healthy, with their node."),
+        timeseries("Rank exits by reason", [
+            (f'sum by (reason) (increase(sidecar_rank_exits_total{{{JOB}, {NODES}, reason!="finished"}}'
+             f"[$__rate_interval]))", "{{reason}}")], "short",
+            "Why rank processes died (sidecar_rank_exits_total): exception/cuda_oom, oom_killed (kernel), "
+            "exception/collective_timeout, gpu_error, watchdog, signal, ... `sidecar incidents` on the node has "
+            "the evidence of each.", bars=True, min_=0),
+        table("Failures by cause (24h)",
+              f"sum by (instance, reason) (increase(sidecar_job_failures_total{{{JOB}, {NODES}}}[24h])) > 0",
+              "Worker-group failures per node over the last day, by the reason of the first rank to exit "
+              "(the likely cause); SidecarJobRestartLoop names the most frequent."),
         timeseries("Seconds since last progress",
                    f"time() - sidecar_training_last_progress_timestamp_seconds{{{RANKS}}}", "s",
                    "Age of each rank's last step (the watchdog acts on its own per-rank timeout).", min_=0),
@@ -221,6 +231,8 @@ def training_job() -> dict:
                    "orange", "Remediation", "{{outcome}} on {{instance}}"),
         annotation("Restarts", f"max by (instance) (changes(sidecar_training_restarts{{{JOB}}}[1m])) > 0",
                    "purple", "Restart", "worker group restarted on {{instance}}"),
+        annotation("Failures", f"sum by (instance, reason) (increase(sidecar_job_failures_total{{{JOB}}}[1m])) > 0",
+                   "red", "Failure", "{{reason}} on {{instance}}"),
     ]
     variables = [
         query_var("job_id", "Job", "label_values(sidecar_training_ranks_registered, job_id)"),

@@ -10,7 +10,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import psutil
 from aiohttp import web
@@ -24,6 +24,9 @@ from sidecar.exposition import MetricsEndpoint
 from sidecar.protocol import ProtocolError
 from sidecar.registry import Registry, RegistryError
 from sidecar.watchdog import Watchdog
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.exits import ExitTracker
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class Daemon:
     stats: IngestStats = field(default_factory=IngestStats)
     started: float = field(default_factory=time.monotonic)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
+    exits: "ExitTracker | None" = None  # why each rank process exited (sidecar/exits.py)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
@@ -209,6 +213,8 @@ async def register(request: web.Request) -> web.Response:
     rank = d.registry.register(reg, pid_start_time=claimed.start_time, peer_verified=peer is not None,
                                host_pid=claimed.pid, owner_uid=claimed.uid, pidfd=claimed.pidfd)
     rank.stack_file = stackfiles.for_rank(d.settings.diagnostics_dir, rank, previous, peer is not None)
+    if d.exits is not None:
+        d.exits.watch(rank)
     log.info("registered rank %s pid %d%s uid %s (restart %d%s)", rank.label, rank.pid,
              f" (pid {reg.pid} in its namespace)" if rank.claimed_pid is not None else "", rank.owner_uid,
              rank.restart_count, "" if peer is not None else ", unverified peer")
@@ -251,6 +257,8 @@ async def deregister(request: web.Request) -> web.Response:
     check_session(request, rank, dereg.session)
     check_sender(request, rank)
     rank = d.registry.deregister(dereg)
+    if d.exits is not None:
+        d.exits.deregistered(rank, dereg.reason, dereg.exit)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)
     return web.json_response({"ok": True})
 

@@ -23,6 +23,7 @@ from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
+from sidecar.exits import ExitTracker
 from sidecar.exposition import MetricsEndpoint
 from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
@@ -56,10 +57,11 @@ def build_app(settings: Settings) -> web.Application:
     daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
                         watchdog=Watchdog(settings, registry), token=settings.push_token(),
                         protected_pids=procs.protected_pids())
+    daemon.exits = daemon.watchdog.exits = exit_tracker(settings, daemon.watchdog, collectors)
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
     endpoint = MetricsEndpoint(runner, registry, TrainingCollector(registry), daemon.watchdog,
-                               [lambda: api.daemon_families(daemon)], settings.limits.max_series,
+                               [daemon.exits.families, lambda: api.daemon_families(daemon)], settings.limits.max_series,
                                relabel=lambda families: podlabels.attach(families, registry.pod_labels))
     app[api.METRICS_ENDPOINT] = endpoint
 
@@ -68,11 +70,19 @@ def build_app(settings: Settings) -> web.Application:
     return app
 
 
+def exit_tracker(settings: Settings, watchdog: Watchdog, collectors: list) -> ExitTracker:
+    """The exit tracker, with the GPU collector's XIDs and GPU use when that collector runs."""
+    gpu = next((c for c in collectors if getattr(c, "name", None) == "gpu"), None)
+    return ExitTracker(settings, watchdog.store, xids=getattr(gpu, "last_xids", None),
+                       gpu_use=(lambda: gpu.rank_gpus) if gpu is not None else None)
+
+
 async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     d = app[api.DAEMON]
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
         "collectors": d.runner.run_forever,
         "retention": lambda: sweep_forever(d.registry),
+        "exits": d.exits.run,
     }
     if d.settings.watchdog.enabled:
         jobs["watchdog"] = d.watchdog.run
@@ -82,6 +92,7 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     app[api.METRICS_ENDPOINT].close()
+    d.exits.close()
     for collector in d.runner.collectors:  # stop their threads (the GPU collector's XID waiter)
         close = getattr(collector, "close", None)
         if close is not None:

@@ -191,6 +191,20 @@ class RemediationSettings:
 
 
 @dataclass
+class ExitSettings:
+    gpu_error_window_seconds: float = field(default=60.0, metadata=doc(
+        "A rank that dies within this many seconds after an XID on a GPU it was using exited with "
+        "reason `gpu_error`."))
+    group_seconds: float = field(default=30.0, metadata=doc(
+        "Rank exits of one job within this many seconds of the first share its exit incident (torchrun "
+        "stops the other workers when one dies)."))
+
+    def __post_init__(self) -> None:
+        _positive("exits.gpu_error_window_seconds", self.gpu_error_window_seconds)
+        _positive("exits.group_seconds", self.group_seconds, allow_zero=True)
+
+
+@dataclass
 class Settings:
     listen: str = field(default=DEFAULT_LISTEN, metadata=doc(
         "TCP address (HOST:PORT) for `/metrics`, health, status and, as a fallback, the push API. "
@@ -228,6 +242,7 @@ class Settings:
     limits: LimitSettings = field(default_factory=LimitSettings)
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
     remediation: RemediationSettings = field(default_factory=RemediationSettings)
+    exits: ExitSettings = field(default_factory=ExitSettings)
 
     def __post_init__(self) -> None:
         parse_hostport(self.listen)

@@ -62,6 +62,7 @@ class Incident:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: str = ""
+    kind: str = "stall"  # "stall" (the watchdog's) or "exit" (sidecar/exit_incidents.py)
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -135,10 +136,10 @@ class IncidentStore:
     def for_settings(cls, settings: "Settings") -> "IncidentStore":
         return cls(settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id())
 
-    def open(self, job_id: str, **fields: Any) -> Incident:
+    def open(self, job_id: str, cls: type[Incident] = Incident, **fields: Any) -> Incident:
         now = time.time()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-        incident = Incident(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id,
+        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id,
                             node=socket.gethostname(), **fields)
         incident.path = str(self.directory / f"{incident.id}.json")
         incident.event("detected", at=now)

@@ -90,12 +90,24 @@ class Push:
 
 
 @dataclass(slots=True)
+class ExitReport:
+    """The exception a rank is dying of, as its hooks saw it (its own claim about itself)."""
+
+    type: str  # "torch.OutOfMemoryError": module and qualified name
+    types: list[str]  # the type and its bases, most derived first (without `object`)
+    message: str  # the first line of str(exception)
+    traceback: list[str]  # the innermost frames, "file:line in function", outermost first
+    thread: str | None = None  # the thread it ended, when not the main thread
+
+
+@dataclass(slots=True)
 class Deregistration:
     job_id: str
     rank: int
     pid: int
     reason: str
     session: str | None = None
+    exit: ExitReport | None = None
 
 
 # ---------------------------------------------------------------- decoding
@@ -349,7 +361,37 @@ def parse_push(data: dict, max_items: int) -> Push:
 def parse_deregistration(data: dict) -> Deregistration:
     job_id, rank, pid = _identity(data)
     reason = _text(data, "reason", "reason", default="finished", nullable=True) or "finished"
-    return Deregistration(job_id, rank, pid, reason, _session(data))
+    return Deregistration(job_id, rank, pid, reason, _session(data), _exit_report(data))
+
+
+# Bounds of an exit report; longer text is cut, not refused (the report matters more than its tail).
+EXIT_MAX_TYPES, EXIT_MAX_FRAMES, EXIT_MAX_TEXT = 16, 12, 512
+
+
+def _clip(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{where}: expected a string, got {_kind(value)}")
+    return CONTROL_RE.sub(" ", value[:EXIT_MAX_TEXT])
+
+
+def _exit_report(data: dict) -> ExitReport | None:
+    raw = data.get("exit")
+    if raw is None:
+        return None
+    if type(raw) is not dict:
+        raise ProtocolError(f"exit: expected an object, got {_kind(raw)}")
+    lists = {}
+    for key in ("types", "traceback"):
+        value = raw.get(key, [])
+        if type(value) is not list:
+            raise ProtocolError(f"exit.{key}: expected an array, got {_kind(value)}")
+        limit = EXIT_MAX_TYPES if key == "types" else EXIT_MAX_FRAMES
+        lists[key] = [_clip(v, f"exit.{key}[{i}]") for i, v in enumerate(value[-limit:] if key == "traceback"
+                                                                         else value[:limit])]
+    thread = raw.get("thread")
+    return ExitReport(type=_clip(raw.get("type", ""), "exit.type"), types=lists["types"],
+                      message=_clip(raw.get("message", ""), "exit.message"), traceback=lists["traceback"],
+                      thread=None if thread is None else _clip(thread, "exit.thread"))
 
 
 def _session(data: dict) -> str | None:

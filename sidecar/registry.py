@@ -96,6 +96,10 @@ class Rank:
     custom: dict[str, float] = field(default_factory=dict)  # latest custom values
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None  # wall clock
+    # For the rollback hint of an exit incident: recent checkpoint_saved events as (step, path)
+    # (the path is the rank's text, shown, never opened) and the first step whose loss was not finite.
+    checkpoints: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
+    first_nonfinite_loss_step: int | None = None
     dropped: int = 0  # the hooks' running count of records they had to drop
     nonfinite: collections.Counter = field(default_factory=collections.Counter)  # by metric key
     records: int = 0  # items accepted since registration
@@ -103,6 +107,7 @@ class Rank:
     gone: bool = False
     gone_reason: str | None = None
     gone_at: float | None = None  # monotonic
+    exit_reason: str | None = None  # why its process exited, once decided (sidecar/exits.py)
     # Declared phases as a stack of (name, started, timeout): phases may nest (eval inside
     # a checkpoint-load retry, compile inside eval).
     _phases: list[tuple[str, float, float | None]] = field(default_factory=list, repr=False)
@@ -161,6 +166,8 @@ class Rank:
         for name, value in item.metrics.items():
             if not math.isfinite(value):
                 self.nonfinite[name] += 1
+                if name == "loss" and self.first_nonfinite_loss_step is None:
+                    self.first_nonfinite_loss_step = item.step
             if name in WELL_KNOWN_METRICS:
                 self.metrics[name] = value
             else:
@@ -208,6 +215,8 @@ class Rank:
             step = item.fields.get("step")
             if type(step) is int and 0 <= step < 1 << 63:
                 self.last_checkpoint_step = step
+                path = item.fields.get("path")
+                self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None))
             self.last_checkpoint_time = item.time
 
 

@@ -154,6 +154,7 @@ class Watchdog:
         self._episodes: dict[str, _Episode] = {}
         self._timeouts: dict["RankKey", tuple] = {}  # (rank, (step, step time), step timeout)
         self._liveness_cursor = 0
+        self.exits = None  # the ExitTracker, told which ranks its remediation signals (sidecar/exits.py)
 
     # ------------------------------------------------------------ the loop
 
@@ -339,6 +340,8 @@ class Watchdog:
         log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, why, len(members))
         for t in members:
             self._transition(t, S.REMEDIATING, now, f"its job {job_id} stalled")
+            if self.exits is not None:
+                self.exits.remediating(t.rank, incident.id)
         episode.task = asyncio.get_running_loop().create_task(
             self._remediate(episode, targets), name=f"remediate-{job_id}")
 

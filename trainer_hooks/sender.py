@@ -109,6 +109,7 @@ class Sender:
         self._wake = threading.Event()
         self._close_deadline: float | None = None
         self._close_reason = "finished"
+        self._close_exit: dict | None = None  # the exception the rank dies of (exits.py)
         self.thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- thread life
@@ -117,10 +118,11 @@ class Sender:
         self.thread = threading.Thread(target=self._run, name="trainer_hooks-sender", daemon=True)
         self.thread.start()
 
-    def stop(self, budget: float, reason: str) -> None:
+    def stop(self, budget: float, reason: str, exit_report: dict | None = None) -> None:
         """Ask for a last flush and a deregistration within `budget` seconds, and wait at most
         that long (plus a little): a hung sidecar cannot hold up the training process's exit."""
         self._close_reason = reason
+        self._close_exit = exit_report
         self._close_deadline = time.monotonic() + budget
         self._wake.set()
         if self.thread is not None and self.thread is not threading.current_thread():
@@ -307,6 +309,8 @@ class Sender:
     def deregister(self, reason: str, deadline: float | None = None) -> None:
         body = {"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid, "reason": reason,
                 "session": self.session}
+        if self._close_exit is not None:
+            body["exit"] = self._close_exit
         reply = self._post("/v1/deregister", _dumps(body), deadline)
         if reply is not None and reply.status == 200:
             self.registered = False

@@ -17,6 +17,7 @@ MODULES = (
     "sidecar.exposition",
     "sidecar.collectors.training",
     "sidecar.watchdog",
+    "sidecar.exits",
     "sidecar.remediation",
     "sidecar.collectors.gpu",
     "sidecar.collectors.nic",
