@@ -136,7 +136,7 @@ def _rank(restart: int, checkpoints, nonfinite):
 
 
 def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_restart():
-    from sidecar.exits import RollbackMemory
+    from sidecar.rollback import RollbackMemory
     memory = RollbackMemory()
     # attempt 0: checkpoints at 4 and 8, NaN from step 9 on, and the checkpoint at 12 saved from NaN weights
     first = _rank(0, [(4, "/c/step-4", 40.0), (8, "/c/step-8", 80.0), (12, "/c/step-12", 120.0)], (9, 90.0))
@@ -147,5 +147,5 @@ def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_
 
 
 def test_no_hint_without_a_nonfinite_loss():
-    from sidecar.exits import RollbackMemory
+    from sidecar.rollback import RollbackMemory
     assert RollbackMemory().hint(_rank(0, [(4, "/c/step-4", 40.0)], None)) is None
