@@ -9,6 +9,7 @@ import contextlib
 import grp
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -172,7 +173,17 @@ def sd_notify(state: str) -> None:
         s.sendto(state.encode(), address)
 
 
+def raise_open_files_limit() -> None:
+    """The sidecar keeps a pidfd per live rank (limits.max_ranks) besides its connections:
+    lift the soft limit on open files to the hard one, as daemons do (best effort)."""
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(settings: Settings) -> None:
+    raise_open_files_limit()
     gid = socket_group_id(settings)
     if settings.socket:
         claim_socket_path(settings.socket)

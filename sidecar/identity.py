@@ -24,6 +24,7 @@ docs/security.md describes that fallback.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import select
 import signal
@@ -205,7 +206,9 @@ def resolve(peer: Peer, claimed: int, protected: frozenset[int]) -> Claimed:
         raise IdentityError(f"pid: {claimed}: the connecting process (pid {peer.pid}) has exited")
     level = len(peer_ns) - 1
     found = None
-    for pid in [peer.pid, *(p.pid for p in _descendants(peer.pid))]:
+    # The caller itself first (a rank registering itself, the common case), so the scan for
+    # descendants runs only for a launcher.
+    for pid in itertools.chain([peer.pid], (p.pid for p in _descendants(peer.pid))):
         ns = nspids(pid)
         if ns is not None and len(ns) > level and ns[level] == claimed:
             found = pid

@@ -371,6 +371,7 @@ class Registry:
         r = self._ranks.get(key)
         if r is not None and not r.gone:
             r.gone, r.gone_reason, r.gone_at = True, reason, time.monotonic()
+            r.pidfd = None  # a gone rank is never signalled again: its descriptor goes now, not at retention
 
     def sweep(self, now: float | None = None) -> int:
         """Drop ranks gone longer than limits.gone_retention_seconds; returns how many."""
