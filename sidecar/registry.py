@@ -98,10 +98,11 @@ class Rank:
     custom: dict[str, float] = field(default_factory=dict)  # latest custom values
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None  # wall clock
-    # For the rollback hint of an exit incident: recent checkpoint_saved events as (step, path)
-    # (the path is the rank's text, shown, never opened) and the first step whose loss was not finite.
+    # For the rollback hint of an exit incident: recent checkpoint_saved events as (step, path,
+    # time) (the path is the rank's text, shown, never opened) and the first step whose loss was
+    # not finite, as (step, time); times are the rank's wall clock.
     checkpoints: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
-    first_nonfinite_loss_step: int | None = None
+    first_nonfinite_loss: tuple[int, float] | None = None
     dropped: int = 0  # the hooks' running count of records they had to drop
     nonfinite: collections.Counter = field(default_factory=collections.Counter)  # by metric key
     counters: StepCounters = field(default_factory=StepCounters)  # steps/samples/tokens, step-time histogram
@@ -170,8 +171,8 @@ class Rank:
         for name, value in item.metrics.items():
             if not math.isfinite(value):
                 self.nonfinite[name] += 1
-                if name == "loss" and self.first_nonfinite_loss_step is None:
-                    self.first_nonfinite_loss_step = item.step
+                if name == "loss" and self.first_nonfinite_loss is None:
+                    self.first_nonfinite_loss = (item.step, item.time)
             if name in WELL_KNOWN_METRICS:
                 self.metrics[name] = value
             else:
@@ -221,7 +222,7 @@ class Rank:
             if type(step) is int and 0 <= step < 1 << 63:
                 self.last_checkpoint_step = step
                 path = item.fields.get("path")
-                self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None))
+                self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None, item.time))
             self.last_checkpoint_time = item.time
 
 
