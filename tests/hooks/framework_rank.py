@@ -53,6 +53,7 @@ def train_hf(workdir: Path) -> None:
     args = TrainingArguments(output_dir=str(workdir / "out"), max_steps=6, per_device_train_batch_size=4,
                              per_device_eval_batch_size=8, logging_steps=1, eval_strategy="steps", eval_steps=3,
                              save_strategy="steps", save_steps=4, report_to=[], use_cpu=True,
+                             include_num_input_tokens_seen=True,
                              disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3)
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8],
                       callbacks=[trainer_hooks.hf.SidecarCallback()])
@@ -62,6 +63,7 @@ def train_hf(workdir: Path) -> None:
 def train_lightning(workdir: Path) -> None:
     import lightning.pytorch as pl
     import torch
+    from lightning.pytorch.utilities import grad_norm
     from torch.utils.data import DataLoader, TensorDataset
 
     import trainer_hooks.lightning
@@ -76,6 +78,10 @@ def train_lightning(workdir: Path) -> None:
         def training_step(self, batch, batch_idx):
             x, y = batch
             return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def on_before_optimizer_step(self, optimizer):
+            # Lightning's own utility: logs grad_2.0_norm/<param> and grad_2.0_norm_total
+            self.log_dict(grad_norm(self, norm_type=2))
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
