@@ -5,26 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import grp
 import hmac
 import logging
-import os
-import re
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import psutil
 from aiohttp import web
 from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
-from sidecar import __version__, identity, procs, protocol, report
+from sidecar import __version__, diagfiles, identity, procs, protocol, report, stackfiles
 from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
+from sidecar.exposition import MetricsEndpoint
 from sidecar.protocol import ProtocolError
 from sidecar.registry import Registry, RegistryError
 from sidecar.watchdog import Watchdog
@@ -63,8 +59,7 @@ class Daemon:
 
 
 DAEMON = web.AppKey("daemon", Daemon)
-EXPOSITION = web.AppKey("exposition", CollectorRegistry)
-LIVE_EXPOSITION = web.AppKey("live_exposition", CollectorRegistry)
+METRICS_ENDPOINT = web.AppKey("metrics_endpoint", MetricsEndpoint)
 
 BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
 INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
@@ -214,15 +209,19 @@ async def register(request: web.Request) -> web.Response:
     else:
         claimed = await loop.run_in_executor(None, identity.resolve, peer, reg.pid, d.protected_pids)
     check_not_taken(d.registry, reg, claimed.pid)
+    previous = d.registry.get(reg.job_id, reg.rank)
     rank = d.registry.register(reg, pid_start_time=claimed.start_time, peer_verified=peer is not None,
                                host_pid=claimed.pid, owner_uid=claimed.uid, pidfd=claimed.pidfd)
+    rank.stack_file = stackfiles.for_rank(d.settings.diagnostics_dir, rank, previous, peer is not None)
     if d.exits is not None:
         d.exits.watch(rank)
     log.info("registered rank %s pid %d%s uid %s (restart %d%s)", rank.label, rank.pid,
              f" (pid {reg.pid} in its namespace)" if rank.claimed_pid is not None else "", rank.owner_uid,
              rank.restart_count, "" if peer is not None else ", unverified peer")
     return web.json_response({"ok": True, "key": rank.label, "session": rank.session,
-                              "diag_dir": str(job_diag_dir(d.settings, reg.job_id)),
+                              "diag_dir": str(d.settings.diagnostics_dir / diagfiles.job_dir_name(reg.job_id)),
+                              "stack_dump": ({"path": rank.stack_file.path, "signal": rank.stack_signal}
+                                             if rank.stack_file is not None else None),
                               "flush_interval_s": d.settings.hooks_flush_interval_seconds})
 
 
@@ -264,27 +263,6 @@ async def deregister(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-_UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def job_diag_dir(settings: Settings, job_id: str) -> Path:
-    """The directory the job's stack dumps go to, created on demand so the hooks can write
-    into it (same group access as the socket; best effort: the hooks fall back to a
-    directory of their own)."""
-    name = _UNSAFE_PATH_CHARS.sub("_", job_id).lstrip(".") or "job"
-    path = settings.diagnostics_dir / name
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        # Whoever may push may write dumps: the socket's read/write bits, plus search.
-        mode = settings.socket_mode_int
-        path.chmod(mode | ((mode & 0o444) >> 2) | 0o700)
-        if settings.socket_group:
-            os.chown(path, -1, grp.getgrnam(settings.socket_group).gr_gid)
-    except (OSError, KeyError) as e:
-        log.warning("cannot prepare diagnostics directory %s: %s", path, e)
-    return path
-
-
 # ---------------------------------------------------------------- reading endpoints
 
 async def healthz(request: web.Request) -> web.Response:
@@ -305,34 +283,15 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Rendered in the endpoint's own thread (exposition.py): a scrape never holds the event
+    loop, whatever the number of series."""
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    if encoder is generate_latest:
-        # Prometheus text: the hardware families were rendered by the collector round; only
-        # the live ones (training, watchdog, the daemon's own) are rendered per scrape.
-        body = request.app[DAEMON].runner.rendered_text() + generate_latest(request.app[LIVE_EXPOSITION])
-    else:
-        body = encoder(request.app[EXPOSITION])
+    endpoint = request.app[METRICS_ENDPOINT]
+    body = await asyncio.get_running_loop().run_in_executor(endpoint.executor, endpoint.render, encoder)
     response = web.Response(body=body, headers={"Content-Type": content_type})
     if len(body) > COMPRESS_ABOVE_BYTES:
         response.enable_compression()  # only when the scraper accepts gzip
     return response
-
-
-# ---------------------------------------------------------------- exposition
-
-class Exposition:
-    """The one prometheus-client collector of the private registry: the families of every
-    source, read at scrape time from what is already in memory."""
-
-    def __init__(self, sources: Iterable[Callable[[], Iterable[Metric]]]):
-        self.sources = list(sources)
-
-    def collect(self) -> Iterable[Metric]:
-        for source in self.sources:
-            try:
-                yield from source()
-            except Exception:  # one broken source never breaks the endpoint
-                log.exception("metric source %s failed", getattr(source, "__qualname__", source))
 
 
 def daemon_families(d: Daemon) -> Iterable[Metric]:

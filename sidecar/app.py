@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client.registry import CollectorRegistry
 
-from sidecar import __version__, api, podlabels, procs
+from sidecar import __version__, api, podlabels, procs, stackfiles
 from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
 from sidecar.exits import ExitTracker
+from sidecar.exposition import MetricsEndpoint
 from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
 
@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_app(settings: Settings) -> web.Application:
     """The application, ready for a runner. Reads the push token (ConfigError if unreadable)."""
     registry = Registry(settings)
-    collectors = build_collectors(settings, ranks=registry.live_pids, job_versions=registry.versions_by_job)
+    # The per-rank collectors look only at the ranks /metrics has room for (exposition.py).
+    watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
+    collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
     runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
     daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
@@ -59,17 +61,10 @@ def build_app(settings: Settings) -> web.Application:
     daemon.exits = daemon.watchdog.exits = exit_tracker(settings, daemon.watchdog, collectors)
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
-
-    training = TrainingCollector(registry)
-    live_sources = [lambda: podlabels.attach(training.collect(), registry.pod_labels),
-                    lambda: podlabels.attach(daemon.watchdog.families(), registry.pod_labels), daemon.exits.families,
-                    lambda: api.daemon_families(daemon)]
-    exposition = CollectorRegistry()  # everything, for OpenMetrics
-    exposition.register(api.Exposition([runner.families, *live_sources]))
-    live = CollectorRegistry()  # what changes between collector rounds; the rest is pre-rendered
-    live.register(api.Exposition([runner.health_families, *live_sources]))
-    app[api.EXPOSITION] = exposition
-    app[api.LIVE_EXPOSITION] = live
+    endpoint = MetricsEndpoint(runner, registry, TrainingCollector(registry), daemon.watchdog,
+                               [daemon.exits.families, lambda: api.daemon_families(daemon)], settings.limits.max_series,
+                               relabel=lambda families: podlabels.attach(families, registry.pod_labels))
+    app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)
     app.cleanup_ctx.append(background_tasks)
@@ -97,6 +92,7 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    app[api.METRICS_ENDPOINT].close()
     d.exits.close()
     for collector in d.runner.collectors:  # stop their threads (the GPU collector's XID waiter)
         close = getattr(collector, "close", None)
@@ -128,6 +124,9 @@ async def sweep_forever(registry: Registry) -> None:
         dropped = registry.sweep()
         if dropped:
             log.info("dropped %d rank(s) gone longer than limits.gone_retention_seconds", dropped)
+        held = [r.stack_file.path for r in registry.ranks() if r.stack_file is not None]
+        await asyncio.get_running_loop().run_in_executor(None, stackfiles.prune, registry.settings.diagnostics_dir,
+                                                         held)
 
 
 # ---------------------------------------------------------------- serving
@@ -252,6 +251,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         socket_group_id(settings)
+        settings.incident_group_id()
         settings.collectors.check_host_paths()
         token = settings.push_token()  # also proves token_file readable
         if settings.requires_token() and token is None:

@@ -116,6 +116,10 @@ class LimitSettings:
         "Most distinct custom metric names over all jobs of one uid (root: only the per-job limit)."))
     max_phases_per_user: int = field(default=32, metadata=doc(
         "Most distinct phase names over all jobs of one uid (root: only the per-job limit)."))
+    max_series: int = field(default=3000, metadata=doc(
+        "Most series `/metrics` answers, all sources together (docs/scale.md). Hardware series are "
+        "bounded by the hardware; per-rank series (training, watchdog, process) and custom metrics "
+        "beyond the budget are left out, counted in sidecar_metrics_series_dropped."))
     gone_retention_seconds: float = field(default=600.0, metadata=doc(
         "How long a finished or dead rank stays in the registry (and in `/metrics`)."))
 
@@ -218,6 +222,12 @@ class Settings:
         "The training checkpoint directory; its filesystem's free space is exported."))
     diag_dir: str = field(default="", metadata=doc(
         "Where stack dumps and incidents go (empty: `diag/` next to the socket, or ./sidecar-diag)."))
+    incident_file_mode: str = field(default="0600", metadata=doc(
+        "Permissions of incident files, octal. Incidents quote stack dumps and job details, so by "
+        "default only the sidecar's user reads them; 0640 with incident_group lets a group read them. "
+        "Never writable or executable by group or others."))
+    incident_group: str = field(default="", metadata=doc(
+        "Group that owns incident files (empty: the sidecar's group)."))
     log_level: str = field(default="info", metadata=doc("debug, info, warning or error."))
     hooks_flush_interval_seconds: float = field(default=2.0, metadata=doc(
         "How often the hooks post their buffer, told to each rank at registration (a rank's "
@@ -243,6 +253,13 @@ class Settings:
         else:
             if not 0 <= mode <= 0o777:
                 _fail("socket_mode", f"out of range: {self.socket_mode!r}")
+        try:
+            incident_mode = int(str(self.incident_file_mode), 8)
+        except ValueError:
+            _fail("incident_file_mode", f"expected an octal mode like 0600, got {self.incident_file_mode!r}")
+        if not 0 <= incident_mode <= 0o777 or incident_mode & 0o133:
+            _fail("incident_file_mode", f"must not let group or others write, nor anyone execute "
+                  f"(0600, 0640 or 0644), got {self.incident_file_mode!r}")
         _positive("hooks_flush_interval_seconds", self.hooks_flush_interval_seconds)
         _positive("idle_timeout_seconds", self.idle_timeout_seconds)
         # Between two batches a healthy rank's progress looks up to one flush interval old.
@@ -265,6 +282,20 @@ class Settings:
     @property
     def socket_mode_int(self) -> int:
         return int(str(self.socket_mode), 8)
+
+    @property
+    def incident_file_mode_int(self) -> int:
+        return int(str(self.incident_file_mode), 8)
+
+    def incident_group_id(self) -> int | None:
+        """The gid of incident_group (ConfigError when there is no such group); None when unset."""
+        if not self.incident_group:
+            return None
+        import grp
+        try:
+            return grp.getgrnam(self.incident_group).gr_gid
+        except KeyError:
+            raise ConfigError(f"setting incident_group: no group named {self.incident_group!r}") from None
 
     @property
     def diagnostics_dir(self) -> Path:

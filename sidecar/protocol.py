@@ -49,8 +49,7 @@ class Registration:
     phase: str | None = None
     phase_timeout_seconds: float | None = None  # the budget the rank declared for `phase`
     versions: dict[str, str] = field(default_factory=dict)
-    stack_signal: int | None = None
-    stack_path: str | None = None
+    stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/podlabels.py)
 
@@ -261,8 +260,21 @@ def _metrics(obj: dict, where: str) -> dict[str, float]:
     return out
 
 
+RESERVED_JOB_IDS = frozenset({"incidents"})  # names of the diag directory's own subdirectories
+
+
+def _job_id(data: dict) -> str:
+    """A job_id names the job's directory under the diag dir (sidecar/diagfiles.py): it may not
+    be one of the sidecar's own directories, nor a dot name."""
+    job_id = _text(data, "job_id", "job_id")
+    if job_id.startswith(".") or job_id.lower() in RESERVED_JOB_IDS:
+        raise ProtocolError(f"job_id: {job_id[:40]!r} is reserved (it may not start with '.' nor be "
+                            f"{', '.join(sorted(RESERVED_JOB_IDS))})")
+    return job_id
+
+
 def _identity(data: dict) -> tuple[str, int, int]:
-    return (_text(data, "job_id", "job_id"), _int(data, "rank", "rank", 0, 1 << 24),
+    return (_job_id(data), _int(data, "rank", "rank", 0, 1 << 24),
             _int(data, "pid", "pid", 1, MAX_PID))
 
 
@@ -298,8 +310,8 @@ def parse_registration(data: dict) -> Registration:
         phase=_name(data, "phase", "phase", nullable=True),
         phase_timeout_seconds=_timeout(data, "phase_timeout_seconds", "phase_timeout_seconds"),
         versions=versions,
+        # stack_dump.path (hooks before 0.2) is ignored: the sidecar creates the dump file itself.
         stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
-        stack_path=_text(stack, "path", "stack_dump.path", nullable=True, default=None, max_len=4096),
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
         kubernetes=kubernetes)
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sidecar.config import Settings
     from sidecar.protocol import Deregistration, EventItem, PhaseItem, Push, Registration, StepItem
+    from sidecar.stackfiles import StackFile
 
 RankKey = tuple[str, int]
 
@@ -71,7 +72,7 @@ class Rank:
     registered_wall: float = field(default_factory=time.time)
     peer_verified: bool = False  # registered over the Unix socket by pid or one of its ancestors
     stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
-    stack_path: str | None = None  # where those stacks are written
+    stack_file: "StackFile | None" = None  # the dump file the sidecar created for it (stackfiles.py)
     versions: dict[str, str] = field(default_factory=dict)
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # its pod's namespace, pod, container labels
@@ -117,6 +118,10 @@ class Rank:
             self.last_progress = self.registered_at
         if not self.last_progress_wall:
             self.last_progress_wall = self.registered_wall
+
+    @property
+    def stack_path(self) -> str | None:
+        return self.stack_file.path if self.stack_file is not None else None
 
     @property
     def key(self) -> RankKey:
@@ -282,7 +287,7 @@ class Registry:
             pid_start_time=pid_start_time, claimed_pid=None if host_pid in (None, reg.pid) else reg.pid,
             owner_uid=owner_uid, pidfd=pidfd,
             restart_count=reg.restart_count, peer_verified=peer_verified,
-            stack_signal=reg.stack_signal, stack_path=reg.stack_path, versions=dict(reg.versions),
+            stack_signal=reg.stack_signal, versions=dict(reg.versions),
             hooks_version=reg.hooks_version, kubernetes=dict(reg.kubernetes),
             step_times=collections.deque(maxlen=self.settings.watchdog.window))
         # A rank re-registering after a sidecar restart resumes where it was, inside the phase

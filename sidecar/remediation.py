@@ -35,13 +35,13 @@ import psutil
 from sidecar import procs
 from sidecar.config import RemediationSettings
 from sidecar.incidents import Incident, IncidentStore, main_thread, stack_head
+from sidecar.stackfiles import MAX_STACK_BYTES, StackFile
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank
 
 log = logging.getLogger(__name__)
 
-MAX_STACK_BYTES = 256 * 1024  # read at most this much of what a dump added to its file
 EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
 POLL_SECONDS = 0.1
 # Frames of a rank that waits for its peers: anything inside torch.distributed (faulthandler:
@@ -63,13 +63,13 @@ class Target:
     pid: int
     start_time: float | None
     stack_signal: int | None = None
-    stack_path: str | None = None
+    stack_file: StackFile | None = None  # created by the sidecar (stackfiles.py), never a path the rank named
     verified: bool = True  # registered by the process itself (or its launcher), per peer credentials
     pidfd: object = None  # identity.PidFd kept since the registration, where the kernel has pidfds
 
     @classmethod
     def of(cls, rank: "Rank") -> "Target":
-        return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_path,
+        return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_file,
                    rank.peer_verified, rank.pidfd)
 
     def is_running(self) -> bool:
@@ -281,20 +281,8 @@ def in_collective(text: str) -> bool | None:
     return bool(COLLECTIVE_FRAME.search(main_thread(text)))
 
 
-def _file_size(path: str | None) -> int:
-    try:
-        return os.stat(path).st_size if path else 0
-    except OSError:
-        return 0
-
-
-def _read_from(path: str, offset: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(MAX_STACK_BYTES).decode(errors="replace")
-    except OSError:
-        return ""
+def _file_size(stack_file: StackFile | None) -> int:
+    return stack_file.size() if stack_file is not None else 0
 
 
 def py_spy_path() -> str | None:
@@ -345,7 +333,7 @@ class Remediator:
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
-        sizes = {t.pid: _file_size(t.stack_path) for t in targets}
+        sizes = {t.pid: await loop.run_in_executor(None, _file_size, t.stack_file) for t in targets}
         asked = []
         stopped = {t.pid for t in targets if await loop.run_in_executor(None, is_stopped, t.pid)}
         for t in targets:
@@ -354,7 +342,7 @@ class Remediator:
                                       "continued only to dump its stacks, then stopped again")
         if signal_ranks and s.dump_stacks:
             for t in targets:
-                if not (t.stack_signal and t.stack_path):
+                if not (t.stack_signal and t.stack_file):
                     continue
                 try:
                     await loop.run_in_executor(None, _ask_for_stacks, t, t.pid in stopped)
@@ -371,10 +359,10 @@ class Remediator:
             await self._wait_for_dumps(asked, sizes)
         got = []
         for t in asked:
-            text = await loop.run_in_executor(None, _read_from, t.stack_path, sizes[t.pid])
+            text = await loop.run_in_executor(None, t.stack_file.read_from, sizes[t.pid])
             snap = by_pid.get(t.pid)
             if snap is not None and text.strip():
-                snap.stack_file, snap.stack_head, snap.stack_bytes = t.stack_path, stack_head(text), len(text)
+                snap.stack_file, snap.stack_head, snap.stack_bytes = t.stack_file.path, stack_head(text), len(text)
                 snap.in_collective = in_collective(text)
                 got.append(t.rank)
         if asked:
@@ -396,7 +384,7 @@ class Remediator:
         last: dict[int, int] = {}
         still_since: float | None = None
         while loop.time() < deadline:
-            now = {t.pid: _file_size(t.stack_path) for t in targets}
+            now = {t.pid: await loop.run_in_executor(None, _file_size, t.stack_file) for t in targets}
             grown = all(now[p] > sizes[p] for p in now)
             if grown and now == last:
                 still_since = still_since or loop.time()

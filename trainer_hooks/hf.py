@@ -26,7 +26,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("trainer_hooks.hf needs Hugging Face transformers: pip install transformers") from e
 
 from trainer_hooks.errors import guarded
+from trainer_hooks import distributed
 from trainer_hooks.monitor import Monitor
+
+
+def _restart_safe() -> None:
+    """The Trainer sets up the process group when `TrainingArguments` is created, before any
+    callback exists: importing this module makes that group restart-safe under torchrun
+    (`trainer_hooks.distributed`)."""
+    distributed.install()  # never raises
+
+
+_restart_safe()
 
 # Trainer log keys -> the sidecar's well-known metric names.
 LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "lr"}
@@ -34,6 +45,7 @@ LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "lr"}
 
 class SidecarCallback(TrainerCallback):
     def __init__(self, monitor: Monitor | None = None, **monitor_kwargs: Any):
+        _restart_safe()
         self.monitor = monitor
         self._owns_monitor = monitor is None
         self._monitor_kwargs = monitor_kwargs

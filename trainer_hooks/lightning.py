@@ -30,6 +30,7 @@ except ImportError:
         raise ImportError("trainer_hooks.lightning needs Lightning: pip install lightning") from e
 
 from trainer_hooks.errors import guarded
+from trainer_hooks import distributed
 from trainer_hooks.monitor import Monitor
 
 
@@ -47,9 +48,20 @@ def _batch_size(batch: Any) -> int | None:
     return None
 
 
+def _restart_safe() -> None:
+    """Lightning sets up the process group in `fit`, after the callbacks exist: creating the
+    callback (or importing this module) makes that group restart-safe under torchrun
+    (`trainer_hooks.distributed`)."""
+    distributed.install()  # never raises
+
+
+_restart_safe()
+
+
 class SidecarCallback(Callback):
     def __init__(self, monitor: Monitor | None = None, **monitor_kwargs: Any):
         super().__init__()
+        _restart_safe()
         self.monitor = monitor
         self._owns_monitor = monitor is None
         self._monitor_kwargs = monitor_kwargs

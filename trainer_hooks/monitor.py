@@ -49,8 +49,8 @@ class Monitor:
             sidecar suggests at registration, else 0.5).
         buffer_size: records kept while the sidecar is slow or away; the oldest are dropped
             (and counted) beyond it.
-        diag_dir: where the stack-dump file goes (default SIDECAR_DIAG_DIR, else `diag/` next
-            to the socket, else a temp dir).
+        diag_dir: ignored (kept for callers of hooks 0.1): the sidecar creates the rank's
+            stack-dump file and tells the hooks its path at registration.
         stack_signal: signal number for stack dumps, None to disable (default
             SIDECAR_STACK_SIGNAL, else SIGUSR2).
         environ: the environment to read (default `os.environ`).
@@ -83,8 +83,7 @@ class Monitor:
                                                  local_world_size, restart_count)
             endpoint = environment.endpoint(env, socket, url, token)
             signum = environment.stack_signal(env) if stack_signal is _FROM_ENV else stack_signal
-            self._stack_dump = stacks.install(diag_dir or environment.diag_dir(env, endpoint),
-                                              self.identity.job_id, self.identity.rank, signum)
+            self._stack_dump = stacks.install(signum)
             interval = flush_interval or environment.flush_interval(env)
             extra = {k: v for k, v in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout),
                                         ("max_backoff", max_backoff)) if v is not None}
@@ -227,6 +226,8 @@ class Monitor:
 
     @property
     def stack_dump_path(self) -> str | None:
+        """The dump file the sidecar created for this rank (None before the registration
+        answer, or when the sidecar gave none)."""
         return self._stack_dump.path if self._stack_dump else None
 
 

@@ -298,6 +298,9 @@ class Sender:
         self.session = session if isinstance(session, str) else None  # proves who we are over TCP
         self.registrations += 1
         self._last_contact = time.monotonic()
+        dump = reply.body.get("stack_dump")
+        if self.stack_dump is not None and isinstance(dump, dict) and isinstance(dump.get("path"), str):
+            self.stack_dump.adopt(dump["path"])
         interval = reply.body.get("flush_interval_s")
         if self.adopt_server_interval and isinstance(interval, (int, float)) and not isinstance(interval, bool):
             self.flush_interval = min(_MAX_SERVER_INTERVAL, max(_MIN_SERVER_INTERVAL, float(interval)))

@@ -14,6 +14,7 @@ MODULES = (
     "sidecar.collectors.base",
     "sidecar.app",
     "sidecar.api",
+    "sidecar.exposition",
     "sidecar.collectors.training",
     "sidecar.watchdog",
     "sidecar.exits",

@@ -6,14 +6,14 @@ Ranks that are gone stay exported until the registry drops them
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable
 
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import MetricSpec, spec
 
 if TYPE_CHECKING:
-    from sidecar.registry import Rank, Registry
+    from sidecar.registry import Rank, RankKey, Registry
 
 RANK = ("job_id", "rank")
 
@@ -68,11 +68,15 @@ class TrainingCollector:
     def __init__(self, registry: "Registry"):
         self.registry = registry
 
-    def collect(self) -> Iterable[Metric]:
-        ranks = sorted(self.registry.ranks(), key=lambda r: (r.job_id, r.rank))
+    def collect(self, only: Collection["RankKey"] | None = None,
+                custom: Collection["RankKey"] | None = None) -> Iterable[Metric]:
+        """The families; per-rank series only of the ranks in `only`, custom metrics only of
+        those in `custom` (None: every rank), as /metrics' series budget decides."""
+        all_ranks = sorted(self.registry.ranks(), key=lambda r: (r.job_id, r.rank))
+        ranks = all_ranks if only is None else [r for r in all_ranks if r.key in only]
         step = STEP.family()
         values = [(key, s.family()) for key, s in VALUE_GAUGES]
-        phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom, dropped = (
+        phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom_family, dropped = (
             s.family() for s in (PHASE, RESTARTS, CKPT_STEP, CKPT_TIME, PROGRESS_TIME, NONFINITE, CUSTOM, DROPPED))
         for r in ranks:
             labels = [r.job_id, str(r.rank)]
@@ -91,13 +95,22 @@ class TrainingCollector:
             progress.add_metric(labels, r.last_progress_wall)
             for metric, count in sorted(r.nonfinite.items()):
                 nonfinite.add_metric(labels + [metric], count)
-            for name, value in sorted(r.custom.items()):
-                custom.add_metric(labels + [name], value)
+            if custom is None or r.key in custom:
+                for name, value in sorted(r.custom.items()):
+                    custom_family.add_metric(labels + [name], value)
             dropped.add_metric(labels, r.dropped)
         yield step
         yield from (f for _, f in values)
-        yield from (phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom, dropped)
-        yield from self._job_families(ranks)
+        yield from (phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom_family, dropped)
+        yield from self._job_families(all_ranks)
+
+    @staticmethod
+    def series(r: "Rank") -> tuple[int, int]:
+        """How many series `collect` gives one rank: (its own, its custom metrics)."""
+        own = (2 + (r.step is not None) + sum(1 for key, _ in VALUE_GAUGES if key in r.metrics)
+               + (r.phase is not None) + (r.last_checkpoint_step is not None)
+               + (r.last_checkpoint_time is not None) + len(r.nonfinite) + 1)
+        return own, len(r.custom)
 
     @staticmethod
     def _job_families(ranks: list["Rank"]) -> Iterable[Metric]:
