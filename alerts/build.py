@@ -48,7 +48,7 @@ THRESHOLDS: dict[str, float | str] = {
     "grad_norm_factor": 10,             # grad norm above this multiple of its median over the last hour
     "lr_jump_factor": 2,                # learning rate above this multiple of its maximum over the last hour
     "throughput_drop_ratio": 0.7,       # it/s below this share of its average over the last hour
-    "straggler_ratio": 1.3,             # a rank's step time above this multiple of the job's median
+    "straggler_ratio": 1.3,             # a rank's mean step time (5m) above this multiple of the job's median
     "checkpoint_max_age_seconds": 7200, # newest checkpoint older than this while the job trains
     "progress_recent_seconds": 600,     # "the job trains": some rank advanced within this long
     # --- checkpoint filesystem
@@ -139,20 +139,34 @@ RECORDING = Group("sidecar-recording", [
            "max by (job_id, instance) (sidecar_training_step)"),
     Record("job_id:sidecar_training_step:max",
            "max by (job_id) (job_id_instance:sidecar_training_step:max)"),
-    Record("job_id_instance:sidecar_training_iterations_per_second:avg",
-           "avg by (job_id, instance) (sidecar_training_iterations_per_second)"),
-    Record("job_id:sidecar_training_iterations_per_second:avg",
-           "avg by (job_id) (sidecar_training_iterations_per_second)"),
-    Record("job_id:sidecar_training_tokens_per_second:sum",
-           "sum by (job_id) (sidecar_training_tokens_per_second)"),
-    Record("job_id_instance:sidecar_training_step_time_seconds:max",
-           "max by (job_id, instance) (sidecar_training_step_time_seconds)"),
-    Record("job_id:sidecar_training_step_time_seconds:median",
-           "quantile by (job_id) (0.5, sidecar_training_step_time_seconds)"),
+    # Throughput and step time from the counters and the histogram (rate() over 5m), not the
+    # last-value gauges: nothing between two scrapes is lost. Ranks step together, so the job's
+    # steps per second is the mean over its ranks; samples and tokens add up.
+    Record("job_id_instance:sidecar_training_steps:rate5m",
+           "avg by (job_id, instance) (rate(sidecar_training_steps_total[5m]))"),
+    Record("job_id:sidecar_training_steps:rate5m",
+           "avg by (job_id) (rate(sidecar_training_steps_total[5m]))"),
+    Record("job_id:sidecar_training_samples:rate5m",
+           "sum by (job_id) (rate(sidecar_training_samples_total[5m]))"),
+    Record("job_id:sidecar_training_tokens:rate5m",
+           "sum by (job_id) (rate(sidecar_training_tokens_total[5m]))"),
+    # Each rank's mean step time over 5m, from the histogram's sum and count.
+    Record("job_id_rank:sidecar_training_step_duration_seconds:mean5m",
+           "sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_sum[5m]))\n"
+           "/ sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m]))"),
+    Record("job_id_instance:sidecar_training_step_duration_seconds:max_mean5m",
+           "max by (job_id, instance) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)"),
+    Record("job_id:sidecar_training_step_duration_seconds:median_mean5m",
+           "quantile by (job_id) (0.5, job_id_rank:sidecar_training_step_duration_seconds:mean5m)"),
     # The slowest rank relative to the median rank: 1 is perfectly balanced.
-    Record("job_id:sidecar_training_step_time_seconds:max_over_median",
-           "max by (job_id) (sidecar_training_step_time_seconds)\n"
-           "/ job_id:sidecar_training_step_time_seconds:median"),
+    Record("job_id:sidecar_training_step_duration_seconds:max_over_median",
+           "max by (job_id) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)\n"
+           "/ job_id:sidecar_training_step_duration_seconds:median_mean5m"),
+    # Step-time quantiles of the whole job from the buckets (spikes a scrape interval would hide).
+    Record("job_id:sidecar_training_step_duration_seconds:p50_5m",
+           "histogram_quantile(0.5, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))"),
+    Record("job_id:sidecar_training_step_duration_seconds:p99_5m",
+           "histogram_quantile(0.99, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))"),
     Record("job_id:sidecar_training_loss:avg",
            "avg by (job_id) (sidecar_training_loss)"),
     Record("job_id:sidecar_training_grad_norm:max",
@@ -260,14 +274,14 @@ TRAINING = Group("sidecar-training", [
           f"The learning rate of job {{{{ $labels.job_id }}}} is more than {T['lr_jump_factor']}x its maximum over "
           "the previous hour, although it was not rising (not a warmup): a resume that lost the scheduler state?"),
     Alert("SidecarThroughputDrop",
-          "job_id:sidecar_training_iterations_per_second:avg\n"
-          f"< {T['throughput_drop_ratio']} * avg_over_time(job_id:sidecar_training_iterations_per_second:avg[1h] offset 15m)",
+          "job_id:sidecar_training_steps:rate5m\n"
+          f"< {T['throughput_drop_ratio']} * avg_over_time(job_id:sidecar_training_steps:rate5m[1h] offset 15m)",
           "warning", "Throughput dropped in job {{ $labels.job_id }}",
           f"Job {{{{ $labels.job_id }}}} runs below {int(float(T['throughput_drop_ratio']) * 100)}% of its iterations "
           "per second of the previous hour.", for_="15m"),
     Alert("SidecarStragglerRank",
-          "sidecar_training_step_time_seconds\n"
-          f"> on (job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_time_seconds:median)",
+          "job_id_rank:sidecar_training_step_duration_seconds:mean5m\n"
+          f"> on (job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
           "warning", f"Straggler: {LABELS_RANK}",
           f"This rank's step time is more than {T['straggler_ratio']}x the median of its job: "
           "the whole job runs at its pace.", for_="10m"),

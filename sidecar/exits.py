@@ -42,8 +42,8 @@ from prometheus_client.core import Metric
 from sidecar import exit_evidence as kernel
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.exit_incidents import ExitIncidents
+from sidecar.rollback import RollbackMemory
 from sidecar.identity import PidFd
-from sidecar.protocol import CONTROL_RE
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config import Settings
@@ -57,6 +57,10 @@ REASONS = ("finished", "watchdog", "oom_killed", "gpu_error", *(f"exception/{k}"
            "signal", "nonzero_exit", "unknown")
 POLL_SECONDS = 0.2
 STATUS_WAIT_SECONDS = 5.0  # after the exit, how long to wait for the parent to reap it (the status)
+SETTLE_SECONDS = 1.0  # a job's exits are decided together once the youngest is this old
+# Reasons that usually follow another rank's failure rather than cause one: within a job's
+# exits decided together they come after the others (the incident names the first as the cause).
+CONSEQUENCES = frozenset({"exception/communication", "signal", "nonzero_exit", "unknown"})
 MAX_JOBS_COUNTED = 64  # jobs whose exit counts are kept (the oldest job's are dropped beyond)
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -217,6 +221,7 @@ class ExitTracker:
         self.last_time: dict[tuple[str, str], float] = {}
         self.last: dict[str, Any] | None = None  # the latest decided exit, for /v1/status
         self.recent: list[dict[str, Any]] = []
+        self.rollback = RollbackMemory()
 
     # ------------------------------------------------------------ inputs
 
@@ -267,26 +272,42 @@ class ExitTracker:
             await asyncio.sleep(POLL_SECONDS)
 
     def poll(self) -> None:
-        """Notice exits, and decide those whose evidence is in (or will not come)."""
+        """Notice exits, and decide those whose evidence is in (or will not come). The exits of
+        one job are decided together once none of them is younger than SETTLE_SECONDS, causes
+        before consequences: when a rank dies its peers fail at once ("Connection closed by
+        peer"), and may be noticed in the same round or even first."""
         now = self.clock()
         in_use = self.gpu_use() if self.gpu_use is not None and self._watches else {}
+        waiting: dict[str, list[_Watch]] = {}
         for w in list(self._watches.values()):
             try:
                 if w.exited_at is None:
                     w.gpus |= in_use.get(w.rank.key, set())
-                if w.exited_at is None:
                     if self._alive(w):
                         if w.cgroup is not None and w.oom_baseline is None:
                             w.oom_baseline = w.cgroup.oom_kills()
                         continue
                     w.exited_at, w.exited_wall = now, time.time()
                 status, _ = self._status(w)
-                if status is None and now - w.exited_at < STATUS_WAIT_SECONDS:
-                    continue  # its parent has not reaped it yet
-                self._decide(w)
+                unreaped = status is None and now - w.exited_at < STATUS_WAIT_SECONDS
+                waiting.setdefault(w.rank.job_id, []).append(w if not unreaped else None)
             except Exception:
                 log.exception("deciding the exit of rank %s failed", w.rank.label)
                 self._forget(w)
+        for job_id, exits in waiting.items():
+            if None in exits or now - max(w.exited_at for w in exits) < SETTLE_SECONDS:
+                continue
+            decided = []
+            for w in exits:
+                try:
+                    ev = self.evidence(w)
+                    decided.append((w, *decide(ev), ev))
+                except Exception:
+                    log.exception("deciding the exit of rank %s failed", w.rank.label)
+                self._forget(w)
+            decided.sort(key=lambda d: (d[1] in CONSEQUENCES, d[0].exited_at, d[0].rank.rank))
+            for w, reason, lines, ev in decided:
+                self.record(w.rank, reason, lines, ev)
 
     def _alive(self, w: _Watch) -> bool:
         if w.pidfd is not None:
@@ -354,7 +375,7 @@ class ExitTracker:
         if ev.report is not None:
             entry["exception"] = {"type": ev.report.type, "message": ev.report.message,
                                   "traceback": list(ev.report.traceback), "thread": ev.report.thread}
-        hint = rollback_hint(rank)
+        hint = self.rollback.hint(rank)
         if hint:
             entry["rollback"] = hint
         if (rank.job_id, reason) not in self.counts and len({j for j, _ in self.counts}) >= MAX_JOBS_COUNTED \
@@ -408,20 +429,6 @@ class ExitTracker:
         for w in list(self._watches.values()):
             w.close()
         self._watches.clear()
-
-
-def rollback_hint(rank: "Rank") -> dict[str, Any] | None:
-    """When the rank's loss went non-finite: the last checkpoint saved before that step."""
-    bad = rank.first_nonfinite_loss_step
-    if bad is None:
-        return None
-    before = [(s, p) for s, p in rank.checkpoints if s < bad]
-    hint: dict[str, Any] = {"first_nonfinite_loss_step": bad}
-    if before:
-        step, path = max(before, key=lambda c: c[0])
-        # The rank's text, shown to people (never opened): no control characters in a terminal.
-        hint.update(checkpoint_step=step, checkpoint_path=None if path is None else CONTROL_RE.sub(" ", path))
-    return hint
 
 
 def _finite(value: Any) -> Any:

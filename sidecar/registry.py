@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sidecar.stepcounters import StepCounters
+
 if TYPE_CHECKING:
     from sidecar.config import Settings
     from sidecar.protocol import Deregistration, EventItem, PhaseItem, Push, Registration, StepItem
@@ -96,12 +98,14 @@ class Rank:
     custom: dict[str, float] = field(default_factory=dict)  # latest custom values
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None  # wall clock
-    # For the rollback hint of an exit incident: recent checkpoint_saved events as (step, path)
-    # (the path is the rank's text, shown, never opened) and the first step whose loss was not finite.
+    # For the rollback hint of an exit incident: recent checkpoint_saved events as (step, path,
+    # time) (the path is the rank's text, shown, never opened) and the first step whose loss was
+    # not finite, as (step, time); times are the rank's wall clock.
     checkpoints: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
-    first_nonfinite_loss_step: int | None = None
+    first_nonfinite_loss: tuple[int, float] | None = None
     dropped: int = 0  # the hooks' running count of records they had to drop
     nonfinite: collections.Counter = field(default_factory=collections.Counter)  # by metric key
+    counters: StepCounters = field(default_factory=StepCounters)  # steps/samples/tokens, step-time histogram
     records: int = 0  # items accepted since registration
     events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
     gone: bool = False
@@ -154,6 +158,7 @@ class Rank:
             elapsed = item.time - self.step_wall
             if elapsed >= 0:
                 interval = elapsed / (item.step - self.step)
+        advanced = 1 if self.step is None else item.step - self.step
         in_phase = self._phase_since_step or bool(self._phases)
         if interval is not None and not in_phase:
             self.step_times.append(interval)
@@ -166,8 +171,8 @@ class Rank:
         for name, value in item.metrics.items():
             if not math.isfinite(value):
                 self.nonfinite[name] += 1
-                if name == "loss" and self.first_nonfinite_loss_step is None:
-                    self.first_nonfinite_loss_step = item.step
+                if name == "loss" and self.first_nonfinite_loss is None:
+                    self.first_nonfinite_loss = (item.step, item.time)
             if name in WELL_KNOWN_METRICS:
                 self.metrics[name] = value
             else:
@@ -178,6 +183,7 @@ class Rank:
             step_time = interval
             self.metrics["step_time_seconds"] = interval
         self._derive_rates(item.metrics, step_time)
+        self.counters.observe(advanced, item.metrics, step_time)
 
     def _derive_rates(self, sent: dict[str, float], step_time: float | None) -> None:
         usable = step_time is not None and math.isfinite(step_time) and step_time > 0
@@ -216,7 +222,7 @@ class Rank:
             if type(step) is int and 0 <= step < 1 << 63:
                 self.last_checkpoint_step = step
                 path = item.fields.get("path")
-                self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None))
+                self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None, item.time))
             self.last_checkpoint_time = item.time
 
 
@@ -297,6 +303,9 @@ class Registry:
             rank._phases.append((reg.phase, rank.registered_at, reg.phase_timeout_seconds))
             rank.phase, rank.phase_started = reg.phase, rank.registered_at
             rank.phase_timeout = reg.phase_timeout_seconds
+        previous = self._ranks.get(key)
+        if previous is not None:  # a restarted worker continues its counters (no reset for rate())
+            rank.counters = previous.counters
         self._ranks[key] = rank
         self.registrations_total += 1
         return rank

@@ -1,5 +1,6 @@
-"""Hugging Face `Trainer` callback: reports steps, loss, learning rate, grad norm, evaluation
-and checkpoints to the node's sidecar.
+"""Hugging Face `Trainer` callback: reports steps, loss, learning rate, grad norm, samples,
+tokens (when `include_num_input_tokens_seen` is on), evaluation and checkpoints to the node's
+sidecar.
 
     from trainer_hooks.hf import SidecarCallback
     trainer = Trainer(..., callbacks=[SidecarCallback()])
@@ -53,6 +54,7 @@ class SidecarCallback(TrainerCallback):
         self._last_step_end: float | None = None
         self._in_eval = False
         self._in_save = False
+        self._tokens_seen: float | None = None
 
     # ---------------------------------------------------------------- training
 
@@ -61,6 +63,7 @@ class SidecarCallback(TrainerCallback):
         if self.monitor is None:
             self.monitor = Monitor(**self._monitor_kwargs)
         self._last_step_end = time.perf_counter()
+        self._tokens_seen = getattr(state, "num_input_tokens_seen", None)
 
     @guarded
     def on_step_begin(self, args, state, control, **kwargs):
@@ -80,6 +83,9 @@ class SidecarCallback(TrainerCallback):
             metrics["lr"] = optimizer.param_groups[0]["lr"]
         except (AttributeError, IndexError, KeyError, TypeError):
             pass
+        tokens = self._tokens(args, state)
+        if tokens:
+            metrics["tokens"] = tokens
         self._pending = (state.global_step, metrics)
         # DefaultFlowCallback (always first) has decided by now; the Trainer saves right after
         # logging and evaluating, and calls on_save only once the checkpoint is written. Opening
@@ -139,6 +145,18 @@ class SidecarCallback(TrainerCallback):
         if self.monitor is not None and self._owns_monitor:
             self.monitor.close()
             self.monitor = None  # a later train() starts a fresh one
+
+    def _tokens(self, args, state) -> float | None:
+        """This rank's share of the tokens of the step, from `state.num_input_tokens_seen` (counted
+        when `TrainingArguments(include_num_input_tokens_seen=...)` enables it). The Trainer sums
+        it over all processes, so each rank reports the step's total / world size."""
+        seen = getattr(state, "num_input_tokens_seen", None)
+        if not isinstance(seen, (int, float)) or isinstance(seen, bool):
+            return None
+        previous, self._tokens_seen = self._tokens_seen, seen
+        if previous is None or seen <= previous:
+            return None
+        return (seen - previous) / max(1, int(getattr(args, "world_size", 1) or 1))
 
     def _send_pending(self) -> None:
         if self._pending is not None and self.monitor is not None:

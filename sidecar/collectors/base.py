@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                   Metric)
 from prometheus_client.exposition import generate_latest
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ class MetricSpec:
     type, help and label names. `collector` names the collector that exports it."""
 
     name: str
-    type: str  # "gauge" | "counter" | "info"
+    type: str  # "gauge" | "counter" | "info" | "histogram" (exposed as _bucket, _sum, _count)
     help: str
     labels: tuple[str, ...] = ()
     collector: str = ""
@@ -36,6 +37,8 @@ class MetricSpec:
             return CounterMetricFamily(self.name, self.help, labels=self.labels)
         if self.type == "info":
             return InfoMetricFamily(self.name, self.help, labels=self.labels)
+        if self.type == "histogram":
+            return HistogramMetricFamily(self.name, self.help, labels=self.labels)
         raise ValueError(f"unknown metric type {self.type}")
 
     @property

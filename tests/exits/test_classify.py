@@ -122,3 +122,30 @@ def test_without_a_report_the_status_decides():
     assert decide(Evidence())[0] == "unknown"
     assert decide(Evidence(deregistered="finished"))[0] == "finished"
     assert os.WIFSIGNALED(KILLED)
+
+
+# ---------------------------------------------------------------- rollback hint across restarts
+
+def _rank(restart: int, checkpoints, nonfinite):
+    from sidecar.registry import Rank
+    r = Rank(job_id="j", rank=0, local_rank=0, world_size=1, local_world_size=1, pid=100 + restart,
+             pid_start_time=1.0, restart_count=restart)
+    r.checkpoints.extend(checkpoints)
+    r.first_nonfinite_loss = nonfinite
+    return r
+
+
+def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_restart():
+    from sidecar.rollback import RollbackMemory
+    memory = RollbackMemory()
+    # attempt 0: checkpoints at 4 and 8, NaN from step 9 on, and the checkpoint at 12 saved from NaN weights
+    first = _rank(0, [(4, "/c/step-4", 40.0), (8, "/c/step-8", 80.0), (12, "/c/step-12", 120.0)], (9, 90.0))
+    assert memory.hint(first) == {"first_nonfinite_loss_step": 9, "checkpoint_step": 8, "checkpoint_path": "/c/step-8"}
+    # attempt 1 resumed from the poisoned step 12 and goes NaN at 13: still step 8
+    second = _rank(1, [], (13, 130.0))
+    assert memory.hint(second) == {"first_nonfinite_loss_step": 9, "checkpoint_step": 8, "checkpoint_path": "/c/step-8"}
+
+
+def test_no_hint_without_a_nonfinite_loss():
+    from sidecar.rollback import RollbackMemory
+    assert RollbackMemory().hint(_rank(0, [(4, "/c/step-4", 40.0)], None)) is None

@@ -34,6 +34,9 @@ def test_an_outside_sigkill_is_signal(sidecar, ranks):
     assert any("killed by SIGKILL" in line for line in recorded["evidence"]), recorded
     assert recorded["step"] >= 3 and recorded["loss"] is not None and recorded["step_time_seconds"] in (0.05, 0.5)
     assert counted(sidecar, "killed") == {"signal": 1.0}
+    (incident,) = [i for i in incidents(sidecar, "exit") if i["job_id"] == "killed"]
+    for path in (incident["path"], incident["path"][:-5] + ".txt"):
+        assert os.stat(path).st_mode & 0o007 == 0, "incident files are not readable by others (security rules)"
     status = sidecar.status()
     assert status["exits"]["last"]["reason"] == "signal"
     (entry,) = [e for e in status["ranks"] if e["job_id"] == "killed"]
