@@ -43,11 +43,12 @@ THRESHOLDS: dict[str, float | str] = {
     "no_progress_seconds": 1800,        # no rank of the job advanced its step for this long
     "storm_killed_per_hour": 3,         # watchdog kills of one job per hour that count as a storm
     "restarts_per_hour": 3,             # worker-group restarts of one job per hour (any cause)
+    "exit_window": "15m",               # a rank exit of a given reason keeps its alert this long
     # --- training signals (job level, from the recording rules)
     "grad_norm_factor": 10,             # grad norm above this multiple of its median over the last hour
     "lr_jump_factor": 2,                # learning rate above this multiple of its maximum over the last hour
     "throughput_drop_ratio": 0.7,       # it/s below this share of its average over the last hour
-    "straggler_ratio": 1.3,             # a rank's step time above this multiple of the job's median
+    "straggler_ratio": 1.3,             # a rank's mean step time (5m) above this multiple of the job's median
     "checkpoint_max_age_seconds": 7200, # newest checkpoint older than this while the job trains
     "progress_recent_seconds": 600,     # "the job trains": some rank advanced within this long
     # --- checkpoint filesystem
@@ -127,6 +128,8 @@ def increased(selector: str, window: str, by: str) -> str:
 
 
 LABELS_RANK = "{{ $labels.job_id }} rank {{ $labels.rank }} on {{ $labels.instance }}"
+RESTARTS = ("max by (job_id) (sidecar_training_restarts)\n"
+            f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}")
 LABELS_GPU = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
 
 # ------------------------------------------------------------------ recording rules
@@ -136,20 +139,34 @@ RECORDING = Group("sidecar-recording", [
            "max by (job_id, instance) (sidecar_training_step)"),
     Record("job_id:sidecar_training_step:max",
            "max by (job_id) (job_id_instance:sidecar_training_step:max)"),
-    Record("job_id_instance:sidecar_training_iterations_per_second:avg",
-           "avg by (job_id, instance) (sidecar_training_iterations_per_second)"),
-    Record("job_id:sidecar_training_iterations_per_second:avg",
-           "avg by (job_id) (sidecar_training_iterations_per_second)"),
-    Record("job_id:sidecar_training_tokens_per_second:sum",
-           "sum by (job_id) (sidecar_training_tokens_per_second)"),
-    Record("job_id_instance:sidecar_training_step_time_seconds:max",
-           "max by (job_id, instance) (sidecar_training_step_time_seconds)"),
-    Record("job_id:sidecar_training_step_time_seconds:median",
-           "quantile by (job_id) (0.5, sidecar_training_step_time_seconds)"),
+    # Throughput and step time from the counters and the histogram (rate() over 5m), not the
+    # last-value gauges: nothing between two scrapes is lost. Ranks step together, so the job's
+    # steps per second is the mean over its ranks; samples and tokens add up.
+    Record("job_id_instance:sidecar_training_steps:rate5m",
+           "avg by (job_id, instance) (rate(sidecar_training_steps_total[5m]))"),
+    Record("job_id:sidecar_training_steps:rate5m",
+           "avg by (job_id) (rate(sidecar_training_steps_total[5m]))"),
+    Record("job_id:sidecar_training_samples:rate5m",
+           "sum by (job_id) (rate(sidecar_training_samples_total[5m]))"),
+    Record("job_id:sidecar_training_tokens:rate5m",
+           "sum by (job_id) (rate(sidecar_training_tokens_total[5m]))"),
+    # Each rank's mean step time over 5m, from the histogram's sum and count.
+    Record("job_id_rank:sidecar_training_step_duration_seconds:mean5m",
+           "sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_sum[5m]))\n"
+           "/ sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m]))"),
+    Record("job_id_instance:sidecar_training_step_duration_seconds:max_mean5m",
+           "max by (job_id, instance) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)"),
+    Record("job_id:sidecar_training_step_duration_seconds:median_mean5m",
+           "quantile by (job_id) (0.5, job_id_rank:sidecar_training_step_duration_seconds:mean5m)"),
     # The slowest rank relative to the median rank: 1 is perfectly balanced.
-    Record("job_id:sidecar_training_step_time_seconds:max_over_median",
-           "max by (job_id) (sidecar_training_step_time_seconds)\n"
-           "/ job_id:sidecar_training_step_time_seconds:median"),
+    Record("job_id:sidecar_training_step_duration_seconds:max_over_median",
+           "max by (job_id) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)\n"
+           "/ job_id:sidecar_training_step_duration_seconds:median_mean5m"),
+    # Step-time quantiles of the whole job from the buckets (spikes a scrape interval would hide).
+    Record("job_id:sidecar_training_step_duration_seconds:p50_5m",
+           "histogram_quantile(0.5, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))"),
+    Record("job_id:sidecar_training_step_duration_seconds:p99_5m",
+           "histogram_quantile(0.99, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))"),
     Record("job_id:sidecar_training_loss:avg",
            "avg by (job_id) (sidecar_training_loss)"),
     Record("job_id:sidecar_training_grad_norm:max",
@@ -193,11 +210,40 @@ TRAINING = Group("sidecar-training", [
           "The watchdog keeps killing this job's workers, or its storm cap suppressed a remediation: "
           "restarting does not fix the cause."),
     Alert("SidecarJobRestartLoop",
-          "max by (job_id) (sidecar_training_restarts)\n"
-          f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}",
-          "warning", "Job {{ $labels.job_id }} restarted repeatedly",
+          f"({RESTARTS}) * on (job_id) group_left (reason) (\n"
+          "  0 * topk by (job_id) (1, sum by (job_id, reason) (increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
+          ")\n"
+          f'or on (job_id) label_replace({RESTARTS}, "reason", "not recorded", "", "")',
+          "warning", "Job {{ $labels.job_id }} restarted repeatedly ({{ $labels.reason }})",
           f"torchrun restarted the worker group of job {{{{ $labels.job_id }}}} at least {T['restarts_per_hour']} "
-          "times in the last hour (crashes, OOM, communication timeouts or watchdog kills)."),
+          "times in the last hour. The most frequent cause (the first rank to exit each time, "
+          "sidecar_job_failures_total): {{ $labels.reason }}. `sidecar incidents` on the job's nodes has the "
+          "evidence; the runbook section of that reason says what to do."),
+    Alert("SidecarRankCudaOutOfMemory",
+          increased('sidecar_rank_exits_total{reason="exception/cuda_oom"}', T["exit_window"], "job_id, instance"),
+          "warning", "CUDA out of memory in job {{ $labels.job_id }} on {{ $labels.instance }}",
+          "A rank of job {{ $labels.job_id }} died of torch.OutOfMemoryError. Lower the micro-batch size (keep the "
+          "global batch with more accumulation steps), enable activation checkpointing, or set "
+          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation."),
+    Alert("SidecarRankKernelOOMKilled",
+          increased('sidecar_rank_exits_total{reason="oom_killed"}', T["exit_window"], "job_id, instance"),
+          "warning", "Kernel OOM killer killed a rank of job {{ $labels.job_id }} on {{ $labels.instance }}",
+          "A rank ran out of host memory (its memory cgroup or the node) and the kernel killed it. Lower DataLoader "
+          "workers and prefetching, pinned-memory buffers and CPU-side copies, or raise the container's memory "
+          "limit; `sidecar incidents` names the cgroup."),
+    Alert("SidecarCollectiveTimeout",
+          increased('sidecar_rank_exits_total{reason="exception/collective_timeout"}', T["exit_window"],
+                    "job_id, instance"),
+          "warning", "Collective timeout in job {{ $labels.job_id }} on {{ $labels.instance }}",
+          "A rank of job {{ $labels.job_id }} died waiting for its peers in a collective (gloo or NCCL timeout). "
+          "The rank that timed out is usually not the culprit: find the straggler (a rank that is stalled, slow "
+          "or gone on another node: SidecarRankStraggler, stall incidents, NIC and InfiniBand errors) before "
+          "raising the process-group timeout."),
+    Alert("SidecarRankGpuError",
+          increased('sidecar_rank_exits_total{reason="gpu_error"}', T["exit_window"], "job_id, instance"),
+          "critical", "A rank of job {{ $labels.job_id }} died after an XID on {{ $labels.instance }}",
+          "A rank died right after its GPU reported an XID: the GPU, not the job, failed. Drain the node, check "
+          "SidecarGpuXidCritical and nvidia-smi -q, reset or replace the GPU before scheduling on it again."),
     Alert("SidecarTrainingLossNonFinite",
           increased('sidecar_training_nonfinite_total{metric="loss"}', "5m", "job_id, instance, rank") + "\n"
           "or max by (job_id, instance, rank) (\n"
@@ -228,14 +274,14 @@ TRAINING = Group("sidecar-training", [
           f"The learning rate of job {{{{ $labels.job_id }}}} is more than {T['lr_jump_factor']}x its maximum over "
           "the previous hour, although it was not rising (not a warmup): a resume that lost the scheduler state?"),
     Alert("SidecarThroughputDrop",
-          "job_id:sidecar_training_iterations_per_second:avg\n"
-          f"< {T['throughput_drop_ratio']} * avg_over_time(job_id:sidecar_training_iterations_per_second:avg[1h] offset 15m)",
+          "job_id:sidecar_training_steps:rate5m\n"
+          f"< {T['throughput_drop_ratio']} * avg_over_time(job_id:sidecar_training_steps:rate5m[1h] offset 15m)",
           "warning", "Throughput dropped in job {{ $labels.job_id }}",
           f"Job {{{{ $labels.job_id }}}} runs below {int(float(T['throughput_drop_ratio']) * 100)}% of its iterations "
           "per second of the previous hour.", for_="15m"),
     Alert("SidecarStragglerRank",
-          "sidecar_training_step_time_seconds\n"
-          f"> on (job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_time_seconds:median)",
+          "job_id_rank:sidecar_training_step_duration_seconds:mean5m\n"
+          f"> on (job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
           "warning", f"Straggler: {LABELS_RANK}",
           f"This rank's step time is more than {T['straggler_ratio']}x the median of its job: "
           "the whole job runs at its pace.", for_="10m"),

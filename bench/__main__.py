@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["bench_hooks", "bench_ingest", "bench_metrics", "bench_trainer", "bench_recovery"]
+ORDER = ["bench_hooks", "bench_ingest", "bench_metrics", "bench_trainer", "bench_recovery", "bench_cycles"]
 
 
 def main(argv: list[str]) -> int:

@@ -4,6 +4,8 @@ next to torchrun on its own.
     python -m bench.bench_recovery            # 3 runs with the sidecar + 1 with torchrun alone (~3 min)
     python -m bench.bench_recovery --runs 5   # more runs
     python -m bench.bench_recovery --long     # also: goodput of a 5-minute job hit by a hang every minute
+    python -m bench.bench_recovery --pid-namespace   # as root: each run also with torchrun in its own
+                                                     # pid namespace (a pod without hostPID)
 
 A 2-rank CPU job (gloo) where rank 1 sleeps inside step 18, before its all-reduce, while rank 0
 blocks in the all-reduce. The sidecar runs with a 5 s step-time floor. Targets, in every run:
@@ -72,7 +74,12 @@ def follow(log: TrainerLog, into: dict) -> None:
             into["finished"] = e.time
 
 
-def run_with_sidecar(workdir: Path, label: str) -> Run:
+UNSHARE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+
+
+def run_with_sidecar(workdir: Path, label: str, pid_namespace: bool = False) -> Run:
+    """One hang under the sidecar; `pid_namespace`: torchrun and its ranks in a pid namespace
+    of their own, the sidecar outside it (as root: unshare)."""
     workdir.mkdir(parents=True)
     sidecar = SidecarSpec(floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS)
     with Processes(workdir) as procs:
@@ -82,7 +89,8 @@ def run_with_sidecar(workdir: Path, label: str) -> Run:
         if not wait_for(client.ready, 60):
             return Run(label, False)
         started = time.time()
-        train = procs.start("torchrun", hang_job().command(workdir), env={"SIDECAR_SOCKET": sock})
+        command = (UNSHARE if pid_namespace else []) + hang_job().command(workdir)
+        train = procs.start("torchrun", command, env={"SIDECAR_SOCKET": sock})
         log, seen = TrainerLog(procs.log("torchrun")), {}
         wait_for(lambda: (follow(log, seen), train.poll() is not None)[1], JOB_TIMEOUT_SECONDS, 0.2)
         follow(log, seen)
@@ -184,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-alone", action="store_true", help="skip the torchrun-alone run")
     p.add_argument("--long", action="store_true", help="also measure goodput under a hang every minute (5 min)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, incidents)")
+    p.add_argument("--pid-namespace", action="store_true",
+                   help="each run also with torchrun in its own pid namespace (needs root and unshare)")
     args = p.parse_args(argv)
     # Ctrl-C and SIGTERM end in the cleanup of every process started (the `with` blocks).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -194,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.runs):
             runs.append(run_with_sidecar(root / f"sidecar-{i}", f"sidecar run {i + 1}"))
             progress(runs[-1])
+            if args.pid_namespace:
+                runs.append(run_with_sidecar(root / f"sidecar-ns-{i}", f"sidecar run {i + 1}, own pid ns", True))
+                progress(runs[-1])
         if not args.skip_alone:
             runs.append(run_torchrun_alone(root / "alone", args.pg_timeout))
             progress(runs[-1])
@@ -205,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\nhang recovery, 2-rank CPU job, step floor {FLOOR_SECONDS:g}s, grace {GRACE_SECONDS:g}s "
           f"(targets: detect <= timeout + 1 s, kill <= grace + 1 s)")
-    print(f"{'run':<34} {'timeout':>7} {'detect':>7} {'kill':>7} {'recover':>7} {'total':>7}  result")
+    print(f"{'run':<34} {'timeout':>7} {'detect':>7} {'kill':>7} {'killed':>7} {'recover':>7} {'total':>7}  result")
     for r in runs:
-        print(f"{r.label:<34} {fmt(r.timeout)} {fmt(r.detect)} {fmt(r.kill)} {fmt(r.recover)} {fmt(r.total)}  "
-              f"{'PASS' if r.passed else 'FAIL'}")
+        killed = r.detect + r.kill if r.detect is not None and r.kill is not None else None  # hang -> group gone
+        print(f"{r.label:<34} {fmt(r.timeout)} {fmt(r.detect)} {fmt(r.kill)} {fmt(killed)} {fmt(r.recover)} "
+              f"{fmt(r.total)}  {'PASS' if r.passed else 'FAIL'}")
     with_sidecar = [r.recover for r in runs if r.timeout is not None and r.recover is not None]
     alone = [r.recover for r in runs if r.timeout is None and r.recover is not None]
     if with_sidecar and alone:

@@ -179,13 +179,16 @@ def training_job() -> dict:
         timeseries("Learning rate", [(f"job_id:sidecar_training_learning_rate:max{{{JOB}}}", "job max"),
                                      (f"sidecar_training_learning_rate{{{RANKS}}}", "rank {{rank}}")]),
         timeseries("Iterations per second", [
-            (f"job_id:sidecar_training_iterations_per_second:avg{{{JOB}}}", "job mean"),
-            (f"sidecar_training_iterations_per_second{{{RANKS}}}", "rank {{rank}}")], "short", min_=0),
+            (f"job_id:sidecar_training_steps:rate5m{{{JOB}}}", "job mean (5m)"),
+            (f"rate(sidecar_training_steps_total{{{RANKS}}}[$__rate_interval])", "rank {{rank}}")], "short",
+            "Rate of the steps counter (sidecar_training_steps_total).", min_=0),
         timeseries("Tokens per second", [
-            (f"job_id:sidecar_training_tokens_per_second:sum{{{JOB}}}", "job total"),
-            (f"sidecar_training_tokens_per_second{{{RANKS}}}", "rank {{rank}}")], "short", min_=0),
-        timeseries("Samples per second", f"sum by (instance) (sidecar_training_samples_per_second{{{JOB}, {NODES}}})",
-                   "short", min_=0),
+            (f"job_id:sidecar_training_tokens:rate5m{{{JOB}}}", "job total (5m)"),
+            (f"rate(sidecar_training_tokens_total{{{RANKS}}}[$__rate_interval])", "rank {{rank}}")], "short",
+            "Rate of the tokens counter: ranks that send `tokens` per step.", min_=0),
+        timeseries("Samples per second",
+                   f"sum by (instance) (rate(sidecar_training_samples_total{{{JOB}, {NODES}}}[$__rate_interval]))",
+                   "short", "Rate of the samples counter, per node.", min_=0),
         row("Health"),
         timeseries("Ranks by state", f"job_id_state:sidecar_rank_state:count{{{JOB}}}", "short",
                    "Ranks per watchdog state; anything but healthy deserves a look.", stack=True, min_=0),
@@ -195,16 +198,30 @@ def training_job() -> dict:
              "remediation {{outcome}}")], "short", bars=True, min_=0),
         table("Ranks not healthy", f'sidecar_rank_state{{{JOB}, state!="healthy"}} == 1',
               "Ranks in any state but healthy, with their node."),
+        timeseries("Rank exits by reason", [
+            (f'sum by (reason) (increase(sidecar_rank_exits_total{{{JOB}, {NODES}, reason!="finished"}}'
+             f"[$__rate_interval]))", "{{reason}}")], "short",
+            "Why rank processes died (sidecar_rank_exits_total): exception/cuda_oom, oom_killed (kernel), "
+            "exception/collective_timeout, gpu_error, watchdog, signal, ... `sidecar incidents` on the node has "
+            "the evidence of each.", bars=True, min_=0),
+        table("Failures by cause (24h)",
+              f"sum by (instance, reason) (increase(sidecar_job_failures_total{{{JOB}, {NODES}}}[24h])) > 0",
+              "Worker-group failures per node over the last day, by the reason of the first rank to exit "
+              "(the likely cause); SidecarJobRestartLoop names the most frequent."),
         timeseries("Seconds since last progress",
                    f"time() - sidecar_training_last_progress_timestamp_seconds{{{RANKS}}}", "s",
                    "Age of each rank's last step (the watchdog acts on its own per-rank timeout).", min_=0),
         row("Load balance"),
-        timeseries("Step time per node (slowest rank)",
-                   [(f"job_id_instance:sidecar_training_step_time_seconds:max{{{JOB}, {NODES}}}", "{{instance}}"),
-                    (f"job_id:sidecar_training_step_time_seconds:median{{{JOB}}}", "job median")], "s", min_=0),
+        timeseries("Step time per node (slowest rank, 5m mean)",
+                   [(f"job_id_instance:sidecar_training_step_duration_seconds:max_mean5m{{{JOB}, {NODES}}}",
+                     "{{instance}}"),
+                    (f"job_id:sidecar_training_step_duration_seconds:median_mean5m{{{JOB}}}", "job median"),
+                    (f"job_id:sidecar_training_step_duration_seconds:p99_5m{{{JOB}}}", "job p99")], "s",
+                   "From the step-time histogram (sidecar_training_step_duration_seconds): spikes between "
+                   "scrapes show in the p99.", min_=0),
         timeseries("Step time: slowest rank / median",
-                   f"job_id:sidecar_training_step_time_seconds:max_over_median{{{JOB}}}", "short",
-                   "1 is perfectly balanced; SidecarStragglerRank fires above the dashed line.",
+                   f"job_id:sidecar_training_step_duration_seconds:max_over_median{{{JOB}}}", "short",
+                   "Mean step times over 5m; 1 is perfectly balanced; SidecarStragglerRank fires above the dashed line.",
                    threshold=straggler, min_=1),
         timeseries("GPU utilization per node",
                    f"job_id_instance:sidecar_gpu_utilization_ratio:avg{{{JOB}, {NODES}}}", "percentunit",
@@ -221,6 +238,8 @@ def training_job() -> dict:
                    "orange", "Remediation", "{{outcome}} on {{instance}}"),
         annotation("Restarts", f"max by (instance) (changes(sidecar_training_restarts{{{JOB}}}[1m])) > 0",
                    "purple", "Restart", "worker group restarted on {{instance}}"),
+        annotation("Failures", f"sum by (instance, reason) (increase(sidecar_job_failures_total{{{JOB}}}[1m])) > 0",
+                   "red", "Failure", "{{reason}} on {{instance}}"),
     ]
     variables = [
         query_var("job_id", "Job", "label_values(sidecar_training_ranks_registered, job_id)"),
@@ -366,9 +385,12 @@ def rank_drilldown() -> dict:
         timeseries("Gradient norm", f"sidecar_training_grad_norm{{{RANK}}}", w=8),
         timeseries("Learning rate", f"sidecar_training_learning_rate{{{RANK}}}", w=8),
         timeseries("Step time and watchdog timeout", [
-            (f"sidecar_training_step_time_seconds{{{RANK}}}", "step time"),
+            (f"sidecar_training_step_time_seconds{{{RANK}}}", "last step time"),
+            (f"histogram_quantile(0.99, sum by (le) (rate(sidecar_training_step_duration_seconds_bucket{{{RANK}}}"
+             f"[$__rate_interval])))", "p99 step time"),
             (f"sidecar_watchdog_timeout_seconds{{{RANK}}}", "watchdog timeout")], "s", min_=0, w=8),
-        timeseries("Iterations per second", f"sidecar_training_iterations_per_second{{{RANK}}}", min_=0, w=8),
+        timeseries("Iterations per second", f"rate(sidecar_training_steps_total{{{RANK}}}[$__rate_interval])",
+                   "short", "Rate of the steps counter (sidecar_training_steps_total).", min_=0, w=8),
         timeseries("Step", f"sidecar_training_step{{{RANK}}}", w=8),
         timeseries("Watchdog state", f"sidecar_rank_state{{{RANK}}} == 1", "short",
                    "The rank's watchdog state over time.", bars=True, w=12),

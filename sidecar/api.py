@@ -5,29 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import grp
 import hmac
 import logging
-import os
-import re
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import psutil
 from aiohttp import web
 from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
-from sidecar import __version__, procs, protocol, report
+from sidecar import __version__, diagfiles, identity, procs, protocol, report, stackfiles
 from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
+from sidecar.exposition import MetricsEndpoint
 from sidecar.protocol import ProtocolError
 from sidecar.registry import Registry, RegistryError
 from sidecar.watchdog import Watchdog
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.exits import ExitTracker
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +55,18 @@ class Daemon:
     stats: IngestStats = field(default_factory=IngestStats)
     started: float = field(default_factory=time.monotonic)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
+    exits: "ExitTracker | None" = None  # why each rank process exited (sidecar/exits.py)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
-EXPOSITION = web.AppKey("exposition", CollectorRegistry)
-LIVE_EXPOSITION = web.AppKey("live_exposition", CollectorRegistry)
+METRICS_ENDPOINT = web.AppKey("metrics_endpoint", MetricsEndpoint)
 
 BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
 INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
                       "Items accepted by the push API, by type (step, phase, event).", ["type"])
 INGEST_REJECTED = spec("daemon", "ingest_rejected_requests", "counter",
                        "Push API requests refused, by error code (bad_json, bad_field, too_large, unknown_rank, "
-                       "step_not_increasing, limit_exceeded, pid_mismatch, unauthorized).", ["code"])
+                       "step_not_increasing, limit_exceeded, pid_mismatch, uid_mismatch, job_owned, timeout, unauthorized).", ["code"])
 INGEST_REGISTRATIONS = spec("daemon", "ingest_registrations", "counter",
                             "Rank registrations accepted (re-registrations included).")
 DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used.")
@@ -94,7 +93,7 @@ async def errors_middleware(request: web.Request, handler: Callable) -> web.Stre
     answered 500, and the daemon carries on."""
     try:
         return await handler(request)
-    except (ProtocolError, RegistryError, ApiError) as e:
+    except (ProtocolError, RegistryError, ApiError, identity.IdentityError) as e:
         status, code = e.status, e.code
         message = str(e)
     except web.HTTPException as e:
@@ -141,36 +140,26 @@ async def read_json(request: web.Request) -> dict:
     limit = request.app[DAEMON].settings.limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds limits.max_body_bytes ({limit})")
+    timeout = request.app[DAEMON].settings.idle_timeout_seconds
     try:
-        body = await request.read()
+        body = await asyncio.wait_for(request.read(), timeout)
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, "too_large", f"body exceeds limits.max_body_bytes ({limit})") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, "timeout", f"body not received within idle_timeout_seconds ({timeout:g})") from None
     return protocol.decode(body)
 
 
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
-def check_caller(request: web.Request, pid: int, peer: int | None = None) -> bool:
-    """The connecting process (the Unix socket's peer credentials, or `peer` when the caller
-    found it another way) must be `pid` or one of its ancestors (a launcher registering its
-    child). Returns whether the caller was verified."""
-    peer = procs.peer_pid(_socket(request)) if peer is None else peer
-    if peer is None:
-        return False
-    if peer != pid and not procs.is_self_or_descendant(pid, peer):
-        raise ApiError(403, "pid_mismatch",
-                       f"pid: {pid} is neither the connecting process ({peer}) nor one of its descendants")
-    return True
-
-
-def check_not_taken(registry, reg: protocol.Registration) -> None:
+def check_not_taken(registry, reg: protocol.Registration, host_pid: int) -> None:
     """A rank still held by another live process of the same attempt is a second job with the
     same job_id (torchrun's --rdzv-id) on this node. Replacing it back and forth would reset
     both ranks' stall timers on every push and mix their metrics, so the newcomer is refused.
     A restarted worker (a higher restart count) or a dead holder is replaced as usual."""
     held = registry.get(reg.job_id, reg.rank)
-    if (held is not None and not held.gone and held.pid != reg.pid and reg.restart_count <= held.restart_count
+    if (held is not None and not held.gone and held.pid != host_pid and reg.restart_count <= held.restart_count
             and procs.is_same_process(held.pid, held.pid_start_time)):
         raise ApiError(409, "rank_taken", f"rank {held.label} is held by pid {held.pid}, still running at restart "
                                           f"{held.restart_count}: two jobs with job_id {reg.job_id!r} on this node? "
@@ -181,7 +170,8 @@ def check_session(request: web.Request, rank, session: str | None) -> None:
     """Over TCP nothing tells who is calling, so a push or deregistration must carry the
     session its registration returned. A wrong one answers unknown_rank: honest hooks
     register again (and are checked then), a forger learns nothing."""
-    if _is_tcp(request) and not (session and hmac.compare_digest(session, rank.session)):
+    if _is_tcp(request) and not (session and hmac.compare_digest(session.encode(errors="replace"),
+                                                                 rank.session.encode())):
         raise ApiError(409, "unknown_rank", f"session: {'stale' if session else 'missing'} for rank {rank.label} "
                                             "over TCP; register again")
 
@@ -197,21 +187,51 @@ async def loopback_peer(request: web.Request) -> int | None:
     return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_peer_pid, client, server)
 
 
+async def registering_peer(request: web.Request) -> identity.Peer | None:
+    """Who is registering: the Unix socket's peer (with its pidfd), or the process behind a
+    loopback TCP connection; None when nothing tells (TCP from elsewhere)."""
+    if not _is_tcp(request):
+        return identity.unix_peer(_socket(request))
+    pid = await loopback_peer(request)
+    return None if pid is None else identity.process_peer(pid)
+
+
 async def register(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     reg = protocol.parse_registration(await read_json(request))
-    if reg.pid in d.protected_pids:
-        raise ApiError(403, "pid_mismatch", f"pid: {reg.pid} is init, the sidecar or one of its ancestors; "
-                                            "it may never register")
-    verified = check_caller(request, reg.pid, peer=await loopback_peer(request))
-    check_not_taken(d.registry, reg)
-    started = procs.start_time(reg.pid)
-    rank = d.registry.register(reg, pid_start_time=started, peer_verified=verified)
-    log.info("registered rank %s pid %d (restart %d%s)", rank.label, rank.pid, rank.restart_count,
-             "" if verified else ", unverified peer")
+    peer = await registering_peer(request)
+    loop = asyncio.get_running_loop()
+    if peer is None:  # nobody to check against: recorded, watched, never signalled
+        if reg.pid in d.protected_pids:
+            raise ApiError(403, "pid_mismatch", f"pid: {reg.pid} is init, the sidecar or one of its ancestors; "
+                                                "it may never register")
+        claimed = identity.Claimed(reg.pid, reg.pid, procs.start_time(reg.pid), None, None)
+    else:
+        claimed = await loop.run_in_executor(None, identity.resolve, peer, reg.pid, d.protected_pids)
+    check_not_taken(d.registry, reg, claimed.pid)
+    previous = d.registry.get(reg.job_id, reg.rank)
+    rank = d.registry.register(reg, pid_start_time=claimed.start_time, peer_verified=peer is not None,
+                               host_pid=claimed.pid, owner_uid=claimed.uid, pidfd=claimed.pidfd)
+    rank.stack_file = stackfiles.for_rank(d.settings.diagnostics_dir, rank, previous, peer is not None)
+    if d.exits is not None:
+        d.exits.watch(rank)
+    log.info("registered rank %s pid %d%s uid %s (restart %d%s)", rank.label, rank.pid,
+             f" (pid {reg.pid} in its namespace)" if rank.claimed_pid is not None else "", rank.owner_uid,
+             rank.restart_count, "" if peer is not None else ", unverified peer")
     return web.json_response({"ok": True, "key": rank.label, "session": rank.session,
-                              "diag_dir": str(job_diag_dir(d.settings, reg.job_id)),
+                              "diag_dir": str(d.settings.diagnostics_dir / diagfiles.job_dir_name(reg.job_id)),
+                              "stack_dump": ({"path": rank.stack_file.path, "signal": rank.stack_signal}
+                                             if rank.stack_file is not None else None),
                               "flush_interval_s": d.settings.hooks_flush_interval_seconds})
+
+
+def check_sender(request: web.Request, rank) -> None:
+    """Over the Unix socket, a push or deregistration comes from the rank's process (or its
+    launcher) running as the rank's uid (or root). The pidfd is not asked for on this hot
+    path: a pid reused after the caller connected can only be another process of that uid."""
+    peer = identity.unix_peer(_socket(request), want_pidfd=False)
+    if peer is not None:
+        identity.check_sender(peer, rank.pid, rank.owner_uid)
 
 
 async def push(request: web.Request) -> web.Response:
@@ -219,7 +239,7 @@ async def push(request: web.Request) -> web.Response:
     batch = protocol.parse_push(await read_json(request), d.settings.limits.max_items_per_push)
     rank = d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
     check_session(request, rank, batch.session)
-    check_caller(request, batch.pid)
+    check_sender(request, rank)
     accepted = d.registry.apply_push(batch)
     records = d.stats.records
     for item in batch.items:
@@ -235,31 +255,12 @@ async def deregister(request: web.Request) -> web.Response:
     dereg = protocol.parse_deregistration(await read_json(request))
     rank = d.registry.lookup(dereg.job_id, dereg.rank, dereg.pid)
     check_session(request, rank, dereg.session)
-    check_caller(request, dereg.pid)
+    check_sender(request, rank)
     rank = d.registry.deregister(dereg)
+    if d.exits is not None:
+        d.exits.deregistered(rank, dereg.reason, dereg.exit)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)
     return web.json_response({"ok": True})
-
-
-_UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def job_diag_dir(settings: Settings, job_id: str) -> Path:
-    """The directory the job's stack dumps go to, created on demand so the hooks can write
-    into it (same group access as the socket; best effort: the hooks fall back to a
-    directory of their own)."""
-    name = _UNSAFE_PATH_CHARS.sub("_", job_id).lstrip(".") or "job"
-    path = settings.diagnostics_dir / name
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        # Whoever may push may write dumps: the socket's read/write bits, plus search.
-        mode = settings.socket_mode_int
-        path.chmod(mode | ((mode & 0o444) >> 2) | 0o700)
-        if settings.socket_group:
-            os.chown(path, -1, grp.getgrnam(settings.socket_group).gr_gid)
-    except (OSError, KeyError) as e:
-        log.warning("cannot prepare diagnostics directory %s: %s", path, e)
-    return path
 
 
 # ---------------------------------------------------------------- reading endpoints
@@ -282,34 +283,15 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Rendered in the endpoint's own thread (exposition.py): a scrape never holds the event
+    loop, whatever the number of series."""
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    if encoder is generate_latest:
-        # Prometheus text: the hardware families were rendered by the collector round; only
-        # the live ones (training, watchdog, the daemon's own) are rendered per scrape.
-        body = request.app[DAEMON].runner.rendered_text() + generate_latest(request.app[LIVE_EXPOSITION])
-    else:
-        body = encoder(request.app[EXPOSITION])
+    endpoint = request.app[METRICS_ENDPOINT]
+    body = await asyncio.get_running_loop().run_in_executor(endpoint.executor, endpoint.render, encoder)
     response = web.Response(body=body, headers={"Content-Type": content_type})
     if len(body) > COMPRESS_ABOVE_BYTES:
         response.enable_compression()  # only when the scraper accepts gzip
     return response
-
-
-# ---------------------------------------------------------------- exposition
-
-class Exposition:
-    """The one prometheus-client collector of the private registry: the families of every
-    source, read at scrape time from what is already in memory."""
-
-    def __init__(self, sources: Iterable[Callable[[], Iterable[Metric]]]):
-        self.sources = list(sources)
-
-    def collect(self) -> Iterable[Metric]:
-        for source in self.sources:
-            try:
-                yield from source()
-            except Exception:  # one broken source never breaks the endpoint
-                log.exception("metric source %s failed", getattr(source, "__qualname__", source))
 
 
 def daemon_families(d: Daemon) -> Iterable[Metric]:

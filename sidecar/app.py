@@ -9,6 +9,7 @@ import contextlib
 import grp
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -17,13 +18,14 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client.registry import CollectorRegistry
 
-from sidecar import __version__, api, podlabels, procs
+from sidecar import __version__, api, podlabels, procs, stackfiles
 from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.training import TrainingCollector
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
+from sidecar.exits import ExitTracker
+from sidecar.exposition import MetricsEndpoint
 from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
 
@@ -48,29 +50,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_app(settings: Settings) -> web.Application:
     """The application, ready for a runner. Reads the push token (ConfigError if unreadable)."""
     registry = Registry(settings)
-    collectors = build_collectors(settings, ranks=registry.live_pids, job_versions=registry.versions_by_job)
+    # The per-rank collectors look only at the ranks /metrics has room for (exposition.py).
+    watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
+    collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
     runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
     daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
                         watchdog=Watchdog(settings, registry), token=settings.push_token(),
                         protected_pids=procs.protected_pids())
+    daemon.exits = daemon.watchdog.exits = exit_tracker(settings, daemon.watchdog, collectors)
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
-
-    training = TrainingCollector(registry)
-    live_sources = [lambda: podlabels.attach(training.collect(), registry.pod_labels),
-                    lambda: podlabels.attach(daemon.watchdog.families(), registry.pod_labels),
-                    lambda: api.daemon_families(daemon)]
-    exposition = CollectorRegistry()  # everything, for OpenMetrics
-    exposition.register(api.Exposition([runner.families, *live_sources]))
-    live = CollectorRegistry()  # what changes between collector rounds; the rest is pre-rendered
-    live.register(api.Exposition([runner.health_families, *live_sources]))
-    app[api.EXPOSITION] = exposition
-    app[api.LIVE_EXPOSITION] = live
+    endpoint = MetricsEndpoint(runner, registry, TrainingCollector(registry), daemon.watchdog,
+                               [daemon.exits.families, lambda: api.daemon_families(daemon)], settings.limits.max_series,
+                               relabel=lambda families: podlabels.attach(families, registry.pod_labels))
+    app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)
     app.cleanup_ctx.append(background_tasks)
     return app
+
+
+def exit_tracker(settings: Settings, watchdog: Watchdog, collectors: list) -> ExitTracker:
+    """The exit tracker, with the GPU collector's XIDs and GPU use when that collector runs."""
+    gpu = next((c for c in collectors if getattr(c, "name", None) == "gpu"), None)
+    return ExitTracker(settings, watchdog.store, xids=getattr(gpu, "last_xids", None),
+                       gpu_use=(lambda: gpu.rank_gpus) if gpu is not None else None)
 
 
 async def background_tasks(app: web.Application) -> AsyncIterator[None]:
@@ -78,6 +83,7 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
         "collectors": d.runner.run_forever,
         "retention": lambda: sweep_forever(d.registry),
+        "exits": d.exits.run,
     }
     if d.settings.watchdog.enabled:
         jobs["watchdog"] = d.watchdog.run
@@ -86,6 +92,8 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    app[api.METRICS_ENDPOINT].close()
+    d.exits.close()
     for collector in d.runner.collectors:  # stop their threads (the GPU collector's XID waiter)
         close = getattr(collector, "close", None)
         if close is not None:
@@ -116,6 +124,9 @@ async def sweep_forever(registry: Registry) -> None:
         dropped = registry.sweep()
         if dropped:
             log.info("dropped %d rank(s) gone longer than limits.gone_retention_seconds", dropped)
+        held = [r.stack_file.path for r in registry.ranks() if r.stack_file is not None]
+        await asyncio.get_running_loop().run_in_executor(None, stackfiles.prune, registry.settings.diagnostics_dir,
+                                                         held)
 
 
 # ---------------------------------------------------------------- serving
@@ -161,12 +172,23 @@ def sd_notify(state: str) -> None:
         s.sendto(state.encode(), address)
 
 
+def raise_open_files_limit() -> None:
+    """The sidecar keeps a pidfd per live rank (limits.max_ranks) besides its connections:
+    lift the soft limit on open files to the hard one, as daemons do (best effort)."""
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(settings: Settings) -> None:
+    raise_open_files_limit()
     gid = socket_group_id(settings)
     if settings.socket:
         claim_socket_path(settings.socket)
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           keepalive_timeout=settings.idle_timeout_seconds)
     await runner.setup()
     socket_inode = None
     try:
@@ -229,6 +251,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         socket_group_id(settings)
+        settings.incident_group_id()
         settings.collectors.check_host_paths()
         token = settings.push_token()  # also proves token_file readable
         if settings.requires_token() and token is None:

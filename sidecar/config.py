@@ -105,6 +105,21 @@ class LimitSettings:
     max_custom_metrics: int = field(default=32, metadata=doc(
         "Most distinct custom metric names per job (429 beyond; the well-known ones never count)."))
     max_phases: int = field(default=16, metadata=doc("Most distinct phase names per job."))
+    max_ranks: int = field(default=2048, metadata=doc(
+        "Most ranks registered at once on this node, all users together (429 beyond)."))
+    max_jobs_per_user: int = field(default=4, metadata=doc(
+        "Most jobs with live ranks one uid may have registered at once (root: only the node-wide "
+        "limits.max_jobs). Ranks registered over TCP without a visible caller count as one user."))
+    max_ranks_per_user: int = field(default=256, metadata=doc(
+        "Most live ranks of one uid (root: only limits.max_ranks)."))
+    max_custom_metrics_per_user: int = field(default=64, metadata=doc(
+        "Most distinct custom metric names over all jobs of one uid (root: only the per-job limit)."))
+    max_phases_per_user: int = field(default=32, metadata=doc(
+        "Most distinct phase names over all jobs of one uid (root: only the per-job limit)."))
+    max_series: int = field(default=3000, metadata=doc(
+        "Most series `/metrics` answers, all sources together (docs/scale.md). Hardware series are "
+        "bounded by the hardware; per-rank series (training, watchdog, process) and custom metrics "
+        "beyond the budget are left out, counted in sidecar_metrics_series_dropped."))
     gone_retention_seconds: float = field(default=600.0, metadata=doc(
         "How long a finished or dead rank stays in the registry (and in `/metrics`)."))
 
@@ -161,14 +176,32 @@ class RemediationSettings:
     dump_wait_seconds: float = field(default=2.0, metadata=doc("How long to wait for stack dumps."))
     grace_seconds: float = field(default=10.0, metadata=doc("Wait between SIGTERM and SIGKILL."))
     max_per_window: int = field(default=3, metadata=doc(
-        "Most remediations per window; past it the watchdog only alerts (restart-storm cap)."))
+        "Most remediations per window of the jobs of one uid; past it the watchdog only alerts "
+        "about that user's stalls (restart-storm cap). Another user's jobs keep their own."))
+    max_per_window_node: int = field(default=8, metadata=doc(
+        "Most remediations per window on this node, all users together (the storm cap's ceiling)."))
     window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
 
     def __post_init__(self) -> None:
         _positive("remediation.dump_wait_seconds", self.dump_wait_seconds, allow_zero=True)
         _positive("remediation.grace_seconds", self.grace_seconds, allow_zero=True)
         _positive("remediation.max_per_window", self.max_per_window, allow_zero=True)
+        _positive("remediation.max_per_window_node", self.max_per_window_node, allow_zero=True)
         _positive("remediation.window_seconds", self.window_seconds)
+
+
+@dataclass
+class ExitSettings:
+    gpu_error_window_seconds: float = field(default=60.0, metadata=doc(
+        "A rank that dies within this many seconds after an XID on a GPU it was using exited with "
+        "reason `gpu_error`."))
+    group_seconds: float = field(default=30.0, metadata=doc(
+        "Rank exits of one job within this many seconds of the first share its exit incident (torchrun "
+        "stops the other workers when one dies)."))
+
+    def __post_init__(self) -> None:
+        _positive("exits.gpu_error_window_seconds", self.gpu_error_window_seconds)
+        _positive("exits.group_seconds", self.group_seconds, allow_zero=True)
 
 
 @dataclass
@@ -189,16 +222,27 @@ class Settings:
         "The training checkpoint directory; its filesystem's free space is exported."))
     diag_dir: str = field(default="", metadata=doc(
         "Where stack dumps and incidents go (empty: `diag/` next to the socket, or ./sidecar-diag)."))
+    incident_file_mode: str = field(default="0600", metadata=doc(
+        "Permissions of incident files, octal. Incidents quote stack dumps and job details, so by "
+        "default only the sidecar's user reads them; 0640 with incident_group lets a group read them. "
+        "Never writable or executable by group or others."))
+    incident_group: str = field(default="", metadata=doc(
+        "Group that owns incident files (empty: the sidecar's group)."))
     log_level: str = field(default="info", metadata=doc("debug, info, warning or error."))
     hooks_flush_interval_seconds: float = field(default=2.0, metadata=doc(
         "How often the hooks post their buffer, told to each rank at registration (a rank's "
         "SIDECAR_FLUSH_INTERVAL wins). Each push is a request the sidecar pays for (about half of "
         "its CPU with 8 ranks at 1 s); a healthy rank's progress reaches the watchdog up to this "
         "late, so watchdog.floor_seconds must be at least twice it plus the check interval."))
+    idle_timeout_seconds: float = field(default=30.0, metadata=doc(
+        "A connection that has not completed a request within this many seconds (idle keep-alive "
+        "connections and half-sent requests alike) is closed, and a request body must arrive within "
+        "it (408). Above the Prometheus scrape interval, so scrapes can reuse their connection."))
     collectors: CollectorSettings = field(default_factory=CollectorSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
     remediation: RemediationSettings = field(default_factory=RemediationSettings)
+    exits: ExitSettings = field(default_factory=ExitSettings)
 
     def __post_init__(self) -> None:
         parse_hostport(self.listen)
@@ -209,7 +253,15 @@ class Settings:
         else:
             if not 0 <= mode <= 0o777:
                 _fail("socket_mode", f"out of range: {self.socket_mode!r}")
+        try:
+            incident_mode = int(str(self.incident_file_mode), 8)
+        except ValueError:
+            _fail("incident_file_mode", f"expected an octal mode like 0600, got {self.incident_file_mode!r}")
+        if not 0 <= incident_mode <= 0o777 or incident_mode & 0o133:
+            _fail("incident_file_mode", f"must not let group or others write, nor anyone execute "
+                  f"(0600, 0640 or 0644), got {self.incident_file_mode!r}")
         _positive("hooks_flush_interval_seconds", self.hooks_flush_interval_seconds)
+        _positive("idle_timeout_seconds", self.idle_timeout_seconds)
         # Between two batches a healthy rank's progress looks up to one flush interval old.
         slack = 2 * self.hooks_flush_interval_seconds + self.watchdog.check_interval_seconds
         if self.watchdog.floor_seconds < slack:
@@ -230,6 +282,20 @@ class Settings:
     @property
     def socket_mode_int(self) -> int:
         return int(str(self.socket_mode), 8)
+
+    @property
+    def incident_file_mode_int(self) -> int:
+        return int(str(self.incident_file_mode), 8)
+
+    def incident_group_id(self) -> int | None:
+        """The gid of incident_group (ConfigError when there is no such group); None when unset."""
+        if not self.incident_group:
+            return None
+        import grp
+        try:
+            return grp.getgrnam(self.incident_group).gr_gid
+        except KeyError:
+            raise ConfigError(f"setting incident_group: no group named {self.incident_group!r}") from None
 
     @property
     def diagnostics_dir(self) -> Path:

@@ -9,18 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from sidecar import diagfiles
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.config import Settings
 
 log = logging.getLogger(__name__)
 
-INCIDENTS_SUBDIR = "incidents"
+INCIDENTS_SUBDIR = diagfiles.INCIDENTS
 STACK_HEAD_LINES = 12  # lines of each stack dump kept inline (the full dump stays in its file)
 
 
@@ -58,6 +62,7 @@ class Incident:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: str = ""
+    kind: str = "stall"  # "stall" (the watchdog's) or "exit" (sidecar/exit_incidents.py)
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -115,24 +120,26 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80] or "job"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class IncidentStore:
     """Incidents of one diag directory. Writing never raises: a full disk must not stop the
-    watchdog from remediating (the failure is logged and kept in memory)."""
+    watchdog from remediating (the failure is logged and kept in memory). Files are written
+    as `diagfiles` says (no symlink followed, no directory others may write), with
+    `file_mode` (settings incident_file_mode, 0600 by default) and group `gid`."""
 
-    def __init__(self, diag_dir: Path | str):
-        self.directory = Path(diag_dir) / INCIDENTS_SUBDIR
+    def __init__(self, diag_dir: Path | str, file_mode: int = 0o600, gid: int | None = None):
+        self.diag_dir = Path(diag_dir)
+        self.directory = self.diag_dir / INCIDENTS_SUBDIR
+        self.file_mode, self.gid = file_mode, gid
         self.recent: list[Incident] = []
 
-    def open(self, job_id: str, **fields: Any) -> Incident:
+    @classmethod
+    def for_settings(cls, settings: "Settings") -> "IncidentStore":
+        return cls(settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id())
+
+    def open(self, job_id: str, cls: type[Incident] = Incident, **fields: Any) -> Incident:
         now = time.time()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-        incident = Incident(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id,
+        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id,
                             node=socket.gethostname(), **fields)
         incident.path = str(self.directory / f"{incident.id}.json")
         incident.event("detected", at=now)
@@ -143,10 +150,11 @@ class IncidentStore:
 
     def save(self, incident: Incident) -> None:
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            path = Path(incident.path)
-            _atomic_write(path, json.dumps(incident.to_dict(), indent=2) + "\n")
-            _atomic_write(path.with_suffix(".txt"), incident.text())
+            name = Path(incident.path).stem
+            with diagfiles.opened(self.diag_dir, INCIDENTS_SUBDIR) as dir_fd:
+                diagfiles.write_atomic(dir_fd, name + ".json", (json.dumps(incident.to_dict(), indent=2) + "\n").encode(),
+                                       self.file_mode, self.gid)
+                diagfiles.write_atomic(dir_fd, name + ".txt", incident.text().encode(), self.file_mode, self.gid)
         except OSError as e:
             log.error("cannot write incident %s: %s", incident.path, e)
 

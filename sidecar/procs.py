@@ -1,16 +1,11 @@
 """Process facts the sidecar trusts before it records or signals a process: start times (a
 pid plus its start time names one process, pid reuse cannot fool it), ancestry, and the
-peer credentials of a Unix socket connection."""
+client of a loopback TCP connection. Callers and pidfds: sidecar/identity.py."""
 from __future__ import annotations
 
 import os
-import socket
-import struct
 
 import psutil
-
-_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
-
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -54,20 +49,6 @@ def protected_pids() -> frozenset[int]:
     itself, and everything it runs under (its supervisor, a container's init)."""
     me = os.getpid()
     return frozenset({0, 1, me, *ancestors(me)})
-
-
-def peer_pid(sock: socket.socket | None) -> int | None:
-    """The pid of the process at the other end of a Unix stream socket (SO_PEERCRED: the
-    process that connected). None for other sockets, and when the peer lives in a pid
-    namespace this one cannot see (the kernel reports 0 then)."""
-    if sock is None or getattr(sock, "family", None) != socket.AF_UNIX:
-        return None
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    except OSError:
-        return None
-    pid, _uid, _gid = _UCRED.unpack(raw)
-    return pid or None
 
 
 def tcp_peer_pid(client: tuple, server: tuple) -> int | None:

@@ -47,9 +47,9 @@ class Registration:
     restart_count: int = 0
     step: int | None = None
     phase: str | None = None
+    phase_timeout_seconds: float | None = None  # the budget the rank declared for `phase`
     versions: dict[str, str] = field(default_factory=dict)
-    stack_signal: int | None = None
-    stack_path: str | None = None
+    stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/podlabels.py)
 
@@ -90,12 +90,24 @@ class Push:
 
 
 @dataclass(slots=True)
+class ExitReport:
+    """The exception a rank is dying of, as its hooks saw it (its own claim about itself)."""
+
+    type: str  # "torch.OutOfMemoryError": module and qualified name
+    types: list[str]  # the type and its bases, most derived first (without `object`)
+    message: str  # the first line of str(exception)
+    traceback: list[str]  # the innermost frames, "file:line in function", outermost first
+    thread: str | None = None  # the thread it ended, when not the main thread
+
+
+@dataclass(slots=True)
 class Deregistration:
     job_id: str
     rank: int
     pid: int
     reason: str
     session: str | None = None
+    exit: ExitReport | None = None
 
 
 # ---------------------------------------------------------------- decoding
@@ -195,6 +207,15 @@ def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
     return value
 
 
+def _timeout(obj: dict, key: str, where: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value < 1e9:
+        raise ProtocolError(f"{where}: expected a number of seconds > 0, got {_kind(value)}")
+    return float(value)
+
+
 def _object(obj: dict, key: str, where: str) -> dict:
     value = obj.get(key)
     if value is None:
@@ -239,8 +260,21 @@ def _metrics(obj: dict, where: str) -> dict[str, float]:
     return out
 
 
+RESERVED_JOB_IDS = frozenset({"incidents"})  # names of the diag directory's own subdirectories
+
+
+def _job_id(data: dict) -> str:
+    """A job_id names the job's directory under the diag dir (sidecar/diagfiles.py): it may not
+    be one of the sidecar's own directories, nor a dot name."""
+    job_id = _text(data, "job_id", "job_id")
+    if job_id.startswith(".") or job_id.lower() in RESERVED_JOB_IDS:
+        raise ProtocolError(f"job_id: {job_id[:40]!r} is reserved (it may not start with '.' nor be "
+                            f"{', '.join(sorted(RESERVED_JOB_IDS))})")
+    return job_id
+
+
 def _identity(data: dict) -> tuple[str, int, int]:
-    return (_text(data, "job_id", "job_id"), _int(data, "rank", "rank", 0, 1 << 24),
+    return (_job_id(data), _int(data, "rank", "rank", 0, 1 << 24),
             _int(data, "pid", "pid", 1, MAX_PID))
 
 
@@ -274,9 +308,10 @@ def parse_registration(data: dict) -> Registration:
         restart_count=_int(data, "restart_count", "restart_count", 0, MAX_COUNT, default=0, nullable=True) or 0,
         step=_int(data, "step", "step", 0, MAX_COUNT, nullable=True, default=None),
         phase=_name(data, "phase", "phase", nullable=True),
+        phase_timeout_seconds=_timeout(data, "phase_timeout_seconds", "phase_timeout_seconds"),
         versions=versions,
+        # stack_dump.path (hooks before 0.2) is ignored: the sidecar creates the dump file itself.
         stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
-        stack_path=_text(stack, "path", "stack_dump.path", nullable=True, default=None, max_len=4096),
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
         kubernetes=kubernetes)
 
@@ -311,11 +346,8 @@ def parse_push(data: dict, max_items: int) -> Push:
             action = obj.get("action")
             if action not in ("start", "end"):
                 raise ProtocolError(f"{where}.action: expected \"start\" or \"end\", got {_kind(action)}")
-            timeout = obj.get("timeout_seconds")
-            if timeout is not None and (type(timeout) not in (int, float) or not 0 < timeout < 1e9):
-                raise ProtocolError(f"{where}.timeout_seconds: expected a number > 0, got {_kind(timeout)}")
             append(PhaseItem(_name(obj, "name", f"{where}.name"), action, _time(obj, f"{where}.time", now),
-                             None if timeout is None else float(timeout)))
+                             _timeout(obj, "timeout_seconds", f"{where}.timeout_seconds")))
         elif kind == "event":
             fields = _object(obj, "fields", f"{where}.fields")
             if len(fields) > MAX_EVENT_FIELDS:
@@ -329,7 +361,37 @@ def parse_push(data: dict, max_items: int) -> Push:
 def parse_deregistration(data: dict) -> Deregistration:
     job_id, rank, pid = _identity(data)
     reason = _text(data, "reason", "reason", default="finished", nullable=True) or "finished"
-    return Deregistration(job_id, rank, pid, reason, _session(data))
+    return Deregistration(job_id, rank, pid, reason, _session(data), _exit_report(data))
+
+
+# Bounds of an exit report; longer text is cut, not refused (the report matters more than its tail).
+EXIT_MAX_TYPES, EXIT_MAX_FRAMES, EXIT_MAX_TEXT = 16, 12, 512
+
+
+def _clip(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{where}: expected a string, got {_kind(value)}")
+    return CONTROL_RE.sub(" ", value[:EXIT_MAX_TEXT])
+
+
+def _exit_report(data: dict) -> ExitReport | None:
+    raw = data.get("exit")
+    if raw is None:
+        return None
+    if type(raw) is not dict:
+        raise ProtocolError(f"exit: expected an object, got {_kind(raw)}")
+    lists = {}
+    for key in ("types", "traceback"):
+        value = raw.get(key, [])
+        if type(value) is not list:
+            raise ProtocolError(f"exit.{key}: expected an array, got {_kind(value)}")
+        limit = EXIT_MAX_TYPES if key == "types" else EXIT_MAX_FRAMES
+        lists[key] = [_clip(v, f"exit.{key}[{i}]") for i, v in enumerate(value[-limit:] if key == "traceback"
+                                                                         else value[:limit])]
+    thread = raw.get("thread")
+    return ExitReport(type=_clip(raw.get("type", ""), "exit.type"), types=lists["types"],
+                      message=_clip(raw.get("message", ""), "exit.message"), traceback=lists["traceback"],
+                      thread=None if thread is None else _clip(thread, "exit.thread"))
 
 
 def _session(data: dict) -> str | None:

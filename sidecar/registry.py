@@ -15,9 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sidecar.stepcounters import StepCounters
+
 if TYPE_CHECKING:
     from sidecar.config import Settings
     from sidecar.protocol import Deregistration, EventItem, PhaseItem, Push, Registration, StepItem
+    from sidecar.stackfiles import StackFile
 
 RankKey = tuple[str, int]
 
@@ -47,6 +50,14 @@ class LimitExceeded(RegistryError):
     code, status = "limit_exceeded", 429
 
 
+class JobOwned(RegistryError):
+    """The job_id belongs to another uid (its live ranks run as that uid)."""
+    code, status = "job_owned", 403
+
+
+ROOT_UID = 0
+
+
 @dataclass
 class Rank:
     """What the sidecar knows about one registered rank process."""
@@ -56,17 +67,20 @@ class Rank:
     local_rank: int
     world_size: int
     local_world_size: int
-    pid: int
+    pid: int  # in the sidecar's pid namespace (the host's): what is signalled, watched and shown
     pid_start_time: float | None  # seconds from boot (procs.start_time): with the pid, the process's identity
     restart_count: int = 0
     registered_at: float = field(default_factory=time.monotonic)
     registered_wall: float = field(default_factory=time.time)
     peer_verified: bool = False  # registered over the Unix socket by pid or one of its ancestors
     stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
-    stack_path: str | None = None  # where those stacks are written
+    stack_file: "StackFile | None" = None  # the dump file the sidecar created for it (stackfiles.py)
     versions: dict[str, str] = field(default_factory=dict)
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # its pod's namespace, pod, container labels
+    claimed_pid: int | None = None  # the pid the rank calls itself (its own pid namespace's); None: `pid`
+    owner_uid: int | None = None  # the uid its process runs as (None: unknown, an unverified TCP caller)
+    pidfd: object = field(default=None, repr=False)  # identity.PidFd of the process, where the kernel has them
     # Returned at registration; pushes and deregistrations over TCP must carry it (the Unix
     # socket checks the caller's pid instead), so another local user cannot forge progress.
     session: str = field(default_factory=lambda: secrets.token_urlsafe(16))
@@ -84,13 +98,20 @@ class Rank:
     custom: dict[str, float] = field(default_factory=dict)  # latest custom values
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None  # wall clock
+    # For the rollback hint of an exit incident: recent checkpoint_saved events as (step, path,
+    # time) (the path is the rank's text, shown, never opened) and the first step whose loss was
+    # not finite, as (step, time); times are the rank's wall clock.
+    checkpoints: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
+    first_nonfinite_loss: tuple[int, float] | None = None
     dropped: int = 0  # the hooks' running count of records they had to drop
     nonfinite: collections.Counter = field(default_factory=collections.Counter)  # by metric key
+    counters: StepCounters = field(default_factory=StepCounters)  # steps/samples/tokens, step-time histogram
     records: int = 0  # items accepted since registration
     events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
     gone: bool = False
     gone_reason: str | None = None
     gone_at: float | None = None  # monotonic
+    exit_reason: str | None = None  # why its process exited, once decided (sidecar/exits.py)
     # Declared phases as a stack of (name, started, timeout): phases may nest (eval inside
     # a checkpoint-load retry, compile inside eval).
     _phases: list[tuple[str, float, float | None]] = field(default_factory=list, repr=False)
@@ -103,12 +124,20 @@ class Rank:
             self.last_progress_wall = self.registered_wall
 
     @property
+    def stack_path(self) -> str | None:
+        return self.stack_file.path if self.stack_file is not None else None
+
+    @property
     def key(self) -> RankKey:
         return (self.job_id, self.rank)
 
     @property
     def label(self) -> str:
         return f"{self.job_id}/{self.rank}"
+
+    @property
+    def wire_pid(self) -> int:
+        return self.pid if self.claimed_pid is None else self.claimed_pid
 
     def progress_age(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.last_progress
@@ -129,6 +158,7 @@ class Rank:
             elapsed = item.time - self.step_wall
             if elapsed >= 0:
                 interval = elapsed / (item.step - self.step)
+        advanced = 1 if self.step is None else item.step - self.step
         in_phase = self._phase_since_step or bool(self._phases)
         if interval is not None and not in_phase:
             self.step_times.append(interval)
@@ -141,6 +171,8 @@ class Rank:
         for name, value in item.metrics.items():
             if not math.isfinite(value):
                 self.nonfinite[name] += 1
+                if name == "loss" and self.first_nonfinite_loss is None:
+                    self.first_nonfinite_loss = (item.step, item.time)
             if name in WELL_KNOWN_METRICS:
                 self.metrics[name] = value
             else:
@@ -151,6 +183,7 @@ class Rank:
             step_time = interval
             self.metrics["step_time_seconds"] = interval
         self._derive_rates(item.metrics, step_time)
+        self.counters.observe(advanced, item.metrics, step_time)
 
     def _derive_rates(self, sent: dict[str, float], step_time: float | None) -> None:
         usable = step_time is not None and math.isfinite(step_time) and step_time > 0
@@ -188,6 +221,8 @@ class Rank:
             step = item.fields.get("step")
             if type(step) is int and 0 <= step < 1 << 63:
                 self.last_checkpoint_step = step
+                path = item.fields.get("path")
+                self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None, item.time))
             self.last_checkpoint_time = item.time
 
 
@@ -233,32 +268,44 @@ class Registry:
 
     # ------------------------------------------------------------ writing
 
-    def register(self, reg: "Registration", *, pid_start_time: float | None,
-                 peer_verified: bool) -> Rank:
-        limits = self.settings.limits
+    def job_owner(self, job_id: str) -> tuple[bool, int | None]:
+        """(owned, uid): a job is owned while it has live ranks, by the uid they run as."""
+        for r in self._ranks.values():
+            if r.job_id == job_id and not r.gone:
+                return True, r.owner_uid
+        return False, None
+
+    def register(self, reg: "Registration", *, pid_start_time: float | None, peer_verified: bool,
+                 host_pid: int | None = None, owner_uid: int | None = None, pidfd: object = None) -> Rank:
+        """Record a rank. `reg.pid` is the pid the rank calls itself; `host_pid` its pid here
+        (when they differ: a rank in its own pid namespace); `owner_uid` the uid its process
+        runs as, which must be the uid of the job's live ranks (JobOwned otherwise)."""
         key = (reg.job_id, reg.rank)
-        if key not in self._ranks:
-            job_ranks = sum(1 for k in self._ranks if k[0] == reg.job_id)
-            if job_ranks == 0 and len({k[0] for k in self._ranks}) >= limits.max_jobs:
-                self._evict_gone_job()
-                if len({k[0] for k in self._ranks}) >= limits.max_jobs:
-                    raise LimitExceeded(f"too many jobs: limits.max_jobs is {limits.max_jobs}")
-            if job_ranks >= limits.max_ranks_per_job:
-                raise LimitExceeded(
-                    f"too many ranks in job {reg.job_id}: limits.max_ranks_per_job is {limits.max_ranks_per_job}")
-        self._check_phase_name(reg.job_id, reg.phase)
+        owned, owner = self.job_owner(reg.job_id)
+        if owned and owner != owner_uid:
+            raise JobOwned(f"job_id: {reg.job_id!r} belongs to uid {_uid_text(owner)} (its ranks run as it) until "
+                           f"they are gone; this registration is for uid {_uid_text(owner_uid)}")
+        self._check_room(reg, owned, owner_uid)
+        self._check_phase_name(reg.job_id, reg.phase, owner_uid)
         rank = Rank(
             job_id=reg.job_id, rank=reg.rank, local_rank=reg.local_rank, world_size=reg.world_size,
-            local_world_size=reg.local_world_size, pid=reg.pid, pid_start_time=pid_start_time,
+            local_world_size=reg.local_world_size, pid=reg.pid if host_pid is None else host_pid,
+            pid_start_time=pid_start_time, claimed_pid=None if host_pid in (None, reg.pid) else reg.pid,
+            owner_uid=owner_uid, pidfd=pidfd,
             restart_count=reg.restart_count, peer_verified=peer_verified,
-            stack_signal=reg.stack_signal, stack_path=reg.stack_path, versions=dict(reg.versions),
+            stack_signal=reg.stack_signal, versions=dict(reg.versions),
             hooks_version=reg.hooks_version, kubernetes=dict(reg.kubernetes),
             step_times=collections.deque(maxlen=self.settings.watchdog.window))
-        # A rank re-registering after a sidecar restart resumes where it was.
+        # A rank re-registering after a sidecar restart resumes where it was, inside the phase
+        # it declared with the budget it declared.
         rank.step = reg.step
         if reg.phase is not None:
-            rank._phases.append((reg.phase, rank.registered_at, None))
+            rank._phases.append((reg.phase, rank.registered_at, reg.phase_timeout_seconds))
             rank.phase, rank.phase_started = reg.phase, rank.registered_at
+            rank.phase_timeout = reg.phase_timeout_seconds
+        previous = self._ranks.get(key)
+        if previous is not None:  # a restarted worker continues its counters (no reset for rate())
+            rank.counters = previous.counters
         self._ranks[key] = rank
         self.registrations_total += 1
         return rank
@@ -269,8 +316,8 @@ class Registry:
         r = self._ranks.get((job_id, rank))
         if r is None or r.gone:
             raise UnknownRank(f"rank {job_id}/{rank} is not registered")
-        if r.pid != pid:
-            raise UnknownRank(f"rank {job_id}/{rank} is registered by pid {r.pid}, not {pid}")
+        if r.wire_pid != pid:
+            raise UnknownRank(f"rank {job_id}/{rank} is registered by pid {r.wire_pid}, not {pid}")
         return r
 
     def apply_push(self, push: "Push", now_mono: float | None = None, now_wall: float | None = None) -> int:
@@ -323,6 +370,8 @@ class Registry:
             name = list(new_phases)[max(0, limits.max_phases - len(phases))]
             raise LimitExceeded(f"items[{new_phases[name]}].name: too many phase names in job {r.job_id} "
                                 f"(at {name!r}): limits.max_phases is {limits.max_phases}")
+        if r.owner_uid != ROOT_UID and (new_custom or new_phases):
+            self._check_user_names(r, new_custom, new_phases)
         custom.update(new_custom)
         phases.update(new_phases)
 
@@ -335,6 +384,7 @@ class Registry:
         r = self._ranks.get(key)
         if r is not None and not r.gone:
             r.gone, r.gone_reason, r.gone_at = True, reason, time.monotonic()
+            r.pidfd = None  # a gone rank is never signalled again: its descriptor goes now, not at retention
 
     def sweep(self, now: float | None = None) -> int:
         """Drop ranks gone longer than limits.gone_retention_seconds; returns how many."""
@@ -366,7 +416,7 @@ class Registry:
             for job in [j for j in table if j not in jobs]:
                 del table[job]
 
-    def _check_phase_name(self, job_id: str, phase: str | None) -> None:
+    def _check_phase_name(self, job_id: str, phase: str | None, owner_uid: int | None) -> None:
         if phase is None or phase in WELL_KNOWN_PHASES:
             return
         names = self._phase_names.setdefault(job_id, set())
@@ -375,4 +425,63 @@ class Registry:
         limit = self.settings.limits.max_phases
         if len(names) >= limit:
             raise LimitExceeded(f"too many phase names in job {job_id} (at {phase!r}): limits.max_phases is {limit}")
+        user_limit = self.settings.limits.max_phases_per_user
+        if owner_uid != ROOT_UID and self._user_names(self._phase_names, owner_uid, job_id) + 1 > user_limit:
+            raise LimitExceeded(f"too many phase names for uid {_uid_text(owner_uid)} (at {phase!r}): "
+                                f"limits.max_phases_per_user is {user_limit}")
         names.add(phase)
+
+    # ------------------------------------------------------------ per-user quotas
+
+    def _check_room(self, reg: "Registration", owned: bool, owner_uid: int | None) -> None:
+        """Node-wide ceilings for everyone; per-user quotas for everyone but root, so one user
+        cannot take the slots another user's job needs."""
+        limits = self.settings.limits
+        key = (reg.job_id, reg.rank)
+        held = self._ranks.get(key)
+        new_rank = held is None or held.gone
+        if key not in self._ranks:
+            job_ranks = sum(1 for k in self._ranks if k[0] == reg.job_id)
+            if job_ranks == 0 and len({k[0] for k in self._ranks}) >= limits.max_jobs:
+                self._evict_gone_job()
+                if len({k[0] for k in self._ranks}) >= limits.max_jobs:
+                    raise LimitExceeded(f"too many jobs: limits.max_jobs is {limits.max_jobs}")
+            if job_ranks >= limits.max_ranks_per_job:
+                raise LimitExceeded(
+                    f"too many ranks in job {reg.job_id}: limits.max_ranks_per_job is {limits.max_ranks_per_job}")
+        if new_rank and sum(1 for r in self._ranks.values() if not r.gone) >= limits.max_ranks:
+            raise LimitExceeded(f"too many ranks on this node: limits.max_ranks is {limits.max_ranks}")
+        if owner_uid == ROOT_UID:
+            return
+        live = [r for r in self._ranks.values() if not r.gone and r.owner_uid == owner_uid]
+        if not owned and len({r.job_id for r in live}) >= limits.max_jobs_per_user:
+            raise LimitExceeded(f"too many jobs of uid {_uid_text(owner_uid)}: limits.max_jobs_per_user is "
+                                f"{limits.max_jobs_per_user}")
+        if new_rank and len(live) >= limits.max_ranks_per_user:
+            raise LimitExceeded(f"too many ranks of uid {_uid_text(owner_uid)}: limits.max_ranks_per_user is "
+                                f"{limits.max_ranks_per_user}")
+
+    def _user_jobs(self, owner_uid: int | None) -> set[str]:
+        return {r.job_id for r in self._ranks.values() if r.owner_uid == owner_uid}
+
+    def _user_names(self, table: dict[str, set[str]], owner_uid: int | None, job_id: str) -> int:
+        return sum(len(table.get(j, ())) for j in self._user_jobs(owner_uid) | {job_id})
+
+    def _check_user_names(self, r: Rank, new_custom: dict[str, int], new_phases: dict[str, int]) -> None:
+        limits = self.settings.limits
+        if new_custom and self._user_names(self._custom_names, r.owner_uid, r.job_id) + len(new_custom) > \
+                limits.max_custom_metrics_per_user:
+            name = next(iter(new_custom))
+            raise LimitExceeded(f"items[{new_custom[name]}].metrics.{name}: too many custom metric names for uid "
+                                f"{_uid_text(r.owner_uid)}: limits.max_custom_metrics_per_user is "
+                                f"{limits.max_custom_metrics_per_user}")
+        if new_phases and self._user_names(self._phase_names, r.owner_uid, r.job_id) + len(new_phases) > \
+                limits.max_phases_per_user:
+            name = next(iter(new_phases))
+            raise LimitExceeded(f"items[{new_phases[name]}].name: too many phase names for uid "
+                                f"{_uid_text(r.owner_uid)} (at {name!r}): limits.max_phases_per_user is "
+                                f"{limits.max_phases_per_user}")
+
+
+def _uid_text(uid: int | None) -> str:
+    return "unknown (unverified TCP caller)" if uid is None else str(uid)

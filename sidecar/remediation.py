@@ -2,10 +2,14 @@
 
 Every signal goes through `send()`, and `send()` asks `refusal()` right before signalling:
 only processes that registered themselves (a `Target` is made from a registration whose
-caller was verified as that process or its launcher), still the same process (pid plus start
-time: a reused pid is never signalled), never pid 1, the sidecar or its ancestors. A rank that leads its own process group (torchrun starts each worker in its
-own session) is signalled as a group, so its data-loader workers go with it; otherwise only
-the rank and its descendants are.
+caller was verified as that process or its launcher), still the same process, never pid 1,
+the sidecar or its ancestors. Where the kernel has pidfds the rank is named by the pidfd kept
+since its registration and signalled through it (`pidfd_send_signal`): a reused pid cannot
+be hit, there is no window between check and signal. Elsewhere pid plus start time name it.
+A rank that leads its own process group (torchrun starts each worker in its own session) is
+signalled as a group, so its data-loader workers go with it (through the pidfd too: the
+kernel finds the group by the leader's pid structure, so members that outlive the leader
+still get the SIGKILL); otherwise only the rank and its descendants are.
 
 The waits are asyncio sleeps and the blocking calls run in the default executor, so the
 watchdog keeps ticking while a group is being dumped and killed.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -30,13 +35,13 @@ import psutil
 from sidecar import procs
 from sidecar.config import RemediationSettings
 from sidecar.incidents import Incident, IncidentStore, main_thread, stack_head
+from sidecar.stackfiles import MAX_STACK_BYTES, StackFile
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank
 
 log = logging.getLogger(__name__)
 
-MAX_STACK_BYTES = 256 * 1024  # read at most this much of what a dump added to its file
 EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
 POLL_SECONDS = 0.1
 # Frames of a rank that waits for its peers: anything inside torch.distributed (faulthandler:
@@ -58,13 +63,20 @@ class Target:
     pid: int
     start_time: float | None
     stack_signal: int | None = None
-    stack_path: str | None = None
+    stack_file: StackFile | None = None  # created by the sidecar (stackfiles.py), never a path the rank named
     verified: bool = True  # registered by the process itself (or its launcher), per peer credentials
+    pidfd: object = None  # identity.PidFd kept since the registration, where the kernel has pidfds
 
     @classmethod
     def of(cls, rank: "Rank") -> "Target":
-        return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_path,
-                   rank.peer_verified)
+        return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_file,
+                   rank.peer_verified, rank.pidfd)
+
+    def is_running(self) -> bool:
+        """Still the registered process, and not exited (an unreaped zombie has exited)."""
+        if self.pidfd is not None:
+            return self.pidfd.alive()
+        return is_running(self.pid, self.start_time)
 
 
 # ---------------------------------------------------------------- safety
@@ -96,9 +108,10 @@ def is_running(pid: int, start_time: float | None) -> bool:
     return procs.is_same_process(pid, start_time) and not is_zombie(pid)
 
 
-def refusal(target: Target, protected: frozenset[int] | None = None) -> str | None:
+def refusal(target: Target, protected: frozenset[int] | None = None, exited_ok: bool = False) -> str | None:
     """Why `target` must not be signalled, or None when it may be. The one safety check, asked
-    right before every signal."""
+    right before every signal. `exited_ok`: the rank itself may have exited (its leftover
+    group is signalled through its pidfd, which only ever names that rank)."""
     protected = procs.protected_pids() if protected is None else protected
     pid, start_time = target.pid, target.start_time
     if not target.verified:
@@ -110,7 +123,12 @@ def refusal(target: Target, protected: frozenset[int] | None = None) -> str | No
         return f"pid {pid} is the sidecar or one of its ancestors"
     if start_time is None:
         return f"pid {pid} has no recorded start time (not visible when it registered)"
-    if not procs.is_same_process(pid, start_time):
+    if exited_ok:
+        return None if target.pidfd is not None else f"pid {pid} has no pidfd to find its group by"
+    if target.pidfd is not None:
+        if not target.pidfd.alive():
+            return f"pid {pid} is no longer the process that registered (exited)"
+    elif not procs.is_same_process(pid, start_time):
         return f"pid {pid} is no longer the process that registered (exited or pid reused)"
     return None
 
@@ -125,21 +143,34 @@ def _forbidden_groups(protected: frozenset[int]) -> set[int]:
 
 def send(target: Target, sig: int, scope: str = "group") -> list[int]:
     """Signal a registered rank: `scope="process"` the rank alone; `"group"` its process group
-    when it leads one of its own, else the rank and its descendants. Returns the pids (a
-    negative number is a process group) signalled; raises Refused."""
+    when it leads one of its own, else the rank and its descendants; `"group_left"` what is
+    left of the group the rank led, after the rank itself exited (pidfd only: the kernel finds
+    the group by the rank's pid structure, which no later process can have). Returns the pids
+    (a negative number is a process group) signalled; raises Refused."""
     protected = procs.protected_pids()
-    reason = refusal(target, protected)
+    reason = refusal(target, protected, exited_ok=scope == "group_left")
     if reason:
         raise Refused(reason)
+    if scope == "group_left":
+        if target.pid in _forbidden_groups(protected):
+            raise Refused(f"process group {target.pid} holds the sidecar or one of its ancestors")
+        try:
+            target.pidfd.send(sig, group=True)
+        except ProcessLookupError:
+            return []  # nobody left in the group
+        return [-target.pid]
     if scope == "process":
-        os.kill(target.pid, sig)
+        if target.pidfd is not None:
+            target.pidfd.send(sig)
+        else:
+            os.kill(target.pid, sig)
         return [target.pid]
     try:
         pgid = os.getpgid(target.pid)
     except ProcessLookupError:
         raise Refused(f"pid {target.pid} exited") from None
     if pgid == target.pid and pgid not in _forbidden_groups(protected):
-        os.killpg(pgid, sig)
+        _signal_group(target, sig)
         return [-pgid]
     # Not a group leader (or its group is ours): the rank and what it started, each checked.
     sent = []
@@ -159,6 +190,17 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
             log.warning("no permission to signal pid %d (descendant of rank %s/%d)", p.pid, target.job_id,
                         target.rank)
     return sent
+
+
+def _signal_group(target: Target, sig: int) -> None:
+    if target.pidfd is not None:
+        try:
+            target.pidfd.send(sig, group=True)
+            return
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: a kernel before 6.9 knows no group flag
+                raise
+    os.killpg(target.pid, sig)
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -194,6 +236,34 @@ class StormCap:
         return len(self._times)
 
 
+class OwnerStormCaps:
+    """The storm cap per owner (the uid a job's ranks run as), under a node-wide ceiling: one
+    user's restart storm spends its own budget, never the one another user's job needs."""
+
+    def __init__(self, per_owner: int, node: int, window: float, clock: Callable[[], float] = time.monotonic):
+        self.per_owner, self.window, self.clock = per_owner, window, clock
+        self.node = StormCap(node, window, clock)
+        self._owners: dict[object, StormCap] = {}
+
+    def allow(self, owner: object) -> str | None:
+        """Take a slot of `owner` and of the node; None when taken, else which cap is full."""
+        cap = self._owners.get(owner)
+        if cap is None:
+            cap = self._owners[owner] = StormCap(self.per_owner, self.window, self.clock)
+        if cap.in_window() >= cap.limit:
+            return f"{self.per_owner} remediations of uid {owner} per {self.window:.0f}s (remediation.max_per_window)"
+        if not self.node.allow():
+            return f"{self.node.limit} remediations on this node per {self.window:.0f}s " \
+                   "(remediation.max_per_window_node)"
+        cap.allow()
+        for key in [k for k, c in self._owners.items() if k != owner and c.in_window() == 0]:
+            del self._owners[key]  # bounded by the owners with a remediation in the window
+        return None
+
+    def in_window(self) -> int:
+        return self.node.in_window()
+
+
 # ---------------------------------------------------------------- stacks
 
 def in_collective(text: str) -> bool | None:
@@ -204,20 +274,8 @@ def in_collective(text: str) -> bool | None:
     return bool(COLLECTIVE_FRAME.search(main_thread(text)))
 
 
-def _file_size(path: str | None) -> int:
-    try:
-        return os.stat(path).st_size if path else 0
-    except OSError:
-        return 0
-
-
-def _read_from(path: str, offset: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(MAX_STACK_BYTES).decode(errors="replace")
-    except OSError:
-        return ""
+def _file_size(stack_file: StackFile | None) -> int:
+    return stack_file.size() if stack_file is not None else 0
 
 
 def py_spy_path() -> str | None:
@@ -268,7 +326,7 @@ class Remediator:
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
-        sizes = {t.pid: _file_size(t.stack_path) for t in targets}
+        sizes = {t.pid: await loop.run_in_executor(None, _file_size, t.stack_file) for t in targets}
         asked = []
         stopped = {t.pid for t in targets if await loop.run_in_executor(None, is_stopped, t.pid)}
         for t in targets:
@@ -277,7 +335,7 @@ class Remediator:
                                       "continued only to dump its stacks, then stopped again")
         if signal_ranks and s.dump_stacks:
             for t in targets:
-                if not (t.stack_signal and t.stack_path):
+                if not (t.stack_signal and t.stack_file):
                     continue
                 try:
                     await loop.run_in_executor(None, _ask_for_stacks, t, t.pid in stopped)
@@ -294,10 +352,10 @@ class Remediator:
             await self._wait_for_dumps(asked, sizes)
         got = []
         for t in asked:
-            text = await loop.run_in_executor(None, _read_from, t.stack_path, sizes[t.pid])
+            text = await loop.run_in_executor(None, t.stack_file.read_from, sizes[t.pid])
             snap = by_pid.get(t.pid)
             if snap is not None and text.strip():
-                snap.stack_file, snap.stack_head, snap.stack_bytes = t.stack_path, stack_head(text), len(text)
+                snap.stack_file, snap.stack_head, snap.stack_bytes = t.stack_file.path, stack_head(text), len(text)
                 snap.in_collective = in_collective(text)
                 got.append(t.rank)
         if asked:
@@ -319,7 +377,7 @@ class Remediator:
         last: dict[int, int] = {}
         still_since: float | None = None
         while loop.time() < deadline:
-            now = {t.pid: _file_size(t.stack_path) for t in targets}
+            now = {t.pid: await loop.run_in_executor(None, _file_size, t.stack_file) for t in targets}
             grown = all(now[p] > sizes[p] for p in now)
             if grown and now == last:
                 still_since = still_since or loop.time()
@@ -331,28 +389,25 @@ class Remediator:
             await asyncio.sleep(POLL_SECONDS)
 
     async def terminate(self, incident: Incident, targets: list[Target], store: IncidentStore) -> str:
-        """SIGTERM each rank's group, wait grace_seconds, SIGKILL what is left; "killed" when
-        every rank is seen gone, else "failed"."""
+        """SIGTERM each rank's group, wait grace_seconds, then SIGKILL every rank and every
+        member of their groups still alive (not only ranks: a data-loader worker that ignores
+        SIGTERM would hold the GPU). "killed" when every rank and member is seen gone, whether
+        SIGTERM did it (the timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
         loop = asyncio.get_running_loop()
         # The tree as it is now: what a rank started is killed even if the rank dies first.
-        trees = {t.pid: await loop.run_in_executor(None, _descendants, t.pid) for t in targets}
+        members = [p for t in targets for p in await loop.run_in_executor(None, _descendants, t.pid)]
         signalled = await self._signal_all(incident, targets, signal.SIGTERM, "sigterm")
         if not signalled:
             incident.notes.append("no rank could be signalled")
             store.save(incident)
             return "failed"
         store.save(incident)
-        left = await self._wait_exit(signalled, self.settings.grace_seconds)
-        if left:
-            await self._signal_all(incident, left, signal.SIGKILL, "sigkill")
-            for t in targets:
-                for p in trees.get(t.pid, []):
-                    with contextlib.suppress(psutil.Error):
-                        if p.is_running() and p.pid not in procs.protected_pids():
-                            p.kill()
-            left = await self._wait_exit(left, EXIT_WAIT_SECONDS)
-        if left:
-            incident.event("still_running", ranks=[t.rank for t in left])
+        left, members_left = await self._wait_exit(signalled, members, self.settings.grace_seconds)
+        if left or members_left:
+            await loop.run_in_executor(None, self._kill_left, incident, signalled, left, members_left)
+            left, members_left = await self._wait_exit(left, members_left, EXIT_WAIT_SECONDS)
+        if left or members_left:
+            incident.event("still_running", ranks=[t.rank for t in left], pids=[p.pid for p in members_left])
             outcome = "failed"
         else:
             incident.event("exit_observed", ranks=[t.rank for t in signalled])
@@ -360,27 +415,60 @@ class Remediator:
         store.save(incident)
         return outcome
 
+    def _kill_left(self, incident: Incident, signalled: list[Target], left: list[Target],
+                   members_left: list[psutil.Process]) -> None:
+        """SIGKILL: ranks still running with their groups; the leftover group of a rank that
+        already exited (through its pidfd); any member of the trees seen at SIGTERM time."""
+        done, sent = [], []
+        for t in signalled:
+            try:
+                sent += send(t, signal.SIGKILL, "group" if t in left else "group_left")
+                done.append(t.rank)
+            except (Refused, OSError, psutil.Error) as e:
+                if t in left:
+                    incident.notes.append(f"SIGKILL not sent to rank {t.rank} (pid {t.pid}): {e}")
+                    log.warning("not signalling rank %s/%d: %s", t.job_id, t.rank, e)
+        protected = procs.protected_pids()
+        for p in members_left:
+            with contextlib.suppress(psutil.Error):
+                if p.pid > 1 and p.pid not in protected and _alive(p):
+                    p.kill()  # psutil refuses a pid reused since the tree was read
+                    sent.append(p.pid)
+        incident.event("sigkill", ranks=done, pids=sorted(set(sent)))
+
     async def _signal_all(self, incident: Incident, targets: list[Target], sig: int, event: str) -> list[Target]:
         loop = asyncio.get_running_loop()
         done, sent = [], []
         for t in targets:
             try:
                 sent += await loop.run_in_executor(None, send, t, sig, "group")
-                if sig == signal.SIGTERM:  # a stopped process handles SIGTERM only once continued,
-                    # and continued after the SIGTERM is pending, it runs no training code first
-                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "group")
-                done.append(t)
             except (Refused, OSError, psutil.Error) as e:
                 incident.notes.append(f"{signal.Signals(sig).name} not sent to rank {t.rank} (pid {t.pid}): {e}")
                 log.warning("not signalling rank %s/%d: %s", t.job_id, t.rank, e)
+                continue
+            done.append(t)
+            if sig == signal.SIGTERM:  # a stopped process handles SIGTERM only once continued,
+                # and continued after the SIGTERM is pending, it runs no training code first.
+                # A rank that already exited on the SIGTERM needs no SIGCONT.
+                with contextlib.suppress(Refused, OSError, psutil.Error):
+                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "group")
         incident.event(event, ranks=[t.rank for t in done], pids=sent)
         return done
 
-    async def _wait_exit(self, targets: list[Target], seconds: float) -> list[Target]:
+    async def _wait_exit(self, targets: list[Target], members: list[psutil.Process],
+                         seconds: float) -> tuple[list[Target], list[psutil.Process]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while True:
-            left = [t for t in targets if await loop.run_in_executor(None, is_running, t.pid, t.start_time)]
-            if not left or loop.time() >= deadline:
-                return left
+            left = [t for t in targets if await loop.run_in_executor(None, Target.is_running, t)]
+            members = [p for p in members if await loop.run_in_executor(None, _alive, p)]
+            if (not left and not members) or loop.time() >= deadline:
+                return left, members
             await asyncio.sleep(POLL_SECONDS)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -174,7 +174,7 @@ def rank_entry(r: "Rank", watchdog: "Watchdog", now: float) -> dict:
         "phase": r.phase,
         "last_progress_age_seconds": round(max(0.0, now - r.last_progress), 3),
         "timeout_seconds": finite(timeout),
-        "restart_count": r.restart_count, "dropped": r.dropped,
+        "restart_count": r.restart_count, "dropped": r.dropped, "exit_reason": r.exit_reason,
     }
 
 
@@ -227,4 +227,5 @@ def build_status(settings: "Settings", registry: "Registry", runner: "CollectorR
         "collectors": collectors,
         "watchdog": watchdog.status(),
         "incidents": watchdog.incidents(INCIDENTS_SHOWN),
+        "exits": watchdog.exits.status() if watchdog.exits is not None else None,
     }

@@ -341,6 +341,8 @@ def _rank_rows(ranks: Iterable[dict]) -> list[list[Cell]]:
     rows = []
     for r in sorted(ranks, key=lambda r: (str(r.get("job_id")), _number(r.get("rank")) or 0)):
         state = fmt_text(r.get("state"))
+        if r.get("exit_reason"):  # a gone rank: why its process exited
+            state = f"{state} ({r['exit_reason']})"
         age, timeout = _number(r.get("last_progress_age_seconds")), _number(r.get("timeout_seconds"))
         age_style = ""
         if age is not None and timeout:
@@ -348,7 +350,7 @@ def _rank_rows(ranks: Iterable[dict]) -> list[list[Cell]]:
         loss = _number(r.get("loss"))
         rows.append([
             _c(r.get("job_id")), _c(r.get("rank")), _c(r.get("pid")),
-            Cell(state, RANK_STATE_STYLES.get(state, "")), _c(r.get("step")),
+            Cell(state, RANK_STATE_STYLES.get(state.split(" ")[0], "")), _c(r.get("step")),
             _c(fmt_duration(r.get("step_time_seconds"))), _c(fmt_float(r.get("iterations_per_second"), 3)),
             Cell(fmt_float(loss), "red" if loss is not None and not math.isfinite(loss) else ""),
             _c(fmt_float(r.get("grad_norm"))), _c(r.get("phase")),
@@ -376,6 +378,13 @@ def _incident_rows(incidents: list[dict]) -> list[list[Cell]]:
              _c(i.get("summary")), _c(i.get("path"))] for i in latest]
 
 
+def _last_exit(last: Any) -> str:
+    if not isinstance(last, dict):
+        return "-"
+    return (f"{fmt_text(last.get('job_id'))}/{fmt_text(last.get('rank'))} {fmt_text(last.get('reason'))} "
+            f"at {fmt_time(last.get('time'))}")
+
+
 def build_screen(status: Mapping[str, Any]) -> Screen:
     verdict = assess(status)
     node, watchdog = _dict(status, "node"), _dict(status, "watchdog")
@@ -395,6 +404,7 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
         ("watchdog", ("observe-only" if watchdog.get("observe_only") else "enforcing")
          + f", {fmt_text(watchdog.get('remediations_in_window'))}/{fmt_text(watchdog.get('max_per_window'))}"
            " remediations in window"),
+        ("last exit", _last_exit(_dict(status, "exits").get("last"))),
     ]
     sections = [
         Section("GPUs", ["GPU", "NAME", "UTIL", "MEMORY", "TEMP/SLOWDOWN", "POWER", "THROTTLE", "ECC UNCORR", "XID"],

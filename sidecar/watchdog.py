@@ -29,19 +29,22 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable
 
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.incidents import Incident, IncidentStore, RankSnapshot
-from sidecar.remediation import Remediator, StormCap, Target, is_running
+from sidecar.remediation import OwnerStormCaps, Remediator, Target, is_running
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank, RankKey, Registry
 
 log = logging.getLogger(__name__)
+
+
+LIVENESS_CHECKS_PER_TICK = 64  # ranks whose process is looked up in /proc per tick, in turn
 
 
 class RankState(enum.Enum):
@@ -142,12 +145,16 @@ class Watchdog:
         self.settings = settings
         self.registry = registry
         self.clock = clock
-        self.store = store or IncidentStore(settings.diagnostics_dir)
+        self.store = store or IncidentStore.for_settings(settings)
         self.remediator = remediator or Remediator(settings.remediation)
-        self.storm_cap = StormCap(settings.remediation.max_per_window, settings.remediation.window_seconds, clock)
+        rem = settings.remediation
+        self.storm_cap = OwnerStormCaps(rem.max_per_window, rem.max_per_window_node, rem.window_seconds, clock)
         self.counters = _Counters()
         self._tracks: dict["RankKey", _Track] = {}
         self._episodes: dict[str, _Episode] = {}
+        self._timeouts: dict["RankKey", tuple] = {}  # (rank, (step, step time), step timeout)
+        self._liveness_cursor = 0
+        self.exits = None  # the ExitTracker, told which ranks its remediation signals (sidecar/exits.py)
 
     # ------------------------------------------------------------ the loop
 
@@ -174,17 +181,24 @@ class Watchdog:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def tick(self) -> None:
-        """One evaluation of every rank, then incidents for newly stalled jobs."""
+        """One evaluation of every rank, then incidents for newly stalled jobs. Reading /proc
+        is what costs: a tick checks the liveness of at most LIVENESS_CHECKS_PER_TICK ranks in
+        turn, plus every rank about to change to a worse state and every rank being remediated."""
         now = self.clock()
         present = set()
-        for rank in self.registry.ranks():
+        ranks = self.registry.ranks()
+        n, per_tick = len(ranks), LIVENESS_CHECKS_PER_TICK
+        start = self._liveness_cursor % n if n else 0
+        self._liveness_cursor = start + per_tick
+        for i, rank in enumerate(ranks):
             present.add(rank.key)
             try:
-                self._evaluate(self._track(rank, now), now)
+                self._evaluate(self._track(rank, now), now, n <= per_tick or (i - start) % n < per_tick)
             except Exception:  # one rank's bad data must not blind the watchdog to the others
                 log.exception("evaluating rank %s failed", rank.label)
         for key in [k for k in self._tracks if k not in present]:
             del self._tracks[key]  # the registry forgot it (retention): so do we
+            self._timeouts.pop(key, None)
         self._open_episodes(now)
         self._close_episodes()
 
@@ -202,16 +216,14 @@ class Watchdog:
         log.info("watching rank %s (pid %d) as %s", rank.label, rank.pid, state.value)
         return track
 
-    def _evaluate(self, track: _Track, now: float) -> None:
+    def _evaluate(self, track: _Track, now: float, check_liveness: bool = True) -> None:
         rank = track.rank
         if track.state is S.GONE:
             return
         if rank.gone:
             self._transition(track, S.GONE, now, rank.gone_reason or "deregistered")
             return
-        if not _process_alive(rank):
-            self.registry.mark_gone(rank.key, "process exited")
-            self._transition(track, S.GONE, now, "process exited")
+        if (check_liveness or track.state is S.REMEDIATING) and self._exited(track, now):
             return
         if track.state is S.REMEDIATING:
             return
@@ -224,9 +236,19 @@ class Watchdog:
             wanted = S.STARTING if rank.step is None else S.HEALTHY
         if wanted is S.STARTING and track.state is S.HEALTHY:
             wanted = S.HEALTHY  # a started rank never goes back to starting
+        if wanted in (S.SUSPECT, S.STALLED) and wanted is not track.state and not check_liveness:
+            if self._exited(track, now):  # a dead process is never taken for a hung one
+                return
         if wanted is not track.state:
             self._transition(track, wanted, now,
                              f"{d.age:.1f}s without progress, timeout {d.timeout:.1f}s ({d.basis})")
+
+    def _exited(self, track: _Track, now: float) -> bool:
+        if _process_alive(track.rank):
+            return False
+        self.registry.mark_gone(track.rank.key, "process exited")
+        self._transition(track, S.GONE, now, "process exited")
+        return True
 
     def _transition(self, track: _Track, new: RankState, now: float, reason: str) -> None:
         """The one place a rank changes state: checked against ALLOWED, logged, counted."""
@@ -252,8 +274,15 @@ class Watchdog:
             return Deadline(float(budget), now - max(started, rank.last_progress), f"phase:{rank.phase}")
         if rank.step is None:
             return Deadline(wd.startup_timeout_seconds, now - rank.last_progress, "startup")
-        return Deadline(self.step_timeout(rank.step_times, rank.metrics.get("step_time_seconds")),
-                        now - rank.last_progress, "steps")
+        # The quantile sorts up to `window` step times: computed once per new step, not per tick.
+        basis = (rank.step, rank.metrics.get("step_time_seconds"))
+        cached = self._timeouts.get(rank.key)
+        if cached is not None and cached[0] is rank and cached[1] == basis:
+            timeout = cached[2]
+        else:
+            timeout = self.step_timeout(rank.step_times, basis[1])
+            self._timeouts[rank.key] = (rank, basis, timeout)
+        return Deadline(timeout, now - rank.last_progress, "steps")
 
     def step_timeout(self, step_times: Iterable[float], last_step_time: float | None = None) -> float:
         """multiplier x quantile of the recent step times, clamped to [floor, ceiling]. Before
@@ -285,7 +314,9 @@ class Watchdog:
         blamed, why = blame([t.rank for t in members], {t.rank.key: t.state for t in members})
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
         observe_only = self.settings.watchdog.observe_only
-        suppressed = not observe_only and not self.storm_cap.allow()
+        owner = members[0].rank.owner_uid if members else None
+        full = None if observe_only else self.storm_cap.allow(owner)
+        suppressed = full is not None
         incident = self.store.open(
             job_id, blamed_rank=blamed.rank if blamed else None, blame_reason=why,
             timeout_seconds=stalled_deadline.timeout if stalled_deadline else None,
@@ -300,9 +331,7 @@ class Watchdog:
         if observe_only or suppressed:
             episode.outcome = "observe_only" if observe_only else "suppressed"
             if suppressed:
-                incident.notes.append(
-                    f"storm cap: {self.settings.remediation.max_per_window} remediations per "
-                    f"{self.settings.remediation.window_seconds:.0f}s reached; not killing")
+                incident.notes.append(f"storm cap: {full} reached; not killing")
             log.error("job %s stalled (%s); %s", job_id, incident.summary,
                       "observe-only mode: not killing" if observe_only else "storm cap reached: not killing")
             episode.task = asyncio.get_running_loop().create_task(
@@ -311,6 +340,8 @@ class Watchdog:
         log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, why, len(members))
         for t in members:
             self._transition(t, S.REMEDIATING, now, f"its job {job_id} stalled")
+            if self.exits is not None:
+                self.exits.remediating(t.rank, incident.id)
         episode.task = asyncio.get_running_loop().create_task(
             self._remediate(episode, targets), name=f"remediate-{job_id}")
 
@@ -376,10 +407,14 @@ class Watchdog:
 
     # ------------------------------------------------------------ reading
 
-    def families(self) -> Iterable[Metric]:
+    def families(self, only: "Collection[RankKey] | None" = None) -> Iterable[Metric]:
+        """The watchdog's families; per-rank series only of the ranks in `only` (None: all)."""
         state, timeout, stalls, remediations, transitions, last, observe = (m.family() for m in METRICS)
         now = self.clock()
-        for t in sorted(list(self._tracks.values()), key=lambda t: t.rank.key):
+        tracks = list(self._tracks.values())
+        if only is not None:
+            tracks = [t for t in tracks if t.rank.key in only]
+        for t in sorted(tracks, key=lambda t: t.rank.key):
             labels = [t.rank.job_id, str(t.rank.rank)]
             for s in RankState:
                 state.add_metric(labels + [s.value], 1.0 if s is t.state else 0.0)
@@ -489,4 +524,6 @@ def _process_alive(rank: "Rank") -> bool:
     remediation's safety check will refuse to signal it."""
     if rank.pid_start_time is None:
         return True
+    if rank.pidfd is not None:  # a poll, no /proc read
+        return rank.pidfd.alive()
     return is_running(rank.pid, rank.pid_start_time)

@@ -172,9 +172,14 @@ class TrainConfig:
     deterministic: bool = field(default=True, metadata=doc(
         "Ask torch for deterministic kernels (needed for bitwise-exact resume on GPU)."))
     log_every_steps: int = field(default=10, metadata=doc("Rank 0 logs step, loss and it/s every this many steps."))
+    nonfinite_loss_limit: int = field(default=0, metadata=doc(
+        "Stop with FloatingPointError after this many consecutive steps with a NaN or infinite loss, before "
+        "more checkpoints are saved from bad weights (0: never; checking reads the loss every step, a device "
+        "sync on GPU). The sidecar names such an exit `exception/nonfinite` and the checkpoint to resume from."))
 
     def __post_init__(self) -> None:
         _at_least("train.steps", self.steps, 1)
+        _at_least("train.nonfinite_loss_limit", self.nonfinite_loss_limit, 0)
         _one_of("train.device", self.device, ("auto", "cpu", "cuda"))
         _at_least("train.log_every_steps", self.log_every_steps, 1)
 
@@ -261,7 +266,8 @@ class MonitorConfig:
         "(a no-op when no sidecar listens)."))
 
 
-FAULT_KINDS = ("none", "sigkill", "sigstop", "loop", "sleep", "dataloader", "sigkill_in_checkpoint")
+FAULT_KINDS = ("none", "sigkill", "sigstop", "loop", "sleep", "dataloader", "sigkill_in_checkpoint", "cuda_oom",
+               "nan_loss")
 
 
 @dataclass
@@ -272,7 +278,9 @@ class FaultConfig:
         "of step at_step, before its all-reduce); `sleep` (time.sleep(sleep_seconds) at the same place: "
         "the other ranks block in the all-reduce); `dataloader` (fetching the batches of step at_step "
         "never returns); `sigkill_in_checkpoint` (at the first checkpoint save with step >= at_step the "
-        "rank writes half of its file, then SIGKILLs itself before the commit)."))
+        "rank writes half of its file, then SIGKILLs itself before the commit); `cuda_oom` (raises "
+        "torch.OutOfMemoryError as the CUDA allocator does, at the same place as `loop`); `nan_loss` (its loss "
+        "of step at_step is NaN, so are the gradients and, after the all-reduce, every rank's weights)."))
     rank: int = field(default=0, metadata=doc("Global rank that injects the fault."))
     at_step: int = field(default=1, metadata=doc("Step (1-based) at which the fault fires."))
     only_first_attempt: bool = field(default=True, metadata=doc(

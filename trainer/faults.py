@@ -42,10 +42,21 @@ class FaultInjector:
 
     def before_allreduce(self, step: int) -> None:
         """Inside the step, after the forward pass, before backward starts DDP's all-reduce."""
+        if self._fires("cuda_oom", step):
+            import torch
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                "1.02 GiB is free. (fault injection)")
         if self._fires("loop", step):
             _busy_loop_forever()
         if self._fires("sleep", step):
             time.sleep(self.cfg.sleep_seconds)
+
+    def poison(self, step: int, loss):
+        """The step's loss, NaN on the faulty rank at at_step (kind `nan_loss`)."""
+        if self._fires("nan_loss", step):
+            return loss * float("nan")
+        return loss
 
     def fetch(self, step: int, next_step: Callable):
         """Fetch step `step`'s batches through `next_step`, or never return."""

@@ -128,6 +128,7 @@ class Trainer:
             loss = self.wrapped(inputs, targets) / self.accum
             if last:
                 self.faults.before_allreduce(step)
+                loss = self.faults.poison(step, loss)
             loss.backward()
         return loss.detach()
 
@@ -136,6 +137,7 @@ class Trainer:
         last_step = cfg.train.steps
         self.wrapped.train()
         window_start, window_steps = time.monotonic(), 0
+        nonfinite_steps = 0
         while self.step < last_step:
             step = self.step + 1
             started = time.perf_counter()
@@ -153,6 +155,11 @@ class Trainer:
             self.monitor.step(step, loss=loss, grad_norm=grad_norm, lr=lr, samples=samples,
                               step_time_seconds=time.perf_counter() - started)
             window_steps += 1
+            if cfg.train.nonfinite_loss_limit:
+                nonfinite_steps = 0 if bool(torch.isfinite(loss)) else nonfinite_steps + 1
+                if nonfinite_steps >= cfg.train.nonfinite_loss_limit:
+                    raise FloatingPointError(f"non-finite loss for {nonfinite_steps} consecutive steps (step {step}): "
+                                             "stopping before checkpoints are saved from bad weights")
             if world.is_main and (step % cfg.train.log_every_steps == 0 or step == last_step):
                 elapsed = time.monotonic() - window_start
                 log.info("step %d/%d loss=%.4f grad_norm=%.4f lr=%.3g it/s=%.2f samples/s=%.1f", step, last_step,

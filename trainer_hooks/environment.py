@@ -11,19 +11,18 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_SOCKET` | the sidecar's Unix socket (preferred transport) |
 | `SIDECAR_URL` | `http://HOST:PORT` of the sidecar, used when `SIDECAR_SOCKET` is not set |
 | `SIDECAR_TOKEN` | bearer token sent with every request (needed when the sidecar listens beyond loopback) |
-| `SIDECAR_DIAG_DIR` | where stack dumps go (default: `diag/` next to the socket, else a temp dir) |
 | `SIDECAR_STACK_SIGNAL` | signal that dumps this rank's Python stacks (`SIGUSR2` default; `off` disables) |
 | `SIDECAR_FLUSH_INTERVAL` | seconds between batches sent to the sidecar (default: what the sidecar says at registration, 2 s unless configured; 0.5 before that) |
 | `SIDECAR_HOOKS_DISABLED` | `1` makes every hook a no-op |
 | `SIDECAR_POD_NAMESPACE`, `SIDECAR_POD_NAME`, `SIDECAR_CONTAINER_NAME` | the rank's pod (Kubernetes downward API): `namespace`, `pod`, `container` labels on its series; unset means no label |
+| `TORCHELASTIC_USE_AGENT_STORE` | set by torchrun; `True` means the workers share the agent's store across restarts (`distributed.py`) |
+| `SIDECAR_ATTEMPT_STORE` | `0` turns off the per-attempt store namespace of `trainer_hooks.distributed` |
 """
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
-import tempfile
 from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import urlsplit
@@ -180,13 +179,3 @@ def stack_signal(environ: Mapping[str, str]) -> int | None:
     log.warning("trainer_hooks: unknown SIDECAR_STACK_SIGNAL=%r; stack dumps disabled", raw)
     return None
 
-
-def diag_dir(environ: Mapping[str, str], endpoint_: Endpoint) -> str:
-    """SIDECAR_DIAG_DIR, else `diag/` next to the sidecar's socket (where the sidecar looks by
-    default), else a directory under the system's temp dir."""
-    explicit = environ.get("SIDECAR_DIAG_DIR")
-    if explicit:
-        return explicit
-    if endpoint_.is_unix:
-        return os.path.join(os.path.dirname(endpoint_.socket_path) or ".", "diag")
-    return os.path.join(tempfile.gettempdir(), "sidecar-diag")

@@ -1,5 +1,6 @@
-"""Hugging Face `Trainer` callback: reports steps, loss, learning rate, grad norm, evaluation
-and checkpoints to the node's sidecar.
+"""Hugging Face `Trainer` callback: reports steps, loss, learning rate, grad norm, samples,
+tokens (when `include_num_input_tokens_seen` is on), evaluation and checkpoints to the node's
+sidecar.
 
     from trainer_hooks.hf import SidecarCallback
     trainer = Trainer(..., callbacks=[SidecarCallback()])
@@ -26,7 +27,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("trainer_hooks.hf needs Hugging Face transformers: pip install transformers") from e
 
 from trainer_hooks.errors import guarded
+from trainer_hooks import distributed
 from trainer_hooks.monitor import Monitor
+
+
+def _restart_safe() -> None:
+    """The Trainer sets up the process group when `TrainingArguments` is created, before any
+    callback exists: importing this module makes that group restart-safe under torchrun
+    (`trainer_hooks.distributed`)."""
+    distributed.install()  # never raises
+
+
+_restart_safe()
 
 # Trainer log keys -> the sidecar's well-known metric names.
 LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "lr"}
@@ -34,6 +46,7 @@ LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "lr"}
 
 class SidecarCallback(TrainerCallback):
     def __init__(self, monitor: Monitor | None = None, **monitor_kwargs: Any):
+        _restart_safe()
         self.monitor = monitor
         self._owns_monitor = monitor is None
         self._monitor_kwargs = monitor_kwargs
@@ -41,6 +54,7 @@ class SidecarCallback(TrainerCallback):
         self._last_step_end: float | None = None
         self._in_eval = False
         self._in_save = False
+        self._tokens_seen: float | None = None
 
     # ---------------------------------------------------------------- training
 
@@ -49,6 +63,7 @@ class SidecarCallback(TrainerCallback):
         if self.monitor is None:
             self.monitor = Monitor(**self._monitor_kwargs)
         self._last_step_end = time.perf_counter()
+        self._tokens_seen = getattr(state, "num_input_tokens_seen", None)
 
     @guarded
     def on_step_begin(self, args, state, control, **kwargs):
@@ -68,6 +83,9 @@ class SidecarCallback(TrainerCallback):
             metrics["lr"] = optimizer.param_groups[0]["lr"]
         except (AttributeError, IndexError, KeyError, TypeError):
             pass
+        tokens = self._tokens(args, state)
+        if tokens:
+            metrics["tokens"] = tokens
         self._pending = (state.global_step, metrics)
         # DefaultFlowCallback (always first) has decided by now; the Trainer saves right after
         # logging and evaluating, and calls on_save only once the checkpoint is written. Opening
@@ -127,6 +145,18 @@ class SidecarCallback(TrainerCallback):
         if self.monitor is not None and self._owns_monitor:
             self.monitor.close()
             self.monitor = None  # a later train() starts a fresh one
+
+    def _tokens(self, args, state) -> float | None:
+        """This rank's share of the tokens of the step, from `state.num_input_tokens_seen` (counted
+        when `TrainingArguments(include_num_input_tokens_seen=...)` enables it). The Trainer sums
+        it over all processes, so each rank reports the step's total / world size."""
+        seen = getattr(state, "num_input_tokens_seen", None)
+        if not isinstance(seen, (int, float)) or isinstance(seen, bool):
+            return None
+        previous, self._tokens_seen = self._tokens_seen, seen
+        if previous is None or seen <= previous:
+            return None
+        return (seen - previous) / max(1, int(getattr(args, "world_size", 1) or 1))
 
     def _send_pending(self) -> None:
         if self._pending is not None and self.monitor is not None:

@@ -10,7 +10,9 @@ setup (or pass `monitor=`; keyword arguments go to `Monitor`) and closes it at t
 it created it.
 
 A step is an optimizer step (`trainer.global_step`): with gradient accumulation, only the
-batch that advanced it is reported. The loss is passed as the tensor Lightning returns (the
+batch that advanced it is reported. The grad norm is what the module logged as `grad_norm` or
+under the names of Lightning's `grad_norm` utility (`self.log_dict(grad_norm(self, norm_type=2))`
+logs `grad_2.0_norm_total`). The loss is passed as the tensor Lightning returns (the
 hooks read it off the training thread). Validation is the `eval` phase. Lightning calls
 `on_save_checkpoint` before it writes the file, so the `checkpoint_saved` event is sent at
 the next callback, once the write is done.
@@ -30,6 +32,7 @@ except ImportError:
         raise ImportError("trainer_hooks.lightning needs Lightning: pip install lightning") from e
 
 from trainer_hooks.errors import guarded
+from trainer_hooks import distributed
 from trainer_hooks.monitor import Monitor
 
 
@@ -47,9 +50,36 @@ def _batch_size(batch: Any) -> int | None:
     return None
 
 
+def _restart_safe() -> None:
+    """Lightning sets up the process group in `fit`, after the callbacks exist: creating the
+    callback (or importing this module) makes that group restart-safe under torchrun
+    (`trainer_hooks.distributed`)."""
+    distributed.install()  # never raises
+
+
+_restart_safe()
+
+
+def _grad_norm(logged: Mapping) -> Any:
+    """The total grad norm the module logged: `grad_norm`, or the names of Lightning's own
+    `lightning.pytorch.utilities.grad_norm` (`grad_2.0_norm_total`, another p-norm's total;
+    `_step` when logged with on_step and on_epoch), the 2-norm first."""
+    try:
+        for key in ("grad_norm", "grad_2.0_norm_total", "grad_norm_step", "grad_2.0_norm_total_step"):
+            if key in logged:
+                return logged[key]
+        for key in logged:
+            if isinstance(key, str) and key.startswith("grad_") and key.endswith(("_norm_total", "_norm_total_step")):
+                return logged[key]
+    except Exception:
+        pass
+    return None
+
+
 class SidecarCallback(Callback):
     def __init__(self, monitor: Monitor | None = None, **monitor_kwargs: Any):
         super().__init__()
+        _restart_safe()
         self.monitor = monitor
         self._owns_monitor = monitor is None
         self._monitor_kwargs = monitor_kwargs
@@ -89,7 +119,7 @@ class SidecarCallback(Callback):
             metrics["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         except (AttributeError, IndexError, KeyError, TypeError):
             pass
-        grad_norm = trainer.callback_metrics.get("grad_norm")
+        grad_norm = _grad_norm(trainer.callback_metrics)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         samples = _batch_size(batch)

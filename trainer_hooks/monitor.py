@@ -21,7 +21,7 @@ import weakref
 from collections import deque
 from typing import Any, Mapping
 
-from trainer_hooks import environment, stacks
+from trainer_hooks import environment, exits, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender
@@ -49,8 +49,8 @@ class Monitor:
             sidecar suggests at registration, else 0.5).
         buffer_size: records kept while the sidecar is slow or away; the oldest are dropped
             (and counted) beyond it.
-        diag_dir: where the stack-dump file goes (default SIDECAR_DIAG_DIR, else `diag/` next
-            to the socket, else a temp dir).
+        diag_dir: ignored (kept for callers of hooks 0.1): the sidecar creates the rank's
+            stack-dump file and tells the hooks its path at registration.
         stack_signal: signal number for stack dumps, None to disable (default
             SIDECAR_STACK_SIGNAL, else SIGUSR2).
         environ: the environment to read (default `os.environ`).
@@ -83,8 +83,7 @@ class Monitor:
                                                  local_world_size, restart_count)
             endpoint = environment.endpoint(env, socket, url, token)
             signum = environment.stack_signal(env) if stack_signal is _FROM_ENV else stack_signal
-            self._stack_dump = stacks.install(diag_dir or environment.diag_dir(env, endpoint),
-                                              self.identity.job_id, self.identity.rank, signum)
+            self._stack_dump = stacks.install(signum)
             interval = flush_interval or environment.flush_interval(env)
             extra = {k: v for k, v in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout),
                                         ("max_backoff", max_backoff)) if v is not None}
@@ -95,6 +94,7 @@ class Monitor:
             _monitors.add(self)
             atexit.register(self._close_at_exit)
             self._sender.start()
+            exits.install(_close_all_on_exception, _report_thread_exception)
         except Exception as e:
             self._live = False
             warn("init", "trainer_hooks: monitoring disabled, setup failed (%s: %s)", type(e).__name__, e)
@@ -145,11 +145,18 @@ class Monitor:
 
     # ---------------------------------------------------------------- life cycle
 
-    def close(self, reason: str = "finished", timeout: float = CLOSE_BUDGET_SECONDS) -> None:
+    def close(self, reason: str = "finished", timeout: float = CLOSE_BUDGET_SECONDS,
+              exit_report: dict | None = None) -> None:
         """Flush what is buffered, deregister and stop the sender, within about `timeout`
-        seconds even when the sidecar hangs. Idempotent; also runs at interpreter exit."""
+        seconds even when the sidecar hangs. Idempotent; also runs at interpreter exit. Called
+        while an exception propagates, the deregistration carries it (`exits.py`)."""
         if self._closed:
             return
+        if exit_report is None:
+            try:
+                exit_report = exits.in_flight()
+            except Exception:
+                pass
         self._closed = True
         self._live = False
         if os.getpid() != self._pid:  # a forked child: the parent owns the registration and the file
@@ -157,7 +164,7 @@ class Monitor:
         try:
             atexit.unregister(self._close_at_exit)
             if self._sender is not None:
-                self._sender.stop(timeout, reason)
+                self._sender.stop(timeout, reason, exit_report)
         except Exception as e:
             warn("close", "trainer_hooks: close failed (%s: %s)", type(e).__name__, e)
         finally:
@@ -168,7 +175,12 @@ class Monitor:
                     pass
 
     def _close_at_exit(self) -> None:
-        self.close(reason="exit")
+        uncaught = None
+        try:
+            uncaught = exits.uncaught_at_exit()
+        except Exception:
+            pass
+        self.close(reason="exception" if uncaught else "exit", exit_report=uncaught)
 
     def _forget_after_fork(self) -> None:
         self._live = False
@@ -214,6 +226,8 @@ class Monitor:
 
     @property
     def stack_dump_path(self) -> str | None:
+        """The dump file the sidecar created for this rank (None before the registration
+        answer, or when the sidecar gave none)."""
         return self._stack_dump.path if self._stack_dump else None
 
 
@@ -231,6 +245,18 @@ class Phase:
     def __exit__(self, *exc: object) -> bool:
         self._monitor.phase_end(self._name)
         return False
+
+
+def _close_all_on_exception(report: dict) -> None:
+    """sys.excepthook: the main thread dies of `report`; tell the sidecar, briefly."""
+    for monitor in list(_monitors):
+        monitor.close(reason="exception", timeout=exits.EXCEPTION_BUDGET_SECONDS, exit_report=report)
+
+
+def _report_thread_exception(report: dict) -> None:
+    for monitor in list(_monitors):
+        monitor.event("thread_exception", type=report["type"], message=report["message"],
+                      thread=report.get("thread"))
 
 
 def _after_fork_in_child() -> None:

@@ -100,7 +100,7 @@ class Sender:
         self._cpu_mark = 0.0
         self._expected_seq = 0        # seq of the next record; a higher one means the buffer dropped some
         self._acked_step: int | None = None
-        self._acked_phases: list[str] = []
+        self._acked_phases: list[tuple[str, float | None]] = []  # (name, timeout_seconds)
         self._held_back: dict | None = None  # a rolled-back step item that starts the next batch
         self._backoff = 0.0
         self.session: str | None = None  # returned by the registration
@@ -109,6 +109,7 @@ class Sender:
         self._wake = threading.Event()
         self._close_deadline: float | None = None
         self._close_reason = "finished"
+        self._close_exit: dict | None = None  # the exception the rank dies of (exits.py)
         self.thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- thread life
@@ -117,10 +118,11 @@ class Sender:
         self.thread = threading.Thread(target=self._run, name="trainer_hooks-sender", daemon=True)
         self.thread.start()
 
-    def stop(self, budget: float, reason: str) -> None:
+    def stop(self, budget: float, reason: str, exit_report: dict | None = None) -> None:
         """Ask for a last flush and a deregistration within `budget` seconds, and wait at most
         that long (plus a little): a hung sidecar cannot hold up the training process's exit."""
         self._close_reason = reason
+        self._close_exit = exit_report
         self._close_deadline = time.monotonic() + budget
         self._wake.set()
         if self.thread is not None and self.thread is not threading.current_thread():
@@ -256,9 +258,11 @@ class Sender:
             elif kind == "phase":
                 name = item["name"]
                 if item["action"] == "start":
-                    self._acked_phases.append(name)
-                elif name in self._acked_phases:
-                    del self._acked_phases[len(self._acked_phases) - 1 - self._acked_phases[::-1].index(name)]
+                    self._acked_phases.append((name, item.get("timeout_seconds")))
+                else:
+                    names = [n for n, _ in self._acked_phases]
+                    if name in names:
+                        del self._acked_phases[len(names) - 1 - names[::-1].index(name)]
         self._backoff = 0.0
 
     def _failed(self) -> None:
@@ -273,7 +277,9 @@ class Sender:
             "world_size": self.ident.world_size, "local_world_size": self.ident.local_world_size,
             "restart_count": self.ident.restart_count, "pid": self.pid,
             "step": self._acked_step if with_step else None,
-            "phase": self._acked_phases[-1] if self._acked_phases else None,
+            "phase": self._acked_phases[-1][0] if self._acked_phases else None,
+            # A restarted sidecar must judge the phase by the rank's own budget, not its default.
+            "phase_timeout_seconds": self._acked_phases[-1][1] if self._acked_phases else None,
             "versions": versions(),
             "stack_dump": self.stack_dump.as_wire() if self.stack_dump else None,
             "hooks_version": HOOKS_VERSION,
@@ -292,6 +298,9 @@ class Sender:
         self.session = session if isinstance(session, str) else None  # proves who we are over TCP
         self.registrations += 1
         self._last_contact = time.monotonic()
+        dump = reply.body.get("stack_dump")
+        if self.stack_dump is not None and isinstance(dump, dict) and isinstance(dump.get("path"), str):
+            self.stack_dump.adopt(dump["path"])
         interval = reply.body.get("flush_interval_s")
         if self.adopt_server_interval and isinstance(interval, (int, float)) and not isinstance(interval, bool):
             self.flush_interval = min(_MAX_SERVER_INTERVAL, max(_MIN_SERVER_INTERVAL, float(interval)))
@@ -300,6 +309,8 @@ class Sender:
     def deregister(self, reason: str, deadline: float | None = None) -> None:
         body = {"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid, "reason": reason,
                 "session": self.session}
+        if self._close_exit is not None:
+            body["exit"] = self._close_exit
         reply = self._post("/v1/deregister", _dumps(body), deadline)
         if reply is not None and reply.status == 200:
             self.registered = False

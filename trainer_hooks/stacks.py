@@ -1,60 +1,101 @@
 """Python stack dumps on a signal, for the sidecar's watchdog.
 
-At start the hooks register `faulthandler` on a signal (SIGUSR2 by default) with a per-rank
-file, and tell the sidecar both in the register request. When a rank hangs, the sidecar
-sends the signal and reads the file: faulthandler writes every thread's stack from inside
-the signal handler, so it works even when the Python thread holding the GIL is stuck in C
-(a NCCL collective, a dataloader queue).
+At start the hooks register `faulthandler` on a signal (SIGUSR2 by default), writing to the
+process's stderr, and name the signal in the register request. The sidecar creates the
+rank's dump file itself (owned by the rank's user, mode 0600, in a directory only the sidecar
+may write) and answers its path; the hooks open it and point faulthandler there (`adopt`).
+When a rank hangs, the sidecar sends the signal and reads the file: faulthandler writes every
+thread's stack from inside the signal handler, so it works even when the Python thread
+holding the GIL is stuck in C (a NCCL collective, a dataloader queue).
+
+The handler is installed before the first registration, so the signal never finds the rank
+without one (its default action would end the process); until the sidecar's answer
+arrives, a dump goes to stderr (the worker's log).
 """
 from __future__ import annotations
 
 import faulthandler
 import logging
 import os
-import re
 import signal
-from dataclasses import dataclass
-from typing import IO
+import stat
+import sys
+from typing import IO, Any
 
 log = logging.getLogger("trainer_hooks")
 
+_OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
-@dataclass
+
 class StackDump:
-    signum: int
-    path: str
-    file: IO[str]
+    """The dump signal and where faulthandler writes: stderr, then the sidecar's file."""
+
+    def __init__(self, signum: int, initial: Any):
+        self.signum = signum
+        self.path: str | None = None  # the sidecar's file, once adopted
+        self._file: IO[str] | None = None
+        self._initial = initial  # what faulthandler writes to before adopt (kept referenced)
 
     def as_wire(self) -> dict:
-        return {"signal": self.signum, "path": self.path}
+        return {"signal": self.signum}
+
+    def adopt(self, path: str) -> bool:
+        """Point faulthandler at the file the sidecar created for this rank. It must be a
+        regular file of this process's user (never a symlink, FIFO or device: opened
+        non-blocking, checked with fstat). False, and dumps keep their old target, otherwise."""
+        if path == self.path:
+            return True
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as e:
+            log.warning("trainer_hooks: cannot open the stack-dump file %s (%s)", path, e.strerror)
+            return False
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            log.warning("trainer_hooks: %s is not a regular file of this user; stack dumps stay on stderr", path)
+            return False
+        file = os.fdopen(fd, "w")
+        try:
+            faulthandler.register(self.signum, file=file, all_threads=True, chain=False)
+        except (ValueError, OSError, RuntimeError) as e:
+            file.close()
+            log.warning("trainer_hooks: cannot point stack dumps at %s (%s)", path, e)
+            return False
+        old, self._file, self.path = self._file, file, path
+        if old is not None:
+            old.close()  # faulthandler now holds the new file's descriptor
+        return True
 
     def close(self) -> None:
         """Unregister first: faulthandler writes to the file's descriptor, which must not be
-        closed (and reused) while the handler is installed."""
+        closed (and reused) while the handler is installed. The file itself stays: it is the
+        sidecar's, in a directory the rank cannot write."""
         try:
             faulthandler.unregister(self.signum)
         finally:
-            self.file.close()
-        try:  # no dump was ever asked for: leave no empty file behind
-            if os.path.getsize(self.path) == 0:
-                os.unlink(self.path)
-        except OSError:
-            pass
+            if self._file is not None:
+                self._file.close()
+            if self._initial is not None and self._initial is not sys.__stderr__:
+                self._initial.close()
 
 
-def _safe_component(text: str) -> str:
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text)[:128]
-    return cleaned if cleaned.strip(".") else "_"
+def _stderr() -> Any:
+    """The process's stderr as faulthandler needs it (a file with a working fileno), else
+    /dev/null: a dump then is lost, but the signal never kills the rank."""
+    err = sys.__stderr__
+    try:
+        if err is not None:
+            err.fileno()
+            return err
+    except (OSError, ValueError, AttributeError):
+        pass
+    return open(os.devnull, "w")  # noqa: SIM115 - kept open while faulthandler uses it
 
 
-def stacks_path(diag_dir: str, job_id: str, rank: int, pid: int) -> str:
-    return os.path.join(diag_dir, _safe_component(job_id), f"rank{rank}-pid{pid}.stacks")
-
-
-def install(diag_dir: str, job_id: str, rank: int, signum: int | None) -> StackDump | None:
-    """Register the dump on `signum` writing to `<diag_dir>/<job_id>/rank<R>-pid<PID>.stacks`.
-    None (no dump, nothing raised) when disabled, when the application already handles that
-    signal itself, or when the file cannot be created."""
+def install(signum: int | None) -> StackDump | None:
+    """Register the dump on `signum` (to stderr until `adopt`). None (no dump, nothing raised)
+    when disabled, or when the application already handles that signal itself."""
     if signum is None:
         return None
     try:
@@ -65,17 +106,12 @@ def install(diag_dir: str, job_id: str, rank: int, signum: int | None) -> StackD
     if current not in (signal.SIG_DFL, None):
         log.warning("trainer_hooks: no stack dumps: signal %s already has a handler", signum)
         return None
-    path = stacks_path(diag_dir, job_id, rank, os.getpid())
+    initial = _stderr()
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        file = open(path, "w")
-    except OSError as e:
-        log.warning("trainer_hooks: no stack dumps: cannot create %s (%s)", path, e.strerror)
-        return None
-    try:
-        faulthandler.register(signum, file=file, all_threads=True, chain=False)
+        faulthandler.register(signum, file=initial, all_threads=True, chain=False)
     except (ValueError, OSError, RuntimeError) as e:
-        file.close()
+        if initial is not sys.__stderr__:
+            initial.close()
         log.warning("trainer_hooks: no stack dumps: cannot register signal %s (%s)", signum, e)
         return None
-    return StackDump(signum, path, file)
+    return StackDump(signum, initial)

@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                   Metric)
 from prometheus_client.exposition import generate_latest
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ class MetricSpec:
     type, help and label names. `collector` names the collector that exports it."""
 
     name: str
-    type: str  # "gauge" | "counter" | "info"
+    type: str  # "gauge" | "counter" | "info" | "histogram" (exposed as _bucket, _sum, _count)
     help: str
     labels: tuple[str, ...] = ()
     collector: str = ""
@@ -36,6 +37,8 @@ class MetricSpec:
             return CounterMetricFamily(self.name, self.help, labels=self.labels)
         if self.type == "info":
             return InfoMetricFamily(self.name, self.help, labels=self.labels)
+        if self.type == "histogram":
+            return HistogramMetricFamily(self.name, self.help, labels=self.labels)
         raise ValueError(f"unknown metric type {self.type}")
 
     @property
@@ -70,6 +73,7 @@ class CollectorResult:
     finished_at: float = 0.0  # time.time() of the last run, 0 before the first
     error: str | None = None
     text: bytes = b""  # the families in Prometheus text format, rendered once per run
+    series: int = 0  # samples in `families` (what they add to /metrics)
 
 
 class _Families:
@@ -166,6 +170,7 @@ class CollectorRunner:
             log.warning("collector %s produced families that cannot be rendered: %s", collector.name, e)
             result.families, result.text, result.success = [], b"", False
             result.error = f"render: {e}"
+        result.series = sum(len(f.samples) for f in result.families)
         return result
 
     async def run_round(self) -> None:
@@ -213,9 +218,11 @@ class CollectorRunner:
             yield from r.families
         yield from self.health_families()
 
-    def rendered_text(self) -> bytes:
-        """The latest families of every collector, already in Prometheus text format."""
-        return b"".join(r.text for r in self.results.values())
+    def rendered_text(self, exclude: Iterable[str] = ()) -> bytes:
+        """The latest families of every collector (but those named in `exclude`), already in
+        Prometheus text format."""
+        skip = frozenset(exclude)
+        return b"".join(r.text for name, r in list(self.results.items()) if name not in skip)
 
     def snapshot(self) -> dict[str, CollectorResult]:
         """The latest result per collector, a hung one marked failing (its families stay)."""
@@ -223,7 +230,7 @@ class CollectorRunner:
         for name, seconds in self.hung().items():
             r = out[name]
             out[name] = CollectorResult(r.families, False, seconds, r.finished_at or time.time(),
-                                        f"hung: its current run has lasted {seconds:.0f}s", r.text)
+                                        f"hung: its current run has lasted {seconds:.0f}s", r.text, r.series)
         return out
 
     def health_families(self) -> Iterable[Metric]:

@@ -163,6 +163,11 @@ class GpuCollector:
         self.ranks = ranks
         self.xid_events = xid_events
         self.xid: XidWatcher | None = None
+        self.rank_gpus: dict[tuple[str, int], set[str]] = {}  # GPUs each rank's processes held, last round
+
+    def last_xids(self) -> dict[str, tuple[int, float]]:
+        """gpu -> (latest XID, Unix time) since the sidecar started."""
+        return self.xid.snapshot()[1] if self.xid is not None else {}
 
     def versions(self) -> tuple[str, str]:
         """(driver version, CUDA driver version), "" before NVML answered or without a GPU."""
@@ -283,8 +288,10 @@ class GpuCollector:
     def _process_memory(self, readings: list[GpuReading]) -> Metric:
         family = PROCESS_MEMORY.family()
         if not any(r.processes for r in readings):
+            self.rank_gpus = {}
             return family
         owners = pid_owners(self.ranks())
+        rank_gpus: dict[tuple[str, int], set[str]] = {}
         for r in readings:
             per_rank: dict[tuple[str, int], int] = {}
             for pid, used in r.processes:
@@ -293,4 +300,6 @@ class GpuCollector:
                     per_rank[owner] = per_rank.get(owner, 0) + used
             for (job_id, rank), used in sorted(per_rank.items()):
                 family.add_metric([r.gpu, job_id, str(rank)], used)
+                rank_gpus.setdefault((job_id, rank), set()).add(r.gpu)
+        self.rank_gpus = rank_gpus
         return family

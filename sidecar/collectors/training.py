@@ -6,14 +6,14 @@ Ranks that are gone stay exported until the registry drops them
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable
 
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import MetricSpec, spec
 
 if TYPE_CHECKING:
-    from sidecar.registry import Rank, Registry
+    from sidecar.registry import Rank, RankKey, Registry
 
 RANK = ("job_id", "rank")
 
@@ -51,12 +51,20 @@ CUSTOM = _s("training_custom", "gauge", "The last value of a custom metric the r
             "(bounded by limits.max_custom_metrics per job).", ("job_id", "rank", "name"))
 DROPPED = _s("hooks_dropped_records", "counter",
              "Records the rank's hooks had to drop (sidecar unreachable or buffer full).")
+# Counters and a histogram Prometheus can rate() (sidecar/stepcounters.py): they continue across
+# a rank's re-registrations while the registry keeps it.
+STEPS = _s("training_steps", "counter", "Steps the rank advanced (a resumed run's repeated steps count again).")
+SAMPLES = _s("training_samples", "counter", "Samples the rank trained on (the per-step `samples` it sent x steps).")
+TOKENS = _s("training_tokens", "counter", "Tokens the rank trained on (the per-step `tokens` it sent x steps).")
+STEP_DURATION = _s("training_step_duration_seconds", "histogram",
+                   "Step times of the rank (sent, or derived from step report times), in buckets from 5 ms to 10 min.")
+RATE_SPECS = (STEPS, SAMPLES, TOKENS, STEP_DURATION)
 RANKS = _s("training_ranks_registered", "gauge", "Ranks of the job registered on this node and not gone.", ("job_id",))
 WORLD = _s("training_world_size", "gauge", "The job's world size, as its ranks registered it.", ("job_id",))
 
 METRICS: tuple[MetricSpec, ...] = (
     STEP, *(s for _, s in VALUE_GAUGES), PHASE, RESTARTS, CKPT_STEP, CKPT_TIME, PROGRESS_TIME,
-    NONFINITE, CUSTOM, DROPPED, RANKS, WORLD)
+    NONFINITE, CUSTOM, DROPPED, *RATE_SPECS, RANKS, WORLD)
 
 
 class TrainingCollector:
@@ -68,12 +76,17 @@ class TrainingCollector:
     def __init__(self, registry: "Registry"):
         self.registry = registry
 
-    def collect(self) -> Iterable[Metric]:
-        ranks = sorted(self.registry.ranks(), key=lambda r: (r.job_id, r.rank))
+    def collect(self, only: Collection["RankKey"] | None = None,
+                custom: Collection["RankKey"] | None = None) -> Iterable[Metric]:
+        """The families; per-rank series only of the ranks in `only`, custom metrics only of
+        those in `custom` (None: every rank), as /metrics' series budget decides."""
+        all_ranks = sorted(self.registry.ranks(), key=lambda r: (r.job_id, r.rank))
+        ranks = all_ranks if only is None else [r for r in all_ranks if r.key in only]
         step = STEP.family()
         values = [(key, s.family()) for key, s in VALUE_GAUGES]
-        phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom, dropped = (
+        phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom_family, dropped = (
             s.family() for s in (PHASE, RESTARTS, CKPT_STEP, CKPT_TIME, PROGRESS_TIME, NONFINITE, CUSTOM, DROPPED))
+        steps, samples, tokens, durations = (s.family() for s in RATE_SPECS)
         for r in ranks:
             labels = [r.job_id, str(r.rank)]
             if r.step is not None:
@@ -91,13 +104,34 @@ class TrainingCollector:
             progress.add_metric(labels, r.last_progress_wall)
             for metric, count in sorted(r.nonfinite.items()):
                 nonfinite.add_metric(labels + [metric], count)
-            for name, value in sorted(r.custom.items()):
-                custom.add_metric(labels + [name], value)
+            if custom is None or r.key in custom:
+                for name, value in sorted(r.custom.items()):
+                    custom_family.add_metric(labels + [name], value)
             dropped.add_metric(labels, r.dropped)
+            c = r.counters
+            if c.steps:
+                steps.add_metric(labels, c.steps)
+            if c.samples:
+                samples.add_metric(labels, c.samples)
+            if c.tokens:
+                tokens.add_metric(labels, c.tokens)
+            if c.step_time_count:
+                durations.add_metric(labels, c.buckets(), c.step_time_sum)
         yield step
         yield from (f for _, f in values)
-        yield from (phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom, dropped)
-        yield from self._job_families(ranks)
+        yield from (phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom_family, dropped)
+        yield from (steps, samples, tokens, durations)
+        yield from self._job_families(all_ranks)
+
+    @staticmethod
+    def series(r: "Rank") -> tuple[int, int]:
+        """How many series `collect` gives one rank: (its own, its custom metrics)."""
+        own = (2 + (r.step is not None) + sum(1 for key, _ in VALUE_GAUGES if key in r.metrics)
+               + (r.phase is not None) + (r.last_checkpoint_step is not None)
+               + (r.last_checkpoint_time is not None) + len(r.nonfinite) + 1
+               + (r.counters.steps > 0) + (r.counters.samples > 0) + (r.counters.tokens > 0)
+               + (len(r.counters.step_time_counts) + 2 if r.counters.step_time_count else 0))
+        return own, len(r.custom)
 
     @staticmethod
     def _job_families(ranks: list["Rank"]) -> Iterable[Metric]:

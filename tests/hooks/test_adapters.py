@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.hooks.helpers import metric_value, rank_env, rank_status
-from tests.support import PYTHON, spawned, tail, wait_until
+from tests.support import PYTHON, free_port, spawned, tail, wait_until
 
 
 def train(framework: str, sidecar, tmp_path: Path, job_id: str) -> list:
@@ -41,6 +41,7 @@ def test_importing_the_hooks_pulls_in_no_framework_and_no_torch():
 @pytest.mark.parametrize("module, absent, package", [
     ("trainer_hooks.hf", ["transformers"], "pip install transformers"),
     ("trainer_hooks.lightning", ["lightning", "lightning.pytorch", "pytorch_lightning"], "pip install lightning"),
+    ("trainer_hooks.accelerate", ["accelerate", "accelerate.tracking"], "pip install accelerate"),
 ])
 def test_adapter_without_its_framework_says_what_to_install(module: str, absent: list, package: str):
     hide = "; ".join(f"sys.modules[{m!r}] = None" for m in absent)  # makes `import m` fail
@@ -63,7 +64,8 @@ def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Pat
     calls = train("hf", sidecar, tmp_path, "adapter-hf")
     assert steps(calls) == [1, 2, 3, 4, 5, 6]
     step_metrics = [c[2] for c in calls if c[0] == "step"]
-    assert all({"loss", "grad_norm", "lr", "samples", "step_time_seconds"} <= set(m) for m in step_metrics)
+    # tokens: the Trainer's num_input_tokens_seen (include_num_input_tokens_seen=True)
+    assert all({"loss", "grad_norm", "lr", "samples", "tokens", "step_time_seconds"} <= set(m) for m in step_metrics)
     # eval every 3 steps as a phase, checkpoints at steps 4 and 6, the monitor closed at the end
     first_eval = calls.index(["phase_start", "eval"])
     assert first_eval < calls.index(["phase_end", "eval"]) < calls.index(["step", 4, step_metrics[3]])
@@ -81,10 +83,37 @@ def test_lightning_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
     calls = train("lightning", sidecar, tmp_path, "adapter-lightning")
     # 12 batches, 2 per optimizer step: each step reported once
     assert steps(calls) == [1, 2, 3, 4, 5, 6]
-    assert all({"loss", "lr", "samples", "step_time_seconds"} <= set(c[2]) for c in calls if c[0] == "step")
+    # grad_norm: what Lightning's grad_norm utility logs as grad_2.0_norm_total
+    assert all({"loss", "lr", "samples", "grad_norm", "step_time_seconds"} <= set(c[2]) for c in calls if c[0] == "step")
     assert calls.count(["phase_start", "eval"]) == calls.count(["phase_end", "eval"]) >= 1
     assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4]
     assert_saves_inside_their_phase(calls, 1)
     assert calls[-1] == ["close"]
     seen = wait_until(lambda: rank_status(sidecar, "adapter-lightning"), 10, what="rank in status")
     assert seen["step"] == 6 and seen["loss"] > 0 and seen["state"] == "gone"
+
+
+@pytest.mark.slow
+def test_accelerate_tracker_reports_every_process_of_a_real_run(sidecar, tmp_path: Path):
+    """Accelerate logs on the main process only; the tracker still reports each process's steps."""
+    pytest.importorskip("accelerate")
+    out, log = tmp_path / "out", tmp_path / "torchrun.log"
+    out.mkdir()
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--rdzv-backend", "c10d",  # the run id is the job id
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "adapter-accelerate",
+           "--nproc-per-node", "2", "--max-restarts", "1", "-m", "tests.hooks.accelerate_rank", str(out)]
+    with spawned(cmd, log, env=rank_env(sidecar, "adapter-accelerate")) as proc:
+        try:
+            rc = proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"accelerate training did not finish:\n{tail(log)}")
+    assert rc == 0, tail(log)
+    calls = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    for r in (0, 1):
+        assert steps(calls[r]) == [1, 2, 3, 4], (r, calls[r])
+        assert all({"lr", "step_time_seconds"} <= set(c[2]) for c in calls[r] if c[0] == "step" and c[1] > 1)
+    # what accelerator.log passed rides with the main process's steps
+    assert all({"loss", "samples"} <= set(c[2]) for c in calls[0] if c[0] == "step")
+    both = wait_until(lambda: len([r for r in (0, 1) if (rank_status(sidecar, "adapter-accelerate", r) or {})
+                                   .get("step") == 4]) == 2, 10, what="both ranks at step 4")
+    assert both

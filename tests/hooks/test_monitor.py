@@ -103,6 +103,9 @@ STACK_RANK = """
 import sys, time
 from trainer_hooks import Monitor
 mon = Monitor(job_id="job/with odd name", rank=3, world_size=4)
+deadline = time.monotonic() + 30
+while mon.stack_dump_path is None and time.monotonic() < deadline:
+    time.sleep(0.05)
 print(mon.stack_dump_path, flush=True)
 def waiting_for_allreduce():
     time.sleep(60)
@@ -110,15 +113,19 @@ waiting_for_allreduce()
 """
 
 
-def test_stack_dump_written_on_signal(tmp_path: Path):
-    env = dict(os.environ, SIDECAR_SOCKET=str(tmp_path / "absent.sock"), SIDECAR_DIAG_DIR=str(tmp_path / "diag"))
+def test_stack_dump_goes_to_the_file_the_sidecar_created(tmp_path: Path, sidecar):
+    env = dict(os.environ, SIDECAR_SOCKET=sidecar.socket)
     proc = subprocess.Popen([sys.executable, "-c", STACK_RANK], stdout=subprocess.PIPE, text=True, env=env)
     try:
         path = Path(proc.stdout.readline().strip())
-        assert path == tmp_path / "diag" / "job_with_odd_name" / f"rank3-pid{proc.pid}.stacks"
+        assert path.parent == sidecar.workdir / "diag" / "job_with_odd_name", path
+        assert path.name.startswith(f"rank3-pid{proc.pid}-") and path.suffix == ".stacks"
+        st = path.stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o600)
+        assert path.parent.stat().st_mode & 0o022 == 0  # nobody else may write where the dumps live
         time.sleep(0.3)  # into the sleep
         proc.send_signal(signal.SIGUSR2)
-        text = wait_until(lambda: path.exists() and "waiting_for_allreduce" in path.read_text() and path.read_text(),
+        text = wait_until(lambda: "waiting_for_allreduce" in path.read_text() and path.read_text(),
                           20, what="stack dump")
         assert "Current thread" in text and "trainer_hooks/sender.py" in text  # all threads
         assert proc.poll() is None  # the dump does not kill the rank
@@ -127,26 +134,53 @@ def test_stack_dump_written_on_signal(tmp_path: Path):
         proc.wait()
 
 
-def test_stack_dump_defaults_next_to_the_socket(tmp_path: Path):
-    mon = Monitor(job_id="j", rank=0, world_size=1, socket=str(tmp_path / "run" / "sidecar.sock"), environ={})
+HANDLER_BEFORE_REGISTRATION = """
+import os, signal, sys, time
+from trainer_hooks import Monitor
+mon = Monitor(job_id="j", rank=0, world_size=1, socket=sys.argv[1])
+os.kill(os.getpid(), signal.SIGUSR2)
+time.sleep(0.2)
+print("alive", mon.stack_dump_path, flush=True)
+"""
+
+
+def test_a_dump_signal_before_any_sidecar_answer_goes_to_stderr(tmp_path: Path):
+    out = subprocess.run([sys.executable, "-c", HANDLER_BEFORE_REGISTRATION, str(tmp_path / "absent.sock")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "alive None"  # the signal's default action would have ended the rank
+    assert "Current thread" in out.stderr
+
+
+def test_only_a_regular_file_of_this_user_is_adopted(tmp_path: Path):
+    from trainer_hooks import stacks
+    dump = stacks.install(int(signal.SIGUSR1))
+    assert dump is not None
     try:
-        assert mon.stack_dump_path == str(tmp_path / "run" / "diag" / "j" / f"rank0-pid{os.getpid()}.stacks")
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        link = tmp_path / "link"
+        real = tmp_path / "real.stacks"
+        real.write_text("")
+        link.symlink_to(real)
+        assert not dump.adopt(str(fifo))  # non-blocking: a FIFO without a reader neither blocks nor is taken
+        assert not dump.adopt(str(link))
+        assert not dump.adopt(str(tmp_path / "absent"))
+        if os.geteuid() == 0:
+            other = tmp_path / "other.stacks"
+            other.write_text("")
+            os.chown(other, 65534, 65534)
+            assert not dump.adopt(str(other))
+        assert dump.path is None
+        assert dump.adopt(str(real)) and dump.path == str(real)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert "test_only_a_regular_file_of_this_user_is_adopted" in wait_until(real.read_text, 10, what="dump")
     finally:
-        mon.close()
-    assert not Path(mon.stack_dump_path).exists()  # an unused, empty dump file is cleaned up
+        dump.close()
+    assert real.exists()  # the sidecar's file: the hooks never remove it
 
 
 def test_stack_dump_can_be_switched_off(tmp_path: Path):
-    mon = Monitor(socket=str(tmp_path / "absent.sock"), diag_dir=str(tmp_path / "diag"),
-                  environ={"SIDECAR_STACK_SIGNAL": "off"})
-    assert mon.enabled and mon.stack_dump_path is None
-    mon.close()
-
-
-def test_unwritable_diag_dir_means_no_dump_and_no_error(tmp_path: Path):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    mon = quiet_monitor(tmp_path, diag_dir=str(blocker / "diag"))
+    mon = Monitor(socket=str(tmp_path / "absent.sock"), environ={"SIDECAR_STACK_SIGNAL": "off"})
     assert mon.enabled and mon.stack_dump_path is None
     mon.close()
 

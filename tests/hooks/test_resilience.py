@@ -95,6 +95,8 @@ def test_restarted_sidecar_sees_the_rank_again_at_its_current_step_and_phase(tmp
         seen = wait_until(lambda: rank_status(second, "restarted"), 30, what="rank re-registered")
         assert (seen["step"], seen["phase"], seen["pid"]) == (30, "checkpoint_save", rank.pid)
         assert seen["state"] not in ("gone", "starting")
+        # ... with the phase's own budget (the rank declared 60 s; the default would be 1800 s).
+        assert seen["timeout_seconds"] == 60, seen
         leave_phase.touch()
         result = rank.finish()
     assert result["registrations"] == 2

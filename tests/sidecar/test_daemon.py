@@ -23,15 +23,15 @@ FAKE_GPUS = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_c
              "gpus": {"1": {"clock_event_reasons": 4, "ecc_uncorrected": 2}}}
 
 STATUS_KEYS = {"version", "time", "uptime_seconds", "health", "problems", "node", "gpus", "nics", "infiniband",
-               "ranks", "collectors", "watchdog", "incidents"}
+               "ranks", "collectors", "watchdog", "incidents", "exits"}
 NODE_KEYS = {"hostname", "kernel", "os", "cpu_utilization_ratio", "memory_total_bytes", "memory_available_bytes",
-             "checkpoint_dir", "checkpoint_avail_bytes", "driver_version", "cuda_version"}
+             "checkpoint_dir", "checkpoint_avail_bytes", "driver_version", "cuda_version", "gpu_source"}
 GPU_KEYS = {"gpu", "name", "uuid", "utilization_ratio", "memory_used_bytes", "memory_total_bytes",
             "temperature_celsius", "slowdown_temperature_celsius", "power_watts", "clock_events",
             "ecc_uncorrected", "xid_total"}
 RANK_KEYS = {"job_id", "rank", "local_rank", "world_size", "pid", "state", "step", "step_time_seconds",
              "iterations_per_second", "loss", "grad_norm", "lr", "phase", "last_progress_age_seconds",
-             "timeout_seconds", "restart_count", "dropped"}
+             "timeout_seconds", "restart_count", "dropped", "exit_reason"}
 COLLECTOR_KEYS = {"success", "duration_seconds", "age_seconds", "error"}
 
 

@@ -37,7 +37,8 @@ def test_a_registration_is_read_into_typed_fields():
                                         stack_dump={"signal": 12, "path": "/tmp/x.stacks"},
                                         versions={"torch": "2.13.0", "cuda": None}))
     assert (r.job_id, r.rank, r.pid, r.step, r.phase, r.restart_count) == ("run-42", 1, 4242, 17, "eval", 3)
-    assert (r.stack_signal, r.stack_path, r.versions) == (12, "/tmp/x.stacks", {"torch": "2.13.0"})
+    assert (r.stack_signal, r.versions) == (12, {"torch": "2.13.0"})
+    assert not hasattr(r, "stack_path")  # a path the rank names is never taken (docs/security.md)
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -49,6 +50,10 @@ def test_a_registration_is_read_into_typed_fields():
     ({"job_id": ""}, "job_id"),
     ({"job_id": "x" * 500}, "job_id"),
     ({"job_id": "a\nb"}, "job_id"),
+    ({"job_id": "incidents"}, "job_id"),  # the diag dir's incident store
+    ({"job_id": "Incidents"}, "job_id"),
+    ({"job_id": ".hidden"}, "job_id"),
+    ({"job_id": ".."}, "job_id"),
     ({"local_rank": 5}, "local_rank"),
     ({"step": -1}, "step"),
     ({"restart_count": 10**30}, "restart_count"),
@@ -59,6 +64,14 @@ def test_a_registration_is_read_into_typed_fields():
 def test_a_bad_registration_field_is_named(fields, named):
     e = refusal(protocol.parse_registration, reg(**fields))
     assert e.code == "bad_field" and str(e).startswith(named + ":"), str(e)
+
+
+@pytest.mark.parametrize("parse", [protocol.parse_registration,
+                                   lambda d: protocol.parse_push(d | {"items": []}, 10),
+                                   protocol.parse_deregistration])
+def test_a_reserved_job_id_is_refused_by_every_request(parse):
+    e = refusal(parse, reg(job_id="incidents"))
+    assert e.code == "bad_field" and e.status == 400 and "job_id" in str(e) and "reserved" in str(e)
 
 
 def test_push_items_keep_their_order_and_types():

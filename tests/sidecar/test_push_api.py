@@ -20,7 +20,22 @@ async def test_register_answers_the_key_and_the_diag_dir(sidecar, child_pid, tmp
     assert reply.status == 200, reply.body
     assert reply.body["ok"] is True and reply.body["key"] == "run-42/0"
     assert reply.body["diag_dir"] == str(tmp_path / "diag" / "run-42")
-    assert os.path.isdir(reply.body["diag_dir"]) and reply.body["flush_interval_s"] > 0
+    assert reply.body["flush_interval_s"] > 0
+    assert reply.body["stack_dump"] is None  # no dump signal asked for: no file
+
+
+async def test_the_sidecar_creates_the_dump_file_and_ignores_a_path_the_rank_names(sidecar, child_pid, tmp_path):
+    named = tmp_path / "named-by-the-rank.stacks"
+    reply = await sidecar.post("/v1/register", registration(child_pid, stack_dump={"signal": 12, "path": str(named)}))
+    assert reply.status == 200, reply.body
+    path = reply.body["stack_dump"]["path"]
+    assert reply.body["stack_dump"]["signal"] == 12
+    assert os.path.dirname(path) == reply.body["diag_dir"] and not named.exists()
+    st = os.lstat(path)
+    assert st.st_size == 0 and st.st_mode & 0o777 == 0o600 and st.st_uid == os.stat(f"/proc/{child_pid}").st_uid
+    assert os.stat(reply.body["diag_dir"]).st_mode & 0o022 == 0
+    again = await sidecar.post("/v1/register", registration(child_pid, stack_dump={"signal": 12}))
+    assert again.body["stack_dump"]["path"] == path  # the same process registering again keeps its file
 
 
 async def test_registration_over_the_socket_records_a_verified_identity(sidecar, child_pid):

@@ -94,9 +94,12 @@ def hung_rank(spawn, tmp_path):
 
 def register_hung(registry: Registry, proc, stack_path, rank: int = 0, job: str = "job"):
     import signal as _signal
+    from sidecar.stackfiles import StackFile
     reg = Registration(job_id=job, rank=rank, local_rank=rank, world_size=2, local_world_size=2, pid=proc.pid,
-                       stack_signal=int(_signal.SIGUSR2), stack_path=str(stack_path))
-    return registry.register(reg, pid_start_time=procs.start_time(proc.pid), peer_verified=True)
+                       stack_signal=int(_signal.SIGUSR2))
+    r = registry.register(reg, pid_start_time=procs.start_time(proc.pid), peer_verified=True)
+    r.stack_file = StackFile.existing(stack_path)  # the stand-in opened it before it said "ready"
+    return r
 
 
 @pytest.fixture(scope="session")

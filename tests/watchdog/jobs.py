@@ -67,8 +67,10 @@ def run(job: JobSpec, workdir: Path, env: dict, name: str = "torchrun") -> Finis
 
 
 def incidents(sidecar) -> list[dict]:
+    """The watchdog's stall incidents (not the exit incidents of ranks that died)."""
     directory = sidecar.workdir / "diag" / "incidents"
-    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    records = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    return [r for r in records if r.get("kind", "stall") == "stall"]
 
 
 def wait_for_step(sidecar, step: int, timeout: float = JOB_TIMEOUT) -> None:

@@ -1,0 +1,60 @@
+"""What the cycle scripts share: a hang on purpose and a record of when training runs.
+
+Environment: CYCLE_LOG (a file; one JSON line per record, appended), CYCLE_HANGS (attempts that
+hang: attempts 0..CYCLE_HANGS-1 do), CYCLE_HANG_STEP (the first step after which rank CYCLE_HANG_RANK
+hangs, once it trained CYCLE_HANG_AFTER_SECONDS), CYCLE_HANG_MODE (`stop`: the rank SIGSTOPs itself; `sleep`: it sleeps forever; `kill`: it SIGKILLs itself).
+
+Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
+attempt, {"kind": "hang", ...} just before the hang, {"kind": "done", ...} at the end.
+The attempt is TORCHELASTIC_RESTART_COUNT (one node, so every rank agrees)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+
+class Chaos:
+    def __init__(self) -> None:
+        env = os.environ
+        self.rank = int(env.get("RANK", "0"))
+        self.attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.hangs = int(env.get("CYCLE_HANGS", "0"))
+        self.hang_step = int(env.get("CYCLE_HANG_STEP", "8"))
+        self.hang_rank = int(env.get("CYCLE_HANG_RANK", "1"))
+        self.mode = env.get("CYCLE_HANG_MODE", "stop")
+        self.path = env.get("CYCLE_LOG")
+        self.step_seconds = float(env.get("CYCLE_STEP_SECONDS", "0.05"))
+        # a rank stopped before its hooks registered is unknown to the sidecar (left to torchrun,
+        # which waits 30 s for a stopped process): hang only after this long of training
+        self.hang_after = float(env.get("CYCLE_HANG_AFTER_SECONDS", "1.5"))
+        self.first: float | None = None
+
+    def record(self, kind: str, **fields) -> None:
+        if self.path:
+            line = json.dumps({"kind": kind, "attempt": self.attempt, "rank": self.rank, "time": time.time(), **fields})
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (line + "\n").encode())
+            finally:
+                os.close(fd)
+
+    def step(self, step: int) -> None:
+        """Call after each finished training step (it takes CYCLE_STEP_SECONDS more)."""
+        time.sleep(self.step_seconds)
+        if self.first is None:
+            self.first = time.monotonic()
+            self.record("first_step", step=step)
+        if (step >= self.hang_step and time.monotonic() - self.first >= self.hang_after
+                and self.rank == self.hang_rank and self.attempt < self.hangs):
+            self.record("hang", step=step)
+            if self.mode == "kill":  # a crash instead of a hang: torchrun alone restarts the group
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            while True:
+                time.sleep(3600)
+
+    def done(self) -> None:
+        self.record("done")

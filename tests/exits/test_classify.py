@@ -1,0 +1,151 @@
+"""The decision rules, on real exceptions (torch's own types and messages, through the hooks'
+report and the wire parser) and on evidence combinations."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sidecar import protocol
+from sidecar.exits import Evidence, decide, exception_kind
+from trainer_hooks import exits as hook_exits
+
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 3000ms for recv operation to complete")  # torch 2.13, seen in tests/exits/test_torchrun.py
+NCCL_WATCHDOG = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                 "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
+
+
+def wire(exc: BaseException) -> protocol.ExitReport:
+    """What the sidecar gets: the hooks' report of `exc`, through JSON and the parser."""
+    try:
+        raise exc
+    except BaseException as e:
+        body = {"job_id": "j", "rank": 0, "pid": 1234, "reason": "exception", "exit": hook_exits.report(e)}
+    return protocol.parse_deregistration(json.loads(json.dumps(body))).exit
+
+
+def test_torch_out_of_memory_is_cuda_oom():
+    report = wire(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert report.type == "torch.OutOfMemoryError" and "RuntimeError" in report.types
+    assert exception_kind(report) == "cuda_oom"
+
+
+@pytest.mark.parametrize("exc", [RuntimeError(GLOO_TIMEOUT), dist.DistBackendError(NCCL_WATCHDOG),
+                                 dist.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cuda//0")],
+                         ids=["gloo", "nccl", "store"])
+def test_collective_timeouts_as_torch_raises_them(exc):
+    assert exception_kind(wire(exc)) == "collective_timeout"
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:23456"),
+    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
+    dist.DistNetworkError("Connection reset by peer")], ids=["gloo-peer-gone", "nccl-error", "network"])
+def test_other_communication_errors(exc):
+    assert exception_kind(wire(exc)) == "communication"
+
+
+def test_torchs_own_nonfinite_guard_is_nonfinite():
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([float("nan"), 1.0])
+    with pytest.raises(RuntimeError) as caught:
+        torch.nn.utils.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+    assert exception_kind(wire(caught.value)) == "nonfinite"
+
+
+@pytest.mark.parametrize("exc", [ValueError("bad config"), KeyError("x"),
+                                 RuntimeError("DataLoader timed out after 30 seconds")])
+def test_everything_else_is_other(exc):
+    assert exception_kind(wire(exc)) == "other", "a timeout outside torch.distributed is not a collective one"
+
+
+def test_the_report_is_bounded():
+    def deep(n):
+        if n == 0:
+            raise RuntimeError("x" * 10_000 + "\nsecond line")
+        deep(n - 1)
+    with pytest.raises(RuntimeError) as caught:
+        deep(50)
+    report = hook_exits.report(caught.value)
+    assert len(report["message"]) == hook_exits.MAX_TEXT and "second line" not in report["message"]
+    assert len(report["traceback"]) == hook_exits.MAX_FRAMES
+    assert report["traceback"][-1].endswith("in deep")
+    assert len(json.dumps(report)) < 10_000
+
+
+def test_the_parser_clips_and_refuses_wrong_types():
+    huge = {"type": "E" * 5000, "types": ["E"] * 100, "message": "m" * 5000, "traceback": ["f"] * 100}
+    report = protocol.parse_deregistration({"job_id": "j", "rank": 0, "pid": 5, "exit": huge}).exit
+    assert len(report.type) == protocol.EXIT_MAX_TEXT and len(report.types) == protocol.EXIT_MAX_TYPES
+    assert len(report.traceback) == protocol.EXIT_MAX_FRAMES
+    for bad in ({"type": 5}, {"types": "x"}, {"traceback": [1]}, []):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.parse_deregistration({"job_id": "j", "rank": 0, "pid": 5, "exit": bad})
+
+
+# ---------------------------------------------------------------- precedence
+
+KILLED = signal.SIGKILL  # a wait status of a SIGKILLed process is the signal number
+EXIT_1 = 1 << 8
+OOM = wire(torch.OutOfMemoryError("CUDA out of memory"))
+
+
+def test_our_own_kill_comes_first():
+    ev = Evidence(status=signal.SIGTERM, status_source="pidfd", remediated_by="inc-1", report=OOM)
+    assert decide(ev)[0] == "watchdog"
+
+
+def test_a_zero_status_is_finished_whatever_the_rank_said():
+    assert decide(Evidence(status=0, status_source="pidfd", report=OOM, deregistered="failed"))[0] == "finished"
+
+
+def test_the_kernels_oom_kill_outranks_the_report_and_needs_sigkill():
+    cgroup = "oom_kill 0 -> 1 in /sys/fs/cgroup/memory/x"
+    assert decide(Evidence(status=KILLED, status_source="pidfd", oom_cgroup=cgroup))[0] == "oom_killed"
+    assert decide(Evidence(status=EXIT_1, status_source="pidfd", oom_cgroup=cgroup, report=OOM))[0] == \
+        "exception/cuda_oom", "a rank that exited by itself was not the OOM killer's victim"
+
+
+def test_an_xid_on_its_gpu_outranks_the_report():
+    ev = Evidence(status=EXIT_1, status_source="pidfd", report=OOM, xid=("3", 79, 1.0))
+    assert decide(ev)[0] == "gpu_error"
+
+
+def test_without_a_report_the_status_decides():
+    assert decide(Evidence(status=signal.SIGTERM, status_source="pidfd"))[0] == "signal"
+    assert decide(Evidence(status=EXIT_1, status_source="pidfd"))[0] == "nonzero_exit"
+    assert decide(Evidence())[0] == "unknown"
+    assert decide(Evidence(deregistered="finished"))[0] == "finished"
+    assert os.WIFSIGNALED(KILLED)
+
+
+# ---------------------------------------------------------------- rollback hint across restarts
+
+def _rank(restart: int, checkpoints, nonfinite):
+    from sidecar.registry import Rank
+    r = Rank(job_id="j", rank=0, local_rank=0, world_size=1, local_world_size=1, pid=100 + restart,
+             pid_start_time=1.0, restart_count=restart)
+    r.checkpoints.extend(checkpoints)
+    r.first_nonfinite_loss = nonfinite
+    return r
+
+
+def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_restart():
+    from sidecar.rollback import RollbackMemory
+    memory = RollbackMemory()
+    # attempt 0: checkpoints at 4 and 8, NaN from step 9 on, and the checkpoint at 12 saved from NaN weights
+    first = _rank(0, [(4, "/c/step-4", 40.0), (8, "/c/step-8", 80.0), (12, "/c/step-12", 120.0)], (9, 90.0))
+    assert memory.hint(first) == {"first_nonfinite_loss_step": 9, "checkpoint_step": 8, "checkpoint_path": "/c/step-8"}
+    # attempt 1 resumed from the poisoned step 12 and goes NaN at 13: still step 8
+    second = _rank(1, [], (13, 130.0))
+    assert memory.hint(second) == {"first_nonfinite_loss_step": 9, "checkpoint_step": 8, "checkpoint_path": "/c/step-8"}
+
+
+def test_no_hint_without_a_nonfinite_loss():
+    from sidecar.rollback import RollbackMemory
+    assert RollbackMemory().hint(_rank(0, [(4, "/c/step-4", 40.0)], None)) is None
