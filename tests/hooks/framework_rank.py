@@ -4,18 +4,29 @@ the hooks' callback, then writes the Monitor calls the callback made to a JSON f
     python -m tests.hooks.framework_rank hf OUT.json WORKDIR
     python -m tests.hooks.framework_rank lightning OUT.json WORKDIR
 
+With FRAMEWORK_RANK_OOM_AT_STEP=N the training step N raises torch.OutOfMemoryError, as a CUDA
+allocation that does not fit would (tests/exits: the adapters need nothing to report it).
+
 The callback's Monitor is the real one (it pushes to the sidecar named by SIDECAR_SOCKET);
 a subclass only records the calls on the way through.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from trainer_hooks import Monitor
 
 CALLS: list[list] = []
+OOM_AT_STEP = int(os.environ.get("FRAMEWORK_RANK_OOM_AT_STEP", "-1"))
+
+
+def out_of_memory_at(step: int) -> None:
+    if step == OOM_AT_STEP:
+        import torch
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
 
 
 class RecordingMonitor(Monitor):
@@ -55,8 +66,14 @@ def train_hf(workdir: Path) -> None:
                              save_strategy="steps", save_steps=4, report_to=[], use_cpu=True,
                              include_num_input_tokens_seen=True,
                              disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3)
+    from transformers import TrainerCallback
+
+    class OutOfMemory(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            out_of_memory_at(state.global_step + 1)
+
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8],
-                      callbacks=[trainer_hooks.hf.SidecarCallback()])
+                      callbacks=[trainer_hooks.hf.SidecarCallback(), OutOfMemory()])
     trainer.train()
 
 
@@ -76,6 +93,7 @@ def train_lightning(workdir: Path) -> None:
             self.layer = torch.nn.Linear(8, 1)
 
         def training_step(self, batch, batch_idx):
+            out_of_memory_at(self.global_step + 1)
             x, y = batch
             return torch.nn.functional.mse_loss(self.layer(x), y)
 

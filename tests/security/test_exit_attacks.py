@@ -1,0 +1,65 @@
+"""Exit reports are a rank's claim about itself: another local user cannot put an exception in
+someone else's mouth, and what a user claims about its own rank is kept as text, clipped and
+without control characters, never acted on."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from tests.exits.conftest import RANK, exits_of, incidents, rank_env, wait_for_exit
+from tests.security.rig import attack, open_sidecar
+from tests.support import PYTHON, spawned, tail, wait_until
+from tests.unpriv import unprivileged_user
+
+OOM_REPORT = {"type": "torch.OutOfMemoryError", "types": ["torch.OutOfMemoryError"], "message": "CUDA out of memory",
+              "traceback": []}
+
+
+def test_another_user_cannot_report_an_exception_for_someone_elses_rank(tmp_path):
+    mallory = unprivileged_user("m")
+    with open_sidecar() as sidecar:
+        env = {**rank_env(sidecar, "victim"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        ready = tmp_path / "victim.ready"
+        with spawned([PYTHON, RANK, "--mode", "hold", "--ready", str(ready)], tmp_path / "victim.log",
+                     env=env) as victim:
+            wait_until(lambda: ready.exists() or victim.poll() is not None, 120, what="victim ready")
+            assert victim.poll() is None, tail(tmp_path / "victim.log")
+            result = attack(mallory, sidecar, f"""
+                body = {{"job_id": "victim", "rank": 0, "pid": {victim.pid}, "reason": "exception",
+                         "exit": {json.dumps(OOM_REPORT)}}}
+                report(reply=request("/v1/deregister", body))
+            """)
+            status, answer = result["reply"]
+            assert status in (403, 409), answer
+            assert [r["state"] for r in sidecar.status()["ranks"] if r["job_id"] == "victim"] != ["gone"]
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait()
+        exit_ = wait_for_exit(sidecar, "victim")
+        assert exit_["reason"] == "signal", "the forged report changed nothing"
+        (recorded,) = exits_of(sidecar, "victim")
+        assert "exception" not in recorded
+
+
+def test_a_users_claim_about_its_own_rank_is_clipped_text(tmp_path):
+    mallory = unprivileged_user("m")
+    with open_sidecar() as sidecar:
+        result = attack(mallory, sidecar, r"""
+            status, answer = request("/v1/register", registration(os.getpid(), "mallory", world_size=1))
+            report_body = {"type": "\x1b[31mEvil\x07", "types": ["x" * 5_000] * 50,
+                           "message": "/etc/shadow\x1b]0;owned\x07" + "m" * 100_000,
+                           "traceback": ["/root/.ssh/id_rsa:1 in \x1b[2J"] * 100}
+            body = {"job_id": "mallory", "rank": 0, "pid": os.getpid(), "reason": "exception",
+                    "session": answer.get("session"), "exit": report_body}
+            report(registered=status, dereg=request("/v1/deregister", body))
+            sys.exit(1)
+        """)
+        assert result["registered"] == 200 and result["dereg"][0] == 200, result
+        wait_for_exit(sidecar, "mallory", timeout=60)
+        (incident,) = [i for i in incidents(sidecar, "exit") if i["job_id"] == "mallory"]
+        (recorded,) = incident["exits"]
+        assert recorded["reason"] == "exception/other", recorded
+        text = open(incident["path"][:-5] + ".txt").read()
+        assert "\x1b" not in text and "\x07" not in text
+        assert len(recorded["exception"]["message"]) <= 512 and len(recorded["exception"]["traceback"]) <= 12
+        assert os.path.getsize(incident["path"]) < 64 * 1024
