@@ -178,18 +178,25 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
         tree = [psutil.Process(target.pid)] + _descendants(target.pid)
     except psutil.NoSuchProcess:
         raise Refused(f"pid {target.pid} exited") from None
-    for p in tree:
-        if p.pid <= 1 or p.pid in protected:
-            continue
-        try:
-            p.send_signal(sig)  # psutil refuses a pid reused since `p` was made
-            sent.append(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-        except psutil.AccessDenied:  # a child of another user: the others still get the signal
-            log.warning("no permission to signal pid %d (descendant of rank %s/%d)", p.pid, target.job_id,
-                        target.rank)
-    return sent
+    return [p.pid for p in tree if send_member(target, p, sig, protected)]
+
+
+def send_member(target: Target, member: psutil.Process, sig: int, protected: frozenset[int] | None = None) -> bool:
+    """Signal one process of a rank's tree (`member`, read from /proc as the rank's descendant
+    while the rank ran): never pid 1, the sidecar or its ancestors, and only while it is the
+    process that was read (psutil compares its start time). Returns whether it was sent."""
+    protected = procs.protected_pids() if protected is None else protected
+    if member.pid <= 1 or member.pid in protected or not target.verified:
+        return False
+    try:
+        member.send_signal(sig)  # psutil refuses a pid reused since `member` was made
+        return True
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # a child of another user: the others still get the signal
+        log.warning("no permission to signal pid %d (descendant of rank %s/%d)", member.pid, target.job_id,
+                    target.rank)
+        return False
 
 
 def _signal_group(target: Target, sig: int) -> None:
@@ -395,19 +402,20 @@ class Remediator:
         SIGTERM did it (the timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
         loop = asyncio.get_running_loop()
         # The tree as it is now: what a rank started is killed even if the rank dies first.
-        members = [p for t in targets for p in await loop.run_in_executor(None, _descendants, t.pid)]
+        members = [(t, p) for t in targets for p in await loop.run_in_executor(None, _descendants, t.pid)]
         signalled = await self._signal_all(incident, targets, signal.SIGTERM, "sigterm")
         if not signalled:
             incident.notes.append("no rank could be signalled")
             store.save(incident)
             return "failed"
         store.save(incident)
+        members = [(t, p) for t, p in members if t in signalled]  # never the tree of a refused rank
         left, members_left = await self._wait_exit(signalled, members, self.settings.grace_seconds)
         if left or members_left:
             await loop.run_in_executor(None, self._kill_left, incident, signalled, left, members_left)
             left, members_left = await self._wait_exit(left, members_left, EXIT_WAIT_SECONDS)
         if left or members_left:
-            incident.event("still_running", ranks=[t.rank for t in left], pids=[p.pid for p in members_left])
+            incident.event("still_running", ranks=[t.rank for t in left], pids=[p.pid for _, p in members_left])
             outcome = "failed"
         else:
             incident.event("exit_observed", ranks=[t.rank for t in signalled])
@@ -416,7 +424,7 @@ class Remediator:
         return outcome
 
     def _kill_left(self, incident: Incident, signalled: list[Target], left: list[Target],
-                   members_left: list[psutil.Process]) -> None:
+                   members_left: list[tuple[Target, psutil.Process]]) -> None:
         """SIGKILL: ranks still running with their groups; the leftover group of a rank that
         already exited (through its pidfd); any member of the trees seen at SIGTERM time."""
         done, sent = [], []
@@ -429,11 +437,7 @@ class Remediator:
                     incident.notes.append(f"SIGKILL not sent to rank {t.rank} (pid {t.pid}): {e}")
                     log.warning("not signalling rank %s/%d: %s", t.job_id, t.rank, e)
         protected = procs.protected_pids()
-        for p in members_left:
-            with contextlib.suppress(psutil.Error):
-                if p.pid > 1 and p.pid not in protected and _alive(p):
-                    p.kill()  # psutil refuses a pid reused since the tree was read
-                    sent.append(p.pid)
+        sent += [p.pid for t, p in members_left if _alive(p) and send_member(t, p, signal.SIGKILL, protected)]
         incident.event("sigkill", ranks=done, pids=sorted(set(sent)))
 
     async def _signal_all(self, incident: Incident, targets: list[Target], sig: int, event: str) -> list[Target]:
@@ -455,13 +459,13 @@ class Remediator:
         incident.event(event, ranks=[t.rank for t in done], pids=sent)
         return done
 
-    async def _wait_exit(self, targets: list[Target], members: list[psutil.Process],
-                         seconds: float) -> tuple[list[Target], list[psutil.Process]]:
+    async def _wait_exit(self, targets: list[Target], members: list[tuple[Target, psutil.Process]],
+                         seconds: float) -> tuple[list[Target], list[tuple[Target, psutil.Process]]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while True:
             left = [t for t in targets if await loop.run_in_executor(None, Target.is_running, t)]
-            members = [p for p in members if await loop.run_in_executor(None, _alive, p)]
+            members = [(t, p) for t, p in members if await loop.run_in_executor(None, _alive, p)]
             if (not left and not members) or loop.time() >= deadline:
                 return left, members
             await asyncio.sleep(POLL_SECONDS)

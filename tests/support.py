@@ -121,7 +121,9 @@ class Sidecar:
 
     def command(self) -> list[str]:
         cmd = [PYTHON, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{self.port}", "--socket", self.socket,
-               "--set", f"diag_dir={self.workdir / 'diag'}", "--set", "collectors.interval_seconds=1"]
+               "--set", f"diag_dir={self.workdir / 'diag'}", "--set", "collectors.interval_seconds=1",
+               # Tests read /metrics right after what they changed: every scrape renders.
+               "--set", "metrics_reuse_seconds=0"]
         for s in self.settings:
             cmd += ["--set", s]
         return cmd

@@ -77,9 +77,10 @@ REMAPPED_ROWS_PENDING = spec(NAME, "gpu_remapped_rows_pending", "gauge",
 REMAPPED_ROWS_FAILED = spec(NAME, "gpu_remapped_rows_failed", "gauge",
                             "1 when a row remap failed: the GPU needs service.", G)
 PCIE_REPLAY = spec(NAME, "gpu_pcie_replay", "counter", "PCIe replays (link-level retransmissions).", G)
-PCIE_GEN = spec(NAME, "gpu_pcie_link_generation", "gauge", "Current PCIe link generation.", G)
+PCIE_GEN = spec(NAME, "gpu_pcie_link_generation", "gauge",
+                "Current PCIe link generation (lower at idle to save power), refreshed every 10 s.", G)
 PCIE_MAX_GEN = spec(NAME, "gpu_pcie_link_max_generation", "gauge", "Highest PCIe link generation.", G)
-PCIE_WIDTH = spec(NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes).", G)
+PCIE_WIDTH = spec(NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes), refreshed every 10 s.", G)
 PCIE_MAX_WIDTH = spec(NAME, "gpu_pcie_link_max_width", "gauge", "Widest PCIe link (lanes).", G)
 PCIE_THROUGHPUT = spec(NAME, "gpu_pcie_throughput_bytes_per_second", "gauge",
                        "PCIe traffic over a 20 ms NVML sample, by direction (transmit, receive), "

@@ -9,9 +9,10 @@ over `sidecar.testing.fake_nvml_lib`, a fake libnvidia-ml). What each outcome me
 - a field's error removes that field for that GPU (see nvml_fields), and a GPU is lost only on
   GPU_IS_LOST or when its handle cannot be had.
 
-Utilization, memory, power, clocks and processes are read every round; error counters,
-thresholds, NVLink health and the slow-moving rest (encoder/decoder load, PCIe throughput,
-memory temperature, clock violation times) every HEALTH_SECONDS.
+Utilization, memory, temperature, power, energy, clocks and processes are read every round
+(10 NVML calls per GPU, 11 with a non-empty process list); error counters, thresholds, NVLink
+and PCIe link health and the slow-moving rest (encoder/decoder load, PCIe throughput, memory
+temperature, clock violation times) every HEALTH_SECONDS.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ HEALTH_SECONDS = 10.0  # error counters, link health and slow-moving fields are 
 HEALTH_FIELDS = ("slowdown_temperature_celsius", "shutdown_temperature_celsius", "ecc_corrected",
                  "ecc_uncorrected", "ecc_volatile_corrected", "ecc_volatile_uncorrected",
                  "retired_pages_single_bit", "retired_pages_double_bit",
-                 "retired_pages_pending", "remapped_rows", "pcie_replay", "pcie_link_max_generation",
+                 "retired_pages_pending", "remapped_rows", "pcie_replay", "pcie_link_generation", "pcie_link_width",
+                 "pcie_link_max_generation",
                  "pcie_link_max_width", "nvlinks", "memory_temperature_celsius", "pcie_tx_bytes_per_second",
                  "pcie_rx_bytes_per_second", "encoder_utilization_ratio", "decoder_utilization_ratio",
                  "violation_seconds", "mig_mode")
@@ -294,8 +296,6 @@ class NvmlSession:
         r.sm_clock_hertz = _scaled(d.call("sm_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_SM), 1e6)
         r.memory_clock_hertz = _scaled(d.call("memory_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_MEM), 1e6)
         r.clock_event_reasons = d.first("clock_event_reasons", g["clock_event_reasons"])
-        r.pcie_link_generation = d.call("pcie_link_generation", "nvmlDeviceGetCurrPcieLinkGeneration")  # drops at idle
-        r.pcie_link_width = d.call("pcie_link_width", "nvmlDeviceGetCurrPcieLinkWidth")
         procs = d.first("processes", g["processes"]) or []
         r.processes = [(int(p.pid), int(p.usedGpuMemory)) for p in procs
                        if p.usedGpuMemory is not None and p.usedGpuMemory != NOT_AVAILABLE_ULL]
@@ -333,6 +333,9 @@ class NvmlSession:
         rows = d.call("remapped_rows", "nvmlDeviceGetRemappedRows")
         r.remapped_rows = None if rows is None else tuple(int(x) for x in rows)  # type: ignore[assignment]
         r.pcie_replay = d.call("pcie_replay", "nvmlDeviceGetPcieReplayCounter")
+        # The current link drops its generation at idle to save power; a degraded link lasts minutes.
+        r.pcie_link_generation = d.call("pcie_link_generation", "nvmlDeviceGetCurrPcieLinkGeneration")
+        r.pcie_link_width = d.call("pcie_link_width", "nvmlDeviceGetCurrPcieLinkWidth")
         r.pcie_link_max_generation = d.call("pcie_link_max_generation", "nvmlDeviceGetMaxPcieLinkGeneration")
         r.pcie_link_max_width = d.call("pcie_link_max_width", "nvmlDeviceGetMaxPcieLinkWidth")
         # Each throughput call samples the link for about 20 ms: slow-moving, not every round.

@@ -6,6 +6,7 @@ Its directory is world-traversable so that any local user can connect."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -67,9 +68,18 @@ CLIENT = textwrap.dedent(r'''
 ''')
 
 
-def open_sidecar(*settings: str, name: str = "sidecar") -> Sidecar:
+class OpenSidecar(Sidecar):
+    """A sidecar in a fresh world-traversable directory, socket mode 0666; the directory goes
+    when the `with` block ends."""
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def open_sidecar(*settings: str, name: str = "sidecar") -> OpenSidecar:
     """A sidecar (not started) in a fresh world-traversable directory, socket mode 0666."""
-    return Sidecar(world_dir(), *OPEN_SOCKET, *settings, name=name)
+    return OpenSidecar(world_dir(), *OPEN_SOCKET, *settings, name=name)
 
 
 def attack(user: User, sidecar: Sidecar, code: str, timeout: float = 120.0) -> dict:

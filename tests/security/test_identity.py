@@ -20,7 +20,7 @@ from tests.unpriv import unprivileged_user
 
 ROW_5 = r"""
     import pwd, select
-    from tests.support import Sidecar
+    from tests.security.rig import OpenSidecar as Sidecar
     from tests.unpriv import run_as, UNPRIV_PYTHON, world_dir
     from tests.security.rig import CLIENT
     ATTACK = CLIENT + '''

@@ -19,7 +19,8 @@ from tests.support import kill_tree
 
 def make_settings(tmp_path, **overrides):
     base = {"listen": "127.0.0.1:0", "socket": str(tmp_path / "sidecar.sock"), "diag_dir": str(tmp_path / "diag"),
-            "collectors.enabled": [], "watchdog.floor_seconds": 30}
+            "collectors.enabled": [], "watchdog.floor_seconds": 30,
+            "metrics_reuse_seconds": 0}  # these tests read /metrics right after each change
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return load_settings(overrides=base, environ={})
 

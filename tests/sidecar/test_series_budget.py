@@ -83,3 +83,12 @@ async def test_under_the_budget_nothing_is_left_out(sidecar, child_pid):
     text = await sidecar.metrics()
     assert value(text, "sidecar_metrics_series_dropped") == 0
     assert 'sidecar_training_custom{job_id="run-42",name="custom_x",rank="0"} 2.0' in text
+
+
+async def test_scrapes_in_a_loop_share_one_rendering(serve, child_pid):
+    sidecar = await serve(metrics_reuse_seconds=30)
+    await sidecar.post("/v1/register", registration(child_pid))
+    first = await sidecar.metrics()
+    await sidecar.post("/v1/push", push_body(child_pid, [step_item(7)]))
+    assert await sidecar.metrics() == first  # rendered less than metrics_reuse_seconds ago
+    assert 'sidecar_training_step{job_id="run-42",rank="0"} 7.0' not in first
