@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.status import UnixHTTPConnection
+from sidecar.client import UnixHTTPConnection
 from tests.support import PYTHON, ROOT, Sidecar, kill_tree, spawned, tail, wait_until
 
 RANK = str(ROOT / "tests" / "exits" / "exit_rank.py")

@@ -41,6 +41,13 @@ def test_an_outside_sigkill_is_signal(sidecar, ranks):
     assert status["exits"]["last"]["reason"] == "signal"
     (entry,) = [e for e in status["ranks"] if e["job_id"] == "killed"]
     assert entry["exit_reason"] == "signal"
+    from tests.ops.conftest import run_cli
+    out = run_cli("status", "--socket", sidecar.socket)
+    assert "last exit: killed/0 signal at " in out.stdout, out.stdout
+    (row,) = [line.split() for line in out.stdout.splitlines() if line.startswith("killed ")]
+    assert row[3:5] == ["gone", "(signal)"], row
+    listed = run_cli("incidents", "--diag-dir", str(sidecar.workdir / "diag"))
+    assert "signal" in listed.stdout and "killed" in listed.stdout, listed.stdout
 
 
 def test_an_uncaught_exception_is_reported_and_the_users_own_hook_still_runs(sidecar, ranks, tmp_path):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sidecar.status import UnixHTTPConnection
+from sidecar.client import UnixHTTPConnection
 from tests.support import ROOT, Sidecar, wait_until
 
 CLI_TIMEOUT = 180  # generous: only catches hangs on a loaded machine
