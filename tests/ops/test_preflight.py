@@ -9,11 +9,11 @@ import socket
 
 import pytest
 
+from sidecar.config import load_settings
 from sidecar.preflight import cli, gpu_checks, node_checks, peers
 from sidecar.preflight.results import Context, Result, exit_code
-from sidecar.config import load_settings
 from sidecar.testing import fake_nvml, fake_nvml_lib
-from tests.ops.conftest import Rank, run_cli
+from tests.ops.helpers import Rank, run_cli
 from tests.support import Sidecar, free_port, wait_until
 
 CHECKS = ["nvidia-driver", "gpu-count", "gpu-health", "xid", "torch", "nics", "infiniband", "rendezvous",

@@ -9,7 +9,8 @@ from sidecar.collectors.training import TrainingCollector
 from sidecar.exposition import fair_order, plan
 from sidecar.protocol import Push, Registration, StepItem
 from sidecar.registry import Registry
-from tests.sidecar.conftest import make_settings, push_body, registration, step_item
+from tests.sidecar.helpers import DAEMON, push_body, registration, step_item
+from tests.support import make_settings
 
 
 def samples(text: str) -> list[str]:
@@ -29,7 +30,7 @@ def fill(registry: Registry, job: str, ranks: int, customs: int, pid: int) -> No
 
 
 def test_the_order_is_round_robin_over_jobs_live_ranks_first(tmp_path):
-    registry = Registry(make_settings(tmp_path))
+    registry = Registry(make_settings(tmp_path, DAEMON))
     fill(registry, "big", 5, 0, os.getpid())
     fill(registry, "small", 2, 0, os.getpid())
     registry.mark_gone(("big", 0), "exited")
@@ -48,7 +49,7 @@ def test_a_plan_admits_ranks_then_their_custom_metrics_while_they_fit():
 
 
 def test_the_series_count_of_a_rank_matches_what_is_exported(tmp_path):
-    registry = Registry(make_settings(tmp_path))
+    registry = Registry(make_settings(tmp_path, DAEMON))
     fill(registry, "j", 1, 3, os.getpid())
     r = registry.get("j", 0)
     r.nonfinite["loss"] += 1
