@@ -212,13 +212,13 @@ def training_job() -> dict:
                    f"time() - sidecar_training_last_progress_timestamp_seconds{{{RANKS}}}", "s",
                    "Age of each rank's last step (the watchdog acts on its own per-rank timeout).", min_=0),
         row("Load balance"),
-        timeseries("Step time per node (slowest rank, 5m mean)",
+        timeseries("Step time per node (slowest rank)",
                    [(f"job_id_instance:sidecar_training_step_duration_seconds:max_mean5m{{{JOB}, {NODES}}}",
                      "{{instance}}"),
                     (f"job_id:sidecar_training_step_duration_seconds:median_mean5m{{{JOB}}}", "job median"),
                     (f"job_id:sidecar_training_step_duration_seconds:p99_5m{{{JOB}}}", "job p99")], "s",
-                   "From the step-time histogram (sidecar_training_step_duration_seconds): spikes between "
-                   "scrapes show in the p99.", min_=0),
+                   "Each rank's mean step time over 5m, from the step-time histogram "
+                   "(sidecar_training_step_duration_seconds); spikes between scrapes show in the p99.", min_=0),
         timeseries("Step time: slowest rank / median",
                    f"job_id:sidecar_training_step_duration_seconds:max_over_median{{{JOB}}}", "short",
                    "Mean step times over 5m; 1 is perfectly balanced; SidecarStragglerRank fires above the dashed line.",

@@ -140,7 +140,10 @@ def test_every_dashboard_query_succeeds_and_core_panels_show_data(stack):
     prom = stack["prom"]
     wait_until(lambda: prom.series_count("job_id:sidecar_training_step:max >= 3")
                and prom.series_count("job_id_instance:sidecar_gpu_utilization_ratio:avg")
-               and prom.series_count("rate(sidecar_process_cpu_seconds_total[1m])"),
+               and prom.series_count("rate(sidecar_process_cpu_seconds_total[1m])")
+               # the counters and the step-time histogram rated (two scrapes since the first step)
+               and prom.series_count("job_id:sidecar_training_steps:rate5m")
+               and prom.series_count("job_id:sidecar_training_step_duration_seconds:max_over_median"),
                240, interval=1, what="training, GPU and process data in Prometheus" + _explain(stack))
     for path in DASHBOARD_FILES:
         dashboard = load(path)
