@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
-from sidecar import __version__, diagfiles, identity, procs, protocol, report, stackfiles
+from sidecar import __version__, diagfiles, identity, procs, protocol, stackfiles, status_document
 from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.exposition import MetricsEndpoint
@@ -278,7 +278,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    body = report.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started)
+    body = status_document.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started)
     return web.json_response(body)
 
 

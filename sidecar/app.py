@@ -63,7 +63,8 @@ def build_app(settings: Settings) -> web.Application:
     app[api.DAEMON] = daemon
     endpoint = MetricsEndpoint(runner, registry, TrainingCollector(registry), daemon.watchdog,
                                [daemon.exits.families, lambda: api.daemon_families(daemon)], settings.limits.max_series,
-                               relabel=lambda families: podlabels.attach(families, registry.pod_labels))
+                               relabel=lambda families: podlabels.attach(families, registry.pod_labels),
+                               reuse_seconds=settings.metrics_reuse_seconds)
     app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)

@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "run": ("sidecar.app", "run the daemon (metrics, push API, watchdog)"),
     "status": ("sidecar.status", "show this node's health at a glance"),
     "incidents": ("sidecar.incidents", "list the watchdog's incident records"),
-    "preflight": ("sidecar.preflight", "check this node before a job starts"),
+    "preflight": ("sidecar.preflight.cli", "check this node before a job starts"),
     "provision": ("sidecar.provision", "push dashboards, datasource and alert rules to Grafana"),
     "deploy-gen": ("sidecar.deploygen", "generate the deploy files from the rules and dashboards (--write DIR: the whole tree)"),
     "metrics-doc": ("sidecar.collectors.docs", "write the metrics reference (docs/metrics.md)"),

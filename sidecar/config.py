@@ -223,6 +223,10 @@ class Settings:
         "The training checkpoint directory; its filesystem's free space is exported."))
     diag_dir: str = field(default="", metadata=doc(
         "Where stack dumps and incidents go (empty: `diag/` next to the socket, or ./sidecar-diag)."))
+    metrics_reuse_seconds: float = field(default=0.5, metadata=doc(
+        "A `/metrics` answer rendered less than this many seconds ago is answered again (0: render "
+        "every scrape). Far below any scrape interval, it bounds what scraping in a loop costs the "
+        "sidecar: at most one rendering per interval."))
     incident_file_mode: str = field(default="0600", metadata=doc(
         "Permissions of incident files, octal. Incidents quote stack dumps and job details, so by "
         "default only the sidecar's user reads them; 0640 with incident_group lets a group read them. "
@@ -261,6 +265,7 @@ class Settings:
         if not 0 <= incident_mode <= 0o777 or incident_mode & 0o133:
             _fail("incident_file_mode", f"must not let group or others write, nor anyone execute "
                   f"(0600, 0640 or 0644), got {self.incident_file_mode!r}")
+        _positive("metrics_reuse_seconds", self.metrics_reuse_seconds, allow_zero=True)
         _positive("hooks_flush_interval_seconds", self.hooks_flush_interval_seconds)
         _positive("idle_timeout_seconds", self.idle_timeout_seconds)
         # Between two batches a healthy rank's progress looks up to one flush interval old.

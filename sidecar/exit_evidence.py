@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import struct
+import time
 from dataclasses import dataclass
 
 from sidecar import procs
@@ -135,8 +136,21 @@ def _read_at(dir_fd: int, name: str, limit: int) -> str | None:
         os.close(fd)
 
 
+_mounts_cache: dict[str, tuple[float, dict[int, tuple[str, str]]]] = {}
+MOUNTS_MAX_AGE = 60.0  # seconds; mountinfo can be long on a busy node, and cgroup mounts rarely change
+
+
 def _memory_mounts(procfs: str) -> dict[int, tuple[str, str]]:
     """{version: (mount point, mount root)} of the memory controller's hierarchies."""
+    now = time.monotonic()
+    cached = _mounts_cache.get(procfs)
+    if cached is not None and now - cached[0] < MOUNTS_MAX_AGE:
+        return cached[1]
+    _mounts_cache[procfs] = (now, _read_memory_mounts(procfs))
+    return _mounts_cache[procfs][1]
+
+
+def _read_memory_mounts(procfs: str) -> dict[int, tuple[str, str]]:
     out: dict[int, tuple[str, str]] = {}
     try:
         with open(f"{procfs}/self/mountinfo") as f:

@@ -222,6 +222,8 @@ class ExitTracker:
         self.last: dict[str, Any] | None = None  # the latest decided exit, for /v1/status
         self.recent: list[dict[str, Any]] = []
         self.rollback = RollbackMemory()
+        self._kmsg_scan: tuple[int, dict[int, str]] | None = None  # (round, victims)
+        self._round = 0  # polls so far
 
     # ------------------------------------------------------------ inputs
 
@@ -277,6 +279,7 @@ class ExitTracker:
         before consequences: when a rank dies its peers fail at once ("Connection closed by
         peer"), and may be noticed in the same round or even first."""
         now = self.clock()
+        self._round += 1
         in_use = self.gpu_use() if self.gpu_use is not None and self._watches else {}
         waiting: dict[str, list[_Watch]] = {}
         for w in list(self._watches.values()):
@@ -338,12 +341,20 @@ class ExitTracker:
             after = w.cgroup.oom_kills()
             if after is not None and after > w.oom_baseline:
                 ev.oom_cgroup = f"oom_kill {w.oom_baseline} -> {after} in {w.cgroup.path}"
-        r = w.rank
         if status is None or (kernel.os.WIFSIGNALED(status) and kernel.os.WTERMSIG(status) == 9):
-            line = kernel.kmsg_oom_victims({r.pid}, {r.pid: r.pid_start_time or 0.0}).get(r.pid)
-            ev.oom_kernel_log = line
+            ev.oom_kernel_log = self._kernel_log_victims().get(w.rank.pid)
         self._xid_evidence(w, ev)
         return ev
+
+    def _kernel_log_victims(self) -> dict[int, str]:
+        """The kernel log's OOM victims among the exited processes: one scan of the log per
+        round, however many ranks died in it (a node's whole group may be killed at once)."""
+        if self._kmsg_scan is None or self._kmsg_scan[0] != self._round:
+            exited = [w.rank for w in self._watches.values() if w.exited_at is not None]
+            found = kernel.kmsg_oom_victims({r.pid for r in exited},
+                                            {r.pid: r.pid_start_time or 0.0 for r in exited})
+            self._kmsg_scan = (self._round, found)
+        return self._kmsg_scan[1]
 
     def _xid_evidence(self, w: _Watch, ev: Evidence) -> None:
         if self.xids is None or w.exited_wall is None:

@@ -13,11 +13,14 @@ families actually built, so the answer never exceeds the budget.
 
 Rendering runs in one dedicated thread (`executor`): a scrape of any size never holds the
 event loop, so health checks, registrations, pushes and the watchdog go on meanwhile, and
-scrapes queue behind each other instead of taking the default executor's threads.
+scrapes queue behind each other instead of taking the default executor's threads. A body
+rendered less than `metrics_reuse_seconds` ago is answered again, so scraping in a loop (any
+local process may) costs at most one rendering per that interval.
 """
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -134,9 +137,11 @@ class MetricsEndpoint:
 
     def __init__(self, runner: CollectorRunner, registry: "Registry", training: "TrainingCollector",
                  watchdog: "Watchdog", other_sources: Iterable[Callable[[], Iterable[Metric]]], limit: int,
-                 relabel: Callable[[Iterable[Metric]], list[Metric]] = list):
+                 relabel: Callable[[Iterable[Metric]], list[Metric]] = list, reuse_seconds: float = 0.0):
         self.runner, self.registry, self.training, self.watchdog = runner, registry, training, watchdog
         self.relabel = relabel  # adds each rank's pod labels (podlabels.py)
+        self.reuse_seconds = reuse_seconds
+        self._cache: tuple[float, Callable, bytes] | None = None  # (when, encoder, body)
         self.other_sources = list(other_sources)  # the daemon's own families
         self.limit = limit
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-render")
@@ -159,9 +164,10 @@ class MetricsEndpoint:
     def _fixed_series(self) -> int:
         return sum(r.series for name, r in list(self.runner.results.items()) if name not in PER_RANK_COLLECTORS)
 
-    def plan(self) -> Plan:
-        """Which ranks fit now, from counts alone (cheap: no family is built)."""
-        ranks = fair_order(self.registry.ranks())
+    def plan(self, ranks: list["Rank"] | None = None) -> Plan:
+        """Which ranks fit now, from counts alone (cheap: no family is built). `ranks`: the
+        registry's, in `fair_order`."""
+        ranks = fair_order(self.registry.ranks()) if ranks is None else ranks
         process = self._process_counts()
         cost: dict = {}
         for r in ranks:
@@ -182,7 +188,8 @@ class MetricsEndpoint:
 
     def families(self) -> tuple[list[Metric], list[Metric]]:
         """(the hardware families, the budgeted rest), within the budget."""
-        first = self.plan()
+        ranks = fair_order(self.registry.ranks())
+        first = self.plan(ranks)
         per_rank = [f for name in PER_RANK_COLLECTORS
                     for f in (self.runner.results[name].families if name in self.runner.results else [])]
         built = [*_filtered(per_rank, lambda f, labels: _rank_key(labels) in first.ranks),
@@ -197,7 +204,7 @@ class MetricsEndpoint:
         own, custom, other = _count(built)
         self._other_series = other
         # The exact check: the same admission over what was built, in the same order.
-        order = [k for k in (r.key for r in fair_order(self.registry.ranks())) if k in own or k in custom]
+        order = [r.key for r in ranks if r.key in own or r.key in custom]
         cost = {k: (own.get(k, 0), custom.get(k, 0)) for k in order}
         room = max(0, self.limit - self._fixed_series() - other - OWN_SERIES)
         final = plan(order, cost, room)
@@ -234,11 +241,20 @@ class MetricsEndpoint:
 
     def render(self, encoder: Callable | None = None) -> bytes:
         """The answer's body: Prometheus text (the hardware part as its collectors rendered it),
-        or `encoder`'s format over every family. Runs in `executor`."""
+        or `encoder`'s format over every family. Runs in `executor`. A body rendered less than
+        `reuse_seconds` ago is answered again: scraping in a loop costs at most one rendering
+        per `reuse_seconds`, and scrapes queued meanwhile share it."""
+        encoder = generate_latest if encoder is None else encoder
+        cached = self._cache
+        if cached is not None and cached[1] is encoder and time.monotonic() - cached[0] < self.reuse_seconds:
+            return cached[2]
         hardware, rest = self.families()
-        if encoder is None or encoder is generate_latest:
-            return self.runner.rendered_text(exclude=PER_RANK_COLLECTORS) + render_text(rest)
-        return encoder(_Registry(hardware + rest))
+        if encoder is generate_latest:
+            body = self.runner.rendered_text(exclude=PER_RANK_COLLECTORS) + render_text(rest)
+        else:
+            body = encoder(_Registry(hardware + rest))
+        self._cache = (time.monotonic(), encoder, body)
+        return body
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,6 +1,7 @@
 """Process facts the sidecar trusts before it records or signals a process: start times (a
-pid plus its start time names one process, pid reuse cannot fool it), ancestry, and the
-client of a loopback TCP connection. Callers and pidfds: sidecar/identity.py."""
+pid plus its start time names one process, pid reuse cannot fool it), whether a process still
+runs, is a zombie or is stopped, ancestry, and the client of a loopback TCP connection.
+Callers and pidfds: sidecar/identity.py."""
 from __future__ import annotations
 
 import os
@@ -29,6 +30,26 @@ def is_same_process(pid: int, started: float | None) -> bool:
     if started is None:
         return False
     return start_time(pid) == started
+
+
+def is_running(pid: int, start_time: float | None) -> bool:
+    """The process with that identity still runs (an unreaped zombie has exited)."""
+    return is_same_process(pid, start_time) and not is_zombie(pid)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 def ancestors(pid: int) -> list[int]:

@@ -35,6 +35,7 @@ import psutil
 from sidecar import procs
 from sidecar.config import RemediationSettings
 from sidecar.incidents import Incident, IncidentStore, main_thread, stack_head
+from sidecar.procs import is_running
 from sidecar.stackfiles import MAX_STACK_BYTES, StackFile
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,31 +82,11 @@ class Target:
 
 # ---------------------------------------------------------------- safety
 
-def is_zombie(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def is_stopped(pid: int) -> bool:
-    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
-    try:
-        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except psutil.Error:
-        return False
-
-
 def _ask_for_stacks(target: Target, stopped: bool) -> None:
     send(target, target.stack_signal, "process")
     if stopped:
         send(target, signal.SIGCONT, "process")
         send(target, signal.SIGSTOP, "process")
-
-
-def is_running(pid: int, start_time: float | None) -> bool:
-    """The process with that identity still runs (an unreaped zombie has exited)."""
-    return procs.is_same_process(pid, start_time) and not is_zombie(pid)
 
 
 def refusal(target: Target, protected: frozenset[int] | None = None, exited_ok: bool = False) -> str | None:
@@ -335,7 +316,7 @@ class Remediator:
         by_pid = {r.pid: r for r in incident.ranks}
         sizes = {t.pid: await loop.run_in_executor(None, _file_size, t.stack_file) for t in targets}
         asked = []
-        stopped = {t.pid for t in targets if await loop.run_in_executor(None, is_stopped, t.pid)}
+        stopped = {t.pid for t in targets if await loop.run_in_executor(None, procs.is_stopped, t.pid)}
         for t in targets:
             if t.pid in stopped:
                 incident.notes.append(f"rank {t.rank} (pid {t.pid}) was stopped (SIGSTOP or a tracer); "

@@ -1,200 +1,33 @@
 """`sidecar status`: this node's health on one screen, read from the daemon's `/v1/status`.
 
-The exit status is the verdict, so node checks and scripts need not parse anything:
-0 healthy, 1 degraded (a rank suspect, stalled or remediating, a failing collector, any
-problem the daemon reports), 2 no answer or a broken one. On a terminal the screen is drawn
-with `rich`; piped, it is plain aligned text without escape codes.
-
-The small HTTP client here (`Target`, `fetch`) is also what `sidecar preflight --peers` uses.
+The exit status is the verdict (`sidecar.verdict`), so node checks and scripts need not parse
+anything: 0 healthy, 1 degraded (a rank suspect, stalled or remediating, a failing collector,
+any problem the daemon reports), 2 no answer or a broken one. On a terminal the screen is drawn
+with `rich`; piped, it is plain aligned text without escape codes. The daemon is reached with
+`sidecar.client`.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import http.client
 import json
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
-from urllib.parse import urlsplit
 
+from sidecar.client import DEFAULT_TIMEOUT_SECONDS, Endpoint, StatusError, Unreachable, fetch_json, resolve_endpoint
 from sidecar.config import DEFAULT_SOCKET
+from sidecar.verdict import EXIT_HEALTHY, EXIT_UNREACHABLE, Verdict, assess, dict_at, dicts_at
 
-EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 2
-DEGRADED_RANK_STATES = frozenset({"suspect", "stalled", "remediating"})
-DEFAULT_TIMEOUT_SECONDS = 3.0
 INCIDENTS_SHOWN = 5
 # Clock events that slow a GPU down; `gpu_idle` and friends are normal and not shown.
 SLOWDOWN_EVENTS = {"hw_slowdown": "red", "hw_thermal_slowdown": "red", "hw_power_brake_slowdown": "red",
                    "sw_thermal_slowdown": "red", "sw_power_cap": "yellow"}
 RANK_STATE_STYLES = {"healthy": "green", "starting": "cyan", "suspect": "yellow", "stalled": "bold red",
                      "remediating": "bold red", "gone": "dim"}
-
-
-# ---------------------------------------------------------------- reaching the daemon
-
-class StatusError(Exception):
-    """The daemon could not be asked, or its answer is unusable. One line, names the target."""
-
-
-class Unreachable(StatusError):
-    """Nothing answered at the target."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a sidecar listens: a Unix socket path or an http(s):// URL."""
-
-    socket: str | None = None
-    url: str | None = None
-
-    def __str__(self) -> str:
-        return self.socket or self.url or "?"
-
-    @property
-    def alternative(self) -> str:
-        return "--url" if self.socket else "--socket"
-
-    @classmethod
-    def of_url(cls, url: str) -> "Target":
-        """A URL as operators type it: `node-3:9402` means `http://node-3:9402`."""
-        return cls(url=url if "://" in url else f"http://{url}")
-
-
-def resolve_target(socket_path: str | None = None, url: str | None = None,
-                   environ: Mapping[str, str] | None = None) -> Target:
-    """Flags first, then SIDECAR_SOCKET, then SIDECAR_URL, then the default socket. The socket
-    wins over the URL among the environment variables because it is the default transport."""
-    environ = os.environ if environ is None else environ
-    if url:
-        return Target.of_url(url)
-    if socket_path:
-        return Target(socket=socket_path)
-    if environ.get("SIDECAR_SOCKET"):
-        return Target(socket=environ["SIDECAR_SOCKET"])
-    if environ.get("SIDECAR_URL"):
-        return Target.of_url(environ["SIDECAR_URL"])
-    return Target(socket=DEFAULT_SOCKET)
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP/1.1 over a Unix stream socket."""
-
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
-def _connection(target: Target, timeout: float) -> tuple[http.client.HTTPConnection, str]:
-    """A connection to the target and the path prefix of its URL."""
-    if target.socket:
-        return UnixHTTPConnection(target.socket, timeout), ""
-    parts = urlsplit(target.url or "")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise StatusError(f"bad URL {target.url!r}: expected http://HOST:PORT")
-    try:
-        port = parts.port
-    except ValueError:
-        raise StatusError(f"bad URL {target.url!r}: the port is not a number") from None
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    return cls(parts.hostname, port, timeout=timeout), parts.path.rstrip("/")
-
-
-def _reason(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, FileNotFoundError):
-        return "no such socket"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, PermissionError):
-        return "permission denied; run as root or as a member of the socket's group"
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return f"no answer within {timeout:g}s"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the host name ({exc.strerror})"
-    if isinstance(exc, http.client.HTTPException):
-        return f"not an HTTP answer ({type(exc).__name__})"
-    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-
-
-def fetch(target: Target, path: str, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> bytes:
-    """GET `path` from the sidecar; the body of a 200 answer, else `StatusError`."""
-    conn, prefix = _connection(target, timeout)
-    try:
-        conn.request("GET", prefix + path, headers={"Accept": "application/json"})
-        resp = conn.getresponse()
-        body = resp.read()
-    except (OSError, http.client.HTTPException) as e:
-        raise Unreachable(f"no sidecar at {target} ({_reason(e, timeout)})") from None
-    finally:
-        conn.close()
-    if resp.status != 200:
-        detail = body[:200].decode("utf-8", "replace").strip()
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            detail = str(json.loads(body)["error"])
-        raise StatusError(f"GET {path} at {target} answered HTTP {resp.status}: {detail}")
-    return body
-
-
-def fetch_json(target: Target, path: str = "/v1/status", timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict:
-    body = fetch(target, path, timeout)
-    try:
-        doc = json.loads(body)
-    except ValueError as e:
-        raise StatusError(f"GET {path} at {target} did not answer JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise StatusError(f"GET {path} at {target} answered a JSON {type(doc).__name__}, not an object")
-    return doc
-
-
-# ---------------------------------------------------------------- the verdict
-
-def _list(doc: Mapping, key: str) -> list[dict]:
-    value = doc.get(key)
-    return [x for x in value if isinstance(x, dict)] if isinstance(value, list) else []
-
-
-def _dict(doc: Mapping, key: str) -> dict:
-    value = doc.get(key)
-    return value if isinstance(value, dict) else {}
-
-
-@dataclass
-class Verdict:
-    exit_code: int
-    problems: list[str] = field(default_factory=list)
-
-
-def assess(status: Mapping[str, Any]) -> Verdict:
-    """Healthy only if the daemon says so AND nothing in the document contradicts it: a
-    daemon that is itself behind (or a rank state the daemon did not turn into a problem)
-    must not make this command report green."""
-    reported = [str(p) for p in status.get("problems") or [] if p]
-    derived = []
-    for r in _list(status, "ranks"):
-        if r.get("state") in DEGRADED_RANK_STATES:
-            derived.append(f"rank {r.get('rank')} of job {r.get('job_id')} is {r.get('state')}")
-    for name, c in sorted(_dict(status, "collectors").items()):
-        if isinstance(c, dict) and c.get("success") is False:
-            derived.append(f"collector {name} is failing" + (f": {c['error']}" if c.get("error") else ""))
-    problems = reported or derived
-    if status.get("health") not in (None, "healthy") and not problems:
-        problems = [f"the sidecar reports health {status.get('health')!r}"]
-    return Verdict(EXIT_DEGRADED if problems else EXIT_HEALTHY, problems)
 
 
 # ---------------------------------------------------------------- formatting values
@@ -387,7 +220,7 @@ def _last_exit(last: Any) -> str:
 
 def build_screen(status: Mapping[str, Any]) -> Screen:
     verdict = assess(status)
-    node, watchdog = _dict(status, "node"), _dict(status, "watchdog")
+    node, watchdog = dict_at(status, "node"), dict_at(status, "watchdog")
     headline = [
         Cell(f"node {fmt_text(node.get('hostname'))}", "bold"),
         Cell(f"sidecar {fmt_text(status.get('version'))}"),
@@ -404,22 +237,22 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
         ("watchdog", ("observe-only" if watchdog.get("observe_only") else "enforcing")
          + f", {fmt_text(watchdog.get('remediations_in_window'))}/{fmt_text(watchdog.get('max_per_window'))}"
            " remediations in window"),
-        ("last exit", _last_exit(_dict(status, "exits").get("last"))),
+        ("last exit", _last_exit(dict_at(status, "exits").get("last"))),
     ]
     sections = [
         Section("GPUs", ["GPU", "NAME", "UTIL", "MEMORY", "TEMP/SLOWDOWN", "POWER", "THROTTLE", "ECC UNCORR", "XID"],
-                _gpu_rows(_list(status, "gpus")),
+                _gpu_rows(dicts_at(status, "gpus")),
                 "read by dcgm-exporter (collectors.gpu_source: dcgm)" if node.get("gpu_source") == "dcgm"
                 else "none (no NVIDIA driver or no GPU)"),
-        Section("NICs", ["DEVICE", "LINK", "SPEED", "RX", "TX", "ERRORS"], _nic_rows(_list(status, "nics"))),
-        Section("InfiniBand", ["DEVICE", "PORT", "STATE", "RATE"], _ib_rows(_list(status, "infiniband"))),
+        Section("NICs", ["DEVICE", "LINK", "SPEED", "RX", "TX", "ERRORS"], _nic_rows(dicts_at(status, "nics"))),
+        Section("InfiniBand", ["DEVICE", "PORT", "STATE", "RATE"], _ib_rows(dicts_at(status, "infiniband"))),
         Section("Ranks", ["JOB", "RANK", "PID", "STATE", "STEP", "STEP TIME", "IT/S", "LOSS", "GRAD NORM",
                           "PHASE", "PROGRESS", "TIMEOUT", "RESTARTS"],
-                _rank_rows(_list(status, "ranks")), "none registered"),
+                _rank_rows(dicts_at(status, "ranks")), "none registered"),
         Section("Collectors", ["COLLECTOR", "STATUS", "DURATION", "AGE", "ERROR"],
-                _collector_rows(_dict(status, "collectors"))),
+                _collector_rows(dict_at(status, "collectors"))),
         Section("Last incidents", ["TIME", "JOB", "BLAMED RANK", "SUMMARY", "PATH"],
-                _incident_rows(_list(status, "incidents"))),
+                _incident_rows(dicts_at(status, "incidents"))),
     ]
     return Screen(headline, facts, sections, verdict.problems, verdict.exit_code)
 
@@ -505,7 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Reading:
     """One look at the sidecar: its status document or why there is none."""
 
-    target: Target
+    endpoint: Endpoint
     status: dict | None = None
     error: str | None = None
     verdict: Verdict = field(default_factory=lambda: Verdict(EXIT_UNREACHABLE))
@@ -516,18 +349,18 @@ class Reading:
 
     def as_json(self) -> dict:
         return {"exit_code": self.exit_code, "problems": self.verdict.problems, "error": self.error,
-                "target": str(self.target), "status": self.status}
+                "target": str(self.endpoint), "status": self.status}
 
 
-def read(target: Target, timeout: float) -> Reading:
+def read(endpoint: Endpoint, timeout: float) -> Reading:
     try:
-        status = fetch_json(target, "/v1/status", timeout)
+        status = fetch_json(endpoint, "/v1/status", timeout)
     except StatusError as e:
         message = str(e)
         if isinstance(e, Unreachable):
-            message += f"; is `sidecar run` running? try {target.alternative}"
-        return Reading(target, error=message)
-    return Reading(target, status, verdict=assess(status))
+            message += f"; is `sidecar run` running? try {endpoint.alternative}"
+        return Reading(endpoint, error=message)
+    return Reading(endpoint, status, verdict=assess(status))
 
 
 def _show(reading: Reading, args: argparse.Namespace, console) -> None:
@@ -550,11 +383,11 @@ def _rich_console():
     return Console()
 
 
-def _watch(target: Target, args: argparse.Namespace, console) -> int:
+def _watch(endpoint: Endpoint, args: argparse.Namespace, console) -> int:
     interval = max(0.2, args.watch)
     if console is None or args.json:
         while True:
-            _show(read(target, args.timeout), args, console)
+            _show(read(endpoint, args.timeout), args, console)
             if not args.json:
                 print("-" * 40, flush=True)
             time.sleep(interval)
@@ -563,7 +396,7 @@ def _watch(target: Target, args: argparse.Namespace, console) -> int:
     from rich.text import Text
 
     def frame():
-        reading = read(target, args.timeout)
+        reading = read(endpoint, args.timeout)
         stamp = Text(f"every {interval:g}s, {datetime.datetime.now():%H:%M:%S}; Ctrl-C to quit", style="dim")
         if reading.error:
             return Text.assemble(stamp, "\n", (f"sidecar status: {reading.error}", "bold red"))
@@ -578,14 +411,14 @@ def _watch(target: Target, args: argparse.Namespace, console) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    target = resolve_target(args.socket, args.url)
+    endpoint = resolve_endpoint(args.socket, args.url)
     console = None if args.json else _rich_console()
     if args.watch is not None:
         try:
-            return _watch(target, args, console)
+            return _watch(endpoint, args, console)
         except KeyboardInterrupt:
             return EXIT_HEALTHY
-    reading = read(target, args.timeout)
+    reading = read(endpoint, args.timeout)
     try:
         _show(reading, args, console)
     except BrokenPipeError:  # `sidecar status | head`: the reader left early, the verdict stands

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 
-LIVENESS_CHECKS_PER_TICK = 64  # ranks whose process is looked up in /proc per tick, in turn
+LIVENESS_CHECKS_PER_TICK = 64  # ranks whose process is checked per tick, in turn (bounds a tick's cost)
 
 
 class RankState(enum.Enum):
@@ -182,9 +182,10 @@ class Watchdog:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def tick(self) -> None:
-        """One evaluation of every rank, then incidents for newly stalled jobs. Reading /proc
-        is what costs: a tick checks the liveness of at most LIVENESS_CHECKS_PER_TICK ranks in
-        turn, plus every rank about to change to a worse state and every rank being remediated."""
+        """One evaluation of every rank, then incidents for newly stalled jobs. Liveness is what
+        costs (a pidfd poll, or /proc reads without pidfds): a tick checks it for at most
+        LIVENESS_CHECKS_PER_TICK ranks in turn, plus every rank about to change to a worse state
+        and every rank being remediated."""
         now = self.clock()
         present = set()
         ranks = self.registry.ranks()

@@ -1,5 +1,5 @@
-"""Process and network helpers shared by the tests: free ports, processes started in their
-own session and always killed (with their children) at teardown, HTTP readiness waits."""
+"""Helpers shared by the tests: the one settings builder, free ports, processes started in
+their own session and always killed (with their children) at teardown, HTTP readiness waits."""
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +12,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import psutil
 
+from sidecar.config import Settings, load_settings
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+
+def make_settings(tmp_path: Path, *presets: Mapping[str, Any], **overrides: Any) -> Settings:
+    """Typed settings for a test, from no file and no environment: the diagnostics directory
+    and the socket under `tmp_path`, then each preset (an area's defaults, such as
+    `tests.sidecar.helpers.DAEMON`), then `overrides`. Keys name settings by their dotted
+    path; as keywords `__` stands for the dot: `limits__max_jobs=3` or `**{"limits.max_jobs": 3}`."""
+    values: dict[str, Any] = {"diag_dir": str(tmp_path / "diag"), "socket": str(tmp_path / "sidecar.sock")}
+    for preset in presets:
+        values.update(preset)
+    values.update({key.replace("__", "."): value for key, value in overrides.items()})
+    return load_settings(overrides=values, environ={})
 
 
 def free_port() -> int:
@@ -121,7 +135,9 @@ class Sidecar:
 
     def command(self) -> list[str]:
         cmd = [PYTHON, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{self.port}", "--socket", self.socket,
-               "--set", f"diag_dir={self.workdir / 'diag'}", "--set", "collectors.interval_seconds=1"]
+               "--set", f"diag_dir={self.workdir / 'diag'}", "--set", "collectors.interval_seconds=1",
+               # Tests read /metrics right after what they changed: every scrape renders.
+               "--set", "metrics_reuse_seconds=0"]
         for s in self.settings:
             cmd += ["--set", s]
         return cmd

@@ -9,9 +9,11 @@
     mon.close()
 
 Standard library only; never imports torch. A call costs the training thread about a
-microsecond and never blocks or raises, whatever the sidecar does. `trainer_hooks.hf` and
-`trainer_hooks.lightning` hold Hugging Face and Lightning callbacks; `environment.py` lists
-the environment variables.
+microsecond and never blocks or raises, whatever the sidecar does. `trainer_hooks.hf`,
+`trainer_hooks.lightning` and `trainer_hooks.accelerate` hold Hugging Face, Lightning and
+Accelerate integrations; `trainer_hooks.distributed` forms a process group that comes back after
+torchrun restarts; `python -m trainer_hooks.attach script.py` watches an unmodified script;
+`environment.py` lists the environment variables.
 """
 from trainer_hooks.monitor import Monitor, Phase
 from trainer_hooks.sender import HOOKS_VERSION as __version__

@@ -27,7 +27,8 @@ SCRIPTS = {name: ROOT / "bench" / "cycles" / f"train_{name}.py" for name in ("pl
 ATTACHED = {"unmodified"}  # run through `-m trainer_hooks.attach` (zero-code attach)
 # Fast cycles: a 2 s step floor, quick dumps, a 1 s grace, no storm cap in the way.
 SIDECAR = dict(floor_seconds=2.0, dump_wait_seconds=0.5, grace_seconds=1.0,
-               extra=["remediation.max_per_window=1000", "hooks_flush_interval_seconds=0.25"])
+               extra=["remediation.max_per_window=1000", "remediation.max_per_window_node=1000",
+                      "hooks_flush_interval_seconds=0.25"])
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Cycles:
     finished: bool = False  # the last attempt trained to the end on every rank
     wall_seconds: float = 0.0
     log: Path | None = None
+    hangs: int = 0  # attempts that hung on purpose
+    lost_attempts: int = 0  # restarts in which the group never trained (e.g. died in init_process_group)
 
     @property
     def median(self) -> float | None:
@@ -51,6 +54,7 @@ class Cycles:
         med = f"{self.median:.2f} s" if self.median is not None else "-"
         worst = f"{max(self.recover_seconds):.2f} s" if self.recover_seconds else "-"
         return (f"{self.script:<10} {self.launcher:<11} came back {self.came_back}/{self.cycles}  "
+                f"(hangs {self.hangs}, restarts that never trained {self.lost_attempts})  "
                 f"hang->training median {med}, max {worst}  finished={self.finished}  "
                 f"rc={self.returncode}  ({self.wall_seconds:.0f} s)")
 
@@ -128,7 +132,12 @@ def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, han
         rc = job.poll()
         if rc is None:
             procs.stop(job)
-    came_back, recover, finished = summarise(read_records(record_path), cycles, nproc)
+    records = read_records(record_path)
+    came_back, recover, finished = summarise(records, cycles, nproc)
     incidents = len(list((workdir / "diag" / "incidents").glob("*.json"))) if sidecar else 0
+    trained = {r["attempt"] for r in records if r["kind"] == "first_step"}
+    last = max((r["attempt"] for r in records), default=-1)
     return Cycles(script, launcher, cycles, rc, came_back, recover, incidents, finished,
-                  time.monotonic() - start, workdir / "job.log")
+                  time.monotonic() - start, workdir / "job.log",
+                  hangs=sum(1 for r in records if r["kind"] == "hang"),
+                  lost_attempts=sum(1 for a in range(last + 1) if a not in trained))

@@ -18,7 +18,7 @@ from alerts import build as alerts_build
 from sidecar.testing.fake_grafana import BackgroundServer
 from tests.alerts.realstack import Prometheus
 from tests.dashboards.panels import DASHBOARD_FILES, load, queries, substitute
-from tests.ops.conftest import post, run_cli
+from tests.ops.helpers import post, run_cli
 from tests.support import Sidecar, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dcgm-stack")]

@@ -96,3 +96,9 @@ def test_series_per_node_stay_within_the_documented_budget(tmp_path):
     for name, count in by_family.most_common():
         print(f"{count:6d}  {name}")
     assert len(series) <= budget_from_doc()
+    assert "sidecar_metrics_series_dropped 0.0" in series  # the reference node loses nothing to the budget
+
+
+def test_the_documented_budget_is_the_default_series_limit():
+    from sidecar.config import LimitSettings
+    assert LimitSettings().max_series == budget_from_doc()

@@ -149,3 +149,36 @@ def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_
 def test_no_hint_without_a_nonfinite_loss():
     from sidecar.rollback import RollbackMemory
     assert RollbackMemory().hint(_rank(0, [(4, "/c/step-4", 40.0)], None)) is None
+
+
+# ---------------------------------------------------------------- the kernel's counters, both layouts
+
+@pytest.mark.parametrize("version,name,text", [
+    (2, "memory.events", "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n"),
+    (1, "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")])
+def test_oom_kill_counters_of_cgroup_v2_and_v1(tmp_path, version, name, text):
+    from sidecar.exit_evidence import MemoryCgroup
+    (tmp_path / name).write_text(text)
+    cgroup = MemoryCgroup(str(tmp_path), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), version)
+    try:
+        assert cgroup.oom_kills() == int(text.split("oom_kill ")[1].split()[0])
+        (tmp_path / name).unlink()
+        (tmp_path / name).symlink_to("/proc/self/status")
+        assert cgroup.oom_kills() is None, "a symlink is never followed"
+    finally:
+        cgroup.close()
+
+
+def test_the_memory_cgroup_of_a_live_process_is_the_kernels(spawn):
+    from sidecar import procs
+    from sidecar.exit_evidence import memory_cgroup_of
+    p = spawn()
+    cgroup = memory_cgroup_of(p.pid, procs.start_time(p.pid))
+    if cgroup is None:
+        pytest.skip("no memory cgroup hierarchy mounted here")
+    try:
+        assert str(p.pid) in open(os.path.join(cgroup.path, "cgroup.procs")).read().split()
+        assert cgroup.oom_kills() is not None
+    finally:
+        cgroup.close()
+    assert memory_cgroup_of(p.pid, 12345.0) is None, "another process by now: nothing opened"

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from tests.exits.conftest import counted, exits_of, incidents, rank_env, register, wait_for_exit
+from tests.exits.helpers import (HANG_SETTINGS, RANK, SETTINGS, counted, exits_of, incidents, rank_env, register,
+                                 wait_for_exit)
 from tests.support import PYTHON, Sidecar, tail, wait_until
-from tests.exits.conftest import HANG_SETTINGS, RANK, SETTINGS
 
 
 def test_a_clean_finish_is_finished_and_opens_no_incident(sidecar, ranks):
@@ -41,6 +41,13 @@ def test_an_outside_sigkill_is_signal(sidecar, ranks):
     assert status["exits"]["last"]["reason"] == "signal"
     (entry,) = [e for e in status["ranks"] if e["job_id"] == "killed"]
     assert entry["exit_reason"] == "signal"
+    from tests.ops.helpers import run_cli
+    out = run_cli("status", "--socket", sidecar.socket)
+    assert "last exit: killed/0 signal at " in out.stdout, out.stdout
+    (row,) = [line.split() for line in out.stdout.splitlines() if line.startswith("killed ")]
+    assert row[3:5] == ["gone", "(signal)"], row
+    listed = run_cli("incidents", "--diag-dir", str(sidecar.workdir / "diag"))
+    assert "signal" in listed.stdout and "killed" in listed.stdout, listed.stdout
 
 
 def test_an_uncaught_exception_is_reported_and_the_users_own_hook_still_runs(sidecar, ranks, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.exits.conftest import exits_of, rank_env, wait_for_exit
+from tests.exits.helpers import exits_of, rank_env, wait_for_exit
 from tests.support import PYTHON, ROOT, spawned, tail
 
 pytestmark = pytest.mark.slow

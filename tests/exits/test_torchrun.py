@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.exits.conftest import RANK, TIMEOUT, counted, exits_of, incidents, rank_env, wait_for_exit
+from tests.exits.helpers import RANK, TIMEOUT, counted, exits_of, incidents, rank_env, wait_for_exit
 from tests.support import PYTHON, free_port, spawned, tail
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.exits.conftest import exits_of, incidents, wait_for_exit
+from tests.exits.helpers import exits_of, incidents, wait_for_exit
 from tests.support import Sidecar
 from tests.watchdog import jobs
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.ops.conftest import run_cli
+from tests.ops.helpers import run_cli
 from tests.support import PYTHON, ROOT, Sidecar, free_port, spawned, tail
 
 STEPS = 6

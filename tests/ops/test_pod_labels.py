@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from tests.ops.conftest import post
+from tests.ops.helpers import post
 from tests.support import ROOT, Sidecar, wait_until
 
 POD_ENV = {"SIDECAR_POD_NAMESPACE": "team-a", "SIDECAR_POD_NAME": "llm-worker-1.abc",

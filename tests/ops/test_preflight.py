@@ -9,10 +9,11 @@ import socket
 
 import pytest
 
-from sidecar import preflight
 from sidecar.config import load_settings
+from sidecar.preflight import cli, gpu_checks, node_checks, peers
+from sidecar.preflight.results import Context, Result, exit_code
 from sidecar.testing import fake_nvml, fake_nvml_lib
-from tests.ops.conftest import Rank, run_cli
+from tests.ops.helpers import Rank, run_cli
 from tests.support import Sidecar, free_port, wait_until
 
 CHECKS = ["nvidia-driver", "gpu-count", "gpu-health", "xid", "torch", "nics", "infiniband", "rendezvous",
@@ -22,15 +23,15 @@ CHECKS = ["nvidia-driver", "gpu-count", "gpu-health", "xid", "torch", "nics", "i
 def _args(**over) -> argparse.Namespace:
     """The namespace `sidecar preflight` would parse, with overrides."""
     parser = argparse.ArgumentParser()
-    preflight.add_arguments(parser)
+    cli.add_arguments(parser)
     args = parser.parse_args([])
     for key, value in over.items():
         setattr(args, key, value)
     return args
 
 
-def _run(check, settings=None, **over) -> list[preflight.Result]:
-    return list(check(preflight.Context(_args(**over), settings or load_settings(environ={}))))
+def _run(check, settings=None, **over) -> list[Result]:
+    return list(check(Context(_args(**over), settings or load_settings(environ={}))))
 
 
 def test_every_check_runs_and_reports_without_a_gpu(tmp_path):
@@ -92,32 +93,32 @@ def test_peers_with_different_torch_fail_naming_field_values_and_nodes(two_nodes
 
 def test_peers_that_agree_pass(two_nodes):
     a, _ = two_nodes
-    results = _run(preflight.check_peers, peers=f"{a.url},{a.url}/")
+    results = _run(peers.check_peers, peers=f"{a.url},{a.url}/")
     assert [r.outcome for r in results] == ["PASS"], results
 
 
 def test_an_unreachable_peer_fails_naming_it():
     url = f"http://127.0.0.1:{free_port()}"
-    results = _run(preflight.check_peers, peers=url)
+    results = _run(peers.check_peers, peers=url)
     assert results[0].outcome == "FAIL" and url in results[0].detail
 
 
 def test_the_local_sidecar_passes_when_healthy_and_warns_when_absent(two_nodes, tmp_path):
-    healthy = _run(preflight.check_sidecar, socket=two_nodes[0].socket)[0]
+    healthy = _run(node_checks.check_sidecar, socket=two_nodes[0].socket)[0]
     assert healthy.outcome == "PASS" and two_nodes[0].socket in healthy.detail
-    absent = _run(preflight.check_sidecar, socket=str(tmp_path / "none.sock"))[0]
+    absent = _run(node_checks.check_sidecar, socket=str(tmp_path / "none.sock"))[0]
     assert absent.outcome == "WARN" and "without metrics or the watchdog" in absent.detail
 
 
 def test_compare_versions_ignores_fields_a_node_does_not_report():
     nodes = {"a": {"driver_version": {"550.54"}, "os": {"Ubuntu 22.04"}},
              "b": {"driver_version": {"550.54"}}}
-    assert preflight.compare_versions(nodes) == []
+    assert peers.compare_versions(nodes) == []
 
 
 def test_kernel_and_os_skew_only_warns():
     nodes = {"a": {"kernel": {"6.1"}}, "b": {"kernel": {"6.8"}}}
-    (result,) = preflight.compare_versions(nodes)
+    (result,) = peers.compare_versions(nodes)
     assert result.outcome == "WARN" and "kernel differs: 6.1 on a; 6.8 on b" in result.detail
 
 
@@ -133,25 +134,25 @@ def nvml_stand_in():
 def test_gpu_checks_fail_on_a_lost_gpu_and_a_pending_remap(nvml_stand_in):
     fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 3,
                          "gpus": {"1": {"remapped_rows": [0, 1, 1, 0]}, "2": {"errors": {"*": "gpu_is_lost"}}}})
-    health = _run(preflight.check_gpu_health, nvml_stand_in)
+    health = _run(gpu_checks.check_gpu_health, nvml_stand_in)
     assert [r.outcome for r in health] == ["FAIL", "FAIL"], health
     assert health[0].detail.startswith("GPU 2 cannot be read")
     assert health[1].detail.startswith("GPU 1 (") and "row remap pending" in health[1].detail
-    count = _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=8)
+    count = _run(gpu_checks.check_gpu_count, nvml_stand_in, expect_gpus=8)
     assert count[0].outcome == "FAIL" and "3 GPUs visible, expected 8" in count[0].detail
-    driver = _run(preflight.check_driver, nvml_stand_in)
+    driver = _run(gpu_checks.check_driver, nvml_stand_in)
     assert driver[0].outcome == "PASS" and "550.54.15" in driver[0].detail and "CUDA 12.4" in driver[0].detail
 
 
 def test_healthy_gpus_pass(nvml_stand_in):
     fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2})
-    assert [r.outcome for r in _run(preflight.check_gpu_health, nvml_stand_in)] == ["PASS"]
-    assert [r.outcome for r in _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
+    assert [r.outcome for r in _run(gpu_checks.check_gpu_health, nvml_stand_in)] == ["PASS"]
+    assert [r.outcome for r in _run(gpu_checks.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
 
 
 def test_a_mig_gpu_does_not_pass_health_it_could_not_read(nvml_stand_in):
     fake_nvml.configure({"gpu_count": 2, "gpus": {"1": {"mig_mode": [1, 1]}}})
-    health = _run(preflight.check_gpu_health, nvml_stand_in)
+    health = _run(gpu_checks.check_gpu_health, nvml_stand_in)
     assert [r.outcome for r in health] == ["WARN", "PASS"], health
     assert health[0].detail.startswith("GPU 1 (") and "could not check pending row remaps" in health[0].detail
     assert "remapped_rows: not_supported" in health[0].detail and "MIG mode is on" in health[0].detail
@@ -163,22 +164,22 @@ def test_health_fields_that_fail_to_read_are_not_passed(nvml_stand_in, error):
     fake_nvml.configure({"gpu_count": 1, "gpu": {"errors": {"nvmlDeviceGetRemappedRows": error,
                                                             "nvmlDeviceGetRetiredPagesPendingStatus": error,
                                                             "nvmlDeviceGetTotalEccErrors": error}}})
-    health = _run(preflight.check_gpu_health, nvml_stand_in)
+    health = _run(gpu_checks.check_gpu_health, nvml_stand_in)
     assert [r.outcome for r in health] == ["WARN"], health
     assert f"remapped_rows: {error}" in health[0].detail and f"ecc_uncorrected: {error}" in health[0].detail
 
 
 def test_an_r470_driver_is_checked_not_crashed(nvml_stand_in):
     fake_nvml.configure({"gpu_count": 2, "driver_generation": "r470"})
-    assert [r.outcome for r in _run(preflight.check_gpu_health, nvml_stand_in)] == ["PASS"]
-    assert [r.outcome for r in _run(preflight.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
+    assert [r.outcome for r in _run(gpu_checks.check_gpu_health, nvml_stand_in)] == ["PASS"]
+    assert [r.outcome for r in _run(gpu_checks.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
 
 
 @pytest.mark.parametrize("init_error, outcome", [("driver_not_loaded", "WARN"), ("unknown", "FAIL"),
                                                  ("lib_rm_version_mismatch", "FAIL")])
 def test_no_driver_warns_but_a_failing_driver_fails(nvml_stand_in, init_error, outcome):
     fake_nvml.configure({"init_error": init_error})
-    (result,) = _run(preflight.check_driver, nvml_stand_in)
+    (result,) = _run(gpu_checks.check_driver, nvml_stand_in)
     assert result.outcome == outcome, result
 
 
@@ -201,13 +202,13 @@ def test_torch_cuda_against_the_driver(nvml_stand_in, tmp_path, driver_cuda, tor
     fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": driver_cuda, "gpu_count": 2})
     python = _interpreter(tmp_path, torch="2.7.0", cuda=torch_cuda, nccl="2.26.2" if torch_cuda else None,
                           cuda_available=available, device_count=2 if available else 0)
-    torch, *cuda = _run(preflight.check_torch, nvml_stand_in, python=python)
+    torch, *cuda = _run(gpu_checks.check_torch, nvml_stand_in, python=python)
     assert torch.outcome == "PASS" and "torch 2.7.0" in torch.detail
     assert [r.outcome for r in cuda] == [outcome], cuda
 
 
 def test_expecting_gpus_without_a_driver_fails():
-    results = _run(preflight.check_gpu_count, expect_gpus=8)
+    results = _run(gpu_checks.check_gpu_count, expect_gpus=8)
     assert results[0].outcome == "FAIL"
 
 
@@ -221,69 +222,69 @@ KERNEL_LOG = """\
 def test_application_xids_warn_and_strict_turns_that_into_failure(tmp_path):
     log = tmp_path / "kern.log"
     log.write_text(KERNEL_LOG)
-    results = _run(preflight.check_xids, kernel_log=str(log))
+    results = _run(gpu_checks.check_xids, kernel_log=str(log))
     assert [r.outcome for r in results] == ["WARN"]
     assert "Xid 13 on 0000:3b:00 x2" in results[0].detail
-    assert preflight.exit_code(results, strict=False) == 0
-    assert preflight.exit_code(results, strict=True) == 1
+    assert exit_code(results, strict=False) == 0
+    assert exit_code(results, strict=True) == 1
 
 
 def test_a_hardware_xid_fails(tmp_path):
     log = tmp_path / "kern.log"
     log.write_text(KERNEL_LOG + "[ 900.0] NVRM: Xid (PCI:0000:86:00): 79, pid='<unknown>', GPU has fallen off the bus.\n")
-    results = _run(preflight.check_xids, kernel_log=str(log))
+    results = _run(gpu_checks.check_xids, kernel_log=str(log))
     assert results[0].outcome == "FAIL" and "Xid 79 on 0000:86:00 x1 (GPU has fallen off the bus)" in results[0].detail
 
 
 def test_an_unreadable_kernel_log_warns(tmp_path):
-    results = _run(preflight.check_xids, kernel_log=str(tmp_path / "absent.log"))
+    results = _run(gpu_checks.check_xids, kernel_log=str(tmp_path / "absent.log"))
     assert results[0].outcome == "WARN" and "kernel log not readable" in results[0].detail
 
 
 def test_shared_marker_written_on_one_node_is_found_on_another(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
-    wrote = _run(preflight.check_shared_dir, shared_dir=str(shared), shared_marker="write:job-17")
+    wrote = _run(node_checks.check_shared_dir, shared_dir=str(shared), shared_marker="write:job-17")
     assert wrote[-1].check == "shared-marker" and wrote[-1].outcome == "PASS"
-    found = _run(preflight.check_shared_dir, shared_dir=str(shared), shared_marker="check:job-17")
+    found = _run(node_checks.check_shared_dir, shared_dir=str(shared), shared_marker="check:job-17")
     assert found[-1].outcome == "PASS" and socket.gethostname() in found[-1].detail
 
 
 def test_shared_marker_missing_or_different_fails(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "a"), shared_marker="write:job-17")
-    other_token = _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "a"), shared_marker="check:job-18")
+    _run(node_checks.check_shared_dir, shared_dir=str(tmp_path / "a"), shared_marker="write:job-17")
+    other_token = _run(node_checks.check_shared_dir, shared_dir=str(tmp_path / "a"), shared_marker="check:job-18")
     assert other_token[-1].outcome == "FAIL" and "'job-17', not 'job-18'" in other_token[-1].detail
-    elsewhere = _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "b"), shared_marker="check:job-17")
+    elsewhere = _run(node_checks.check_shared_dir, shared_dir=str(tmp_path / "b"), shared_marker="check:job-17")
     assert elsewhere[-1].outcome == "FAIL" and "no marker" in elsewhere[-1].detail
 
 
 def test_a_missing_shared_dir_fails(tmp_path):
-    results = _run(preflight.check_shared_dir, shared_dir=str(tmp_path / "not-mounted"))
+    results = _run(node_checks.check_shared_dir, shared_dir=str(tmp_path / "not-mounted"))
     assert results[0].outcome == "FAIL"
 
 
 def test_rendezvous_listening_passes_and_a_taken_local_port_fails():
     with socket.create_server(("127.0.0.1", 0)) as server:
         endpoint = f"127.0.0.1:{server.getsockname()[1]}"
-        assert _run(preflight.check_rendezvous, rdzv_endpoint=endpoint)[0].outcome == "PASS"
+        assert _run(node_checks.check_rendezvous, rdzv_endpoint=endpoint)[0].outcome == "PASS"
     free = f"127.0.0.1:{free_port()}"
-    result = _run(preflight.check_rendezvous, rdzv_endpoint=free)[0]
+    result = _run(node_checks.check_rendezvous, rdzv_endpoint=free)[0]
     assert result.outcome == "PASS" and "will host the c10d store" in result.detail
     with socket.socket() as taken:  # bound, not listening: connect is refused, bind fails
         taken.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{taken.getsockname()[1]}"
-        assert _run(preflight.check_rendezvous, rdzv_endpoint=endpoint)[0].outcome == "FAIL"
+        assert _run(node_checks.check_rendezvous, rdzv_endpoint=endpoint)[0].outcome == "FAIL"
 
 
 def test_a_malformed_rendezvous_endpoint_fails_naming_it():
-    result = _run(preflight.check_rendezvous, rdzv_endpoint="node-0")[0]
+    result = _run(node_checks.check_rendezvous, rdzv_endpoint="node-0")[0]
     assert result.outcome == "FAIL" and "--rdzv-endpoint" in result.detail
 
 
 def test_torch_absent_from_the_interpreter_warns(tmp_path):
-    results = _run(preflight.check_torch, python="/bin/false")
+    results = _run(gpu_checks.check_torch, python="/bin/false")
     assert results[0].outcome == "WARN" and "torch not importable" in results[0].detail
 
 
@@ -296,7 +297,7 @@ def test_nic_and_infiniband_links_from_a_sysfs_tree(tmp_path):
     (port / "state").write_text("1: DOWN\n")
     (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
     settings = load_settings(overrides={"collectors.sysfs_root": str(tmp_path)}, environ={})
-    nics = _run(preflight.check_nics, settings)[0]
+    nics = _run(node_checks.check_nics, settings)[0]
     assert nics.outcome == "WARN" and "eth1" in nics.hint and "eth0 up" in nics.detail
-    ib = _run(preflight.check_infiniband, settings)[0]
+    ib = _run(node_checks.check_infiniband, settings)[0]
     assert ib.outcome == "WARN" and "mlx5_0/1 DOWN 200 Gb/s" in ib.detail

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sidecar.status import resolve_target
-from tests.ops.conftest import Rank, run_cli, wait_for_state
+from sidecar.client import resolve_endpoint
+from tests.ops.helpers import Rank, run_cli, wait_for_state
 from tests.support import ROOT, Sidecar, free_port, wait_until
 
 
@@ -62,13 +62,13 @@ def test_socket_comes_from_sidecar_socket_when_no_flag_is_given(healthy):
     assert json.loads(out.stdout)["target"] == healthy.socket
 
 
-def test_target_is_the_flag_then_sidecar_socket_then_sidecar_url_then_the_default():
+def test_endpoint_is_the_flag_then_sidecar_socket_then_sidecar_url_then_the_default():
     env = {"SIDECAR_SOCKET": "/env.sock", "SIDECAR_URL": "node-3:9402"}
-    assert str(resolve_target("/flag.sock", None, env)) == "/flag.sock"
-    assert str(resolve_target("/flag.sock", "node-4:9402", env)) == "http://node-4:9402"
-    assert str(resolve_target(None, None, env)) == "/env.sock"
-    assert str(resolve_target(None, None, {"SIDECAR_URL": "node-3:9402"})) == "http://node-3:9402"
-    assert str(resolve_target(None, None, {})) == "/run/sidecar/sidecar.sock"
+    assert str(resolve_endpoint("/flag.sock", None, env)) == "/flag.sock"
+    assert str(resolve_endpoint("/flag.sock", "node-4:9402", env)) == "http://node-4:9402"
+    assert str(resolve_endpoint(None, None, env)) == "/env.sock"
+    assert str(resolve_endpoint(None, None, {"SIDECAR_URL": "node-3:9402"})) == "http://node-3:9402"
+    assert str(resolve_endpoint(None, None, {})) == "/run/sidecar/sidecar.sock"
 
 
 def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):

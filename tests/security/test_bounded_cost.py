@@ -23,7 +23,8 @@ def rank_state(sc: Sidecar, job: str) -> str | None:
 def test_thousands_of_ranks_neither_slow_health_nor_kill_a_healthy_rank(tmp_path):
     with contextlib.ExitStack() as stack:
         sc = Sidecar(tmp_path / "sc", "collectors.enabled=[nic,process,node]", "watchdog.floor_seconds=5",
-                     "hooks_flush_interval_seconds=1", f"limits.max_series={MAX_SERIES}", "log_level=warning")
+                     "hooks_flush_interval_seconds=1", f"limits.max_series={MAX_SERIES}", "log_level=warning",
+                     "metrics_reuse_seconds=0.5")  # the default, which tests/support.py turns off
         sc.start()
         stack.callback(sc.stop)
         healthy = stack.enter_context(spawned([PYTHON, "-c", HEALTHY], tmp_path / "healthy.log", env=sc.hook_env()))

@@ -7,7 +7,7 @@ import json
 import os
 import signal
 
-from tests.exits.conftest import RANK, exits_of, incidents, rank_env, wait_for_exit
+from tests.exits.helpers import RANK, exits_of, incidents, rank_env, wait_for_exit
 from tests.security.rig import attack, open_sidecar
 from tests.support import PYTHON, spawned, tail, wait_until
 from tests.unpriv import unprivileged_user

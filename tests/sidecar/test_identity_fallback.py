@@ -9,7 +9,7 @@ import pytest
 from sidecar import identity
 from sidecar.api import DAEMON
 from sidecar.remediation import Target, send
-from tests.sidecar.conftest import registration
+from tests.sidecar.helpers import registration
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.sidecar.conftest import push_body, registration, series, step_item
+from tests.sidecar.helpers import push_body, registration, series, step_item
 
 
 async def still_up(sidecar) -> None:
@@ -40,6 +40,7 @@ async def test_the_sidecar_creates_the_dump_file_and_ignores_a_path_the_rank_nam
 
 async def test_registration_over_the_socket_records_a_verified_identity(sidecar, child_pid):
     import psutil
+
     from sidecar.api import DAEMON
     await sidecar.post("/v1/register", registration(child_pid))
     rank = sidecar.app[DAEMON].registry.get("run-42", 0)

@@ -7,14 +7,15 @@ import pytest
 
 from sidecar.protocol import EventItem, PhaseItem, Push, Registration, StepItem
 from sidecar.registry import LimitExceeded, Registry, StepNotIncreasing, UnknownRank
-from tests.sidecar.conftest import make_settings
+from tests.sidecar.helpers import DAEMON
+from tests.support import make_settings
 
 T0 = 1_800_000_000.0  # the rank's wall clock at its first step
 
 
 @pytest.fixture
 def registry(tmp_path) -> Registry:
-    return Registry(make_settings(tmp_path, limits__max_jobs=3, limits__max_custom_metrics=2,
+    return Registry(make_settings(tmp_path, DAEMON, limits__max_jobs=3, limits__max_custom_metrics=2,
                                   limits__max_phases=1, limits__max_ranks_per_job=4, watchdog__window=5))
 
 

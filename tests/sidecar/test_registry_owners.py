@@ -7,14 +7,15 @@ import pytest
 
 from sidecar.protocol import PhaseItem, Push, Registration, StepItem
 from sidecar.registry import JobOwned, LimitExceeded, Registry
-from tests.sidecar.conftest import make_settings
+from tests.sidecar.helpers import DAEMON
+from tests.support import make_settings
 
 ALICE, MALLORY, ROOT = 1001, 1002, 0
 
 
 @pytest.fixture
 def registry(tmp_path) -> Registry:
-    return Registry(make_settings(tmp_path, limits__max_jobs=6, limits__max_jobs_per_user=2,
+    return Registry(make_settings(tmp_path, DAEMON, limits__max_jobs=6, limits__max_jobs_per_user=2,
                                   limits__max_ranks_per_user=3, limits__max_phases=4, limits__max_phases_per_user=5,
                                   limits__max_custom_metrics=4, limits__max_custom_metrics_per_user=5))
 

@@ -9,7 +9,8 @@ from sidecar.collectors.training import TrainingCollector
 from sidecar.exposition import fair_order, plan
 from sidecar.protocol import Push, Registration, StepItem
 from sidecar.registry import Registry
-from tests.sidecar.conftest import make_settings, push_body, registration, step_item
+from tests.sidecar.helpers import DAEMON, push_body, registration, step_item
+from tests.support import make_settings
 
 
 def samples(text: str) -> list[str]:
@@ -29,7 +30,7 @@ def fill(registry: Registry, job: str, ranks: int, customs: int, pid: int) -> No
 
 
 def test_the_order_is_round_robin_over_jobs_live_ranks_first(tmp_path):
-    registry = Registry(make_settings(tmp_path))
+    registry = Registry(make_settings(tmp_path, DAEMON))
     fill(registry, "big", 5, 0, os.getpid())
     fill(registry, "small", 2, 0, os.getpid())
     registry.mark_gone(("big", 0), "exited")
@@ -48,7 +49,7 @@ def test_a_plan_admits_ranks_then_their_custom_metrics_while_they_fit():
 
 
 def test_the_series_count_of_a_rank_matches_what_is_exported(tmp_path):
-    registry = Registry(make_settings(tmp_path))
+    registry = Registry(make_settings(tmp_path, DAEMON))
     fill(registry, "j", 1, 3, os.getpid())
     r = registry.get("j", 0)
     r.nonfinite["loss"] += 1
@@ -83,3 +84,12 @@ async def test_under_the_budget_nothing_is_left_out(sidecar, child_pid):
     text = await sidecar.metrics()
     assert value(text, "sidecar_metrics_series_dropped") == 0
     assert 'sidecar_training_custom{job_id="run-42",name="custom_x",rank="0"} 2.0' in text
+
+
+async def test_scrapes_in_a_loop_share_one_rendering(serve, child_pid):
+    sidecar = await serve(metrics_reuse_seconds=30)
+    await sidecar.post("/v1/register", registration(child_pid))
+    first = await sidecar.metrics()
+    await sidecar.post("/v1/push", push_body(child_pid, [step_item(7)]))
+    assert await sidecar.metrics() == first  # rendered less than metrics_reuse_seconds ago
+    assert 'sidecar_training_step{job_id="run-42",rank="0"} 7.0' not in first

@@ -8,7 +8,7 @@ import time
 
 from sidecar.api import DAEMON
 from sidecar.collectors.base import CollectorResult
-from tests.sidecar.conftest import push_body, registration, step_item
+from tests.sidecar.helpers import push_body, registration, step_item
 
 
 async def status_when(sidecar, predicate, timeout: float = 30.0) -> dict:

@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from tests.trainer.conftest import trainer_cli
+from tests.trainer.helpers import trainer_cli
 from trainer.config import Config, ConfigError, help_text, load_config
 
 

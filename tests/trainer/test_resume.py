@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.conftest import torchrun
+from tests.trainer.helpers import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer_torchrun")]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from tests.trainer.conftest import TINY, trainer_cli
+from tests.trainer.helpers import TINY, trainer_cli
 
 
 def run_single(tmp_path, *settings: str) -> str:

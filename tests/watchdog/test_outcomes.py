@@ -19,10 +19,9 @@ from sidecar.protocol import Registration
 from sidecar.registry import Registry
 from sidecar.remediation import OwnerStormCaps
 from sidecar.watchdog import Watchdog
-from tests.support import wait_until
-from tests.watchdog.conftest import FakeClock, settings
+from tests.support import make_settings, wait_until
+from tests.watchdog.helpers import WATCHDOG, FakeClock
 from tests.watchdog.test_remediation import events, finish, stall
-
 
 # A rank that leads its group, started a worker that ignores SIGTERM, and itself dies on it.
 GROUP_WITH_STUBBORN_WORKER = r"""
@@ -45,7 +44,7 @@ def register(registry: Registry, pid: int, with_pidfd: bool, job: str = "job"):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("with_pidfd", [True, False], ids=["pidfd", "pid-numbers"])
 async def test_every_group_member_alive_after_the_grace_gets_sigkill(tmp_path, clock, spawn, with_pidfd):
-    s = settings(tmp_path, **{"remediation.grace_seconds": 0.5})
+    s = make_settings(tmp_path, WATCHDOG, **{"remediation.grace_seconds": 0.5})
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     rank = subprocess.Popen([sys.executable, "-c", GROUP_WITH_STUBBORN_WORKER], stdout=subprocess.PIPE, text=True,
@@ -85,7 +84,7 @@ import time; time.sleep(600)
 @pytest.mark.asyncio
 @pytest.mark.parametrize("with_pidfd", [True, False], ids=["pidfd", "pid-numbers"])
 async def test_a_rank_that_exits_promptly_on_sigterm_is_killed_not_failed(tmp_path, clock, spawn, with_pidfd):
-    s = settings(tmp_path)
+    s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True,
@@ -116,7 +115,7 @@ def test_the_storm_cap_is_per_owner_under_a_node_ceiling():
 
 
 def test_a_re_registered_rank_inside_a_phase_keeps_the_phase_s_own_budget(tmp_path):
-    s = settings(tmp_path)
+    s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=FakeClock())
     reg = Registration(job_id="job", rank=0, local_rank=0, world_size=1, local_world_size=1, pid=12345, step=40,

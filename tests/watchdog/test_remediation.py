@@ -11,7 +11,8 @@ import pytest
 
 from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
-from tests.watchdog.conftest import register_hung, settings, step
+from tests.support import make_settings
+from tests.watchdog.helpers import WATCHDOG, register_hung, step
 
 pytestmark = pytest.mark.asyncio
 
@@ -36,7 +37,7 @@ def events(incident: dict) -> list[str]:
 
 
 async def test_a_hung_rank_is_dumped_terminated_and_recorded(tmp_path, clock, hung_rank):
-    s = settings(tmp_path)
+    s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     proc, stacks = hung_rank()
@@ -59,7 +60,7 @@ async def test_a_hung_rank_is_dumped_terminated_and_recorded(tmp_path, clock, hu
 
 
 async def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, clock, hung_rank):
-    s = settings(tmp_path, **{"remediation.grace_seconds": 0.5})
+    s = make_settings(tmp_path, WATCHDOG, **{"remediation.grace_seconds": 0.5})
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     proc, stacks = hung_rank("ignore-term")
@@ -72,7 +73,7 @@ async def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path
 
 
 async def test_a_stopped_rank_dumps_its_stacks_and_dies(tmp_path, clock, hung_rank):
-    s = settings(tmp_path)
+    s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     proc, stacks = hung_rank()
@@ -86,7 +87,7 @@ async def test_a_stopped_rank_dumps_its_stacks_and_dies(tmp_path, clock, hung_ra
 
 
 async def test_observe_only_records_and_counts_but_never_signals(tmp_path, clock, hung_rank):
-    s = settings(tmp_path, **{"watchdog.observe_only": True})
+    s = make_settings(tmp_path, WATCHDOG, **{"watchdog.observe_only": True})
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     proc, stacks = hung_rank()
@@ -104,7 +105,7 @@ async def test_observe_only_records_and_counts_but_never_signals(tmp_path, clock
 
 
 async def test_the_storm_cap_suppresses_remediation_past_its_limit(tmp_path, clock, hung_rank):
-    s = settings(tmp_path, **{"remediation.max_per_window": 1})
+    s = make_settings(tmp_path, WATCHDOG, **{"remediation.max_per_window": 1})
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     (p1, f1), (p2, f2) = hung_rank(), hung_rank()
@@ -122,7 +123,7 @@ async def test_the_storm_cap_suppresses_remediation_past_its_limit(tmp_path, clo
 
 async def test_the_whole_local_group_of_the_stalled_job_is_remediated(tmp_path, clock, hung_rank):
     """The healthy-looking rank of a hung job waits for its peer: both are restarted together."""
-    s = settings(tmp_path)
+    s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     (p0, f0), (p1, f1) = hung_rank(), hung_rank()

@@ -7,14 +7,15 @@ import pytest
 from sidecar.protocol import Deregistration
 from sidecar.registry import Registry
 from sidecar.watchdog import ALLOWED, IllegalTransition, RankState, Watchdog
-from tests.watchdog.conftest import phase, register, settings, step
+from tests.support import make_settings
+from tests.watchdog.helpers import WATCHDOG, phase, register, step
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest.fixture
 def world(tmp_path, clock, spawn):
-    s = settings(tmp_path, **{"watchdog.observe_only": True})
+    s = make_settings(tmp_path, WATCHDOG, **{"watchdog.observe_only": True})
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     return s, registry, dog, spawn().pid
@@ -155,7 +156,7 @@ async def test_a_declared_phase_past_its_budget_is_a_stall(world, clock):
 
 
 async def test_a_phase_without_its_own_budget_uses_phase_timeouts(tmp_path, clock, spawn):
-    s = settings(tmp_path, **{"watchdog.observe_only": True, "watchdog.phase_timeouts": {"eval": 33}})
+    s = make_settings(tmp_path, WATCHDOG, **{"watchdog.observe_only": True, "watchdog.phase_timeouts": {"eval": 33}})
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
     r = register(registry, spawn().pid)

@@ -8,7 +8,8 @@ import os
 from sidecar import watchdog as watchdog_module
 from sidecar.registry import Registry
 from sidecar.watchdog import LIVENESS_CHECKS_PER_TICK, RankState, Watchdog
-from tests.watchdog.conftest import phase, register, settings, step
+from tests.support import make_settings
+from tests.watchdog.helpers import WATCHDOG, phase, register, step
 
 
 def counting_liveness(monkeypatch) -> list[int]:
@@ -23,7 +24,7 @@ def counting_liveness(monkeypatch) -> list[int]:
 
 
 def test_a_tick_reads_proc_for_a_bounded_number_of_ranks(tmp_path, clock, monkeypatch):
-    registry = Registry(settings(tmp_path, **{"limits.max_ranks_per_job": 5000, "limits.max_ranks": 5000, "limits.max_ranks_per_user": 5000}))
+    registry = Registry(make_settings(tmp_path, WATCHDOG, **{"limits.max_ranks_per_job": 5000, "limits.max_ranks": 5000, "limits.max_ranks_per_user": 5000}))
     wd = Watchdog(registry.settings, registry, clock=clock)
     for rank in range(1000):
         register(registry, os.getpid(), rank=rank)
@@ -36,7 +37,7 @@ def test_a_tick_reads_proc_for_a_bounded_number_of_ranks(tmp_path, clock, monkey
 
 
 def test_a_dead_rank_past_its_deadline_is_gone_not_stalled_even_out_of_turn(tmp_path, clock, monkeypatch, spawn):
-    registry = Registry(settings(tmp_path, **{"limits.max_ranks_per_job": 5000, "limits.max_ranks": 5000, "limits.max_ranks_per_user": 5000}))
+    registry = Registry(make_settings(tmp_path, WATCHDOG, **{"limits.max_ranks_per_job": 5000, "limits.max_ranks": 5000, "limits.max_ranks_per_user": 5000}))
     wd = Watchdog(registry.settings, registry, clock=clock)
     for rank in range(200):  # in a long phase: they stay healthy
         phase(registry, register(registry, os.getpid(), rank=rank, job="filler"), "eval", "start", clock)
@@ -54,7 +55,7 @@ def test_a_dead_rank_past_its_deadline_is_gone_not_stalled_even_out_of_turn(tmp_
 
 
 def test_the_step_timeout_is_computed_once_per_step(tmp_path, clock, monkeypatch):
-    registry = Registry(settings(tmp_path))
+    registry = Registry(make_settings(tmp_path, WATCHDOG))
     wd = Watchdog(registry.settings, registry, clock=clock)
     r = register(registry, os.getpid())
     for n in range(1, 4):

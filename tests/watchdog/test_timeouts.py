@@ -5,11 +5,12 @@ import pytest
 
 from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog, quantile
-from tests.watchdog.conftest import register, settings, step
+from tests.support import make_settings
+from tests.watchdog.helpers import WATCHDOG, register, step
 
 
 def dog(tmp_path, **kw) -> Watchdog:
-    s = settings(tmp_path, **kw)
+    s = make_settings(tmp_path, WATCHDOG, **kw)
     return Watchdog(s, Registry(s))
 
 
@@ -42,7 +43,7 @@ def test_quantile_is_nearest_rank_and_ignores_non_finite_values():
 
 
 def test_a_rank_s_timeout_follows_its_reported_steps(tmp_path, clock, spawn):
-    s = settings(tmp_path, **{"watchdog.multiplier": 5, "watchdog.quantile": 1})
+    s = make_settings(tmp_path, WATCHDOG, **{"watchdog.multiplier": 5, "watchdog.quantile": 1})
     registry = Registry(s)
     d = Watchdog(s, registry, clock=clock)
     r = register(registry, spawn().pid)
@@ -59,7 +60,7 @@ def test_before_any_interval_the_reported_step_time_stands_in(tmp_path):
 
 
 def test_a_slow_first_step_does_not_stall_the_second(tmp_path, clock, spawn):
-    s = settings(tmp_path)
+    s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     d = Watchdog(s, registry, clock=clock)
     r = register(registry, spawn().pid)

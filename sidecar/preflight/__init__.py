@@ -1,0 +1,5 @@
+"""`sidecar preflight`: check a node before a training job starts on it.
+
+`facts` reads the node, `gpu_checks` and `node_checks` judge it, `peers` compares versions
+with other nodes' sidecars, `results` holds what a check returns, `cli` runs them all.
+"""
