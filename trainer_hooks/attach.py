@@ -17,6 +17,10 @@ rank is watched with no code change:
   and a finished save sends `checkpoint_saved` with the step;
 - the process group is restart-safe (`trainer_hooks.distributed.install()`).
 
+Without touching the command line: `SIDECAR_ATTACH=1` and the directory that
+`python -m trainer_hooks.attach --pythonpath` prints on PYTHONPATH attach every torchrun worker
+at start (`autoattach/sitecustomize.py`).
+
 With no sidecar reachable the Monitor drops its records, as it always does: training runs as it
 would without the wrapper. `SIDECAR_HOOKS_DISABLED=1` runs the script with nothing attached.
 """
@@ -33,7 +37,7 @@ from trainer_hooks import distributed, environment
 from trainer_hooks.errors import warn
 from trainer_hooks.monitor import Monitor
 
-USAGE = "usage: python -m trainer_hooks.attach (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = "usage: python -m trainer_hooks.attach (SCRIPT | -m MODULE) [ARGS...] | --pythonpath"
 
 
 class Attachment:
@@ -141,6 +145,7 @@ def attach(environ: dict | None = None) -> Attachment | None:
     env = os.environ if environ is None else environ
     if environment.disabled(env):
         return None
+    os.environ.setdefault("SIDECAR_ATTACHED_PID", str(os.getpid()))  # the env switch: not again
     try:
         import torch  # noqa: F401  (before the Monitor, so the registration names its versions)
 
@@ -154,6 +159,9 @@ def attach(environ: dict | None = None) -> Attachment | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--pythonpath"]:  # the directory of the SIDECAR_ATTACH=1 switch (autoattach/)
+        print(os.path.join(os.path.dirname(os.path.abspath(__file__)), "autoattach"))
+        return 0
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not args else sys.stdout)
         return 2 if not args else 0

@@ -16,6 +16,8 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_HOOKS_DISABLED` | `1` makes every hook a no-op |
 | `SIDECAR_POD_NAMESPACE`, `SIDECAR_POD_NAME`, `SIDECAR_CONTAINER_NAME` | the rank's pod (Kubernetes downward API): `namespace`, `pod`, `container` labels on its series; unset means no label |
 | `TORCHELASTIC_USE_AGENT_STORE` | set by torchrun; `True` means the workers share the agent's store across restarts (`distributed.py`) |
+| `SIDECAR_ATTACH` | `1` with `autoattach/` on PYTHONPATH attaches every torchrun worker (`attach.py`) |
+| `SIDECAR_ATTACHED_PID` | set by the attach switch in the attached process; its children do not attach again |
 | `SIDECAR_ATTEMPT_STORE` | `0` turns off the per-attempt store namespace of `trainer_hooks.distributed` |
 """
 from __future__ import annotations

@@ -100,7 +100,7 @@ def summarise(records: list[dict], cycles: int, nproc: int) -> tuple[int, list[f
 
 def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, hang_step: int = 20,
                launcher: str = "torchrun", sidecar: bool = True, timeout: float = 600.0,
-               hang_mode: str = "stop", extra_env: dict | None = None) -> Cycles:
+               hang_mode: str = "stop", extra_env: dict | None = None, attach: bool | None = None) -> Cycles:
     """Run `script` (a key of SCRIPTS) through `cycles` hangs; returns what came back."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,8 @@ def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, han
            "CYCLE_LOG": str(record_path), "CYCLE_HANGS": str(cycles), "CYCLE_HANG_STEP": str(hang_step),
            "CYCLE_HANG_MODE": hang_mode, "CYCLE_WORKDIR": str(workdir), "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    env.update(extra_env or {})
+    for key, value in (extra_env or {}).items():  # PYTHONPATH entries go in front
+        env[key] = os.pathsep.join([value, env[key]]) if key == "PYTHONPATH" else value
     start = time.monotonic()
     with Processes(workdir) as procs:
         port, sock = free_port(), str(workdir / "sidecar.sock")
@@ -125,7 +126,7 @@ def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, han
         else:
             env["SIDECAR_HOOKS_DISABLED"] = "1"
         job = procs.start("job", launcher_command(launcher, SCRIPTS[script], nproc, cycles + 2,
-                                                  attach=script in ATTACHED), env=env)
+                                                  attach=script in ATTACHED if attach is None else attach), env=env)
         deadline = time.monotonic() + timeout
         while job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)

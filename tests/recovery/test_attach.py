@@ -97,3 +97,16 @@ def test_an_unmodified_script_under_attach_hangs_is_detected_killed_and_restarte
     explain = f"{result.line()}\n{tail(result.log, 40)}"
     assert result.came_back == 3 and result.incidents >= 3, explain
     assert result.finished and result.returncode == 0, explain
+
+
+@pytest.mark.slow
+def test_the_environment_switch_attaches_every_torchrun_worker_of_an_unmodified_script(tmp_path: Path):
+    """SIDECAR_ATTACH=1 and the autoattach directory on PYTHONPATH, the command line untouched."""
+    autoattach = subprocess.run([sys.executable, "-m", "trainer_hooks.attach", "--pythonpath"], capture_output=True,
+                                text=True, timeout=60, cwd=ROOT, check=True).stdout.strip()
+    assert (Path(autoattach) / "sitecustomize.py").is_file()
+    result = run_cycles("unmodified", tmp_path, cycles=1, timeout=300, attach=False,
+                        extra_env={"SIDECAR_ATTACH": "1", "PYTHONPATH": autoattach})
+    explain = f"{result.line()}\n{tail(result.log, 40)}"
+    assert result.came_back == 1 and result.incidents >= 1, explain
+    assert result.finished and result.returncode == 0, explain
