@@ -180,7 +180,8 @@ class RemediationSettings:
         "Most remediations per window of the jobs of one uid; past it the watchdog only alerts "
         "about that user's stalls (restart-storm cap). Another user's jobs keep their own."))
     max_per_window_node: int = field(default=8, metadata=doc(
-        "Most remediations per window on this node, all users together (the storm cap's ceiling)."))
+        "Most remediations per window on this node, all users together (the storm cap's ceiling); "
+        "never below max_per_window, so raising that one alone (a single-user node) raises both."))
     window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
 
     def __post_init__(self) -> None:
