@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_app(settings: Settings) -> web.Application:
     """The application, ready for a runner. Reads the push token (ConfigError if unreadable)."""
-    registry = Registry(settings)
+    registry = Registry(settings, alive=procs.is_same_process)
     # The per-rank collectors look only at the ranks /metrics has room for (exposition.py).
     watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
     collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)

@@ -13,8 +13,9 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from sidecar import procs
 from sidecar.stepcounters import StepCounters
 from trainer_hooks.wire import WELL_KNOWN_METRICS, WELL_KNOWN_PHASES
 
@@ -38,6 +39,11 @@ class RegistryError(Exception):
 
 class UnknownRank(RegistryError):
     code, status = "unknown_rank", 409
+
+
+class RankTaken(RegistryError):
+    """Another live process of the same restart attempt holds the rank: two jobs, one job_id."""
+    code, status = "rank_taken", 409
 
 
 class StepNotIncreasing(RegistryError):
@@ -148,9 +154,7 @@ class Rank:
         return min(now_mono, max(self.registered_at, now_mono - (now_wall - wall)))
 
     def apply_step(self, item: "StepItem", now_mono: float, now_wall: float) -> None:
-        if self.step is not None and item.step <= self.step:
-            raise StepNotIncreasing(
-                f"step {item.step} is not greater than the last step {self.step} of rank {self.label}")
+        """One step report, whose step is above the last (Registry.apply_push checked the batch)."""
         interval = None
         if self.step is not None and self.step_wall is not None:
             elapsed = item.time - self.step_wall
@@ -225,10 +229,13 @@ class Rank:
 
 
 class Registry:
-    """Ranks by `(job_id, rank)`, with the limits of `settings.limits`."""
+    """Ranks by `(job_id, rank)`, with the limits of `settings.limits` and every rule of who
+    may register. `alive(pid, start_time)` tells whether a registered process still runs
+    (injected: procs.is_same_process by default)."""
 
-    def __init__(self, settings: "Settings"):
+    def __init__(self, settings: "Settings", alive: Callable[[int, float | None], bool] = procs.is_same_process):
         self.settings = settings
+        self.alive = alive
         self._ranks: dict[RankKey, Rank] = {}
         self._custom_names: dict[str, set[str]] = {}  # per job
         self._phase_names: dict[str, set[str]] = {}  # per job, beyond the well-known ones
@@ -279,6 +286,8 @@ class Registry:
         (when they differ: a rank in its own pid namespace); `owner_uid` the uid its process
         runs as, which must be the uid of the job's live ranks (JobOwned otherwise)."""
         key = (reg.job_id, reg.rank)
+        host = reg.pid if host_pid is None else host_pid
+        self._check_not_taken(reg, host)
         owned, owner = self.job_owner(reg.job_id)
         if owned and owner != owner_uid:
             raise JobOwned(f"job_id: {reg.job_id!r} belongs to uid {_uid_text(owner)} (its ranks run as it) until "
@@ -287,7 +296,7 @@ class Registry:
         self._check_phase_name(reg.job_id, reg.phase, owner_uid)
         rank = Rank(
             job_id=reg.job_id, rank=reg.rank, local_rank=reg.local_rank, world_size=reg.world_size,
-            local_world_size=reg.local_world_size, pid=reg.pid if host_pid is None else host_pid,
+            local_world_size=reg.local_world_size, pid=host,
             pid_start_time=pid_start_time, claimed_pid=None if host_pid in (None, reg.pid) else reg.pid,
             owner_uid=owner_uid, pidfd=pidfd,
             restart_count=reg.restart_count, peer_verified=peer_verified,
@@ -308,6 +317,18 @@ class Registry:
         self.registrations_total += 1
         return rank
 
+    def _check_not_taken(self, reg: "Registration", host_pid: int) -> None:
+        """A rank still held by another live process of the same attempt is a second job with the
+        same job_id (torchrun's --rdzv-id) on this node. Replacing it back and forth would reset
+        both ranks' stall timers on every push and mix their metrics, so the newcomer is refused.
+        A restarted worker (a higher restart count) or a dead holder is replaced as usual."""
+        held = self._ranks.get((reg.job_id, reg.rank))
+        if (held is not None and not held.gone and held.pid != host_pid and reg.restart_count <= held.restart_count
+                and self.alive(held.pid, held.pid_start_time)):
+            raise RankTaken(f"rank {held.label} is held by pid {held.pid}, still running at restart "
+                            f"{held.restart_count}: two jobs with job_id {reg.job_id!r} on this node? "
+                            "give each its own --rdzv-id")
+
     def lookup(self, job_id: str, rank: int, pid: int) -> Rank:
         """The live registration of `(job_id, rank)` by `pid`, or UnknownRank (the hooks then
         re-register and resend)."""
@@ -318,13 +339,15 @@ class Registry:
             raise UnknownRank(f"rank {job_id}/{rank} is registered by pid {r.wire_pid}, not {pid}")
         return r
 
-    def apply_push(self, push: "Push", now_mono: float | None = None, now_wall: float | None = None) -> int:
+    def apply_push(self, push: "Push", rank: Rank | None = None, now_mono: float | None = None,
+                   now_wall: float | None = None) -> int:
         """Apply a push's items in order, all or nothing: the whole batch is checked (steps
         increasing, name limits) before anything changes, so a refused push can be fixed
-        and resent, and a resent push that was already applied is refused, not doubled."""
+        and resent, and a resent push that was already applied is refused, not doubled.
+        `rank`: the push's rank as the caller already looked it up (else it is looked up here)."""
         from sidecar.protocol import EventItem, PhaseItem, StepItem
 
-        r = self.lookup(push.job_id, push.rank, push.pid)
+        r = self.lookup(push.job_id, push.rank, push.pid) if rank is None else rank
         self._check_push(r, push)
         now_mono = time.monotonic() if now_mono is None else now_mono
         now_wall = time.time() if now_wall is None else now_wall
@@ -373,8 +396,8 @@ class Registry:
         custom.update(new_custom)
         phases.update(new_phases)
 
-    def deregister(self, dereg: "Deregistration") -> Rank:
-        r = self.lookup(dereg.job_id, dereg.rank, dereg.pid)
+    def deregister(self, dereg: "Deregistration", rank: Rank | None = None) -> Rank:
+        r = self.lookup(dereg.job_id, dereg.rank, dereg.pid) if rank is None else rank
         self.mark_gone(r.key, dereg.reason or "deregistered")
         return r
 

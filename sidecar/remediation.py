@@ -34,8 +34,7 @@ import psutil
 
 from sidecar import procs
 from sidecar.config import RemediationSettings
-from sidecar.incidents import Incident, IncidentStore, main_thread, stack_head
-from sidecar.procs import is_running
+from sidecar.incidents import Incident, main_thread, stack_head
 from sidecar.stackfiles import MAX_STACK_BYTES, StackFile
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,7 +76,7 @@ class Target:
         """Still the registered process, and not exited (an unreaped zombie has exited)."""
         if self.pidfd is not None:
             return self.pidfd.alive()
-        return is_running(self.pid, self.start_time)
+        return procs.is_running(self.pid, self.start_time)
 
 
 # ---------------------------------------------------------------- safety
@@ -299,12 +298,19 @@ async def py_spy_dump(pid: int, timeout: float, nonblocking: bool) -> str:
 
 # ---------------------------------------------------------------- remediation
 
+@dataclass
+class Termination:
+    """Ranks SIGTERM reached, and the members of their process trees seen at that moment."""
+
+    signalled: list[Target]
+    members: list[tuple[Target, psutil.Process]]
+
+
 class Remediator:
     def __init__(self, settings: RemediationSettings):
         self.settings = settings
 
-    async def collect_stacks(self, incident: Incident, targets: list[Target], store: IncidentStore,
-                             signal_ranks: bool = True) -> None:
+    async def collect_stacks(self, incident: Incident, targets: list[Target], signal_ranks: bool = True) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
         file gained. A stopped rank gets the dump signal, SIGCONT and SIGSTOP at once: the
         pending dump signal is the lowest-numbered, so the kernel runs faulthandler's C handler
@@ -356,7 +362,6 @@ class Remediator:
                     if snap.in_collective is None and not text.startswith("py-spy "):
                         snap.in_collective = in_collective(text)
             incident.event("py_spy_done")
-        store.save(incident)
 
     async def _wait_for_dumps(self, targets: list[Target], sizes: dict[int, int]) -> None:
         """Until every file has grown and then held still briefly, or dump_wait_seconds."""
@@ -376,21 +381,25 @@ class Remediator:
             last = now
             await asyncio.sleep(POLL_SECONDS)
 
-    async def terminate(self, incident: Incident, targets: list[Target], store: IncidentStore) -> str:
-        """SIGTERM each rank's group, wait grace_seconds, then SIGKILL every rank and every
-        member of their groups still alive (not only ranks: a data-loader worker that ignores
-        SIGTERM would hold the GPU). "killed" when every rank and member is seen gone, whether
-        SIGTERM did it (the timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
+    async def sigterm(self, incident: Incident, targets: list[Target]) -> "Termination | None":
+        """The first half of a termination: SIGTERM each rank's group (None when no rank could
+        be signalled). The caller saves the incident, then awaits `finish`."""
         loop = asyncio.get_running_loop()
         # The tree as it is now: what a rank started is killed even if the rank dies first.
         members = [(t, p) for t in targets for p in await loop.run_in_executor(None, _descendants, t.pid)]
         signalled = await self._signal_all(incident, targets, signal.SIGTERM, "sigterm")
         if not signalled:
             incident.notes.append("no rank could be signalled")
-            store.save(incident)
-            return "failed"
-        store.save(incident)
-        members = [(t, p) for t, p in members if t in signalled]  # never the tree of a refused rank
+            return None
+        return Termination(signalled, [(t, p) for t, p in members if t in signalled])  # never a refused rank's tree
+
+    async def finish(self, incident: Incident, term: "Termination") -> str:
+        """After SIGTERM: wait grace_seconds, then SIGKILL every rank and every member of their
+        groups still alive (not only ranks: a data-loader worker that ignores SIGTERM would hold
+        the GPU). "killed" when every rank and member is seen gone, whether SIGTERM did it (the
+        timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
+        loop = asyncio.get_running_loop()
+        signalled, members = term.signalled, term.members
         left, members_left = await self._wait_exit(signalled, members, self.settings.grace_seconds)
         if left or members_left:
             await loop.run_in_executor(None, self._kill_left, incident, signalled, left, members_left)
@@ -401,7 +410,6 @@ class Remediator:
         else:
             incident.event("exit_observed", ranks=[t.rank for t in signalled])
             outcome = "killed"
-        store.save(incident)
         return outcome
 
     def _kill_left(self, incident: Incident, signalled: list[Target], left: list[Target],

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from prometheus_client.core import Metric
 
 from sidecar import __version__
+from sidecar.problems import Kind, Problem, merged
 
 if TYPE_CHECKING:
     from sidecar.collectors.base import CollectorRunner
@@ -178,11 +179,11 @@ def rank_entry(r: "Rank", watchdog: "Watchdog", now: float) -> dict:
     }
 
 
-def rank_problem(entry: dict) -> str:
+def rank_problem(entry: dict) -> Problem:
     phase = f" in phase {entry['phase']}" if entry["phase"] else ""
     timeout = f" (timeout {entry['timeout_seconds']:.0f}s)" if entry["timeout_seconds"] is not None else ""
-    return (f"rank {entry['job_id']}/{entry['rank']} {entry['state']}{phase}: no progress for "
-            f"{entry['last_progress_age_seconds']:.0f}s{timeout}")
+    return Problem(Kind.RANK, f"rank {entry['job_id']}/{entry['rank']} {entry['state']}{phase}: no progress for "
+                              f"{entry['last_progress_age_seconds']:.0f}s{timeout}", entry["job_id"], entry["rank"])
 
 
 def collectors_section(runner: "CollectorRunner", now_wall: float) -> dict:
@@ -207,18 +208,17 @@ def build_status(settings: "Settings", registry: "Registry", runner: "CollectorR
 
     # The watchdog words its own problems (stalled ranks with their timeout basis, the storm
     # cap); a rank in a bad state it did not mention still gets a line here.
-    problems = list(watchdog.problems())
-    problems += [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES
-                 and not any(p.startswith(f"rank {e['job_id']}/{e['rank']} ") for p in problems)]
-    problems += [f"collector {name} failing: {c['error'] or 'last run failed'}"
-                 for name, c in collectors.items() if c["success"] is False]
+    problems = merged(watchdog.problems(),
+                      [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES])
+    problems += [Problem(Kind.COLLECTOR, f"collector {name} failing: {c['error'] or 'last run failed'}",
+                         collector=name) for name, c in collectors.items() if c["success"] is False]
 
     return {
         "version": __version__,
         "time": now_wall,
         "uptime_seconds": round(now - started, 3),
         "health": "degraded" if problems else "healthy",
-        "problems": problems,
+        "problems": [p.text for p in problems],
         "node": node_section(settings, s),
         "gpus": gpus_section(s),
         "nics": nics_section(s),

@@ -36,7 +36,9 @@ from prometheus_client.core import Metric
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.incidents import Incident, IncidentStore, RankSnapshot
-from sidecar.remediation import OwnerStormCaps, Remediator, Target, is_running
+from sidecar.problems import Kind, Problem
+from sidecar.procs import is_running
+from sidecar.remediation import OwnerStormCaps, Remediator, Target
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank, RankKey, Registry
@@ -357,9 +359,12 @@ class Watchdog:
     async def _remediate(self, episode: _Episode, targets: list[Target]) -> None:
         incident = episode.incident
         try:
-            await self.remediator.collect_stacks(incident, targets, self.store)
+            await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
-            outcome = await self.remediator.terminate(incident, targets, self.store)
+            self.store.save(incident)  # the stacks are on disk before any signal
+            term = await self.remediator.sigterm(incident, targets)
+            self.store.save(incident)
+            outcome = "failed" if term is None else await self.remediator.finish(incident, term)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # remediation bugs must not take the watchdog down
@@ -378,7 +383,7 @@ class Watchdog:
         """Observe-only and storm-capped stalls: stacks from py-spy (it reads memory and never
         signals), the incident, the count; no signal."""
         try:
-            await self.remediator.collect_stacks(episode.incident, targets, self.store, signal_ranks=False)
+            await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=False)
             refine_blame(episode.incident)
         except asyncio.CancelledError:
             raise
@@ -455,18 +460,18 @@ class Watchdog:
             return None
         return self.deadline(rank).timeout
 
-    def problems(self) -> list[str]:
+    def problems(self) -> list[Problem]:
         out = []
         for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
             if t.state in (S.SUSPECT, S.STALLED, S.REMEDIATING):
                 d = self.deadline(t.rank)
-                out.append(f"rank {t.rank.label} is {t.state.value}: no progress for {d.age:.0f}s "
-                           f"(timeout {d.timeout:.0f}s, {d.basis})")
+                out.append(Problem(Kind.RANK, f"rank {t.rank.label} is {t.state.value}: no progress for {d.age:.0f}s "
+                                              f"(timeout {d.timeout:.0f}s, {d.basis})", t.rank.job_id, t.rank.rank))
         for e in self._episodes.values():
             if e.suppressed:
-                out.append(f"job {e.job_id}: remediation suppressed by the storm cap "
-                           f"({self.settings.remediation.max_per_window} per "
-                           f"{self.settings.remediation.window_seconds:.0f}s)")
+                out.append(Problem(Kind.STORM_CAP, f"job {e.job_id}: remediation suppressed by the storm cap "
+                                                   f"({self.settings.remediation.max_per_window} per "
+                                                   f"{self.settings.remediation.window_seconds:.0f}s)", e.job_id))
         return out
 
     def incidents(self, limit: int = 5) -> list[dict]:
