@@ -22,7 +22,8 @@ from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.exposition import MetricsEndpoint
 from sidecar.protocol import ProtocolError
-from sidecar.registry import Registry, RegistryError
+from sidecar.admission import RegistryError
+from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
 
 if TYPE_CHECKING:  # pragma: no cover
