@@ -26,9 +26,10 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -69,7 +70,7 @@ class Target:
     pidfd: object = None  # identity.PidFd kept since the registration, where the kernel has pidfds
 
     @classmethod
-    def of(cls, rank: "Rank") -> "Target":
+    def of(cls, rank: Rank) -> Target:
         return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_file,
                    rank.peer_verified, rank.pidfd)
 
@@ -154,7 +155,6 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
         _signal_group(target, sig)
         return [-pgid]
     # Not a group leader (or its group is ours): the rank and what it started, each checked.
-    sent = []
     try:
         tree = [psutil.Process(target.pid)] + _descendants(target.pid)
     except psutil.NoSuchProcess:
@@ -349,7 +349,7 @@ class Remediator:
         if asked:
             incident.event("dumps_received", ranks=got)
         if spy is not None:
-            for t, text in zip(targets, await spy):
+            for t, text in zip(targets, await spy, strict=True):
                 snap = by_pid.get(t.pid)
                 if snap is not None and text:
                     snap.py_spy = text
