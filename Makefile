@@ -21,12 +21,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m demo
 
-# Style and types (configured in pyproject.toml); `make test` runs it first.
+# Style and types (configured in pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint system-deps
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)
