@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar.stepcounters import StepCounters
+from trainer_hooks.wire import WELL_KNOWN_METRICS, WELL_KNOWN_PHASES
 
 if TYPE_CHECKING:
     from sidecar.config import Settings
@@ -24,11 +25,8 @@ if TYPE_CHECKING:
 
 RankKey = tuple[str, int]
 
-# Metric keys with their own series; any other key in a step's metrics is a custom metric.
-WELL_KNOWN_METRICS = frozenset({
-    "loss", "grad_norm", "lr", "step_time_seconds", "samples", "tokens",
-    "iterations_per_second", "samples_per_second", "tokens_per_second"})
-WELL_KNOWN_PHASES = frozenset({"startup", "checkpoint_save", "checkpoint_load", "eval", "compile", "data_load"})
+# The well-known metric and phase names are the wire contract's (trainer_hooks/wire.py): any
+# other key in a step's metrics is a custom metric, any other phase name counts against limits.
 
 
 class RegistryError(Exception):

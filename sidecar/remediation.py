@@ -85,9 +85,33 @@ class Target:
 
 def _ask_for_stacks(target: Target, stopped: bool) -> None:
     send(target, target.stack_signal, "process")
-    if stopped:
+    if stopped:  # a stopped process runs no handler: continue it; _restop stops it again
         send(target, signal.SIGCONT, "process")
-        send(target, signal.SIGSTOP, "process")
+
+
+# A stopped rank is continued only until its dump is written: faulthandler writes the whole
+# dump from inside its signal handler, so the file growing and then holding still for a few
+# milliseconds means the handler has returned (or is about to), and the rank is stopped again
+# after at most RESTOP_MAX_SECONDS of running.
+RESTOP_STILL_SECONDS = 0.02
+RESTOP_MAX_SECONDS = 1.0
+
+
+async def _restop(target: Target, size_before: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RESTOP_MAX_SECONDS
+    last, still_since = -1, None
+    while loop.time() < deadline:
+        size = await loop.run_in_executor(None, _file_size, target.stack_file)
+        if size > size_before and size == last:
+            still_since = still_since or loop.time()
+            if loop.time() - still_since >= RESTOP_STILL_SECONDS:
+                break
+        else:
+            still_since = None
+        last = size
+        await asyncio.sleep(0.005)
+    await loop.run_in_executor(None, send, target, signal.SIGSTOP, "process")
 
 
 def refusal(target: Target, protected: frozenset[int] | None = None, exited_ok: bool = False) -> str | None:
@@ -306,11 +330,12 @@ class Remediator:
     async def collect_stacks(self, incident: Incident, targets: list[Target], store: IncidentStore,
                              signal_ranks: bool = True) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
-        file gained. A stopped rank gets the dump signal, SIGCONT and SIGSTOP at once: the
-        pending dump signal is the lowest-numbered, so the kernel runs faulthandler's C handler
-        first and the rank stops again before it runs any training code (continuing it for the
-        whole dump wait would let it train on, or even finish, before the SIGTERM). Without
-        `signal_ranks` only py-spy's non-blocking mode runs: it never stops the process."""
+        file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
+        soon as its dump file has grown and held still (at most RESTOP_MAX_SECONDS): a stopped
+        process runs no signal handler, and sending SIGSTOP at once would stop it again before
+        the handler's first instruction, while continuing it for the whole dump wait would let
+        it train on, or even finish, before the SIGTERM. Without `signal_ranks` only py-spy's
+        non-blocking mode runs: it never stops the process."""
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
@@ -330,6 +355,14 @@ class Remediator:
                     asked.append(t)
                 except (Refused, OSError, psutil.Error) as e:
                     incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
+            restops = [t for t in asked if t.pid in stopped]
+            if restops:
+                results = await asyncio.gather(*(_restop(t, sizes[t.pid]) for t in restops),
+                                               return_exceptions=True)
+                for t, result in zip(restops, results):
+                    if isinstance(result, BaseException):
+                        incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again "
+                                              f"after its dump: {result}")
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
         if s.py_spy and py_spy_path():

@@ -148,7 +148,8 @@ class Watchdog:
         self.store = store or IncidentStore.for_settings(settings)
         self.remediator = remediator or Remediator(settings.remediation)
         rem = settings.remediation
-        self.storm_cap = OwnerStormCaps(rem.max_per_window, rem.max_per_window_node, rem.window_seconds, clock)
+        self.storm_cap = OwnerStormCaps(rem.max_per_window, max(rem.max_per_window, rem.max_per_window_node),
+                                        rem.window_seconds, clock)
         self.counters = _Counters()
         self._tracks: dict["RankKey", _Track] = {}
         self._episodes: dict[str, _Episode] = {}
