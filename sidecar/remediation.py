@@ -40,6 +40,7 @@ from sidecar.procs import is_running
 from sidecar.stackfiles import MAX_STACK_BYTES, StackFile
 
 if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.identity import PidFd
     from sidecar.registry import Rank
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Target:
     stack_signal: int | None = None
     stack_file: StackFile | None = None  # created by the sidecar (stackfiles.py), never a path the rank named
     verified: bool = True  # registered by the process itself (or its launcher), per peer credentials
-    pidfd: object = None  # identity.PidFd kept since the registration, where the kernel has pidfds
+    pidfd: PidFd | None = None  # kept since the registration, where the kernel has pidfds
 
     @classmethod
     def of(cls, rank: Rank) -> Target:
@@ -83,8 +84,8 @@ class Target:
 
 # ---------------------------------------------------------------- safety
 
-def _ask_for_stacks(target: Target, stopped: bool) -> None:
-    send(target, target.stack_signal, "process")
+def _ask_for_stacks(target: Target, stack_signal: int, stopped: bool) -> None:
+    send(target, stack_signal, "process")
     if stopped:  # a stopped process runs no handler: continue it; _restop stops it again
         send(target, signal.SIGCONT, "process")
 
@@ -160,6 +161,7 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
     if scope == "group_left":
         if target.pid in _forbidden_groups(protected):
             raise Refused(f"process group {target.pid} holds the sidecar or one of its ancestors")
+        assert target.pidfd is not None  # refusal() refuses group_left without one
         try:
             target.pidfd.send(sig, group=True)
         except ProcessLookupError:
@@ -351,7 +353,7 @@ class Remediator:
                 if not (t.stack_signal and t.stack_file):
                     continue
                 try:
-                    await loop.run_in_executor(None, _ask_for_stacks, t, t.pid in stopped)
+                    await loop.run_in_executor(None, _ask_for_stacks, t, t.stack_signal, t.pid in stopped)
                     asked.append(t)
                 except (Refused, OSError, psutil.Error) as e:
                     incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
@@ -359,7 +361,7 @@ class Remediator:
             if restops:
                 results = await asyncio.gather(*(_restop(t, sizes[t.pid]) for t in restops),
                                                return_exceptions=True)
-                for t, result in zip(restops, results):
+                for t, result in zip(restops, results, strict=True):
                     if isinstance(result, BaseException):
                         incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again "
                                               f"after its dump: {result}")
@@ -373,6 +375,7 @@ class Remediator:
             await self._wait_for_dumps(asked, sizes)
         got = []
         for t in asked:
+            assert t.stack_file is not None  # only ranks with a dump file are asked
             text = await loop.run_in_executor(None, t.stack_file.read_from, sizes[t.pid])
             snap = by_pid.get(t.pid)
             if snap is not None and text.strip():
