@@ -8,7 +8,8 @@ runs is asked of `alive`, injected by whoever builds the registry.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from trainer_hooks.wire import WELL_KNOWN_PHASES
 
@@ -52,7 +53,7 @@ class JobOwned(RegistryError):
 class Admission:
     """The rules over the registry's ranks and per-job name tables, with `settings.limits`."""
 
-    def __init__(self, settings: "Settings", ranks: "dict[RankKey, Rank]", custom_names: dict[str, set[str]],
+    def __init__(self, settings: Settings, ranks: dict[RankKey, Rank], custom_names: dict[str, set[str]],
                  phase_names: dict[str, set[str]], alive: Callable[[int, float | None], bool],
                  evict: Callable[[], None]):
         self.settings = settings
@@ -69,7 +70,7 @@ class Admission:
                 return True, r.owner_uid
         return False, None
 
-    def check_registration(self, reg: "Registration", host_pid: int, owner_uid: int | None) -> None:
+    def check_registration(self, reg: Registration, host_pid: int, owner_uid: int | None) -> None:
         """Refuse a registration that breaks a rule; records its phase name when it does not.
         `host_pid`: the rank's pid here; `owner_uid`: the uid its process runs as, which must be
         the uid of the job's live ranks (JobOwned otherwise)."""
@@ -81,7 +82,7 @@ class Admission:
         self._check_room(reg, owned, owner_uid)
         self._check_phase_name(reg.job_id, reg.phase, owner_uid)
 
-    def check_names(self, r: "Rank", custom: set[str], phases: set[str], new_custom: dict[str, int],
+    def check_names(self, r: Rank, custom: set[str], phases: set[str], new_custom: dict[str, int],
                     new_phases: dict[str, int]) -> None:
         """A push's new custom metric and phase names (name -> index of the first item naming
         it) against the job's (`custom`, `phases`) and its owner's limits."""
@@ -97,7 +98,7 @@ class Admission:
         if r.owner_uid != ROOT_UID and (new_custom or new_phases):
             self._check_user_names(r, new_custom, new_phases)
 
-    def _check_not_taken(self, reg: "Registration", host_pid: int) -> None:
+    def _check_not_taken(self, reg: Registration, host_pid: int) -> None:
         """A rank still held by another live process of the same attempt is a second job with the
         same job_id (torchrun's --rdzv-id) on this node. Replacing it back and forth would reset
         both ranks' stall timers on every push and mix their metrics, so the newcomer is refused.
@@ -124,7 +125,7 @@ class Admission:
                                 f"limits.max_phases_per_user is {user_limit}")
         names.add(phase)
 
-    def _check_room(self, reg: "Registration", owned: bool, owner_uid: int | None) -> None:
+    def _check_room(self, reg: Registration, owned: bool, owner_uid: int | None) -> None:
         """Node-wide ceilings for everyone; per-user quotas for everyone but root, so one user
         cannot take the slots another user's job needs."""
         limits = self.settings.limits

@@ -2,7 +2,8 @@
 once the stack dumps are in (`refine_blame`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from sidecar.incidents import Incident
 
@@ -10,7 +11,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank, RankKey
 
 
-def blame(ranks: list["Rank"], stalled_keys: "Collection[RankKey]") -> tuple["Rank | None", str]:
+def blame(ranks: list[Rank], stalled_keys: Collection[RankKey]) -> tuple[Rank | None, str]:
     """The rank most likely to hold the job up, and why: the one with the lowest step (the
     others wait for it in a collective), then the one whose progress is oldest; among ranks
     alike, the only one past its timeout (`stalled_keys`: the keys of those past it)."""
@@ -20,7 +21,7 @@ def blame(ranks: list["Rank"], stalled_keys: "Collection[RankKey]") -> tuple["Ra
     if len(ranks) == 1:
         return ranks[0], "the only local rank"
 
-    def step_of(r: "Rank") -> int:
+    def step_of(r: Rank) -> int:
         return -1 if r.step is None else r.step
 
     lowest = min(step_of(r) for r in ranks)

@@ -13,9 +13,10 @@ import dataclasses
 import math
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -69,7 +70,8 @@ class CollectorSettings:
         "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
     procfs_root: str = field(default="/proc", metadata=doc(
         "Root of procfs (`/host/proc` in a container)."))
-    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*|ifb.*|dummy.*)$", metadata=doc(
+    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*|ifb.*|dummy.*)$",
+                             metadata=doc(
         "Regular expression of network interfaces not to export (virtual ones by default)."))
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(default=True, metadata=doc(
@@ -393,10 +395,10 @@ def reference_markdown() -> str:
         nested = []
         for f in dataclasses.fields(cls):
             tp = _field_type(cls, f)
-            if dataclasses.is_dataclass(tp):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                 nested.append((f.name, tp))
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             env = (ENV_PREFIX + (prefix.replace(".", "_") + f.name)).upper()
             text = f.metadata.get("help", "").replace("|", "\\|")
             shown = str(default).replace("|", "\\|") if default != "" else '""'

@@ -13,7 +13,8 @@ another pod replaces its registration (and its series) rather than adding to the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import Metric
 

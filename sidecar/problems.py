@@ -8,8 +8,8 @@ stands, matched by subject, never by text.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 class Kind(enum.Enum):

@@ -12,7 +12,8 @@ import platform
 import socket
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
@@ -89,7 +90,7 @@ def _gpu_sort_key(gpu: str) -> tuple[int, str]:
 
 # ---------------------------------------------------------------- sections
 
-def node_section(settings: "Settings", s: Samples) -> dict:
+def node_section(settings: Settings, s: Samples) -> dict:
     versions = s.all("sidecar_versions_info")
     labels = versions[0][0] if versions else {}
     return {
@@ -162,7 +163,7 @@ def infiniband_section(s: Samples) -> list[dict]:
     return out
 
 
-def rank_entry(r: "Rank", watchdog: "Watchdog", now: float) -> dict:
+def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
     state = watchdog.rank_state(r)
     timeout = watchdog.timeout_for(r)
     m = r.metrics
@@ -186,7 +187,7 @@ def rank_problem(entry: dict) -> Problem:
                               f"{entry['last_progress_age_seconds']:.0f}s{timeout}", entry["job_id"], entry["rank"])
 
 
-def collectors_section(runner: "CollectorRunner", now_wall: float) -> dict:
+def collectors_section(runner: CollectorRunner, now_wall: float) -> dict:
     out = {}
     for name, r in runner.snapshot().items():
         ran = r.finished_at > 0
@@ -199,7 +200,7 @@ def collectors_section(runner: "CollectorRunner", now_wall: float) -> dict:
 
 # ---------------------------------------------------------------- the document
 
-def build_status(settings: "Settings", registry: "Registry", runner: "CollectorRunner", watchdog: "Watchdog",
+def build_status(settings: Settings, registry: Registry, runner: CollectorRunner, watchdog: Watchdog,
                  started: float) -> dict:
     now, now_wall = time.monotonic(), time.time()
     s = Samples(runner.families())

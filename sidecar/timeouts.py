@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config import WatchdogSettings
@@ -37,14 +38,14 @@ class Timeouts:
     """Deadlines by the settings of `watchdog.*`; the step timeout of each rank is kept until
     its next step (the quantile sorts up to `window` step times: once per step, not per tick)."""
 
-    def __init__(self, settings: "WatchdogSettings"):
+    def __init__(self, settings: WatchdogSettings):
         self.settings = settings
-        self._cache: dict["RankKey", tuple] = {}  # (rank, (step, step time), step timeout)
+        self._cache: dict[RankKey, tuple] = {}  # (rank, (step, step time), step timeout)
 
-    def forget(self, key: "RankKey") -> None:
+    def forget(self, key: RankKey) -> None:
         self._cache.pop(key, None)
 
-    def deadline(self, rank: "Rank", now: float) -> Deadline:
+    def deadline(self, rank: Rank, now: float) -> Deadline:
         wd = self.settings
         if rank.phase is not None:
             budget = rank.phase_timeout or wd.phase_timeouts.get(rank.phase) or wd.default_phase_timeout_seconds
