@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench gpu-check venv clean docs system-deps
+.PHONY: demo test lint bench gpu-check venv clean docs system-deps
 
 # Prometheus, promtool, Alertmanager and amtool from Debian's packages (the tests start them).
 system-deps:
@@ -20,6 +20,11 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m demo
+
+# Style and types (configured in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -n 2 --dist loadgroup

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from sidecar import generated
 from alerts import gpu_source
+from sidecar import generated
 from sidecar.xids import HARDWARE_XIDS
 
 HERE = Path(__file__).resolve().parent
@@ -72,6 +72,22 @@ THRESHOLDS: dict[str, float | str] = {
     "nic_carrier_changes_per_15m": 2,
 }
 T = THRESHOLDS
+
+
+def window(key: str) -> str:
+    """A threshold that is a PromQL duration ("1h")."""
+    value = THRESHOLDS[key]
+    if not isinstance(value, str):
+        raise TypeError(f"threshold {key} is a number, not a duration")
+    return value
+
+
+def number(key: str) -> float:
+    """A threshold that is a number (drawn on dashboards as well)."""
+    value = THRESHOLDS[key]
+    if isinstance(value, str):
+        raise TypeError(f"threshold {key} is text, not a number")
+    return value
 
 
 @dataclass
@@ -195,7 +211,7 @@ TRAINING = Group("sidecar-training", [
           "critical", f"Rank stalled: {LABELS_RANK}",
           "The watchdog saw no progress from this rank within its timeout and has not recovered it "
           "(remediation failed, was suppressed, or the watchdog is observe-only).",
-          for_=T["rank_stalled_for"]),
+          for_=window("rank_stalled_for")),
     Alert("SidecarJobNotProgressing",
           f"time() - max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > {T['no_progress_seconds']}\n"
           "and max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > 0",
@@ -220,19 +236,19 @@ TRAINING = Group("sidecar-training", [
           "sidecar_job_failures_total): {{ $labels.reason }}. `sidecar incidents` on the job's nodes has the "
           "evidence; the runbook section of that reason says what to do."),
     Alert("SidecarRankCudaOutOfMemory",
-          increased('sidecar_rank_exits_total{reason="exception/cuda_oom"}', T["exit_window"], "job_id, instance"),
+          increased('sidecar_rank_exits_total{reason="exception/cuda_oom"}', window("exit_window"), "job_id, instance"),
           "warning", "CUDA out of memory in job {{ $labels.job_id }} on {{ $labels.instance }}",
           "A rank of job {{ $labels.job_id }} died of torch.OutOfMemoryError. Lower the micro-batch size (keep the "
           "global batch with more accumulation steps), enable activation checkpointing, or set "
           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation."),
     Alert("SidecarRankKernelOOMKilled",
-          increased('sidecar_rank_exits_total{reason="oom_killed"}', T["exit_window"], "job_id, instance"),
+          increased('sidecar_rank_exits_total{reason="oom_killed"}', window("exit_window"), "job_id, instance"),
           "warning", "Kernel OOM killer killed a rank of job {{ $labels.job_id }} on {{ $labels.instance }}",
           "A rank ran out of host memory (its memory cgroup or the node) and the kernel killed it. Lower DataLoader "
           "workers and prefetching, pinned-memory buffers and CPU-side copies, or raise the container's memory "
           "limit; `sidecar incidents` names the cgroup."),
     Alert("SidecarCollectiveTimeout",
-          increased('sidecar_rank_exits_total{reason="exception/collective_timeout"}', T["exit_window"],
+          increased('sidecar_rank_exits_total{reason="exception/collective_timeout"}', window("exit_window"),
                     "job_id, instance"),
           "warning", "Collective timeout in job {{ $labels.job_id }} on {{ $labels.instance }}",
           "A rank of job {{ $labels.job_id }} died waiting for its peers in a collective (gloo or NCCL timeout). "
@@ -240,7 +256,7 @@ TRAINING = Group("sidecar-training", [
           "or gone on another node: SidecarRankStraggler, stall incidents, NIC and InfiniBand errors) before "
           "raising the process-group timeout."),
     Alert("SidecarRankGpuError",
-          increased('sidecar_rank_exits_total{reason="gpu_error"}', T["exit_window"], "job_id, instance"),
+          increased('sidecar_rank_exits_total{reason="gpu_error"}', window("exit_window"), "job_id, instance"),
           "critical", "A rank of job {{ $labels.job_id }} died after an XID on {{ $labels.instance }}",
           "A rank died right after its GPU reported an XID: the GPU, not the job, failed. Drain the node, check "
           "SidecarGpuXidCritical and nvidia-smi -q, reset or replace the GPU before scheduling on it again."),
@@ -314,7 +330,8 @@ TRAINING = Group("sidecar-training", [
 
 GPU = Group("sidecar-gpu", [
     Alert("SidecarGpuXidCritical",
-          increased(f'gpu:sidecar_gpu_xid_errors_total{{xid=~"{T["xid_critical"]}"}}', T["xid_window"], "instance, gpu, xid"),
+          increased(f'gpu:sidecar_gpu_xid_errors_total{{xid=~"{T["xid_critical"]}"}}', window("xid_window"),
+                    "instance, gpu, xid"),
           "critical", f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
           "The driver reported an XID whose recovery needs a GPU reset or a node reboot. Drain the node."),
     Alert("SidecarGpuXid",

@@ -110,10 +110,11 @@ def main(argv: list[str]) -> int:
                      str(args.ranks), "--batches", str(args.batches), "--batch-size", str(args.batch_size)],
                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             for c in clients:
-                assert c.stdout.readline().strip() == "ready"
+                assert c.stdout is not None and c.stdout.readline().strip() == "ready"
             me = psutil.Process(sidecar.pid)
             cpu0, wall0 = sum(me.cpu_times()[:2]), time.perf_counter()
             for c in clients:
+                assert c.stdin is not None  # stdin=PIPE
                 c.stdin.write("go\n")
                 c.stdin.flush()
             for c in clients:

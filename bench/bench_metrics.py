@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -58,18 +59,18 @@ COLLECTOR_DURATION = re.compile(r'^sidecar_scrape_collector_duration_seconds\{co
                                 re.MULTILINE)
 TARGETS = {"median_ms": 5.0, "p99_ms": 20.0, "cpu_percent": 2.0, "rss_mb": 80.0}
 
-RANK_SCRIPT = textwrap.dedent("""
+RANK_SCRIPT = textwrap.dedent(f"""
     import math, sys, time
     from trainer_hooks import Monitor
     rank = int(sys.argv[1])
-    mon = Monitor(job_id="bench", rank=rank, local_rank=rank, world_size=%d, local_world_size=%d)
+    mon = Monitor(job_id="bench", rank=rank, local_rank=rank, world_size={RANKS}, local_world_size={RANKS})
     step = 0
     while True:
         step += 1
         mon.step(step, loss=2.0 + math.sin(step / 50), grad_norm=0.9, lr=3e-4, samples=64, tokens=32768,
                  step_time_seconds=0.1)
         time.sleep(0.1)
-""" % (RANKS, RANKS))
+""")
 
 
 @dataclass
@@ -138,7 +139,7 @@ def steady_phase(targets: list[tuple[Figures, psutil.Process, Scraper]], seconds
             next_scrape += 5.0
         time.sleep(0.5)
     wall = time.monotonic() - start
-    for (fig, proc, _), cpu0 in zip(targets, start_cpu):
+    for (fig, proc, _), cpu0 in zip(targets, start_cpu, strict=True):
         fig.cpu_percent = 100.0 * (cpu_seconds(proc) - cpu0) / wall
 
 
@@ -146,7 +147,7 @@ def scrape_phase(targets: list[tuple[Figures, psutil.Process, Scraper]], scrapes
     for _, _, scraper in targets:  # warm the connections
         scraper.get()
     for _ in range(scrapes):
-        for fig, proc, scraper in targets:
+        for fig, _, scraper in targets:
             elapsed, _ = scraper.get()
             fig.latencies_ms.append(elapsed)
         time.sleep(0.02)
@@ -216,6 +217,12 @@ def start_node(stack: contextlib.ExitStack, work: Path, *settings: str, nvml: st
     return sidecar
 
 
+def started(sidecar: Sidecar) -> subprocess.Popen:
+    if sidecar.proc is None:
+        raise RuntimeError("the sidecar was not started")
+    return sidecar.proc
+
+
 def start_node_exporter(stack: contextlib.ExitStack, work: Path) -> tuple[psutil.Process, int] | None:
     if not os.access(NODE_EXPORTER, os.X_OK):
         print(f"{NODE_EXPORTER} not installed: measuring the sidecar alone")
@@ -246,11 +253,12 @@ def item9_case(work: Path, seconds: float, nvml: str, reuse: float) -> bool:
         print(f"{accepted + RANKS} ranks registered ({accepted} idle with {ITEM9_CUSTOMS} custom metrics each); "
               f"scraping back to back for {seconds:.0f} s, metrics_reuse_seconds={reuse}", flush=True)
         seen = scrape_and_probe(sidecar.port, seconds)
-        rss = psutil.Process(sidecar.proc.pid).memory_info().rss / 2**20
+        rss = psutil.Process(started(sidecar).pid).memory_info().rss / 2**20
     print(seen.summary() + f"; sidecar RSS {rss:.0f} MB")
     p99 = seen.quantile(seen.healthz_ms, 0.99)
     ok = p99 <= ITEM9_HEALTHZ_P99_MS and not seen.failures
-    print(f"item 9  /healthz p99 {p99:8.2f} ms (max {max(seen.healthz_ms):.1f} ms)  target <= {ITEM9_HEALTHZ_P99_MS:<6} "
+    print(f"item 9  /healthz p99 {p99:8.2f} ms (max {max(seen.healthz_ms):.1f} ms)  "
+          f"target <= {ITEM9_HEALTHZ_P99_MS:<6} "
           f"{'PASS' if ok else 'FAIL'}" + (f"  failures: {seen.failures[:3]}" if seen.failures else ""))
     return ok
 
@@ -290,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             wait_until(lambda: b"sidecar_gpu_process_memory_bytes{" in http_get(sidecar.url + "/metrics")[1],
                        30, interval=0.5, what="per-rank GPU memory")
-            targets = [(Figures("sidecar"), psutil.Process(sidecar.proc.pid), Scraper(sidecar.port))]
+            targets = [(Figures("sidecar"), psutil.Process(started(sidecar).pid), Scraper(sidecar.port))]
             ne = start_node_exporter(stack, work)
             if ne is not None:
                 targets.append((Figures("node_exporter"), ne[0], Scraper(ne[1])))
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             steady_phase(targets, args.steady_seconds)
             print(f"scrape phase: {args.scrapes} scrapes each, 20 ms apart", flush=True)
             scrape_phase(targets, args.scrapes)
-            if sidecar.proc.poll() is not None:
+            if started(sidecar).poll() is not None:
                 raise RuntimeError(f"the sidecar exited:\n{tail(sidecar.log)}")
         figures = [fig for fig, _, _ in targets]
         if args.breakdown:
@@ -308,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 bare = start_node(stack, work / "bare", "collectors.enabled=", nvml=args.nvml)
                 time.sleep(3)
                 without = Figures("sidecar, no hardware collectors")
-                steady_phase([(without, psutil.Process(bare.proc.pid), Scraper(bare.port))], args.steady_seconds)
+                steady_phase([(without, psutil.Process(started(bare).pid), Scraper(bare.port))], args.steady_seconds)
             figures.append(without)
         ok = report(figures[:2] if ne is not None else figures[:1])
         print("\ncollector run time (wall, median over the steady phase): " + ", ".join(

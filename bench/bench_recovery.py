@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,7 +62,7 @@ def hang_job(pg_timeout: float | None = None) -> JobSpec:
                    step_delay_seconds=0.1, max_restarts=3, process_group_timeout_seconds=pg_timeout)
 
 
-def follow(log: TrainerLog, into: dict) -> None:
+def follow(log: TrainerLog, into: dict[str, float]) -> None:
     """Collect the milestones: hang time, resume time, first step after it."""
     for e in log.poll():
         if e.kind == "fault":
@@ -72,6 +73,12 @@ def follow(log: TrainerLog, into: dict) -> None:
             into.setdefault("first_step", e.time)
         elif e.kind == "finished":
             into["finished"] = e.time
+
+
+def follow_until_exit(log: TrainerLog, into: dict[str, float], train: subprocess.Popen) -> bool:
+    """`follow`, then whether the job has exited (a `wait_for` condition)."""
+    follow(log, into)
+    return train.poll() is not None
 
 
 UNSHARE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
@@ -91,8 +98,8 @@ def run_with_sidecar(workdir: Path, label: str, pid_namespace: bool = False) -> 
         started = time.time()
         command = (UNSHARE if pid_namespace else []) + hang_job().command(workdir)
         train = procs.start("torchrun", command, env={"SIDECAR_SOCKET": sock})
-        log, seen = TrainerLog(procs.log("torchrun")), {}
-        wait_for(lambda: (follow(log, seen), train.poll() is not None)[1], JOB_TIMEOUT_SECONDS, 0.2)
+        log, seen = TrainerLog(procs.log("torchrun")), dict[str, float]()
+        wait_for(lambda: follow_until_exit(log, seen, train), JOB_TIMEOUT_SECONDS, 0.2)
         follow(log, seen)
         run = Run(label, train.poll() == 0 and "finished" in seen, total=time.time() - started)
         status = client.status() or {}
@@ -115,8 +122,8 @@ def run_torchrun_alone(workdir: Path, pg_timeout: float) -> Run:
         job = hang_job(pg_timeout)
         job.extra.append("monitor.enabled=false")
         train = procs.start("torchrun", job.command(workdir))
-        log, seen = TrainerLog(procs.log("torchrun")), {}
-        wait_for(lambda: (follow(log, seen), train.poll() is not None)[1], pg_timeout + JOB_TIMEOUT_SECONDS, 0.2)
+        log, seen = TrainerLog(procs.log("torchrun")), dict[str, float]()
+        wait_for(lambda: follow_until_exit(log, seen, train), pg_timeout + JOB_TIMEOUT_SECONDS, 0.2)
         follow(log, seen)
         run = Run(f"torchrun alone (pg timeout {pg_timeout:g}s)", train.poll() == 0 and "finished" in seen,
                   total=time.time() - started)
@@ -169,7 +176,7 @@ def goodput_run(workdir: Path, minutes: int) -> tuple[float, int, float]:
                 step_times.append((e.fields["step"], e.time))
         if train.poll() != 0:
             raise RuntimeError(f"the goodput job did not finish (exit {train.poll()}); see {workdir}")
-    gaps = [b[1] - a[1] for a, b in zip(step_times, step_times[1:]) if b[0] == a[0] + 1]
+    gaps = [b[1] - a[1] for a, b in zip(step_times, step_times[1:], strict=False) if b[0] == a[0] + 1]
     healthy = statistics.median(gaps)
     wall = step_times[-1][1] - step_times[0][1]
     return steps * healthy / wall, hangs, wall

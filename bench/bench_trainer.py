@@ -41,9 +41,17 @@ def run(workdir: Path, hidden: int, steps: int, *settings: str) -> str:
     return log.read_text(errors="replace")
 
 
+def found(pattern: str | re.Pattern[str], text: str) -> str:
+    """The first group of `pattern`'s first match in `text` (its absence ends the benchmark)."""
+    m = re.search(pattern, text)
+    if m is None:
+        raise SystemExit(f"not in the trainer's log: {pattern}")
+    return m[1]
+
+
 def when(log: str, needle: str) -> datetime:
     line = next(line for line in log.splitlines() if needle in line)
-    return datetime.strptime(STAMP.match(line)[1], "%Y-%m-%d %H:%M:%S,%f")
+    return datetime.strptime(found(STAMP, line), "%Y-%m-%d %H:%M:%S,%f")
 
 
 def digest(log: str) -> str:
@@ -63,7 +71,7 @@ def main() -> int:
     saves = [float(s) for s in re.findall(r"checkpoint saved: .* seconds=([0-9.]+)", clean)]
     rates = [float(r) for r in re.findall(r"it/s=([0-9.]+)", clean)]
     recovery = (when(killed, "resumed from step") - when(killed, "fault injection")).total_seconds()
-    resumed = int(re.search(r"resumed from step (\d+)", killed)[1])
+    resumed = int(found(r"resumed from step (\d+)", killed))
     exact = digest(clean) == digest(killed)
     interval = 10 / statistics.median(rates)
     print(f"model: ~{params / 1e6:.1f} M parameters (+2x AdamW state), 2 ranks, CPU/gloo")

@@ -88,7 +88,8 @@ def check_families(text: str) -> tuple[list[str], list[str]]:
 def promtool_check(text: str) -> tuple[bool, str]:
     if not os.access(PROMTOOL, os.X_OK):
         return False, f"{PROMTOOL} not found"
-    proc = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60, check=False)
+    proc = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60,
+                          check=False)
     return proc.returncode == 0, (proc.stdout + proc.stderr).decode().strip()
 
 

@@ -49,7 +49,7 @@ class CallCounter:
     """`with CallCounter(pynvml) as counter:` ... `counter.calls` by C symbol."""
 
     def __init__(self, nv: ModuleType):
-        self.nv = sys.modules[nv.nvmlInit.__module__]  # pynvml itself, also under the fake library module
+        self.nv: Any = sys.modules[nv.nvmlInit.__module__]  # pynvml itself, also under the fake library module
         self.calls: Counter[str] = Counter()
         self._lookup: Any = None
 
@@ -95,6 +95,7 @@ def measure(module_name: str, rounds: int = 5) -> RoundCost:
         if not collector.session.start():
             raise RuntimeError(collector.session.broken or "no NVIDIA GPUs")
         nv = collector.session.nv
+        assert nv is not None  # start() succeeded
         gpus = collector.session.count
         collector.collect()  # the first round: static facts and the health read
         fast, fast_s = _rounds(collector, nv, rounds, health=False)

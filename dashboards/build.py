@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from alerts.build import THRESHOLDS
+from alerts.build import number
 from sidecar import generated
 
 HERE = Path(__file__).resolve().parent
@@ -142,7 +143,7 @@ def annotation(name: str, expr: str, color: str, title: str, text: str) -> dict:
 
 
 def dashboard(uid: str, title: str, description: str, variables: list[dict], panels: list[dict],
-              annotations: list[dict] = ()) -> dict:
+              annotations: Sequence[dict] = ()) -> dict:
     return {
         "uid": uid, "title": title, "description": description, "tags": TAGS,
         "schemaVersion": SCHEMA_VERSION, "version": 1, "editable": True, "graphTooltip": 1,
@@ -159,8 +160,8 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict], pan
 # ------------------------------------------------------------------ the dashboards
 
 def training_job() -> dict:
-    ckpt_age = THRESHOLDS["checkpoint_max_age_seconds"]
-    straggler = THRESHOLDS["straggler_ratio"]
+    ckpt_age = number("checkpoint_max_age_seconds")
+    straggler = number("straggler_ratio")
     panels = [
         row("Progress"),
         stat("Step", f"job_id:sidecar_training_step:max{{{JOB}}}", description="Highest step of any rank."),
@@ -279,7 +280,7 @@ def gpu_parity_panels() -> list[dict]:
 
 
 def node_hardware() -> dict:
-    margin = THRESHOLDS["thermal_margin_celsius"]
+    margin = number("thermal_margin_celsius")
     panels = [
         row("GPU"),
         timeseries("GPU utilization", f"gpu:sidecar_gpu_utilization_ratio{{{GPUS}}}", "percentunit",
@@ -322,7 +323,7 @@ def node_hardware() -> dict:
                                  (f"gpu:sidecar_gpu_pcie_link_max_width{{{GPUS}}}", "GPU {{gpu}} max width")],
                    "short", min_=0, w=8),
         timeseries("PCIe replays per second", f"rate(gpu:sidecar_gpu_pcie_replay_total{{{GPUS}}}[$__rate_interval])",
-                   "short", min_=0, w=8, threshold=THRESHOLDS["pcie_replays_per_second"]),
+                   "short", min_=0, w=8, threshold=number("pcie_replays_per_second")),
         timeseries("GPU memory per rank", f"gpu:sidecar_gpu_process_memory_bytes{{{GPUS}}}", "bytes",
                    "Memory each rank's processes hold on each GPU.", min_=0, w=8),
         *gpu_parity_panels(),

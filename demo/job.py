@@ -60,7 +60,8 @@ class JobSpec:
     extra: list[str] = field(default_factory=list)  # more trainer `--set section.field=value`
 
     def command(self, workdir: Path, rdzv_port: int | None = None) -> list[str]:
-        sets = {"train.steps": self.steps, "train.log_every_steps": 1, "checkpoint.dir": self.checkpoint_dir or str(workdir / "ckpt"),
+        sets = {"train.steps": self.steps, "train.log_every_steps": 1,
+                "checkpoint.dir": self.checkpoint_dir or str(workdir / "ckpt"),
                 "checkpoint.every_steps": self.checkpoint_every, "data.delay_seconds": self.step_delay_seconds,
                 "batch.global_batch_size": 16, "batch.micro_batch_size": 8, "faults.kind": self.fault,
                 "faults.rank": self.fault_rank, "faults.at_step": self.fault_step}
@@ -130,7 +131,7 @@ class TrainerLog:
 
     def poll(self) -> list[LogEvent]:
         try:
-            with open(self.path, "r", errors="replace") as f:
+            with open(self.path, errors="replace") as f:
                 f.seek(self._offset)
                 chunk = f.read()
                 self._offset = f.tell()

@@ -7,8 +7,8 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import psutil
 
@@ -62,7 +62,7 @@ class Processes:
             self.stop(proc)
         self.started.clear()
 
-    def __enter__(self) -> "Processes":
+    def __enter__(self) -> Processes:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,8 @@ from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.exposition import MetricsEndpoint
 from sidecar.protocol import ProtocolError
-from sidecar.registry import Registry, RegistryError
+from sidecar.admission import RegistryError
+from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -153,19 +154,6 @@ async def read_json(request: web.Request) -> dict:
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
-def check_not_taken(registry, reg: protocol.Registration, host_pid: int) -> None:
-    """A rank still held by another live process of the same attempt is a second job with the
-    same job_id (torchrun's --rdzv-id) on this node. Replacing it back and forth would reset
-    both ranks' stall timers on every push and mix their metrics, so the newcomer is refused.
-    A restarted worker (a higher restart count) or a dead holder is replaced as usual."""
-    held = registry.get(reg.job_id, reg.rank)
-    if (held is not None and not held.gone and held.pid != host_pid and reg.restart_count <= held.restart_count
-            and procs.is_same_process(held.pid, held.pid_start_time)):
-        raise ApiError(409, "rank_taken", f"rank {held.label} is held by pid {held.pid}, still running at restart "
-                                          f"{held.restart_count}: two jobs with job_id {reg.job_id!r} on this node? "
-                                          "give each its own --rdzv-id")
-
-
 def check_session(request: web.Request, rank, session: str | None) -> None:
     """Over TCP nothing tells who is calling, so a push or deregistration must carry the
     session its registration returned. A wrong one answers unknown_rank: honest hooks
@@ -208,7 +196,6 @@ async def register(request: web.Request) -> web.Response:
         claimed = identity.Claimed(reg.pid, reg.pid, procs.start_time(reg.pid), None, None)
     else:
         claimed = await loop.run_in_executor(None, identity.resolve, peer, reg.pid, d.protected_pids)
-    check_not_taken(d.registry, reg, claimed.pid)
     previous = d.registry.get(reg.job_id, reg.rank)
     rank = d.registry.register(reg, pid_start_time=claimed.start_time, peer_verified=peer is not None,
                                host_pid=claimed.pid, owner_uid=claimed.uid, pidfd=claimed.pidfd)
@@ -240,7 +227,7 @@ async def push(request: web.Request) -> web.Response:
     rank = d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
     check_session(request, rank, batch.session)
     check_sender(request, rank)
-    accepted = d.registry.apply_push(batch)
+    accepted = d.registry.apply_push(batch, rank)
     records = d.stats.records
     for item in batch.items:
         records[_ITEM_TYPES[type(item)]] += 1
@@ -256,7 +243,7 @@ async def deregister(request: web.Request) -> web.Response:
     rank = d.registry.lookup(dereg.job_id, dereg.rank, dereg.pid)
     check_session(request, rank, dereg.session)
     check_sender(request, rank)
-    rank = d.registry.deregister(dereg)
+    rank = d.registry.deregister(dereg, rank)
     if d.exits is not None:
         d.exits.deregistered(rank, dereg.reason, dereg.exit)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)

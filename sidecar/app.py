@@ -14,8 +14,9 @@ import signal
 import socket
 import stat
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -49,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_app(settings: Settings) -> web.Application:
     """The application, ready for a runner. Reads the push token (ConfigError if unreadable)."""
-    registry = Registry(settings)
+    registry = Registry(settings, alive=procs.is_same_process)
     # The per-rank collectors look only at the ranks /metrics has room for (exposition.py).
+    endpoint: MetricsEndpoint
     watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
     collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
@@ -84,8 +86,9 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
         "collectors": d.runner.run_forever,
         "retention": lambda: sweep_forever(d.registry),
-        "exits": d.exits.run,
     }
+    if d.exits is not None:
+        jobs["exits"] = d.exits.run
     if d.settings.watchdog.enabled:
         jobs["watchdog"] = d.watchdog.run
     tasks = [asyncio.create_task(supervised(name, job), name=name) for name, job in jobs.items()]
@@ -94,7 +97,8 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     app[api.METRICS_ENDPOINT].close()
-    d.exits.close()
+    if d.exits is not None:
+        d.exits.close()
     for collector in d.runner.collectors:  # stop their threads (the GPU collector's XID waiter)
         close = getattr(collector, "close", None)
         if close is not None:

@@ -14,7 +14,8 @@ SUBCOMMANDS = {
     "incidents": ("sidecar.incidents", "list the watchdog's incident records"),
     "preflight": ("sidecar.preflight.cli", "check this node before a job starts"),
     "provision": ("sidecar.provision", "push dashboards, datasource and alert rules to Grafana"),
-    "deploy-gen": ("sidecar.deploygen", "generate the deploy files from the rules and dashboards (--write DIR: the whole tree)"),
+    "deploy-gen": ("sidecar.deploygen",
+                   "generate the deploy files from the rules and dashboards (--write DIR: the whole tree)"),
     "metrics-doc": ("sidecar.collectors.docs", "write the metrics reference (docs/metrics.md)"),
     "config-doc": ("sidecar.config", "write the settings reference (docs/configuration.md)"),
 }

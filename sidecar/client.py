@@ -10,8 +10,8 @@ import http.client
 import json
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 from urllib.parse import urlsplit
 
 from sidecar.config import DEFAULT_SOCKET
@@ -42,7 +42,7 @@ class Endpoint:
         return "--url" if self.socket else "--socket"
 
     @classmethod
-    def of_url(cls, url: str) -> "Endpoint":
+    def of_url(cls, url: str) -> Endpoint:
         """A URL as operators type it: `node-3:9402` means `http://node-3:9402`."""
         return cls(url=url if "://" in url else f"http://{url}")
 

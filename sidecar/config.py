@@ -13,14 +13,16 @@ import dataclasses
 import math
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
 from sidecar import generated
 from sidecar.settings_tree import SettingsTree
+from trainer_hooks import wire
 
 DEFAULT_PORT = 9402
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -68,7 +70,8 @@ class CollectorSettings:
         "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
     procfs_root: str = field(default="/proc", metadata=doc(
         "Root of procfs (`/host/proc` in a container)."))
-    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*|ifb.*|dummy.*)$", metadata=doc(
+    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*|ifb.*|dummy.*)$",
+                             metadata=doc(
         "Regular expression of network interfaces not to export (virtual ones by default)."))
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(default=True, metadata=doc(
@@ -102,9 +105,9 @@ class LimitSettings:
     max_items_per_push: int = field(default=10_000, metadata=doc("Most items in one `/v1/push`."))
     max_jobs: int = field(default=16, metadata=doc("Most distinct jobs registered at once (429 beyond)."))
     max_ranks_per_job: int = field(default=1024, metadata=doc("Most ranks of one job registered on this node."))
-    max_custom_metrics: int = field(default=32, metadata=doc(
+    max_custom_metrics: int = field(default=wire.MAX_CUSTOM_METRICS, metadata=doc(
         "Most distinct custom metric names per job (429 beyond; the well-known ones never count)."))
-    max_phases: int = field(default=16, metadata=doc("Most distinct phase names per job."))
+    max_phases: int = field(default=wire.MAX_PHASES, metadata=doc("Most distinct phase names per job."))
     max_ranks: int = field(default=2048, metadata=doc(
         "Most ranks registered at once on this node, all users together (429 beyond)."))
     max_jobs_per_user: int = field(default=4, metadata=doc(
@@ -179,7 +182,8 @@ class RemediationSettings:
         "Most remediations per window of the jobs of one uid; past it the watchdog only alerts "
         "about that user's stalls (restart-storm cap). Another user's jobs keep their own."))
     max_per_window_node: int = field(default=8, metadata=doc(
-        "Most remediations per window on this node, all users together (the storm cap's ceiling)."))
+        "Most remediations per window on this node, all users together (the storm cap's ceiling); "
+        "never below max_per_window, so raising that one alone (a single-user node) raises both."))
     window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
 
     def __post_init__(self) -> None:
@@ -391,10 +395,10 @@ def reference_markdown() -> str:
         nested = []
         for f in dataclasses.fields(cls):
             tp = _field_type(cls, f)
-            if dataclasses.is_dataclass(tp):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                 nested.append((f.name, tp))
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             env = (ENV_PREFIX + (prefix.replace(".", "_") + f.name)).upper()
             text = f.metadata.get("help", "").replace("|", "\\|")
             shown = str(default).replace("|", "\\|") if default != "" else '""'

@@ -23,8 +23,8 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 log = logging.getLogger(__name__)
 

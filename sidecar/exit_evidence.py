@@ -30,7 +30,8 @@ from sidecar import procs
 
 PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, struct pidfd_info) with the 64-byte first version
 PIDFD_INFO_EXIT = 1 << 3
-_PIDFD_INFO = struct.Struct("QQ11Ii")  # mask, cgroupid, pid tgid ppid ruid rgid euid egid suid sgid fsuid fsgid, exit_code (64 bytes)
+# mask, cgroupid, pid tgid ppid ruid rgid euid egid suid sgid fsuid fsgid, exit_code (64 bytes)
+_PIDFD_INFO = struct.Struct("QQ11Ii")
 MAX_CGROUP_DEPTH = 32
 MAX_PROCS_BYTES = 1 << 20  # cgroup.procs read to check membership
 MAX_KMSG_RECORDS = 100_000

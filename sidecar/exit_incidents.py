@@ -89,10 +89,11 @@ class ExitIncidents:
             del self._open[stale]
         current = self._open.get(key)
         opened = current is None
-        if opened:
+        if current is None:
             incident = self.store.open(job_id, cls=ExitIncident, blamed_rank=entry["rank"],
                                        blame_reason=f"first local rank to exit ({entry['reason']})",
                                        timeout_seconds=None, observe_only=False, ranks=[], outcome=entry["reason"])
+            assert isinstance(incident, ExitIncident)  # open() builds the `cls` it is given
             self._open[key] = (now, incident)
         else:
             incident = current[1]

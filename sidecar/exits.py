@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from prometheus_client.core import Metric
 
 from sidecar import exit_evidence as kernel
+from sidecar.procs import is_running
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.exit_incidents import ExitIncidents
 from sidecar.rollback import RollbackMemory
@@ -315,7 +316,6 @@ class ExitTracker:
     def _alive(self, w: _Watch) -> bool:
         if w.pidfd is not None:
             return w.pidfd.alive()
-        from sidecar.remediation import is_running
         return w.rank.pid_start_time is None or is_running(w.rank.pid, w.rank.pid_start_time)
 
     def _status(self, w: _Watch) -> tuple[int | None, str | None]:

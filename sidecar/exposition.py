@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
@@ -60,13 +61,13 @@ class Plan:
     dropped_series: int
 
 
-def fair_order(ranks: Iterable["Rank"]) -> list["Rank"]:
+def fair_order(ranks: Iterable[Rank]) -> list[Rank]:
     """Live ranks before gone ones; within each, round robin over jobs (the job registered
     first goes first), each job's ranks in rank order: a job of thousands of ranks cannot
     crowd another job's out."""
-    out: list["Rank"] = []
+    out: list[Rank] = []
     for gone in (False, True):
-        jobs: dict[str, list["Rank"]] = {}
+        jobs: dict[str, list[Rank]] = {}
         for r in sorted((r for r in ranks if r.gone is gone), key=lambda r: (r.rank, r.registered_at)):
             jobs.setdefault(r.job_id, []).append(r)
         queues = sorted(jobs.values(), key=lambda rs: min(r.registered_at for r in rs))
@@ -75,7 +76,7 @@ def fair_order(ranks: Iterable["Rank"]) -> list["Rank"]:
     return out
 
 
-def plan(order: list["RankKey"], cost: dict["RankKey", Cost], room: int) -> Plan:
+def plan(order: list[RankKey], cost: dict[RankKey, Cost], room: int) -> Plan:
     """Admit ranks in `order` while their own series fit in `room`, then their custom metrics
     (in the same order) while those fit."""
     admitted, used = [], 0
@@ -97,7 +98,7 @@ def plan(order: list["RankKey"], cost: dict["RankKey", Cost], room: int) -> Plan
     return Plan(frozenset(admitted), frozenset(with_custom), len(cost) - len(admitted), dropped)
 
 
-def _rank_key(labels: dict) -> "RankKey | None":
+def _rank_key(labels: dict) -> RankKey | None:
     job, rank = labels.get("job_id"), labels.get("rank")
     if job is None or rank is None:
         return None
@@ -135,8 +136,8 @@ def _filtered(families: Iterable[Metric], keep: Callable[[Metric, dict], bool]) 
 class MetricsEndpoint:
     """The families of `/metrics`, within `limit` series."""
 
-    def __init__(self, runner: CollectorRunner, registry: "Registry", training: "TrainingCollector",
-                 watchdog: "Watchdog", other_sources: Iterable[Callable[[], Iterable[Metric]]], limit: int,
+    def __init__(self, runner: CollectorRunner, registry: Registry, training: TrainingCollector,
+                 watchdog: Watchdog, other_sources: Iterable[Callable[[], Iterable[Metric]]], limit: int,
                  relabel: Callable[[Iterable[Metric]], list[Metric]] = list, reuse_seconds: float = 0.0):
         self.runner, self.registry, self.training, self.watchdog = runner, registry, training, watchdog
         self.relabel = relabel  # adds each rank's pod labels (podlabels.py)
@@ -164,7 +165,7 @@ class MetricsEndpoint:
     def _fixed_series(self) -> int:
         return sum(r.series for name, r in list(self.runner.results.items()) if name not in PER_RANK_COLLECTORS)
 
-    def plan(self, ranks: list["Rank"] | None = None) -> Plan:
+    def plan(self, ranks: list[Rank] | None = None) -> Plan:
         """Which ranks fit now, from counts alone (cheap: no family is built). `ranks`: the
         registry's, in `fair_order`."""
         ranks = fair_order(self.registry.ranks()) if ranks is None else ranks

@@ -4,8 +4,8 @@ dashboards, reference documents): write only what changed, tell which are stale,
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 
 def stale(out_dir: Path, files: Mapping[str, str], leftovers: str | None = None) -> list[str]:

@@ -133,7 +133,7 @@ class IncidentStore:
         self.recent: list[Incident] = []
 
     @classmethod
-    def for_settings(cls, settings: "Settings") -> "IncidentStore":
+    def for_settings(cls, settings: Settings) -> IncidentStore:
         return cls(settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id())
 
     def open(self, job_id: str, cls: type[Incident] = Incident, **fields: Any) -> Incident:
@@ -152,8 +152,8 @@ class IncidentStore:
         try:
             name = Path(incident.path).stem
             with diagfiles.opened(self.diag_dir, INCIDENTS_SUBDIR) as dir_fd:
-                diagfiles.write_atomic(dir_fd, name + ".json", (json.dumps(incident.to_dict(), indent=2) + "\n").encode(),
-                                       self.file_mode, self.gid)
+                document = (json.dumps(incident.to_dict(), indent=2) + "\n").encode()
+                diagfiles.write_atomic(dir_fd, name + ".json", document, self.file_mode, self.gid)
                 diagfiles.write_atomic(dir_fd, name + ".txt", incident.text().encode(), self.file_mode, self.gid)
         except OSError as e:
             log.error("cannot write incident %s: %s", incident.path, e)
@@ -224,7 +224,7 @@ def _row(record: dict[str, Any]) -> list[str]:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -13,19 +13,13 @@ another pod replaces its registration (and its series) rather than adding to the
 """
 from __future__ import annotations
 
-import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import Metric
 
-KEYS = ("namespace", "pod", "container")
-_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
-_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
-RULES: dict[str, tuple[re.Pattern, int, str]] = {
-    "namespace": (_LABEL, 63, "a DNS-1123 label"),
-    "pod": (_SUBDOMAIN, 253, "a DNS-1123 subdomain"),
-    "container": (_LABEL, 63, "a DNS-1123 label"),
-}
+from trainer_hooks.wire import POD_LABEL_KEYS as KEYS
+from trainer_hooks.wire import POD_LABEL_RULES as RULES
 
 
 class PodLabelError(ValueError):

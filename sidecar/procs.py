@@ -84,6 +84,6 @@ def tcp_peer_pid(client: tuple, server: tuple) -> int | None:
     except (psutil.Error, OSError):
         return None
     for c in connections:
-        if c.pid and c.raddr and (c.laddr.ip, c.laddr.port) == want_client and (c.raddr.ip, c.raddr.port) == want_server:
+        if c.pid and tuple(c.laddr) == want_client and tuple(c.raddr) == want_server:  # raddr: () unconnected
             return c.pid
     return None

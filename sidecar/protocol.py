@@ -1,6 +1,7 @@
-"""The hooks' wire protocol (version 1, docs/architecture.md): strict JSON bodies validated
-into typed records. Every refusal is a `ProtocolError` whose message names the field and
-what is wrong with it; the API turns it into a 4xx JSON answer.
+"""The hooks' wire protocol (docs/architecture.md): strict JSON bodies validated into typed
+records, against the contract both sides import (trainer_hooks/wire.py: names, patterns,
+limits, the protocol version). Every refusal is a `ProtocolError` whose message names the
+field and what is wrong with it; the API turns it into a 4xx JSON answer.
 
 Validation is hand-written rather than schema-driven because it sits on the ingest hot
 path (tens of thousands of step records per second on one core).
@@ -8,22 +9,18 @@ path (tens of thousands of step records per second on one core).
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 from sidecar import podlabels
+from trainer_hooks.wire import (EXIT_MAX_FRAMES, EXIT_MAX_TEXT, EXIT_MAX_TYPES, MAX_COUNT,
+                                MAX_EVENT_FIELDS, MAX_NAME, MAX_PID, MAX_RANK, MAX_SESSION_CHARS, MAX_TIME,
+                                MAX_TIMEOUT_SECONDS, MAX_VERSIONS, NAME_RE, NONFINITE_VALUES, PHASE_ACTIONS,
+                                RESERVED_JOB_IDS, STACK_SIGNAL_RANGE)
 
-MAX_NAME = 128  # job ids, metric, phase and event names
-MAX_VERSIONS = 32
-MAX_EVENT_FIELDS = 16
-MAX_PID = 1 << 22  # Linux's pid_max ceiling
-MAX_COUNT = (1 << 63) - 1  # steps and counters: what an int64 (and a float, roughly) holds
-NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
-# Metric and phase names become label values; keep them printable and unsurprising.
-NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
+NONFINITE = {text: float(text) for text in NONFINITE_VALUES}
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -172,7 +169,7 @@ def _time(obj: dict, where: str, default: float) -> float:
     value = obj.get("time")
     if value is None:
         return default
-    if type(value) not in (int, float) or not 0 <= value < 1e12:  # Unix seconds, well past year 30000
+    if type(value) not in (int, float) or not 0 <= value < MAX_TIME:
         raise ProtocolError(f"{where}: expected Unix seconds (a finite number >= 0), got {_kind(value)}")
     return float(value)
 
@@ -211,7 +208,7 @@ def _timeout(obj: dict, key: str, where: str) -> float | None:
     value = obj.get(key)
     if value is None:
         return None
-    if type(value) not in (int, float) or not 0 < value < 1e9:
+    if type(value) not in (int, float) or not 0 < value < MAX_TIMEOUT_SECONDS:
         raise ProtocolError(f"{where}: expected a number of seconds > 0, got {_kind(value)}")
     return float(value)
 
@@ -260,9 +257,6 @@ def _metrics(obj: dict, where: str) -> dict[str, float]:
     return out
 
 
-RESERVED_JOB_IDS = frozenset({"incidents"})  # names of the diag directory's own subdirectories
-
-
 def _job_id(data: dict) -> str:
     """A job_id names the job's directory under the diag dir (sidecar/diagfiles.py): it may not
     be one of the sidecar's own directories, nor a dot name."""
@@ -274,7 +268,7 @@ def _job_id(data: dict) -> str:
 
 
 def _identity(data: dict) -> tuple[str, int, int]:
-    return (_job_id(data), _int(data, "rank", "rank", 0, 1 << 24),
+    return (_job_id(data), _int(data, "rank", "rank", 0, MAX_RANK),
             _int(data, "pid", "pid", 1, MAX_PID))
 
 
@@ -282,7 +276,7 @@ def _identity(data: dict) -> tuple[str, int, int]:
 
 def parse_registration(data: dict) -> Registration:
     job_id, rank, pid = _identity(data)
-    world_size = _int(data, "world_size", "world_size", 1, 1 << 24)
+    world_size = _int(data, "world_size", "world_size", 1, MAX_RANK)
     if rank >= world_size:
         raise ProtocolError(f"rank: must be < world_size ({world_size}), got {rank}")
     local_world_size = _int(data, "local_world_size", "local_world_size", 1, world_size, default=1)
@@ -311,7 +305,7 @@ def parse_registration(data: dict) -> Registration:
         phase_timeout_seconds=_timeout(data, "phase_timeout_seconds", "phase_timeout_seconds"),
         versions=versions,
         # stack_dump.path (hooks before 0.2) is ignored: the sidecar creates the dump file itself.
-        stack_signal=_int(stack, "signal", "stack_dump.signal", 1, 64, nullable=True, default=None),
+        stack_signal=_int(stack, "signal", "stack_dump.signal", *STACK_SIGNAL_RANGE, nullable=True, default=None),
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
         kubernetes=kubernetes)
 
@@ -339,12 +333,12 @@ def parse_push(data: dict, max_items: int) -> Push:
             if type(step) is not int or not 0 <= step <= MAX_COUNT:
                 step = _int(obj, "step", f"{where}.step", 0, MAX_COUNT)
             t = obj.get("time")
-            if type(t) is not float or not 0 <= t < 1e12:
+            if type(t) is not float or not 0 <= t < MAX_TIME:
                 t = _time(obj, f"{where}.time", now)
             append(StepItem(step, t, _metrics(obj, where)))
         elif kind == "phase":
             action = obj.get("action")
-            if action not in ("start", "end"):
+            if action not in PHASE_ACTIONS:
                 raise ProtocolError(f"{where}.action: expected \"start\" or \"end\", got {_kind(action)}")
             append(PhaseItem(_name(obj, "name", f"{where}.name"), action, _time(obj, f"{where}.time", now),
                              _timeout(obj, "timeout_seconds", f"{where}.timeout_seconds")))
@@ -362,10 +356,6 @@ def parse_deregistration(data: dict) -> Deregistration:
     job_id, rank, pid = _identity(data)
     reason = _text(data, "reason", "reason", default="finished", nullable=True) or "finished"
     return Deregistration(job_id, rank, pid, reason, _session(data), _exit_report(data))
-
-
-# Bounds of an exit report; longer text is cut, not refused (the report matters more than its tail).
-EXIT_MAX_TYPES, EXIT_MAX_FRAMES, EXIT_MAX_TEXT = 16, 12, 512
 
 
 def _clip(value: Any, where: str) -> str:
@@ -396,6 +386,6 @@ def _exit_report(data: dict) -> ExitReport | None:
 
 def _session(data: dict) -> str | None:
     value = data.get("session")
-    if value is not None and (type(value) is not str or len(value) > 128):
+    if value is not None and (type(value) is not str or len(value) > MAX_SESSION_CHARS):
         raise ProtocolError("session: expected the string the registration returned")
     return value

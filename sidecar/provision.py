@@ -22,9 +22,10 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -177,7 +178,7 @@ def contains(actual: Any, wanted: Any) -> bool:
         return isinstance(actual, dict) and all(k in actual and contains(actual[k], v) for k, v in wanted.items())
     if isinstance(wanted, list):
         return isinstance(actual, list) and len(actual) == len(wanted) and all(
-            contains(a, w) for a, w in zip(actual, wanted))
+            contains(a, w) for a, w in zip(actual, wanted, strict=True))
     return actual == wanted
 
 
@@ -212,9 +213,15 @@ class Provisioner:
 
     def call(self, what: str, fn: Callable, *args: Any, missing_ok: bool = False, **kwargs: Any) -> Any:
         """Run one API call, turning grafana-client's and niquests' errors into one line."""
-        from grafana_client.client import (GrafanaBadInputError, GrafanaClientError, GrafanaException,
-                                           GrafanaServerError, GrafanaTimeoutError, GrafanaUnauthorizedError)
         import niquests
+        from grafana_client.client import (
+            GrafanaBadInputError,
+            GrafanaClientError,
+            GrafanaException,
+            GrafanaServerError,
+            GrafanaTimeoutError,
+            GrafanaUnauthorizedError,
+        )
 
         try:
             return fn(*args, **kwargs)

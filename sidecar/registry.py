@@ -13,9 +13,12 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from sidecar import procs
+from sidecar.admission import Admission, StepNotIncreasing, UnknownRank
 from sidecar.stepcounters import StepCounters
+from trainer_hooks.wire import WELL_KNOWN_METRICS, WELL_KNOWN_PHASES
 
 if TYPE_CHECKING:
     from sidecar.config import Settings
@@ -24,38 +27,8 @@ if TYPE_CHECKING:
 
 RankKey = tuple[str, int]
 
-# Metric keys with their own series; any other key in a step's metrics is a custom metric.
-WELL_KNOWN_METRICS = frozenset({
-    "loss", "grad_norm", "lr", "step_time_seconds", "samples", "tokens",
-    "iterations_per_second", "samples_per_second", "tokens_per_second"})
-WELL_KNOWN_PHASES = frozenset({"startup", "checkpoint_save", "checkpoint_load", "eval", "compile", "data_load"})
-
-
-class RegistryError(Exception):
-    """A request the registry refuses. `code` and `status` map onto the API's error body."""
-
-    code = "bad_request"
-    status = 400
-
-
-class UnknownRank(RegistryError):
-    code, status = "unknown_rank", 409
-
-
-class StepNotIncreasing(RegistryError):
-    code, status = "step_not_increasing", 409
-
-
-class LimitExceeded(RegistryError):
-    code, status = "limit_exceeded", 429
-
-
-class JobOwned(RegistryError):
-    """The job_id belongs to another uid (its live ranks run as that uid)."""
-    code, status = "job_owned", 403
-
-
-ROOT_UID = 0
+# The well-known metric and phase names are the wire contract's (trainer_hooks/wire.py): any
+# other key in a step's metrics is a custom metric, any other phase name counts against limits.
 
 
 @dataclass
@@ -150,9 +123,7 @@ class Rank:
         return min(now_mono, max(self.registered_at, now_mono - (now_wall - wall)))
 
     def apply_step(self, item: "StepItem", now_mono: float, now_wall: float) -> None:
-        if self.step is not None and item.step <= self.step:
-            raise StepNotIncreasing(
-                f"step {item.step} is not greater than the last step {self.step} of rank {self.label}")
+        """One step report, whose step is above the last (Registry.apply_push checked the batch)."""
         interval = None
         if self.step is not None and self.step_wall is not None:
             elapsed = item.time - self.step_wall
@@ -227,14 +198,18 @@ class Rank:
 
 
 class Registry:
-    """Ranks by `(job_id, rank)`, with the limits of `settings.limits`."""
+    """Ranks by `(job_id, rank)`. Every rule of who may register and how much is its
+    `admission` (sidecar/admission.py); `alive(pid, start_time)`, whether a registered process
+    still runs, is injected (procs.is_same_process by default)."""
 
-    def __init__(self, settings: "Settings"):
+    def __init__(self, settings: "Settings", alive: Callable[[int, float | None], bool] = procs.is_same_process):
         self.settings = settings
         self._ranks: dict[RankKey, Rank] = {}
         self._custom_names: dict[str, set[str]] = {}  # per job
         self._phase_names: dict[str, set[str]] = {}  # per job, beyond the well-known ones
         self.registrations_total = 0
+        self.admission = Admission(settings, self._ranks, self._custom_names, self._phase_names, alive,
+                                   evict=self._evict_gone_job)
 
     # ------------------------------------------------------------ reading
 
@@ -268,28 +243,17 @@ class Registry:
 
     # ------------------------------------------------------------ writing
 
-    def job_owner(self, job_id: str) -> tuple[bool, int | None]:
-        """(owned, uid): a job is owned while it has live ranks, by the uid they run as."""
-        for r in self._ranks.values():
-            if r.job_id == job_id and not r.gone:
-                return True, r.owner_uid
-        return False, None
-
     def register(self, reg: "Registration", *, pid_start_time: float | None, peer_verified: bool,
                  host_pid: int | None = None, owner_uid: int | None = None, pidfd: object = None) -> Rank:
         """Record a rank. `reg.pid` is the pid the rank calls itself; `host_pid` its pid here
         (when they differ: a rank in its own pid namespace); `owner_uid` the uid its process
         runs as, which must be the uid of the job's live ranks (JobOwned otherwise)."""
         key = (reg.job_id, reg.rank)
-        owned, owner = self.job_owner(reg.job_id)
-        if owned and owner != owner_uid:
-            raise JobOwned(f"job_id: {reg.job_id!r} belongs to uid {_uid_text(owner)} (its ranks run as it) until "
-                           f"they are gone; this registration is for uid {_uid_text(owner_uid)}")
-        self._check_room(reg, owned, owner_uid)
-        self._check_phase_name(reg.job_id, reg.phase, owner_uid)
+        host = reg.pid if host_pid is None else host_pid
+        self.admission.check_registration(reg, host, owner_uid)
         rank = Rank(
             job_id=reg.job_id, rank=reg.rank, local_rank=reg.local_rank, world_size=reg.world_size,
-            local_world_size=reg.local_world_size, pid=reg.pid if host_pid is None else host_pid,
+            local_world_size=reg.local_world_size, pid=host,
             pid_start_time=pid_start_time, claimed_pid=None if host_pid in (None, reg.pid) else reg.pid,
             owner_uid=owner_uid, pidfd=pidfd,
             restart_count=reg.restart_count, peer_verified=peer_verified,
@@ -320,13 +284,15 @@ class Registry:
             raise UnknownRank(f"rank {job_id}/{rank} is registered by pid {r.wire_pid}, not {pid}")
         return r
 
-    def apply_push(self, push: "Push", now_mono: float | None = None, now_wall: float | None = None) -> int:
+    def apply_push(self, push: "Push", rank: Rank | None = None, now_mono: float | None = None,
+                   now_wall: float | None = None) -> int:
         """Apply a push's items in order, all or nothing: the whole batch is checked (steps
         increasing, name limits) before anything changes, so a refused push can be fixed
-        and resent, and a resent push that was already applied is refused, not doubled."""
+        and resent, and a resent push that was already applied is refused, not doubled.
+        `rank`: the push's rank as the caller already looked it up (else it is looked up here)."""
         from sidecar.protocol import EventItem, PhaseItem, StepItem
 
-        r = self.lookup(push.job_id, push.rank, push.pid)
+        r = self.lookup(push.job_id, push.rank, push.pid) if rank is None else rank
         self._check_push(r, push)
         now_mono = time.monotonic() if now_mono is None else now_mono
         now_wall = time.time() if now_wall is None else now_wall
@@ -361,22 +327,12 @@ class Registry:
             elif type(item) is PhaseItem:
                 if item.name not in WELL_KNOWN_PHASES and item.name not in phases:
                     new_phases.setdefault(item.name, i)
-        limits = self.settings.limits
-        if len(custom) + len(new_custom) > limits.max_custom_metrics:
-            name = list(new_custom)[max(0, limits.max_custom_metrics - len(custom))]
-            raise LimitExceeded(f"items[{new_custom[name]}].metrics.{name}: too many custom metric names in "
-                                f"job {r.job_id}: limits.max_custom_metrics is {limits.max_custom_metrics}")
-        if len(phases) + len(new_phases) > limits.max_phases:
-            name = list(new_phases)[max(0, limits.max_phases - len(phases))]
-            raise LimitExceeded(f"items[{new_phases[name]}].name: too many phase names in job {r.job_id} "
-                                f"(at {name!r}): limits.max_phases is {limits.max_phases}")
-        if r.owner_uid != ROOT_UID and (new_custom or new_phases):
-            self._check_user_names(r, new_custom, new_phases)
+        self.admission.check_names(r, custom, phases, new_custom, new_phases)
         custom.update(new_custom)
         phases.update(new_phases)
 
-    def deregister(self, dereg: "Deregistration") -> Rank:
-        r = self.lookup(dereg.job_id, dereg.rank, dereg.pid)
+    def deregister(self, dereg: "Deregistration", rank: Rank | None = None) -> Rank:
+        r = self.lookup(dereg.job_id, dereg.rank, dereg.pid) if rank is None else rank
         self.mark_gone(r.key, dereg.reason or "deregistered")
         return r
 
@@ -416,72 +372,3 @@ class Registry:
             for job in [j for j in table if j not in jobs]:
                 del table[job]
 
-    def _check_phase_name(self, job_id: str, phase: str | None, owner_uid: int | None) -> None:
-        if phase is None or phase in WELL_KNOWN_PHASES:
-            return
-        names = self._phase_names.setdefault(job_id, set())
-        if phase in names:
-            return
-        limit = self.settings.limits.max_phases
-        if len(names) >= limit:
-            raise LimitExceeded(f"too many phase names in job {job_id} (at {phase!r}): limits.max_phases is {limit}")
-        user_limit = self.settings.limits.max_phases_per_user
-        if owner_uid != ROOT_UID and self._user_names(self._phase_names, owner_uid, job_id) + 1 > user_limit:
-            raise LimitExceeded(f"too many phase names for uid {_uid_text(owner_uid)} (at {phase!r}): "
-                                f"limits.max_phases_per_user is {user_limit}")
-        names.add(phase)
-
-    # ------------------------------------------------------------ per-user quotas
-
-    def _check_room(self, reg: "Registration", owned: bool, owner_uid: int | None) -> None:
-        """Node-wide ceilings for everyone; per-user quotas for everyone but root, so one user
-        cannot take the slots another user's job needs."""
-        limits = self.settings.limits
-        key = (reg.job_id, reg.rank)
-        held = self._ranks.get(key)
-        new_rank = held is None or held.gone
-        if key not in self._ranks:
-            job_ranks = sum(1 for k in self._ranks if k[0] == reg.job_id)
-            if job_ranks == 0 and len({k[0] for k in self._ranks}) >= limits.max_jobs:
-                self._evict_gone_job()
-                if len({k[0] for k in self._ranks}) >= limits.max_jobs:
-                    raise LimitExceeded(f"too many jobs: limits.max_jobs is {limits.max_jobs}")
-            if job_ranks >= limits.max_ranks_per_job:
-                raise LimitExceeded(
-                    f"too many ranks in job {reg.job_id}: limits.max_ranks_per_job is {limits.max_ranks_per_job}")
-        if new_rank and sum(1 for r in self._ranks.values() if not r.gone) >= limits.max_ranks:
-            raise LimitExceeded(f"too many ranks on this node: limits.max_ranks is {limits.max_ranks}")
-        if owner_uid == ROOT_UID:
-            return
-        live = [r for r in self._ranks.values() if not r.gone and r.owner_uid == owner_uid]
-        if not owned and len({r.job_id for r in live}) >= limits.max_jobs_per_user:
-            raise LimitExceeded(f"too many jobs of uid {_uid_text(owner_uid)}: limits.max_jobs_per_user is "
-                                f"{limits.max_jobs_per_user}")
-        if new_rank and len(live) >= limits.max_ranks_per_user:
-            raise LimitExceeded(f"too many ranks of uid {_uid_text(owner_uid)}: limits.max_ranks_per_user is "
-                                f"{limits.max_ranks_per_user}")
-
-    def _user_jobs(self, owner_uid: int | None) -> set[str]:
-        return {r.job_id for r in self._ranks.values() if r.owner_uid == owner_uid}
-
-    def _user_names(self, table: dict[str, set[str]], owner_uid: int | None, job_id: str) -> int:
-        return sum(len(table.get(j, ())) for j in self._user_jobs(owner_uid) | {job_id})
-
-    def _check_user_names(self, r: Rank, new_custom: dict[str, int], new_phases: dict[str, int]) -> None:
-        limits = self.settings.limits
-        if new_custom and self._user_names(self._custom_names, r.owner_uid, r.job_id) + len(new_custom) > \
-                limits.max_custom_metrics_per_user:
-            name = next(iter(new_custom))
-            raise LimitExceeded(f"items[{new_custom[name]}].metrics.{name}: too many custom metric names for uid "
-                                f"{_uid_text(r.owner_uid)}: limits.max_custom_metrics_per_user is "
-                                f"{limits.max_custom_metrics_per_user}")
-        if new_phases and self._user_names(self._phase_names, r.owner_uid, r.job_id) + len(new_phases) > \
-                limits.max_phases_per_user:
-            name = next(iter(new_phases))
-            raise LimitExceeded(f"items[{new_phases[name]}].name: too many phase names for uid "
-                                f"{_uid_text(r.owner_uid)} (at {name!r}): limits.max_phases_per_user is "
-                                f"{limits.max_phases_per_user}")
-
-
-def _uid_text(uid: int | None) -> str:
-    return "unknown (unverified TCP caller)" if uid is None else str(uid)

@@ -26,19 +26,20 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import psutil
 
 from sidecar import procs
 from sidecar.config import RemediationSettings
-from sidecar.incidents import Incident, IncidentStore, main_thread, stack_head
-from sidecar.procs import is_running
+from sidecar.incidents import Incident, main_thread, stack_head
 from sidecar.stackfiles import MAX_STACK_BYTES, StackFile
 
 if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.identity import PidFd
     from sidecar.registry import Rank
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,10 @@ class Target:
     stack_signal: int | None = None
     stack_file: StackFile | None = None  # created by the sidecar (stackfiles.py), never a path the rank named
     verified: bool = True  # registered by the process itself (or its launcher), per peer credentials
-    pidfd: object = None  # identity.PidFd kept since the registration, where the kernel has pidfds
+    pidfd: PidFd | None = None  # kept since the registration, where the kernel has pidfds
 
     @classmethod
-    def of(cls, rank: "Rank") -> "Target":
+    def of(cls, rank: Rank) -> Target:
         return cls(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_file,
                    rank.peer_verified, rank.pidfd)
 
@@ -77,16 +78,40 @@ class Target:
         """Still the registered process, and not exited (an unreaped zombie has exited)."""
         if self.pidfd is not None:
             return self.pidfd.alive()
-        return is_running(self.pid, self.start_time)
+        return procs.is_running(self.pid, self.start_time)
 
 
 # ---------------------------------------------------------------- safety
 
-def _ask_for_stacks(target: Target, stopped: bool) -> None:
-    send(target, target.stack_signal, "process")
-    if stopped:
+def _ask_for_stacks(target: Target, stack_signal: int, stopped: bool) -> None:
+    send(target, stack_signal, "process")
+    if stopped:  # a stopped process runs no handler: continue it; _restop stops it again
         send(target, signal.SIGCONT, "process")
-        send(target, signal.SIGSTOP, "process")
+
+
+# A stopped rank is continued only until its dump is written: faulthandler writes the whole
+# dump from inside its signal handler, so the file growing and then holding still for a few
+# milliseconds means the handler has returned (or is about to), and the rank is stopped again
+# after at most RESTOP_MAX_SECONDS of running.
+RESTOP_STILL_SECONDS = 0.02
+RESTOP_MAX_SECONDS = 1.0
+
+
+async def _restop(target: Target, size_before: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RESTOP_MAX_SECONDS
+    last, still_since = -1, None
+    while loop.time() < deadline:
+        size = await loop.run_in_executor(None, _file_size, target.stack_file)
+        if size > size_before and size == last:
+            still_since = still_since or loop.time()
+            if loop.time() - still_since >= RESTOP_STILL_SECONDS:
+                break
+        else:
+            still_since = None
+        last = size
+        await asyncio.sleep(0.005)
+    await loop.run_in_executor(None, send, target, signal.SIGSTOP, "process")
 
 
 def refusal(target: Target, protected: frozenset[int] | None = None, exited_ok: bool = False) -> str | None:
@@ -135,6 +160,7 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
     if scope == "group_left":
         if target.pid in _forbidden_groups(protected):
             raise Refused(f"process group {target.pid} holds the sidecar or one of its ancestors")
+        assert target.pidfd is not None  # refusal() refuses group_left without one
         try:
             target.pidfd.send(sig, group=True)
         except ProcessLookupError:
@@ -154,7 +180,6 @@ def send(target: Target, sig: int, scope: str = "group") -> list[int]:
         _signal_group(target, sig)
         return [-pgid]
     # Not a group leader (or its group is ours): the rank and what it started, each checked.
-    sent = []
     try:
         tree = [psutil.Process(target.pid)] + _descendants(target.pid)
     except psutil.NoSuchProcess:
@@ -299,18 +324,26 @@ async def py_spy_dump(pid: int, timeout: float, nonblocking: bool) -> str:
 
 # ---------------------------------------------------------------- remediation
 
+@dataclass
+class Termination:
+    """Ranks SIGTERM reached, and the members of their process trees seen at that moment."""
+
+    signalled: list[Target]
+    members: list[tuple[Target, psutil.Process]]
+
+
 class Remediator:
     def __init__(self, settings: RemediationSettings):
         self.settings = settings
 
-    async def collect_stacks(self, incident: Incident, targets: list[Target], store: IncidentStore,
-                             signal_ranks: bool = True) -> None:
+    async def collect_stacks(self, incident: Incident, targets: list[Target], signal_ranks: bool = True) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
-        file gained. A stopped rank gets the dump signal, SIGCONT and SIGSTOP at once: the
-        pending dump signal is the lowest-numbered, so the kernel runs faulthandler's C handler
-        first and the rank stops again before it runs any training code (continuing it for the
-        whole dump wait would let it train on, or even finish, before the SIGTERM). Without
-        `signal_ranks` only py-spy's non-blocking mode runs: it never stops the process."""
+        file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
+        soon as its dump file has grown and held still (at most RESTOP_MAX_SECONDS): a stopped
+        process runs no signal handler, and sending SIGSTOP at once would stop it again before
+        the handler's first instruction, while continuing it for the whole dump wait would let
+        it train on, or even finish, before the SIGTERM. Without `signal_ranks` only py-spy's
+        non-blocking mode runs: it never stops the process."""
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
@@ -326,10 +359,18 @@ class Remediator:
                 if not (t.stack_signal and t.stack_file):
                     continue
                 try:
-                    await loop.run_in_executor(None, _ask_for_stacks, t, t.pid in stopped)
+                    await loop.run_in_executor(None, _ask_for_stacks, t, t.stack_signal, t.pid in stopped)
                     asked.append(t)
                 except (Refused, OSError, psutil.Error) as e:
                     incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
+            restops = [t for t in asked if t.pid in stopped]
+            if restops:
+                results = await asyncio.gather(*(_restop(t, sizes[t.pid]) for t in restops),
+                                               return_exceptions=True)
+                for t, result in zip(restops, results, strict=True):
+                    if isinstance(result, BaseException):
+                        incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again "
+                                              f"after its dump: {result}")
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
         if s.py_spy and py_spy_path():
@@ -340,6 +381,7 @@ class Remediator:
             await self._wait_for_dumps(asked, sizes)
         got = []
         for t in asked:
+            assert t.stack_file is not None  # only ranks with a dump file are asked
             text = await loop.run_in_executor(None, t.stack_file.read_from, sizes[t.pid])
             snap = by_pid.get(t.pid)
             if snap is not None and text.strip():
@@ -349,14 +391,13 @@ class Remediator:
         if asked:
             incident.event("dumps_received", ranks=got)
         if spy is not None:
-            for t, text in zip(targets, await spy):
+            for t, text in zip(targets, await spy, strict=True):
                 snap = by_pid.get(t.pid)
                 if snap is not None and text:
                     snap.py_spy = text
                     if snap.in_collective is None and not text.startswith("py-spy "):
                         snap.in_collective = in_collective(text)
             incident.event("py_spy_done")
-        store.save(incident)
 
     async def _wait_for_dumps(self, targets: list[Target], sizes: dict[int, int]) -> None:
         """Until every file has grown and then held still briefly, or dump_wait_seconds."""
@@ -376,21 +417,25 @@ class Remediator:
             last = now
             await asyncio.sleep(POLL_SECONDS)
 
-    async def terminate(self, incident: Incident, targets: list[Target], store: IncidentStore) -> str:
-        """SIGTERM each rank's group, wait grace_seconds, then SIGKILL every rank and every
-        member of their groups still alive (not only ranks: a data-loader worker that ignores
-        SIGTERM would hold the GPU). "killed" when every rank and member is seen gone, whether
-        SIGTERM did it (the timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
+    async def sigterm(self, incident: Incident, targets: list[Target]) -> "Termination | None":
+        """The first half of a termination: SIGTERM each rank's group (None when no rank could
+        be signalled). The caller saves the incident, then awaits `finish`."""
         loop = asyncio.get_running_loop()
         # The tree as it is now: what a rank started is killed even if the rank dies first.
         members = [(t, p) for t in targets for p in await loop.run_in_executor(None, _descendants, t.pid)]
         signalled = await self._signal_all(incident, targets, signal.SIGTERM, "sigterm")
         if not signalled:
             incident.notes.append("no rank could be signalled")
-            store.save(incident)
-            return "failed"
-        store.save(incident)
-        members = [(t, p) for t, p in members if t in signalled]  # never the tree of a refused rank
+            return None
+        return Termination(signalled, [(t, p) for t, p in members if t in signalled])  # never a refused rank's tree
+
+    async def finish(self, incident: Incident, term: "Termination") -> str:
+        """After SIGTERM: wait grace_seconds, then SIGKILL every rank and every member of their
+        groups still alive (not only ranks: a data-loader worker that ignores SIGTERM would hold
+        the GPU). "killed" when every rank and member is seen gone, whether SIGTERM did it (the
+        timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
+        loop = asyncio.get_running_loop()
+        signalled, members = term.signalled, term.members
         left, members_left = await self._wait_exit(signalled, members, self.settings.grace_seconds)
         if left or members_left:
             await loop.run_in_executor(None, self._kill_left, incident, signalled, left, members_left)
@@ -401,7 +446,6 @@ class Remediator:
         else:
             incident.event("exit_observed", ranks=[t.rank for t in signalled])
             outcome = "killed"
-        store.save(incident)
         return outcome
 
     def _kill_left(self, incident: Incident, signalled: list[Target], left: list[Target],

@@ -20,7 +20,7 @@ class RollbackMemory:
     def __init__(self) -> None:
         self._jobs: dict[str, dict[str, Any]] = {}
 
-    def learn(self, rank: "Rank") -> None:
+    def learn(self, rank: Rank) -> None:
         job = self._jobs.pop(rank.job_id, None) or {"checkpoints": {}, "onsets": set()}
         self._jobs[rank.job_id] = job  # most recently used last
         for step, path, when in rank.checkpoints:
@@ -34,7 +34,7 @@ class RollbackMemory:
         while len(self._jobs) > self.MAX_JOBS:
             del self._jobs[next(iter(self._jobs))]
 
-    def hint(self, rank: "Rank") -> dict[str, Any] | None:
+    def hint(self, rank: Rank) -> dict[str, Any] | None:
         """When the rank's loss went non-finite: the newest checkpoint saved before it that no
         earlier non-finite loss of the job can have poisoned (one saved, at or past that
         loss's step, after it)."""

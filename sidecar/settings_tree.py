@@ -13,9 +13,10 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, NoReturn
 
 import yaml
 
@@ -108,7 +109,7 @@ class SettingsTree:
                 return None
             (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
         origin = typing.get_origin(tp)
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return self.build(tp, self._mapping(name, value, from_text=False), prefix=name + ".")
         if tp is bool:
             if isinstance(value, str) and value.lower() in _TRUE + _FALSE:

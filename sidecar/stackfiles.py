@@ -27,9 +27,10 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from sidecar import diagfiles
 
@@ -52,7 +53,7 @@ class StackFile:
     ino: int
 
     @classmethod
-    def existing(cls, path: str | Path) -> "StackFile":
+    def existing(cls, path: str | Path) -> StackFile:
         """A file already there (tests, and files a process of the operator's own prepared)."""
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -168,7 +169,7 @@ def prune(diag_dir: Path | str, keep: Iterable[str], now: float | None = None) -
     return removed
 
 
-def for_rank(diag_dir: Path | str, rank: "Rank", previous: "Rank | None", verified: bool) -> StackFile | None:
+def for_rank(diag_dir: Path | str, rank: Rank, previous: Rank | None, verified: bool) -> StackFile | None:
     """The dump file of a rank that just registered: the one it already had when the same
     process registers again, else a new one. None when it asked for no dumps, when its
     caller was not verified as the process (nothing would be signalled anyway), or when the

@@ -15,8 +15,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from sidecar.client import DEFAULT_TIMEOUT_SECONDS, Endpoint, StatusError, Unreachable, fetch_json, resolve_endpoint
 from sidecar.config import DEFAULT_SOCKET
@@ -232,7 +233,8 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
         ("kernel", fmt_text(node.get("kernel"))), ("os", fmt_text(node.get("os"))),
         ("cpu", fmt_ratio(node.get("cpu_utilization_ratio"))),
         ("memory available", f"{fmt_bytes(mem_avail)} of {fmt_bytes(mem_total)}"),
-        ("checkpoints", f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)"),
+        ("checkpoints",
+         f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)"),
         ("driver", fmt_text(node.get("driver_version"))), ("cuda", fmt_text(node.get("cuda_version"))),
         ("watchdog", ("observe-only" if watchdog.get("observe_only") else "enforcing")
          + f", {fmt_text(watchdog.get('remediations_in_window'))}/{fmt_text(watchdog.get('max_per_window'))}"
@@ -277,7 +279,7 @@ def render_plain(screen: Screen) -> str:
         table = [s.columns] + [[c.text for c in row] for row in s.rows]
         widths = [max(len(row[i]) for row in table) for i in range(len(s.columns))]
         for row in table:
-            out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(out) + "\n"
 
 
@@ -366,7 +368,7 @@ def read(endpoint: Endpoint, timeout: float) -> Reading:
 def _show(reading: Reading, args: argparse.Namespace, console) -> None:
     if args.json:
         print(json.dumps(reading.as_json()), flush=True)
-    elif reading.error:
+    elif reading.error or reading.status is None:
         print(f"sidecar status: {reading.error}", file=sys.stderr, flush=True)
     elif console is not None:
         console.print(render_rich(build_screen(reading.status)))

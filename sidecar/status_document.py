@@ -12,11 +12,13 @@ import platform
 import socket
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from sidecar import __version__
+from sidecar.problems import Kind, Problem, merged
 
 if TYPE_CHECKING:
     from sidecar.collectors.base import CollectorRunner
@@ -88,7 +90,7 @@ def _gpu_sort_key(gpu: str) -> tuple[int, str]:
 
 # ---------------------------------------------------------------- sections
 
-def node_section(settings: "Settings", s: Samples) -> dict:
+def node_section(settings: Settings, s: Samples) -> dict:
     versions = s.all("sidecar_versions_info")
     labels = versions[0][0] if versions else {}
     return {
@@ -161,7 +163,7 @@ def infiniband_section(s: Samples) -> list[dict]:
     return out
 
 
-def rank_entry(r: "Rank", watchdog: "Watchdog", now: float) -> dict:
+def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
     state = watchdog.rank_state(r)
     timeout = watchdog.timeout_for(r)
     m = r.metrics
@@ -178,14 +180,14 @@ def rank_entry(r: "Rank", watchdog: "Watchdog", now: float) -> dict:
     }
 
 
-def rank_problem(entry: dict) -> str:
+def rank_problem(entry: dict) -> Problem:
     phase = f" in phase {entry['phase']}" if entry["phase"] else ""
     timeout = f" (timeout {entry['timeout_seconds']:.0f}s)" if entry["timeout_seconds"] is not None else ""
-    return (f"rank {entry['job_id']}/{entry['rank']} {entry['state']}{phase}: no progress for "
-            f"{entry['last_progress_age_seconds']:.0f}s{timeout}")
+    return Problem(Kind.RANK, f"rank {entry['job_id']}/{entry['rank']} {entry['state']}{phase}: no progress for "
+                              f"{entry['last_progress_age_seconds']:.0f}s{timeout}", entry["job_id"], entry["rank"])
 
 
-def collectors_section(runner: "CollectorRunner", now_wall: float) -> dict:
+def collectors_section(runner: CollectorRunner, now_wall: float) -> dict:
     out = {}
     for name, r in runner.snapshot().items():
         ran = r.finished_at > 0
@@ -198,7 +200,7 @@ def collectors_section(runner: "CollectorRunner", now_wall: float) -> dict:
 
 # ---------------------------------------------------------------- the document
 
-def build_status(settings: "Settings", registry: "Registry", runner: "CollectorRunner", watchdog: "Watchdog",
+def build_status(settings: Settings, registry: Registry, runner: CollectorRunner, watchdog: Watchdog,
                  started: float) -> dict:
     now, now_wall = time.monotonic(), time.time()
     s = Samples(runner.families())
@@ -207,18 +209,17 @@ def build_status(settings: "Settings", registry: "Registry", runner: "CollectorR
 
     # The watchdog words its own problems (stalled ranks with their timeout basis, the storm
     # cap); a rank in a bad state it did not mention still gets a line here.
-    problems = list(watchdog.problems())
-    problems += [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES
-                 and not any(p.startswith(f"rank {e['job_id']}/{e['rank']} ") for p in problems)]
-    problems += [f"collector {name} failing: {c['error'] or 'last run failed'}"
-                 for name, c in collectors.items() if c["success"] is False]
+    problems = merged(watchdog.problems(),
+                      [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES])
+    problems += [Problem(Kind.COLLECTOR, f"collector {name} failing: {c['error'] or 'last run failed'}",
+                         collector=name) for name, c in collectors.items() if c["success"] is False]
 
     return {
         "version": __version__,
         "time": now_wall,
         "uptime_seconds": round(now - started, 3),
         "health": "degraded" if problems else "healthy",
-        "problems": problems,
+        "problems": [p.text for p in problems],
         "node": node_section(settings, s),
         "gpus": gpus_section(s),
         "nics": nics_section(s),

@@ -47,7 +47,7 @@ class StepCounters:
     def buckets(self) -> list[tuple[str, int]]:
         """Cumulative `(le, count)` pairs, +Inf last, as prometheus-client's histogram family wants."""
         out, total = [], 0
-        for bound, count in zip((*STEP_TIME_BUCKETS, math.inf), self.step_time_counts):
+        for bound, count in zip((*STEP_TIME_BUCKETS, math.inf), self.step_time_counts, strict=True):
             total += count
             out.append(("+Inf" if math.isinf(bound) else repr(bound), total))
         return out

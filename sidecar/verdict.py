@@ -3,8 +3,9 @@ that say why. It is `sidecar status`'s exit status and `sidecar preflight`'s sid
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 2
 DEGRADED_RANK_STATES = frozenset({"suspect", "stalled", "remediating"})

@@ -2,12 +2,7 @@
 
 Every `check_interval_seconds` the watchdog reads the registry and moves each rank between
 states. Progress means the step counter advancing (or a declared phase ending); how long a
-rank may go without it depends on what it is doing:
-
-    start-up (no step yet)      watchdog.startup_timeout_seconds
-    a declared phase            the rank's own budget, else watchdog.phase_timeouts[name],
-                                else watchdog.default_phase_timeout_seconds
-    training steps              multiplier x quantile(recent step times), in [floor, ceiling]
+rank may go without it depends on what it is doing (the policy: sidecar/timeouts.py).
 
 A rank is SUSPECT past `suspect_ratio` of its timeout and STALLED past all of it. The first
 STALLED rank of a job opens an incident: the watchdog blames one rank, and (unless it is in
@@ -25,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,8 +29,12 @@ from prometheus_client.core import Metric
 
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.config import Settings
+from sidecar.attribution import blame, refine_blame
 from sidecar.incidents import Incident, IncidentStore, RankSnapshot
-from sidecar.remediation import OwnerStormCaps, Remediator, Target, is_running
+from sidecar.problems import Kind, Problem
+from sidecar.procs import is_running
+from sidecar.remediation import OwnerStormCaps, Remediator, Target
+from sidecar.timeouts import Deadline, Timeouts
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.registry import Rank, RankKey, Registry
@@ -95,15 +93,6 @@ METRICS: tuple[MetricSpec, ...] = (
 
 
 @dataclass
-class Deadline:
-    """How long a rank may go without progress now, and how long it has."""
-
-    timeout: float
-    age: float
-    basis: str  # "startup" | "phase:<name>" | "steps"
-
-
-@dataclass
 class _Track:
     rank: "Rank"
     state: RankState
@@ -131,14 +120,6 @@ class _Counters:
     last_incident: float | None = None
 
 
-def quantile(values: Iterable[float], q: float) -> float | None:
-    """The nearest-rank quantile (no interpolation: a timeout follows an observed value)."""
-    ordered = sorted(v for v in values if math.isfinite(v) and v >= 0)
-    if not ordered:
-        return None
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
 class Watchdog:
     def __init__(self, settings: Settings, registry: "Registry", clock=time.monotonic,
                  remediator: Remediator | None = None, store: IncidentStore | None = None):
@@ -148,11 +129,12 @@ class Watchdog:
         self.store = store or IncidentStore.for_settings(settings)
         self.remediator = remediator or Remediator(settings.remediation)
         rem = settings.remediation
-        self.storm_cap = OwnerStormCaps(rem.max_per_window, rem.max_per_window_node, rem.window_seconds, clock)
+        self.storm_cap = OwnerStormCaps(rem.max_per_window, max(rem.max_per_window, rem.max_per_window_node),
+                                        rem.window_seconds, clock)
         self.counters = _Counters()
         self._tracks: dict["RankKey", _Track] = {}
         self._episodes: dict[str, _Episode] = {}
-        self._timeouts: dict["RankKey", tuple] = {}  # (rank, (step, step time), step timeout)
+        self.timeouts = Timeouts(settings.watchdog)
         self._liveness_cursor = 0
         self.exits = None  # the ExitTracker, told which ranks its remediation signals (sidecar/exits.py)
 
@@ -199,7 +181,7 @@ class Watchdog:
                 log.exception("evaluating rank %s failed", rank.label)
         for key in [k for k in self._tracks if k not in present]:
             del self._tracks[key]  # the registry forgot it (retention): so do we
-            self._timeouts.pop(key, None)
+            self.timeouts.forget(key)
         self._open_episodes(now)
         self._close_episodes()
 
@@ -264,40 +246,8 @@ class Watchdog:
         log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid,
                 old.value, new.value, reason)
 
-    # ------------------------------------------------------------ timeouts
-
     def deadline(self, rank: "Rank", now: float | None = None) -> Deadline:
-        now = self.clock() if now is None else now
-        wd = self.settings.watchdog
-        if rank.phase is not None:
-            budget = rank.phase_timeout or wd.phase_timeouts.get(rank.phase) or wd.default_phase_timeout_seconds
-            started = rank.phase_started if rank.phase_started is not None else rank.last_progress
-            return Deadline(float(budget), now - max(started, rank.last_progress), f"phase:{rank.phase}")
-        if rank.step is None:
-            return Deadline(wd.startup_timeout_seconds, now - rank.last_progress, "startup")
-        # The quantile sorts up to `window` step times: computed once per new step, not per tick.
-        basis = (rank.step, rank.metrics.get("step_time_seconds"))
-        cached = self._timeouts.get(rank.key)
-        if cached is not None and cached[0] is rank and cached[1] == basis:
-            timeout = cached[2]
-        else:
-            timeout = self.step_timeout(rank.step_times, basis[1])
-            self._timeouts[rank.key] = (rank, basis, timeout)
-        return Deadline(timeout, now - rank.last_progress, "steps")
-
-    def step_timeout(self, step_times: Iterable[float], last_step_time: float | None = None) -> float:
-        """multiplier x quantile of the recent step times, clamped to [floor, ceiling]. Before
-        there is an interval between two steps, the step time the rank reported with its first
-        step stands in (a slow first step must not make the second one a stall); without
-        either, the floor."""
-        wd = self.settings.watchdog
-        recent = list(step_times)[-wd.window:]
-        q = quantile(recent, wd.quantile)
-        if q is None and last_step_time is not None:
-            q = quantile([last_step_time], 1.0)
-        if q is None:
-            return wd.floor_seconds
-        return min(wd.ceiling_seconds, max(wd.floor_seconds, wd.multiplier * q))
+        return self.timeouts.deadline(rank, self.clock() if now is None else now)
 
     # ------------------------------------------------------------ incidents
 
@@ -312,7 +262,7 @@ class Watchdog:
     def _start_episode(self, job_id: str, now: float) -> None:
         members = [t for t in self._tracks.values() if t.rank.job_id == job_id and t.state in WATCHING]
         members.sort(key=lambda t: t.rank.rank)
-        blamed, why = blame([t.rank for t in members], {t.rank.key: t.state for t in members})
+        blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is S.STALLED})
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
         observe_only = self.settings.watchdog.observe_only
         owner = members[0].rank.owner_uid if members else None
@@ -356,9 +306,12 @@ class Watchdog:
     async def _remediate(self, episode: _Episode, targets: list[Target]) -> None:
         incident = episode.incident
         try:
-            await self.remediator.collect_stacks(incident, targets, self.store)
+            await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
-            outcome = await self.remediator.terminate(incident, targets, self.store)
+            self.store.save(incident)  # the stacks are on disk before any signal
+            term = await self.remediator.sigterm(incident, targets)
+            self.store.save(incident)
+            outcome = "failed" if term is None else await self.remediator.finish(incident, term)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # remediation bugs must not take the watchdog down
@@ -377,7 +330,7 @@ class Watchdog:
         """Observe-only and storm-capped stalls: stacks from py-spy (it reads memory and never
         signals), the incident, the count; no signal."""
         try:
-            await self.remediator.collect_stacks(episode.incident, targets, self.store, signal_ranks=False)
+            await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=False)
             refine_blame(episode.incident)
         except asyncio.CancelledError:
             raise
@@ -454,69 +407,22 @@ class Watchdog:
             return None
         return self.deadline(rank).timeout
 
-    def problems(self) -> list[str]:
+    def problems(self) -> list[Problem]:
         out = []
         for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
             if t.state in (S.SUSPECT, S.STALLED, S.REMEDIATING):
                 d = self.deadline(t.rank)
-                out.append(f"rank {t.rank.label} is {t.state.value}: no progress for {d.age:.0f}s "
-                           f"(timeout {d.timeout:.0f}s, {d.basis})")
+                out.append(Problem(Kind.RANK, f"rank {t.rank.label} is {t.state.value}: no progress for {d.age:.0f}s "
+                                              f"(timeout {d.timeout:.0f}s, {d.basis})", t.rank.job_id, t.rank.rank))
         for e in self._episodes.values():
             if e.suppressed:
-                out.append(f"job {e.job_id}: remediation suppressed by the storm cap "
-                           f"({self.settings.remediation.max_per_window} per "
-                           f"{self.settings.remediation.window_seconds:.0f}s)")
+                out.append(Problem(Kind.STORM_CAP, f"job {e.job_id}: remediation suppressed by the storm cap "
+                                                   f"({self.settings.remediation.max_per_window} per "
+                                                   f"{self.settings.remediation.window_seconds:.0f}s)", e.job_id))
         return out
 
     def incidents(self, limit: int = 5) -> list[dict]:
         return self.store.latest(limit)
-
-
-# ---------------------------------------------------------------- attribution
-
-def blame(ranks: list["Rank"], states: dict) -> tuple["Rank | None", str]:
-    """The rank most likely to hold the job up, and why: the one with the lowest step (the
-    others wait for it in a collective), then the one whose progress is oldest."""
-    if not ranks:
-        return None, "no local rank"
-    stalled = [r for r in ranks if states.get(r.key) is S.STALLED]
-    if len(ranks) == 1:
-        return ranks[0], "the only local rank"
-
-    def step_of(r: "Rank") -> int:
-        return -1 if r.step is None else r.step
-
-    lowest = min(step_of(r) for r in ranks)
-    behind = [r for r in ranks if step_of(r) == lowest]
-    oldest = min(behind, key=lambda r: r.last_progress)
-    where = "no step yet" if lowest < 0 else f"step {lowest}"
-    if len(behind) < len(ranks):
-        return oldest, f"lowest step ({where}) of the job's local ranks"
-    if len(stalled) == 1:
-        return stalled[0], f"first to pass its timeout ({where})"
-    return oldest, f"oldest progress among ranks at {where}"
-
-
-def refine_blame(incident: Incident) -> None:
-    """After stack dumps: among the ranks at the lowest step, one that is not waiting for its
-    peers while others wait in a collective is the culprit; when every local rank waits, the
-    culprit is on another node."""
-    known = [r for r in incident.ranks if r.in_collective is not None]
-    if not known:
-        return
-    waiting = [r.rank for r in known if r.in_collective]
-    if len(waiting) == len(known):
-        incident.blame_reason += "; every local rank waits in a collective, so the rank holding the job " \
-                                 "up is probably on another node"
-        return
-    lowest = min(r.step if r.step is not None else -1 for r in incident.ranks)
-    outside = [r for r in known if not r.in_collective and (r.step if r.step is not None else -1) == lowest]
-    if outside and waiting:
-        chosen = next((r for r in outside if r.rank == incident.blamed_rank), outside[0])
-        others = f"rank {waiting[0]} waits" if len(waiting) == 1 else \
-            f"ranks {', '.join(map(str, waiting))} wait"
-        incident.blamed_rank = chosen.rank
-        incident.blame_reason = f"not waiting for its peers, while {others} for it in a collective"
 
 
 def _process_alive(rank: "Rank") -> bool:

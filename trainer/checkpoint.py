@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,8 @@ class Checkpointer:
             rank_state = {"step": step, "world_size": self.world.size, "data": position.state_dict(),
                           "scheduler": scheduler.state_dict(), "rng": rng.capture()}
             name = f"rank-{self.world.rank}.pt"
-            files[name] = write_stream(tmp / name, partial(torch.save, rank_state), self.faults.checkpoint_interrupt(step))
+            files[name] = write_stream(tmp / name, partial(torch.save, rank_state),
+                                       self.faults.checkpoint_interrupt(step))
             gathered: list = [None] * self.world.size
             dist.all_gather_object(gathered, files)
             path = self.store.path_for(step)
@@ -99,7 +101,7 @@ class Checkpointer:
     def load_latest(self, model: nn.Module, optimizer, scheduler) -> Resumed | None:
         if not (self.enabled and self.cfg.resume):
             return None
-        choice = [None]
+        choice: list[tuple[int, str, Any] | None] = [None]
         if self.world.is_main:
             found = self.store.latest_complete()
             choice = [(found.step, str(found.path), self.store.manifest(found.path)["meta"]) if found else None]
@@ -137,7 +139,7 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(state, checkpoint_id=str(path / "model"))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)  # loaded in place
             return
         state = torch.load(path / "model.pt", map_location=self.world.device, weights_only=True)
         model.load_state_dict(state["model"])

@@ -16,9 +16,10 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 log = logging.getLogger("trainer")
 
@@ -192,7 +193,8 @@ class CheckpointStore:
             return []
         for entry in entries:
             if m := _STEP_DIR.match(entry.name):
-                out.append(Candidate(int(m[1]), entry, self.check(entry, verify) if entry.is_dir() else "not a directory"))
+                problem = self.check(entry, verify) if entry.is_dir() else "not a directory"
+                out.append(Candidate(int(m[1]), entry, problem))
             elif m := _TMP_DIR.match(entry.name):
                 out.append(Candidate(int(m[1]), entry, "incomplete: never committed (writer died)"))
         return sorted(out, key=lambda c: (c.step, c.problem is None), reverse=True)

@@ -12,8 +12,9 @@ import importlib
 import math
 import os
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import yaml
 
@@ -116,7 +117,7 @@ class BatchConfig:
         "Samples per optimizer step over all ranks. Must equal micro_batch_size x grad_accum_steps x "
         "world_size; the data order does not depend on the world size."))
     micro_batch_size: int = field(default=8, metadata=doc("Samples per forward/backward on one rank."))
-    grad_accum_steps: typing.Optional[int] = field(default=None, metadata=doc(
+    grad_accum_steps: int | None = field(default=None, metadata=doc(
         "Micro-batches accumulated per optimizer step. Derived from the two sizes and the world size; "
         "an explicit value must agree with them."))
 
@@ -149,7 +150,8 @@ class OptimConfig:
     warmup_steps: int = field(default=0, metadata=doc("Steps of linear warm-up from 0 to lr."))
     schedule: str = field(default="cosine", metadata=doc(
         "After warm-up: `constant`, or `cosine` decay to min_lr_ratio x lr at train.steps."))
-    min_lr_ratio: float = field(default=0.1, metadata=doc("Final learning rate of the cosine schedule, as a share of lr."))
+    min_lr_ratio: float = field(default=0.1, metadata=doc(
+        "Final learning rate of the cosine schedule, as a share of lr."))
     max_grad_norm: float = field(default=1.0, metadata=doc(
         "Clip the global gradient norm to this value (0: never clip; the norm is still reported)."))
 
@@ -190,7 +192,7 @@ class EvalConfig:
         "Evaluate every this many steps (0: never), inside a declared `eval` phase."))
     batches: int = field(default=4, metadata=doc(
         "Micro-batches per rank per evaluation, from a held-out copy of the dataset (seed train.seed + 1)."))
-    timeout_seconds: typing.Optional[float] = field(default=None, metadata=doc(
+    timeout_seconds: float | None = field(default=None, metadata=doc(
         "Budget announced to the sidecar's watchdog for the eval phase (empty: the sidecar's own)."))
 
     def __post_init__(self) -> None:
@@ -227,8 +229,8 @@ class ParallelConfig:
         "Process group backend: `auto` (nccl with CUDA, else gloo), `gloo` or `nccl`."))
     timeout_seconds: float = field(default=600.0, metadata=doc(
         "Collective timeout of the process group. A hung peer fails the others after this long."))
-    ddp: typing.Optional[DDPOptions] = field(default=None, metadata=doc("Options of strategy ddp."))
-    fsdp: typing.Optional[FSDPOptions] = field(default=None, metadata=doc("Options of strategy fsdp."))
+    ddp: DDPOptions | None = field(default=None, metadata=doc("Options of strategy ddp."))
+    fsdp: FSDPOptions | None = field(default=None, metadata=doc("Options of strategy fsdp."))
 
     def __post_init__(self) -> None:
         _one_of("parallel.strategy", self.strategy, ("ddp", "fsdp"))
@@ -369,7 +371,7 @@ def help_text() -> str:
             tp = hints[f.name]
             inner = [a for a in typing.get_args(tp) if a is not type(None)]
             sub = inner[0] if inner and dataclasses.is_dataclass(inner[0]) else tp
-            if dataclasses.is_dataclass(sub):
+            if isinstance(sub, type) and dataclasses.is_dataclass(sub):
                 if prefix:
                     lines.append(f"  {prefix}{f.name}: {f.metadata.get('help', '')}")
                 else:
@@ -378,7 +380,7 @@ def help_text() -> str:
                 if not prefix:
                     lines.append("")
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             env = f"{ENV_PREFIX}{prefix.replace('.', '_')}{f.name}".upper() if prefix.count(".") == 1 else "-"
             lines.append(f"  {prefix}{f.name} (default {default!r}; env {env})")
             lines.append(f"      {f.metadata.get('help', '')}")

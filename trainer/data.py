@@ -8,8 +8,8 @@ not depend on the world size: a checkpoint records it and a resumed run starts r
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -24,7 +24,7 @@ class DataPosition:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "DataPosition":
+    def from_state_dict(cls, state: dict) -> DataPosition:
         return cls(int(state["epoch"]), int(state["step_in_epoch"]))
 
 

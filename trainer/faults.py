@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from trainer.config import FaultConfig
 

@@ -18,7 +18,9 @@ def seed_rank(seed: int, rank: int) -> None:
 
 def capture() -> dict:
     version, state, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple)  # legacy=True, the default: (name, keys, pos, has_gauss, cached)
+    name, keys, pos, has_gauss, cached = legacy
     out = {
         "python": [version, list(state), gauss],
         "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,9 @@ from trainer.config import Config, import_factory
 from trainer.data import DataPosition, StepBatches
 from trainer.faults import FaultInjector
 from trainer.monitoring import open_monitor
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 log = logging.getLogger("trainer")
 
@@ -73,7 +78,8 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model, self.wrapped = self._build_model()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr,
+                                           weight_decay=cfg.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.dataset = import_factory("data.factory", cfg.data.factory)(seed=cfg.train.seed, **cfg.data.kwargs)
         if self.world.is_main:
@@ -104,13 +110,15 @@ class Trainer:
         rng.seed_rank(cfg.train.seed, self.world.rank)
         if cfg.parallel.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
-            opts = cfg.parallel.fsdp
-            if opts.shard_children:
+            fsdp = cfg.parallel.fsdp
+            assert fsdp is not None  # ParallelConfig fills the chosen strategy's options
+            if fsdp.shard_children:
                 for child in model.children():
-                    fully_shard(child, reshard_after_forward=opts.reshard_after_forward)
-            fully_shard(model, reshard_after_forward=opts.reshard_after_forward)
+                    fully_shard(child, reshard_after_forward=fsdp.reshard_after_forward)
+            fully_shard(model, reshard_after_forward=fsdp.reshard_after_forward)
             return model, model
         opts = cfg.parallel.ddp
+        assert opts is not None  # ParallelConfig fills the chosen strategy's options
         ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[self.world.local_rank] if self.world.device.type == "cuda" else None,
             bucket_cap_mb=opts.bucket_cap_mb, find_unused_parameters=opts.find_unused_parameters)
@@ -122,7 +130,7 @@ class Trainer:
         if isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
             sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
         else:  # FSDP2
-            self.wrapped.set_requires_gradient_sync(last)
+            cast("FSDPModule", self.wrapped).set_requires_gradient_sync(last)  # fully_shard made it one
             sync = contextlib.nullcontext()
         with sync:
             loss = self.wrapped(inputs, targets) / self.accum
@@ -143,7 +151,8 @@ class Trainer:
             started = time.perf_counter()
             self.faults.step_start(step)
             batches, position = self.faults.fetch(step, self.data.next_step)
-            loss = sum(self._micro_step(step, b, i == len(batches) - 1) for i, b in enumerate(batches))
+            loss = functools.reduce(torch.add, [self._micro_step(step, b, i == len(batches) - 1)
+                                                for i, b in enumerate(batches)])
             max_norm = cfg.optim.max_grad_norm or float("inf")
             grad_norm = _local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             lr = self.scheduler.get_last_lr()[0]

@@ -23,11 +23,12 @@ Every variable read by the hooks is listed here, so this file is their reference
 from __future__ import annotations
 
 import logging
-import re
 import signal
 from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import urlsplit
+
+from trainer_hooks.wire import POD_LABEL_RULES
 
 log = logging.getLogger("trainer_hooks")
 
@@ -97,13 +98,11 @@ def identity(environ: Mapping[str, str], job_id: str | None = None, rank: int | 
     )
 
 
-# Downward-API variables of the job examples -> label; Kubernetes' rules for the names
-# (the sidecar checks them again and refuses a registration that breaks them).
-POD_VARIABLES = (("SIDECAR_POD_NAMESPACE", "namespace", 63), ("SIDECAR_POD_NAME", "pod", 253),
-                 ("SIDECAR_CONTAINER_NAME", "container", 63))
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS = {"namespace": re.compile(_DNS_LABEL + r"\Z"), "container": re.compile(_DNS_LABEL + r"\Z"),
-        "pod": re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*\Z")}
+# Downward-API variables of the job examples -> label, with the label's most characters;
+# Kubernetes' rules for the names are the wire contract's (the sidecar checks them again and
+# refuses a registration that breaks them).
+POD_VARIABLES = tuple((variable, label, POD_LABEL_RULES[label][1]) for variable, label in (
+    ("SIDECAR_POD_NAMESPACE", "namespace"), ("SIDECAR_POD_NAME", "pod"), ("SIDECAR_CONTAINER_NAME", "container")))
 
 
 def kubernetes(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -113,7 +112,7 @@ def kubernetes(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
         value = environ.get(variable, "").strip()
         if not value:
             continue
-        if len(value) > max_len or not _DNS[label].match(value):
+        if len(value) > max_len or not POD_LABEL_RULES[label][0].match(value):
             log.warning("trainer_hooks: ignoring %s=%r (not a Kubernetes %s name)", variable, value[:64], label)
             continue
         out.append((label, value))

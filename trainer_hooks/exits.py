@@ -20,9 +20,9 @@ import threading
 import traceback
 from typing import Any, Callable
 
-MAX_TYPES = 16
-MAX_FRAMES = 12
-MAX_TEXT = 500
+from trainer_hooks.wire import EXIT_MAX_FRAMES as MAX_FRAMES
+from trainer_hooks.wire import EXIT_MAX_TEXT as MAX_TEXT
+from trainer_hooks.wire import EXIT_MAX_TYPES as MAX_TYPES
 EXCEPTION_BUDGET_SECONDS = 0.4  # a dead or hung sidecar delays the exit by about this much, at most
 
 _lock = threading.Lock()

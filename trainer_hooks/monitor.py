@@ -25,6 +25,7 @@ from trainer_hooks import environment, exits, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender
+from trainer_hooks.wire import THREAD_EXCEPTION_EVENT
 
 DEFAULT_BUFFER_SIZE = 10_000
 CLOSE_BUDGET_SECONDS = 0.8
@@ -255,7 +256,7 @@ def _close_all_on_exception(report: dict) -> None:
 
 def _report_thread_exception(report: dict) -> None:
     for monitor in list(_monitors):
-        monitor.event("thread_exception", type=report["type"], message=report["message"],
+        monitor.event(THREAD_EXCEPTION_EVENT, type=report["type"], message=report["message"],
                       thread=report.get("thread"))
 
 

@@ -16,30 +16,19 @@ the training thread never forces a device sync.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from trainer_hooks.errors import warn
+from trainer_hooks.wire import (MAX_CUSTOM_METRICS, MAX_EVENT_FIELDS, MAX_FIELD_CHARS, MAX_NAME,
+                                NAME_BAD_CHARS_RE, NAME_RE, WELL_KNOWN_METRICS)
 
 STEP = "step"
 PHASE_START = "phase_start"
 PHASE_END = "phase_end"
 EVENT = "event"
 
-# Keys the sidecar knows (docs/architecture.md); any other numeric key is a custom metric.
-WELL_KNOWN_METRICS = frozenset({
-    "loss", "grad_norm", "lr", "step_time_seconds", "samples", "tokens",
-    "iterations_per_second", "samples_per_second", "tokens_per_second"})
-# The sidecar bounds custom metric names per job (429 beyond, which would lose the whole
-# batch); the hooks stop adding new names at the sidecar's default bound instead.
-MAX_CUSTOM_METRICS = 32
-MAX_NAME_CHARS = 128
-MAX_FIELD_CHARS = 1024
-MAX_EVENT_FIELDS = 16
-# Names become label values on the sidecar, which refuses a whole batch over one bad name:
-# letters, digits and _.:/-, starting with a letter or _ (sidecar/protocol.py NAME_RE).
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
-_NAME_BAD_CHARS = re.compile(r"[^A-Za-z0-9_.:/-]")
+# The names, patterns and limits the sidecar checks are the wire contract (trainer_hooks/wire.py):
+# the hooks shape what they send to fit them rather than have a whole batch refused.
 
 
 class Unconvertible(ValueError):
@@ -83,12 +72,12 @@ def _nonfinite(value: float) -> str:
 def name(text: Any) -> str:
     """`text` as a name the sidecar accepts: other characters become `_`."""
     text = str(text)
-    if _NAME_RE.match(text):
+    if NAME_RE.match(text):
         return text
-    cleaned = _NAME_BAD_CHARS.sub("_", text)
+    cleaned = NAME_BAD_CHARS_RE.sub("_", text)
     if not cleaned or not (cleaned[0].isalpha() or cleaned[0] == "_"):
         cleaned = "_" + cleaned
-    return cleaned[:MAX_NAME_CHARS]
+    return cleaned[:MAX_NAME]
 
 
 def _field(value: Any) -> Any:
@@ -127,7 +116,7 @@ class Encoder:
             if len(payload) > MAX_EVENT_FIELDS:
                 warn(f"event_fields:{subject}", "trainer_hooks: event %r has %d fields; sending the first %d",
                      subject, len(payload), MAX_EVENT_FIELDS)
-            fields = {str(k)[:MAX_NAME_CHARS]: _field(v)
+            fields = {str(k)[:MAX_NAME]: _field(v)
                       for k, v in list(payload.items())[:MAX_EVENT_FIELDS]}
             return {"type": "event", "name": name(subject), "time": when, "fields": fields}
         return None

@@ -2,7 +2,8 @@
 
 Environment: CYCLE_LOG (a file; one JSON line per record, appended), CYCLE_HANGS (attempts that
 hang: attempts 0..CYCLE_HANGS-1 do), CYCLE_HANG_STEP (the first step after which rank CYCLE_HANG_RANK
-hangs, once it trained CYCLE_HANG_AFTER_SECONDS), CYCLE_HANG_MODE (`stop`: the rank SIGSTOPs itself; `sleep`: it sleeps forever; `kill`: it SIGKILLs itself).
+hangs, once it trained CYCLE_HANG_AFTER_SECONDS), CYCLE_HANG_MODE (`stop`: the rank SIGSTOPs itself;
+`sleep`: it sleeps forever; `kill`: it SIGKILLs itself).
 
 Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
 attempt, {"kind": "hang", ...} just before the hang, {"kind": "done", ...} at the end.

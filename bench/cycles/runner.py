@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {name: ROOT / "bench" / "cycles" / f"train_{name}.py" for name in ("plain", "hf", "lightning", "unmodified")}
 ATTACHED = {"unmodified"}  # run through `-m trainer_hooks.attach` (zero-code attach)
 # Fast cycles: a 2 s step floor, quick dumps, a 1 s grace, no storm cap in the way.
-SIDECAR = dict(floor_seconds=2.0, dump_wait_seconds=0.5, grace_seconds=1.0,
-               extra=["remediation.max_per_window=1000", "remediation.max_per_window_node=1000",
-                      "hooks_flush_interval_seconds=0.25"])
+def fast_sidecar() -> SidecarSpec:
+    return SidecarSpec(floor_seconds=2.0, dump_wait_seconds=0.5, grace_seconds=1.0,
+                       extra=["remediation.max_per_window=1000", "remediation.max_per_window_node=1000",
+                              "hooks_flush_interval_seconds=0.25"])
 
 
 @dataclass
@@ -64,7 +65,8 @@ def launcher_command(launcher: str, script: Path, nproc: int, max_restarts: int,
         head = [sys.executable, "-m", "torch.distributed.run"]
     elif launcher == "ft_launcher":
         head = [sys.executable, "-c", "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; "
-                "sys.argv[0] = 'ft_launcher'; sys.exit(main())", "--ft-param-rank_heartbeat_timeout=1000000", "--ft-param-initial_rank_heartbeat_timeout=1000000"]
+                "sys.argv[0] = 'ft_launcher'; sys.exit(main())", "--ft-param-rank_heartbeat_timeout=1000000",
+                "--ft-param-initial_rank_heartbeat_timeout=1000000"]
     else:
         raise ValueError(launcher)
     tail = ["-m", "trainer_hooks.attach", str(script)] if attach else [str(script)]
@@ -117,7 +119,7 @@ def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, han
     with Processes(workdir) as procs:
         port, sock = free_port(), str(workdir / "sidecar.sock")
         if sidecar:
-            spec = SidecarSpec(**SIDECAR)
+            spec = fast_sidecar()
             procs.start("sidecar", spec.command(workdir, port, sock))
             client = SidecarClient(port)
             if not wait_for(client.ready, 30):

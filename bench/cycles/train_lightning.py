@@ -33,7 +33,8 @@ class Hang(pl.Callback):
 chaos = Chaos()
 torch.manual_seed(0)
 data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-trainer = pl.Trainer(max_steps=chaos.hang_step + 40, accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
+trainer = pl.Trainer(max_steps=chaos.hang_step + 40, accelerator="cpu",
+                     devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
                      num_nodes=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                      enable_checkpointing=False, callbacks=[SidecarCallback(), Hang(chaos)])
 trainer.fit(Tiny(), DataLoader(data, batch_size=4))

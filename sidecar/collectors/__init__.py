@@ -2,15 +2,16 @@
 module; this package only assembles the enabled ones."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # keep `import sidecar.collectors` light: `sidecar metrics-doc` imports it
     from sidecar.collectors.base import Collector
     from sidecar.config import Settings
 
 
-def build_collectors(settings: "Settings", ranks: Callable[[], list[tuple[str, int, int]]],
-                     job_versions: Callable[[], dict[str, dict[str, str]]]) -> list["Collector"]:
+def build_collectors(settings: Settings, ranks: Callable[[], list[tuple[str, int, int]]],
+                     job_versions: Callable[[], dict[str, dict[str, str]]]) -> list[Collector]:
     """The collectors named in `settings.collectors.enabled`, in that order.
 
     `ranks()` returns (job_id, rank, pid) of the live registered ranks; `job_versions()`
@@ -31,11 +32,16 @@ def build_collectors(settings: "Settings", ranks: Callable[[], list[tuple[str, i
     gpu_on = "gpu" in cfg.enabled and cfg.gpu_source == "sidecar"
     gpu = GpuCollector(cfg.nvml_module, ranks, xid_events=cfg.xid_events) if gpu_on else None
     no_gpu_versions = lambda: ("", "")  # noqa: E731
-    build: dict[str, Callable[[], "Collector"]] = {
-        "gpu": lambda: gpu,  # type: ignore[dict-item]
+    build: dict[str, Callable[[], Collector]] = {
         "nic": lambda: NicCollector(cfg.sysfs_root, cfg.nic_exclude, cfg.max_nics),
         "process": lambda: ProcessCollector(ranks),
         "node": lambda: NodeCollector(settings.checkpoint_dir, job_versions,
                                       gpu.versions if gpu is not None else no_gpu_versions),
     }
-    return [build[name]() for name in dict.fromkeys(cfg.enabled) if name != "gpu" or gpu_on]
+    out: list[Collector] = []
+    for name in dict.fromkeys(cfg.enabled):
+        if name != "gpu":
+            out.append(build[name]())
+        elif gpu is not None:
+            out.append(gpu)
+    return out

@@ -7,16 +7,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
-                                   Metric)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 
 log = logging.getLogger(__name__)
 
 PREFIX = "sidecar_"
+
+if TYPE_CHECKING:
+    class Family(Metric):
+        """What `MetricSpec.family` returns: a gauge, counter, info or histogram family. Their
+        `add_metric` signatures differ (an info family takes a dict, a histogram buckets and a
+        sum); the spec's `type` says which the caller holds, which a type checker cannot see."""
+
+        def add_metric(self, labels: Sequence[str], value: Any, *args: Any, **kwargs: Any) -> None: ...
+else:
+    Family = Metric
 
 
 @dataclass(frozen=True)
@@ -30,16 +46,19 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     collector: str = ""
 
-    def family(self) -> Metric:
+    def family(self) -> Family:
+        family: Metric
         if self.type == "gauge":
-            return GaugeMetricFamily(self.name, self.help, labels=self.labels)
-        if self.type == "counter":
-            return CounterMetricFamily(self.name, self.help, labels=self.labels)
-        if self.type == "info":
-            return InfoMetricFamily(self.name, self.help, labels=self.labels)
-        if self.type == "histogram":
-            return HistogramMetricFamily(self.name, self.help, labels=self.labels)
-        raise ValueError(f"unknown metric type {self.type}")
+            family = GaugeMetricFamily(self.name, self.help, labels=self.labels)
+        elif self.type == "counter":
+            family = CounterMetricFamily(self.name, self.help, labels=self.labels)
+        elif self.type == "info":
+            family = InfoMetricFamily(self.name, self.help, labels=self.labels)
+        elif self.type == "histogram":
+            family = HistogramMetricFamily(self.name, self.help, labels=self.labels)
+        else:
+            raise ValueError(f"unknown metric type {self.type}")
+        return cast("Family", family)
 
     @property
     def exposed_name(self) -> str:
@@ -60,7 +79,11 @@ class Collector(Protocol):
     and raises only when the collection as a whole failed."""
 
     name: str
-    metrics: Sequence[MetricSpec]
+
+    @property
+    def metrics(self) -> Sequence[MetricSpec]:
+        """Every family the collector can export (read-only: collectors declare a tuple)."""
+        ...
 
     def collect(self) -> Iterable[Metric]: ...
 
@@ -87,7 +110,7 @@ class _Families:
 
 
 def render_text(families: Iterable[Metric]) -> bytes:
-    return generate_latest(_Families(families))  # type: ignore[arg-type]
+    return generate_latest(_Families(families))
 
 
 class TextCache:
@@ -127,9 +150,9 @@ class PartialFailure(Exception):
     """Raised by a collector *after* producing its families: some fields or devices failed.
     The runner keeps the families and reports success 0 with this message."""
 
-    def __init__(self, message: str, families: list[Metric]):
+    def __init__(self, message: str, families: Sequence[Metric]):
         super().__init__(message)
-        self.families = families
+        self.families = list(families)
 
 
 class CollectorRunner:

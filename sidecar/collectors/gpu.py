@@ -11,7 +11,7 @@ GPU (unsupported, no permission, not ready, ...) only lacks its series, and
 fields are refreshed every 10 s (nvml.HEALTH_SECONDS), the rest every collector round."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
@@ -19,7 +19,6 @@ from sidecar.collectors.base import PartialFailure, spec
 from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
 from sidecar.collectors.ranktree import RanksFn, pid_owners
 from sidecar.collectors.xid import XidWatcher
-
 
 NAME = "gpu"
 G = ("gpu",)
@@ -212,7 +211,10 @@ class GpuCollector:
                 handles[str(index)] = self.session.handle(index)
             except GpuLost:
                 pass
-        self.xid = XidWatcher(self.session.nv, handles)
+        nv = self.session.nv
+        if nv is None:  # the session closed meanwhile
+            return
+        self.xid = XidWatcher(nv, handles)
         self.xid.start()
 
     def _families(self, readings: list[GpuReading], lost: list[str]) -> list[Metric]:
@@ -252,7 +254,8 @@ class GpuCollector:
                                      ("receive", r.pcie_rx_bytes_per_second)):
                 if value is not None:
                     pcie_throughput.add_metric([g, direction], value)
-            for cause, value in (("single_bit", r.retired_pages_single_bit), ("double_bit", r.retired_pages_double_bit)):
+            for cause, value in (("single_bit", r.retired_pages_single_bit),
+                                 ("double_bit", r.retired_pages_double_bit)):
                 if value is not None:
                     retired.add_metric([g, cause], value)
             if r.remapped_rows is not None:
@@ -280,8 +283,8 @@ class GpuCollector:
         for (gpu, xid), count in sorted(counts.items()):
             errors.add_metric([gpu, xid], count)
         for gpu in self.xid.watched:
-            xid, when = latest.get(gpu, (0, None))
-            last.add_metric([gpu], xid)
+            last_xid, when = latest.get(gpu, (0, None))
+            last.add_metric([gpu], last_xid)
             if when is not None:
                 last_time.add_metric([gpu], when)
         return [errors, last, last_time]

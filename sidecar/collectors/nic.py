@@ -4,8 +4,8 @@ carry over) and InfiniBand / RoCE ports, from sysfs. A node without InfiniBand h
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from prometheus_client.core import Metric
 
@@ -78,7 +78,7 @@ class NicCollector:
         ports = [sysfs.read_infiniband_port(self.sysfs_root, d, p)
                  for d, p in sysfs.list_infiniband_ports(self.sysfs_root)[: self.max_nics]]
         families = [f for f in (*self._net_families(nics), *self._ib_families(ports)) if f.samples]
-        problems = [msg for record in (*nics, *ports) for msg in record.problems]
+        problems = [msg for nic in nics for msg in nic.problems] + [msg for port in ports for msg in port.problems]
         if problems:
             raise PartialFailure("; ".join(problems[:5]), families)
         return families

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import psutil
 from prometheus_client.core import Metric

@@ -3,8 +3,9 @@
 owns it. A rank whose process is gone has no series."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TypeVar
 
 import psutil
 from prometheus_client.core import Metric
@@ -23,7 +24,8 @@ RESIDENT_MEMORY = spec(NAME, "process_resident_memory_bytes", "gauge",
 THREADS = spec(NAME, "process_threads", "gauge", "Threads of the rank and its children.", R)
 OPEN_FDS = spec(NAME, "process_open_fds", "gauge", "Open file descriptors of the rank and its children.", R)
 CHILDREN = spec(NAME, "process_children", "gauge", "Live descendant processes of the rank.", R)
-STATE = spec(NAME, "process_state", "gauge", "1 for the state the rank's own process is in.", ["job_id", "rank", "state"])
+STATE = spec(NAME, "process_state", "gauge", "1 for the state the rank's own process is in.",
+             ["job_id", "rank", "state"])
 
 METRICS = (CPU_SECONDS, RESIDENT_MEMORY, THREADS, OPEN_FDS, CHILDREN, STATE)
 
@@ -49,7 +51,10 @@ class RankProcesses:
     open_fds: int | None = None
 
 
-def _add(total: float | None, value: float) -> float:
+N = TypeVar("N", int, float)
+
+
+def _add(total: N | None, value: N) -> N:
     return value if total is None else total + value
 
 
@@ -112,7 +117,7 @@ class ProcessCollector:
         for job_id, rank, pid in self.ranks():
             pids = tree_pids(pid)
             procs = self._procs(pids) if pids else None
-            if procs is None:
+            if pids is None or procs is None:
                 continue
             seen.update(pids)
             reading = read_rank(job_id, rank, procs, problems)

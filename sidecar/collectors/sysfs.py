@@ -122,7 +122,7 @@ def read_net_device(sysfs_root: str | Path, device: str) -> NetDevice:
 
 def list_infiniband_ports(sysfs_root: str | Path) -> list[tuple[str, str]]:
     root = Path(sysfs_root) / "class" / "infiniband"
-    out = []
+    out: list[tuple[str, str]] = []
     try:
         devices = sorted(p.name for p in root.iterdir())
     except OSError:

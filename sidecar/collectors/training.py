@@ -6,7 +6,8 @@ Ranks that are gone stay exported until the registry drops them
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Iterable
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
@@ -73,11 +74,11 @@ class TrainingCollector:
     name = "training"
     metrics = METRICS
 
-    def __init__(self, registry: "Registry"):
+    def __init__(self, registry: Registry):
         self.registry = registry
 
-    def collect(self, only: Collection["RankKey"] | None = None,
-                custom: Collection["RankKey"] | None = None) -> Iterable[Metric]:
+    def collect(self, only: Collection[RankKey] | None = None,
+                custom: Collection[RankKey] | None = None) -> Iterable[Metric]:
         """The families; per-rank series only of the ranks in `only`, custom metrics only of
         those in `custom` (None: every rank), as /metrics' series budget decides."""
         all_ranks = sorted(self.registry.ranks(), key=lambda r: (r.job_id, r.rank))
@@ -124,7 +125,7 @@ class TrainingCollector:
         yield from self._job_families(all_ranks)
 
     @staticmethod
-    def series(r: "Rank") -> tuple[int, int]:
+    def series(r: Rank) -> tuple[int, int]:
         """How many series `collect` gives one rank: (its own, its custom metrics)."""
         own = (2 + (r.step is not None) + sum(1 for key, _ in VALUE_GAUGES if key in r.metrics)
                + (r.phase is not None) + (r.last_checkpoint_step is not None)
@@ -134,9 +135,9 @@ class TrainingCollector:
         return own, len(r.custom)
 
     @staticmethod
-    def _job_families(ranks: list["Rank"]) -> Iterable[Metric]:
+    def _job_families(ranks: list[Rank]) -> Iterable[Metric]:
         registered, world = RANKS.family(), WORLD.family()
-        by_job: dict[str, list["Rank"]] = {}
+        by_job: dict[str, list[Rank]] = {}
         for r in ranks:
             by_job.setdefault(r.job_id, []).append(r)
         for job, rs in by_job.items():

@@ -15,13 +15,20 @@ import argparse
 import concurrent.futures
 import json
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
-from typing import Callable, Iterable
 
 from sidecar.config import ConfigError, settings_from_args
 from sidecar.preflight.gpu_checks import check_driver, check_gpu_count, check_gpu_health, check_torch, check_xids
-from sidecar.preflight.node_checks import (check_checkpoint_disk, check_clock, check_infiniband, check_nics,
-                                           check_rendezvous, check_shared_dir, check_sidecar)
+from sidecar.preflight.node_checks import (
+    check_checkpoint_disk,
+    check_clock,
+    check_infiniband,
+    check_nics,
+    check_rendezvous,
+    check_shared_dir,
+    check_sidecar,
+)
 from sidecar.preflight.peers import check_peers
 from sidecar.preflight.results import FAIL, PASS, SKIP, WARN, Context, Result, exit_code
 
@@ -34,11 +41,15 @@ CHECKS: list[Callable[[Context], Iterable[Result]]] = [
 ]
 
 
+def _results(check: Callable[[Context], Iterable[Result]], ctx: Context) -> list[Result]:
+    return list(check(ctx))
+
+
 def run_checks(ctx: Context) -> Iterable[Result]:
     """Run every check in parallel (torch's import and network timeouts dominate); yield the
     results in the order of CHECKS as soon as each is done."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(CHECKS)) as pool:
-        futures = [(check, pool.submit(lambda c=check: list(c(ctx)))) for check in CHECKS]
+        futures = [(check, pool.submit(_results, check, ctx)) for check in CHECKS]
         for check, future in futures:
             try:
                 yield from future.result()
@@ -67,8 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-marker", metavar="write:TOKEN|check:TOKEN",
                         help="write a marker file with TOKEN in --shared-dir (one node), or check it is there "
                              "(the others): proves every node sees the same storage")
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint directory (default: checkpoint_dir setting)")
-    parser.add_argument("--min-free-gb", type=float, default=20.0, help="free space needed for checkpoints (default 20)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="checkpoint directory (default: checkpoint_dir setting)")
+    parser.add_argument("--min-free-gb", type=float, default=20.0,
+                        help="free space needed for checkpoints (default 20)")
     parser.add_argument("--peers", metavar="URL,URL",
                         help="other nodes' sidecars (http://host:9402); fail on driver/CUDA/torch/NCCL skew")
     parser.add_argument("--socket", help="this node's sidecar socket (also SIDECAR_SOCKET): checked, and "

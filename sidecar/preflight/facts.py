@@ -99,7 +99,7 @@ def read_torch(python: str, timeout: float) -> TorchFacts:
         facts.error = f"importing torch took over {timeout:g}s"
         return facts
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["exit status %d" % proc.returncode])[-1]
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         facts.error = f"torch not importable by {python}: {last}"
         return facts
     try:
@@ -126,7 +126,7 @@ def read_kernel_log(path: str | None) -> tuple[str | None, str | None]:
     except subprocess.TimeoutExpired:
         return None, "dmesg did not answer"
     if proc.returncode != 0:
-        return None, f"dmesg: {proc.stderr.strip() or 'exit status %d' % proc.returncode}"
+        return None, f"dmesg: {proc.stderr.strip() or f'exit status {proc.returncode}'}"
     return proc.stdout, None
 
 

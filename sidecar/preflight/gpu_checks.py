@@ -3,7 +3,7 @@ kernel log's Xids, and the training environment's torch against the driver."""
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from sidecar.collectors.nvml import GpuReading
 from sidecar.preflight.facts import parse_xids, read_kernel_log, read_torch
@@ -69,7 +69,8 @@ def check_gpu_health(ctx: Context) -> Iterable[Result]:
     checked = 0
     for index, why in sorted(nv.lost.items()):
         bad = True
-        yield Result("gpu-health", FAIL, f"GPU {index} cannot be read: {why}", "drain the node; reset or replace the GPU")
+        yield Result("gpu-health", FAIL, f"GPU {index} cannot be read: {why}",
+                     "drain the node; reset or replace the GPU")
     for g in nv.gpus:
         where = f"GPU {g.gpu} ({g.pci_bus_id or '?'})"
         _, _, remap_pending, remap_failed = g.remapped_rows or (0, 0, 0, 0)

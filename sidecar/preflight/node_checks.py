@@ -7,8 +7,8 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from sidecar.client import StatusError, fetch_json, resolve_endpoint
 from sidecar.config import ConfigError, parse_hostport
@@ -89,7 +89,8 @@ def check_rendezvous(ctx: Context) -> Iterable[Result]:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SECONDS):
             pass
     except socket.gaierror as e:
-        yield Result("rendezvous", FAIL, f"cannot resolve {host} ({e.strerror})", "check DNS / the endpoint's host name")
+        yield Result("rendezvous", FAIL, f"cannot resolve {host} ({e.strerror})",
+                     "check DNS / the endpoint's host name")
     except ConnectionRefusedError:
         if _is_local_address(host):
             if _port_free(host, port):
@@ -101,7 +102,7 @@ def check_rendezvous(ctx: Context) -> Iterable[Result]:
         else:
             yield Result("rendezvous", WARN, f"{endpoint}: connection refused (reachable host, nothing listens yet)",
                          f"fine before the job starts: the c10d store starts with torchrun on {host}")
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         yield Result("rendezvous", FAIL, f"{endpoint}: no answer within {CONNECT_TIMEOUT_SECONDS:g}s",
                      "a firewall or security group drops the port, or the host is down; open it between nodes")
     except OSError as e:
@@ -146,7 +147,8 @@ def _check_marker(directory: Path, spec: str) -> Result:
         except OSError as e:
             return Result("shared-marker", FAIL, f"cannot write {marker}: {e.strerror}", "fix the mount's permissions")
         return Result("shared-marker", PASS, f"wrote {marker} with token {token!r}",
-                      f"run `sidecar preflight --shared-dir {directory} --shared-marker check:{token}` on the other nodes")
+                      f"run `sidecar preflight --shared-dir {directory} --shared-marker check:{token}` "
+                      "on the other nodes")
     try:
         body = json.loads(marker.read_text())
     except OSError as e:
@@ -172,7 +174,8 @@ def check_checkpoint_disk(ctx: Context) -> Iterable[Result]:
         yield Result("checkpoint-disk", FAIL, f"{directory}{note}: not writable by this user",
                      "fix permissions; checkpoints would fail at the first save")
     elif free_gb < ctx.args.min_free_gb:
-        yield Result("checkpoint-disk", FAIL, f"{directory}{note}: {free_gb:.1f} GB free, below {ctx.args.min_free_gb:g} GB",
+        yield Result("checkpoint-disk", FAIL,
+                     f"{directory}{note}: {free_gb:.1f} GB free, below {ctx.args.min_free_gb:g} GB",
                      "free space or lower the number of checkpoints kept")
     else:
         yield Result("checkpoint-disk", PASS, f"{directory}{note}: {free_gb:.1f} GB free "

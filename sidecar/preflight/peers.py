@@ -2,7 +2,8 @@
 (drivers, CUDA, torch, NCCL, ...), compared; a difference that breaks a job FAILs."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from sidecar.client import Endpoint, StatusError, fetch, fetch_json, resolve_endpoint
 from sidecar.preflight.results import FAIL, PASS, SKIP, WARN, Context, Result
@@ -26,7 +27,8 @@ def node_versions(status: dict, metrics_text: str | None) -> dict[str, set[str]]
             out.setdefault(name, set()).add(str(value))
 
     add("sidecar_version", status.get("version"))
-    node = status.get("node") if isinstance(status.get("node"), dict) else {}
+    node = status.get("node")
+    node = node if isinstance(node, dict) else {}
     for key in ("driver_version", "cuda_version", "kernel", "os"):
         add(key, node.get(key))
     for r in status.get("ranks") or []:
@@ -64,7 +66,8 @@ def compare_versions(nodes: dict[str, dict[str, set[str]]]) -> list[Result]:
 
 
 def _label(endpoint: Endpoint, status: dict) -> str:
-    node = status.get("node") if isinstance(status.get("node"), dict) else {}
+    node = status.get("node")
+    node = node if isinstance(node, dict) else {}
     host = node.get("hostname")
     return f"{host} ({endpoint})" if host else str(endpoint)
 

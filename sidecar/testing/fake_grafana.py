@@ -380,7 +380,7 @@ class BackgroundServer:
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="aiohttp-background", daemon=True)
 
-    def start(self) -> "BackgroundServer":
+    def start(self) -> BackgroundServer:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
         return self

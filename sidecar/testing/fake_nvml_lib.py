@@ -33,7 +33,7 @@ import threading
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from ctypes import CFUNCTYPE, c_int, c_uint, c_ulonglong, c_void_p, sizeof
+from ctypes import CFUNCTYPE, Structure, c_int, c_uint, c_ulonglong, c_void_p, sizeof
 from typing import Any
 
 import pynvml
@@ -69,7 +69,7 @@ GENERATIONS: dict[str, frozenset[str]] = {
 
 HANDLE_BASE = 0x7E57_0000_0000
 EVENT_SET_BASE = 0x7E58_0000_0000
-P, U, I, ULL = c_void_p, c_uint, c_int, c_ulonglong
+P, U, INT, ULL = c_void_p, c_uint, c_int, c_ulonglong
 
 
 def _err(name: str) -> pynvml.NVMLError:
@@ -82,7 +82,7 @@ def _out(ptr: int | None, ctype: Any, value: Any) -> None:
     ctype.from_address(ptr).value = value
 
 
-def _struct(ptr: int | None, struct: type) -> Any:
+def _struct(ptr: int | None, struct: type[Structure]) -> Any:
     if not ptr:
         raise _err("invalid_argument")
     return struct.from_address(ptr)
@@ -188,7 +188,7 @@ def _shutdown(lib):
     model.nvmlShutdown()
 
 
-@symbol("nvmlErrorString", I, restype=c_void_p)
+@symbol("nvmlErrorString", INT, restype=c_void_p)
 def _error_string(lib, code):
     return lib.error_string(code)
 
@@ -295,7 +295,8 @@ for _function, _ctype in (("nvmlDeviceGetPowerUsage", c_uint), ("nvmlDeviceGetEn
                           ("nvmlDeviceGetCurrentClocksThrottleReasons", c_ulonglong),
                           ("nvmlDeviceGetRetiredPagesPendingStatus", c_uint),
                           ("nvmlDeviceGetPcieReplayCounter", c_uint),
-                          ("nvmlDeviceGetCurrPcieLinkGeneration", c_uint), ("nvmlDeviceGetMaxPcieLinkGeneration", c_uint),
+                          ("nvmlDeviceGetCurrPcieLinkGeneration", c_uint),
+                          ("nvmlDeviceGetMaxPcieLinkGeneration", c_uint),
                           ("nvmlDeviceGetCurrPcieLinkWidth", c_uint), ("nvmlDeviceGetMaxPcieLinkWidth", c_uint)):
     _device_value(_function, _ctype)
 
@@ -326,7 +327,7 @@ def _retired_pages(lib, device, cause, count, addresses):
 @symbol("nvmlDeviceGetRemappedRows", P, P, P, P, P)
 def _remapped_rows(lib, device, corr, unc, pending, failure):
     rows = model.nvmlDeviceGetRemappedRows(lib.handle(device))
-    for ptr, value in zip((corr, unc, pending, failure), rows):
+    for ptr, value in zip((corr, unc, pending, failure), rows, strict=True):
         _out(ptr, c_uint, value)
 
 
@@ -356,7 +357,7 @@ def _violation(lib, device, policy, out):
     s.referenceTime, s.violationTime = reference, violation
 
 
-@symbol("nvmlDeviceGetFieldValues", P, I, P)
+@symbol("nvmlDeviceGetFieldValues", P, INT, P)
 def _field_values(lib, device, count, values):
     handle = lib.handle(device)
     model.field_value(handle, -1)  # the device itself answers first (lost, invalid handle)

@@ -48,7 +48,8 @@ MIG_UNSUPPORTED = frozenset({"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetEnco
                              "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus"})
 
 VIOLATION_POLICIES = {_real.NVML_PERF_POLICY_POWER: "power", _real.NVML_PERF_POLICY_THERMAL: "thermal",
-                      _real.NVML_PERF_POLICY_SYNC_BOOST: "sync_boost", _real.NVML_PERF_POLICY_BOARD_LIMIT: "board_limit",
+                      _real.NVML_PERF_POLICY_SYNC_BOOST: "sync_boost",
+                      _real.NVML_PERF_POLICY_BOARD_LIMIT: "board_limit",
                       _real.NVML_PERF_POLICY_LOW_UTILIZATION: "low_utilization",
                       _real.NVML_PERF_POLICY_RELIABILITY: "reliability"}
 
@@ -79,6 +80,10 @@ class _State:
     """The simulated driver: the spec, init refcount, event queue."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to a driver that was never initialised (as if the machine had rebooted)."""
         self.lock = threading.Condition()
         self.spec: dict[str, Any] | None = None
         self.programmatic = False  # set by configure(): the env file is not consulted
@@ -122,7 +127,7 @@ _state = _State()
 def configure(spec: dict[str, Any] | None) -> None:
     """Replace the spec (None: back to the SIDECAR_FAKE_NVML file) and reset the driver state,
     as if the machine had rebooted."""
-    _state.__init__()  # in place: the fronts hold this object
+    _state.reset()  # in place: the fronts hold this object
     if spec is not None:
         _state.spec = copy.deepcopy(spec)
         _state.programmatic = True

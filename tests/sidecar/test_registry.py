@@ -6,7 +6,8 @@ import math
 import pytest
 
 from sidecar.protocol import EventItem, PhaseItem, Push, Registration, StepItem
-from sidecar.registry import LimitExceeded, Registry, StepNotIncreasing, UnknownRank
+from sidecar.admission import LimitExceeded, RankTaken, StepNotIncreasing, UnknownRank
+from sidecar.registry import Registry
 from tests.sidecar.helpers import DAEMON
 from tests.support import make_settings
 
@@ -163,3 +164,16 @@ def test_versions_by_job_merge_the_ranks_reports(registry):
     register(registry, versions={"torch": "2.13.0"})
     register(registry, rank=1, versions={"nccl": "2.27.3"})
     assert registry.versions_by_job() == {"j": {"torch": "2.13.0", "nccl": "2.27.3"}}
+
+
+def test_a_rank_held_by_a_live_process_of_the_same_attempt_is_not_taken_over(tmp_path):
+    """The rank_taken rule is the registry's; whether the holder still runs is asked of the
+    injected `alive`."""
+    running = {100}
+    registry = Registry(make_settings(tmp_path, DAEMON), alive=lambda pid, start: pid in running)
+    register(registry, pid=100)
+    with pytest.raises(RankTaken, match="held by pid 100, still running at restart 0"):
+        register(registry, pid=200)
+    assert register(registry, pid=200, restart_count=1).pid == 200  # a restarted worker replaces it
+    running.clear()
+    assert register(registry, pid=300, restart_count=1).pid == 300  # so does anyone, once the holder is dead

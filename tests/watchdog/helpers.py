@@ -30,9 +30,9 @@ class FakeClock:
 
 
 def register(registry: Registry, pid: int, rank: int = 0, job: str = "job", step: int | None = None,
-             start_time: float | None = ...):
+             start_time: float | None = ..., restart_count: int = 0):
     reg = Registration(job_id=job, rank=rank, local_rank=rank, world_size=2, local_world_size=2, pid=pid,
-                       step=step)
+                       step=step, restart_count=restart_count)
     started = procs.start_time(pid) if start_time is ... else start_time
     return registry.register(reg, pid_start_time=started, peer_verified=True)
 

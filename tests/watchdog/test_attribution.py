@@ -5,14 +5,14 @@ from types import SimpleNamespace
 
 from sidecar.incidents import Incident, RankSnapshot
 from sidecar.remediation import in_collective
-from sidecar.watchdog import RankState, blame, refine_blame
+from sidecar.attribution import blame, refine_blame
 
 
 def rank(n: int, step: int | None, last_progress: float):
     return SimpleNamespace(rank=n, step=step, last_progress=last_progress, key=("job", n))
 
 
-STALLED = {("job", n): RankState.STALLED for n in range(4)}
+STALLED = {("job", n) for n in range(4)}
 
 
 def test_the_rank_with_the_lowest_step_is_blamed():

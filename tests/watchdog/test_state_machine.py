@@ -97,7 +97,7 @@ async def test_a_new_registration_replaces_the_old_rank(world, clock, spawn):
     old = register(registry, pid)
     step(registry, old, 3, clock)
     dog.tick()
-    new = register(registry, spawn().pid)
+    new = register(registry, spawn().pid, restart_count=1)  # a restarted worker (registry: rank_taken otherwise)
     dog.tick()
     assert state(dog, new) == "starting"
     assert dog.counters.transitions[("healthy", "gone")] == 1

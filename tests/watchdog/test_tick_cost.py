@@ -62,8 +62,8 @@ def test_the_step_timeout_is_computed_once_per_step(tmp_path, clock, monkeypatch
         clock.advance(1.0)
         step(registry, r, n, clock)
     computed = []
-    real = wd.step_timeout
-    monkeypatch.setattr(wd, "step_timeout", lambda *a: computed.append(1) or real(*a))
+    real = wd.timeouts.step_timeout
+    monkeypatch.setattr(wd.timeouts, "step_timeout", lambda *a: computed.append(1) or real(*a))
     for _ in range(5):
         wd.tick()
     assert len(computed) == 1

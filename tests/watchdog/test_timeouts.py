@@ -4,35 +4,35 @@ from __future__ import annotations
 import pytest
 
 from sidecar.registry import Registry
-from sidecar.watchdog import Watchdog, quantile
+from sidecar.timeouts import Timeouts, quantile
+from sidecar.watchdog import Watchdog
 from tests.support import make_settings
 from tests.watchdog.helpers import WATCHDOG, register, step
 
 
-def dog(tmp_path, **kw) -> Watchdog:
-    s = make_settings(tmp_path, WATCHDOG, **kw)
-    return Watchdog(s, Registry(s))
+def policy(tmp_path, **kw) -> Timeouts:
+    return Timeouts(make_settings(tmp_path, WATCHDOG, **kw).watchdog)
 
 
 def test_without_step_history_the_timeout_is_the_floor(tmp_path):
-    assert dog(tmp_path).step_timeout([]) == 10
+    assert policy(tmp_path).step_timeout([]) == 10
 
 
 def test_the_timeout_is_multiplier_times_the_quantile(tmp_path):
-    d = dog(tmp_path, **{"watchdog.multiplier": 4, "watchdog.quantile": 0.5})
+    d = policy(tmp_path, **{"watchdog.multiplier": 4, "watchdog.quantile": 0.5})
     assert d.step_timeout([3.0, 4.0, 5.0]) == 16
 
 
 def test_short_steps_are_clamped_to_the_floor(tmp_path):
-    assert dog(tmp_path).step_timeout([0.01] * 50) == 10
+    assert policy(tmp_path).step_timeout([0.01] * 50) == 10
 
 
 def test_long_steps_are_clamped_to_the_ceiling(tmp_path):
-    assert dog(tmp_path).step_timeout([60.0] * 50) == 100
+    assert policy(tmp_path).step_timeout([60.0] * 50) == 100
 
 
 def test_the_quantile_follows_the_recent_window_only(tmp_path):
-    d = dog(tmp_path, **{"watchdog.window": 3, "watchdog.multiplier": 2, "watchdog.quantile": 1})
+    d = policy(tmp_path, **{"watchdog.window": 3, "watchdog.multiplier": 2, "watchdog.quantile": 1})
     assert d.step_timeout([50.0, 6.0, 6.0, 7.0]) == 14
 
 
@@ -55,8 +55,8 @@ def test_a_rank_s_timeout_follows_its_reported_steps(tmp_path, clock, spawn):
 
 def test_before_any_interval_the_reported_step_time_stands_in(tmp_path):
     """A first step slower than the floor must not make the second one look like a stall."""
-    assert dog(tmp_path).step_timeout([], last_step_time=4.0) == 32
-    assert dog(tmp_path).step_timeout([], last_step_time=float("nan")) == 10
+    assert policy(tmp_path).step_timeout([], last_step_time=4.0) == 32
+    assert policy(tmp_path).step_timeout([], last_step_time=float("nan")) == 10
 
 
 def test_a_slow_first_step_does_not_stall_the_second(tmp_path, clock, spawn):

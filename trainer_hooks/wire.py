@@ -1,0 +1,92 @@
+"""The wire contract between the hooks and the sidecar (docs/architecture.md, "the wire
+protocol"): names, patterns and limits both sides must agree on, defined once.
+
+The hooks shape what they send with these (`records.py`, `exits.py`, `environment.py`); the
+sidecar refuses what breaks them (`sidecar/protocol.py`, `sidecar/podlabels.py`,
+`sidecar/registry.py`). Standard library only: the hooks are also shipped alone, as the
+`training-sidecar-hooks` distribution, and import this without the daemon's dependencies.
+
+Changing anything here changes the contract: bump PROTOCOL_VERSION, and pin the new
+fingerprint in tests/hooks/test_wire_contract.py (the test says so when they disagree).
+"""
+from __future__ import annotations
+
+import re
+
+PROTOCOL_VERSION = 1
+
+# ---------------------------------------------------------------- names
+
+# Job ids, metric, phase and event names: at most MAX_NAME characters. Metric, phase and event
+# names become label values, so they are letters, digits and _.:/-, starting with a letter or _;
+# the sidecar refuses a whole batch over one bad name.
+MAX_NAME = 128
+NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z"
+NAME_RE = re.compile(NAME_PATTERN)
+NAME_BAD_CHARS_RE = re.compile(r"[^A-Za-z0-9_.:/-]")
+
+# Step metric keys with their own series (`samples` and `tokens` also feed the per-rank
+# counters); any other key is a custom metric, bounded per job.
+WELL_KNOWN_METRICS = frozenset({
+    "loss", "grad_norm", "lr", "step_time_seconds", "samples", "tokens",
+    "iterations_per_second", "samples_per_second", "tokens_per_second"})
+# Phase names that never count against a job's phase-name limit.
+WELL_KNOWN_PHASES = frozenset({"startup", "checkpoint_save", "checkpoint_load", "eval", "compile", "data_load"})
+
+# ---------------------------------------------------------------- limits
+
+# Custom metric names per job: the sidecar's default `limits.max_custom_metrics` (429 beyond,
+# which would lose the whole batch); the hooks stop adding new names at this bound instead.
+MAX_CUSTOM_METRICS = 32
+MAX_PHASES = 16  # the sidecar's default `limits.max_phases`: distinct phase names per job
+MAX_EVENT_FIELDS = 16  # fields of one event (400 beyond)
+MAX_FIELD_CHARS = 1024  # an event field's text, as the hooks cut it
+MAX_VERSIONS = 32  # entries of a registration's `versions`
+MAX_PID = 1 << 22  # Linux's pid_max ceiling
+MAX_RANK = 1 << 24  # ranks and world sizes
+MAX_COUNT = (1 << 63) - 1  # steps and counters: what an int64 (and a float, roughly) holds
+MAX_SESSION_CHARS = 128  # the session string the registration returns
+MAX_TIMEOUT_SECONDS = 1e9  # a phase's declared budget (at registration too): a number in (0, this)
+MAX_TIME = 1e12  # item times: Unix seconds, well past year 30000
+STACK_SIGNAL_RANGE = (1, 64)  # a registration's `stack_dump.signal`
+NONFINITE_VALUES = ("nan", "inf", "+inf", "-inf")  # how a non-finite metric value travels (strict JSON)
+ITEM_TYPES = ("step", "phase", "event")
+PHASE_ACTIONS = ("start", "end")
+RESERVED_JOB_IDS = frozenset({"incidents"})  # names of the diag directory's own subdirectories
+
+# ---------------------------------------------------------------- pod labels
+
+# A rank's pod labels (`kubernetes` of a registration), by Kubernetes' own name rules:
+# key -> (pattern, most characters, what it is).
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+POD_LABEL_KEYS = ("namespace", "pod", "container")
+POD_LABEL_RULES: dict[str, tuple[re.Pattern, int, str]] = {
+    "namespace": (re.compile(_DNS_LABEL + r"\Z"), 63, "a DNS-1123 label"),
+    "pod": (re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*\Z"), 253, "a DNS-1123 subdomain"),
+    "container": (re.compile(_DNS_LABEL + r"\Z"), 63, "a DNS-1123 label"),
+}
+
+# ---------------------------------------------------------------- the exit report
+
+# The `exit` object of a deregistration: the exception a rank dies of. Longer text is cut, not
+# refused (the report matters more than its tail).
+EXIT_MAX_TYPES = 16  # the type and its bases, most derived first
+EXIT_MAX_FRAMES = 12  # the innermost frames of the traceback
+EXIT_MAX_TEXT = 512  # each text: type names, the message's first line, a frame, the thread name
+THREAD_EXCEPTION_EVENT = "thread_exception"  # the event an exception that ends another thread is sent as
+
+
+def contract() -> dict[str, object]:
+    """The contract as plain, comparable values (patterns by their text, sets sorted): what
+    tests/hooks/test_wire_contract.py fingerprints."""
+    def plain(value: object) -> object:
+        if isinstance(value, re.Pattern):
+            return value.pattern
+        if isinstance(value, (frozenset, set)):
+            return sorted(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in sorted(value.items())}
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        return value
+    return {k: plain(v) for k, v in sorted(globals().items()) if k.isupper() and not k.startswith("_")}
