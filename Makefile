@@ -21,12 +21,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m demo
 
-# Style and types (configured in pyproject.toml).
+# Style and types (configured in pyproject.toml); `make test` runs it first.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: $(STAMP) system-deps
+test: lint system-deps
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)

@@ -9,8 +9,9 @@ import hmac
 import logging
 import socket
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import psutil
 from aiohttp import web
@@ -18,11 +19,11 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from sidecar import __version__, diagfiles, identity, procs, protocol, stackfiles, status_document
+from sidecar.admission import RegistryError
 from sidecar.collectors.base import CollectorRunner, MetricSpec, spec
 from sidecar.config import Settings
 from sidecar.exposition import MetricsEndpoint
 from sidecar.protocol import ProtocolError
-from sidecar.admission import RegistryError
 from sidecar.registry import Registry
 from sidecar.watchdog import Watchdog
 
@@ -56,7 +57,7 @@ class Daemon:
     stats: IngestStats = field(default_factory=IngestStats)
     started: float = field(default_factory=time.monotonic)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
-    exits: "ExitTracker | None" = None  # why each rank process exited (sidecar/exits.py)
+    exits: ExitTracker | None = None  # why each rank process exited (sidecar/exits.py)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
@@ -67,7 +68,8 @@ INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
                       "Items accepted by the push API, by type (step, phase, event).", ["type"])
 INGEST_REJECTED = spec("daemon", "ingest_rejected_requests", "counter",
                        "Push API requests refused, by error code (bad_json, bad_field, too_large, unknown_rank, "
-                       "step_not_increasing, limit_exceeded, pid_mismatch, uid_mismatch, job_owned, timeout, unauthorized).", ["code"])
+                       "step_not_increasing, limit_exceeded, pid_mismatch, uid_mismatch, job_owned, timeout, "
+                       "unauthorized).", ["code"])
 INGEST_REGISTRATIONS = spec("daemon", "ingest_registrations", "counter",
                             "Rank registrations accepted (re-registrations included).")
 DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used.")
@@ -140,7 +142,8 @@ def _is_tcp(request: web.Request) -> bool:
 async def read_json(request: web.Request) -> dict:
     limit = request.app[DAEMON].settings.limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds limits.max_body_bytes ({limit})")
+        raise ApiError(413, "too_large",
+                       f"body of {request.content_length} bytes exceeds limits.max_body_bytes ({limit})")
     timeout = request.app[DAEMON].settings.idle_timeout_seconds
     try:
         body = await asyncio.wait_for(request.read(), timeout)

@@ -34,17 +34,18 @@ import math
 import re
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from sidecar import exit_evidence as kernel
-from sidecar.procs import is_running
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.exit_incidents import ExitIncidents
-from sidecar.rollback import RollbackMemory
 from sidecar.identity import PidFd
+from sidecar.procs import is_running
+from sidecar.rollback import RollbackMemory
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config import Settings
@@ -96,7 +97,7 @@ _COMM_TEXT = re.compile(r"Connection (closed|reset) by peer|NCCL (error|communic
 _NONFINITE_TEXT = re.compile(r"non-?finite|\b(nan|inf)\b|returned nan values", re.I)
 
 
-def exception_kind(report: "ExitReport") -> str:
+def exception_kind(report: ExitReport) -> str:
     """One of EXCEPTION_KINDS from the report's type names and the first line of its message."""
     types = set(report.types) | {report.type}
     text = report.message
@@ -119,7 +120,7 @@ class Evidence:
     """Everything known about one exit when it is decided."""
 
     deregistered: str | None = None  # the reason the rank gave when it deregistered
-    report: "ExitReport | None" = None  # its exception, from its hooks
+    report: ExitReport | None = None  # its exception, from its hooks
     status: int | None = None  # wait status, from the kernel
     status_source: str | None = None  # "pidfd" | "zombie"
     remediated_by: str | None = None  # the watchdog incident whose remediation signalled it
@@ -152,8 +153,9 @@ def decide(ev: Evidence) -> tuple[str, list[str]]:
             used = "it used" if xid is ev.xid else "it was not seen using"
             lines.append(f"XID {xid[1]} on gpu {xid[0]} ({used}) at "
                          f"{time.strftime('%H:%M:%S', time.gmtime(xid[2]))} UTC")
-    signalled = status is not None and kernel.os.WIFSIGNALED(status)
-    killed = signalled and kernel.os.WTERMSIG(status) == kernel.signal.SIGKILL
+    signalled = killed = False
+    if status is not None and kernel.os.WIFSIGNALED(status):
+        signalled, killed = True, kernel.os.WTERMSIG(status) == kernel.signal.SIGKILL
     if ev.remediated_by:
         lines.insert(0, f"the sidecar's remediation (incident {ev.remediated_by}) signalled it")
         return "watchdog", lines
@@ -183,13 +185,13 @@ def decide(ev: Evidence) -> tuple[str, list[str]]:
 class _Watch:
     """One registered rank process, from registration until its exit is decided."""
 
-    rank: "Rank"
-    pidfd: "PidFd | None"  # the registration's own (identity.py), or one opened here; closed with its last holder
+    rank: Rank
+    pidfd: PidFd | None  # the registration's own (identity.py), or one opened here; closed with its last holder
     cgroup: kernel.MemoryCgroup | None
     oom_baseline: int | None
     gpus: set[str] = field(default_factory=set)
     deregistered: str | None = None
-    report: "ExitReport | None" = None
+    report: ExitReport | None = None
     remediated_by: str | None = None
     exited_at: float | None = None  # monotonic, when the exit was noticed
     exited_wall: float | None = None
@@ -208,7 +210,7 @@ GpuUse = Callable[[], dict[tuple[str, int], set[str]]]  # (job_id, rank) -> GPUs
 class ExitTracker:
     """Watches every registered rank process and decides why it exited."""
 
-    def __init__(self, settings: "Settings", store, xids: XidSource | None = None,
+    def __init__(self, settings: Settings, store, xids: XidSource | None = None,
                  gpu_use: GpuUse | None = None, clock=time.monotonic):
         self.settings = settings
         self.window = settings.exits.gpu_error_window_seconds
@@ -228,7 +230,7 @@ class ExitTracker:
 
     # ------------------------------------------------------------ inputs
 
-    def watch(self, rank: "Rank") -> None:
+    def watch(self, rank: Rank) -> None:
         """At registration: pin the process (pidfd) and open its memory cgroup."""
         for key, w in list(self._watches.items()):
             if w.rank.key == rank.key and w.rank.pid == rank.pid and w.rank.pid_start_time == rank.pid_start_time \
@@ -249,7 +251,7 @@ class ExitTracker:
             oldest = next(iter(self._watches))
             self._watches.pop(oldest).close()
 
-    def deregistered(self, rank: "Rank", reason: str, report: "ExitReport | None") -> None:
+    def deregistered(self, rank: Rank, reason: str, report: ExitReport | None) -> None:
         w = self._watches.get(id(rank))
         if w is None:
             return
@@ -257,7 +259,7 @@ class ExitTracker:
         if reason == "finished" and report is None:
             self._decide(w)  # it says it is done; whatever it does next is not training
 
-    def remediating(self, rank: "Rank", incident_id: str) -> None:
+    def remediating(self, rank: Rank, incident_id: str) -> None:
         w = self._watches.get(id(rank))
         if w is not None:
             w.remediated_by = incident_id
@@ -283,6 +285,8 @@ class ExitTracker:
         self._round += 1
         in_use = self.gpu_use() if self.gpu_use is not None and self._watches else {}
         waiting: dict[str, list[_Watch]] = {}
+        latest: dict[str, float] = {}  # by job: when its last exit was noticed
+        unsettled: set[str] = set()  # jobs with an exit whose status is not in yet
         for w in list(self._watches.values()):
             try:
                 if w.exited_at is None:
@@ -293,13 +297,17 @@ class ExitTracker:
                         continue
                     w.exited_at, w.exited_wall = now, time.time()
                 status, _ = self._status(w)
-                unreaped = status is None and now - w.exited_at < STATUS_WAIT_SECONDS
-                waiting.setdefault(w.rank.job_id, []).append(w if not unreaped else None)
+                job_id = w.rank.job_id
+                if status is None and now - w.exited_at < STATUS_WAIT_SECONDS:  # not reaped yet
+                    unsettled.add(job_id)
+                    continue
+                waiting.setdefault(job_id, []).append(w)
+                latest[job_id] = max(latest.get(job_id, w.exited_at), w.exited_at)
             except Exception:
                 log.exception("deciding the exit of rank %s failed", w.rank.label)
                 self._forget(w)
         for job_id, exits in waiting.items():
-            if None in exits or now - max(w.exited_at for w in exits) < SETTLE_SECONDS:
+            if job_id in unsettled or now - latest[job_id] < SETTLE_SECONDS:
                 continue
             decided = []
             for w in exits:
@@ -377,7 +385,7 @@ class ExitTracker:
         self._watches.pop(id(w.rank), None)
         w.close()
 
-    def record(self, rank: "Rank", reason: str, lines: list[str], ev: Evidence) -> dict[str, Any]:
+    def record(self, rank: Rank, reason: str, lines: list[str], ev: Evidence) -> dict[str, Any]:
         now = time.time()
         entry = {"job_id": rank.job_id, "rank": rank.rank, "pid": rank.pid, "reason": reason, "time": now,
                  "evidence": lines, "step": rank.step, "loss": _finite(rank.metrics.get("loss")),
@@ -401,8 +409,9 @@ class ExitTracker:
         level = logging.INFO if reason == "finished" else logging.WARNING
         log.log(level, "rank %s (pid %d) exit: %s; %s", rank.label, rank.pid, reason, "; ".join(lines) or "-")
         if reason == "watchdog":
-            if ev.remediated_by not in self._remediations_counted:
-                self._remediations_counted = self._remediations_counted[-255:] + [ev.remediated_by]
+            incident = ev.remediated_by  # decide() says "watchdog" only when it is set
+            if incident is not None and incident not in self._remediations_counted:
+                self._remediations_counted = self._remediations_counted[-255:] + [incident]
                 self.failures[(rank.job_id, reason)] += 1
         elif reason != "finished":
             entry["incident"], first = self.incidents.add(entry)

@@ -12,13 +12,28 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from sidecar import podlabels
-from trainer_hooks.wire import (EXIT_MAX_FRAMES, EXIT_MAX_TEXT, EXIT_MAX_TYPES, MAX_COUNT,
-                                MAX_EVENT_FIELDS, MAX_NAME, MAX_PID, MAX_RANK, MAX_SESSION_CHARS, MAX_TIME,
-                                MAX_TIMEOUT_SECONDS, MAX_VERSIONS, NAME_RE, NONFINITE_VALUES, PHASE_ACTIONS,
-                                RESERVED_JOB_IDS, STACK_SIGNAL_RANGE)
+from trainer_hooks.wire import (
+    EXIT_MAX_FRAMES,
+    EXIT_MAX_TEXT,
+    EXIT_MAX_TYPES,
+    MAX_COUNT,
+    MAX_EVENT_FIELDS,
+    MAX_NAME,
+    MAX_PID,
+    MAX_RANK,
+    MAX_SESSION_CHARS,
+    MAX_TIME,
+    MAX_TIMEOUT_SECONDS,
+    MAX_VERSIONS,
+    NAME_RE,
+    NONFINITE_VALUES,
+    PHASE_ACTIONS,
+    RESERVED_JOB_IDS,
+    STACK_SIGNAL_RANGE,
+)
 
 NONFINITE = {text: float(text) for text in NONFINITE_VALUES}
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -73,7 +88,7 @@ class EventItem:
     fields: dict[str, Any]
 
 
-Item = Union[StepItem, PhaseItem, EventItem]
+Item = StepItem | PhaseItem | EventItem
 
 
 @dataclass(slots=True)
@@ -137,7 +152,8 @@ def _kind(value: Any) -> str:
         return f"the number {value!r}"
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
-    return {dict: "an object", list: "an array"}.get(type(value), type(value).__name__)
+    kinds: dict[type, str] = {dict: "an object", list: "an array"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _missing(where: str) -> ProtocolError:

@@ -12,8 +12,9 @@ import collections
 import math
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from sidecar import procs
 from sidecar.admission import Admission, StepNotIncreasing, UnknownRank
@@ -22,6 +23,7 @@ from trainer_hooks.wire import WELL_KNOWN_METRICS, WELL_KNOWN_PHASES
 
 if TYPE_CHECKING:
     from sidecar.config import Settings
+    from sidecar.identity import PidFd
     from sidecar.protocol import Deregistration, EventItem, PhaseItem, Push, Registration, StepItem
     from sidecar.stackfiles import StackFile
 
@@ -47,13 +49,13 @@ class Rank:
     registered_wall: float = field(default_factory=time.time)
     peer_verified: bool = False  # registered over the Unix socket by pid or one of its ancestors
     stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
-    stack_file: "StackFile | None" = None  # the dump file the sidecar created for it (stackfiles.py)
+    stack_file: StackFile | None = None  # the dump file the sidecar created for it (stackfiles.py)
     versions: dict[str, str] = field(default_factory=dict)
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # its pod's namespace, pod, container labels
     claimed_pid: int | None = None  # the pid the rank calls itself (its own pid namespace's); None: `pid`
     owner_uid: int | None = None  # the uid its process runs as (None: unknown, an unverified TCP caller)
-    pidfd: object = field(default=None, repr=False)  # identity.PidFd of the process, where the kernel has them
+    pidfd: PidFd | None = field(default=None, repr=False)  # of the process, where the kernel has pidfds
     # Returned at registration; pushes and deregistrations over TCP must carry it (the Unix
     # socket checks the caller's pid instead), so another local user cannot forge progress.
     session: str = field(default_factory=lambda: secrets.token_urlsafe(16))
@@ -122,7 +124,7 @@ class Rank:
         flush interval late), clamped between registration and now."""
         return min(now_mono, max(self.registered_at, now_mono - (now_wall - wall)))
 
-    def apply_step(self, item: "StepItem", now_mono: float, now_wall: float) -> None:
+    def apply_step(self, item: StepItem, now_mono: float, now_wall: float) -> None:
         """One step report, whose step is above the last (Registry.apply_push checked the batch)."""
         interval = None
         if self.step is not None and self.step_wall is not None:
@@ -157,17 +159,18 @@ class Rank:
         self.counters.observe(advanced, item.metrics, step_time)
 
     def _derive_rates(self, sent: dict[str, float], step_time: float | None) -> None:
-        usable = step_time is not None and math.isfinite(step_time) and step_time > 0
+        if step_time is None or not math.isfinite(step_time) or step_time <= 0:
+            return
         for rate, per_step in (("iterations_per_second", None), ("samples_per_second", "samples"),
                                ("tokens_per_second", "tokens")):
-            if rate in sent or not usable:
+            if rate in sent:
                 continue
             if per_step is None:
                 self.metrics[rate] = 1.0 / step_time
             elif per_step in sent:
                 self.metrics[rate] = sent[per_step] / step_time
 
-    def apply_phase(self, item: "PhaseItem", now_mono: float, now_wall: float) -> None:
+    def apply_phase(self, item: PhaseItem, now_mono: float, now_wall: float) -> None:
         at = self._monotonic_of(item.time, now_mono, now_wall)
         if item.action == "start":
             self._phases.append((item.name, at, item.timeout_seconds))
@@ -186,7 +189,7 @@ class Rank:
         else:
             self.phase, self.phase_started, self.phase_timeout = None, None, None
 
-    def apply_event(self, item: "EventItem") -> None:
+    def apply_event(self, item: EventItem) -> None:
         self.events.append((item.time, item.name, dict(item.fields)))
         if item.name == "checkpoint_saved":
             step = item.fields.get("step")
@@ -202,7 +205,7 @@ class Registry:
     `admission` (sidecar/admission.py); `alive(pid, start_time)`, whether a registered process
     still runs, is injected (procs.is_same_process by default)."""
 
-    def __init__(self, settings: "Settings", alive: Callable[[int, float | None], bool] = procs.is_same_process):
+    def __init__(self, settings: Settings, alive: Callable[[int, float | None], bool] = procs.is_same_process):
         self.settings = settings
         self._ranks: dict[RankKey, Rank] = {}
         self._custom_names: dict[str, set[str]] = {}  # per job
@@ -243,8 +246,8 @@ class Registry:
 
     # ------------------------------------------------------------ writing
 
-    def register(self, reg: "Registration", *, pid_start_time: float | None, peer_verified: bool,
-                 host_pid: int | None = None, owner_uid: int | None = None, pidfd: object = None) -> Rank:
+    def register(self, reg: Registration, *, pid_start_time: float | None, peer_verified: bool,
+                 host_pid: int | None = None, owner_uid: int | None = None, pidfd: PidFd | None = None) -> Rank:
         """Record a rank. `reg.pid` is the pid the rank calls itself; `host_pid` its pid here
         (when they differ: a rank in its own pid namespace); `owner_uid` the uid its process
         runs as, which must be the uid of the job's live ranks (JobOwned otherwise)."""
@@ -284,7 +287,7 @@ class Registry:
             raise UnknownRank(f"rank {job_id}/{rank} is registered by pid {r.wire_pid}, not {pid}")
         return r
 
-    def apply_push(self, push: "Push", rank: Rank | None = None, now_mono: float | None = None,
+    def apply_push(self, push: Push, rank: Rank | None = None, now_mono: float | None = None,
                    now_wall: float | None = None) -> int:
         """Apply a push's items in order, all or nothing: the whole batch is checked (steps
         increasing, name limits) before anything changes, so a refused push can be fixed
@@ -307,7 +310,7 @@ class Registry:
         r.records += len(push.items)
         return len(push.items)
 
-    def _check_push(self, r: Rank, push: "Push") -> None:
+    def _check_push(self, r: Rank, push: Push) -> None:
         from sidecar.protocol import PhaseItem, StepItem
 
         last = r.step
@@ -331,7 +334,7 @@ class Registry:
         custom.update(new_custom)
         phases.update(new_phases)
 
-    def deregister(self, dereg: "Deregistration", rank: Rank | None = None) -> Rank:
+    def deregister(self, dereg: Deregistration, rank: Rank | None = None) -> Rank:
         r = self.lookup(dereg.job_id, dereg.rank, dereg.pid) if rank is None else rank
         self.mark_gone(r.key, dereg.reason or "deregistered")
         return r

@@ -417,7 +417,7 @@ class Remediator:
             last = now
             await asyncio.sleep(POLL_SECONDS)
 
-    async def sigterm(self, incident: Incident, targets: list[Target]) -> "Termination | None":
+    async def sigterm(self, incident: Incident, targets: list[Target]) -> Termination | None:
         """The first half of a termination: SIGTERM each rank's group (None when no rank could
         be signalled). The caller saves the incident, then awaits `finish`."""
         loop = asyncio.get_running_loop()
@@ -429,7 +429,7 @@ class Remediator:
             return None
         return Termination(signalled, [(t, p) for t, p in members if t in signalled])  # never a refused rank's tree
 
-    async def finish(self, incident: Incident, term: "Termination") -> str:
+    async def finish(self, incident: Incident, term: Termination) -> str:
         """After SIGTERM: wait grace_seconds, then SIGKILL every rank and every member of their
         groups still alive (not only ranks: a data-loader worker that ignores SIGTERM would hold
         the GPU). "killed" when every rank and member is seen gone, whether SIGTERM did it (the

@@ -22,14 +22,15 @@ import enum
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Collection, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
+from sidecar.attribution import blame, refine_blame
 from sidecar.collectors.base import MetricSpec, spec
 from sidecar.config import Settings
-from sidecar.attribution import blame, refine_blame
 from sidecar.incidents import Incident, IncidentStore, RankSnapshot
 from sidecar.problems import Kind, Problem
 from sidecar.procs import is_running
@@ -37,6 +38,7 @@ from sidecar.remediation import OwnerStormCaps, Remediator, Target
 from sidecar.timeouts import Deadline, Timeouts
 
 if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.exits import ExitTracker
     from sidecar.registry import Rank, RankKey, Registry
 
 log = logging.getLogger(__name__)
@@ -94,10 +96,10 @@ METRICS: tuple[MetricSpec, ...] = (
 
 @dataclass
 class _Track:
-    rank: "Rank"
+    rank: Rank
     state: RankState
     since: float  # watchdog clock of the last transition
-    episode: "_Episode | None" = None
+    episode: _Episode | None = None
 
 
 @dataclass
@@ -106,7 +108,7 @@ class _Episode:
 
     job_id: str
     incident: Incident
-    keys: list["RankKey"]
+    keys: list[RankKey]
     task: asyncio.Task | None = None
     outcome: str = "pending"
     suppressed: bool = False
@@ -121,7 +123,7 @@ class _Counters:
 
 
 class Watchdog:
-    def __init__(self, settings: Settings, registry: "Registry", clock=time.monotonic,
+    def __init__(self, settings: Settings, registry: Registry, clock=time.monotonic,
                  remediator: Remediator | None = None, store: IncidentStore | None = None):
         self.settings = settings
         self.registry = registry
@@ -132,11 +134,11 @@ class Watchdog:
         self.storm_cap = OwnerStormCaps(rem.max_per_window, max(rem.max_per_window, rem.max_per_window_node),
                                         rem.window_seconds, clock)
         self.counters = _Counters()
-        self._tracks: dict["RankKey", _Track] = {}
+        self._tracks: dict[RankKey, _Track] = {}
         self._episodes: dict[str, _Episode] = {}
         self.timeouts = Timeouts(settings.watchdog)
         self._liveness_cursor = 0
-        self.exits = None  # the ExitTracker, told which ranks its remediation signals (sidecar/exits.py)
+        self.exits: ExitTracker | None = None  # told which ranks its remediation signals (sidecar/exits.py)
 
     # ------------------------------------------------------------ the loop
 
@@ -185,7 +187,7 @@ class Watchdog:
         self._open_episodes(now)
         self._close_episodes()
 
-    def _track(self, rank: "Rank", now: float) -> _Track:
+    def _track(self, rank: Rank, now: float) -> _Track:
         track = self._tracks.get(rank.key)
         if track is not None and track.rank is rank:
             return track
@@ -246,7 +248,7 @@ class Watchdog:
         log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid,
                 old.value, new.value, reason)
 
-    def deadline(self, rank: "Rank", now: float | None = None) -> Deadline:
+    def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
         return self.timeouts.deadline(rank, self.clock() if now is None else now)
 
     # ------------------------------------------------------------ incidents
@@ -361,7 +363,7 @@ class Watchdog:
 
     # ------------------------------------------------------------ reading
 
-    def families(self, only: "Collection[RankKey] | None" = None) -> Iterable[Metric]:
+    def families(self, only: Collection[RankKey] | None = None) -> Iterable[Metric]:
         """The watchdog's families; per-rank series only of the ranks in `only` (None: all)."""
         state, timeout, stalls, remediations, transitions, last, observe = (m.family() for m in METRICS)
         now = self.clock()
@@ -394,7 +396,7 @@ class Watchdog:
                 "active": [{"job_id": e.job_id, "incident": e.incident.id, "outcome": e.outcome}
                            for e in self._episodes.values()]}
 
-    def rank_state(self, rank: "Rank") -> str:
+    def rank_state(self, rank: Rank) -> str:
         track = self._tracks.get(rank.key)
         if track is not None and track.rank is rank:
             return track.state.value
@@ -402,7 +404,7 @@ class Watchdog:
             return S.GONE.value
         return (S.HEALTHY if rank.step is not None else S.STARTING).value
 
-    def timeout_for(self, rank: "Rank") -> float | None:
+    def timeout_for(self, rank: Rank) -> float | None:
         if rank.gone or self.rank_state(rank) == S.GONE.value:
             return None
         return self.deadline(rank).timeout
@@ -425,7 +427,7 @@ class Watchdog:
         return self.store.latest(limit)
 
 
-def _process_alive(rank: "Rank") -> bool:
+def _process_alive(rank: Rank) -> bool:
     """Whether the registered process still runs. A rank whose start time could not be read
     when it registered (another pid namespace) is taken as alive: it is watched, and
     remediation's safety check will refuse to signal it."""

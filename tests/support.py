@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import psutil
 
@@ -93,6 +94,8 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     """GET an http://host:port/path URL; (status, body), or (0, b"") when unreachable."""
     from urllib.parse import urlsplit
     u = urlsplit(url)
+    if u.hostname is None:
+        raise ValueError(f"no host in {url}")
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
         conn.request("GET", u.path + (("?" + u.query) if u.query else ""))
@@ -131,7 +134,7 @@ class Sidecar:
         self.settings = list(settings)
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
-        self._cm = None
+        self._cm: contextlib.AbstractContextManager[subprocess.Popen] | None = None
 
     def command(self) -> list[str]:
         cmd = [PYTHON, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{self.port}", "--socket", self.socket,
@@ -142,7 +145,7 @@ class Sidecar:
             cmd += ["--set", s]
         return cmd
 
-    def start(self, timeout: float = 30.0) -> "Sidecar":
+    def start(self, timeout: float = 30.0) -> Sidecar:
         self._cm = spawned(self.command(), self.log, env=self.env)
         self.proc = self._cm.__enter__()
         try:
@@ -171,7 +174,7 @@ class Sidecar:
     def hook_env(self) -> dict:
         return {"SIDECAR_SOCKET": self.socket}
 
-    def __enter__(self) -> "Sidecar":
+    def __enter__(self) -> Sidecar:
         return self.start()
 
     def __exit__(self, *exc) -> None:

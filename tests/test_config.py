@@ -98,7 +98,8 @@ def test_a_missing_procfs_root_is_refused_at_start_with_one_line(tmp_path):
     import subprocess
     import sys
     result = subprocess.run([sys.executable, "-m", "sidecar", "run", "--listen", "127.0.0.1:0",
-                             "--socket", str(tmp_path / "s.sock"), "--set", f"collectors.procfs_root={tmp_path / 'nope'}"],
+                             "--socket", str(tmp_path / "s.sock"),
+                             "--set", f"collectors.procfs_root={tmp_path / 'nope'}"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -108,4 +109,5 @@ def test_a_missing_procfs_root_is_refused_at_start_with_one_line(tmp_path):
 def test_a_step_floor_shorter_than_the_hooks_flush_interval_is_refused():
     with pytest.raises(ConfigError, match="setting watchdog.floor_seconds: must be at least 2 x hooks_flush"):
         settings_from_args(args("watchdog.floor_seconds=2", "hooks_flush_interval_seconds=1"))
-    assert settings_from_args(args("watchdog.floor_seconds=2", "hooks_flush_interval_seconds=0.5")).watchdog.floor_seconds == 2
+    settings = settings_from_args(args("watchdog.floor_seconds=2", "hooks_flush_interval_seconds=0.5"))
+    assert settings.watchdog.floor_seconds == 2

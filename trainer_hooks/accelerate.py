@@ -13,7 +13,8 @@ every process) counts this process's optimizer steps itself, through torch's glo
 step hook: Accelerate's optimizer wrapper calls the real `step()` only when gradients are
 synchronised and not skipped by the fp16 scaler, so a hook call is a real optimizer step. What
 `accelerator.log` passes (on the main process) rides along with the step it belongs to: there a
-finished step is held back until the next step or log call; other processes send it at once. Well-known keys map to the sidecar's names
+finished step is held back until the next step or log call; other processes send it at once.
+Well-known keys map to the sidecar's names
 (`loss`, `grad_norm`, `lr`/`learning_rate`, `samples`, `tokens`, ...); other numbers are custom
 metrics. `end_training()` (or `finish()`) closes the Monitor.
 

@@ -31,7 +31,8 @@ import os
 import runpy
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from trainer_hooks import distributed, environment
 from trainer_hooks.errors import warn
@@ -92,7 +93,7 @@ class Attachment:
                 attachment.monitor.phase_end(phase)
             if saved_event:
                 target = args[1] if len(args) > 1 else kwargs.get("f", kwargs.get("checkpoint_id"))
-                fields = {"step": attachment._step}
+                fields: dict[str, Any] = {"step": attachment._step}
                 if isinstance(target, (str, os.PathLike)):
                     fields["path"] = os.fspath(target)
                 attachment.monitor.event("checkpoint_saved", **fields)
@@ -111,9 +112,8 @@ class Attachment:
 
     # ---------------------------------------------------------------- life cycle
 
-    def install(self) -> "Attachment":
+    def install(self) -> Attachment:
         import torch
-
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         handle = register_optimizer_step_post_hook(self.on_optimizer_step)
@@ -123,8 +123,8 @@ class Attachment:
         try:
             import torch.distributed.checkpoint as dcp
         except Exception:  # a torch without distributed
-            dcp = None
-        if dcp is not None:
+            pass
+        else:
             self._patch(dcp, "save", "checkpoint_save", saved_event=True)
             self._patch(dcp, "load", "checkpoint_load")
             self._patch(dcp, "async_save", "checkpoint_save")

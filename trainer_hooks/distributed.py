@@ -34,8 +34,9 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any
 
 from trainer_hooks.errors import warn
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 from urllib.parse import urlsplit
 
 from trainer_hooks.wire import POD_LABEL_RULES

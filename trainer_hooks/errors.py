@@ -8,7 +8,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 log = logging.getLogger("trainer_hooks")
 

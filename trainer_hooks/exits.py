@@ -18,11 +18,13 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from trainer_hooks.wire import EXIT_MAX_FRAMES as MAX_FRAMES
 from trainer_hooks.wire import EXIT_MAX_TEXT as MAX_TEXT
 from trainer_hooks.wire import EXIT_MAX_TYPES as MAX_TYPES
+
 EXCEPTION_BUDGET_SECONDS = 0.4  # a dead or hung sidecar delays the exit by about this much, at most
 
 _lock = threading.Lock()
@@ -33,7 +35,7 @@ _on_thread: list[Callable[[dict], None]] = []
 
 def _name(cls: type) -> str:
     module = getattr(cls, "__module__", None)
-    name = getattr(cls, "__qualname__", None) or getattr(cls, "__name__", "?")
+    name = str(getattr(cls, "__qualname__", None) or getattr(cls, "__name__", "?"))
     return name if module in (None, "builtins") else f"{module}.{name}"
 
 

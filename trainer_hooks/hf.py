@@ -26,8 +26,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("trainer_hooks.hf needs Hugging Face transformers: pip install transformers") from e
 
-from trainer_hooks.errors import guarded
 from trainer_hooks import distributed
+from trainer_hooks.errors import guarded
 from trainer_hooks.monitor import Monitor
 
 

@@ -27,12 +27,13 @@ try:
     from lightning.pytorch import Callback
 except ImportError:
     try:
-        from pytorch_lightning import Callback
+        # The standalone package's copy of the same class: another type to a checker.
+        from pytorch_lightning import Callback  # type: ignore[assignment]
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("trainer_hooks.lightning needs Lightning: pip install lightning") from e
 
-from trainer_hooks.errors import guarded
 from trainer_hooks import distributed
+from trainer_hooks.errors import guarded
 from trainer_hooks.monitor import Monitor
 
 

@@ -19,7 +19,8 @@ import os
 import time
 import weakref
 from collections import deque
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from trainer_hooks import environment, exits, stacks
 from trainer_hooks.errors import warn
@@ -31,7 +32,7 @@ DEFAULT_BUFFER_SIZE = 10_000
 CLOSE_BUDGET_SECONDS = 0.8
 _FROM_ENV: Any = object()
 _time = time.time
-_monitors: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
+_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
 
 class Monitor:
@@ -86,8 +87,8 @@ class Monitor:
             signum = environment.stack_signal(env) if stack_signal is _FROM_ENV else stack_signal
             self._stack_dump = stacks.install(signum)
             interval = flush_interval or environment.flush_interval(env)
-            extra = {k: v for k, v in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout),
-                                        ("max_backoff", max_backoff)) if v is not None}
+            given = (("connect_timeout", connect_timeout), ("read_timeout", read_timeout), ("max_backoff", max_backoff))
+            extra: dict[str, Any] = {k: v for k, v in given if v is not None}
             self._sender = Sender(self._buffer, endpoint, self.identity, self._pid, self._stack_dump,
                                   flush_interval=interval or environment.DEFAULT_FLUSH_INTERVAL,
                                   adopt_server_interval=interval is None, **extra)
@@ -130,7 +131,7 @@ class Monitor:
             except Exception:
                 pass
 
-    def phase(self, name: str, timeout: float | None = None) -> "Phase":
+    def phase(self, name: str, timeout: float | None = None) -> Phase:
         """`with mon.phase("checkpoint_save", timeout=600): ...` sends start and end (end also
         when the block raises; the exception propagates unchanged)."""
         return Phase(self, name, timeout)
@@ -188,7 +189,7 @@ class Monitor:
         self._closed = True
         self._buffer.clear()
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -239,13 +240,12 @@ class Phase:
     def __init__(self, monitor: Monitor, name: str, timeout: float | None):
         self._monitor, self._name, self._timeout = monitor, name, timeout
 
-    def __enter__(self) -> "Phase":
+    def __enter__(self) -> Phase:
         self._monitor.phase_start(self._name, self._timeout)
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         self._monitor.phase_end(self._name)
-        return False
 
 
 def _close_all_on_exception(report: dict) -> None:

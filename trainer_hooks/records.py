@@ -19,8 +19,15 @@ import math
 from typing import Any
 
 from trainer_hooks.errors import warn
-from trainer_hooks.wire import (MAX_CUSTOM_METRICS, MAX_EVENT_FIELDS, MAX_FIELD_CHARS, MAX_NAME,
-                                NAME_BAD_CHARS_RE, NAME_RE, WELL_KNOWN_METRICS)
+from trainer_hooks.wire import (
+    MAX_CUSTOM_METRICS,
+    MAX_EVENT_FIELDS,
+    MAX_FIELD_CHARS,
+    MAX_NAME,
+    NAME_BAD_CHARS_RE,
+    NAME_RE,
+    WELL_KNOWN_METRICS,
+)
 
 STEP = "step"
 PHASE_START = "phase_start"

@@ -70,10 +70,13 @@ class _TcpConnection(http.client.HTTPConnection):
 def post(endpoint: Endpoint, path: str, body: bytes, connect_timeout: float = CONNECT_TIMEOUT,
          read_timeout: float = READ_TIMEOUT) -> Reply:
     """POST a JSON body; the reply's status and JSON object (empty when the body is not one)."""
-    if endpoint.is_unix:
-        conn: http.client.HTTPConnection = _UnixConnection(endpoint.socket_path, connect_timeout, read_timeout)
-    else:
+    conn: http.client.HTTPConnection
+    if endpoint.socket_path is not None:
+        conn = _UnixConnection(endpoint.socket_path, connect_timeout, read_timeout)
+    elif endpoint.host is not None and endpoint.port is not None:
         conn = _TcpConnection(endpoint.host, endpoint.port, connect_timeout, read_timeout)
+    else:
+        raise ValueError(f"no address in {endpoint}")
     headers = {"Content-Type": "application/json", "Connection": "close"}
     if endpoint.token:
         headers["Authorization"] = f"Bearer {endpoint.token}"

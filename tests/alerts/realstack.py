@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import urllib.parse
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import yaml
 
@@ -37,7 +37,7 @@ class Prometheus:
         self.config.write_text(yaml.safe_dump(config))
 
     @contextlib.contextmanager
-    def running(self, timeout: float = 60.0) -> Iterator["Prometheus"]:
+    def running(self, timeout: float = 60.0) -> Iterator[Prometheus]:
         cmd = [PROMETHEUS, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
         with spawned(cmd, self.log) as proc:
@@ -75,7 +75,7 @@ class Alertmanager:
         self.config.write_text(yaml.safe_dump(config))
 
     @contextlib.contextmanager
-    def running(self, timeout: float = 60.0) -> Iterator["Alertmanager"]:
+    def running(self, timeout: float = 60.0) -> Iterator[Alertmanager]:
         cmd = [ALERTMANAGER, f"--config.file={self.config}", f"--storage.path={self.workdir / 'data'}",
                f"--web.listen-address={self.address}", "--cluster.listen-address=", "--log.level=warn"]
         with spawned(cmd, self.log) as proc:

@@ -79,8 +79,8 @@ def test_for_override_shortens_every_alert_and_keeps_expressions(tmp_path):
     for path in tmp_path.glob("*.rules.yml"):
         short = yaml.safe_load(path.read_text())["groups"]
         real = yaml.safe_load((ALERTS_DIR / path.name).read_text())["groups"]
-        for g_short, g_real in zip(short, real):
-            for r_short, r_real in zip(g_short["rules"], g_real["rules"]):
+        for g_short, g_real in zip(short, real, strict=True):
+            for r_short, r_real in zip(g_short["rules"], g_real["rules"], strict=True):
                 assert r_short["expr"] == r_real["expr"]
                 if "alert" in r_short:
                     assert r_short["for"] == "5s"

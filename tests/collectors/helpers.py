@@ -1,8 +1,8 @@
 """Helpers for the collector tests: run a collector as the daemon does, read its families."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric

@@ -32,7 +32,8 @@ def test_it_skips_cleanly_without_a_driver():
 
 def test_it_passes_on_the_fake_library_when_each_missing_family_has_a_reason(tmp_path):
     spec = tmp_path / "nvml.json"
-    spec.write_text(json.dumps({"gpu_count": 2, "gpus": {"1": {"errors": {"nvmlDeviceGetPowerUsage": "no_permission"}}}}))
+    errors = {"nvmlDeviceGetPowerUsage": "no_permission"}
+    spec.write_text(json.dumps({"gpu_count": 2, "gpus": {"1": {"errors": errors}}}))
     proc = _gpu_check("--nvml-module", "sidecar.testing.fake_nvml_lib", "--rounds", "2",
                       env={"SIDECAR_FAKE_NVML": str(spec)})
     assert proc.returncode == 0, proc.stdout + proc.stderr

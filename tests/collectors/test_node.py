@@ -22,7 +22,8 @@ def value(families, name):
 def test_cpu_memory_and_load_are_exported(tmp_path):
     families = collect(tmp_path)
     assert 0 <= value(families, "sidecar_node_cpu_utilization_ratio") <= 1
-    assert value(families, "sidecar_node_memory_total_bytes") >= value(families, "sidecar_node_memory_available_bytes") > 0
+    total = value(families, "sidecar_node_memory_total_bytes")
+    assert total >= value(families, "sidecar_node_memory_available_bytes") > 0
     assert value(families, "sidecar_node_load1") >= 0
 
 

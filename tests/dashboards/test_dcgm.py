@@ -27,7 +27,8 @@ FIXTURE = Path(__file__).parent / "fixtures" / "dcgm-exporter.prom"
 NODE = "gpu-node-1"  # the fixture's Hostname; the sidecar's target is relabelled to the same node name
 POD = {"namespace": "team-a", "pod": "llm-worker-0", "container": "pytorch"}  # GPU 0's pod in the fixture
 # Counters that grow while the test runs (per second), on the fixture's GPU 0: errors the alerts count.
-GROWING = {"DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": 0.5, "DCGM_FI_DEV_THERMAL_VIOLATION": 2e8, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": 500.0,
+GROWING = {"DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": 0.5, "DCGM_FI_DEV_THERMAL_VIOLATION": 2e8,
+           "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": 500.0,
            "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 50.0, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 600000.0}
 # What dcgm-exporter does not export at all: the panels that stay empty on this source (docs/dcgm.md).
 NO_DCGM_COUNTERPART = {"NVLink links up": "gpu:sidecar_gpu_nvlink_up",

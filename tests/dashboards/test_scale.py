@@ -74,8 +74,9 @@ def test_series_per_node_stay_within_the_documented_budget(tmp_path):
     with contextlib.ExitStack() as stack:
         # Observe-only with long timeouts: nothing here is ever signalled.
         sidecar = stack.enter_context(Sidecar(
-            tmp_path / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml_lib", f"collectors.sysfs_root={sysfs}",
-            "watchdog.observe_only=true", "watchdog.startup_timeout_seconds=3600", "watchdog.floor_seconds=3600", "watchdog.ceiling_seconds=3600",
+            tmp_path / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
+            f"collectors.sysfs_root={sysfs}", "watchdog.observe_only=true", "watchdog.startup_timeout_seconds=3600",
+            "watchdog.floor_seconds=3600", "watchdog.ceiling_seconds=3600",
             "remediation.dump_stacks=false", f"checkpoint_dir={tmp_path}",
             env={"SIDECAR_FAKE_NVML": str(nvml)}))
         ranks = [stack.enter_context(spawned(["sleep", "600"], tmp_path / f"rank{r}.log")) for r in range(RANKS)]

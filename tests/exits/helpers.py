@@ -39,7 +39,7 @@ class Rank:
                            self.log, env=env)
         self.proc = self._cm.__enter__()
 
-    def wait_ready(self) -> "Rank":
+    def wait_ready(self) -> Rank:
         wait_until(lambda: self.ready.exists() or self.proc.poll() is not None, TIMEOUT, what="rank ready")
         assert self.proc.poll() is None, f"rank exited early:\n{tail(self.log)}"
         return self
@@ -96,7 +96,8 @@ def wait_for_exit(sidecar: Sidecar, job_id: str, reason: str | None = None, rank
         except Exception:
             return None
         for e in recent:
-            if e["job_id"] == job_id and (rank is None or e["rank"] == rank) and (reason is None or e["reason"] == reason) \
+            if e["job_id"] == job_id and (rank is None or e["rank"] == rank) \
+                    and (reason is None or e["reason"] == reason) \
                     and (restart is None or e.get("restart_count") == restart):
                 return e
         return None

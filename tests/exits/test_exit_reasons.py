@@ -9,8 +9,17 @@ import time
 
 import pytest
 
-from tests.exits.helpers import (HANG_SETTINGS, RANK, SETTINGS, counted, exits_of, incidents, rank_env, register,
-                                 wait_for_exit)
+from tests.exits.helpers import (
+    HANG_SETTINGS,
+    RANK,
+    SETTINGS,
+    counted,
+    exits_of,
+    incidents,
+    rank_env,
+    register,
+    wait_for_exit,
+)
 from tests.support import PYTHON, Sidecar, tail, wait_until
 
 

@@ -1,8 +1,8 @@
 """Fixtures for the hooks' tests: a real sidecar, background ranks, a hung sidecar."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

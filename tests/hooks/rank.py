@@ -32,7 +32,7 @@ class DuckTensor:
     def __init__(self, value: float):
         self.value = value
 
-    def detach(self) -> "DuckTensor":
+    def detach(self) -> DuckTensor:
         return self
 
     def item(self) -> float:

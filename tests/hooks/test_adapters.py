@@ -56,7 +56,7 @@ def assert_saves_inside_their_phase(calls: list, saves: int) -> None:
     ends = [i for i, c in enumerate(calls) if c[:2] == ["phase_end", "checkpoint_save"]]
     events = [i for i, c in enumerate(calls) if c[:2] == ["event", "checkpoint_saved"]]
     assert len(starts) == len(ends) == len(events) == saves
-    assert all(s < e < ev for s, e, ev in zip(starts, ends, events))
+    assert all(s < e < ev for s, e, ev in zip(starts, ends, events, strict=True))
 
 
 def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
@@ -84,7 +84,8 @@ def test_lightning_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
     # 12 batches, 2 per optimizer step: each step reported once
     assert steps(calls) == [1, 2, 3, 4, 5, 6]
     # grad_norm: what Lightning's grad_norm utility logs as grad_2.0_norm_total
-    assert all({"loss", "lr", "samples", "grad_norm", "step_time_seconds"} <= set(c[2]) for c in calls if c[0] == "step")
+    logged = {"loss", "lr", "samples", "grad_norm", "step_time_seconds"}
+    assert all(logged <= set(c[2]) for c in calls if c[0] == "step")
     assert calls.count(["phase_start", "eval"]) == calls.count(["phase_end", "eval"]) >= 1
     assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4]
     assert_saves_inside_their_phase(calls, 1)

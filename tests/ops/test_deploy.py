@@ -331,7 +331,7 @@ def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
     assert out.returncode == 0, out.stderr
     cmd = out.stdout.split()
     assert cmd[:3] == ["python3", "-m", "torch.distributed.run"]
-    pairs = dict(zip(cmd, cmd[1:]))
+    pairs = dict(zip(cmd, cmd[1:], strict=False))
     assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "node-0:29400"
     assert pairs["--rdzv-id"] == "job-17" and int(pairs["--max-restarts"]) > 0
     assert pairs["--nnodes"] == "2" and pairs["-m"] == "trainer" and pairs["--config"] == "train.yaml"
@@ -341,7 +341,8 @@ def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
 @pytest.mark.parametrize("env, message", [
     ({"RDZV_ENDPOINT": "node-0:29400", "CONFIG": "c.yaml"}, "set NNODES"),
     ({"NNODES": "2", "RDZV_ENDPOINT": "node-0", "CONFIG": "c.yaml"}, "RDZV_ENDPOINT must be HOST:PORT"),
-    ({"NNODES": "2", "RDZV_ENDPOINT": "node-0:1", "CONFIG": "c.yaml", "MAX_RESTARTS": "0"}, "MAX_RESTARTS must be >= 1"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node-0:1", "CONFIG": "c.yaml", "MAX_RESTARTS": "0"},
+     "MAX_RESTARTS must be >= 1"),
 ])
 def test_launcher_refuses_missing_or_bad_settings(tmp_path, env, message):
     out = _launch(tmp_path, **env)

@@ -83,7 +83,8 @@ def test_the_gpu_operator_overlay_reads_dcgm_exporter_instead_of_polling_nvml(tm
     docs = render(tree / "overlays" / "gpu-operator")
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert ("PrometheusRule", "sidecar-gpu-source-sidecar") in base
-    assert names == base - {("PrometheusRule", "sidecar-gpu-source-sidecar")} | {("PrometheusRule", "sidecar-gpu-source-dcgm")}
+    swapped = {("PrometheusRule", "sidecar-gpu-source-dcgm")}
+    assert names == base - {("PrometheusRule", "sidecar-gpu-source-sidecar")} | swapped
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
     assert pod["runtimeClassName"] == "nvidia-cdi"

@@ -231,7 +231,8 @@ def test_application_xids_warn_and_strict_turns_that_into_failure(tmp_path):
 
 def test_a_hardware_xid_fails(tmp_path):
     log = tmp_path / "kern.log"
-    log.write_text(KERNEL_LOG + "[ 900.0] NVRM: Xid (PCI:0000:86:00): 79, pid='<unknown>', GPU has fallen off the bus.\n")
+    log.write_text(KERNEL_LOG
+                   + "[ 900.0] NVRM: Xid (PCI:0000:86:00): 79, pid='<unknown>', GPU has fallen off the bus.\n")
     results = _run(gpu_checks.check_xids, kernel_log=str(log))
     assert results[0].outcome == "FAIL" and "Xid 79 on 0000:86:00 x1 (GPU has fallen off the bus)" in results[0].detail
 

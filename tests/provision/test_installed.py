@@ -111,7 +111,8 @@ def test_provision_write_files_from_the_installed_package(installed, tmp_path):
     assert len(dashboards) == len(list((ROOT / "dashboards").glob("*.json")))
     rules = yaml.safe_load((out / "prometheus" / "training-sidecar.rules.yml").read_text())
     names = [g["name"] for g in rules["groups"]]
-    assert names[0] == "sidecar-gpu-source-dcgm" and "sidecar-gpu" in names and "sidecar-gpu-source-sidecar" not in names
+    assert names[0] == "sidecar-gpu-source-dcgm" and "sidecar-gpu" in names
+    assert "sidecar-gpu-source-sidecar" not in names
 
 
 def test_provision_pushes_to_grafana_from_the_installed_package(installed, tmp_path):

@@ -51,9 +51,10 @@ def test_attach_reports_optimizer_steps_and_checkpoint_phases():
     assert [c[1] for c in calls if c[0] == "step"] == [1, 2, 3]
     assert calls[0][2] == ["lr"] and calls[1][2] == ["lr", "step_time_seconds"]
     rest = [c for c in calls if c[0] != "step"]
-    assert rest == [["phase_start", "checkpoint_save"], ["phase_end", "checkpoint_save"], ["event", "checkpoint_saved", 3],
+    saved = [["phase_start", "checkpoint_save"], ["phase_end", "checkpoint_save"], ["event", "checkpoint_saved", 3]]
+    assert rest == [*saved,
                     ["phase_start", "checkpoint_load"], ["phase_end", "checkpoint_load"],
-                    ["phase_start", "checkpoint_save"], ["phase_end", "checkpoint_save"], ["event", "checkpoint_saved", 3],
+                    *saved,
                     ["close"]]
 
 

@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import textwrap
-from pathlib import Path
 
 from tests.support import Sidecar
 from tests.unpriv import UNPRIV_PYTHON, User, run_as_sync, world_dir
@@ -40,7 +39,8 @@ CLIENT = textwrap.dedent(r'''
             raw += chunk
         header, _, rest = raw.partition(b"\r\n\r\n")
         status = int(header.split()[1])
-        length = next((int(l.split(b":")[1]) for l in header.split(b"\r\n") if l.lower().startswith(b"content-length:")), None)
+        length = next((int(line.split(b":")[1]) for line in header.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), None)
         while length is not None and len(rest) < length:
             chunk = sock.recv(65536)
             if not chunk:

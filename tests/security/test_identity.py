@@ -8,10 +8,7 @@ that the connecting process is gone. The reuse is forced inside a fresh pid name
 and all), where writing ns_last_pid hands out exactly the pid wanted."""
 from __future__ import annotations
 
-import os
-
 import psutil
-import pytest
 
 from tests.security.namespaces import in_new_pid_namespace, start_in_new_pid_namespace
 from tests.security.rig import OPEN_SOCKET, attack, open_sidecar, ranks_of
@@ -93,7 +90,7 @@ LAUNCHER = r"""
 
 def nspid(host_pid: int) -> list[int]:
     with open(f"/proc/{host_pid}/status") as f:
-        line = next(l for l in f if l.startswith("NSpid:"))
+        line = next(row for row in f if row.startswith("NSpid:"))
     return [int(x) for x in line.split()[1:]]
 
 

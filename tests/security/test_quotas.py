@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
-
 import textwrap
 
 from tests.security.rig import attack, open_sidecar, start_as

@@ -36,7 +36,7 @@ class Served:
         self._unix: aiohttp.ClientSession | None = None
         self._tcp: aiohttp.ClientSession | None = None
 
-    async def start(self) -> "Served":
+    async def start(self) -> Served:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -56,7 +56,8 @@ class Served:
                       headers: dict | None = None) -> Reply:
         session = self._tcp if tcp else self._unix
         base = f"http://127.0.0.1:{self.port}" if tcp else "http://sidecar"
-        data = body if body is None or isinstance(body, (bytes, str)) or hasattr(body, "__aiter__") else json.dumps(body)
+        raw = body is None or isinstance(body, (bytes, str)) or hasattr(body, "__aiter__")
+        data = body if raw else json.dumps(body)
         async with session.request(method, base + path, data=data, headers=headers) as resp:
             text = await resp.text()
             try:

@@ -78,7 +78,7 @@ async def test_fuzzed_push_api_bodies_never_get_a_5xx(sidecar, child_pid):
     started = time.monotonic()
     for i in range(0, len(bodies), 50):
         replies = await asyncio.gather(*(sidecar.post(path, body, tcp=tcp) for path, body, tcp in bodies[i:i + 50]))
-        for (path, body, _), reply in zip(bodies[i:i + 50], replies):
+        for (path, body, _), reply in zip(bodies[i:i + 50], replies, strict=True):
             statuses[reply.status] = statuses.get(reply.status, 0) + 1
             if reply.status >= 500:
                 server_errors.append((path, body[:200], reply.body))

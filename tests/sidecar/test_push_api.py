@@ -134,7 +134,8 @@ async def test_a_declared_phase_shows_until_it_ends(sidecar, child_pid):
 
 async def test_deregistered_ranks_take_no_more_pushes(sidecar, child_pid):
     await sidecar.post("/v1/register", registration(child_pid))
-    reply = await sidecar.post("/v1/deregister", {"job_id": "run-42", "rank": 0, "pid": child_pid, "reason": "finished"})
+    reply = await sidecar.post("/v1/deregister",
+                               {"job_id": "run-42", "rank": 0, "pid": child_pid, "reason": "finished"})
     assert reply.status == 200
     reply = await sidecar.post("/v1/push", push_body(child_pid, [step_item(1)]))
     assert (reply.status, reply.code) == (409, "unknown_rank")

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from sidecar.protocol import EventItem, PhaseItem, Push, Registration, StepItem
 from sidecar.admission import LimitExceeded, RankTaken, StepNotIncreasing, UnknownRank
+from sidecar.protocol import EventItem, PhaseItem, Push, Registration, StepItem
 from sidecar.registry import Registry
 from tests.sidecar.helpers import DAEMON
 from tests.support import make_settings

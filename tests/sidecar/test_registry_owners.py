@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.protocol import PhaseItem, Push, Registration, StepItem
 from sidecar.admission import JobOwned, LimitExceeded
+from sidecar.protocol import PhaseItem, Push, Registration, StepItem
 from sidecar.registry import Registry
 from tests.sidecar.helpers import DAEMON
 from tests.support import make_settings

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from sidecar.attribution import blame, refine_blame
 from sidecar.incidents import Incident, RankSnapshot
 from sidecar.remediation import in_collective
-from sidecar.attribution import blame, refine_blame
 
 
 def rank(n: int, step: int | None, last_progress: float):

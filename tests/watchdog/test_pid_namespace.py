@@ -4,8 +4,6 @@ through NSpid, and a hang is detected, its stacks captured, the group killed, to
 the namespace) restarts it and the run ends with the uninterrupted run's parameters."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from tests.security.namespaces import UNSHARE, needs_namespaces

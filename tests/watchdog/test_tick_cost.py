@@ -23,8 +23,11 @@ def counting_liveness(monkeypatch) -> list[int]:
     return calls
 
 
+MANY_RANKS = {"limits.max_ranks_per_job": 5000, "limits.max_ranks": 5000, "limits.max_ranks_per_user": 5000}
+
+
 def test_a_tick_reads_proc_for_a_bounded_number_of_ranks(tmp_path, clock, monkeypatch):
-    registry = Registry(make_settings(tmp_path, WATCHDOG, **{"limits.max_ranks_per_job": 5000, "limits.max_ranks": 5000, "limits.max_ranks_per_user": 5000}))
+    registry = Registry(make_settings(tmp_path, WATCHDOG, **MANY_RANKS))
     wd = Watchdog(registry.settings, registry, clock=clock)
     for rank in range(1000):
         register(registry, os.getpid(), rank=rank)
@@ -37,7 +40,7 @@ def test_a_tick_reads_proc_for_a_bounded_number_of_ranks(tmp_path, clock, monkey
 
 
 def test_a_dead_rank_past_its_deadline_is_gone_not_stalled_even_out_of_turn(tmp_path, clock, monkeypatch, spawn):
-    registry = Registry(make_settings(tmp_path, WATCHDOG, **{"limits.max_ranks_per_job": 5000, "limits.max_ranks": 5000, "limits.max_ranks_per_user": 5000}))
+    registry = Registry(make_settings(tmp_path, WATCHDOG, **MANY_RANKS))
     wd = Watchdog(registry.settings, registry, clock=clock)
     for rank in range(200):  # in a long phase: they stay healthy
         phase(registry, register(registry, os.getpid(), rank=rank, job="filler"), "eval", "start", clock)
