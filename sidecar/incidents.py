@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sidecar import diagfiles
+from sidecar.stackdumps import STACK_HEAD_LINES
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config import Settings
@@ -25,7 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 INCIDENTS_SUBDIR = diagfiles.INCIDENTS
-STACK_HEAD_LINES = 12  # lines of each stack dump kept inline (the full dump stays in its file)
 
 
 @dataclass
@@ -180,26 +180,6 @@ def load_incidents(diag_dir: Path | str, last: int | None = None) -> list[dict[s
 
 # Where a thread's stack starts in a faulthandler dump ("Current thread 0x..." is the one that
 # took the signal: the main thread, which runs the training loop) and in `py-spy dump`.
-_THREAD_START = re.compile(r'^(Current thread|Thread) 0x[0-9a-f]+|^Thread \d+ ', re.M)
-_MAIN_THREAD = re.compile(r'^Current thread 0x|^Thread \d+ .*"MainThread"', re.M)
-
-
-def main_thread(text: str) -> str:
-    """The main thread's part of a stack dump (the whole text when it cannot be told)."""
-    found = _MAIN_THREAD.search(text)
-    if not found:
-        return text
-    following = _THREAD_START.search(text, found.end())
-    return text[found.start():following.start() if following else len(text)]
-
-
-def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
-    """The first lines of a dump, main thread first: that is where a hang shows."""
-    main = main_thread(text)
-    ordered = main + ("\n" + text.replace(main, "", 1) if main != text else "")
-    return [line.rstrip() for line in ordered.splitlines() if line.strip()][:lines]
-
-
 # ---------------------------------------------------------------- `sidecar incidents`
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

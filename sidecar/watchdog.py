@@ -34,7 +34,9 @@ from sidecar.config import Settings
 from sidecar.incidents import Incident, IncidentStore, RankSnapshot
 from sidecar.problems import Kind, Problem
 from sidecar.procs import is_running
-from sidecar.remediation import OwnerStormCaps, Remediator, Target
+from sidecar.remediation import Remediator
+from sidecar.signals import Target
+from sidecar.stormcap import OwnerStormCaps
 from sidecar.timeouts import Deadline, Timeouts
 
 if TYPE_CHECKING:  # pragma: no cover

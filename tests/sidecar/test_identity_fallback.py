@@ -8,7 +8,7 @@ import pytest
 
 from sidecar import identity
 from sidecar.api import DAEMON
-from sidecar.remediation import Target, send
+from sidecar.signals import Target, send
 from tests.sidecar.helpers import registration
 
 

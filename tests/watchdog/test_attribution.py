@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from sidecar.attribution import blame, refine_blame
 from sidecar.incidents import Incident, RankSnapshot
-from sidecar.remediation import in_collective
+from sidecar.stackdumps import in_collective
 
 
 def rank(n: int, step: int | None, last_progress: float):

@@ -17,7 +17,7 @@ import pytest
 from sidecar import identity, procs
 from sidecar.protocol import Registration
 from sidecar.registry import Registry
-from sidecar.remediation import OwnerStormCaps
+from sidecar.stormcap import OwnerStormCaps
 from sidecar.watchdog import Watchdog
 from tests.support import make_settings, wait_until
 from tests.watchdog.helpers import WATCHDOG, FakeClock

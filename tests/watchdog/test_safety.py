@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from sidecar import procs
-from sidecar.remediation import Refused, Target, refusal, send
+from sidecar.signals import Refused, Target, refusal, send
 
 
 def target(pid: int, start_time: float | None, verified: bool = True) -> Target:
