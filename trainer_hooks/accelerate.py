@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import time
 from typing import Any
 
 try:
@@ -33,6 +32,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("trainer_hooks.accelerate needs Hugging Face Accelerate: pip install accelerate") from e
 
 from trainer_hooks import distributed
+from trainer_hooks.attach import step_metrics
 from trainer_hooks.errors import guarded
 from trainer_hooks.monitor import Monitor
 
@@ -74,15 +74,7 @@ class SidecarTracker(GeneralTracker):
         try:
             self._send_pending()
             self._step += 1
-            now = time.perf_counter()
-            metrics: dict[str, Any] = {}
-            if self._last is not None:
-                metrics["step_time_seconds"] = now - self._last
-            self._last = now
-            try:
-                metrics["lr"] = float(optimizer.param_groups[0]["lr"])
-            except (AttributeError, IndexError, KeyError, TypeError, ValueError):
-                pass
+            metrics, self._last = step_metrics(optimizer, self._last)
             self._pending = (self._step, metrics)
             if not self._hold:
                 self._send_pending()

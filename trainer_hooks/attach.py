@@ -41,6 +41,21 @@ from trainer_hooks.monitor import Monitor
 USAGE = "usage: python -m trainer_hooks.attach (SCRIPT | -m MODULE) [ARGS...] | --pythonpath"
 
 
+
+def step_metrics(optimizer: Any, last: float | None) -> tuple[dict[str, Any], float]:
+    """What an optimizer step tells without touching the training tensors: the time since the
+    previous step (`last`, a perf_counter reading, None at the first) and the learning rate of
+    the first parameter group. Returns the metrics and the reading to pass next time."""
+    now = time.perf_counter()
+    metrics: dict[str, Any] = {}
+    if last is not None:
+        metrics["step_time_seconds"] = now - last
+    try:
+        metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        pass
+    return metrics, now
+
 class Attachment:
     """What the wrapper hooks into torch; `close()` takes it all out again."""
 
@@ -62,15 +77,7 @@ class Attachment:
             if count <= self._step:  # a second optimizer catching up within the same step
                 return
             self._step = count
-            now = time.perf_counter()
-            metrics: dict[str, Any] = {}
-            if self._last is not None:
-                metrics["step_time_seconds"] = now - self._last
-            self._last = now
-            try:
-                metrics["lr"] = float(optimizer.param_groups[0]["lr"])
-            except (AttributeError, IndexError, KeyError, TypeError, ValueError):
-                pass
+            metrics, self._last = step_metrics(optimizer, self._last)
             self.monitor.step(count, **metrics)
         except Exception:
             pass
