@@ -26,7 +26,8 @@ import struct
 import time
 from dataclasses import dataclass
 
-from sidecar import procs
+from sidecar import identity, procs
+from sidecar.identity import PidFd
 
 PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, struct pidfd_info) with the 64-byte first version
 PIDFD_INFO_EXIT = 1 << 3
@@ -41,20 +42,19 @@ _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # ---------------------------------------------------------------- exit status
 
-def open_pidfd(pid: int, start_time: float | None) -> int | None:
+def open_pidfd(pid: int, start_time: float | None) -> PidFd | None:
     """A pidfd for the process `pid` started at `start_time`, or None (not running, another
     process by now, or no pidfd support). Checked after opening: the pidfd pins the process,
     so a matching start time then means it names the registered one."""
     if start_time is None or pid <= 1:
         return None
     try:
-        fd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
+        pidfd = identity.open_pidfd(pid)
+    except identity.IdentityError:
         return None
-    if not procs.is_same_process(pid, start_time):
-        os.close(fd)
-        return None
-    return fd
+    if pidfd is None or not procs.is_same_process(pid, start_time):
+        return None  # a PidFd closes its descriptor when dropped
+    return pidfd
 
 
 def pidfd_exit_status(fd: int) -> int | None:

@@ -242,8 +242,7 @@ class ExitTracker:
         cgroup = kernel.memory_cgroup_of(rank.pid, rank.pid_start_time, self.procfs)
         pidfd = getattr(rank, "pidfd", None)
         if pidfd is None:
-            fd = kernel.open_pidfd(rank.pid, rank.pid_start_time)
-            pidfd = PidFd(fd) if fd is not None else None
+            pidfd = kernel.open_pidfd(rank.pid, rank.pid_start_time)
         watch = _Watch(rank, pidfd, cgroup, cgroup.oom_kills() if cgroup else None)
         self._watches[id(rank)] = watch
         limit = self.settings.limits.max_jobs * self.settings.limits.max_ranks_per_job
