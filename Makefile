@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench gpu-check venv clean docs system-deps
+.PHONY: demo test test-fast lint fmt bench gpu-check venv clean docs system-deps
 
 # Prometheus, promtool, Alertmanager and amtool from Debian's packages (the tests start them).
 system-deps:
@@ -21,13 +21,26 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m demo
 
-# Style and types (configured in pyproject.toml); `make test` runs it first.
+# Style, format, types and the rooms' import contracts (all configured in pyproject.toml);
+# `make test` runs it first.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+# Format the tree and apply ruff's safe fixes (import order, pyupgrade).
+fmt: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test: lint system-deps
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+# The inner loop: no torchrun jobs (`slow`), nothing that needs the Debian packages (`system`),
+# no lint. A few minutes on 2 cores; `make test` before you push.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not system"
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -25,8 +25,8 @@ from pathlib import Path
 import yaml
 
 from alerts import gpu_source
-from sidecar import generated
-from sidecar.xids import HARDWARE_XIDS
+from sidecar.collectors.xid import HARDWARE_XIDS
+from sidecar.commands import generated
 
 HERE = Path(__file__).resolve().parent
 

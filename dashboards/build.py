@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from alerts.build import number
-from sidecar import generated
+from sidecar.commands import generated
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_VERSION = 39

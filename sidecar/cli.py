@@ -9,15 +9,15 @@ import sys
 from sidecar import __version__
 
 SUBCOMMANDS = {
-    "run": ("sidecar.app", "run the daemon (metrics, push API, watchdog)"),
-    "status": ("sidecar.status", "show this node's health at a glance"),
-    "incidents": ("sidecar.incidents", "list the watchdog's incident records"),
+    "run": ("sidecar.daemon.app", "run the daemon (metrics, push API, watchdog)"),
+    "status": ("sidecar.commands.status", "show this node's health at a glance"),
+    "incidents": ("sidecar.commands.incidents", "list the watchdog's incident records"),
     "preflight": ("sidecar.preflight.cli", "check this node before a job starts"),
-    "provision": ("sidecar.provision", "push dashboards, datasource and alert rules to Grafana"),
-    "deploy-gen": ("sidecar.deploygen",
+    "provision": ("sidecar.commands.provision", "push dashboards, datasource and alert rules to Grafana"),
+    "deploy-gen": ("sidecar.commands.deploygen",
                    "generate the deploy files from the rules and dashboards (--write DIR: the whole tree)"),
-    "metrics-doc": ("sidecar.collectors.docs", "write the metrics reference (docs/metrics.md)"),
-    "config-doc": ("sidecar.config", "write the settings reference (docs/configuration.md)"),
+    "metrics-doc": ("sidecar.daemon.metrics_doc", "write the metrics reference (docs/metrics.md)"),
+    "config-doc": ("sidecar.commands.config_doc", "write the settings reference (docs/configuration.md)"),
 }
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import ConfigError, load_settings, reference_markdown, settings_from_args
+from sidecar.commands.config_doc import reference_markdown
+from sidecar.config import ConfigError, load_settings, settings_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -79,10 +79,11 @@ class SidecarCallback(TrainerCallback):
             metrics["step_time_seconds"] = now - self._last_step_end
         self._last_step_end = now
         optimizer = kwargs.get("optimizer")
-        try:
-            metrics["lr"] = optimizer.param_groups[0]["lr"]
-        except (AttributeError, IndexError, KeyError, TypeError):
-            pass
+        if optimizer is not None:
+            try:
+                metrics["lr"] = optimizer.param_groups[0]["lr"]
+            except (AttributeError, IndexError, KeyError, TypeError):
+                pass
         tokens = self._tokens(args, state)
         if tokens:
             metrics["tokens"] = tokens

@@ -2,8 +2,8 @@
 protocol"): names, patterns and limits both sides must agree on, defined once.
 
 The hooks shape what they send with these (`records.py`, `exits.py`, `environment.py`); the
-sidecar refuses what breaks them (`sidecar/protocol.py`, `sidecar/podlabels.py`,
-`sidecar/registry.py`). Standard library only: the hooks are also shipped alone, as the
+sidecar refuses what breaks them (`sidecar/ranks/protocol.py`, `sidecar/ranks/podlabels.py`,
+`sidecar/ranks/registry.py`). Standard library only: the hooks are also shipped alone, as the
 `training-sidecar-hooks` distribution, and import this without the daemon's dependencies.
 
 Changing anything here changes the contract: bump PROTOCOL_VERSION, and pin the new

@@ -1,7 +1,6 @@
-"""What every collector shares: the one-method interface, metric specifications (the single
-source of names, types and help, from which docs/metrics.md is generated), and the runner
-that samples collectors in the background and keeps the latest snapshot.
-"""
+"""What every collector shares: the one-method interface and the runner that samples
+collectors in the background and keeps the latest snapshot (metric specifications are
+`sidecar/metric.py`)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,69 +8,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Protocol
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
+from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
 
+from sidecar.config import Settings
+from sidecar.metric import MetricSpec, spec
+
 log = logging.getLogger(__name__)
-
-PREFIX = "sidecar_"
-
-if TYPE_CHECKING:
-    class Family(Metric):
-        """What `MetricSpec.family` returns: a gauge, counter, info or histogram family. Their
-        `add_metric` signatures differ (an info family takes a dict, a histogram buckets and a
-        sum); the spec's `type` says which the caller holds, which a type checker cannot see."""
-
-        def add_metric(self, labels: Sequence[str], value: Any, *args: Any, **kwargs: Any) -> None: ...
-else:
-    Family = Metric
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """A metric family's name (without `_total` for counters, as prometheus-client wants it),
-    type, help and label names. `collector` names the collector that exports it."""
-
-    name: str
-    type: str  # "gauge" | "counter" | "info" | "histogram" (exposed as _bucket, _sum, _count)
-    help: str
-    labels: tuple[str, ...] = ()
-    collector: str = ""
-
-    def family(self) -> Family:
-        family: Metric
-        if self.type == "gauge":
-            family = GaugeMetricFamily(self.name, self.help, labels=self.labels)
-        elif self.type == "counter":
-            family = CounterMetricFamily(self.name, self.help, labels=self.labels)
-        elif self.type == "info":
-            family = InfoMetricFamily(self.name, self.help, labels=self.labels)
-        elif self.type == "histogram":
-            family = HistogramMetricFamily(self.name, self.help, labels=self.labels)
-        else:
-            raise ValueError(f"unknown metric type {self.type}")
-        return cast("Family", family)
-
-    @property
-    def exposed_name(self) -> str:
-        if self.type == "counter":
-            return self.name + "_total"
-        if self.type == "info":
-            return self.name + "_info"
-        return self.name
-
-
-def spec(collector: str, name: str, type_: str, help_: str, labels: Sequence[str] = ()) -> MetricSpec:
-    return MetricSpec(PREFIX + name, type_, help_, tuple(labels), collector)
-
 
 class Collector(Protocol):
     """A collector reads one data source and maps it to metric families. `collect` runs in an
@@ -266,3 +211,16 @@ class CollectorRunner:
                 duration.add_metric([name], r.duration_seconds)
         yield success
         yield duration
+
+
+@dataclass
+class BuildContext:
+    """What a collector's `build` may use. `ranks()` returns (job_id, rank, pid) of the live
+    registered ranks; `job_versions()` {job_id: {"torch": ..., "cuda": ..., "nccl": ...}} as the
+    ranks reported them; both are called from executor threads. `built`: the collectors built
+    so far, by name."""
+
+    settings: Settings
+    ranks: Callable[[], list[tuple[str, int, int]]]
+    job_versions: Callable[[], dict[str, dict[str, str]]]
+    built: dict[str, Collector] = field(default_factory=dict)

@@ -15,10 +15,11 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
-from sidecar.collectors.base import PartialFailure, spec
+from sidecar.collectors.base import BuildContext, PartialFailure
 from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
 from sidecar.collectors.ranktree import RanksFn, pid_owners
 from sidecar.collectors.xid import XidWatcher
+from sidecar.metric import spec
 
 NAME = "gpu"
 G = ("gpu",)
@@ -307,3 +308,11 @@ class GpuCollector:
                 rank_gpus.setdefault((job_id, rank), set()).add(r.gpu)
         self.rank_gpus = rank_gpus
         return family
+
+
+def build(context: BuildContext) -> GpuCollector | None:
+    """None where dcgm-exporter is the cluster's GPU source: no second NVML poller (docs/dcgm.md)."""
+    cfg = context.settings.collectors
+    if cfg.gpu_source != "sidecar":
+        return None
+    return GpuCollector(cfg.nvml_module, context.ranks, xid_events=cfg.xid_events)

@@ -10,7 +10,8 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from sidecar.collectors import sysfs
-from sidecar.collectors.base import PartialFailure, spec
+from sidecar.collectors.base import BuildContext, PartialFailure
+from sidecar.metric import spec
 
 NAME = "nic"
 D = ("device",)
@@ -114,3 +115,8 @@ class NicCollector:
                 up.add_metric(labels, 1.0 if port.state_id == IB_ACTIVE and port.physical_state_id in
                               (IB_LINK_UP, None) else 0.0)
         return [info, up, *(f for f, _ in fields)]
+
+
+def build(context: BuildContext) -> NicCollector:
+    cfg = context.settings.collectors
+    return NicCollector(cfg.sysfs_root, cfg.nic_exclude, cfg.max_nics)

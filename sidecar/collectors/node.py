@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 from prometheus_client.core import Metric
 
-from sidecar.collectors.base import spec
+from sidecar.collectors.base import BuildContext
+from sidecar.metric import spec
 
 NAME = "node"
 
@@ -81,3 +82,13 @@ class NodeCollector:
             versions.add_metric([job_id, driver, cuda, str(v.get("torch") or ""), str(v.get("nccl") or ""),
                                  self.kernel, self.os], {})
         return [f for f in (cpu, total, available, load1, ckpt_size, ckpt_avail, versions) if f.samples]
+
+
+def build(context: BuildContext) -> NodeCollector:
+    gpu = context.built.get("gpu")
+    versions = getattr(gpu, "versions", None) or _no_gpu_versions
+    return NodeCollector(context.settings.checkpoint_dir, context.job_versions, versions)
+
+
+def _no_gpu_versions() -> tuple[str, str]:
+    return ("", "")

@@ -10,8 +10,9 @@ from typing import TypeVar
 import psutil
 from prometheus_client.core import Metric
 
-from sidecar.collectors.base import PartialFailure, spec
+from sidecar.collectors.base import BuildContext, PartialFailure
 from sidecar.collectors.ranktree import RanksFn, tree_pids
+from sidecar.metric import spec
 
 NAME = "process"
 R = ("job_id", "rank")
@@ -138,3 +139,7 @@ class ProcessCollector:
         if problems:
             raise PartialFailure("; ".join(problems[:5]), families)
         return families
+
+
+def build(context: BuildContext) -> ProcessCollector:
+    return ProcessCollector(context.ranks)

@@ -1,6 +1,11 @@
 """XID errors: the driver's fault reports (79 = fallen off the bus, 48 = double-bit ECC, 13/31/43 =
 application faults, ...). NVML delivers them as events; a daemon thread blocks in
-`nvmlEventSetWait_v2` and counts them per GPU and XID, so none is missed between samples."""
+`nvmlEventSetWait_v2` and counts them per GPU and XID, so none is missed between samples.
+
+`HARDWARE_XIDS` are the XIDs whose documented recovery is a GPU reset or a node reboot
+(NVIDIA's XID catalogue): one list for the critical alert (alerts/build.py), preflight (a node
+that logged one since boot should not start a job) and the exit reasons. Others (13, 31, 43, ...)
+are mostly application faults."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +16,19 @@ from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
+HARDWARE_XIDS: dict[int, str] = {
+    48: "double-bit ECC error",
+    61: "internal micro-controller breakpoint",
+    62: "internal micro-controller halt",
+    64: "ECC page retirement or row remapper failure",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+    140: "unrecovered ECC error",
+}
 
 WAIT_MS = 1000  # how long one wait blocks: bounds how late `stop` takes effect
 MAX_XIDS_PER_GPU = 32  # distinct XID labels per GPU; rarer ones are counted as "other"

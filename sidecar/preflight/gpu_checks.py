@@ -6,9 +6,9 @@ import re
 from collections.abc import Iterable
 
 from sidecar.collectors.nvml import GpuReading
+from sidecar.collectors.xid import HARDWARE_XIDS
 from sidecar.preflight.facts import parse_xids, read_kernel_log, read_torch
 from sidecar.preflight.results import FAIL, PASS, SKIP, WARN, Context, Result
-from sidecar.xids import HARDWARE_XIDS
 
 
 def check_driver(ctx: Context) -> Iterable[Result]:

@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from sidecar.client import StatusError, fetch_json, resolve_endpoint
+from sidecar.commands.client import StatusError, fetch_json, resolve_endpoint
+from sidecar.commands.verdict import EXIT_HEALTHY, assess
 from sidecar.config import ConfigError, parse_hostport
 from sidecar.preflight.facts import mount_of, read_clock_sync, read_ib_ports, read_nics, write_probe
 from sidecar.preflight.results import FAIL, PASS, SKIP, WARN, Context, Result
-from sidecar.verdict import EXIT_HEALTHY, assess
 
 MARKER_NAME = ".sidecar-preflight-marker"
 CONNECT_TIMEOUT_SECONDS = 3.0

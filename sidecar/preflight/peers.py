@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sidecar.client import Endpoint, StatusError, fetch, fetch_json, resolve_endpoint
+from sidecar.commands.client import Endpoint, StatusError, fetch, fetch_json, resolve_endpoint
 from sidecar.preflight.results import FAIL, PASS, SKIP, WARN, Context, Result
 
 # Fields whose difference across nodes breaks or endangers a job FAIL; the others WARN.

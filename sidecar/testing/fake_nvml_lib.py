@@ -386,7 +386,7 @@ def _nvlink_errors(lib, device, link, counter, out):
     _out(out, c_ulonglong, model.nvmlDeviceGetNvLinkErrorCounter(lib.handle(device), link, counter))
 
 
-def _processes(function: str, struct: type) -> None:
+def _processes(function: str, struct: type[Structure]) -> None:
     @symbol(function, P, P, P)
     def impl(lib, device, count, infos):
         procs = model.nvmlDeviceGetComputeRunningProcesses(lib.handle(device))

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from sidecar.collectors import build_collectors
 from sidecar.collectors.base import CollectorRunner
+from sidecar.collectors.factory import build_collectors
 from sidecar.config import load_settings
 from tests.collectors.helpers import FAKE, FIXTURE_SYSFS, by_label, exposition, series
 from tests.support import wait_until

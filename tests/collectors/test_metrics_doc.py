@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from sidecar.collectors import docs
+from sidecar.daemon import metrics_doc as docs
 from tests.support import ROOT
 
 HARDWARE = re.compile(r"`(sidecar_(?:gpu|network|infiniband|process|node|checkpoint|versions)_[a-z0-9_]*)")
@@ -46,4 +46,13 @@ def test_every_module_that_defines_metrics_is_in_the_reference():
     for path in (ROOT / "sidecar").rglob("*.py"):
         if re.search(r"^(RUNNER_)?METRICS\b.*=", path.read_text(), re.MULTILINE):
             defining.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
-    assert defining and defining <= set(docs.MODULES), sorted(defining - set(docs.MODULES))
+    listed = {m.__name__ for m in docs.modules()}
+    assert defining and defining <= listed, sorted(defining - listed)
+
+
+def test_every_catalogued_collector_module_exists_and_defines_its_metrics():
+    from sidecar.config import COLLECTORS
+
+    for name, module in COLLECTORS.items():
+        imported = __import__(module, fromlist=["NAME"])
+        assert imported.NAME == name and imported.METRICS and callable(imported.build), module

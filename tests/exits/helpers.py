@@ -7,7 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from sidecar.client import UnixHTTPConnection
+from sidecar.commands.client import UnixHTTPConnection
 from tests.support import PYTHON, ROOT, Sidecar, spawned, tail, wait_until
 
 RANK = str(ROOT / "tests" / "exits" / "exit_rank.py")

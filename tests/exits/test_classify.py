@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sidecar import protocol
-from sidecar.exits import Evidence, decide, exception_kind
+from sidecar.exits.reasons import Evidence, decide, exception_kind
+from sidecar.ranks import protocol
 from trainer_hooks import exits as hook_exits
 
 GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
@@ -127,7 +127,7 @@ def test_without_a_report_the_status_decides():
 # ---------------------------------------------------------------- rollback hint across restarts
 
 def _rank(restart: int, checkpoints, nonfinite):
-    from sidecar.registry import Rank
+    from sidecar.ranks.model import Rank
     r = Rank(job_id="j", rank=0, local_rank=0, world_size=1, local_world_size=1, pid=100 + restart,
              pid_start_time=1.0, restart_count=restart)
     r.checkpoints.extend(checkpoints)
@@ -136,7 +136,7 @@ def _rank(restart: int, checkpoints, nonfinite):
 
 
 def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_restart():
-    from sidecar.rollback import RollbackMemory
+    from sidecar.exits.rollback import RollbackMemory
     memory = RollbackMemory()
     # attempt 0: checkpoints at 4 and 8, NaN from step 9 on, and the checkpoint at 12 saved from NaN weights
     first = _rank(0, [(4, "/c/step-4", 40.0), (8, "/c/step-8", 80.0), (12, "/c/step-12", 120.0)], (9, 90.0))
@@ -147,7 +147,7 @@ def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_
 
 
 def test_no_hint_without_a_nonfinite_loss():
-    from sidecar.rollback import RollbackMemory
+    from sidecar.exits.rollback import RollbackMemory
     assert RollbackMemory().hint(_rank(0, [(4, "/c/step-4", 40.0)], None)) is None
 
 
@@ -157,7 +157,7 @@ def test_no_hint_without_a_nonfinite_loss():
     (2, "memory.events", "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n"),
     (1, "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")])
 def test_oom_kill_counters_of_cgroup_v2_and_v1(tmp_path, version, name, text):
-    from sidecar.exit_evidence import MemoryCgroup
+    from sidecar.exits.kernel import MemoryCgroup
     (tmp_path / name).write_text(text)
     cgroup = MemoryCgroup(str(tmp_path), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), version)
     try:
@@ -170,8 +170,8 @@ def test_oom_kill_counters_of_cgroup_v2_and_v1(tmp_path, version, name, text):
 
 
 def test_the_memory_cgroup_of_a_live_process_is_the_kernels(spawn):
-    from sidecar import procs
-    from sidecar.exit_evidence import memory_cgroup_of
+    from sidecar.exits.kernel import memory_cgroup_of
+    from sidecar.host import procs
     p = spawn()
     cgroup = memory_cgroup_of(p.pid, procs.start_time(p.pid))
     if cgroup is None:

@@ -41,7 +41,8 @@ def test_the_fingerprint_sees_every_kind_of_constant(monkeypatch):
 
 
 def test_both_sides_use_the_one_contract():
-    from sidecar import config, podlabels, protocol, registry
+    from sidecar import config
+    from sidecar.ranks import podlabels, protocol, registry
     from trainer_hooks import environment, exits, records
 
     assert protocol.NAME_RE is records.NAME_RE is wire.NAME_RE

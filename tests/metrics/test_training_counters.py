@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from sidecar.stepcounters import STEP_TIME_BUCKETS, StepCounters
+from sidecar.ranks.stepcounters import STEP_TIME_BUCKETS, StepCounters
 from tests.hooks.helpers import metric_value
 from tests.support import PYTHON, ROOT, Sidecar
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from sidecar.client import UnixHTTPConnection
+from sidecar.commands.client import UnixHTTPConnection
 from tests.support import ROOT, Sidecar, wait_until
 
 CLI_TIMEOUT = 180  # generous: only catches hangs on a loaded machine

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sidecar import deploygen
+from sidecar.commands import deploygen
 from sidecar.config import DEFAULT_SOCKET, load_settings
 from tests.support import PYTHON, ROOT, Sidecar
 

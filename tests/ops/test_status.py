@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sidecar.client import resolve_endpoint
+from sidecar.commands.client import resolve_endpoint
 from tests.ops.helpers import Rank, run_cli, wait_for_state
 from tests.support import ROOT, Sidecar, free_port, wait_until
 

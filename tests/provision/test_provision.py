@@ -7,7 +7,8 @@ import subprocess
 import pytest
 import yaml
 
-from sidecar import cli, provision
+from sidecar import cli
+from sidecar.commands import provision
 from sidecar.testing.fake_grafana import FakeGrafana
 from tests.support import PYTHON, ROOT, free_port
 

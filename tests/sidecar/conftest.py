@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from sidecar.app import build_app
+from sidecar.daemon.app import build_app
 from tests.sidecar.helpers import DAEMON, Served
 from tests.support import kill_tree, make_settings
 

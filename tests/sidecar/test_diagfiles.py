@@ -1,4 +1,4 @@
-"""The diagnostics directory's rules (sidecar/diagfiles.py, sidecar/stackfiles.py): private
+"""The diagnostics directory's rules (sidecar/host/diagfiles.py, sidecar/host/stackfiles.py): private
 directories, writes that never follow a symlink, dump files read back only when they are the
 file the sidecar created. The attacks themselves, as another user, are tests/security."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import diagfiles, stackfiles
 from sidecar.config import ConfigError, load_settings
-from sidecar.incidents import IncidentStore
+from sidecar.host import diagfiles, stackfiles
+from sidecar.incidents.store import IncidentStore
 
 
 @pytest.mark.parametrize("job_id, name", [("run-42", "run-42"), ("a/b c", "a_b_c"), ("incidents", "_incidents"),

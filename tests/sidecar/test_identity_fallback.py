@@ -6,9 +6,10 @@ import signal
 
 import pytest
 
-from sidecar import identity
-from sidecar.api import DAEMON
-from sidecar.signals import Target, send
+from sidecar.daemon.api import DAEMON
+from sidecar.host import identity
+from sidecar.host.signals import send
+from sidecar.watchdog.machine import target_of
 from tests.sidecar.helpers import registration
 
 
@@ -24,7 +25,7 @@ async def test_without_pidfds_a_rank_registers_and_is_signalled_by_pid_and_start
     assert reply.status == 200, reply.body
     rank = sidecar.app[DAEMON].registry.get("run-42", 0)
     assert rank.pidfd is None and rank.peer_verified and rank.pid_start_time is not None
-    assert send(Target.of(rank), signal.SIGKILL, "process") == [child.pid]
+    assert send(target_of(rank), signal.SIGKILL, "process") == [child.pid]
     assert child.wait(timeout=10) == -signal.SIGKILL
 
 
@@ -33,7 +34,7 @@ async def test_with_pidfds_the_rank_keeps_one_and_is_signalled_through_it(sideca
     assert (await sidecar.post("/v1/register", registration(child.pid))).status == 200
     rank = sidecar.app[DAEMON].registry.get("run-42", 0)
     assert isinstance(rank.pidfd, identity.PidFd) and rank.pidfd.alive() and rank.owner_uid == 0
-    send(Target.of(rank), signal.SIGKILL, "process")
+    send(target_of(rank), signal.SIGKILL, "process")
     assert child.wait(timeout=10) == -signal.SIGKILL
     assert not rank.pidfd.alive()
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from sidecar import protocol
-from sidecar.protocol import PhaseItem, ProtocolError, StepItem
+from sidecar.ranks import protocol
+from sidecar.ranks.protocol import PhaseItem, ProtocolError, StepItem
 
 
 def refusal(fn, *args) -> ProtocolError:

@@ -41,7 +41,7 @@ async def test_the_sidecar_creates_the_dump_file_and_ignores_a_path_the_rank_nam
 async def test_registration_over_the_socket_records_a_verified_identity(sidecar, child_pid):
     import psutil
 
-    from sidecar.api import DAEMON
+    from sidecar.daemon.api import DAEMON
     await sidecar.post("/v1/register", registration(child_pid))
     rank = sidecar.app[DAEMON].registry.get("run-42", 0)
     assert rank.peer_verified is True
@@ -57,7 +57,7 @@ async def test_a_pid_that_is_not_the_callers_is_refused_over_the_socket(sidecar,
 
 
 async def test_over_loopback_tcp_the_client_process_is_looked_up(sidecar, child_pid, stranger_pid):
-    from sidecar.api import DAEMON
+    from sidecar.daemon.api import DAEMON
     reply = await sidecar.post("/v1/register", registration(stranger_pid), tcp=True)
     assert (reply.status, reply.code) == (403, "pid_mismatch")
     reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True)

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from sidecar.admission import LimitExceeded, RankTaken, StepNotIncreasing, UnknownRank
-from sidecar.protocol import EventItem, PhaseItem, Push, Registration, StepItem
-from sidecar.registry import Registry
+from sidecar.ranks.errors import LimitExceeded, RankTaken, StepNotIncreasing, UnknownRank
+from sidecar.ranks.protocol import EventItem, PhaseItem, Push, Registration, StepItem
+from sidecar.ranks.registry import Registry
 from tests.sidecar.helpers import DAEMON
 from tests.support import make_settings
 

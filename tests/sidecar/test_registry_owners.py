@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.admission import JobOwned, LimitExceeded
-from sidecar.protocol import PhaseItem, Push, Registration, StepItem
-from sidecar.registry import Registry
+from sidecar.ranks.errors import JobOwned, LimitExceeded
+from sidecar.ranks.protocol import PhaseItem, Push, Registration, StepItem
+from sidecar.ranks.registry import Registry
 from tests.sidecar.helpers import DAEMON
 from tests.support import make_settings
 

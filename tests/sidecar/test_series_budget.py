@@ -1,14 +1,14 @@
-"""`/metrics` within limits.max_series (sidecar/exposition.py): per-rank series and custom
+"""`/metrics` within limits.max_series (sidecar/daemon/exposition.py): per-rank series and custom
 metrics beyond the budget are left out and counted, fairly across jobs, and the answer never
 exceeds the budget. The load case with thousands of ranks is tests/security/test_bounded_cost.py."""
 from __future__ import annotations
 
 import os
 
-from sidecar.collectors.training import TrainingCollector
-from sidecar.exposition import fair_order, plan
-from sidecar.protocol import Push, Registration, StepItem
-from sidecar.registry import Registry
+from sidecar.daemon.exposition import fair_order, plan
+from sidecar.ranks.protocol import Push, Registration, StepItem
+from sidecar.ranks.registry import Registry
+from sidecar.ranks.training_metrics import TrainingCollector
 from tests.sidecar.helpers import DAEMON, push_body, registration, step_item
 from tests.support import make_settings
 

@@ -6,8 +6,8 @@ import asyncio
 import math
 import time
 
-from sidecar.api import DAEMON
 from sidecar.collectors.base import CollectorResult
+from sidecar.daemon.api import DAEMON
 from tests.sidecar.helpers import push_body, registration, step_item
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from sidecar import procs
-from sidecar.protocol import PhaseItem, Push, Registration, StepItem
-from sidecar.registry import Registry
+from sidecar.host import procs
+from sidecar.ranks.protocol import PhaseItem, Push, Registration, StepItem
+from sidecar.ranks.registry import Registry
 
 # Short timeouts and waits; no py-spy (the stand-in ranks dump their own stacks).
 WATCHDOG = {"watchdog.floor_seconds": 10, "watchdog.ceiling_seconds": 100, "watchdog.startup_timeout_seconds": 60,
@@ -69,7 +69,7 @@ hang_in_the_training_step()
 def register_hung(registry: Registry, proc, stack_path, rank: int = 0, job: str = "job"):
     import signal as _signal
 
-    from sidecar.stackfiles import StackFile
+    from sidecar.host.stackfiles import StackFile
     reg = Registration(job_id=job, rank=rank, local_rank=rank, world_size=2, local_world_size=2, pid=proc.pid,
                        stack_signal=int(_signal.SIGUSR2))
     r = registry.register(reg, pid_start_time=procs.start_time(proc.pid), peer_verified=True)

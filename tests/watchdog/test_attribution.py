@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sidecar.attribution import blame, refine_blame
-from sidecar.incidents import Incident, RankSnapshot
-from sidecar.stackdumps import in_collective
+from sidecar.incidents.store import Incident, RankSnapshot
+from sidecar.watchdog.attribution import blame, refine_blame
+from sidecar.watchdog.stackdumps import in_collective
 
 
 def rank(n: int, step: int | None, last_progress: float):

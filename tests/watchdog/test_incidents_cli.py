@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from sidecar.incidents import IncidentStore, RankSnapshot, load_incidents
+from sidecar.incidents.store import IncidentStore, RankSnapshot, load_incidents
 from tests.support import PYTHON, ROOT
 
 

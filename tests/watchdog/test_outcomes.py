@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sidecar import identity, procs
-from sidecar.protocol import Registration
-from sidecar.registry import Registry
-from sidecar.stormcap import OwnerStormCaps
-from sidecar.watchdog import Watchdog
+from sidecar.host import identity, procs
+from sidecar.ranks.protocol import Registration
+from sidecar.ranks.registry import Registry
+from sidecar.watchdog.machine import Watchdog
+from sidecar.watchdog.stormcap import OwnerStormCaps
 from tests.support import make_settings, wait_until
 from tests.watchdog.helpers import WATCHDOG, FakeClock
 from tests.watchdog.test_remediation import events, finish, stall

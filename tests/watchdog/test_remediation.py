@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import procs
+from sidecar.host import procs
 from sidecar.problems import Kind
-from sidecar.registry import Registry
-from sidecar.watchdog import Watchdog
+from sidecar.ranks.registry import Registry
+from sidecar.watchdog.machine import Watchdog
 from tests.support import make_settings, wait_until
 from tests.watchdog.helpers import WATCHDOG, register_hung, step
 

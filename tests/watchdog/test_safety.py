@@ -8,8 +8,8 @@ import signal
 import psutil
 import pytest
 
-from sidecar import procs
-from sidecar.signals import Refused, Target, refusal, send
+from sidecar.host import procs
+from sidecar.host.signals import Refused, Target, refusal, send
 
 
 def target(pid: int, start_time: float | None, verified: bool = True) -> Target:

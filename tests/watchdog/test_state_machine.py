@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.protocol import Deregistration
-from sidecar.registry import Registry
-from sidecar.watchdog import ALLOWED, IllegalTransition, RankState, Watchdog
+from sidecar.ranks.protocol import Deregistration
+from sidecar.ranks.registry import Registry
+from sidecar.watchdog.machine import ALLOWED, IllegalTransition, RankState, Watchdog
 from tests.support import make_settings
 from tests.watchdog.helpers import WATCHDOG, phase, register, step
 

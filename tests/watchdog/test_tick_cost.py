@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from sidecar import watchdog as watchdog_module
-from sidecar.registry import Registry
-from sidecar.watchdog import LIVENESS_CHECKS_PER_TICK, RankState, Watchdog
+from sidecar.ranks.registry import Registry
+from sidecar.watchdog import machine as watchdog_module
+from sidecar.watchdog.machine import LIVENESS_CHECKS_PER_TICK, RankState, Watchdog
 from tests.support import make_settings
 from tests.watchdog.helpers import WATCHDOG, phase, register, step
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.registry import Registry
-from sidecar.timeouts import Timeouts, quantile
-from sidecar.watchdog import Watchdog
+from sidecar.ranks.registry import Registry
+from sidecar.watchdog.machine import Watchdog
+from sidecar.watchdog.timeouts import Timeouts, quantile
 from tests.support import make_settings
 from tests.watchdog.helpers import WATCHDOG, register, step
 

@@ -1,0 +1,343 @@
+"""HTTP handlers: `/metrics`, `/healthz`, `/readyz`, `/v1/status` and the hooks' push API
+(`/v1/register`, `/v1/push`, `/v1/deregister`), with the middlewares that turn every
+refusal into a 4xx JSON body and keep the daemon up whatever a client sends."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from aiohttp import web
+from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
+
+from sidecar import __version__
+from sidecar.collectors.base import CollectorRunner
+from sidecar.config import Settings
+from sidecar.daemon import status_document
+from sidecar.daemon.exposition import MetricsEndpoint
+from sidecar.exits.tracker import ExitTracker
+from sidecar.host import diagfiles, identity, procs, stackfiles
+from sidecar.metric import MetricSpec, spec
+from sidecar.ranks import protocol
+from sidecar.ranks.errors import RegistryError
+from sidecar.ranks.model import Rank
+from sidecar.ranks.protocol import ProtocolError
+from sidecar.ranks.registry import Registry
+from sidecar.watchdog.machine import Watchdog
+
+log = logging.getLogger(__name__)
+
+PUSH_PATHS = frozenset({"/v1/register", "/v1/push", "/v1/deregister"})
+COMPRESS_ABOVE_BYTES = 4096
+
+
+@dataclass
+class IngestStats:
+    """The push API's own counters (exported as `sidecar_ingest_*`)."""
+
+    records: collections.Counter = field(default_factory=collections.Counter)  # accepted, by item type
+    rejected: collections.Counter = field(default_factory=collections.Counter)  # requests, by error code
+
+
+@dataclass
+class Daemon:
+    """Everything the handlers share; one per application."""
+
+    settings: Settings
+    registry: Registry
+    runner: CollectorRunner
+    watchdog: Watchdog
+    token: str | None  # the push API's bearer token over TCP; None: no token
+    protected_pids: frozenset[int]
+    stats: IngestStats = field(default_factory=IngestStats)
+    started: float = field(default_factory=time.monotonic)
+    process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
+    exits: ExitTracker | None = None  # why each rank process exited (sidecar/exits/tracker.py)
+
+
+DAEMON = web.AppKey("daemon", Daemon)
+METRICS_ENDPOINT = web.AppKey("metrics_endpoint", MetricsEndpoint)
+
+BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
+INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
+                      "Items accepted by the push API, by type (step, phase, event).", ["type"])
+INGEST_REJECTED = spec("daemon", "ingest_rejected_requests", "counter",
+                       "Push API requests refused, by error code (bad_json, bad_field, too_large, unknown_rank, "
+                       "step_not_increasing, limit_exceeded, pid_mismatch, uid_mismatch, job_owned, timeout, "
+                       "unauthorized).", ["code"])
+INGEST_REGISTRATIONS = spec("daemon", "ingest_registrations", "counter",
+                            "Rank registrations accepted (re-registrations included).")
+DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used.")
+DAEMON_RSS = spec("daemon", "daemon_resident_memory_bytes", "gauge", "The sidecar process's resident memory.")
+METRICS: tuple[MetricSpec, ...] = (BUILD_INFO, INGEST_RECORDS, INGEST_REJECTED, INGEST_REGISTRATIONS,
+                                   DAEMON_CPU, DAEMON_RSS)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": message, "code": code}, status=status, headers=headers)
+
+
+# ---------------------------------------------------------------- middlewares
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Every refusal becomes `{"error", "code"}`; an unexpected exception is logged and
+    answered 500, and the daemon carries on."""
+    try:
+        return await handler(request)
+    except (ProtocolError, RegistryError, ApiError, identity.IdentityError) as e:
+        status, code = e.status, e.code
+        message = str(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        status, code = e.status, {404: "not_found", 405: "method_not_allowed",
+                                  413: "too_large"}.get(e.status, "bad_request")
+        message = f"{e.reason}: {request.method} {request.path}"
+    except Exception:
+        log.exception("unexpected error handling %s %s", request.method, request.path)
+        status, code, message = 500, "internal", "internal error (logged by the sidecar)"
+    if request.path in PUSH_PATHS:
+        request.app[DAEMON].stats.rejected[code] += 1
+    headers = {"WWW-Authenticate": "Bearer"} if code == "unauthorized" else None
+    return error_response(status, code, message, headers)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """The push API needs the bearer token over TCP when one is configured (always when TCP
+    listens beyond loopback). The Unix socket is guarded by its file mode and peer
+    credentials instead; `/metrics`, health and status stay open."""
+    token = request.app[DAEMON].token
+    if token and request.path in PUSH_PATHS and _is_tcp(request):
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "the push API needs 'Authorization: Bearer <token>' over TCP")
+    return await handler(request)
+
+
+def _socket(request: web.Request) -> socket.socket | None:
+    transport = request.transport
+    return transport.get_extra_info("socket") if transport is not None else None
+
+
+def _is_tcp(request: web.Request) -> bool:
+    sock = _socket(request)
+    return sock is None or sock.family != socket.AF_UNIX
+
+
+# ---------------------------------------------------------------- push API
+
+async def read_json(request: web.Request) -> dict:
+    limit = request.app[DAEMON].settings.limits.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, "too_large",
+                       f"body of {request.content_length} bytes exceeds limits.max_body_bytes ({limit})")
+    timeout = request.app[DAEMON].settings.idle_timeout_seconds
+    try:
+        body = await asyncio.wait_for(request.read(), timeout)
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "too_large", f"body exceeds limits.max_body_bytes ({limit})") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, "timeout", f"body not received within idle_timeout_seconds ({timeout:g})") from None
+    return protocol.decode(body)
+
+
+LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+def check_session(request: web.Request, rank, session: str | None) -> None:
+    """Over TCP nothing tells who is calling, so a push or deregistration must carry the
+    session its registration returned. A wrong one answers unknown_rank: honest hooks
+    register again (and are checked then), a forger learns nothing."""
+    if _is_tcp(request) and not (session and hmac.compare_digest(session.encode(errors="replace"),
+                                                                 rank.session.encode())):
+        raise ApiError(409, "unknown_rank", f"session: {'stale' if session else 'missing'} for rank {rank.label} "
+                                            "over TCP; register again")
+
+
+async def loopback_peer(request: web.Request) -> int | None:
+    """For a TCP connection from this node, the pid of the client (None when not visible)."""
+    transport = request.transport
+    if transport is None or not _is_tcp(request):
+        return None
+    client, server = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not (isinstance(client, tuple) and isinstance(server, tuple) and client[0] in LOOPBACK):
+        return None
+    return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_peer_pid, client, server)
+
+
+async def registering_peer(request: web.Request) -> identity.Peer | None:
+    """Who is registering: the Unix socket's peer (with its pidfd), or the process behind a
+    loopback TCP connection; None when nothing tells (TCP from elsewhere)."""
+    if not _is_tcp(request):
+        return identity.unix_peer(_socket(request))
+    pid = await loopback_peer(request)
+    return None if pid is None else identity.process_peer(pid)
+
+
+async def register(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    reg = protocol.parse_registration(await read_json(request))
+    peer = await registering_peer(request)
+    loop = asyncio.get_running_loop()
+    if peer is None:  # nobody to check against: recorded, watched, never signalled
+        if reg.pid in d.protected_pids:
+            raise ApiError(403, "pid_mismatch", f"pid: {reg.pid} is init, the sidecar or one of its ancestors; "
+                                                "it may never register")
+        claimed = identity.Claimed(reg.pid, reg.pid, procs.start_time(reg.pid), None, None)
+    else:
+        claimed = await loop.run_in_executor(None, identity.resolve, peer, reg.pid, d.protected_pids)
+    previous = d.registry.get(reg.job_id, reg.rank)
+    rank = d.registry.register(reg, pid_start_time=claimed.start_time, peer_verified=peer is not None,
+                               host_pid=claimed.pid, owner_uid=claimed.uid, pidfd=claimed.pidfd)
+    rank.stack_file = stack_file_for(d.settings.diagnostics_dir, rank, previous, peer is not None)
+    if d.exits is not None:
+        d.exits.watch(rank)
+    log.info("registered rank %s pid %d%s uid %s (restart %d%s)", rank.label, rank.pid,
+             f" (pid {reg.pid} in its namespace)" if rank.claimed_pid is not None else "", rank.owner_uid,
+             rank.restart_count, "" if peer is not None else ", unverified peer")
+    return web.json_response({"ok": True, "key": rank.label, "session": rank.session,
+                              "diag_dir": str(d.settings.diagnostics_dir / diagfiles.job_dir_name(reg.job_id)),
+                              "stack_dump": ({"path": rank.stack_file.path, "signal": rank.stack_signal}
+                                             if rank.stack_file is not None else None),
+                              "flush_interval_s": d.settings.hooks_flush_interval_seconds})
+
+
+def stack_file_for(diag_dir: Path, rank: Rank, previous: Rank | None, verified: bool) -> stackfiles.StackFile | None:
+    """The dump file of a rank that just registered: the one it already had when the same
+    process registers again, else a new one. None when it asked for no dumps, when its
+    caller was not verified as the process (nothing would be signalled anyway), or when the
+    process is not visible."""
+    if not verified or rank.stack_signal is None or rank.pid_start_time is None:
+        return None
+    if (previous is not None and previous.stack_file is not None and previous.pid == rank.pid
+            and previous.pid_start_time == rank.pid_start_time):
+        return previous.stack_file
+    uid = stackfiles.owner_uid(rank.pid)
+    if uid is None:
+        return None
+    try:
+        return stackfiles.create(diag_dir, rank.job_id, rank.rank, rank.pid, uid)
+    except OSError as e:
+        log.warning("no stack-dump file for rank %s: %s", rank.label, e)
+        return None
+
+
+def check_sender(request: web.Request, rank) -> None:
+    """Over the Unix socket, a push or deregistration comes from the rank's process (or its
+    launcher) running as the rank's uid (or root). The pidfd is not asked for on this hot
+    path: a pid reused after the caller connected can only be another process of that uid."""
+    peer = identity.unix_peer(_socket(request), want_pidfd=False)
+    if peer is not None:
+        identity.check_sender(peer, rank.pid, rank.owner_uid)
+
+
+async def push(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    batch = protocol.parse_push(await read_json(request), d.settings.limits.max_items_per_push)
+    rank = d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
+    check_session(request, rank, batch.session)
+    check_sender(request, rank)
+    accepted = d.registry.apply_push(batch, rank)
+    records = d.stats.records
+    for item in batch.items:
+        records[_ITEM_TYPES[type(item)]] += 1
+    return web.json_response({"ok": True, "accepted": accepted})
+
+
+_ITEM_TYPES = {protocol.StepItem: "step", protocol.PhaseItem: "phase", protocol.EventItem: "event"}
+
+
+async def deregister(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    dereg = protocol.parse_deregistration(await read_json(request))
+    rank = d.registry.lookup(dereg.job_id, dereg.rank, dereg.pid)
+    check_session(request, rank, dereg.session)
+    check_sender(request, rank)
+    rank = d.registry.deregister(dereg, rank)
+    if d.exits is not None:
+        d.exits.deregistered(rank, dereg.reason, dereg.exit)
+    log.info("rank %s deregistered: %s", rank.label, dereg.reason)
+    return web.json_response({"ok": True})
+
+
+# ---------------------------------------------------------------- reading endpoints
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    if request.app[DAEMON].runner.first_round.is_set():
+        return web.json_response({"ready": True})
+    return web.json_response({"ready": False, "error": "collectors have not finished their first round"},
+                             status=503)
+
+
+async def status(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    body = status_document.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started,
+                                         exits=d.exits)
+    return web.json_response(body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Rendered in the endpoint's own thread (exposition.py): a scrape never holds the event
+    loop, whatever the number of series."""
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    endpoint = request.app[METRICS_ENDPOINT]
+    body = await asyncio.get_running_loop().run_in_executor(endpoint.executor, endpoint.render, encoder)
+    response = web.Response(body=body, headers={"Content-Type": content_type})
+    if len(body) > COMPRESS_ABOVE_BYTES:
+        response.enable_compression()  # only when the scraper accepts gzip
+    return response
+
+
+def daemon_families(d: Daemon) -> Iterable[Metric]:
+    build = BUILD_INFO.family()
+    build.add_metric([__version__], 1)
+    records = INGEST_RECORDS.family()
+    for kind in ("step", "phase", "event"):
+        records.add_metric([kind], d.stats.records[kind])
+    rejected = INGEST_REJECTED.family()
+    for code, count in sorted(d.stats.rejected.items()):
+        rejected.add_metric([code], count)
+    registrations = INGEST_REGISTRATIONS.family()
+    registrations.add_metric([], d.registry.registrations_total)
+    yield from (build, records, rejected, registrations)
+    try:
+        cpu = d.process.cpu_times()
+        cpu_family, rss = DAEMON_CPU.family(), DAEMON_RSS.family()
+        cpu_family.add_metric([], cpu.user + cpu.system)
+        rss.add_metric([], d.process.memory_info().rss)
+        yield from (cpu_family, rss)
+    except psutil.Error:
+        pass
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/register", register)
+    app.router.add_post("/v1/push", push)
+    app.router.add_post("/v1/deregister", deregister)
+
+
+MIDDLEWARES = (errors_middleware, auth_middleware)

@@ -1,0 +1,174 @@
+"""Incident records: what the watchdog saw and did about one stall, on disk.
+
+Each detection writes `<diag_dir>/incidents/<UTC time>-<job>.json` (the full record, rewritten
+atomically as remediation progresses) and a `.txt` summary for people. `sidecar incidents`
+(sidecar/commands/incidents.py) lists them, newest first.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar.config import Settings
+from sidecar.host import diagfiles
+
+log = logging.getLogger(__name__)
+
+INCIDENTS_SUBDIR = diagfiles.INCIDENTS
+STACK_HEAD_LINES = 12  # lines of each stack dump kept inline (the full dump stays in its file)
+
+
+@dataclass
+class RankSnapshot:
+    """One rank of the hung job as the watchdog saw it at detection."""
+
+    rank: int
+    local_rank: int | None
+    pid: int
+    state: str
+    step: int | None
+    phase: str | None
+    last_progress_age_seconds: float | None
+    timeout_seconds: float | None
+    stack_file: str | None = None
+    stack_head: list[str] = field(default_factory=list)
+    stack_bytes: int = 0
+    py_spy: str | None = None
+    in_collective: bool | None = None
+
+
+@dataclass
+class Incident:
+    id: str
+    time: float  # Unix time of detection
+    job_id: str
+    node: str
+    blamed_rank: int | None
+    blame_reason: str
+    timeout_seconds: float | None
+    observe_only: bool
+    ranks: list[RankSnapshot]
+    outcome: str = "pending"  # killed | suppressed | observe_only | failed
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    path: str = ""
+    kind: str = "stall"  # "stall" (the watchdog's) or "exit" (sidecar/exits/incidents.py)
+
+    def event(self, name: str, at: float | None = None, **detail: Any) -> None:
+        """Record an action with its Unix time and its offset from detection."""
+        at = time.time() if at is None else at
+        self.timeline.append({"event": name, "time": round(at, 3),
+                              "after_detection_seconds": round(at - self.time, 3), **detail})
+
+    def event_time(self, name: str) -> float | None:
+        return next((e["time"] for e in self.timeline if e["event"] == name), None)
+
+    @property
+    def summary(self) -> str:
+        who = f"rank {self.blamed_rank}" if self.blamed_rank is not None else "no local rank"
+        timeout = f"{self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "?"
+        return f"job {self.job_id}: stall blamed on {who} ({self.blame_reason}); timeout {timeout}; {self.outcome}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["summary"] = self.summary
+        return out
+
+    def brief(self) -> dict[str, Any]:
+        """The incident as `/v1/status` lists it."""
+        return {"id": self.id, "time": self.time, "job_id": self.job_id, "blamed_rank": self.blamed_rank,
+                "outcome": self.outcome, "summary": self.summary, "path": self.path}
+
+    def text(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.time))
+        lines = [f"Incident {self.id}", f"  detected  {when} on {self.node}", f"  job       {self.job_id}",
+                 f"  blamed    {'rank ' + str(self.blamed_rank) if self.blamed_rank is not None else '-'}"
+                 f" ({self.blame_reason})",
+                 f"  timeout   {self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "  timeout   -",
+                 f"  outcome   {self.outcome}" + ("  (observe-only mode)" if self.observe_only else ""), "",
+                 "  rank  pid       state        step     phase            no progress for"]
+        for r in self.ranks:
+            age = f"{r.last_progress_age_seconds:.1f}s" if r.last_progress_age_seconds is not None else "-"
+            lines.append(f"  {r.rank:<5} {r.pid:<9} {r.state:<12} {str(r.step if r.step is not None else '-'):<8} "
+                         f"{str(r.phase or '-'):<16} {age}")
+        lines += ["", "  timeline"]
+        for e in self.timeline:
+            extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
+            lines.append(f"    +{e['after_detection_seconds']:7.3f}s  {e['event']}" + (f"  ({extra})" if extra else ""))
+        for r in self.ranks:
+            if r.stack_file or r.py_spy:
+                lines += ["", f"  stacks of rank {r.rank} (pid {r.pid}): {r.stack_file or 'py-spy only'}"]
+                lines += [f"    {line}" for line in r.stack_head]
+                if r.py_spy:
+                    lines += ["    -- py-spy --"] + [f"    {line}" for line in r.py_spy.splitlines()[:STACK_HEAD_LINES]]
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines) + "\n"
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80] or "job"
+
+
+class IncidentStore:
+    """Incidents of one diag directory. Writing never raises: a full disk must not stop the
+    watchdog from remediating (the failure is logged and kept in memory). Files are written
+    as `diagfiles` says (no symlink followed, no directory others may write), with
+    `file_mode` (settings incident_file_mode, 0600 by default) and group `gid`."""
+
+    def __init__(self, diag_dir: Path | str, file_mode: int = 0o600, gid: int | None = None):
+        self.diag_dir = Path(diag_dir)
+        self.directory = self.diag_dir / INCIDENTS_SUBDIR
+        self.file_mode, self.gid = file_mode, gid
+        self.recent: list[Incident] = []
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> IncidentStore:
+        return cls(settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id())
+
+    def open(self, job_id: str, cls: type[Incident] = Incident, **fields: Any) -> Incident:
+        now = time.time()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id,
+                            node=socket.gethostname(), **fields)
+        incident.path = str(self.directory / f"{incident.id}.json")
+        incident.event("detected", at=now)
+        self.recent.append(incident)
+        del self.recent[:-50]
+        self.save(incident)
+        return incident
+
+    def save(self, incident: Incident) -> None:
+        try:
+            name = Path(incident.path).stem
+            with diagfiles.opened(self.diag_dir, INCIDENTS_SUBDIR) as dir_fd:
+                document = (json.dumps(incident.to_dict(), indent=2) + "\n").encode()
+                diagfiles.write_atomic(dir_fd, name + ".json", document, self.file_mode, self.gid)
+                diagfiles.write_atomic(dir_fd, name + ".txt", incident.text().encode(), self.file_mode, self.gid)
+        except OSError as e:
+            log.error("cannot write incident %s: %s", incident.path, e)
+
+    def latest(self, limit: int = 5) -> list[dict[str, Any]]:
+        return [i.brief() for i in reversed(self.recent[-limit:])] if limit > 0 else []
+
+
+def load_incidents(diag_dir: Path | str, last: int | None = None) -> list[dict[str, Any]]:
+    """Incident records of a diag directory, newest first; unreadable files are skipped."""
+    directory = Path(diag_dir) / INCIDENTS_SUBDIR
+    records = []
+    for path in sorted(directory.glob("*.json"), reverse=True):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        if last is not None and len(records) >= last:
+            break
+    return records

@@ -1,0 +1,216 @@
+"""Remediation of a hung worker group: stack dumps, then SIGTERM, a grace period, SIGKILL.
+
+Every signal goes through the one safety check in `sidecar/host/signals.py`; asking for and reading
+stack dumps is `sidecar/watchdog/stackdumps.py`; the storm cap is `sidecar/watchdog/stormcap.py`. The waits are
+asyncio sleeps and the blocking calls run in the default executor, so the watchdog keeps
+ticking while a group is being dumped and killed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+import psutil
+
+from sidecar.config import RemediationSettings
+from sidecar.host import procs
+from sidecar.host.signals import Refused, Target, descendants, send, send_member
+from sidecar.incidents.store import Incident
+from sidecar.watchdog.stackdumps import (
+    ask_for_stacks,
+    file_size,
+    in_collective,
+    py_spy_dump,
+    py_spy_path,
+    restop,
+    stack_head,
+)
+
+log = logging.getLogger(__name__)
+
+EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
+POLL_SECONDS = 0.1
+
+
+# ---------------------------------------------------------------- remediation
+
+@dataclass
+class Termination:
+    """Ranks SIGTERM reached, and the members of their process trees seen at that moment."""
+
+    signalled: list[Target]
+    members: list[tuple[Target, psutil.Process]]
+
+
+class Remediator:
+    def __init__(self, settings: RemediationSettings):
+        self.settings = settings
+
+    async def collect_stacks(self, incident: Incident, targets: list[Target], signal_ranks: bool = True) -> None:
+        """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
+        file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
+        soon as its dump file has grown and held still (at most RESTOP_MAX_SECONDS): a stopped
+        process runs no signal handler, and sending SIGSTOP at once would stop it again before
+        the handler's first instruction, while continuing it for the whole dump wait would let
+        it train on, or even finish, before the SIGTERM. Without `signal_ranks` only py-spy's
+        non-blocking mode runs: it never stops the process."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        by_pid = {r.pid: r for r in incident.ranks}
+        sizes = {t.pid: await loop.run_in_executor(None, file_size, t.stack_file) for t in targets}
+        asked = []
+        stopped = {t.pid for t in targets if await loop.run_in_executor(None, procs.is_stopped, t.pid)}
+        for t in targets:
+            if t.pid in stopped:
+                incident.notes.append(f"rank {t.rank} (pid {t.pid}) was stopped (SIGSTOP or a tracer); "
+                                      "continued only to dump its stacks, then stopped again")
+        if signal_ranks and s.dump_stacks:
+            for t in targets:
+                if not (t.stack_signal and t.stack_file):
+                    continue
+                try:
+                    await loop.run_in_executor(None, ask_for_stacks, t, t.stack_signal, t.pid in stopped)
+                    asked.append(t)
+                except (Refused, OSError, psutil.Error) as e:
+                    incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
+            restops = [t for t in asked if t.pid in stopped]
+            if restops:
+                results = await asyncio.gather(*(restop(t, sizes[t.pid]) for t in restops),
+                                               return_exceptions=True)
+                for t, result in zip(restops, results, strict=True):
+                    if isinstance(result, BaseException):
+                        incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again "
+                                              f"after its dump: {result}")
+            incident.event("dumps_requested", ranks=[t.rank for t in asked])
+        spy = None
+        if s.py_spy and py_spy_path():
+            timeout = max(5.0, s.dump_wait_seconds + 3.0)
+            spy = asyncio.gather(*(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks or t.pid in stopped)
+                                   for t in targets))
+        if asked:
+            await self._wait_for_dumps(asked, sizes)
+        got = []
+        for t in asked:
+            assert t.stack_file is not None  # only ranks with a dump file are asked
+            text = await loop.run_in_executor(None, t.stack_file.read_from, sizes[t.pid])
+            snap = by_pid.get(t.pid)
+            if snap is not None and text.strip():
+                snap.stack_file, snap.stack_head, snap.stack_bytes = t.stack_file.path, stack_head(text), len(text)
+                snap.in_collective = in_collective(text)
+                got.append(t.rank)
+        if asked:
+            incident.event("dumps_received", ranks=got)
+        if spy is not None:
+            for t, text in zip(targets, await spy, strict=True):
+                snap = by_pid.get(t.pid)
+                if snap is not None and text:
+                    snap.py_spy = text
+                    if snap.in_collective is None and not text.startswith("py-spy "):
+                        snap.in_collective = in_collective(text)
+            incident.event("py_spy_done")
+
+    async def _wait_for_dumps(self, targets: list[Target], sizes: dict[int, int]) -> None:
+        """Until every file has grown and then held still briefly, or dump_wait_seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.dump_wait_seconds
+        last: dict[int, int] = {}
+        still_since: float | None = None
+        while loop.time() < deadline:
+            now = {t.pid: await loop.run_in_executor(None, file_size, t.stack_file) for t in targets}
+            grown = all(now[p] > sizes[p] for p in now)
+            if grown and now == last:
+                still_since = still_since or loop.time()
+                if loop.time() - still_since >= 0.3:
+                    return
+            else:
+                still_since = None
+            last = now
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def sigterm(self, incident: Incident, targets: list[Target]) -> Termination | None:
+        """The first half of a termination: SIGTERM each rank's group (None when no rank could
+        be signalled). The caller saves the incident, then awaits `finish`."""
+        loop = asyncio.get_running_loop()
+        # The tree as it is now: what a rank started is killed even if the rank dies first.
+        members = [(t, p) for t in targets for p in await loop.run_in_executor(None, descendants, t.pid)]
+        signalled = await self._signal_all(incident, targets, signal.SIGTERM, "sigterm")
+        if not signalled:
+            incident.notes.append("no rank could be signalled")
+            return None
+        return Termination(signalled, [(t, p) for t, p in members if t in signalled])  # never a refused rank's tree
+
+    async def finish(self, incident: Incident, term: Termination) -> str:
+        """After SIGTERM: wait grace_seconds, then SIGKILL every rank and every member of their
+        groups still alive (not only ranks: a data-loader worker that ignores SIGTERM would hold
+        the GPU). "killed" when every rank and member is seen gone, whether SIGTERM did it (the
+        timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
+        loop = asyncio.get_running_loop()
+        signalled, members = term.signalled, term.members
+        left, members_left = await self._wait_exit(signalled, members, self.settings.grace_seconds)
+        if left or members_left:
+            await loop.run_in_executor(None, self._kill_left, incident, signalled, left, members_left)
+            left, members_left = await self._wait_exit(left, members_left, EXIT_WAIT_SECONDS)
+        if left or members_left:
+            incident.event("still_running", ranks=[t.rank for t in left], pids=[p.pid for _, p in members_left])
+            outcome = "failed"
+        else:
+            incident.event("exit_observed", ranks=[t.rank for t in signalled])
+            outcome = "killed"
+        return outcome
+
+    def _kill_left(self, incident: Incident, signalled: list[Target], left: list[Target],
+                   members_left: list[tuple[Target, psutil.Process]]) -> None:
+        """SIGKILL: ranks still running with their groups; the leftover group of a rank that
+        already exited (through its pidfd); any member of the trees seen at SIGTERM time."""
+        done, sent = [], []
+        for t in signalled:
+            try:
+                sent += send(t, signal.SIGKILL, "group" if t in left else "group_left")
+                done.append(t.rank)
+            except (Refused, OSError, psutil.Error) as e:
+                if t in left:
+                    incident.notes.append(f"SIGKILL not sent to rank {t.rank} (pid {t.pid}): {e}")
+                    log.warning("not signalling rank %s/%d: %s", t.job_id, t.rank, e)
+        protected = procs.protected_pids()
+        sent += [p.pid for t, p in members_left if _alive(p) and send_member(t, p, signal.SIGKILL, protected)]
+        incident.event("sigkill", ranks=done, pids=sorted(set(sent)))
+
+    async def _signal_all(self, incident: Incident, targets: list[Target], sig: int, event: str) -> list[Target]:
+        loop = asyncio.get_running_loop()
+        done, sent = [], []
+        for t in targets:
+            try:
+                sent += await loop.run_in_executor(None, send, t, sig, "group")
+            except (Refused, OSError, psutil.Error) as e:
+                incident.notes.append(f"{signal.Signals(sig).name} not sent to rank {t.rank} (pid {t.pid}): {e}")
+                log.warning("not signalling rank %s/%d: %s", t.job_id, t.rank, e)
+                continue
+            done.append(t)
+            if sig == signal.SIGTERM:  # a stopped process handles SIGTERM only once continued,
+                # and continued after the SIGTERM is pending, it runs no training code first.
+                # A rank that already exited on the SIGTERM needs no SIGCONT.
+                with contextlib.suppress(Refused, OSError, psutil.Error):
+                    await loop.run_in_executor(None, send, t, signal.SIGCONT, "group")
+        incident.event(event, ranks=[t.rank for t in done], pids=sent)
+        return done
+
+    async def _wait_exit(self, targets: list[Target], members: list[tuple[Target, psutil.Process]],
+                         seconds: float) -> tuple[list[Target], list[tuple[Target, psutil.Process]]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            left = [t for t in targets if await loop.run_in_executor(None, Target.is_running, t)]
+            members = [(t, p) for t, p in members if await loop.run_in_executor(None, _alive, p)]
+            if (not left and not members) or loop.time() >= deadline:
+                return left, members
+            await asyncio.sleep(POLL_SECONDS)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,115 @@
+"""Stack dumps of hung ranks: asking a rank for its Python stacks (faulthandler through the
+hooks, py-spy run by the sidecar itself), and reading what they show (the main thread, the
+first lines, whether the rank waits in a collective). Attribution (`sidecar/watchdog/attribution.py`)
+and the incident records (`sidecar/incidents/store.py`) use what this module reads."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+from sidecar.host.signals import Target, send
+from sidecar.host.stackfiles import MAX_STACK_BYTES, StackFile
+from sidecar.incidents.store import STACK_HEAD_LINES
+
+# Frames of a rank that waits for its peers: anything inside torch.distributed (faulthandler:
+# `File ".../torch/distributed/x.py"`, py-spy: `all_reduce (torch/distributed/x.py:12)`), and
+# autograd's backward, where DDP waits for its gradient all-reduce.
+COLLECTIVE_FRAME = re.compile(r"torch[/\\]distributed[/\\]|_engine_run_backward")
+
+_THREAD_START = re.compile(r'^(Current thread|Thread) 0x[0-9a-f]+|^Thread \d+ ', re.M)
+_MAIN_THREAD = re.compile(r'^Current thread 0x|^Thread \d+ .*"MainThread"', re.M)
+
+
+def main_thread(text: str) -> str:
+    """The main thread's part of a stack dump (the whole text when it cannot be told)."""
+    found = _MAIN_THREAD.search(text)
+    if not found:
+        return text
+    following = _THREAD_START.search(text, found.end())
+    return text[found.start():following.start() if following else len(text)]
+
+
+def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
+    """The first lines of a dump, main thread first: that is where a hang shows."""
+    main = main_thread(text)
+    ordered = main + ("\n" + text.replace(main, "", 1) if main != text else "")
+    return [line.rstrip() for line in ordered.splitlines() if line.strip()][:lines]
+
+
+def in_collective(text: str) -> bool | None:
+    """Whether a stack dump shows the rank's main thread waiting for its peers (inside
+    torch.distributed or DDP's backward); None without a dump."""
+    if not text.strip():
+        return None
+    return bool(COLLECTIVE_FRAME.search(main_thread(text)))
+
+
+def file_size(stack_file: StackFile | None) -> int:
+    return stack_file.size() if stack_file is not None else 0
+
+
+def py_spy_path() -> str | None:
+    """py-spy on PATH or next to this Python (a virtual environment's bin/)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if local.exists() else None
+
+
+async def py_spy_dump(pid: int, timeout: float, nonblocking: bool) -> str:
+    """`py-spy dump --pid`: its output, or one line saying why there is none."""
+    exe = py_spy_path()
+    if exe is None:
+        return ""
+    cmd = [exe, "dump", "--pid", str(pid)] + (["--nonblocking"] if nonblocking else [])
+    try:
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+    except OSError as e:
+        return f"py-spy could not start: {e}"
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return f"py-spy gave no answer within {timeout:.0f}s"
+    text = out.decode(errors="replace")[:MAX_STACK_BYTES]
+    return text if proc.returncode == 0 else f"py-spy failed (exit {proc.returncode}): {text.strip()[:300]}"
+
+
+def ask_for_stacks(target: Target, stack_signal: int, stopped: bool) -> None:
+    send(target, stack_signal, "process")
+    if stopped:  # a stopped process runs no handler: continue it; restop() stops it again
+        send(target, signal.SIGCONT, "process")
+
+
+# A stopped rank is continued only until its dump is written: faulthandler writes the whole
+# dump from inside its signal handler, so the file growing and then holding still for a few
+# milliseconds means the handler has returned (or is about to), and the rank is stopped again
+# after at most RESTOP_MAX_SECONDS of running.
+RESTOP_STILL_SECONDS = 0.02
+RESTOP_MAX_SECONDS = 1.0
+
+
+async def restop(target: Target, size_before: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RESTOP_MAX_SECONDS
+    last, still_since = -1, None
+    while loop.time() < deadline:
+        size = await loop.run_in_executor(None, file_size, target.stack_file)
+        if size > size_before and size == last:
+            still_since = still_since or loop.time()
+            if loop.time() - still_since >= RESTOP_STILL_SECONDS:
+                break
+        else:
+            still_since = None
+        last = size
+        await asyncio.sleep(0.005)
+    await loop.run_in_executor(None, send, target, signal.SIGSTOP, "process")

@@ -1,0 +1,75 @@
+"""The watchdog's timeout policy: how long a rank may go without progress now.
+
+    start-up (no step yet)      watchdog.startup_timeout_seconds
+    a declared phase            the rank's own budget, else watchdog.phase_timeouts[name],
+                                else watchdog.default_phase_timeout_seconds
+    training steps              multiplier x quantile(recent step times), in [floor, ceiling]
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sidecar.config import WatchdogSettings
+from sidecar.ranks.model import Rank, RankKey
+
+
+@dataclass
+class Deadline:
+    """How long a rank may go without progress now, and how long it has."""
+
+    timeout: float
+    age: float
+    basis: str  # "startup" | "phase:<name>" | "steps"
+
+
+def quantile(values: Iterable[float], q: float) -> float | None:
+    """The nearest-rank quantile (no interpolation: a timeout follows an observed value)."""
+    ordered = sorted(v for v in values if math.isfinite(v) and v >= 0)
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+class Timeouts:
+    """Deadlines by the settings of `watchdog.*`; the step timeout of each rank is kept until
+    its next step (the quantile sorts up to `window` step times: once per step, not per tick)."""
+
+    def __init__(self, settings: WatchdogSettings):
+        self.settings = settings
+        self._cache: dict[RankKey, tuple] = {}  # (rank, (step, step time), step timeout)
+
+    def forget(self, key: RankKey) -> None:
+        self._cache.pop(key, None)
+
+    def deadline(self, rank: Rank, now: float) -> Deadline:
+        wd = self.settings
+        if rank.phase is not None:
+            budget = rank.phase_timeout or wd.phase_timeouts.get(rank.phase) or wd.default_phase_timeout_seconds
+            started = rank.phase_started if rank.phase_started is not None else rank.last_progress
+            return Deadline(float(budget), now - max(started, rank.last_progress), f"phase:{rank.phase}")
+        if rank.step is None:
+            return Deadline(wd.startup_timeout_seconds, now - rank.last_progress, "startup")
+        basis = (rank.step, rank.metrics.get("step_time_seconds"))
+        cached = self._cache.get(rank.key)
+        if cached is not None and cached[0] is rank and cached[1] == basis:
+            timeout = cached[2]
+        else:
+            timeout = self.step_timeout(rank.step_times, basis[1])
+            self._cache[rank.key] = (rank, basis, timeout)
+        return Deadline(timeout, now - rank.last_progress, "steps")
+
+    def step_timeout(self, step_times: Iterable[float], last_step_time: float | None = None) -> float:
+        """multiplier x quantile of the recent step times, clamped to [floor, ceiling]. Before
+        there is an interval between two steps, the step time the rank reported with its first
+        step stands in (a slow first step must not make the second one a stall); without
+        either, the floor."""
+        wd = self.settings
+        recent = list(step_times)[-wd.window:]
+        q = quantile(recent, wd.quantile)
+        if q is None and last_step_time is not None:
+            q = quantile([last_step_time], 1.0)
+        if q is None:
+            return wd.floor_seconds
+        return min(wd.ceiling_seconds, max(wd.floor_seconds, wd.multiplier * q))
