@@ -14,6 +14,7 @@ Label conventions: `job_id` is the training job, `rank` the rank, `gpu` the GPU 
 Alerts aggregate `by` the labels that name what is broken, so they do not depend on the
 scrape job's name or extra target labels.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,21 +40,21 @@ SIDECAR_SCRAPE_JOB = "sidecar"
 
 THRESHOLDS: dict[str, float | str] = {
     # --- watchdog and progress
-    "rank_stalled_for": "2m",           # a stall the watchdog has not cleared within this pages
-    "no_progress_seconds": 1800,        # no rank of the job advanced its step for this long
-    "storm_killed_per_hour": 3,         # watchdog kills of one job per hour that count as a storm
-    "restarts_per_hour": 3,             # worker-group restarts of one job per hour (any cause)
-    "exit_window": "15m",               # a rank exit of a given reason keeps its alert this long
+    "rank_stalled_for": "2m",  # a stall the watchdog has not cleared within this pages
+    "no_progress_seconds": 1800,  # no rank of the job advanced its step for this long
+    "storm_killed_per_hour": 3,  # watchdog kills of one job per hour that count as a storm
+    "restarts_per_hour": 3,  # worker-group restarts of one job per hour (any cause)
+    "exit_window": "15m",  # a rank exit of a given reason keeps its alert this long
     # --- training signals (job level, from the recording rules)
-    "grad_norm_factor": 10,             # grad norm above this multiple of its median over the last hour
-    "lr_jump_factor": 2,                # learning rate above this multiple of its maximum over the last hour
-    "throughput_drop_ratio": 0.7,       # it/s below this share of its average over the last hour
-    "straggler_ratio": 1.3,             # a rank's mean step time (5m) above this multiple of the job's median
-    "checkpoint_max_age_seconds": 7200, # newest checkpoint older than this while the job trains
-    "progress_recent_seconds": 600,     # "the job trains": some rank advanced within this long
+    "grad_norm_factor": 10,  # grad norm above this multiple of its median over the last hour
+    "lr_jump_factor": 2,  # learning rate above this multiple of its maximum over the last hour
+    "throughput_drop_ratio": 0.7,  # it/s below this share of its average over the last hour
+    "straggler_ratio": 1.3,  # a rank's mean step time (5m) above this multiple of the job's median
+    "checkpoint_max_age_seconds": 7200,  # newest checkpoint older than this while the job trains
+    "progress_recent_seconds": 600,  # "the job trains": some rank advanced within this long
     # --- checkpoint filesystem
-    "disk_predict_hours": 4,            # free space predicted to run out within this many hours
-    "disk_filling_free_ratio": 0.25,    # ... and less than this share is free now
+    "disk_predict_hours": 4,  # free space predicted to run out within this many hours
+    "disk_filling_free_ratio": 0.25,  # ... and less than this share is free now
     "disk_almost_full_free_ratio": 0.05,
     # --- GPU
     # XIDs whose documented recovery is a GPU reset or node reboot (NVIDIA's XID catalogue):
@@ -61,13 +62,13 @@ THRESHOLDS: dict[str, float | str] = {
     # failure, 74 NVLink error, 79 fallen off the bus, 94/95 contained/uncontained ECC,
     # 119/120 GSP timeout/error, 140 unrecovered ECC.
     "xid_critical": "|".join(str(x) for x in sorted(HARDWARE_XIDS)),
-    "xid_window": "1h",                 # an XID keeps its alert this long
-    "thermal_margin_celsius": 3,        # temperature within this of the slowdown threshold
+    "xid_window": "1h",  # an XID keeps its alert this long
+    "thermal_margin_celsius": 3,  # temperature within this of the slowdown threshold
     "nvlink_errors_per_second": 1,
     "pcie_replays_per_second": 0.1,
-    "pcie_busy_ratio": 0.5,             # link generation is judged only while the GPU is this busy (it downshifts at idle)
+    "pcie_busy_ratio": 0.5,  # link generation is judged only while the GPU is this busy (it downshifts at idle)
     # --- network
-    "ib_errors_per_10m": 10,            # symbol + receive errors per InfiniBand port in 10 minutes
+    "ib_errors_per_10m": 10,  # symbol + receive errors per InfiniBand port in 10 minutes
     "nic_errors_per_second": 1,
     "nic_carrier_changes_per_15m": 2,
 }
@@ -139,309 +140,463 @@ def increased(selector: str, window: str, by: str) -> str:
     """A counter went up within `window`. `increase` alone misses a series that first appears
     already at 1 (an XID the collector has never seen before), so a series that is new and
     non-zero counts as well."""
-    return (f"sum by ({by}) (increase({selector}[{window}])) > 0\n"
-            f"or sum by ({by}) ({selector} > 0 unless {selector} offset {window})")
+    return (
+        f"sum by ({by}) (increase({selector}[{window}])) > 0\n"
+        f"or sum by ({by}) ({selector} > 0 unless {selector} offset {window})"
+    )
 
 
 LABELS_RANK = "{{ $labels.job_id }} rank {{ $labels.rank }} on {{ $labels.instance }}"
-RESTARTS = ("max by (job_id) (sidecar_training_restarts)\n"
-            f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}")
+RESTARTS = (
+    "max by (job_id) (sidecar_training_restarts)\n"
+    f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}"
+)
 LABELS_GPU = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
 
 # ------------------------------------------------------------------ recording rules
 
-RECORDING = Group("sidecar-recording", [
-    Record("job_id_instance:sidecar_training_step:max",
-           "max by (job_id, instance) (sidecar_training_step)"),
-    Record("job_id:sidecar_training_step:max",
-           "max by (job_id) (job_id_instance:sidecar_training_step:max)"),
-    # Throughput and step time from the counters and the histogram (rate() over 5m), not the
-    # last-value gauges: nothing between two scrapes is lost. Ranks step together, so the job's
-    # steps per second is the mean over its ranks; samples and tokens add up.
-    Record("job_id_instance:sidecar_training_steps:rate5m",
-           "avg by (job_id, instance) (rate(sidecar_training_steps_total[5m]))"),
-    Record("job_id:sidecar_training_steps:rate5m",
-           "avg by (job_id) (rate(sidecar_training_steps_total[5m]))"),
-    Record("job_id:sidecar_training_samples:rate5m",
-           "sum by (job_id) (rate(sidecar_training_samples_total[5m]))"),
-    Record("job_id:sidecar_training_tokens:rate5m",
-           "sum by (job_id) (rate(sidecar_training_tokens_total[5m]))"),
-    # Each rank's mean step time over 5m, from the histogram's sum and count.
-    Record("job_id_rank:sidecar_training_step_duration_seconds:mean5m",
-           "sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_sum[5m]))\n"
-           "/ sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m]))"),
-    Record("job_id_instance:sidecar_training_step_duration_seconds:max_mean5m",
-           "max by (job_id, instance) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)"),
-    Record("job_id:sidecar_training_step_duration_seconds:median_mean5m",
-           "quantile by (job_id) (0.5, job_id_rank:sidecar_training_step_duration_seconds:mean5m)"),
-    # The slowest rank relative to the median rank: 1 is perfectly balanced.
-    Record("job_id:sidecar_training_step_duration_seconds:max_over_median",
-           "max by (job_id) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)\n"
-           "/ job_id:sidecar_training_step_duration_seconds:median_mean5m"),
-    # Step-time quantiles of the whole job from the buckets (spikes a scrape interval would hide).
-    Record("job_id:sidecar_training_step_duration_seconds:p50_5m",
-           "histogram_quantile(0.5, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))"),
-    Record("job_id:sidecar_training_step_duration_seconds:p99_5m",
-           "histogram_quantile(0.99, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))"),
-    Record("job_id:sidecar_training_loss:avg",
-           "avg by (job_id) (sidecar_training_loss)"),
-    Record("job_id:sidecar_training_grad_norm:max",
-           "max by (job_id) (sidecar_training_grad_norm)"),
-    Record("job_id:sidecar_training_learning_rate:max",
-           "max by (job_id) (sidecar_training_learning_rate)"),
-    Record("job_id_state:sidecar_rank_state:count",
-           "count by (job_id, state) (sidecar_rank_state == 1)"),
-    # GPU metrics (gpu:*, from either GPU source, alerts/gpu_source.py) carry no job label: a node belongs to the jobs that have ranks registered on it.
-    Record("job_id_instance:sidecar_gpu_utilization_ratio:avg",
-           "avg by (instance) (gpu:sidecar_gpu_utilization_ratio)\n"
-           "* on (instance) group_right\n"
-           "group by (job_id, instance) (sidecar_training_ranks_registered)"),
-    Record("job_id:sidecar_gpu_utilization_ratio:spread",
-           "max by (job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)\n"
-           "- min by (job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)"),
-])
+RECORDING = Group(
+    "sidecar-recording",
+    [
+        Record("job_id_instance:sidecar_training_step:max", "max by (job_id, instance) (sidecar_training_step)"),
+        Record("job_id:sidecar_training_step:max", "max by (job_id) (job_id_instance:sidecar_training_step:max)"),
+        # Throughput and step time from the counters and the histogram (rate() over 5m), not the
+        # last-value gauges: nothing between two scrapes is lost. Ranks step together, so the job's
+        # steps per second is the mean over its ranks; samples and tokens add up.
+        Record(
+            "job_id_instance:sidecar_training_steps:rate5m",
+            "avg by (job_id, instance) (rate(sidecar_training_steps_total[5m]))",
+        ),
+        Record("job_id:sidecar_training_steps:rate5m", "avg by (job_id) (rate(sidecar_training_steps_total[5m]))"),
+        Record("job_id:sidecar_training_samples:rate5m", "sum by (job_id) (rate(sidecar_training_samples_total[5m]))"),
+        Record("job_id:sidecar_training_tokens:rate5m", "sum by (job_id) (rate(sidecar_training_tokens_total[5m]))"),
+        # Each rank's mean step time over 5m, from the histogram's sum and count.
+        Record(
+            "job_id_rank:sidecar_training_step_duration_seconds:mean5m",
+            "sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_sum[5m]))\n"
+            "/ sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m]))",
+        ),
+        Record(
+            "job_id_instance:sidecar_training_step_duration_seconds:max_mean5m",
+            "max by (job_id, instance) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)",
+        ),
+        Record(
+            "job_id:sidecar_training_step_duration_seconds:median_mean5m",
+            "quantile by (job_id) (0.5, job_id_rank:sidecar_training_step_duration_seconds:mean5m)",
+        ),
+        # The slowest rank relative to the median rank: 1 is perfectly balanced.
+        Record(
+            "job_id:sidecar_training_step_duration_seconds:max_over_median",
+            "max by (job_id) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)\n"
+            "/ job_id:sidecar_training_step_duration_seconds:median_mean5m",
+        ),
+        # Step-time quantiles of the whole job from the buckets (spikes a scrape interval would hide).
+        Record(
+            "job_id:sidecar_training_step_duration_seconds:p50_5m",
+            "histogram_quantile(0.5, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
+        ),
+        Record(
+            "job_id:sidecar_training_step_duration_seconds:p99_5m",
+            "histogram_quantile(0.99, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
+        ),
+        Record("job_id:sidecar_training_loss:avg", "avg by (job_id) (sidecar_training_loss)"),
+        Record("job_id:sidecar_training_grad_norm:max", "max by (job_id) (sidecar_training_grad_norm)"),
+        Record("job_id:sidecar_training_learning_rate:max", "max by (job_id) (sidecar_training_learning_rate)"),
+        Record("job_id_state:sidecar_rank_state:count", "count by (job_id, state) (sidecar_rank_state == 1)"),
+        # GPU metrics (gpu:*, from either GPU source, alerts/gpu_source.py) carry no job label: a node belongs to the jobs that have ranks registered on it.
+        Record(
+            "job_id_instance:sidecar_gpu_utilization_ratio:avg",
+            "avg by (instance) (gpu:sidecar_gpu_utilization_ratio)\n"
+            "* on (instance) group_right\n"
+            "group by (job_id, instance) (sidecar_training_ranks_registered)",
+        ),
+        Record(
+            "job_id:sidecar_gpu_utilization_ratio:spread",
+            "max by (job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)\n"
+            "- min by (job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)",
+        ),
+    ],
+)
 
 # ------------------------------------------------------------------ alerts
 
 STEP_RATE = "deriv(job_id:sidecar_training_step:max[5m]) > 0"
 
-TRAINING = Group("sidecar-training", [
-    Alert("SidecarRankStalled",
-          'max by (job_id, instance, rank) (sidecar_rank_state{state=~"stalled|remediating"}) == 1',
-          "critical", f"Rank stalled: {LABELS_RANK}",
-          "The watchdog saw no progress from this rank within its timeout and has not recovered it "
-          "(remediation failed, was suppressed, or the watchdog is observe-only).",
-          for_=window("rank_stalled_for")),
-    Alert("SidecarJobNotProgressing",
-          f"time() - max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > {T['no_progress_seconds']}\n"
-          "and max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > 0",
-          "critical", "Job {{ $labels.job_id }} is not progressing",
-          f"No rank of job {{{{ $labels.job_id }}}} advanced its step for {int(T['no_progress_seconds']) // 60} minutes, "
-          "on any node.", for_="5m"),
-    Alert("SidecarRemediationStorm",
-          'sum by (job_id, instance) (increase(sidecar_watchdog_remediations_total{outcome="suppressed"}[15m])) > 0\n'
-          'or sum by (job_id) (increase(sidecar_watchdog_remediations_total{outcome="killed"}[1h]))'
-          f" >= {T['storm_killed_per_hour']}",
-          "critical", "Remediation storm in job {{ $labels.job_id }}",
-          "The watchdog keeps killing this job's workers, or its storm cap suppressed a remediation: "
-          "restarting does not fix the cause."),
-    Alert("SidecarJobRestartLoop",
-          f"({RESTARTS}) * on (job_id) group_left (reason) (\n"
-          "  0 * topk by (job_id) (1, sum by (job_id, reason) (increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
-          ")\n"
-          f'or on (job_id) label_replace({RESTARTS}, "reason", "not recorded", "", "")',
-          "warning", "Job {{ $labels.job_id }} restarted repeatedly ({{ $labels.reason }})",
-          f"torchrun restarted the worker group of job {{{{ $labels.job_id }}}} at least {T['restarts_per_hour']} "
-          "times in the last hour. The most frequent cause (the first rank to exit each time, "
-          "sidecar_job_failures_total): {{ $labels.reason }}. `sidecar incidents` on the job's nodes has the "
-          "evidence; the runbook section of that reason says what to do."),
-    Alert("SidecarRankCudaOutOfMemory",
-          increased('sidecar_rank_exits_total{reason="exception/cuda_oom"}', window("exit_window"), "job_id, instance"),
-          "warning", "CUDA out of memory in job {{ $labels.job_id }} on {{ $labels.instance }}",
-          "A rank of job {{ $labels.job_id }} died of torch.OutOfMemoryError. Lower the micro-batch size (keep the "
-          "global batch with more accumulation steps), enable activation checkpointing, or set "
-          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation."),
-    Alert("SidecarRankKernelOOMKilled",
-          increased('sidecar_rank_exits_total{reason="oom_killed"}', window("exit_window"), "job_id, instance"),
-          "warning", "Kernel OOM killer killed a rank of job {{ $labels.job_id }} on {{ $labels.instance }}",
-          "A rank ran out of host memory (its memory cgroup or the node) and the kernel killed it. Lower DataLoader "
-          "workers and prefetching, pinned-memory buffers and CPU-side copies, or raise the container's memory "
-          "limit; `sidecar incidents` names the cgroup."),
-    Alert("SidecarCollectiveTimeout",
-          increased('sidecar_rank_exits_total{reason="exception/collective_timeout"}', window("exit_window"),
-                    "job_id, instance"),
-          "warning", "Collective timeout in job {{ $labels.job_id }} on {{ $labels.instance }}",
-          "A rank of job {{ $labels.job_id }} died waiting for its peers in a collective (gloo or NCCL timeout). "
-          "The rank that timed out is usually not the culprit: find the straggler (a rank that is stalled, slow "
-          "or gone on another node: SidecarRankStraggler, stall incidents, NIC and InfiniBand errors) before "
-          "raising the process-group timeout."),
-    Alert("SidecarRankGpuError",
-          increased('sidecar_rank_exits_total{reason="gpu_error"}', window("exit_window"), "job_id, instance"),
-          "critical", "A rank of job {{ $labels.job_id }} died after an XID on {{ $labels.instance }}",
-          "A rank died right after its GPU reported an XID: the GPU, not the job, failed. Drain the node, check "
-          "SidecarGpuXidCritical and nvidia-smi -q, reset or replace the GPU before scheduling on it again."),
-    Alert("SidecarTrainingLossNonFinite",
-          increased('sidecar_training_nonfinite_total{metric="loss"}', "5m", "job_id, instance, rank") + "\n"
-          "or max by (job_id, instance, rank) (\n"
-          "  sidecar_training_loss != sidecar_training_loss or abs(sidecar_training_loss) == +Inf\n"
-          ")",
-          "critical", "Loss is NaN or infinite in job {{ $labels.job_id }}",
-          f"{LABELS_RANK} reported a NaN or infinite loss. Training is diverging or reading bad data; "
-          "checkpoints saved from now on may be poisoned."),
-    Alert("SidecarGradNormExplosion",
-          f"job_id:sidecar_training_grad_norm:max\n"
-          f"> {T['grad_norm_factor']} * quantile_over_time(0.5, job_id:sidecar_training_grad_norm:max[1h] offset 5m)",
-          "warning", "Gradient norm exploded in job {{ $labels.job_id }}",
-          f"The gradient norm of job {{{{ $labels.job_id }}}} is more than {T['grad_norm_factor']}x its median "
-          "over the previous hour.", for_="2m"),
-    Alert("SidecarLearningRateZero",
-          f"job_id:sidecar_training_learning_rate:max == 0\nand on (job_id) {STEP_RATE}",
-          "warning", "Learning rate is zero in job {{ $labels.job_id }}",
-          "Job {{ $labels.job_id }} keeps stepping with a learning rate of 0: it computes but does not learn.",
-          for_="10m"),
-    Alert("SidecarLearningRateJump",
-          f"job_id:sidecar_training_learning_rate:max\n"
-          f"> {T['lr_jump_factor']} * max_over_time(job_id:sidecar_training_learning_rate:max[1h] offset 5m)\n"
-          "and on (job_id) (\n"
-          "  job_id:sidecar_training_learning_rate:max offset 5m\n"
-          "  <= job_id:sidecar_training_learning_rate:max offset 65m\n"
-          ")",
-          "warning", "Learning rate jumped in job {{ $labels.job_id }}",
-          f"The learning rate of job {{{{ $labels.job_id }}}} is more than {T['lr_jump_factor']}x its maximum over "
-          "the previous hour, although it was not rising (not a warmup): a resume that lost the scheduler state?"),
-    Alert("SidecarThroughputDrop",
-          "job_id:sidecar_training_steps:rate5m\n"
-          f"< {T['throughput_drop_ratio']} * avg_over_time(job_id:sidecar_training_steps:rate5m[1h] offset 15m)",
-          "warning", "Throughput dropped in job {{ $labels.job_id }}",
-          f"Job {{{{ $labels.job_id }}}} runs below {int(float(T['throughput_drop_ratio']) * 100)}% of its iterations "
-          "per second of the previous hour.", for_="15m"),
-    Alert("SidecarStragglerRank",
-          "job_id_rank:sidecar_training_step_duration_seconds:mean5m\n"
-          f"> on (job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
-          "warning", f"Straggler: {LABELS_RANK}",
-          f"This rank's step time is more than {T['straggler_ratio']}x the median of its job: "
-          "the whole job runs at its pace.", for_="10m"),
-    Alert("SidecarCheckpointStale",
-          f"time() - max by (job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > {T['checkpoint_max_age_seconds']}\n"
-          "and on (job_id) max by (job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > 0\n"
-          f"and on (job_id) time() - max by (job_id) (sidecar_training_last_progress_timestamp_seconds) < {T['progress_recent_seconds']}",
-          "warning", "Checkpoint stale in job {{ $labels.job_id }}",
-          f"Job {{{{ $labels.job_id }}}} trains but its newest checkpoint is older than "
-          f"{int(T['checkpoint_max_age_seconds']) // 60} minutes: a failure now loses that much work.",
-          for_="10m"),
-    Alert("SidecarCheckpointDiskFillingUp",
-          f"predict_linear(sidecar_checkpoint_filesystem_avail_bytes[6h], {T['disk_predict_hours']} * 3600) < 0\n"
-          f"and sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes < {T['disk_filling_free_ratio']}",
-          "warning", "Checkpoint disk on {{ $labels.instance }} fills up",
-          f"At the current rate the checkpoint filesystem on {{{{ $labels.instance }}}} runs out of space within "
-          f"{T['disk_predict_hours']} hours.", for_="30m"),
-    Alert("SidecarCheckpointDiskAlmostFull",
-          "sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes"
-          f" < {T['disk_almost_full_free_ratio']}",
-          "critical", "Checkpoint disk on {{ $labels.instance }} almost full",
-          f"Less than {int(float(T['disk_almost_full_free_ratio']) * 100)}% of the checkpoint filesystem on "
-          "{{ $labels.instance }} is free: the next checkpoint save may fail.", for_="5m"),
-    Alert("SidecarHooksDroppingRecords",
-          "sum by (job_id, instance, rank) (increase(sidecar_hooks_dropped_records_total[10m])) > 0",
-          "info", f"Hooks dropped records: {LABELS_RANK}",
-          "The trainer hooks could not deliver some records to the sidecar (it was down or too slow); "
-          "training metrics have gaps."),
-])
+TRAINING = Group(
+    "sidecar-training",
+    [
+        Alert(
+            "SidecarRankStalled",
+            'max by (job_id, instance, rank) (sidecar_rank_state{state=~"stalled|remediating"}) == 1',
+            "critical",
+            f"Rank stalled: {LABELS_RANK}",
+            "The watchdog saw no progress from this rank within its timeout and has not recovered it "
+            "(remediation failed, was suppressed, or the watchdog is observe-only).",
+            for_=window("rank_stalled_for"),
+        ),
+        Alert(
+            "SidecarJobNotProgressing",
+            f"time() - max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > {T['no_progress_seconds']}\n"
+            "and max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > 0",
+            "critical",
+            "Job {{ $labels.job_id }} is not progressing",
+            f"No rank of job {{{{ $labels.job_id }}}} advanced its step for {int(T['no_progress_seconds']) // 60} minutes, "
+            "on any node.",
+            for_="5m",
+        ),
+        Alert(
+            "SidecarRemediationStorm",
+            'sum by (job_id, instance) (increase(sidecar_watchdog_remediations_total{outcome="suppressed"}[15m])) > 0\n'
+            'or sum by (job_id) (increase(sidecar_watchdog_remediations_total{outcome="killed"}[1h]))'
+            f" >= {T['storm_killed_per_hour']}",
+            "critical",
+            "Remediation storm in job {{ $labels.job_id }}",
+            "The watchdog keeps killing this job's workers, or its storm cap suppressed a remediation: "
+            "restarting does not fix the cause.",
+        ),
+        Alert(
+            "SidecarJobRestartLoop",
+            f"({RESTARTS}) * on (job_id) group_left (reason) (\n"
+            "  0 * topk by (job_id) (1, sum by (job_id, reason) (increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
+            ")\n"
+            f'or on (job_id) label_replace({RESTARTS}, "reason", "not recorded", "", "")',
+            "warning",
+            "Job {{ $labels.job_id }} restarted repeatedly ({{ $labels.reason }})",
+            f"torchrun restarted the worker group of job {{{{ $labels.job_id }}}} at least {T['restarts_per_hour']} "
+            "times in the last hour. The most frequent cause (the first rank to exit each time, "
+            "sidecar_job_failures_total): {{ $labels.reason }}. `sidecar incidents` on the job's nodes has the "
+            "evidence; the runbook section of that reason says what to do.",
+        ),
+        Alert(
+            "SidecarRankCudaOutOfMemory",
+            increased(
+                'sidecar_rank_exits_total{reason="exception/cuda_oom"}', window("exit_window"), "job_id, instance"
+            ),
+            "warning",
+            "CUDA out of memory in job {{ $labels.job_id }} on {{ $labels.instance }}",
+            "A rank of job {{ $labels.job_id }} died of torch.OutOfMemoryError. Lower the micro-batch size (keep the "
+            "global batch with more accumulation steps), enable activation checkpointing, or set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation.",
+        ),
+        Alert(
+            "SidecarRankKernelOOMKilled",
+            increased('sidecar_rank_exits_total{reason="oom_killed"}', window("exit_window"), "job_id, instance"),
+            "warning",
+            "Kernel OOM killer killed a rank of job {{ $labels.job_id }} on {{ $labels.instance }}",
+            "A rank ran out of host memory (its memory cgroup or the node) and the kernel killed it. Lower DataLoader "
+            "workers and prefetching, pinned-memory buffers and CPU-side copies, or raise the container's memory "
+            "limit; `sidecar incidents` names the cgroup.",
+        ),
+        Alert(
+            "SidecarCollectiveTimeout",
+            increased(
+                'sidecar_rank_exits_total{reason="exception/collective_timeout"}',
+                window("exit_window"),
+                "job_id, instance",
+            ),
+            "warning",
+            "Collective timeout in job {{ $labels.job_id }} on {{ $labels.instance }}",
+            "A rank of job {{ $labels.job_id }} died waiting for its peers in a collective (gloo or NCCL timeout). "
+            "The rank that timed out is usually not the culprit: find the straggler (a rank that is stalled, slow "
+            "or gone on another node: SidecarRankStraggler, stall incidents, NIC and InfiniBand errors) before "
+            "raising the process-group timeout.",
+        ),
+        Alert(
+            "SidecarRankGpuError",
+            increased('sidecar_rank_exits_total{reason="gpu_error"}', window("exit_window"), "job_id, instance"),
+            "critical",
+            "A rank of job {{ $labels.job_id }} died after an XID on {{ $labels.instance }}",
+            "A rank died right after its GPU reported an XID: the GPU, not the job, failed. Drain the node, check "
+            "SidecarGpuXidCritical and nvidia-smi -q, reset or replace the GPU before scheduling on it again.",
+        ),
+        Alert(
+            "SidecarTrainingLossNonFinite",
+            increased('sidecar_training_nonfinite_total{metric="loss"}', "5m", "job_id, instance, rank") + "\n"
+            "or max by (job_id, instance, rank) (\n"
+            "  sidecar_training_loss != sidecar_training_loss or abs(sidecar_training_loss) == +Inf\n"
+            ")",
+            "critical",
+            "Loss is NaN or infinite in job {{ $labels.job_id }}",
+            f"{LABELS_RANK} reported a NaN or infinite loss. Training is diverging or reading bad data; "
+            "checkpoints saved from now on may be poisoned.",
+        ),
+        Alert(
+            "SidecarGradNormExplosion",
+            f"job_id:sidecar_training_grad_norm:max\n"
+            f"> {T['grad_norm_factor']} * quantile_over_time(0.5, job_id:sidecar_training_grad_norm:max[1h] offset 5m)",
+            "warning",
+            "Gradient norm exploded in job {{ $labels.job_id }}",
+            f"The gradient norm of job {{{{ $labels.job_id }}}} is more than {T['grad_norm_factor']}x its median "
+            "over the previous hour.",
+            for_="2m",
+        ),
+        Alert(
+            "SidecarLearningRateZero",
+            f"job_id:sidecar_training_learning_rate:max == 0\nand on (job_id) {STEP_RATE}",
+            "warning",
+            "Learning rate is zero in job {{ $labels.job_id }}",
+            "Job {{ $labels.job_id }} keeps stepping with a learning rate of 0: it computes but does not learn.",
+            for_="10m",
+        ),
+        Alert(
+            "SidecarLearningRateJump",
+            f"job_id:sidecar_training_learning_rate:max\n"
+            f"> {T['lr_jump_factor']} * max_over_time(job_id:sidecar_training_learning_rate:max[1h] offset 5m)\n"
+            "and on (job_id) (\n"
+            "  job_id:sidecar_training_learning_rate:max offset 5m\n"
+            "  <= job_id:sidecar_training_learning_rate:max offset 65m\n"
+            ")",
+            "warning",
+            "Learning rate jumped in job {{ $labels.job_id }}",
+            f"The learning rate of job {{{{ $labels.job_id }}}} is more than {T['lr_jump_factor']}x its maximum over "
+            "the previous hour, although it was not rising (not a warmup): a resume that lost the scheduler state?",
+        ),
+        Alert(
+            "SidecarThroughputDrop",
+            "job_id:sidecar_training_steps:rate5m\n"
+            f"< {T['throughput_drop_ratio']} * avg_over_time(job_id:sidecar_training_steps:rate5m[1h] offset 15m)",
+            "warning",
+            "Throughput dropped in job {{ $labels.job_id }}",
+            f"Job {{{{ $labels.job_id }}}} runs below {int(float(T['throughput_drop_ratio']) * 100)}% of its iterations "
+            "per second of the previous hour.",
+            for_="15m",
+        ),
+        Alert(
+            "SidecarStragglerRank",
+            "job_id_rank:sidecar_training_step_duration_seconds:mean5m\n"
+            f"> on (job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
+            "warning",
+            f"Straggler: {LABELS_RANK}",
+            f"This rank's step time is more than {T['straggler_ratio']}x the median of its job: "
+            "the whole job runs at its pace.",
+            for_="10m",
+        ),
+        Alert(
+            "SidecarCheckpointStale",
+            f"time() - max by (job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > {T['checkpoint_max_age_seconds']}\n"
+            "and on (job_id) max by (job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > 0\n"
+            f"and on (job_id) time() - max by (job_id) (sidecar_training_last_progress_timestamp_seconds) < {T['progress_recent_seconds']}",
+            "warning",
+            "Checkpoint stale in job {{ $labels.job_id }}",
+            f"Job {{{{ $labels.job_id }}}} trains but its newest checkpoint is older than "
+            f"{int(T['checkpoint_max_age_seconds']) // 60} minutes: a failure now loses that much work.",
+            for_="10m",
+        ),
+        Alert(
+            "SidecarCheckpointDiskFillingUp",
+            f"predict_linear(sidecar_checkpoint_filesystem_avail_bytes[6h], {T['disk_predict_hours']} * 3600) < 0\n"
+            f"and sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes < {T['disk_filling_free_ratio']}",
+            "warning",
+            "Checkpoint disk on {{ $labels.instance }} fills up",
+            f"At the current rate the checkpoint filesystem on {{{{ $labels.instance }}}} runs out of space within "
+            f"{T['disk_predict_hours']} hours.",
+            for_="30m",
+        ),
+        Alert(
+            "SidecarCheckpointDiskAlmostFull",
+            "sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes"
+            f" < {T['disk_almost_full_free_ratio']}",
+            "critical",
+            "Checkpoint disk on {{ $labels.instance }} almost full",
+            f"Less than {int(float(T['disk_almost_full_free_ratio']) * 100)}% of the checkpoint filesystem on "
+            "{{ $labels.instance }} is free: the next checkpoint save may fail.",
+            for_="5m",
+        ),
+        Alert(
+            "SidecarHooksDroppingRecords",
+            "sum by (job_id, instance, rank) (increase(sidecar_hooks_dropped_records_total[10m])) > 0",
+            "info",
+            f"Hooks dropped records: {LABELS_RANK}",
+            "The trainer hooks could not deliver some records to the sidecar (it was down or too slow); "
+            "training metrics have gaps.",
+        ),
+    ],
+)
 
-GPU = Group("sidecar-gpu", [
-    Alert("SidecarGpuXidCritical",
-          increased(f'gpu:sidecar_gpu_xid_errors_total{{xid=~"{T["xid_critical"]}"}}', window("xid_window"),
-                    "instance, gpu, xid"),
-          "critical", f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
-          "The driver reported an XID whose recovery needs a GPU reset or a node reboot. Drain the node."),
-    Alert("SidecarGpuXid",
-          increased(f'gpu:sidecar_gpu_xid_errors_total{{xid!~"{T["xid_critical"]}"}}', "15m", "instance, gpu, xid"),
-          "warning", f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
-          "The driver reported an XID error (often an application fault such as 13, 31 or 43)."),
-    Alert("SidecarGpuUncorrectableEcc",
-          # Not `increased`: the counters exist from the start (at 0 on a healthy GPU), and a
-          # series that looks new after a scrape gap may hold errors from long ago.
-          'sum by (instance, gpu) (increase(gpu:sidecar_gpu_ecc_errors_total{type="uncorrected"}[1h])) > 0',
-          "critical", f"Uncorrectable ECC error on {LABELS_GPU}",
-          "GPU memory returned data it could not correct. The process that used it has likely crashed."),
-    Alert("SidecarGpuRowRemapPending",
-          "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_pending) > 0\n"
-          "or max by (instance, gpu) (gpu:sidecar_gpu_retired_pages_pending) > 0",
-          "warning", f"Memory row remap pending on {LABELS_GPU}",
-          "A memory row remap (or page retirement) waits for the next GPU reset to take effect."),
-    Alert("SidecarGpuRowRemapFailed",
-          "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_failed) > 0",
-          "critical", f"Memory row remap failed on {LABELS_GPU}",
-          "The GPU ran out of spare rows or failed to remap one: the GPU needs replacing (RMA)."),
-    Alert("SidecarGpuThermalSlowdown",
-          'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"sw_thermal_slowdown|hw_thermal_slowdown"}) == 1\n'
-          "or max by (instance, gpu) (\n"
-          f"  gpu:sidecar_gpu_temperature_celsius >= gpu:sidecar_gpu_slowdown_temperature_celsius - {T['thermal_margin_celsius']}\n"
-          ")",
-          "warning", f"Thermal slowdown on {LABELS_GPU}",
-          "The GPU slows its clocks for heat, or runs within a few degrees of its slowdown temperature.",
-          for_="5m"),
-    Alert("SidecarGpuHardwareSlowdown",
-          'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"hw_slowdown|hw_power_brake_slowdown"}) == 1',
-          "warning", f"Hardware slowdown on {LABELS_GPU}",
-          "The GPU's clocks are cut by a hardware slowdown (power brake, PSU or external signal).",
-          for_="2m"),
-    Alert("SidecarGpuNvlinkDown",
-          "gpu:sidecar_gpu_nvlink_up == 0\n"
-          "and on (instance) (max by (instance) (gpu:sidecar_gpu_nvlink_up) == 1)",
-          "critical", f"NVLink {{{{ $labels.link }}}} down on {LABELS_GPU}",
-          "An NVLink is down while other links on the node are up: collectives fall back or hang.",
-          for_="2m"),
-    Alert("SidecarGpuNvlinkErrors",
-          "sum by (instance, gpu, link) (rate(gpu:sidecar_gpu_nvlink_errors_total[5m]))"
-          f" > {T['nvlink_errors_per_second']}",
-          "warning", f"NVLink {{{{ $labels.link }}}} errors on {LABELS_GPU}",
-          f"The link counts more than {T['nvlink_errors_per_second']} CRC/replay/recovery errors per second.",
-          for_="10m"),
-    Alert("SidecarGpuPcieReplays",
-          f"rate(gpu:sidecar_gpu_pcie_replay_total[5m]) > {T['pcie_replays_per_second']}",
-          "warning", f"PCIe replays on {LABELS_GPU}",
-          "The GPU's PCIe link keeps retransmitting: a marginal riser, slot or cable.", for_="10m"),
-    Alert("SidecarGpuPcieLinkDegraded",
-          "gpu:sidecar_gpu_pcie_link_width < gpu:sidecar_gpu_pcie_link_max_width\n"
-          "or (\n"
-          "  gpu:sidecar_gpu_pcie_link_generation < gpu:sidecar_gpu_pcie_link_max_generation\n"
-          f"  and on (instance, gpu) gpu:sidecar_gpu_utilization_ratio > {T['pcie_busy_ratio']}\n"
-          ")",
-          "warning", f"PCIe link degraded on {LABELS_GPU}",
-          "The GPU's PCIe link trained below its maximum width, or below its maximum generation while busy.",
-          for_="10m"),
-])
+GPU = Group(
+    "sidecar-gpu",
+    [
+        Alert(
+            "SidecarGpuXidCritical",
+            increased(
+                f'gpu:sidecar_gpu_xid_errors_total{{xid=~"{T["xid_critical"]}"}}',
+                window("xid_window"),
+                "instance, gpu, xid",
+            ),
+            "critical",
+            f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
+            "The driver reported an XID whose recovery needs a GPU reset or a node reboot. Drain the node.",
+        ),
+        Alert(
+            "SidecarGpuXid",
+            increased(f'gpu:sidecar_gpu_xid_errors_total{{xid!~"{T["xid_critical"]}"}}', "15m", "instance, gpu, xid"),
+            "warning",
+            f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
+            "The driver reported an XID error (often an application fault such as 13, 31 or 43).",
+        ),
+        Alert(
+            "SidecarGpuUncorrectableEcc",
+            # Not `increased`: the counters exist from the start (at 0 on a healthy GPU), and a
+            # series that looks new after a scrape gap may hold errors from long ago.
+            'sum by (instance, gpu) (increase(gpu:sidecar_gpu_ecc_errors_total{type="uncorrected"}[1h])) > 0',
+            "critical",
+            f"Uncorrectable ECC error on {LABELS_GPU}",
+            "GPU memory returned data it could not correct. The process that used it has likely crashed.",
+        ),
+        Alert(
+            "SidecarGpuRowRemapPending",
+            "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_pending) > 0\n"
+            "or max by (instance, gpu) (gpu:sidecar_gpu_retired_pages_pending) > 0",
+            "warning",
+            f"Memory row remap pending on {LABELS_GPU}",
+            "A memory row remap (or page retirement) waits for the next GPU reset to take effect.",
+        ),
+        Alert(
+            "SidecarGpuRowRemapFailed",
+            "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_failed) > 0",
+            "critical",
+            f"Memory row remap failed on {LABELS_GPU}",
+            "The GPU ran out of spare rows or failed to remap one: the GPU needs replacing (RMA).",
+        ),
+        Alert(
+            "SidecarGpuThermalSlowdown",
+            'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"sw_thermal_slowdown|hw_thermal_slowdown"}) == 1\n'
+            "or max by (instance, gpu) (\n"
+            f"  gpu:sidecar_gpu_temperature_celsius >= gpu:sidecar_gpu_slowdown_temperature_celsius - {T['thermal_margin_celsius']}\n"
+            ")",
+            "warning",
+            f"Thermal slowdown on {LABELS_GPU}",
+            "The GPU slows its clocks for heat, or runs within a few degrees of its slowdown temperature.",
+            for_="5m",
+        ),
+        Alert(
+            "SidecarGpuHardwareSlowdown",
+            'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"hw_slowdown|hw_power_brake_slowdown"}) == 1',
+            "warning",
+            f"Hardware slowdown on {LABELS_GPU}",
+            "The GPU's clocks are cut by a hardware slowdown (power brake, PSU or external signal).",
+            for_="2m",
+        ),
+        Alert(
+            "SidecarGpuNvlinkDown",
+            "gpu:sidecar_gpu_nvlink_up == 0\nand on (instance) (max by (instance) (gpu:sidecar_gpu_nvlink_up) == 1)",
+            "critical",
+            f"NVLink {{{{ $labels.link }}}} down on {LABELS_GPU}",
+            "An NVLink is down while other links on the node are up: collectives fall back or hang.",
+            for_="2m",
+        ),
+        Alert(
+            "SidecarGpuNvlinkErrors",
+            "sum by (instance, gpu, link) (rate(gpu:sidecar_gpu_nvlink_errors_total[5m]))"
+            f" > {T['nvlink_errors_per_second']}",
+            "warning",
+            f"NVLink {{{{ $labels.link }}}} errors on {LABELS_GPU}",
+            f"The link counts more than {T['nvlink_errors_per_second']} CRC/replay/recovery errors per second.",
+            for_="10m",
+        ),
+        Alert(
+            "SidecarGpuPcieReplays",
+            f"rate(gpu:sidecar_gpu_pcie_replay_total[5m]) > {T['pcie_replays_per_second']}",
+            "warning",
+            f"PCIe replays on {LABELS_GPU}",
+            "The GPU's PCIe link keeps retransmitting: a marginal riser, slot or cable.",
+            for_="10m",
+        ),
+        Alert(
+            "SidecarGpuPcieLinkDegraded",
+            "gpu:sidecar_gpu_pcie_link_width < gpu:sidecar_gpu_pcie_link_max_width\n"
+            "or (\n"
+            "  gpu:sidecar_gpu_pcie_link_generation < gpu:sidecar_gpu_pcie_link_max_generation\n"
+            f"  and on (instance, gpu) gpu:sidecar_gpu_utilization_ratio > {T['pcie_busy_ratio']}\n"
+            ")",
+            "warning",
+            f"PCIe link degraded on {LABELS_GPU}",
+            "The GPU's PCIe link trained below its maximum width, or below its maximum generation while busy.",
+            for_="10m",
+        ),
+    ],
+)
 
-NETWORK = Group("sidecar-network", [
-    Alert("SidecarInfinibandPortDown",
-          "sidecar_infiniband_port_up == 0\n"
-          "unless on (instance, device, port) sidecar_infiniband_port_physical_state_id == 3",
-          "critical", "InfiniBand {{ $labels.device }} port {{ $labels.port }} down on {{ $labels.instance }}",
-          "The port is not ACTIVE and was not disabled on purpose (physical state 3, Disabled, is ignored).",
-          for_="2m"),
-    Alert("SidecarInfinibandPortErrors",
-          "sum by (instance, device, port) (\n"
-          "  increase(sidecar_infiniband_symbol_error_total[10m])\n"
-          "  + increase(sidecar_infiniband_port_receive_errors_total[10m])\n"
-          f") > {T['ib_errors_per_10m']}\n"
-          "or sum by (instance, device, port) (increase(sidecar_infiniband_link_downed_total[10m])) > 0",
-          "warning", "InfiniBand {{ $labels.device }} port {{ $labels.port }} errors on {{ $labels.instance }}",
-          "The port counts symbol or receive errors, or its link went down and came back (flapping)."),
-    Alert("SidecarNicErrors",
-          "sum by (instance, device) (\n"
-          "  rate(sidecar_network_receive_errs_total[5m]) + rate(sidecar_network_transmit_errs_total[5m])\n"
-          f") > {T['nic_errors_per_second']}\n"
-          "or sum by (instance, device) (increase(sidecar_network_carrier_changes_total[15m]))"
-          f" > {T['nic_carrier_changes_per_15m']}",
-          "warning", "NIC {{ $labels.device }} errors on {{ $labels.instance }}",
-          "The interface counts receive/transmit errors, or its carrier keeps flapping.", for_="5m"),
-])
+NETWORK = Group(
+    "sidecar-network",
+    [
+        Alert(
+            "SidecarInfinibandPortDown",
+            "sidecar_infiniband_port_up == 0\n"
+            "unless on (instance, device, port) sidecar_infiniband_port_physical_state_id == 3",
+            "critical",
+            "InfiniBand {{ $labels.device }} port {{ $labels.port }} down on {{ $labels.instance }}",
+            "The port is not ACTIVE and was not disabled on purpose (physical state 3, Disabled, is ignored).",
+            for_="2m",
+        ),
+        Alert(
+            "SidecarInfinibandPortErrors",
+            "sum by (instance, device, port) (\n"
+            "  increase(sidecar_infiniband_symbol_error_total[10m])\n"
+            "  + increase(sidecar_infiniband_port_receive_errors_total[10m])\n"
+            f") > {T['ib_errors_per_10m']}\n"
+            "or sum by (instance, device, port) (increase(sidecar_infiniband_link_downed_total[10m])) > 0",
+            "warning",
+            "InfiniBand {{ $labels.device }} port {{ $labels.port }} errors on {{ $labels.instance }}",
+            "The port counts symbol or receive errors, or its link went down and came back (flapping).",
+        ),
+        Alert(
+            "SidecarNicErrors",
+            "sum by (instance, device) (\n"
+            "  rate(sidecar_network_receive_errs_total[5m]) + rate(sidecar_network_transmit_errs_total[5m])\n"
+            f") > {T['nic_errors_per_second']}\n"
+            "or sum by (instance, device) (increase(sidecar_network_carrier_changes_total[15m]))"
+            f" > {T['nic_carrier_changes_per_15m']}",
+            "warning",
+            "NIC {{ $labels.device }} errors on {{ $labels.instance }}",
+            "The interface counts receive/transmit errors, or its carrier keeps flapping.",
+            for_="5m",
+        ),
+    ],
+)
 
-SELF = Group("sidecar-self", [
-    Alert("SidecarDown",
-          f'up{{job="{SIDECAR_SCRAPE_JOB}"}} == 0',
-          "warning", "Sidecar on {{ $labels.instance }} is down",
-          "Prometheus cannot scrape the sidecar: this node has no metrics and no stall watchdog.",
-          for_="3m"),
-    Alert("SidecarCollectorFailing",
-          "sidecar_scrape_collector_success == 0",
-          "warning", "Collector {{ $labels.collector }} failing on {{ $labels.instance }}",
-          "The collector's last runs failed; its metrics are missing or partial. `sidecar status` shows the error.",
-          for_="10m"),
-    Alert("SidecarVersionSkew",
-          "\nor ".join(
-              f'label_replace(count by (job_id) (count by (job_id, {c}_version) (sidecar_versions_info)) > 1,'
-              f' "component", "{c}", "", "")'
-              for c in ("driver", "cuda", "torch", "nccl")),
-          "warning", "{{ $labels.component }} versions differ across the nodes of job {{ $labels.job_id }}",
-          "The nodes of this job run different {{ $labels.component }} versions: a classic cause of hangs "
-          "and numerical drift.", for_="10m"),
-    Alert("SidecarWatchdogObserveOnly",
-          "sidecar_watchdog_observe_only == 1",
-          "info", "Watchdog observe-only on {{ $labels.instance }}",
-          "The watchdog on this node reports stalls but never remediates them.", for_="1h"),
-])
+SELF = Group(
+    "sidecar-self",
+    [
+        Alert(
+            "SidecarDown",
+            f'up{{job="{SIDECAR_SCRAPE_JOB}"}} == 0',
+            "warning",
+            "Sidecar on {{ $labels.instance }} is down",
+            "Prometheus cannot scrape the sidecar: this node has no metrics and no stall watchdog.",
+            for_="3m",
+        ),
+        Alert(
+            "SidecarCollectorFailing",
+            "sidecar_scrape_collector_success == 0",
+            "warning",
+            "Collector {{ $labels.collector }} failing on {{ $labels.instance }}",
+            "The collector's last runs failed; its metrics are missing or partial. `sidecar status` shows the error.",
+            for_="10m",
+        ),
+        Alert(
+            "SidecarVersionSkew",
+            "\nor ".join(
+                f"label_replace(count by (job_id) (count by (job_id, {c}_version) (sidecar_versions_info)) > 1,"
+                f' "component", "{c}", "", "")'
+                for c in ("driver", "cuda", "torch", "nccl")
+            ),
+            "warning",
+            "{{ $labels.component }} versions differ across the nodes of job {{ $labels.job_id }}",
+            "The nodes of this job run different {{ $labels.component }} versions: a classic cause of hangs "
+            "and numerical drift.",
+            for_="10m",
+        ),
+        Alert(
+            "SidecarWatchdogObserveOnly",
+            "sidecar_watchdog_observe_only == 1",
+            "info",
+            "Watchdog observe-only on {{ $labels.instance }}",
+            "The watchdog on this node reports stalls but never remediates them.",
+            for_="1h",
+        ),
+    ],
+)
 
 FILES: dict[str, list[Group]] = {
     "recording": [RECORDING],
@@ -469,6 +624,7 @@ def all_records() -> list[Record]:
 
 # ------------------------------------------------------------------ rendering
 
+
 class _Dumper(yaml.SafeDumper):
     pass
 
@@ -483,10 +639,10 @@ _Dumper.add_representer(str, _str)
 HEADER = "# Generated by alerts/build.py: edit that file, then run `python -m alerts.build`.\n"
 
 
-def render(groups: list[Group], runbook_base_url: str = RUNBOOK_BASE_URL,
-           for_override: str | None = None) -> str:
-    doc = {"groups": [{"name": g.name, "rules": [r.rule(runbook_base_url, for_override) for r in g.rules]}
-                      for g in groups]}
+def render(groups: list[Group], runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str | None = None) -> str:
+    doc = {
+        "groups": [{"name": g.name, "rules": [r.rule(runbook_base_url, for_override) for r in g.rules]} for g in groups]
+    }
     return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
@@ -503,16 +659,21 @@ def source_files() -> dict[str, str]:
 def write(out_dir: Path, runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str | None = None) -> list[Path]:
     """Write the rule files that differ into out_dir (the GPU sources into out_dir/gpu-source/);
     the paths written."""
-    return (generated.write(out_dir, rendered_files(runbook_base_url, for_override))
-            + generated.write(out_dir, source_files()))
+    return generated.write(out_dir, rendered_files(runbook_base_url, for_override)) + generated.write(
+        out_dir, source_files()
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m alerts.build", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=HERE, help="directory for the rule files (default: alerts/)")
     p.add_argument("--runbook-base-url", default=RUNBOOK_BASE_URL, help="URL of docs/runbook.md as published")
-    p.add_argument("--for", dest="for_override", metavar="DURATION",
-                   help="replace every alert's `for` (tests use a short one; never in production)")
+    p.add_argument(
+        "--for",
+        dest="for_override",
+        metavar="DURATION",
+        help="replace every alert's `for` (tests use a short one; never in production)",
+    )
     args = p.parse_args(argv)
     if args.for_override is not None and not re.fullmatch(r"\d+(ms|s|m|h)", args.for_override):
         p.error(f"--for: expected a Prometheus duration like 5s, got {args.for_override!r}")

@@ -3,6 +3,7 @@
 Each benchmark is its own module that prints its figures, its targets and PASS/FAIL; this
 runner only sequences them and summarises their exit codes.
 """
+
 from __future__ import annotations
 
 import subprocess

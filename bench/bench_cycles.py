@@ -16,6 +16,7 @@ ft_launcher comes from `pip install nvidia-resiliency-ext` (not a dependency of 
 set FT_LAUNCHER_PYTHONPATH to a directory it was installed into with `pip install --target`
 to keep it out of the environment.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,15 @@ def ft_available() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scripts", nargs="*", default=[], metavar="SCRIPT",
-                        help=f"which of {', '.join(SCRIPTS)} (default: all)")
+    parser.add_argument(
+        "scripts", nargs="*", default=[], metavar="SCRIPT", help=f"which of {', '.join(SCRIPTS)} (default: all)"
+    )
     parser.add_argument("--cycles", type=int, default=10)
-    parser.add_argument("--baseline", action="store_true",
-                        help="torchrun alone with rank 1 SIGKILLed, without and with the remedy (plain script)")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="torchrun alone with rank 1 SIGKILLed, without and with the remedy (plain script)",
+    )
     parser.add_argument("--ft-launcher", action="store_true", help="also run the cycles under ft_launcher")
     args = parser.parse_args(argv)
     scripts = args.scripts or list(SCRIPTS)
@@ -53,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-cycles-") as tmp:
         if args.baseline:
             for fix in ("0", "1"):
-                r = run_cycles("plain", Path(tmp) / f"baseline-{fix}", cycles=args.cycles, sidecar=False,
-                               hang_mode="kill", extra_env={"SIDECAR_ATTEMPT_STORE": fix}, timeout=300)
+                r = run_cycles(
+                    "plain",
+                    Path(tmp) / f"baseline-{fix}",
+                    cycles=args.cycles,
+                    sidecar=False,
+                    hang_mode="kill",
+                    extra_env={"SIDECAR_ATTEMPT_STORE": fix},
+                    timeout=300,
+                )
                 print(f"torchrun alone, SIGKILL, SIDECAR_ATTEMPT_STORE={fix}: {r.line()}", flush=True)
                 results.append((r, fix == "1"))
         launchers = ["torchrun"] + (["ft_launcher"] if args.ft_launcher else [])

@@ -14,6 +14,7 @@ line also gives the sender thread's CPU use: what the hooks cost beyond the call
 Training (--training): mean step time of 2-rank `torchrun -m trainer` on the CPU with the
 monitor on (against a real sidecar) and off, in alternating runs, and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,13 @@ def worker(label: str, socket_path: str | None, calls: int, gap_us: float, judge
     if socket_path is None:
         mon = Monitor(enabled=False)
     else:
-        mon = Monitor(job_id="bench-hooks", rank=0, world_size=1, socket=socket_path,
-                      diag_dir=tempfile.mkdtemp(prefix="bench-hooks-diag-"))
+        mon = Monitor(
+            job_id="bench-hooks",
+            rank=0,
+            world_size=1,
+            socket=socket_path,
+            diag_dir=tempfile.mkdtemp(prefix="bench-hooks-diag-"),
+        )
         if "live" in label:
             deadline = time.monotonic() + 15
             while not mon.registered and time.monotonic() < deadline:
@@ -80,18 +86,25 @@ def worker(label: str, socket_path: str | None, calls: int, gap_us: float, judge
     mon.close()
     median, p99, p999 = quantile(samples, 0.5), quantile(samples, 0.99), quantile(samples, 0.999)
     ok = median <= MEDIAN_TARGET_US and p99 <= P99_TARGET_US
-    verdict = (f"{'PASS' if ok else 'FAIL'} (median <= {MEDIAN_TARGET_US} us, p99 <= {P99_TARGET_US} us)"
-               if judged else "(for information)")
-    print(f"hook call, {label:<22} {calls / seconds:8.0f} calls/s for {seconds:4.1f} s  median={median:5.2f} us  "
-          f"p99={p99:5.2f} us  p99.9={p999:6.2f} us  max={samples[-1] / 1000:8.1f} us  "
-          f"sent={sent_during} dropped={mon.dropped}  sender thread CPU={100 * sender_cpu / seconds:4.1f}% "
-          f"of a core  {verdict}", flush=True)
+    verdict = (
+        f"{'PASS' if ok else 'FAIL'} (median <= {MEDIAN_TARGET_US} us, p99 <= {P99_TARGET_US} us)"
+        if judged
+        else "(for information)"
+    )
+    print(
+        f"hook call, {label:<22} {calls / seconds:8.0f} calls/s for {seconds:4.1f} s  median={median:5.2f} us  "
+        f"p99={p99:5.2f} us  p99.9={p999:6.2f} us  max={samples[-1] / 1000:8.1f} us  "
+        f"sent={sent_during} dropped={mon.dropped}  sender thread CPU={100 * sender_cpu / seconds:4.1f}% "
+        f"of a core  {verdict}",
+        flush=True,
+    )
     return 0 if ok or not judged else 1
 
 
 def bench_hook_calls(calls: int, gap_us: float, workdir: Path) -> bool:
-    def measure(label: str, socket_path: str | None, calls: int = calls, gap_us: float = gap_us,
-                judged: bool = True) -> bool:
+    def measure(
+        label: str, socket_path: str | None, calls: int = calls, gap_us: float = gap_us, judged: bool = True
+    ) -> bool:
         cmd = [PYTHON, "-m", "bench.bench_hooks", "--worker", label, "--calls", str(calls), "--gap-us", str(gap_us)]
         if socket_path:
             cmd += ["--socket", socket_path]
@@ -125,10 +138,24 @@ def _mean_step_time(log: Path) -> float | None:
 def run_training(workdir: Path, enabled: bool, steps: int, sidecar: Sidecar, attempt: int) -> float | None:
     name = f"{'on' if enabled else 'off'}-{attempt}"
     log = workdir / f"train-{name}.log"
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "-m", "trainer",
-           "--set", f"monitor.enabled={'true' if enabled else 'false'}",
-           "--set", f"train.steps={steps}", "--set", "train.log_every_steps=10"]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "trainer",
+        "--set",
+        f"monitor.enabled={'true' if enabled else 'false'}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "train.log_every_steps=10",
+    ]
     with spawned(cmd, log, env=sidecar.hook_env(), cwd=ROOT) as proc:
         try:
             rc = proc.wait(timeout=600)
@@ -152,18 +179,21 @@ def bench_training(workdir: Path, steps: int, rounds: int) -> bool:
                     return False
                 times[enabled].append(mean)
     off, on = statistics.fmean(times[False]), statistics.fmean(times[True])
-    print(f"2-rank CPU training, {rounds} x {steps} steps each: mean step time hooks off={off * 1000:.2f} ms  "
-          f"on={on * 1000:.2f} ms  ratio on/off={on / off:.3f}  "
-          f"(runs off: {', '.join(f'{t * 1000:.2f}' for t in times[False])}; "
-          f"on: {', '.join(f'{t * 1000:.2f}' for t in times[True])} ms)")
+    print(
+        f"2-rank CPU training, {rounds} x {steps} steps each: mean step time hooks off={off * 1000:.2f} ms  "
+        f"on={on * 1000:.2f} ms  ratio on/off={on / off:.3f}  "
+        f"(runs off: {', '.join(f'{t * 1000:.2f}' for t in times[False])}; "
+        f"on: {', '.join(f'{t * 1000:.2f}' for t in times[True])} ms)"
+    )
     return True
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200_000, help="hook calls per measurement")
-    parser.add_argument("--gap-us", type=float, default=10.0,
-                        help="busy 'training work' between timed calls, in microseconds")
+    parser.add_argument(
+        "--gap-us", type=float, default=10.0, help="busy 'training work' between timed calls, in microseconds"
+    )
     parser.add_argument("--worker", metavar="LABEL", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--informational", action="store_true", help=argparse.SUPPRESS)

@@ -7,6 +7,7 @@ throughput is printed too but depends on what else the machine runs.
 
     python -m bench.bench_ingest [--ranks 2] [--batches 200] [--batch-size 500]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,32 @@ def client(socket_path: str, rank: int, ranks: int, batches: int, batch_size: in
     """One rank: register, then push pre-encoded batches back to back (keep-alive)."""
     pid = os.getpid()
     conn = UnixHTTPConnection(socket_path)
-    post(conn, "/v1/register", json.dumps({"job_id": "bench", "rank": rank, "world_size": ranks,
-                                           "local_rank": rank, "local_world_size": ranks, "pid": pid}).encode())
+    post(
+        conn,
+        "/v1/register",
+        json.dumps(
+            {
+                "job_id": "bench",
+                "rank": rank,
+                "world_size": ranks,
+                "local_rank": rank,
+                "local_world_size": ranks,
+                "pid": pid,
+            }
+        ).encode(),
+    )
     t0 = time.time()
     bodies = []
     for b in range(batches):
-        items = [{"type": "step", "step": b * batch_size + i + 1, "time": t0 + (b * batch_size + i) * 0.001,
-                  "metrics": {"loss": 2.0 - i * 1e-4, "grad_norm": 0.9, "lr": 3e-4, "samples": 64, "tokens": 32768}}
-                 for i in range(batch_size)]
+        items = [
+            {
+                "type": "step",
+                "step": b * batch_size + i + 1,
+                "time": t0 + (b * batch_size + i) * 0.001,
+                "metrics": {"loss": 2.0 - i * 1e-4, "grad_norm": 0.9, "lr": 3e-4, "samples": 64, "tokens": 32768},
+            }
+            for i in range(batch_size)
+        ]
         bodies.append(json.dumps({"job_id": "bench", "rank": rank, "pid": pid, "dropped": 0, "items": items}).encode())
     print("ready", flush=True)
     sys.stdin.readline()  # the go signal: every client starts together
@@ -97,18 +116,55 @@ def main(argv: list[str]) -> int:
         sock = os.path.join(tmp, "sidecar.sock")
         log = open(os.path.join(tmp, "sidecar.log"), "wb")
         sidecar = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "run", "--listen", "127.0.0.1:0", "--socket", sock,
-             "--set", f"diag_dir={tmp}/diag", "--set", "collectors.enabled=[nic,process,node]",
-             "--set", "limits.max_items_per_push=1000", "--set", "log_level=warning"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "run",
+                "--listen",
+                "127.0.0.1:0",
+                "--socket",
+                sock,
+                "--set",
+                f"diag_dir={tmp}/diag",
+                "--set",
+                "collectors.enabled=[nic,process,node]",
+                "--set",
+                "limits.max_items_per_push=1000",
+                "--set",
+                "log_level=warning",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         clients: list[subprocess.Popen] = []
         try:
             wait_for_socket(sock, sidecar)
             for rank in range(args.ranks):
-                clients.append(subprocess.Popen(
-                    [sys.executable, "-m", "bench.bench_ingest", "--client", sock, str(rank), "--ranks",
-                     str(args.ranks), "--batches", str(args.batches), "--batch-size", str(args.batch_size)],
-                    cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                clients.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bench.bench_ingest",
+                            "--client",
+                            sock,
+                            str(rank),
+                            "--ranks",
+                            str(args.ranks),
+                            "--batches",
+                            str(args.batches),
+                            "--batch-size",
+                            str(args.batch_size),
+                        ],
+                        cwd=ROOT,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
             for c in clients:
                 assert c.stdout is not None and c.stdout.readline().strip() == "ready"
             me = psutil.Process(sidecar.pid)
@@ -142,8 +198,10 @@ def main(argv: list[str]) -> int:
     print(f"sidecar CPU per record:    {cpu / records * 1e6:.1f} us")
     print(f"sidecar resident memory:   {rss / 2**20:.0f} MiB")
     ok = per_cpu >= TARGET_RECORDS_PER_CPU_SECOND
-    print(f"target >= {TARGET_RECORDS_PER_CPU_SECOND:,} records per CPU-second: "
-          f"{'PASS' if ok else 'FAIL'} ({per_cpu / TARGET_RECORDS_PER_CPU_SECOND:.1f}x)")
+    print(
+        f"target >= {TARGET_RECORDS_PER_CPU_SECOND:,} records per CPU-second: "
+        f"{'PASS' if ok else 'FAIL'} ({per_cpu / TARGET_RECORDS_PER_CPU_SECOND:.1f}x)"
+    )
     return 0 if ok else 1
 
 

@@ -23,6 +23,7 @@ Target: /healthz p99 <= 50 ms during scrapes; /metrics stays within limits.max_s
 main phase renders every scrape (metrics_reuse_seconds=0); the item-9 case runs with the
 sidecar's default reuse (0.5 s), --item9-reuse-seconds 0 renders every scrape there too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
 FIXTURE_SYSFS = ROOT / "tests" / "collectors" / "fixtures" / "sys"
 RANKS = 8
 GPUS = 8
-COLLECTOR_DURATION = re.compile(r'^sidecar_scrape_collector_duration_seconds\{collector="([^"]+)"\} (\S+)$',
-                                re.MULTILINE)
+COLLECTOR_DURATION = re.compile(
+    r'^sidecar_scrape_collector_duration_seconds\{collector="([^"]+)"\} (\S+)$', re.MULTILINE
+)
 TARGETS = {"median_ms": 5.0, "p99_ms": 20.0, "cpu_percent": 2.0, "rss_mb": 80.0}
 
 RANK_SCRIPT = textwrap.dedent(f"""
@@ -156,8 +158,10 @@ def scrape_phase(targets: list[tuple[Figures, psutil.Process, Scraper]], scrapes
 
 
 def nvml_spec(rank_pids: list[int]) -> dict:
-    gpus = {str(i): {"processes": [{"pid": pid, "used_memory_bytes": 61_000_000_000}]}
-            for i, pid in enumerate(rank_pids[:GPUS])}
+    gpus = {
+        str(i): {"processes": [{"pid": pid, "used_memory_bytes": 61_000_000_000}]}
+        for i, pid in enumerate(rank_pids[:GPUS])
+    }
     return {"gpu_count": GPUS, "gpu": {"nvlink_links": 18}, "gpus": gpus}
 
 
@@ -168,16 +172,22 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def report(figures: list[Figures]) -> bool:
-    print(f"\n{'exporter':<16}{'median ms':>10}{'p99 ms':>9}{'max ms':>9}{'CPU % core':>12}{'RSS MB':>9}"
-          f"{'series':>8}{'body KB':>9}")
+    print(
+        f"\n{'exporter':<16}{'median ms':>10}{'p99 ms':>9}{'max ms':>9}{'CPU % core':>12}{'RSS MB':>9}"
+        f"{'series':>8}{'body KB':>9}"
+    )
     for f in figures:
-        print(f"{f.name:<16}{f.quantile(0.5):>10.2f}{f.quantile(0.99):>9.2f}{max(f.latencies_ms):>9.2f}"
-              f"{f.cpu_percent:>12.2f}{f.rss_mb:>9.1f}{f.series:>8}{f.body_bytes / 1024:>9.1f}")
+        print(
+            f"{f.name:<16}{f.quantile(0.5):>10.2f}{f.quantile(0.99):>9.2f}{max(f.latencies_ms):>9.2f}"
+            f"{f.cpu_percent:>12.2f}{f.rss_mb:>9.1f}{f.series:>8}{f.body_bytes / 1024:>9.1f}"
+        )
     sidecar = figures[0]
-    checks = [("median", sidecar.quantile(0.5), TARGETS["median_ms"], "ms"),
-              ("p99", sidecar.quantile(0.99), TARGETS["p99_ms"], "ms"),
-              ("CPU", sidecar.cpu_percent, TARGETS["cpu_percent"], "% of a core"),
-              ("RSS", sidecar.rss_mb, TARGETS["rss_mb"], "MB")]
+    checks = [
+        ("median", sidecar.quantile(0.5), TARGETS["median_ms"], "ms"),
+        ("p99", sidecar.quantile(0.99), TARGETS["p99_ms"], "ms"),
+        ("CPU", sidecar.cpu_percent, TARGETS["cpu_percent"], "% of a core"),
+        ("RSS", sidecar.rss_mb, TARGETS["rss_mb"], "MB"),
+    ]
     print()
     ok = True
     for what, value, target, unit in checks:
@@ -186,9 +196,11 @@ def report(figures: list[Figures]) -> bool:
         print(f"sidecar {what:<7} {value:8.2f} {unit:<12} target <= {target:<6} {'PASS' if passed else 'FAIL'}")
     if len(figures) > 1:
         ne = figures[1]
-        print(f"\nversus node_exporter: median x{sidecar.quantile(0.5) / ne.quantile(0.5):.2f}, "
-              f"p99 x{sidecar.quantile(0.99) / ne.quantile(0.99):.2f}, "
-              f"CPU x{sidecar.cpu_percent / max(ne.cpu_percent, 1e-9):.2f}, RSS x{sidecar.rss_mb / ne.rss_mb:.2f}")
+        print(
+            f"\nversus node_exporter: median x{sidecar.quantile(0.5) / ne.quantile(0.5):.2f}, "
+            f"p99 x{sidecar.quantile(0.99) / ne.quantile(0.99):.2f}, "
+            f"CPU x{sidecar.cpu_percent / max(ne.cpu_percent, 1e-9):.2f}, RSS x{sidecar.rss_mb / ne.rss_mb:.2f}"
+        )
     return ok
 
 
@@ -200,19 +212,29 @@ def start_node(stack: contextlib.ExitStack, work: Path, *settings: str, nvml: st
     work.mkdir(parents=True, exist_ok=True)
     spec_path = work / "nvml.json"
     write_json(spec_path, nvml_spec([]))
-    sidecar = Sidecar(work, f"collectors.nvml_module={NVML_MODULES[nvml]}",
-                      f"collectors.sysfs_root={FIXTURE_SYSFS}", f"checkpoint_dir={work}",
-                      "log_level=warning", *settings, env={"SIDECAR_FAKE_NVML": str(spec_path)})
+    sidecar = Sidecar(
+        work,
+        f"collectors.nvml_module={NVML_MODULES[nvml]}",
+        f"collectors.sysfs_root={FIXTURE_SYSFS}",
+        f"checkpoint_dir={work}",
+        "log_level=warning",
+        *settings,
+        env={"SIDECAR_FAKE_NVML": str(spec_path)},
+    )
     sidecar.start()
     stack.callback(sidecar.stop)
-    ranks = [stack.enter_context(spawned([PYTHON, "-c", RANK_SCRIPT, str(rank)], work / f"rank{rank}.log",
-                                         env=sidecar.hook_env()))
-             for rank in range(RANKS)]
+    ranks = [
+        stack.enter_context(
+            spawned([PYTHON, "-c", RANK_SCRIPT, str(rank)], work / f"rank{rank}.log", env=sidecar.hook_env())
+        )
+        for rank in range(RANKS)
+    ]
     write_json(spec_path, nvml_spec([p.pid for p in ranks]))  # NVML now "sees" the ranks on the GPUs
 
     def all_registered() -> bool:
         status, body = http_get(sidecar.url + "/v1/status")
         return status == 200 and len(json.loads(body).get("ranks", [])) == RANKS
+
     wait_until(all_registered, 60, interval=0.5, what=f"{RANKS} ranks registered")
     return sidecar
 
@@ -228,10 +250,14 @@ def start_node_exporter(stack: contextlib.ExitStack, work: Path) -> tuple[psutil
         print(f"{NODE_EXPORTER} not installed: measuring the sidecar alone")
         return None
     port = free_port()
-    proc = stack.enter_context(spawned([NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}"],
-                                       work / "node_exporter.log"))
-    wait_until(lambda: proc.poll() is not None or http_get(f"http://127.0.0.1:{port}/metrics")[0] == 200,
-               30, what="node_exporter up")
+    proc = stack.enter_context(
+        spawned([NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}"], work / "node_exporter.log")
+    )
+    wait_until(
+        lambda: proc.poll() is not None or http_get(f"http://127.0.0.1:{port}/metrics")[0] == 200,
+        30,
+        what="node_exporter up",
+    )
     if proc.poll() is not None:
         raise RuntimeError(f"node_exporter exited:\n{tail(work / 'node_exporter.log')}")
     return psutil.Process(proc.pid), port
@@ -250,16 +276,21 @@ def item9_case(work: Path, seconds: float, nvml: str, reuse: float) -> bool:
         start_loaders(stack, sidecar, work, ITEM9_JOBS, ITEM9_RANKS, ITEM9_CUSTOMS)
         accepted = wait_loaded(work, ITEM9_JOBS, 600)
         time.sleep(3)
-        print(f"{accepted + RANKS} ranks registered ({accepted} idle with {ITEM9_CUSTOMS} custom metrics each); "
-              f"scraping back to back for {seconds:.0f} s, metrics_reuse_seconds={reuse}", flush=True)
+        print(
+            f"{accepted + RANKS} ranks registered ({accepted} idle with {ITEM9_CUSTOMS} custom metrics each); "
+            f"scraping back to back for {seconds:.0f} s, metrics_reuse_seconds={reuse}",
+            flush=True,
+        )
         seen = scrape_and_probe(sidecar.port, seconds)
         rss = psutil.Process(started(sidecar).pid).memory_info().rss / 2**20
     print(seen.summary() + f"; sidecar RSS {rss:.0f} MB")
     p99 = seen.quantile(seen.healthz_ms, 0.99)
     ok = p99 <= ITEM9_HEALTHZ_P99_MS and not seen.failures
-    print(f"item 9  /healthz p99 {p99:8.2f} ms (max {max(seen.healthz_ms):.1f} ms)  "
-          f"target <= {ITEM9_HEALTHZ_P99_MS:<6} "
-          f"{'PASS' if ok else 'FAIL'}" + (f"  failures: {seen.failures[:3]}" if seen.failures else ""))
+    print(
+        f"item 9  /healthz p99 {p99:8.2f} ms (max {max(seen.healthz_ms):.1f} ms)  "
+        f"target <= {ITEM9_HEALTHZ_P99_MS:<6} "
+        f"{'PASS' if ok else 'FAIL'}" + (f"  failures: {seen.failures[:3]}" if seen.failures else "")
+    )
     return ok
 
 
@@ -267,25 +298,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scrapes", type=int, default=500)
     parser.add_argument("--steady-seconds", type=float, default=30.0)
-    parser.add_argument("--nvml", choices=sorted(NVML_MODULES), default="library",
-                        help="library: the real pynvml over the fake libnvidia-ml (default); module: the "
-                             "pure-Python stand-in")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also measure a sidecar with the hardware collectors off, to split its CPU "
-                             "between the collectors and the push API")
-    parser.add_argument("--item9-seconds", type=float, default=20.0,
-                        help="length of the item-9 load case (thousands of ranks; /healthz timed during "
-                             "scrapes); 0 skips it")
+    parser.add_argument(
+        "--nvml",
+        choices=sorted(NVML_MODULES),
+        default="library",
+        help="library: the real pynvml over the fake libnvidia-ml (default); module: the pure-Python stand-in",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also measure a sidecar with the hardware collectors off, to split its CPU "
+        "between the collectors and the push API",
+    )
+    parser.add_argument(
+        "--item9-seconds",
+        type=float,
+        default=20.0,
+        help="length of the item-9 load case (thousands of ranks; /healthz timed during scrapes); 0 skips it",
+    )
     parser.add_argument("--only-item9", action="store_true", help="run only the item-9 load case")
-    parser.add_argument("--item9-reuse-seconds", type=float, default=0.5,
-                        help="metrics_reuse_seconds of the item-9 case (the sidecar's default 0.5; 0: every "
-                             "scrape renders)")
+    parser.add_argument(
+        "--item9-reuse-seconds",
+        type=float,
+        default=0.5,
+        help="metrics_reuse_seconds of the item-9 case (the sidecar's default 0.5; 0: every scrape renders)",
+    )
     args = parser.parse_args(argv)
     if args.only_item9:
         work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
         try:
-            return 0 if item9_case(work / "item9", args.item9_seconds or 20.0, args.nvml,
-                                   args.item9_reuse_seconds) else 1
+            return (
+                0 if item9_case(work / "item9", args.item9_seconds or 20.0, args.nvml, args.item9_reuse_seconds) else 1
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -294,10 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             # Every scrape renders (no reuse of a recent answer): what one Prometheus scrape costs.
             sidecar = start_node(stack, work / "all", "metrics_reuse_seconds=0", nvml=args.nvml)
-            print(f"sidecar on {sidecar.url} with {RANKS} ranks pushing, NVML: {NVML_MODULES[args.nvml]}",
-                  flush=True)
-            wait_until(lambda: b"sidecar_gpu_process_memory_bytes{" in http_get(sidecar.url + "/metrics")[1],
-                       30, interval=0.5, what="per-rank GPU memory")
+            print(f"sidecar on {sidecar.url} with {RANKS} ranks pushing, NVML: {NVML_MODULES[args.nvml]}", flush=True)
+            wait_until(
+                lambda: b"sidecar_gpu_process_memory_bytes{" in http_get(sidecar.url + "/metrics")[1],
+                30,
+                interval=0.5,
+                what="per-rank GPU memory",
+            )
             targets = [(Figures("sidecar"), psutil.Process(started(sidecar).pid), Scraper(sidecar.port))]
             ne = start_node_exporter(stack, work)
             if ne is not None:
@@ -319,11 +366,17 @@ def main(argv: list[str] | None = None) -> int:
                 steady_phase([(without, psutil.Process(started(bare).pid), Scraper(bare.port))], args.steady_seconds)
             figures.append(without)
         ok = report(figures[:2] if ne is not None else figures[:1])
-        print("\ncollector run time (wall, median over the steady phase): " + ", ".join(
-            f"{name} {statistics.median(ms):.1f} ms" for name, ms in sorted(figures[0].collector_ms.items())))
+        print(
+            "\ncollector run time (wall, median over the steady phase): "
+            + ", ".join(
+                f"{name} {statistics.median(ms):.1f} ms" for name, ms in sorted(figures[0].collector_ms.items())
+            )
+        )
         if args.breakdown:
-            print(f"CPU split: hardware collectors {figures[0].cpu_percent - without.cpu_percent:.2f} % of a core, "
-                  f"the rest (push API of {RANKS} ranks, watchdog, scrapes) {without.cpu_percent:.2f} %")
+            print(
+                f"CPU split: hardware collectors {figures[0].cpu_percent - without.cpu_percent:.2f} % of a core, "
+                f"the rest (push API of {RANKS} ranks, watchdog, scrapes) {without.cpu_percent:.2f} %"
+            )
         for line in nvml_calls.report(interval=1.0):
             print(line)
         if args.item9_seconds > 0:

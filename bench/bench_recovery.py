@@ -13,6 +13,7 @@ detection (hang -> STALLED) <= effective timeout + 1 s; the hung group gone <= g
 STALLED. Without the sidecar, the hang lasts until gloo's collective timeout fails rank 0 (set
 here to --pg-timeout seconds; the trainer's default is 600 s, PyTorch's 30 minutes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,13 +54,25 @@ class Run:
             return False
         if self.timeout is None:  # torchrun alone: recovering at all is the bar
             return True
-        return (self.detect is not None and self.detect <= self.timeout + 1.0
-                and self.kill is not None and self.kill <= GRACE_SECONDS + 1.0)
+        return (
+            self.detect is not None
+            and self.detect <= self.timeout + 1.0
+            and self.kill is not None
+            and self.kill <= GRACE_SECONDS + 1.0
+        )
 
 
 def hang_job(pg_timeout: float | None = None) -> JobSpec:
-    return JobSpec(steps=40, fault="sleep", fault_rank=1, fault_step=18, checkpoint_every=5,
-                   step_delay_seconds=0.1, max_restarts=3, process_group_timeout_seconds=pg_timeout)
+    return JobSpec(
+        steps=40,
+        fault="sleep",
+        fault_rank=1,
+        fault_step=18,
+        checkpoint_every=5,
+        step_delay_seconds=0.1,
+        max_restarts=3,
+        process_group_timeout_seconds=pg_timeout,
+    )
 
 
 def follow(log: TrainerLog, into: dict[str, float]) -> None:
@@ -125,8 +138,11 @@ def run_torchrun_alone(workdir: Path, pg_timeout: float) -> Run:
         log, seen = TrainerLog(procs.log("torchrun")), dict[str, float]()
         wait_for(lambda: follow_until_exit(log, seen, train), pg_timeout + JOB_TIMEOUT_SECONDS, 0.2)
         follow(log, seen)
-        run = Run(f"torchrun alone (pg timeout {pg_timeout:g}s)", train.poll() == 0 and "finished" in seen,
-                  total=time.time() - started)
+        run = Run(
+            f"torchrun alone (pg timeout {pg_timeout:g}s)",
+            train.poll() == 0 and "finished" in seen,
+            total=time.time() - started,
+        )
         if "hang" in seen and "first_step" in seen:
             run.recover = seen["first_step"] - seen["hang"]
         return run
@@ -139,8 +155,9 @@ def goodput_run(workdir: Path, minutes: int) -> tuple[float, int, float]:
     from the first step to the end."""
     workdir.mkdir(parents=True)
     # One remediation a minute is the scenario, not a restart storm: lift the cap above it.
-    sidecar = SidecarSpec(floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS,
-                          extra=[f"remediation.max_per_window={minutes + 2}"])
+    sidecar = SidecarSpec(
+        floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS, extra=[f"remediation.max_per_window={minutes + 2}"]
+    )
     steps = int(minutes * 60 / 0.12)
     job = JobSpec(steps=steps, fault="none", checkpoint_every=20, step_delay_seconds=0.1, max_restarts=minutes + 3)
     with Processes(workdir) as procs:
@@ -183,8 +200,11 @@ def goodput_run(workdir: Path, minutes: int) -> tuple[float, int, float]:
 
 
 def progress(run: Run) -> None:
-    print(f"  {run.label}: {'finished' if run.finished else 'DID NOT FINISH'}, hang -> training again "
-          f"{fmt(run.recover).strip()} s", flush=True)
+    print(
+        f"  {run.label}: {'finished' if run.finished else 'DID NOT FINISH'}, hang -> training again "
+        f"{fmt(run.recover).strip()} s",
+        flush=True,
+    )
 
 
 def fmt(value: float | None) -> str:
@@ -194,13 +214,17 @@ def fmt(value: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_recovery", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3, help="runs with the sidecar (default 3)")
-    p.add_argument("--pg-timeout", type=float, default=30.0,
-                   help="collective timeout for the torchrun-alone run (default 30 s)")
+    p.add_argument(
+        "--pg-timeout", type=float, default=30.0, help="collective timeout for the torchrun-alone run (default 30 s)"
+    )
     p.add_argument("--skip-alone", action="store_true", help="skip the torchrun-alone run")
     p.add_argument("--long", action="store_true", help="also measure goodput under a hang every minute (5 min)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, incidents)")
-    p.add_argument("--pid-namespace", action="store_true",
-                   help="each run also with torchrun in its own pid namespace (needs root and unshare)")
+    p.add_argument(
+        "--pid-namespace",
+        action="store_true",
+        help="each run also with torchrun in its own pid namespace (needs root and unshare)",
+    )
     args = p.parse_args(argv)
     # Ctrl-C and SIGTERM end in the cleanup of every process started (the `with` blocks).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -223,26 +247,34 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\nhang recovery, 2-rank CPU job, step floor {FLOOR_SECONDS:g}s, grace {GRACE_SECONDS:g}s "
-          f"(targets: detect <= timeout + 1 s, kill <= grace + 1 s)")
+    print(
+        f"\nhang recovery, 2-rank CPU job, step floor {FLOOR_SECONDS:g}s, grace {GRACE_SECONDS:g}s "
+        f"(targets: detect <= timeout + 1 s, kill <= grace + 1 s)"
+    )
     print(f"{'run':<34} {'timeout':>7} {'detect':>7} {'kill':>7} {'killed':>7} {'recover':>7} {'total':>7}  result")
     for r in runs:
         killed = r.detect + r.kill if r.detect is not None and r.kill is not None else None  # hang -> group gone
-        print(f"{r.label:<34} {fmt(r.timeout)} {fmt(r.detect)} {fmt(r.kill)} {fmt(killed)} {fmt(r.recover)} "
-              f"{fmt(r.total)}  {'PASS' if r.passed else 'FAIL'}")
+        print(
+            f"{r.label:<34} {fmt(r.timeout)} {fmt(r.detect)} {fmt(r.kill)} {fmt(killed)} {fmt(r.recover)} "
+            f"{fmt(r.total)}  {'PASS' if r.passed else 'FAIL'}"
+        )
     with_sidecar = [r.recover for r in runs if r.timeout is not None and r.recover is not None]
     alone = [r.recover for r in runs if r.timeout is None and r.recover is not None]
     if with_sidecar and alone:
-        print(f"\nhang -> training again: sidecar {statistics.median(with_sidecar):.1f}s (median), torchrun alone "
-              f"{alone[0]:.1f}s with a {args.pg_timeout:g}s collective timeout "
-              f"({alone[0] / statistics.median(with_sidecar):.1f}x); with the trainer's default 600 s timeout, "
-              f"about {600 + alone[0] - args.pg_timeout:.0f}s")
+        print(
+            f"\nhang -> training again: sidecar {statistics.median(with_sidecar):.1f}s (median), torchrun alone "
+            f"{alone[0]:.1f}s with a {args.pg_timeout:g}s collective timeout "
+            f"({alone[0] / statistics.median(with_sidecar):.1f}x); with the trainer's default 600 s timeout, "
+            f"about {600 + alone[0] - args.pg_timeout:.0f}s"
+        )
     elif not args.skip_alone:
         print(f"\ntorchrun alone did not recover within {args.pg_timeout + JOB_TIMEOUT_SECONDS:.0f}s")
     if goodput is not None:
         share, hangs, wall = goodput
-        print(f"goodput with a hang every minute: {share:.1%} of {wall:.0f}s wall time on useful steps "
-              f"({hangs} hangs, all recovered by the sidecar)")
+        print(
+            f"goodput with a hang every minute: {share:.1%} of {wall:.0f}s wall time on useful steps "
+            f"({hangs} hangs, all recovered by the sidecar)"
+        )
     return 0 if all(r.passed for r in runs) and (runs or goodput is not None) else 1
 
 

@@ -7,6 +7,7 @@ Figures: the median atomic checkpoint save (write, fsync, checksums, commit) for
 SIGKILLed: the time from the fault to "resumed from step", the steps redone, and whether its
 final parameters are bitwise equal to an uninterrupted run's (the target: they are).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,28 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 def run(workdir: Path, hidden: int, steps: int, *settings: str) -> str:
     workdir.mkdir(parents=True)
     log = workdir / "torchrun.log"
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "-m", "trainer", "--set", f"checkpoint.dir={workdir / 'ckpt'}", "--set", f"train.steps={steps}",
-           "--set", "checkpoint.every_steps=10", "--set", "monitor.enabled=false", "--set", "train.log_every_steps=10",
-           "--set", f"model.kwargs={{hidden: {hidden}, layers: 4}}"]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "trainer",
+        "--set",
+        f"checkpoint.dir={workdir / 'ckpt'}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "checkpoint.every_steps=10",
+        "--set",
+        "monitor.enabled=false",
+        "--set",
+        "train.log_every_steps=10",
+        "--set",
+        f"model.kwargs={{hidden: {hidden}, layers: 4}}",
+    ]
     for s in settings:
         cmd += ["--set", s]
     with spawned(cmd, log) as proc:
@@ -66,8 +85,14 @@ def main() -> int:
     params = 32 * args.hidden + 3 * args.hidden * args.hidden + args.hidden * 8
     with tempfile.TemporaryDirectory() as tmp:
         clean = run(Path(tmp) / "clean", args.hidden, args.steps)
-        killed = run(Path(tmp) / "killed", args.hidden, args.steps, "faults.kind=sigkill", "faults.rank=1",
-                     f"faults.at_step={args.steps // 2 + 3}")
+        killed = run(
+            Path(tmp) / "killed",
+            args.hidden,
+            args.steps,
+            "faults.kind=sigkill",
+            "faults.rank=1",
+            f"faults.at_step={args.steps // 2 + 3}",
+        )
     saves = [float(s) for s in re.findall(r"checkpoint saved: .* seconds=([0-9.]+)", clean)]
     rates = [float(r) for r in re.findall(r"it/s=([0-9.]+)", clean)]
     recovery = (when(killed, "resumed from step") - when(killed, "fault injection")).total_seconds()
@@ -75,10 +100,14 @@ def main() -> int:
     exact = digest(clean) == digest(killed)
     interval = 10 / statistics.median(rates)
     print(f"model: ~{params / 1e6:.1f} M parameters (+2x AdamW state), 2 ranks, CPU/gloo")
-    print(f"checkpoint save: median {statistics.median(saves):.3f} s over {len(saves)} saves "
-          f"({statistics.median(saves) / interval:.0%} of a 10-step interval at {statistics.median(rates):.1f} it/s)")
-    print(f"recovery: {recovery:.1f} s from SIGKILL to 'resumed from step {resumed}' "
-          f"({args.steps // 2 + 3 - 1 - resumed} finished steps redone)")
+    print(
+        f"checkpoint save: median {statistics.median(saves):.3f} s over {len(saves)} saves "
+        f"({statistics.median(saves) / interval:.0%} of a 10-step interval at {statistics.median(rates):.1f} it/s)"
+    )
+    print(
+        f"recovery: {recovery:.1f} s from SIGKILL to 'resumed from step {resumed}' "
+        f"({args.steps // 2 + 3 - 1 - resumed} finished steps redone)"
+    )
     print(f"final parameters bitwise equal to the uninterrupted run: {exact}  {'PASS' if exact else 'FAIL'}")
     return 0 if exact else 1
 

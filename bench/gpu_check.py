@@ -15,6 +15,7 @@ Without an NVIDIA driver it prints "no NVIDIA driver: skipped" and exits 0. Exit
 check fails. `--nvml-module sidecar.testing.fake_nvml_lib` (with SIDECAR_FAKE_NVML naming a
 spec file) runs it on the fake library, which is how its own test runs it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ from sidecar.collectors.gpu import CONDITIONAL, FIELDS_OF  # noqa: E402
 from tests.support import Sidecar, http_get, wait_until  # noqa: E402
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$', re.MULTILINE)
+SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$", re.MULTILINE)
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -66,7 +67,9 @@ def check_families(text: str) -> tuple[list[str], list[str]]:
     lost = sorted({labels["gpu"] for name, labels, v in found if name == "sidecar_gpu_lost" and v == 1})
     unavailable: dict[tuple[str, str], str] = {
         (labels["gpu"], labels["field"]): labels["reason"]
-        for name, labels, _ in found if name == "sidecar_gpu_field_unavailable"}
+        for name, labels, _ in found
+        if name == "sidecar_gpu_field_unavailable"
+    }
     present = {(name, labels.get("gpu", "")) for name, labels, _ in found}
     lines, failures = [f"GPUs: {', '.join(gpus) or 'none'}" + (f"; lost: {', '.join(lost)}" if lost else "")], []
     for family, fields in sorted(FIELDS_OF.items()):
@@ -77,8 +80,10 @@ def check_families(text: str) -> tuple[list[str], list[str]]:
             if reasons:
                 lines.append(f"gpu {gpu}: {family} unavailable ({', '.join(reasons)})")
             else:
-                failures.append(f"gpu {gpu}: {family} missing and no reason reported "
-                                f"(sidecar_gpu_field_unavailable has none of {', '.join(fields)})")
+                failures.append(
+                    f"gpu {gpu}: {family} missing and no reason reported "
+                    f"(sidecar_gpu_field_unavailable has none of {', '.join(fields)})"
+                )
     for family, when in sorted(CONDITIONAL.items()):
         have = sorted({g for n, g in present if n in (family, family + "_total")})
         lines.append(f"{family}: {'gpu ' + ','.join(have) if have else 'absent'} (only for {when})")
@@ -88,18 +93,26 @@ def check_families(text: str) -> tuple[list[str], list[str]]:
 def promtool_check(text: str) -> tuple[bool, str]:
     if not os.access(PROMTOOL, os.X_OK):
         return False, f"{PROMTOOL} not found"
-    proc = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60,
-                          check=False)
+    proc = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60, check=False
+    )
     return proc.returncode == 0, (proc.stdout + proc.stderr).decode().strip()
 
 
 def scrape(module_name: str, work: Path) -> str:
-    sidecar = Sidecar(work, f"collectors.nvml_module={module_name}", f"checkpoint_dir={work}", "log_level=info",
-                      env={k: v for k, v in os.environ.items() if k.startswith("SIDECAR_FAKE")})
+    sidecar = Sidecar(
+        work,
+        f"collectors.nvml_module={module_name}",
+        f"checkpoint_dir={work}",
+        "log_level=info",
+        env={k: v for k, v in os.environ.items() if k.startswith("SIDECAR_FAKE")},
+    )
     with sidecar:
+
         def gpu_round() -> bool:
             status, body = http_get(sidecar.url + "/metrics")
             return status == 200 and b'sidecar_scrape_collector_success{collector="gpu"}' in body
+
         wait_until(gpu_round, 60, interval=0.5, what="the GPU collector's first round")
         time.sleep(1.5)  # one more round, so every health field had its read
         return sidecar.metrics()
@@ -125,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             failures.append("promtool check metrics")
         success = re.search(r'sidecar_scrape_collector_success\{collector="gpu"\} (\S+)', text)
         duration = re.search(r'sidecar_scrape_collector_duration_seconds\{collector="gpu"\} (\S+)', text)
-        print(f"gpu collector in the sidecar: success {success.group(1) if success else '?'}, last round "
-              f"{float(duration.group(1)) * 1000 if duration else float('nan'):.1f} ms")
+        print(
+            f"gpu collector in the sidecar: success {success.group(1) if success else '?'}, last round "
+            f"{float(duration.group(1)) * 1000 if duration else float('nan'):.1f} ms"
+        )
         lines, missing = check_families(text)
         for line in lines:
             print(line)

@@ -6,6 +6,7 @@ works over the real libnvidia-ml (bench/gpu_check.py) and over the fake one (the
 A round reads the fast fields; every nvml.HEALTH_SECONDS a round also reads the health fields.
 The steady state per round is fast + health x interval / HEALTH_SECONDS.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,6 +60,7 @@ class CallCounter:
 
         def counting(name: str) -> Any:
             return _Counted(lookup(name), name, calls)
+
         self.nv._nvmlGetFunctionPointer = counting
         return self
 
@@ -82,10 +84,12 @@ class RoundCost:
         return self.fast_calls + (self.health_calls - self.fast_calls) / every
 
     def line(self, interval: float) -> str:
-        return (f"NVML calls per GPU per round: {self.fast_calls:.1f} (fast round), {self.health_calls:.1f} "
-                f"(round with the {nvml_session.HEALTH_SECONDS:.0f}-s health read), steady state "
-                f"{self.steady_calls(interval):.1f} at a {interval:g} s interval; "
-                f"round time per GPU {self.fast_ms:.2f} ms fast, {self.health_ms:.2f} ms with health")
+        return (
+            f"NVML calls per GPU per round: {self.fast_calls:.1f} (fast round), {self.health_calls:.1f} "
+            f"(round with the {nvml_session.HEALTH_SECONDS:.0f}-s health read), steady state "
+            f"{self.steady_calls(interval):.1f} at a {interval:g} s interval; "
+            f"round time per GPU {self.fast_ms:.2f} ms fast, {self.health_ms:.2f} ms with health"
+        )
 
 
 def measure(module_name: str, rounds: int = 5) -> RoundCost:
@@ -125,6 +129,7 @@ def _rounds(collector: GpuCollector, nv: ModuleType, rounds: int, health: bool) 
 
 def fake_machine(spec: dict) -> RoundCost:
     from sidecar.testing import fake_nvml_lib
+
     fake_nvml_lib.configure(spec)
     quiet = logging.getLogger("sidecar.collectors")
     level = quiet.level
@@ -137,16 +142,22 @@ def fake_machine(spec: dict) -> RoundCost:
 
 
 HEALTHY = {"gpu_count": 8, "gpu": {"nvlink_links": 18, "processes": [{"pid": 1, "used_memory_bytes": 1}]}}
-FAILING = {"gpu_count": 8, "gpu": {"nvlink_links": 18, "processes": [{"pid": 1, "used_memory_bytes": 1}],
-                                   "errors": {"nvmlDeviceGetTotalEnergyConsumption": "not_ready",
-                                              "nvmlDeviceGetRemappedRows": "no_permission"}}}
+FAILING = {
+    "gpu_count": 8,
+    "gpu": {
+        "nvlink_links": 18,
+        "processes": [{"pid": 1, "used_memory_bytes": 1}],
+        "errors": {"nvmlDeviceGetTotalEnergyConsumption": "not_ready", "nvmlDeviceGetRemappedRows": "no_permission"},
+    },
+}
 
 
 def report(interval: float) -> list[str]:
     healthy, failing = fake_machine(HEALTHY), fake_machine(FAILING)
-    return ["nvml (8 fake GPUs, real pynvml): " + healthy.line(interval),
-            "  with energy NOT_READY and remapped rows NO_PERMISSION on every GPU, every round: "
-            + failing.line(interval)]
+    return [
+        "nvml (8 fake GPUs, real pynvml): " + healthy.line(interval),
+        "  with energy NOT_READY and remapped rows NO_PERMISSION on every GPU, every round: " + failing.line(interval),
+    ]
 
 
 if __name__ == "__main__":

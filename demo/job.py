@@ -1,5 +1,6 @@
 """A sidecar and a torchrun job on this machine, as the demo and the recovery benchmark run
 them: their command lines, the sidecar's status API, and the trainer's log read as events."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,10 @@ class SidecarSpec:
 
     def command(self, workdir: Path, port: int, socket_path: str) -> list[str]:
         settings = {
-            "diag_dir": str(workdir / "diag"), "checkpoint_dir": str(workdir / "ckpt"),
-            "collectors.interval_seconds": 1, "watchdog.check_interval_seconds": 0.25,
+            "diag_dir": str(workdir / "diag"),
+            "checkpoint_dir": str(workdir / "ckpt"),
+            "collectors.interval_seconds": 1,
+            "watchdog.check_interval_seconds": 0.25,
             "hooks_flush_interval_seconds": 0.5,  # a short floor needs frequent pushes
             "watchdog.floor_seconds": self.floor_seconds,
             "watchdog.startup_timeout_seconds": self.startup_timeout_seconds,
@@ -60,18 +63,38 @@ class JobSpec:
     extra: list[str] = field(default_factory=list)  # more trainer `--set section.field=value`
 
     def command(self, workdir: Path, rdzv_port: int | None = None) -> list[str]:
-        sets = {"train.steps": self.steps, "train.log_every_steps": 1,
-                "checkpoint.dir": self.checkpoint_dir or str(workdir / "ckpt"),
-                "checkpoint.every_steps": self.checkpoint_every, "data.delay_seconds": self.step_delay_seconds,
-                "batch.global_batch_size": 16, "batch.micro_batch_size": 8, "faults.kind": self.fault,
-                "faults.rank": self.fault_rank, "faults.at_step": self.fault_step}
+        sets = {
+            "train.steps": self.steps,
+            "train.log_every_steps": 1,
+            "checkpoint.dir": self.checkpoint_dir or str(workdir / "ckpt"),
+            "checkpoint.every_steps": self.checkpoint_every,
+            "data.delay_seconds": self.step_delay_seconds,
+            "batch.global_batch_size": 16,
+            "batch.micro_batch_size": 8,
+            "faults.kind": self.fault,
+            "faults.rank": self.fault_rank,
+            "faults.at_step": self.fault_step,
+        }
         if self.process_group_timeout_seconds is not None:
             sets["parallel.timeout_seconds"] = self.process_group_timeout_seconds
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes),
-               "--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts),
-               "--rdzv-id", self.run_id]
-        cmd += ["--standalone"] if rdzv_port is None else [
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
+        cmd = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(self.nnodes),
+            "--nproc-per-node",
+            str(self.nproc),
+            "--max-restarts",
+            str(self.max_restarts),
+            "--rdzv-id",
+            self.run_id,
+        ]
+        cmd += (
+            ["--standalone"]
+            if rdzv_port is None
+            else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
+        )
         cmd += ["-m", "trainer"]
         for key, value in sets.items():
             cmd += ["--set", f"{key}={value}"]
@@ -102,6 +125,7 @@ class SidecarClient:
 
 
 # ---------------------------------------------------------------- the trainer's log
+
 
 @dataclass
 class LogEvent:

@@ -1,6 +1,7 @@
 """The demo's live narrative: start a sidecar and a 2-rank torchrun job whose rank 1 hangs at
 one step, then tell what happens, from the trainer's log and the sidecar's status API, and
 end with a table of timings."""
+
 from __future__ import annotations
 
 import re
@@ -51,16 +52,26 @@ class Story:
             if self.attempt == 0:
                 self.say(f"torchrun started {f['world_size']} ranks; rendezvous done", at=e.time)
             else:
-                self.say(f"torchrun restarted the worker group (attempt {self.attempt}); rendezvous done",
-                         "bold cyan", at=e.time)
+                self.say(
+                    f"torchrun restarted the worker group (attempt {self.attempt}); rendezvous done",
+                    "bold cyan",
+                    at=e.time,
+                )
         elif e.kind == "fault":
             self.hang_at, self.hang_step = e.time, f["step"]
-            self.say(f"HANG INJECTED: rank {f['rank']} calls time.sleep() inside step {f['step']}, before its "
-                     f"all-reduce; rank 0 now blocks in the all-reduce. Nothing crashes.", "bold red", at=e.time)
+            self.say(
+                f"HANG INJECTED: rank {f['rank']} calls time.sleep() inside step {f['step']}, before its "
+                f"all-reduce; rank 0 now blocks in the all-reduce. Nothing crashes.",
+                "bold red",
+                at=e.time,
+            )
         elif e.kind == "resumed":
             self.resumed_step, self.resumed_at = f["step"], e.time
-            redo = f"steps {f['step'] + 1}..{self.hang_step - 1} are redone, bit for bit" \
-                if self.hang_step and self.hang_step - 1 > f["step"] else "no step is lost"
+            redo = (
+                f"steps {f['step'] + 1}..{self.hang_step - 1} are redone, bit for bit"
+                if self.hang_step and self.hang_step - 1 > f["step"]
+                else "no step is lost"
+            )
             self.say(f"resumed from checkpoint step {f['step']} ({redo})", "bold cyan", at=e.time)
         elif e.kind == "step":
             if self.resumed_at is not None and self.first_step_after_resume is None:
@@ -70,8 +81,11 @@ class Story:
                 self.say(f"step {f['step']:>3}/{f['steps']}  loss {f['loss']:.4f}  {f['its']:.1f} it/s", at=e.time)
         elif e.kind == "finished":
             self.finished = f
-            self.say(f"training finished at step {f['step']} (parameters sha256 {f['sha256'][:16]}...)",
-                     "bold green", at=e.time)
+            self.say(
+                f"training finished at step {f['step']} (parameters sha256 {f['sha256'][:16]}...)",
+                "bold green",
+                at=e.time,
+            )
 
     # ------------------------------------------------------------ the sidecar
 
@@ -98,11 +112,14 @@ class Story:
         elif state == "stalled":
             self.say(f"sidecar: rank {r['rank']} STALLED ({why})", "bold red")
         elif state == "remediating":
-            self.say(f"sidecar: rank {r['rank']} STALLED -> REMEDIATING (its worker group is dumped, then killed)",
-                     "red")
+            self.say(
+                f"sidecar: rank {r['rank']} STALLED -> REMEDIATING (its worker group is dumped, then killed)", "red"
+            )
         elif state == "healthy" and old in (None, "starting"):
-            self.say(f"sidecar: rank {r['rank']} healthy, step timeout {timeout:.1f}s "
-                     f"(max of the {self.sidecar.floor_seconds:g}s floor and 8 x p99 step time)")
+            self.say(
+                f"sidecar: rank {r['rank']} healthy, step timeout {timeout:.1f}s "
+                f"(max of the {self.sidecar.floor_seconds:g}s floor and 8 x p99 step time)"
+            )
         elif state == "gone" and old == "remediating":
             self.say(f"sidecar: rank {r['rank']} (pid {r['pid']}) exited", "red")
 
@@ -114,10 +131,14 @@ class Story:
             self.incidents_told.add(brief["id"])
             self.incident = record
             ranks = record["ranks"]
-            self.say(f"DETECTED: ranks {', '.join(str(r['rank']) for r in ranks)} STALLED at step "
-                     f"{min((r['step'] or 0) for r in ranks)}: no progress for "
-                     f"{max(r['last_progress_age_seconds'] for r in ranks):.1f}s, timeout "
-                     f"{record['timeout_seconds']:.1f}s", "bold red", at=record["time"])
+            self.say(
+                f"DETECTED: ranks {', '.join(str(r['rank']) for r in ranks)} STALLED at step "
+                f"{min((r['step'] or 0) for r in ranks)}: no progress for "
+                f"{max(r['last_progress_age_seconds'] for r in ranks):.1f}s, timeout "
+                f"{record['timeout_seconds']:.1f}s",
+                "bold red",
+                at=record["time"],
+            )
         self.incident = record
         for e in record.get("timeline", []):
             tag = f"{brief['id']}/{e['event']}"
@@ -128,25 +149,29 @@ class Story:
                 self._tell_stacks(record, e["time"])
             elif e["event"] == "sigterm":
                 self.kill_told.add(tag)
-                self.say(f"BLAMED: rank {record['blamed_rank']} ({record['blame_reason']})", "bold red",
-                         at=e["time"])
+                self.say(f"BLAMED: rank {record['blamed_rank']} ({record['blame_reason']})", "bold red", at=e["time"])
                 self.say(f"sidecar: SIGTERM to the process groups of ranks {e['ranks']}", "red", at=e["time"])
             elif e["event"] == "sigkill":
                 self.kill_told.add(tag)
                 self.say(f"sidecar: SIGKILL to what was left of ranks {e['ranks']}", "red", at=e["time"])
             elif e["event"] == "exit_observed":
                 self.kill_told.add(tag)
-                self.say(f"sidecar: hung worker group gone {e['after_detection_seconds']:.2f}s after detection; "
-                         f"torchrun will restart it", "red", at=e["time"])
+                self.say(
+                    f"sidecar: hung worker group gone {e['after_detection_seconds']:.2f}s after detection; "
+                    f"torchrun will restart it",
+                    "red",
+                    at=e["time"],
+                )
 
     def _tell_stacks(self, record: dict, at: float) -> None:
         for r in record["ranks"]:
             if not r.get("stack_head"):
                 continue
             where = "waits for its peers" if r.get("in_collective") else "NOT waiting for its peers"
-            self.say(f"stacks saved: rank {r['rank']} ({where}): {_short(r['stack_file'], self.workdir)}",
-                     "magenta", at=at)
-            for line in r["stack_head"][1:STACK_LINES_SHOWN + 1]:
+            self.say(
+                f"stacks saved: rank {r['rank']} ({where}): {_short(r['stack_file'], self.workdir)}", "magenta", at=at
+            )
+            for line in r["stack_head"][1 : STACK_LINES_SHOWN + 1]:
                 self.console.print(f"          [dim]{_short_frame(line)}[/dim]", highlight=False)
 
     # ------------------------------------------------------------ the end
@@ -191,9 +216,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     story = Story(console, job, sidecar, workdir)
     console.rule("training-node sidecar demo")
-    console.print(f"A 2-rank torchrun job ({job.steps} steps, checkpoint every {job.checkpoint_every}) under a "
-                  f"node sidecar. Rank {job.fault_rank} will hang at step {job.fault_step}.\n"
-                  f"Everything lives in {workdir}.", highlight=False)
+    console.print(
+        f"A 2-rank torchrun job ({job.steps} steps, checkpoint every {job.checkpoint_every}) under a "
+        f"node sidecar. Rank {job.fault_rank} will hang at step {job.fault_step}.\n"
+        f"Everything lives in {workdir}.",
+        highlight=False,
+    )
     ok = False
     try:
         with Processes(workdir) as procs:
@@ -203,11 +231,15 @@ def main() -> int:
             if not wait_for(lambda: sc.poll() is not None or client.ready(), 60) or sc.poll() is not None:
                 console.print(f"[red]the sidecar did not start; see {procs.log('sidecar')}[/red]")
                 return 1
-            story.say(f"sidecar up on {client.url} (socket {sock}); watchdog floor {sidecar.floor_seconds:g}s, "
-                      f"grace {sidecar.grace_seconds:g}s")
+            story.say(
+                f"sidecar up on {client.url} (socket {sock}); watchdog floor {sidecar.floor_seconds:g}s, "
+                f"grace {sidecar.grace_seconds:g}s"
+            )
             train = procs.start("torchrun", job.command(workdir), env={"SIDECAR_SOCKET": sock})
-            story.say(f"torchrun --standalone --nproc-per-node {job.nproc} --max-restarts {job.max_restarts} "
-                      f"-m trainer (faults.kind={job.fault})")
+            story.say(
+                f"torchrun --standalone --nproc-per-node {job.nproc} --max-restarts {job.max_restarts} "
+                f"-m trainer (faults.kind={job.fault})"
+            )
             log = TrainerLog(procs.log("torchrun"))
             deadline = time.monotonic() + DEADLINE_SECONDS
             while time.monotonic() < deadline:
@@ -222,8 +254,12 @@ def main() -> int:
                     break
                 time.sleep(0.2)
             rc = train.poll()
-            ok = rc == 0 and story.finished is not None and story.incident is not None \
+            ok = (
+                rc == 0
+                and story.finished is not None
+                and story.incident is not None
                 and story.incident.get("outcome") == "killed"
+            )
             if rc is None:
                 story.say("the job did not finish in time", "bold red")
             elif not ok:
@@ -233,8 +269,11 @@ def main() -> int:
         return 130
     console.print(story.summary(workdir))
     if story.incident:
-        console.print(f"incident: {story.incident['path']} (and .txt); list with "
-                      f"`sidecar incidents --diag-dir {workdir / 'diag'}`", highlight=False)
+        console.print(
+            f"incident: {story.incident['path']} (and .txt); list with "
+            f"`sidecar incidents --diag-dir {workdir / 'diag'}`",
+            highlight=False,
+        )
     console.print(f"logs: {workdir}/sidecar.log, {workdir}/torchrun.log", highlight=False)
     console.rule("[green]demo passed[/green]" if ok else "[red]demo failed[/red]")
     return 0 if ok else 1

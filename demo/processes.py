@@ -1,5 +1,6 @@
 """Processes the demo starts: each in its own session with its output in a log file, and all of
 them (with everything they started, torchrun's workers included) killed on the way out."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,14 @@ class Processes:
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.workdir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                    cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+            proc = subprocess.Popen(
+                list(cmd),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=Path(__file__).resolve().parent.parent,
+                start_new_session=True,
+            )
         self.started.append(proc)
         return proc
 

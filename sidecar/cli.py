@@ -1,5 +1,6 @@
 """The `sidecar` console script. Each subcommand lives in its own module, imported lazily,
 exposing `add_arguments(parser)` and `main(args) -> int`."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,10 @@ SUBCOMMANDS = {
     "incidents": ("sidecar.commands.incidents", "list the watchdog's incident records"),
     "preflight": ("sidecar.preflight.cli", "check this node before a job starts"),
     "provision": ("sidecar.commands.provision", "push dashboards, datasource and alert rules to Grafana"),
-    "deploy-gen": ("sidecar.commands.deploygen",
-                   "generate the deploy files from the rules and dashboards (--write DIR: the whole tree)"),
+    "deploy-gen": (
+        "sidecar.commands.deploygen",
+        "generate the deploy files from the rules and dashboards (--write DIR: the whole tree)",
+    ),
     "metrics-doc": ("sidecar.daemon.metrics_doc", "write the metrics reference (docs/metrics.md)"),
     "config-doc": ("sidecar.commands.config_doc", "write the settings reference (docs/configuration.md)"),
 }

@@ -7,6 +7,7 @@ Every field carries its documentation in `metadata["help"]`; `sidecar config-doc
 (`SIDECAR_WATCHDOG_FLOOR_SECONDS`). A bad setting raises `ConfigError`, which `sidecar run` turns
 into exit status 2 and one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,29 +70,45 @@ def parse_hostport(value: str, name: str = "listen") -> tuple[str, int]:
 
 @dataclass
 class CollectorSettings:
-    interval_seconds: float = field(default=5.0, metadata=doc(
-        "How often the hardware collectors (gpu, nic, process, node) sample, in seconds. "
-        "`/metrics` always serves the latest sample and never waits on hardware."))
-    enabled: list[str] = field(default_factory=lambda: list(COLLECTORS), metadata=doc(
-        f"Collectors to run. Known: {', '.join(COLLECTORS)}. Training metrics are always on."))
-    nvml_module: str = field(default="pynvml", metadata=doc(
-        "Python module that provides NVML (nvidia-ml-py's `pynvml`). Without a GPU, "
-        "`sidecar.testing.fake_nvml_lib` is pynvml over a fake libnvidia-ml and "
-        "`sidecar.testing.fake_nvml` a lighter stand-in (both read the spec in SIDECAR_FAKE_NVML)."))
-    sysfs_root: str = field(default="/sys", metadata=doc(
-        "Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container)."))
-    procfs_root: str = field(default="/proc", metadata=doc(
-        "Root of procfs (`/host/proc` in a container)."))
-    nic_exclude: str = field(default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*|ifb.*|dummy.*)$",
-                             metadata=doc(
-        "Regular expression of network interfaces not to export (virtual ones by default)."))
+    interval_seconds: float = field(
+        default=5.0,
+        metadata=doc(
+            "How often the hardware collectors (gpu, nic, process, node) sample, in seconds. "
+            "`/metrics` always serves the latest sample and never waits on hardware."
+        ),
+    )
+    enabled: list[str] = field(
+        default_factory=lambda: list(COLLECTORS),
+        metadata=doc(f"Collectors to run. Known: {', '.join(COLLECTORS)}. Training metrics are always on."),
+    )
+    nvml_module: str = field(
+        default="pynvml",
+        metadata=doc(
+            "Python module that provides NVML (nvidia-ml-py's `pynvml`). Without a GPU, "
+            "`sidecar.testing.fake_nvml_lib` is pynvml over a fake libnvidia-ml and "
+            "`sidecar.testing.fake_nvml` a lighter stand-in (both read the spec in SIDECAR_FAKE_NVML)."
+        ),
+    )
+    sysfs_root: str = field(
+        default="/sys", metadata=doc("Root of sysfs, read for NICs and InfiniBand ports (`/host/sys` in a container).")
+    )
+    procfs_root: str = field(default="/proc", metadata=doc("Root of procfs (`/host/proc` in a container)."))
+    nic_exclude: str = field(
+        default=r"^(lo|veth.*|docker.*|br-.*|cali.*|flannel.*|cni.*|virbr.*|ifb.*|dummy.*)$",
+        metadata=doc("Regular expression of network interfaces not to export (virtual ones by default)."),
+    )
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
-    xid_events: bool = field(default=True, metadata=doc(
-        "Wait for NVML XID events in a dedicated thread and count them per GPU and XID."))
-    gpu_source: str = field(default="sidecar", metadata=doc(
-        "Where the cluster's GPU metrics come from: `sidecar` (this daemon's NVML collector) or `dcgm` "
-        "(NVIDIA dcgm-exporter, as the GPU Operator runs it): then the gpu collector is off, whatever "
-        "`enabled` says, and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."))
+    xid_events: bool = field(
+        default=True, metadata=doc("Wait for NVML XID events in a dedicated thread and count them per GPU and XID.")
+    )
+    gpu_source: str = field(
+        default="sidecar",
+        metadata=doc(
+            "Where the cluster's GPU metrics come from: `sidecar` (this daemon's NVML collector) or `dcgm` "
+            "(NVIDIA dcgm-exporter, as the GPU Operator runs it): then the gpu collector is off, whatever "
+            "`enabled` says, and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("collectors.interval_seconds", self.interval_seconds)
@@ -117,26 +134,42 @@ class LimitSettings:
     max_items_per_push: int = field(default=10_000, metadata=doc("Most items in one `/v1/push`."))
     max_jobs: int = field(default=16, metadata=doc("Most distinct jobs registered at once (429 beyond)."))
     max_ranks_per_job: int = field(default=1024, metadata=doc("Most ranks of one job registered on this node."))
-    max_custom_metrics: int = field(default=wire.MAX_CUSTOM_METRICS, metadata=doc(
-        "Most distinct custom metric names per job (429 beyond; the well-known ones never count)."))
+    max_custom_metrics: int = field(
+        default=wire.MAX_CUSTOM_METRICS,
+        metadata=doc("Most distinct custom metric names per job (429 beyond; the well-known ones never count)."),
+    )
     max_phases: int = field(default=wire.MAX_PHASES, metadata=doc("Most distinct phase names per job."))
-    max_ranks: int = field(default=2048, metadata=doc(
-        "Most ranks registered at once on this node, all users together (429 beyond)."))
-    max_jobs_per_user: int = field(default=4, metadata=doc(
-        "Most jobs with live ranks one uid may have registered at once (root: only the node-wide "
-        "limits.max_jobs). Ranks registered over TCP without a visible caller count as one user."))
-    max_ranks_per_user: int = field(default=256, metadata=doc(
-        "Most live ranks of one uid (root: only limits.max_ranks)."))
-    max_custom_metrics_per_user: int = field(default=64, metadata=doc(
-        "Most distinct custom metric names over all jobs of one uid (root: only the per-job limit)."))
-    max_phases_per_user: int = field(default=32, metadata=doc(
-        "Most distinct phase names over all jobs of one uid (root: only the per-job limit)."))
-    max_series: int = field(default=3000, metadata=doc(
-        "Most series `/metrics` answers, all sources together (docs/scale.md). Hardware series are "
-        "bounded by the hardware; per-rank series (training, watchdog, process) and custom metrics "
-        "beyond the budget are left out, counted in sidecar_metrics_series_dropped."))
-    gone_retention_seconds: float = field(default=600.0, metadata=doc(
-        "How long a finished or dead rank stays in the registry (and in `/metrics`)."))
+    max_ranks: int = field(
+        default=2048, metadata=doc("Most ranks registered at once on this node, all users together (429 beyond).")
+    )
+    max_jobs_per_user: int = field(
+        default=4,
+        metadata=doc(
+            "Most jobs with live ranks one uid may have registered at once (root: only the node-wide "
+            "limits.max_jobs). Ranks registered over TCP without a visible caller count as one user."
+        ),
+    )
+    max_ranks_per_user: int = field(
+        default=256, metadata=doc("Most live ranks of one uid (root: only limits.max_ranks).")
+    )
+    max_custom_metrics_per_user: int = field(
+        default=64,
+        metadata=doc("Most distinct custom metric names over all jobs of one uid (root: only the per-job limit)."),
+    )
+    max_phases_per_user: int = field(
+        default=32, metadata=doc("Most distinct phase names over all jobs of one uid (root: only the per-job limit).")
+    )
+    max_series: int = field(
+        default=3000,
+        metadata=doc(
+            "Most series `/metrics` answers, all sources together (docs/scale.md). Hardware series are "
+            "bounded by the hardware; per-rank series (training, watchdog, process) and custom metrics "
+            "beyond the budget are left out, counted in sidecar_metrics_series_dropped."
+        ),
+    )
+    gone_retention_seconds: float = field(
+        default=600.0, metadata=doc("How long a finished or dead rank stays in the registry (and in `/metrics`).")
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -146,34 +179,58 @@ class LimitSettings:
 @dataclass
 class WatchdogSettings:
     enabled: bool = field(default=True, metadata=doc("Run the progress watchdog."))
-    observe_only: bool = field(default=False, metadata=doc(
-        "Detect, record and alert on stalls but never signal a process."))
+    observe_only: bool = field(
+        default=False, metadata=doc("Detect, record and alert on stalls but never signal a process.")
+    )
     check_interval_seconds: float = field(default=0.5, metadata=doc("How often rank states are evaluated."))
-    startup_timeout_seconds: float = field(default=900.0, metadata=doc(
-        "Budget from registration to the first step (imports, rendezvous, data loading, first compile)."))
-    floor_seconds: float = field(default=30.0, metadata=doc(
-        "Lowest training-step timeout. The effective timeout is multiplier x the step-time quantile, "
-        "clamped to [floor_seconds, ceiling_seconds]."))
+    startup_timeout_seconds: float = field(
+        default=900.0,
+        metadata=doc("Budget from registration to the first step (imports, rendezvous, data loading, first compile)."),
+    )
+    floor_seconds: float = field(
+        default=30.0,
+        metadata=doc(
+            "Lowest training-step timeout. The effective timeout is multiplier x the step-time quantile, "
+            "clamped to [floor_seconds, ceiling_seconds]."
+        ),
+    )
     ceiling_seconds: float = field(default=1800.0, metadata=doc("Highest training-step timeout."))
     multiplier: float = field(default=8.0, metadata=doc("Effective timeout = multiplier x step-time quantile."))
     quantile: float = field(default=0.99, metadata=doc("Quantile of recent step times the timeout follows."))
     window: int = field(default=200, metadata=doc("How many recent step times the quantile is taken over."))
-    suspect_ratio: float = field(default=0.5, metadata=doc(
-        "A rank is SUSPECT once this share of its timeout has passed without progress."))
-    phase_timeouts: dict[str, float] = field(default_factory=lambda: {
-        "startup": 900.0, "checkpoint_save": 1800.0, "checkpoint_load": 1800.0,
-        "eval": 3600.0, "compile": 3600.0, "data_load": 1800.0}, metadata=doc(
-        "Budget per declared phase, in seconds; a phase declared with its own timeout uses that."))
-    default_phase_timeout_seconds: float = field(default=1800.0, metadata=doc(
-        "Budget of a declared phase that names no timeout and is not in phase_timeouts."))
+    suspect_ratio: float = field(
+        default=0.5, metadata=doc("A rank is SUSPECT once this share of its timeout has passed without progress.")
+    )
+    phase_timeouts: dict[str, float] = field(
+        default_factory=lambda: {
+            "startup": 900.0,
+            "checkpoint_save": 1800.0,
+            "checkpoint_load": 1800.0,
+            "eval": 3600.0,
+            "compile": 3600.0,
+            "data_load": 1800.0,
+        },
+        metadata=doc("Budget per declared phase, in seconds; a phase declared with its own timeout uses that."),
+    )
+    default_phase_timeout_seconds: float = field(
+        default=1800.0, metadata=doc("Budget of a declared phase that names no timeout and is not in phase_timeouts.")
+    )
 
     def __post_init__(self) -> None:
-        for name in ("check_interval_seconds", "startup_timeout_seconds", "floor_seconds",
-                     "ceiling_seconds", "multiplier", "default_phase_timeout_seconds"):
+        for name in (
+            "check_interval_seconds",
+            "startup_timeout_seconds",
+            "floor_seconds",
+            "ceiling_seconds",
+            "multiplier",
+            "default_phase_timeout_seconds",
+        ):
             _positive(f"watchdog.{name}", getattr(self, name))
         if self.ceiling_seconds < self.floor_seconds:
-            _fail("watchdog.ceiling_seconds",
-                  f"must be >= watchdog.floor_seconds ({self.ceiling_seconds} < {self.floor_seconds})")
+            _fail(
+                "watchdog.ceiling_seconds",
+                f"must be >= watchdog.floor_seconds ({self.ceiling_seconds} < {self.floor_seconds})",
+            )
         if not 0 < self.quantile <= 1:
             _fail("watchdog.quantile", f"must be in (0, 1], got {self.quantile}")
         if not 0 < self.suspect_ratio < 1:
@@ -185,17 +242,27 @@ class WatchdogSettings:
 
 @dataclass
 class RemediationSettings:
-    dump_stacks: bool = field(default=True, metadata=doc(
-        "Ask hung ranks for their Python stacks (the hooks' faulthandler signal) before killing."))
+    dump_stacks: bool = field(
+        default=True,
+        metadata=doc("Ask hung ranks for their Python stacks (the hooks' faulthandler signal) before killing."),
+    )
     py_spy: bool = field(default=True, metadata=doc("Also run `py-spy dump` on hung ranks when it is installed."))
     dump_wait_seconds: float = field(default=2.0, metadata=doc("How long to wait for stack dumps."))
     grace_seconds: float = field(default=10.0, metadata=doc("Wait between SIGTERM and SIGKILL."))
-    max_per_window: int = field(default=3, metadata=doc(
-        "Most remediations per window of the jobs of one uid; past it the watchdog only alerts "
-        "about that user's stalls (restart-storm cap). Another user's jobs keep their own."))
-    max_per_window_node: int = field(default=8, metadata=doc(
-        "Most remediations per window on this node, all users together (the storm cap's ceiling); "
-        "never below max_per_window, so raising that one alone (a single-user node) raises both."))
+    max_per_window: int = field(
+        default=3,
+        metadata=doc(
+            "Most remediations per window of the jobs of one uid; past it the watchdog only alerts "
+            "about that user's stalls (restart-storm cap). Another user's jobs keep their own."
+        ),
+    )
+    max_per_window_node: int = field(
+        default=8,
+        metadata=doc(
+            "Most remediations per window on this node, all users together (the storm cap's ceiling); "
+            "never below max_per_window, so raising that one alone (a single-user node) raises both."
+        ),
+    )
     window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
 
     def __post_init__(self) -> None:
@@ -208,12 +275,20 @@ class RemediationSettings:
 
 @dataclass
 class ExitSettings:
-    gpu_error_window_seconds: float = field(default=60.0, metadata=doc(
-        "A rank that dies within this many seconds after an XID on a GPU it was using exited with "
-        "reason `gpu_error`."))
-    group_seconds: float = field(default=30.0, metadata=doc(
-        "Rank exits of one job within this many seconds of the first share its exit incident (torchrun "
-        "stops the other workers when one dies)."))
+    gpu_error_window_seconds: float = field(
+        default=60.0,
+        metadata=doc(
+            "A rank that dies within this many seconds after an XID on a GPU it was using exited with "
+            "reason `gpu_error`."
+        ),
+    )
+    group_seconds: float = field(
+        default=30.0,
+        metadata=doc(
+            "Rank exits of one job within this many seconds of the first share its exit incident (torchrun "
+            "stops the other workers when one dies)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("exits.gpu_error_window_seconds", self.gpu_error_window_seconds)
@@ -222,42 +297,75 @@ class ExitSettings:
 
 @dataclass
 class Settings:
-    listen: str = field(default=DEFAULT_LISTEN, metadata=doc(
-        "TCP address (HOST:PORT) for `/metrics`, health, status and, as a fallback, the push API. "
-        "Port 0 picks a free port (printed at start)."))
-    socket: str = field(default=DEFAULT_SOCKET, metadata=doc(
-        "Unix socket for the hooks (and `sidecar status`). Empty disables it."))
-    socket_mode: str = field(default="0660", metadata=doc(
-        "Permissions of the Unix socket, octal. Training processes need write access; 0660 plus "
-        "socket_group lets a group of users push, 0666 lets anyone on the node."))
+    listen: str = field(
+        default=DEFAULT_LISTEN,
+        metadata=doc(
+            "TCP address (HOST:PORT) for `/metrics`, health, status and, as a fallback, the push API. "
+            "Port 0 picks a free port (printed at start)."
+        ),
+    )
+    socket: str = field(
+        default=DEFAULT_SOCKET, metadata=doc("Unix socket for the hooks (and `sidecar status`). Empty disables it.")
+    )
+    socket_mode: str = field(
+        default="0660",
+        metadata=doc(
+            "Permissions of the Unix socket, octal. Training processes need write access; 0660 plus "
+            "socket_group lets a group of users push, 0666 lets anyone on the node."
+        ),
+    )
     socket_group: str = field(default="", metadata=doc("Group that owns the Unix socket (empty: unchanged)."))
-    token_file: str = field(default="", metadata=doc(
-        "File holding the bearer token the push API requires when TCP listens beyond loopback "
-        "(or set SIDECAR_TOKEN). Never a flag: flags show in `ps`."))
-    checkpoint_dir: str = field(default=".", metadata=doc(
-        "The training checkpoint directory; its filesystem's free space is exported."))
-    diag_dir: str = field(default="", metadata=doc(
-        "Where stack dumps and incidents go (empty: `diag/` next to the socket, or ./sidecar-diag)."))
-    metrics_reuse_seconds: float = field(default=0.5, metadata=doc(
-        "A `/metrics` answer rendered less than this many seconds ago is answered again (0: render "
-        "every scrape). Far below any scrape interval, it bounds what scraping in a loop costs the "
-        "sidecar: at most one rendering per interval."))
-    incident_file_mode: str = field(default="0600", metadata=doc(
-        "Permissions of incident files, octal. Incidents quote stack dumps and job details, so by "
-        "default only the sidecar's user reads them; 0640 with incident_group lets a group read them. "
-        "Never writable or executable by group or others."))
-    incident_group: str = field(default="", metadata=doc(
-        "Group that owns incident files (empty: the sidecar's group)."))
+    token_file: str = field(
+        default="",
+        metadata=doc(
+            "File holding the bearer token the push API requires when TCP listens beyond loopback "
+            "(or set SIDECAR_TOKEN). Never a flag: flags show in `ps`."
+        ),
+    )
+    checkpoint_dir: str = field(
+        default=".", metadata=doc("The training checkpoint directory; its filesystem's free space is exported.")
+    )
+    diag_dir: str = field(
+        default="",
+        metadata=doc("Where stack dumps and incidents go (empty: `diag/` next to the socket, or ./sidecar-diag)."),
+    )
+    metrics_reuse_seconds: float = field(
+        default=0.5,
+        metadata=doc(
+            "A `/metrics` answer rendered less than this many seconds ago is answered again (0: render "
+            "every scrape). Far below any scrape interval, it bounds what scraping in a loop costs the "
+            "sidecar: at most one rendering per interval."
+        ),
+    )
+    incident_file_mode: str = field(
+        default="0600",
+        metadata=doc(
+            "Permissions of incident files, octal. Incidents quote stack dumps and job details, so by "
+            "default only the sidecar's user reads them; 0640 with incident_group lets a group read them. "
+            "Never writable or executable by group or others."
+        ),
+    )
+    incident_group: str = field(
+        default="", metadata=doc("Group that owns incident files (empty: the sidecar's group).")
+    )
     log_level: str = field(default="info", metadata=doc("debug, info, warning or error."))
-    hooks_flush_interval_seconds: float = field(default=2.0, metadata=doc(
-        "How often the hooks post their buffer, told to each rank at registration (a rank's "
-        "SIDECAR_FLUSH_INTERVAL wins). Each push is a request the sidecar pays for (about half of "
-        "its CPU with 8 ranks at 1 s); a healthy rank's progress reaches the watchdog up to this "
-        "late, so watchdog.floor_seconds must be at least twice it plus the check interval."))
-    idle_timeout_seconds: float = field(default=30.0, metadata=doc(
-        "A connection that has not completed a request within this many seconds (idle keep-alive "
-        "connections and half-sent requests alike) is closed, and a request body must arrive within "
-        "it (408). Above the Prometheus scrape interval, so scrapes can reuse their connection."))
+    hooks_flush_interval_seconds: float = field(
+        default=2.0,
+        metadata=doc(
+            "How often the hooks post their buffer, told to each rank at registration (a rank's "
+            "SIDECAR_FLUSH_INTERVAL wins). Each push is a request the sidecar pays for (about half of "
+            "its CPU with 8 ranks at 1 s); a healthy rank's progress reaches the watchdog up to this "
+            "late, so watchdog.floor_seconds must be at least twice it plus the check interval."
+        ),
+    )
+    idle_timeout_seconds: float = field(
+        default=30.0,
+        metadata=doc(
+            "A connection that has not completed a request within this many seconds (idle keep-alive "
+            "connections and half-sent requests alike) is closed, and a request body must arrive within "
+            "it (408). Above the Prometheus scrape interval, so scrapes can reuse their connection."
+        ),
+    )
     collectors: CollectorSettings = field(default_factory=CollectorSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
@@ -278,17 +386,23 @@ class Settings:
         except ValueError:
             _fail("incident_file_mode", f"expected an octal mode like 0600, got {self.incident_file_mode!r}")
         if not 0 <= incident_mode <= 0o777 or incident_mode & 0o133:
-            _fail("incident_file_mode", f"must not let group or others write, nor anyone execute "
-                  f"(0600, 0640 or 0644), got {self.incident_file_mode!r}")
+            _fail(
+                "incident_file_mode",
+                f"must not let group or others write, nor anyone execute "
+                f"(0600, 0640 or 0644), got {self.incident_file_mode!r}",
+            )
         _positive("metrics_reuse_seconds", self.metrics_reuse_seconds, allow_zero=True)
         _positive("hooks_flush_interval_seconds", self.hooks_flush_interval_seconds)
         _positive("idle_timeout_seconds", self.idle_timeout_seconds)
         # Between two batches a healthy rank's progress looks up to one flush interval old.
         slack = 2 * self.hooks_flush_interval_seconds + self.watchdog.check_interval_seconds
         if self.watchdog.floor_seconds < slack:
-            _fail("watchdog.floor_seconds", f"must be at least 2 x hooks_flush_interval_seconds + "
-                  f"watchdog.check_interval_seconds ({self.watchdog.floor_seconds} < {slack:g}); "
-                  "lower the flush interval for short floors")
+            _fail(
+                "watchdog.floor_seconds",
+                f"must be at least 2 x hooks_flush_interval_seconds + "
+                f"watchdog.check_interval_seconds ({self.watchdog.floor_seconds} < {slack:g}); "
+                "lower the flush interval for short floors",
+            )
         if self.log_level not in ("debug", "info", "warning", "error"):
             _fail("log_level", f"expected debug, info, warning or error, got {self.log_level!r}")
 
@@ -313,6 +427,7 @@ class Settings:
         if not self.incident_group:
             return None
         import grp
+
         try:
             return grp.getgrnam(self.incident_group).gr_gid
         except KeyError:
@@ -350,8 +465,9 @@ class Settings:
 _TREE = SettingsTree(_fail, loader=yaml.BaseLoader, noun="setting")
 
 
-def load_settings(config_file: str | None = None, overrides: Mapping[str, Any] | None = None,
-                  environ: Mapping[str, str] | None = None) -> Settings:
+def load_settings(
+    config_file: str | None = None, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
     """Settings from file < env < overrides (dotted keys, e.g. {"watchdog.floor_seconds": 5})."""
     environ = os.environ if environ is None else environ
     config_file = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
@@ -366,8 +482,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML settings file (also SIDECAR_CONFIG)")
     parser.add_argument("--listen", help=f"TCP HOST:PORT (default {DEFAULT_LISTEN}; also SIDECAR_LISTEN)")
     parser.add_argument("--socket", help=f"Unix socket path (default {DEFAULT_SOCKET}; also SIDECAR_SOCKET)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any setting by its dotted name, e.g. --set watchdog.floor_seconds=5")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any setting by its dotted name, e.g. --set watchdog.floor_seconds=5",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -1,6 +1,7 @@
 """The metric primitive every concern shares: a `MetricSpec` names one metric family (name,
 type, help, labels) once, and builds its family at export time. Each module that exports
 metrics lists its specs in `METRICS`; docs/metrics.md is generated from them."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from prometheus_client.core import (
 PREFIX = "sidecar_"
 
 if TYPE_CHECKING:
+
     class Family(Metric):
         """What `MetricSpec.family` returns: a gauge, counter, info or histogram family. Their
         `add_metric` signatures differ (an info family takes a dict, a histogram buckets and a

@@ -5,6 +5,7 @@ lists their text. Two sources may see the same subject (the watchdog words a sta
 its timeout basis; the status document words any rank in a bad state): the first one's wording
 stands, matched by subject, never by text.
 """
+
 from __future__ import annotations
 
 import enum

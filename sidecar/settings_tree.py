@@ -7,6 +7,7 @@ field from the dataclass annotations. Every problem goes to the program's own `f
 problem)`, which raises its own error class with one line naming the dotted field.
 Stdlib and PyYAML only: the sidecar must not import torch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,11 +63,12 @@ class SettingsTree:
         for i, part in enumerate(sections):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                self.fail(".".join(sections[:i + 1]), "is a value, not a section")
+                self.fail(".".join(sections[: i + 1]), "is a value, not a section")
         node[leaf] = value
 
-    def env_overrides(self, cls: type, prefix: str, environ: Mapping[str, str],
-                      parse: Callable[[str], Any] = str) -> dict:
+    def env_overrides(
+        self, cls: type, prefix: str, environ: Mapping[str, str], parse: Callable[[str], Any] = str
+    ) -> dict:
         """<PREFIX><FIELD> for top-level values and <PREFIX><SECTION>_<FIELD> for the fields of
         sections, as a tree; `parse` turns the text into the value the schema then types."""
         out: dict = {}
@@ -93,8 +95,10 @@ class SettingsTree:
         fields = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(str(k) for k in data if k not in fields)
         if unknown:
-            self.fail(prefix + unknown[0], f"unknown {self.noun}; known in "
-                      f"{prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}")
+            self.fail(
+                prefix + unknown[0],
+                f"unknown {self.noun}; known in {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}",
+            )
         hints = typing.get_type_hints(cls)
         kwargs = {k: self.coerce(prefix + k, hints[k], v) for k, v in data.items()}
         try:
@@ -140,8 +144,11 @@ class SettingsTree:
             return "" if value is None else str(value)
         if origin is list:
             if isinstance(value, str):  # "a,b" or YAML's "[a, b]"
-                value = (self._parse(name, value) if value.strip().startswith("[")
-                         else [v.strip() for v in value.split(",") if v.strip()])
+                value = (
+                    self._parse(name, value)
+                    if value.strip().startswith("[")
+                    else [v.strip() for v in value.split(",") if v.strip()]
+                )
             if not isinstance(value, list):
                 self.fail(name, f"expected a list, got {value!r}")
             (item,) = typing.get_args(tp)

@@ -1,4 +1,5 @@
 """Fixtures every test area may use."""
+
 from __future__ import annotations
 
 import subprocess

@@ -7,6 +7,7 @@ Each loader process registers `ranks` ranks of one job under its own pid over th
 declares a long `eval` phase so the idle ranks are never stalls; then it stays alive (the ranks
 stay live) until killed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from tests.support import PYTHON, Sidecar, spawned, tail, wait_until
 
-LOADER = r'''
+LOADER = r"""
 import http.client, json, os, socket, sys, time
 sock_path, job, ranks, customs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 class Conn(http.client.HTTPConnection):
@@ -57,10 +58,10 @@ for rank in range(ranks):
 print("done", ok, flush=True)
 conn.close()
 time.sleep(3600)
-'''
+"""
 
 # A healthy rank: the real hooks, a step every 0.2 s.
-HEALTHY = r'''
+HEALTHY = r"""
 import time
 from trainer_hooks import Monitor
 mon = Monitor(job_id="healthy", rank=0, world_size=1)
@@ -69,13 +70,21 @@ while True:
     step += 1
     mon.step(step, loss=1.0)
     time.sleep(0.2)
-'''
+"""
 
 
-def start_loaders(stack: contextlib.ExitStack, sidecar: Sidecar, workdir: Path, jobs: int, ranks: int,
-                  customs: int) -> list:
-    procs = [stack.enter_context(spawned([PYTHON, "-c", LOADER, sidecar.socket, f"load-{j}", str(ranks),
-                                          str(customs)], workdir / f"loader{j}.log")) for j in range(jobs)]
+def start_loaders(
+    stack: contextlib.ExitStack, sidecar: Sidecar, workdir: Path, jobs: int, ranks: int, customs: int
+) -> list:
+    procs = [
+        stack.enter_context(
+            spawned(
+                [PYTHON, "-c", LOADER, sidecar.socket, f"load-{j}", str(ranks), str(customs)],
+                workdir / f"loader{j}.log",
+            )
+        )
+        for j in range(jobs)
+    ]
     return procs
 
 
@@ -105,11 +114,13 @@ class Latencies:
 
     def summary(self) -> str:
         h, s = self.healthz_ms, self.scrape_ms
-        return (f"/healthz during scrapes: n={len(h)} median {statistics.median(h) if h else float('nan'):.1f} ms, "
-                f"p99 {self.quantile(h, 0.99):.1f} ms, max {max(h, default=float('nan')):.1f} ms; "
-                f"/metrics: n={len(s)} median {statistics.median(s) if s else float('nan'):.1f} ms, "
-                f"max {max(s, default=float('nan')):.1f} ms, series max {max(self.scrape_series, default=0)}, "
-                f"body max {max(self.scrape_bytes, default=0) / 1024:.0f} KiB")
+        return (
+            f"/healthz during scrapes: n={len(h)} median {statistics.median(h) if h else float('nan'):.1f} ms, "
+            f"p99 {self.quantile(h, 0.99):.1f} ms, max {max(h, default=float('nan')):.1f} ms; "
+            f"/metrics: n={len(s)} median {statistics.median(s) if s else float('nan'):.1f} ms, "
+            f"max {max(s, default=float('nan')):.1f} ms, series max {max(self.scrape_series, default=0)}, "
+            f"body max {max(self.scrape_bytes, default=0) / 1024:.0f} KiB"
+        )
 
 
 def _get(port: int, path: str, timeout: float = 60) -> tuple[int, bytes]:

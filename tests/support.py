@@ -1,5 +1,6 @@
 """Helpers shared by the tests: the one settings builder, free ports, processes started in
 their own session and always killed (with their children) at teardown, HTTP readiness waits."""
+
 from __future__ import annotations
 
 import contextlib
@@ -64,15 +65,17 @@ def kill_tree(proc: subprocess.Popen | int, timeout: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def spawned(cmd: Sequence[str], log_path: Path, env: dict | None = None,
-            cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+def spawned(
+    cmd: Sequence[str], log_path: Path, env: dict | None = None, cwd: Path | None = None
+) -> Iterator[subprocess.Popen]:
     """Start `cmd` in a new session with output to `log_path`; kill its tree on exit."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                cwd=str(cwd or ROOT), start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(cwd or ROOT), start_new_session=True
+        )
     try:
         yield proc
     finally:
@@ -93,6 +96,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "co
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     """GET an http://host:port/path URL; (status, body), or (0, b"") when unreachable."""
     from urllib.parse import urlsplit
+
     u = urlsplit(url)
     if u.hostname is None:
         raise ValueError(f"no host in {url}")
@@ -137,10 +141,23 @@ class Sidecar:
         self._cm: contextlib.AbstractContextManager[subprocess.Popen] | None = None
 
     def command(self) -> list[str]:
-        cmd = [PYTHON, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{self.port}", "--socket", self.socket,
-               "--set", f"diag_dir={self.workdir / 'diag'}", "--set", "collectors.interval_seconds=1",
-               # Tests read /metrics right after what they changed: every scrape renders.
-               "--set", "metrics_reuse_seconds=0"]
+        cmd = [
+            PYTHON,
+            "-m",
+            "sidecar",
+            "run",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--socket",
+            self.socket,
+            "--set",
+            f"diag_dir={self.workdir / 'diag'}",
+            "--set",
+            "collectors.interval_seconds=1",
+            # Tests read /metrics right after what they changed: every scrape renders.
+            "--set",
+            "metrics_reuse_seconds=0",
+        ]
         for s in self.settings:
             cmd += ["--set", s]
         return cmd
@@ -149,8 +166,11 @@ class Sidecar:
         self._cm = spawned(self.command(), self.log, env=self.env)
         self.proc = self._cm.__enter__()
         try:
-            wait_until(lambda: self.proc.poll() is not None or http_get(self.url + "/readyz")[0] == 200,
-                       timeout, what=f"sidecar ready on {self.url}")
+            wait_until(
+                lambda: self.proc.poll() is not None or http_get(self.url + "/readyz")[0] == 200,
+                timeout,
+                what=f"sidecar ready on {self.url}",
+            )
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{tail(self.log)}")
         except BaseException:

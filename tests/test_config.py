@@ -1,4 +1,5 @@
 """The sidecar's settings: precedence, typing by schema, one-line errors, generated reference."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,9 @@ def test_flag_beats_environment_beats_file(tmp_path, monkeypatch):
     monkeypatch.setenv("SIDECAR_WATCHDOG_FLOOR_SECONDS", "4")
     monkeypatch.setenv("SIDECAR_LISTEN", "127.0.0.1:2000")
     s = settings_from_args(args("watchdog.floor_seconds=5", config=str(cfg)))
-    assert s.watchdog.floor_seconds == 5.0          # flag
-    assert s.listen == "127.0.0.1:2000"             # env over file
-    assert s.watchdog.ceiling_seconds == 100.0      # file over default
+    assert s.watchdog.floor_seconds == 5.0  # flag
+    assert s.listen == "127.0.0.1:2000"  # env over file
+    assert s.watchdog.ceiling_seconds == 100.0  # file over default
 
 
 def test_octal_socket_mode_survives_yaml_and_flags(tmp_path):
@@ -46,18 +47,21 @@ def test_lists_and_mappings_from_strings():
     assert s.watchdog.phase_timeouts == {"eval": 5.0}
 
 
-@pytest.mark.parametrize("setting, fragment", [
-    ("watchdog.floor_seconds=-1", "setting watchdog.floor_seconds: must be > 0"),
-    ("watchdog.floor_seconds=abc", "setting watchdog.floor_seconds: expected a number"),
-    ("watchdog.ceiling_seconds=1", "setting watchdog.ceiling_seconds: must be >= watchdog.floor_seconds"),
-    ("watchdog.quantile=2", "setting watchdog.quantile"),
-    ("watchdog.nonsense=1", "setting watchdog.nonsense: unknown setting"),
-    ("collectors.enabled=gpu,disk", "unknown collector(s) disk"),
-    ("collectors.gpu_source=nvidia", "setting collectors.gpu_source: expected sidecar or dcgm, got 'nvidia'"),
-    ("listen=nowhere", "setting listen: expected HOST:PORT"),
-    ("socket_mode=999", "setting socket_mode: expected an octal mode"),
-    ("watchdog.observe_only=maybe", "expected true or false"),
-])
+@pytest.mark.parametrize(
+    "setting, fragment",
+    [
+        ("watchdog.floor_seconds=-1", "setting watchdog.floor_seconds: must be > 0"),
+        ("watchdog.floor_seconds=abc", "setting watchdog.floor_seconds: expected a number"),
+        ("watchdog.ceiling_seconds=1", "setting watchdog.ceiling_seconds: must be >= watchdog.floor_seconds"),
+        ("watchdog.quantile=2", "setting watchdog.quantile"),
+        ("watchdog.nonsense=1", "setting watchdog.nonsense: unknown setting"),
+        ("collectors.enabled=gpu,disk", "unknown collector(s) disk"),
+        ("collectors.gpu_source=nvidia", "setting collectors.gpu_source: expected sidecar or dcgm, got 'nvidia'"),
+        ("listen=nowhere", "setting listen: expected HOST:PORT"),
+        ("socket_mode=999", "setting socket_mode: expected an octal mode"),
+        ("watchdog.observe_only=maybe", "expected true or false"),
+    ],
+)
 def test_bad_settings_raise_one_line_naming_the_setting(setting, fragment):
     with pytest.raises(ConfigError) as err:
         settings_from_args(args(setting))
@@ -87,7 +91,8 @@ def test_token_comes_from_environment_or_file_never_a_flag(tmp_path, monkeypatch
 def test_settings_reference_is_current():
     doc = ROOT / "docs" / "configuration.md"
     assert doc.exists() and doc.read_text() == reference_markdown(), (
-        "docs/configuration.md is stale: run `sidecar config-doc --write docs/configuration.md`")
+        "docs/configuration.md is stale: run `sidecar config-doc --write docs/configuration.md`"
+    )
 
 
 def test_an_empty_list_can_be_given_as_a_flag():
@@ -98,13 +103,28 @@ def test_an_empty_list_can_be_given_as_a_flag():
 def test_a_missing_procfs_root_is_refused_at_start_with_one_line(tmp_path):
     import subprocess
     import sys
-    result = subprocess.run([sys.executable, "-m", "sidecar", "run", "--listen", "127.0.0.1:0",
-                             "--socket", str(tmp_path / "s.sock"),
-                             "--set", f"collectors.procfs_root={tmp_path / 'nope'}"],
-                            capture_output=True, text=True, timeout=60)
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "run",
+            "--listen",
+            "127.0.0.1:0",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--set",
+            f"collectors.procfs_root={tmp_path / 'nope'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"sidecar: setting collectors.procfs_root: '{tmp_path / 'nope'}' is not a directory"]
+        f"sidecar: setting collectors.procfs_root: '{tmp_path / 'nope'}' is not a directory"
+    ]
 
 
 def test_a_step_floor_shorter_than_the_hooks_flush_interval_is_refused():

@@ -11,6 +11,7 @@ Usage:
     hooks = stage_hooks(d)                    # a copy of trainer_hooks the user can import
     proc = run_as(alice, [UNPRIV_PYTHON, "-c", code], env={"PYTHONPATH": str(hooks)})
 """
+
 from __future__ import annotations
 
 import os
@@ -51,9 +52,11 @@ def unprivileged_user(tag: str) -> User:
         entry = pwd.getpwnam(name)
     except KeyError:
         # --user-group gives each user its own group, so two test users share nothing.
-        subprocess.run(["useradd", "--system", "--user-group", "--no-create-home",
-                        "--shell", "/usr/sbin/nologin", name],
-                       check=False, capture_output=True)
+        subprocess.run(
+            ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=False,
+            capture_output=True,
+        )
         entry = pwd.getpwnam(name)  # raises if useradd failed (also under a concurrent create)
     return User(name=name, uid=entry.pw_uid, gid=entry.pw_gid)
 
@@ -69,24 +72,24 @@ def stage_hooks(dest: Path) -> Path:
     """Copy the stdlib-only `trainer_hooks` package where an unprivileged user can import it;
     returns the directory to put on PYTHONPATH."""
     target = dest / "pylib"
-    shutil.copytree(ROOT / "trainer_hooks", target / "trainer_hooks",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "trainer_hooks", target / "trainer_hooks", ignore=shutil.ignore_patterns("__pycache__"))
     for path in [target, *target.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     return target
 
 
-def run_as(user: User, argv: Sequence[str], env: dict[str, str] | None = None,
-           **kwargs) -> subprocess.Popen:
+def run_as(user: User, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     """Start `argv` as `user` (uid, gid, no supplementary groups), in its own session."""
     full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONUNBUFFERED": "1"}
     full_env.update(env or {})
-    return subprocess.Popen(list(argv), user=user.uid, group=user.gid, extra_groups=[],
-                            env=full_env, start_new_session=True, **kwargs)
+    return subprocess.Popen(
+        list(argv), user=user.uid, group=user.gid, extra_groups=[], env=full_env, start_new_session=True, **kwargs
+    )
 
 
-def run_as_sync(user: User, argv: Sequence[str], env: dict[str, str] | None = None,
-                timeout: float = 60.0) -> subprocess.CompletedProcess:
+def run_as_sync(
+    user: User, argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess:
     """Run `argv` as `user` to completion; stdout and stderr captured as text."""
     proc = run_as(user, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -4,6 +4,7 @@
 
 Exit status 2 with one line on stderr for a bad configuration (checked before the rendezvous).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,12 +17,19 @@ from trainer.config import ConfigError, help_text, load_config, parse_set, world
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer", description="The bundled distributed trainer.")
-    p.add_argument("--config", default=os.environ.get("TRAINER_CONFIG"),
-                   help="YAML configuration file (also TRAINER_CONFIG)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override one field, e.g. --set batch.global_batch_size=64 (repeatable)")
-    p.add_argument("--final-params", metavar="PATH",
-                   help="rank 0 saves the final parameters here ({name: tensor}, torch.save)")
+    p.add_argument(
+        "--config", default=os.environ.get("TRAINER_CONFIG"), help="YAML configuration file (also TRAINER_CONFIG)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field, e.g. --set batch.global_batch_size=64 (repeatable)",
+    )
+    p.add_argument(
+        "--final-params", metavar="PATH", help="rank 0 saves the final parameters here ({name: tensor}, torch.save)"
+    )
     p.add_argument("--help-config", action="store_true", help="print every configuration field and exit")
     return p.parse_args(argv)
 
@@ -50,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging()
     from trainer.train import Trainer
+
     trainer = Trainer(cfg, final_params=args.final_params)
     ok = False
     try:

@@ -7,6 +7,7 @@
   manifest.json, COMMIT   see trainer/checkpoint_store.py
 Everything loads with `torch.load(weights_only=True)`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,9 @@ class Resumed:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, world: World, strategy: str, seed: int,
-                 faults: FaultInjector, monitor) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, world: World, strategy: str, seed: int, faults: FaultInjector, monitor
+    ) -> None:
         self.cfg, self.world, self.strategy, self.seed = cfg, world, strategy, seed
         self.store = CheckpointStore(cfg.dir, cfg.keep_last)
         self.faults, self.monitor = faults, monitor
@@ -63,21 +65,35 @@ class Checkpointer:
             dist.barrier()  # the empty temp directory exists for everybody
             tmp = self.store.temp_for(step)
             files = self._write_model(tmp, model, optimizer)
-            rank_state = {"step": step, "world_size": self.world.size, "data": position.state_dict(),
-                          "scheduler": scheduler.state_dict(), "rng": rng.capture()}
+            rank_state = {
+                "step": step,
+                "world_size": self.world.size,
+                "data": position.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": rng.capture(),
+            }
             name = f"rank-{self.world.rank}.pt"
-            files[name] = write_stream(tmp / name, partial(torch.save, rank_state),
-                                       self.faults.checkpoint_interrupt(step))
+            files[name] = write_stream(
+                tmp / name, partial(torch.save, rank_state), self.faults.checkpoint_interrupt(step)
+            )
             gathered: list = [None] * self.world.size
             dist.all_gather_object(gathered, files)
             path = self.store.path_for(step)
             if self.world.is_main:
                 merged = {k: v for per_rank in gathered for k, v in per_rank.items()}
-                self.store.commit(step, merged, meta={"world_size": self.world.size, "strategy": self.strategy,
-                                                      "torch": torch.__version__})
+                self.store.commit(
+                    step,
+                    merged,
+                    meta={"world_size": self.world.size, "strategy": self.strategy, "torch": torch.__version__},
+                )
                 pruned = self.store.prune(step)
-                log.info("checkpoint saved: step=%d path=%s seconds=%.3f%s", step, path,
-                         time.monotonic() - started, f" pruned={len(pruned)}" if pruned else "")
+                log.info(
+                    "checkpoint saved: step=%d path=%s seconds=%.3f%s",
+                    step,
+                    path,
+                    time.monotonic() - started,
+                    f" pruned={len(pruned)}" if pruned else "",
+                )
             dist.barrier()
         self.monitor.event("checkpoint_saved", step=step, path=str(path))
         return path
@@ -86,6 +102,7 @@ class Checkpointer:
         if self.strategy == "fsdp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
+
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "model"))
             if not self.world.is_main:
@@ -110,8 +127,10 @@ class Checkpointer:
             return None
         step, path, meta = choice[0][0], Path(choice[0][1]), choice[0][2]
         if meta.get("strategy") != self.strategy:
-            raise RuntimeError(f"checkpoint {path} was written with parallel.strategy={meta.get('strategy')}; "
-                               f"resume it with that strategy (this run uses {self.strategy})")
+            raise RuntimeError(
+                f"checkpoint {path} was written with parallel.strategy={meta.get('strategy')}; "
+                f"resume it with that strategy (this run uses {self.strategy})"
+            )
         started = time.monotonic()
         with self.monitor.phase("checkpoint_load"):
             self._read_model(path, model, optimizer)
@@ -120,9 +139,12 @@ class Checkpointer:
                 state = torch.load(rank_file, weights_only=True)
                 rng.restore(state["rng"])
             else:  # the world grew: this rank has no saved streams of its own
-                log.warning("checkpoint: %s has no %s (saved by a smaller world); model, optimizer and data "
-                            "position restored, RNG streams re-seeded: resume is not bitwise exact",
-                            path, rank_file.name)
+                log.warning(
+                    "checkpoint: %s has no %s (saved by a smaller world); model, optimizer and data "
+                    "position restored, RNG streams re-seeded: resume is not bitwise exact",
+                    path,
+                    rank_file.name,
+                )
                 state = torch.load(path / "rank-0.pt", weights_only=True)
                 rng.seed_rank(self.seed + step, self.world.rank)
             scheduler.load_state_dict(state["scheduler"])
@@ -136,6 +158,7 @@ class Checkpointer:
         if self.strategy == "fsdp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(state, checkpoint_id=str(path / "model"))

@@ -7,6 +7,7 @@ fsyncs the parent. A crash at any point leaves either the complete `step-N/` or 
 `scan` reports and `latest_complete` skips; older complete checkpoints are only pruned after a
 newer one is committed, so the newest complete one is never lost.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +73,9 @@ class _DigestingWriter:
         self.f.flush()
 
 
-def write_stream(path: Path, produce: Callable[[BinaryIO], object],
-                 interrupt: Callable[[], None] | None = None) -> FileDigest:
+def write_stream(
+    path: Path, produce: Callable[[BinaryIO], object], interrupt: Callable[[], None] | None = None
+) -> FileDigest:
     """Create `path` with what `produce(file)` writes, fsync it, and return its digest.
     `interrupt` (fault injection) runs after the first chunk reaches the disk."""
     with open(path, "wb") as f:
@@ -122,8 +124,12 @@ class CheckpointStore:
     def commit(self, step: int, files: dict[str, FileDigest], meta: dict | None = None) -> Path:
         """Seal step N's temp directory: manifest, commit marker, atomic rename, fsyncs."""
         tmp, final = self.temp_for(step), self.path_for(step)
-        manifest = {"step": step, "time": time.time(), "meta": meta or {},
-                    "files": {name: {"size": d.size, "sha256": d.sha256} for name, d in sorted(files.items())}}
+        manifest = {
+            "step": step,
+            "time": time.time(),
+            "meta": meta or {},
+            "files": {name: {"size": d.size, "sha256": d.sha256} for name, d in sorted(files.items())},
+        }
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
         write_file(tmp / MANIFEST, body)
         write_file(tmp / COMMIT, hashlib.sha256(body).hexdigest().encode())
@@ -142,7 +148,7 @@ class CheckpointStore:
         timeline that resumed from an earlier checkpoint) stay until this run replaces them."""
         older = [c for c in self.scan(verify=False) if c.step < newest]
         committed = [c for c in older if c.problem is None]
-        doomed = [c.path for c in committed[self.keep_last - 1:]]
+        doomed = [c.path for c in committed[self.keep_last - 1 :]]
         doomed += [c.path for c in older if c.problem is not None]
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)

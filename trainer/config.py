@@ -5,6 +5,7 @@ Every field documents itself in `metadata["help"]` (printed by `python -m traine
 Each section validates itself in `__post_init__`; anything wrong raises `ConfigError` with one
 line that names the field, which `python -m trainer` turns into exit status 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,13 +79,20 @@ def import_factory(name: str, path: str) -> Callable[..., Any]:
 
 # ---------------------------------------------------------------- sections
 
+
 @dataclass
 class ModelConfig:
-    factory: str = field(default="trainer.demo:build_model", metadata=doc(
-        "Import path `package.module:factory` of the model. Called as factory(**kwargs); returns an "
-        "nn.Module whose forward(inputs, targets) returns the scalar loss of a micro-batch."))
-    kwargs: dict[str, Any] = field(default_factory=dict, metadata=doc(
-        "Keyword arguments for the model factory (e.g. {hidden: 64, dropout: 0.1} for the demo)."))
+    factory: str = field(
+        default="trainer.demo:build_model",
+        metadata=doc(
+            "Import path `package.module:factory` of the model. Called as factory(**kwargs); returns an "
+            "nn.Module whose forward(inputs, targets) returns the scalar loss of a micro-batch."
+        ),
+    )
+    kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=doc("Keyword arguments for the model factory (e.g. {hidden: 64, dropout: 0.1} for the demo)."),
+    )
 
     def __post_init__(self) -> None:
         _import_path("model.factory", self.factory)  # importing waits for Config.check_imports
@@ -92,18 +100,29 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    factory: str = field(default="trainer.demo:build_dataset", metadata=doc(
-        "Import path `package.module:factory` of the dataset. Called as factory(seed=train.seed, "
-        "**kwargs); returns a map-style dataset whose items are (inputs, targets). Sample i must "
-        "depend only on the seed and i (exact resume relies on it); seed + 1 must give held-out samples "
-        "of the same task (evaluation uses it)."))
-    kwargs: dict[str, Any] = field(default_factory=dict, metadata=doc(
-        "Keyword arguments for the dataset factory (e.g. {size: 4096, features: 32} for the demo)."))
-    num_workers: int = field(default=0, metadata=doc(
-        "DataLoader worker processes per rank (0 loads in the training process)."))
-    delay_seconds: float = field(default=0.0, metadata=doc(
-        "Extra seconds spent fetching each step's batches: makes demo and test steps last long enough "
-        "to watch (0.05-0.2 s)."))
+    factory: str = field(
+        default="trainer.demo:build_dataset",
+        metadata=doc(
+            "Import path `package.module:factory` of the dataset. Called as factory(seed=train.seed, "
+            "**kwargs); returns a map-style dataset whose items are (inputs, targets). Sample i must "
+            "depend only on the seed and i (exact resume relies on it); seed + 1 must give held-out samples "
+            "of the same task (evaluation uses it)."
+        ),
+    )
+    kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=doc("Keyword arguments for the dataset factory (e.g. {size: 4096, features: 32} for the demo)."),
+    )
+    num_workers: int = field(
+        default=0, metadata=doc("DataLoader worker processes per rank (0 loads in the training process).")
+    )
+    delay_seconds: float = field(
+        default=0.0,
+        metadata=doc(
+            "Extra seconds spent fetching each step's batches: makes demo and test steps last long enough "
+            "to watch (0.05-0.2 s)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _import_path("data.factory", self.factory)
@@ -113,13 +132,21 @@ class DataConfig:
 
 @dataclass
 class BatchConfig:
-    global_batch_size: int = field(default=64, metadata=doc(
-        "Samples per optimizer step over all ranks. Must equal micro_batch_size x grad_accum_steps x "
-        "world_size; the data order does not depend on the world size."))
+    global_batch_size: int = field(
+        default=64,
+        metadata=doc(
+            "Samples per optimizer step over all ranks. Must equal micro_batch_size x grad_accum_steps x "
+            "world_size; the data order does not depend on the world size."
+        ),
+    )
     micro_batch_size: int = field(default=8, metadata=doc("Samples per forward/backward on one rank."))
-    grad_accum_steps: int | None = field(default=None, metadata=doc(
-        "Micro-batches accumulated per optimizer step. Derived from the two sizes and the world size; "
-        "an explicit value must agree with them."))
+    grad_accum_steps: int | None = field(
+        default=None,
+        metadata=doc(
+            "Micro-batches accumulated per optimizer step. Derived from the two sizes and the world size; "
+            "an explicit value must agree with them."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _at_least("batch.global_batch_size", self.global_batch_size, 1)
@@ -132,28 +159,41 @@ class BatchConfig:
         per_step = self.micro_batch_size * world_size
         if self.grad_accum_steps is not None:
             total = per_step * self.grad_accum_steps
-            _check("batch", total == self.global_batch_size,
-                   f"global_batch_size={self.global_batch_size} != micro_batch_size {self.micro_batch_size} "
-                   f"x grad_accum_steps {self.grad_accum_steps} x world_size {world_size} (= {total})")
+            _check(
+                "batch",
+                total == self.global_batch_size,
+                f"global_batch_size={self.global_batch_size} != micro_batch_size {self.micro_batch_size} "
+                f"x grad_accum_steps {self.grad_accum_steps} x world_size {world_size} (= {total})",
+            )
             return self.grad_accum_steps
-        _check("batch", self.global_batch_size % per_step == 0,
-               f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size "
-               f"{self.micro_batch_size} x world_size {world_size} (= {per_step})")
+        _check(
+            "batch",
+            self.global_batch_size % per_step == 0,
+            f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size "
+            f"{self.micro_batch_size} x world_size {world_size} (= {per_step})",
+        )
         return self.global_batch_size // per_step
 
 
 @dataclass
 class OptimConfig:
-    lr: float = field(default=1e-2, metadata=doc(
-        "Peak learning rate of AdamW. The default suits the demo MLP; transformers want ~3e-4."))
+    lr: float = field(
+        default=1e-2,
+        metadata=doc("Peak learning rate of AdamW. The default suits the demo MLP; transformers want ~3e-4."),
+    )
     weight_decay: float = field(default=0.01, metadata=doc("AdamW weight decay."))
     warmup_steps: int = field(default=0, metadata=doc("Steps of linear warm-up from 0 to lr."))
-    schedule: str = field(default="cosine", metadata=doc(
-        "After warm-up: `constant`, or `cosine` decay to min_lr_ratio x lr at train.steps."))
-    min_lr_ratio: float = field(default=0.1, metadata=doc(
-        "Final learning rate of the cosine schedule, as a share of lr."))
-    max_grad_norm: float = field(default=1.0, metadata=doc(
-        "Clip the global gradient norm to this value (0: never clip; the norm is still reported)."))
+    schedule: str = field(
+        default="cosine",
+        metadata=doc("After warm-up: `constant`, or `cosine` decay to min_lr_ratio x lr at train.steps."),
+    )
+    min_lr_ratio: float = field(
+        default=0.1, metadata=doc("Final learning rate of the cosine schedule, as a share of lr.")
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata=doc("Clip the global gradient norm to this value (0: never clip; the norm is still reported)."),
+    )
 
     def __post_init__(self) -> None:
         _at_least("optim.lr", self.lr, 0)
@@ -167,17 +207,24 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = field(default=100, metadata=doc("Optimizer steps to train for (the run's end)."))
-    seed: int = field(default=0, metadata=doc(
-        "Seed of everything: model initialisation, data order, per-rank dropout streams."))
-    device: str = field(default="auto", metadata=doc(
-        "`auto` (cuda:LOCAL_RANK when CUDA is available, else cpu), `cpu` or `cuda`."))
-    deterministic: bool = field(default=True, metadata=doc(
-        "Ask torch for deterministic kernels (needed for bitwise-exact resume on GPU)."))
+    seed: int = field(
+        default=0, metadata=doc("Seed of everything: model initialisation, data order, per-rank dropout streams.")
+    )
+    device: str = field(
+        default="auto", metadata=doc("`auto` (cuda:LOCAL_RANK when CUDA is available, else cpu), `cpu` or `cuda`.")
+    )
+    deterministic: bool = field(
+        default=True, metadata=doc("Ask torch for deterministic kernels (needed for bitwise-exact resume on GPU).")
+    )
     log_every_steps: int = field(default=10, metadata=doc("Rank 0 logs step, loss and it/s every this many steps."))
-    nonfinite_loss_limit: int = field(default=0, metadata=doc(
-        "Stop with FloatingPointError after this many consecutive steps with a NaN or infinite loss, before "
-        "more checkpoints are saved from bad weights (0: never; checking reads the loss every step, a device "
-        "sync on GPU). The sidecar names such an exit `exception/nonfinite` and the checkpoint to resume from."))
+    nonfinite_loss_limit: int = field(
+        default=0,
+        metadata=doc(
+            "Stop with FloatingPointError after this many consecutive steps with a NaN or infinite loss, before "
+            "more checkpoints are saved from bad weights (0: never; checking reads the loss every step, a device "
+            "sync on GPU). The sidecar names such an exit `exception/nonfinite` and the checkpoint to resume from."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _at_least("train.steps", self.steps, 1)
@@ -188,12 +235,19 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    every_steps: int = field(default=0, metadata=doc(
-        "Evaluate every this many steps (0: never), inside a declared `eval` phase."))
-    batches: int = field(default=4, metadata=doc(
-        "Micro-batches per rank per evaluation, from a held-out copy of the dataset (seed train.seed + 1)."))
-    timeout_seconds: float | None = field(default=None, metadata=doc(
-        "Budget announced to the sidecar's watchdog for the eval phase (empty: the sidecar's own)."))
+    every_steps: int = field(
+        default=0, metadata=doc("Evaluate every this many steps (0: never), inside a declared `eval` phase.")
+    )
+    batches: int = field(
+        default=4,
+        metadata=doc(
+            "Micro-batches per rank per evaluation, from a held-out copy of the dataset (seed train.seed + 1)."
+        ),
+    )
+    timeout_seconds: float | None = field(
+        default=None,
+        metadata=doc("Budget announced to the sidecar's watchdog for the eval phase (empty: the sidecar's own)."),
+    )
 
     def __post_init__(self) -> None:
         _at_least("eval.every_steps", self.every_steps, 0)
@@ -205,8 +259,9 @@ class EvalConfig:
 @dataclass
 class DDPOptions:
     bucket_cap_mb: float = field(default=25.0, metadata=doc("DDP gradient bucket size in MiB."))
-    find_unused_parameters: bool = field(default=False, metadata=doc(
-        "Let DDP tolerate parameters that get no gradient (costs a graph walk per step)."))
+    find_unused_parameters: bool = field(
+        default=False, metadata=doc("Let DDP tolerate parameters that get no gradient (costs a graph walk per step).")
+    )
 
     def __post_init__(self) -> None:
         _check("parallel.ddp.bucket_cap_mb", self.bucket_cap_mb > 0, f"must be > 0, got {self.bucket_cap_mb}")
@@ -214,21 +269,32 @@ class DDPOptions:
 
 @dataclass
 class FSDPOptions:
-    reshard_after_forward: bool = field(default=True, metadata=doc(
-        "FSDP2: free gathered parameters after forward (less memory, one more all-gather in backward)."))
-    shard_children: bool = field(default=True, metadata=doc(
-        "FSDP2: shard each direct child module separately before the root (overlaps communication)."))
+    reshard_after_forward: bool = field(
+        default=True,
+        metadata=doc("FSDP2: free gathered parameters after forward (less memory, one more all-gather in backward)."),
+    )
+    shard_children: bool = field(
+        default=True,
+        metadata=doc("FSDP2: shard each direct child module separately before the root (overlaps communication)."),
+    )
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = field(default="ddp", metadata=doc(
-        "`ddp` (DistributedDataParallel) or `fsdp` (FSDP2 fully_shard + torch.distributed.checkpoint). "
-        "Only the option block of the chosen strategy may be given."))
-    backend: str = field(default="auto", metadata=doc(
-        "Process group backend: `auto` (nccl with CUDA, else gloo), `gloo` or `nccl`."))
-    timeout_seconds: float = field(default=600.0, metadata=doc(
-        "Collective timeout of the process group. A hung peer fails the others after this long."))
+    strategy: str = field(
+        default="ddp",
+        metadata=doc(
+            "`ddp` (DistributedDataParallel) or `fsdp` (FSDP2 fully_shard + torch.distributed.checkpoint). "
+            "Only the option block of the chosen strategy may be given."
+        ),
+    )
+    backend: str = field(
+        default="auto", metadata=doc("Process group backend: `auto` (nccl with CUDA, else gloo), `gloo` or `nccl`.")
+    )
+    timeout_seconds: float = field(
+        default=600.0,
+        metadata=doc("Collective timeout of the process group. A hung peer fails the others after this long."),
+    )
     ddp: DDPOptions | None = field(default=None, metadata=doc("Options of strategy ddp."))
     fsdp: FSDPOptions | None = field(default=None, metadata=doc("Options of strategy fsdp."))
 
@@ -238,8 +304,11 @@ class ParallelConfig:
         _check("parallel.timeout_seconds", self.timeout_seconds > 0, f"must be > 0, got {self.timeout_seconds}")
         for other in ("ddp", "fsdp"):
             if other != self.strategy and getattr(self, other) is not None:
-                fail(f"parallel.{other}", f"options of strategy {other} given but parallel.strategy is "
-                     f"{self.strategy}; remove the block or set parallel.strategy={other}")
+                fail(
+                    f"parallel.{other}",
+                    f"options of strategy {other} given but parallel.strategy is "
+                    f"{self.strategy}; remove the block or set parallel.strategy={other}",
+                )
         if self.strategy == "ddp" and self.ddp is None:
             self.ddp = DDPOptions()
         if self.strategy == "fsdp" and self.fsdp is None:
@@ -248,13 +317,20 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = field(default="", metadata=doc(
-        "Directory of `step-N/` checkpoints, seen by all ranks (shared across nodes). Empty: no checkpoints."))
+    dir: str = field(
+        default="",
+        metadata=doc(
+            "Directory of `step-N/` checkpoints, seen by all ranks (shared across nodes). Empty: no checkpoints."
+        ),
+    )
     every_steps: int = field(default=50, metadata=doc("Save every this many steps (and always at the last step)."))
-    keep_last: int = field(default=3, metadata=doc(
-        "Complete checkpoints to keep; older ones are deleted after a newer one is committed."))
-    resume: bool = field(default=True, metadata=doc(
-        "Resume from the newest complete checkpoint in `dir` at start (torchrun restarts rely on it)."))
+    keep_last: int = field(
+        default=3, metadata=doc("Complete checkpoints to keep; older ones are deleted after a newer one is committed.")
+    )
+    resume: bool = field(
+        default=True,
+        metadata=doc("Resume from the newest complete checkpoint in `dir` at start (torchrun restarts rely on it)."),
+    )
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every_steps", self.every_steps, 1)
@@ -263,35 +339,60 @@ class CheckpointConfig:
 
 @dataclass
 class MonitorConfig:
-    enabled: bool = field(default=True, metadata=doc(
-        "Report steps, phases and events to the node sidecar through `trainer_hooks.Monitor` "
-        "(a no-op when no sidecar listens)."))
+    enabled: bool = field(
+        default=True,
+        metadata=doc(
+            "Report steps, phases and events to the node sidecar through `trainer_hooks.Monitor` "
+            "(a no-op when no sidecar listens)."
+        ),
+    )
 
 
-FAULT_KINDS = ("none", "sigkill", "sigstop", "loop", "sleep", "dataloader", "sigkill_in_checkpoint", "cuda_oom",
-               "nan_loss")
+FAULT_KINDS = (
+    "none",
+    "sigkill",
+    "sigstop",
+    "loop",
+    "sleep",
+    "dataloader",
+    "sigkill_in_checkpoint",
+    "cuda_oom",
+    "nan_loss",
+)
 
 
 @dataclass
 class FaultConfig:
-    kind: str = field(default="none", metadata=doc(
-        "Injected fault: `none`; `sigkill` (the rank SIGKILLs itself at the start of step at_step); "
-        "`sigstop` (it SIGSTOPs itself there); `loop` (endless pure-Python busy loop after the forward "
-        "of step at_step, before its all-reduce); `sleep` (time.sleep(sleep_seconds) at the same place: "
-        "the other ranks block in the all-reduce); `dataloader` (fetching the batches of step at_step "
-        "never returns); `sigkill_in_checkpoint` (at the first checkpoint save with step >= at_step the "
-        "rank writes half of its file, then SIGKILLs itself before the commit); `cuda_oom` (raises "
-        "torch.OutOfMemoryError as the CUDA allocator does, at the same place as `loop`); `nan_loss` (its loss "
-        "of step at_step is NaN, so are the gradients and, after the all-reduce, every rank's weights)."))
+    kind: str = field(
+        default="none",
+        metadata=doc(
+            "Injected fault: `none`; `sigkill` (the rank SIGKILLs itself at the start of step at_step); "
+            "`sigstop` (it SIGSTOPs itself there); `loop` (endless pure-Python busy loop after the forward "
+            "of step at_step, before its all-reduce); `sleep` (time.sleep(sleep_seconds) at the same place: "
+            "the other ranks block in the all-reduce); `dataloader` (fetching the batches of step at_step "
+            "never returns); `sigkill_in_checkpoint` (at the first checkpoint save with step >= at_step the "
+            "rank writes half of its file, then SIGKILLs itself before the commit); `cuda_oom` (raises "
+            "torch.OutOfMemoryError as the CUDA allocator does, at the same place as `loop`); `nan_loss` (its loss "
+            "of step at_step is NaN, so are the gradients and, after the all-reduce, every rank's weights)."
+        ),
+    )
     rank: int = field(default=0, metadata=doc("Global rank that injects the fault."))
     at_step: int = field(default=1, metadata=doc("Step (1-based) at which the fault fires."))
-    only_first_attempt: bool = field(default=True, metadata=doc(
-        "Fire only in the first attempt (TORCHELASTIC_RESTART_COUNT == 0 and the job's first worker-group "
-        "generation), so the restarted run heals."))
+    only_first_attempt: bool = field(
+        default=True,
+        metadata=doc(
+            "Fire only in the first attempt (TORCHELASTIC_RESTART_COUNT == 0 and the job's first worker-group "
+            "generation), so the restarted run heals."
+        ),
+    )
     sleep_seconds: float = field(default=1e6, metadata=doc("How long kind `sleep` sleeps."))
-    checkpoint_delay_seconds: float = field(default=0.0, metadata=doc(
-        "Every rank sleeps this long inside every checkpoint_save phase (any kind, every attempt): "
-        "makes a declared phase outlast the watchdog's step timeout."))
+    checkpoint_delay_seconds: float = field(
+        default=0.0,
+        metadata=doc(
+            "Every rank sleeps this long inside every checkpoint_save phase (any kind, every attempt): "
+            "makes a declared phase outlast the watchdog's step timeout."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _one_of("faults.kind", self.kind, FAULT_KINDS)
@@ -322,8 +423,11 @@ class Config:
     def validate_for(self, world_size: int) -> int:
         """Checks that need the world size; returns grad_accum_steps."""
         if self.faults.kind != "none":
-            _check("faults.rank", self.faults.rank < world_size,
-                   f"rank {self.faults.rank} does not exist in world_size {world_size}")
+            _check(
+                "faults.rank",
+                self.faults.rank < world_size,
+                f"rank {self.faults.rank} does not exist in world_size {world_size}",
+            )
         return self.batch.accumulation_for(world_size)
 
 
@@ -352,8 +456,9 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None,
-                environ: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: str | None = None, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Config:
     """Config from the YAML file < TRAINER_* environment < dotted overrides < defaults underneath."""
     environ = os.environ if environ is None else environ
     tree = _TREE.read_file(path, "--config") if path else {}
@@ -362,8 +467,11 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
 
 def help_text() -> str:
     """Every field with its type, default, environment variable and documentation."""
-    lines = ["Trainer configuration: YAML file (--config or TRAINER_CONFIG) < environment "
-             "TRAINER_<SECTION>_<FIELD> < flags --set section.field=value (values parse as YAML).", ""]
+    lines = [
+        "Trainer configuration: YAML file (--config or TRAINER_CONFIG) < environment "
+        "TRAINER_<SECTION>_<FIELD> < flags --set section.field=value (values parse as YAML).",
+        "",
+    ]
 
     def walk(cls: type, prefix: str) -> None:
         hints = typing.get_type_hints(cls)

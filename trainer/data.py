@@ -5,6 +5,7 @@ next `global_batch_size` indices of it; rank r's micro-batch m of the step is a 
 those. The position in the data is therefore two numbers, (epoch, steps into the epoch), and does
 not depend on the world size: a checkpoint records it and a resumed run starts right there.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,8 +32,17 @@ class DataPosition:
 class StepBatchSampler(Sampler[list[int]]):
     """Micro-batches of one rank for one epoch, from step `start_step` of that epoch on."""
 
-    def __init__(self, dataset_size: int, seed: int, epoch: int, start_step: int, global_batch: int,
-                 micro_batch: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        dataset_size: int,
+        seed: int,
+        epoch: int,
+        start_step: int,
+        global_batch: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
         self.steps = dataset_size // global_batch
         if self.steps == 0:
             raise ValueError(f"dataset of {dataset_size} samples is smaller than one global batch ({global_batch})")
@@ -47,7 +57,7 @@ class StepBatchSampler(Sampler[list[int]]):
             base = step * self.global_batch
             for m in range(accum):
                 lo = base + (m * self.world + self.rank) * self.micro
-                yield order[lo:lo + self.micro].tolist()
+                yield order[lo : lo + self.micro].tolist()
 
     def __len__(self) -> int:
         return (self.steps - self.start_step) * (self.global_batch // (self.micro * self.world))
@@ -57,9 +67,20 @@ class StepBatches:
     """Yields, step after step, the list of micro-batches this rank trains on, and the data position
     after that step. Crosses epoch boundaries on its own; a fresh DataLoader starts each epoch."""
 
-    def __init__(self, dataset: Dataset, *, seed: int, global_batch: int, micro_batch: int, accum: int,
-                 rank: int, world_size: int, num_workers: int, delay_seconds: float,
-                 position: DataPosition) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        accum: int,
+        rank: int,
+        world_size: int,
+        num_workers: int,
+        delay_seconds: float,
+        position: DataPosition,
+    ) -> None:
         self.dataset, self.seed = dataset, seed
         self.global_batch, self.micro, self.accum = global_batch, micro_batch, accum
         self.rank, self.world = rank, world_size
@@ -71,14 +92,28 @@ class StepBatches:
         self._it: Iterator | None = None
 
     def _loader(self) -> Iterator:
-        sampler = StepBatchSampler(len(self.dataset), self.seed, self.position.epoch,  # type: ignore[arg-type]
-                                   self.position.step_in_epoch, self.global_batch, self.micro,
-                                   self.rank, self.world)
+        sampler = StepBatchSampler(
+            len(self.dataset),  # type: ignore[arg-type]
+            self.seed,
+            self.position.epoch,
+            self.position.step_in_epoch,
+            self.global_batch,
+            self.micro,
+            self.rank,
+            self.world,
+        )
         # The generator keeps the DataLoader from drawing its worker seed from the global RNG, which
         # would shift the dropout stream of an uninterrupted run against a resumed one.
         gen = torch.Generator().manual_seed(self.seed * 7919 + self.position.epoch)
-        return iter(DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                               generator=gen, persistent_workers=False))
+        return iter(
+            DataLoader(
+                self.dataset,
+                batch_sampler=sampler,
+                num_workers=self.num_workers,
+                generator=gen,
+                persistent_workers=False,
+            )
+        )
 
     def next_step(self) -> tuple[list, DataPosition]:
         """The micro-batches of the next step, and the position once it is done."""

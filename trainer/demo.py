@@ -1,5 +1,6 @@
 """The demo workload: a small MLP classifier with dropout and a synthetic dataset in which
 sample i is computed from (seed, i) alone, so any subset can be regenerated in any order."""
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,9 @@ class TeacherDataset(Dataset):
 
 
 class MLP(nn.Module):
-    def __init__(self, features: int = 32, hidden: int = 64, classes: int = 8, layers: int = 2,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self, features: int = 32, hidden: int = 64, classes: int = 8, layers: int = 2, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         blocks: list[nn.Module] = []
         width = features

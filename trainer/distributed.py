@@ -1,5 +1,6 @@
 """Process group set-up: torchrun's environment when present, a one-process group otherwise, so the
 same code path (DDP or FSDP over a real process group) runs under `python -m trainer` too."""
+
 from __future__ import annotations
 
 import datetime
@@ -43,19 +44,30 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
 
 def init(device_choice: str, backend_choice: str, timeout_seconds: float) -> World:
     if "RANK" not in os.environ:  # plain `python -m trainer`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_choice, local_rank)
     backend = backend_choice if backend_choice != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=timeout_seconds)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Under torchrun the group gets a store namespace of its own attempt (trainer_hooks.distributed).
-    generation = attempt_safe.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
-                                                 device_id=device if device.type == "cuda" else None) or 1
-    return World(rank=dist.get_rank(), local_rank=local_rank, size=dist.get_world_size(),
-                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation=generation,
-                 backend=backend, device=device)
+    generation = (
+        attempt_safe.init_process_group(
+            backend, rank=rank, world_size=size, timeout=timeout, device_id=device if device.type == "cuda" else None
+        )
+        or 1
+    )
+    return World(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        size=dist.get_world_size(),
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        generation=generation,
+        backend=backend,
+        device=device,
+    )
 
 
 def close() -> None:

@@ -5,6 +5,7 @@ inside the step before its gradient all-reduce (the other ranks then wait in the
 they do behind a real straggler), a data fetch that never returns, a crash half-way through
 writing a checkpoint. Configured by the `faults` section (see trainer/config.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,9 +45,11 @@ class FaultInjector:
         """Inside the step, after the forward pass, before backward starts DDP's all-reduce."""
         if self._fires("cuda_oom", step):
             import torch
+
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-                "1.02 GiB is free. (fault injection)")
+                "1.02 GiB is free. (fault injection)"
+            )
         if self._fires("loop", step):
             _busy_loop_forever()
         if self._fires("sleep", step):
@@ -67,10 +70,16 @@ class FaultInjector:
     def checkpoint_interrupt(self, step: int) -> Callable[[], None] | None:
         """A callable that SIGKILLs this rank half-way through writing its file of checkpoint `step`."""
         if self.armed and self.cfg.kind == "sigkill_in_checkpoint" and step >= self.cfg.at_step:
+
             def die() -> None:
-                log.warning("fault injection: sigkill_in_checkpoint on rank %d while writing step %d (pid %d)",
-                            self.rank, step, os.getpid())
+                log.warning(
+                    "fault injection: sigkill_in_checkpoint on rank %d while writing step %d (pid %d)",
+                    self.rank,
+                    step,
+                    os.getpid(),
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
+
             return die
         return None
 

@@ -1,5 +1,6 @@
 """The link to the node sidecar: `trainer_hooks.Monitor`, imported lazily, or a null object when it
 is switched off or cannot be loaded (training never depends on the sidecar)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,7 @@ def open_monitor(enabled: bool):
         return NullMonitor()
     try:
         from trainer_hooks import Monitor
+
         return Monitor()
     except Exception as e:  # missing or broken hooks must not stop training
         log.warning("monitor: trainer_hooks unavailable (%s: %s); running without the sidecar", type(e).__name__, e)

@@ -1,5 +1,6 @@
 """Every random stream a rank draws from, captured and restored as plain tensors and lists (so a
 checkpoint loads with `torch.load(weights_only=True)`)."""
+
 from __future__ import annotations
 
 import random

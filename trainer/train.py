@@ -1,4 +1,5 @@
 """The training loop: build everything from the config, resume, train, close."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +40,7 @@ def lr_lambda(cfg: Config):
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return factor
 
 
@@ -70,25 +72,39 @@ class Trainer:
         self.accum = cfg.validate_for(self.world.size)
         self.monitor = open_monitor(cfg.monitor.enabled)
         if self.world.is_main:
-            log.info("rendezvous done: world_size=%d backend=%s restart_count=%d generation=%d strategy=%s "
-                     "device=%s grad_accum_steps=%d", self.world.size, self.world.backend, self.world.restart_count,
-                     self.world.generation, cfg.parallel.strategy, self.world.device, self.accum)
+            log.info(
+                "rendezvous done: world_size=%d backend=%s restart_count=%d generation=%d strategy=%s "
+                "device=%s grad_accum_steps=%d",
+                self.world.size,
+                self.world.backend,
+                self.world.restart_count,
+                self.world.generation,
+                cfg.parallel.strategy,
+                self.world.device,
+                self.accum,
+            )
         self.monitor.event("rendezvous_done")
         self.faults = FaultInjector(cfg.faults, self.world.rank, self.world.restart_count, self.world.generation)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model, self.wrapped = self._build_model()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr,
-                                           weight_decay=cfg.optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.dataset = import_factory("data.factory", cfg.data.factory)(seed=cfg.train.seed, **cfg.data.kwargs)
         if self.world.is_main:
-            log.info("data loaded: samples=%d steps_per_epoch=%d global_batch=%d micro_batch=%d",
-                     len(self.dataset), len(self.dataset) // cfg.batch.global_batch_size,
-                     cfg.batch.global_batch_size, cfg.batch.micro_batch_size)
+            log.info(
+                "data loaded: samples=%d steps_per_epoch=%d global_batch=%d micro_batch=%d",
+                len(self.dataset),
+                len(self.dataset) // cfg.batch.global_batch_size,
+                cfg.batch.global_batch_size,
+                cfg.batch.micro_batch_size,
+            )
         self.monitor.event("data_loaded")
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.world, cfg.parallel.strategy, cfg.train.seed,
-                                         self.faults, self.monitor)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.world, cfg.parallel.strategy, cfg.train.seed, self.faults, self.monitor
+        )
         self.heldout: list | None = None  # built on the first evaluation
         self.step = 0
         position = DataPosition()
@@ -96,12 +112,25 @@ class Trainer:
         if resumed:
             self.step, position = resumed.step, resumed.position
             if self.world.is_main:
-                log.info("resumed from step %d (epoch %d, step %d of the epoch) at restart %d",
-                         self.step, position.epoch, position.step_in_epoch, self.world.restart_count)
-        self.data = StepBatches(self.dataset, seed=cfg.train.seed, global_batch=cfg.batch.global_batch_size,
-                                micro_batch=cfg.batch.micro_batch_size, accum=self.accum, rank=self.world.rank,
-                                world_size=self.world.size, num_workers=cfg.data.num_workers,
-                                delay_seconds=cfg.data.delay_seconds, position=position)
+                log.info(
+                    "resumed from step %d (epoch %d, step %d of the epoch) at restart %d",
+                    self.step,
+                    position.epoch,
+                    position.step_in_epoch,
+                    self.world.restart_count,
+                )
+        self.data = StepBatches(
+            self.dataset,
+            seed=cfg.train.seed,
+            global_batch=cfg.batch.global_batch_size,
+            micro_batch=cfg.batch.micro_batch_size,
+            accum=self.accum,
+            rank=self.world.rank,
+            world_size=self.world.size,
+            num_workers=cfg.data.num_workers,
+            delay_seconds=cfg.data.delay_seconds,
+            position=position,
+        )
 
     def _build_model(self) -> tuple[nn.Module, nn.Module]:
         cfg = self.cfg
@@ -110,6 +139,7 @@ class Trainer:
         rng.seed_rank(cfg.train.seed, self.world.rank)
         if cfg.parallel.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
+
             fsdp = cfg.parallel.fsdp
             assert fsdp is not None  # ParallelConfig fills the chosen strategy's options
             if fsdp.shard_children:
@@ -120,8 +150,11 @@ class Trainer:
         opts = cfg.parallel.ddp
         assert opts is not None  # ParallelConfig fills the chosen strategy's options
         ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[self.world.local_rank] if self.world.device.type == "cuda" else None,
-            bucket_cap_mb=opts.bucket_cap_mb, find_unused_parameters=opts.find_unused_parameters)
+            model,
+            device_ids=[self.world.local_rank] if self.world.device.type == "cuda" else None,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            find_unused_parameters=opts.find_unused_parameters,
+        )
         return model, ddp
 
     def _micro_step(self, step: int, batch, last: bool) -> torch.Tensor:
@@ -151,8 +184,9 @@ class Trainer:
             started = time.perf_counter()
             self.faults.step_start(step)
             batches, position = self.faults.fetch(step, self.data.next_step)
-            loss = functools.reduce(torch.add, [self._micro_step(step, b, i == len(batches) - 1)
-                                                for i, b in enumerate(batches)])
+            loss = functools.reduce(
+                torch.add, [self._micro_step(step, b, i == len(batches) - 1) for i, b in enumerate(batches)]
+            )
             max_norm = cfg.optim.max_grad_norm or float("inf")
             grad_norm = _local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             lr = self.scheduler.get_last_lr()[0]
@@ -161,19 +195,34 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
             samples = cfg.batch.micro_batch_size * self.accum
-            self.monitor.step(step, loss=loss, grad_norm=grad_norm, lr=lr, samples=samples,
-                              step_time_seconds=time.perf_counter() - started)
+            self.monitor.step(
+                step,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                samples=samples,
+                step_time_seconds=time.perf_counter() - started,
+            )
             window_steps += 1
             if cfg.train.nonfinite_loss_limit:
                 nonfinite_steps = 0 if bool(torch.isfinite(loss)) else nonfinite_steps + 1
                 if nonfinite_steps >= cfg.train.nonfinite_loss_limit:
-                    raise FloatingPointError(f"non-finite loss for {nonfinite_steps} consecutive steps (step {step}): "
-                                             "stopping before checkpoints are saved from bad weights")
+                    raise FloatingPointError(
+                        f"non-finite loss for {nonfinite_steps} consecutive steps (step {step}): "
+                        "stopping before checkpoints are saved from bad weights"
+                    )
             if world.is_main and (step % cfg.train.log_every_steps == 0 or step == last_step):
                 elapsed = time.monotonic() - window_start
-                log.info("step %d/%d loss=%.4f grad_norm=%.4f lr=%.3g it/s=%.2f samples/s=%.1f", step, last_step,
-                         loss.item(), grad_norm.item(), lr, window_steps / elapsed,
-                         window_steps * cfg.batch.global_batch_size / elapsed)
+                log.info(
+                    "step %d/%d loss=%.4f grad_norm=%.4f lr=%.3g it/s=%.2f samples/s=%.1f",
+                    step,
+                    last_step,
+                    loss.item(),
+                    grad_norm.item(),
+                    lr,
+                    window_steps / elapsed,
+                    window_steps * cfg.batch.global_batch_size / elapsed,
+                )
                 window_start, window_steps = time.monotonic(), 0
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
                 self.evaluate(step)
@@ -186,7 +235,7 @@ class Trainer:
         dataset = import_factory("data.factory", cfg.data.factory)(seed=cfg.train.seed + 1, **cfg.data.kwargs)
         micro, world = cfg.batch.micro_batch_size, self.world.size
         starts = range(self.world.rank * micro, len(dataset) - micro + 1, world * micro)
-        return [default_collate([dataset[j] for j in range(i, i + micro)]) for i in starts[:cfg.eval.batches]]
+        return [default_collate([dataset[j] for j in range(i, i + micro)]) for i in starts[: cfg.eval.batches]]
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:

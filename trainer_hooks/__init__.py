@@ -15,6 +15,7 @@ Accelerate integrations; `trainer_hooks.distributed` forms a process group that 
 torchrun restarts; `python -m trainer_hooks.attach script.py` watches an unmodified script;
 `environment.py` lists the environment variables.
 """
+
 from trainer_hooks.monitor import Monitor, Phase
 from trainer_hooks.sender import HOOKS_VERSION as __version__
 

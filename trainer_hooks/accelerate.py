@@ -20,6 +20,7 @@ metrics. `end_training()` (or `finish()`) closes the Monitor.
 
 The process group Accelerate forms is made restart-safe (`trainer_hooks.distributed`).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -83,9 +84,11 @@ class SidecarTracker(GeneralTracker):
 
     @guarded
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        numbers = {ALIASES.get(k, k): v for k, v in (values or {}).items()
-                   if isinstance(k, str) and (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                              or hasattr(v, "item"))}
+        numbers = {
+            ALIASES.get(k, k): v
+            for k, v in (values or {}).items()
+            if isinstance(k, str) and (isinstance(v, (int, float)) and not isinstance(v, bool) or hasattr(v, "item"))
+        }
         if self._pending is not None:
             self._pending[1].update(numbers)
             self._send_pending()

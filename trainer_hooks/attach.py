@@ -24,6 +24,7 @@ at start (`autoattach/sitecustomize.py`).
 With no sidecar reachable the Monitor drops its records, as it always does: training runs as it
 would without the wrapper. `SIDECAR_HOOKS_DISABLED=1` runs the script with nothing attached.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,7 +42,6 @@ from trainer_hooks.monitor import Monitor
 USAGE = "usage: python -m trainer_hooks.attach (SCRIPT | -m MODULE) [ARGS...] | --pythonpath"
 
 
-
 def step_metrics(optimizer: Any, last: float | None) -> tuple[dict[str, Any], float]:
     """What an optimizer step tells without touching the training tensors: the time since the
     previous step (`last`, a perf_counter reading, None at the first) and the learning rate of
@@ -55,6 +55,7 @@ def step_metrics(optimizer: Any, last: float | None) -> tuple[dict[str, Any], fl
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         pass
     return metrics, now
+
 
 class Attachment:
     """What the wrapper hooks into torch; `close()` takes it all out again."""

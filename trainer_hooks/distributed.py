@@ -26,6 +26,7 @@ gives each attempt a fresh store (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, NVIDIA
 nothing changes: a plain `init_process_group`. `SIDECAR_ATTEMPT_STORE=0` turns it off.
 Torch is imported only when one of these functions runs.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -50,8 +51,11 @@ _generation: int | None = None
 def needed(environ: Mapping[str, str] | None = None) -> bool:
     """True under torchrun when the workers share the agent's long-lived store (and not switched off)."""
     env = os.environ if environ is None else environ
-    return (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RUN_ID" in env
-            and env.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off"))
+    return (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and "TORCHELASTIC_RUN_ID" in env
+        and env.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    )
 
 
 def generation() -> int | None:

@@ -20,6 +20,7 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_ATTACHED_PID` | set by the attach switch in the attached process; its children do not attach again |
 | `SIDECAR_ATTEMPT_STORE` | `0` turns off the per-attempt store namespace of `trainer_hooks.distributed` |
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,6 +43,7 @@ _OFF = ("", "0", "off", "none", "no", "false", "disabled")
 @dataclass(frozen=True)
 class Identity:
     """Who this rank is, as the register request names it."""
+
     job_id: str
     rank: int
     local_rank: int
@@ -54,6 +56,7 @@ class Identity:
 @dataclass(frozen=True)
 class Endpoint:
     """Where the sidecar listens: a Unix socket path, or a TCP host and port."""
+
     socket_path: str | None = None
     host: str | None = None
     port: int | None = None
@@ -79,9 +82,15 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
         return default
 
 
-def identity(environ: Mapping[str, str], job_id: str | None = None, rank: int | None = None,
-             local_rank: int | None = None, world_size: int | None = None,
-             local_world_size: int | None = None, restart_count: int | None = None) -> Identity:
+def identity(
+    environ: Mapping[str, str],
+    job_id: str | None = None,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
+    restart_count: int | None = None,
+) -> Identity:
     """Explicit arguments win; otherwise torchrun's variables; otherwise a single-process job."""
     rank = _int(environ, "RANK", 0) if rank is None else int(rank)
     world_size = _int(environ, "WORLD_SIZE", 1) if world_size is None else int(world_size)
@@ -90,10 +99,10 @@ def identity(environ: Mapping[str, str], job_id: str | None = None, rank: int | 
         rank=rank,
         local_rank=_int(environ, "LOCAL_RANK", rank) if local_rank is None else int(local_rank),
         world_size=world_size,
-        local_world_size=(_int(environ, "LOCAL_WORLD_SIZE", world_size) if local_world_size is None
-                          else int(local_world_size)),
-        restart_count=(_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if restart_count is None
-                       else int(restart_count)),
+        local_world_size=(
+            _int(environ, "LOCAL_WORLD_SIZE", world_size) if local_world_size is None else int(local_world_size)
+        ),
+        restart_count=(_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if restart_count is None else int(restart_count)),
         kubernetes=kubernetes(environ),
     )
 
@@ -101,8 +110,14 @@ def identity(environ: Mapping[str, str], job_id: str | None = None, rank: int | 
 # Downward-API variables of the job examples -> label, with the label's most characters;
 # Kubernetes' rules for the names are the wire contract's (the sidecar checks them again and
 # refuses a registration that breaks them).
-POD_VARIABLES = tuple((variable, label, POD_LABEL_RULES[label][1]) for variable, label in (
-    ("SIDECAR_POD_NAMESPACE", "namespace"), ("SIDECAR_POD_NAME", "pod"), ("SIDECAR_CONTAINER_NAME", "container")))
+POD_VARIABLES = tuple(
+    (variable, label, POD_LABEL_RULES[label][1])
+    for variable, label in (
+        ("SIDECAR_POD_NAMESPACE", "namespace"),
+        ("SIDECAR_POD_NAME", "pod"),
+        ("SIDECAR_CONTAINER_NAME", "container"),
+    )
+)
 
 
 def kubernetes(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -119,8 +134,9 @@ def kubernetes(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def endpoint(environ: Mapping[str, str], socket_path: str | None = None, url: str | None = None,
-             token: str | None = None) -> Endpoint:
+def endpoint(
+    environ: Mapping[str, str], socket_path: str | None = None, url: str | None = None, token: str | None = None
+) -> Endpoint:
     """The sidecar's address: an explicit socket or URL, else SIDECAR_SOCKET, else SIDECAR_URL,
     else the default socket. A malformed URL falls back to the default socket (and says so)."""
     token = token if token is not None else (environ.get("SIDECAR_TOKEN", "").strip() or None)
@@ -138,8 +154,11 @@ def endpoint(environ: Mapping[str, str], socket_path: str | None = None, url: st
             port = None
         if parts.scheme == "http" and parts.hostname and port:
             return Endpoint(host=parts.hostname, port=port, base_path=parts.path.rstrip("/"), token=token)
-        log.warning("trainer_hooks: cannot use sidecar URL %r (expected http://HOST:PORT); "
-                    "using the default socket %s", url, DEFAULT_SOCKET)
+        log.warning(
+            "trainer_hooks: cannot use sidecar URL %r (expected http://HOST:PORT); using the default socket %s",
+            url,
+            DEFAULT_SOCKET,
+        )
     return Endpoint(socket_path=DEFAULT_SOCKET, token=token)
 
 
@@ -179,4 +198,3 @@ def stack_signal(environ: Mapping[str, str]) -> int | None:
         return int(sig)
     log.warning("trainer_hooks: unknown SIDECAR_STACK_SIGNAL=%r; stack dumps disabled", raw)
     return None
-

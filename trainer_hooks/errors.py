@@ -1,6 +1,7 @@
 """How the hooks treat their own errors: they never raise into training, and a problem that
 repeats every flush (a sidecar that is down, a rejected metric) is logged once per
 interval, not twice a second into the training log."""
+
 from __future__ import annotations
 
 import functools
@@ -52,12 +53,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 def guarded(method: F) -> F:
     """Framework callbacks run inside the training loop: an error of ours is logged
     (rate-limited) and swallowed, never raised into training."""
+
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return method(*args, **kwargs)
         except Exception as e:
-            warn(f"callback:{method.__qualname__}", "trainer_hooks: %s failed (%s: %s); ignored",
-                 method.__qualname__, type(e).__name__, e)
+            warn(
+                f"callback:{method.__qualname__}",
+                "trainer_hooks: %s failed (%s: %s); ignored",
+                method.__qualname__,
+                type(e).__name__,
+                e,
+            )
             return None
+
     return wrapper  # type: ignore[return-value]

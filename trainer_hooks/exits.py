@@ -13,6 +13,7 @@ the bundled trainer, or Lightning's teardown after a failure) sends that excepti
 way, so neither needs any code of its own for this. The sidecar decides the exit's reason; the
 report is only this rank's claim about itself.
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,7 +50,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _frame(f: traceback.FrameSummary) -> str:
     text = f"{f.filename}:{f.lineno} in {f.name}"
-    return text if len(text) <= MAX_TEXT else "..." + text[-(MAX_TEXT - 3):]
+    return text if len(text) <= MAX_TEXT else "..." + text[-(MAX_TEXT - 3) :]
 
 
 def report(exc: BaseException, thread: str | None = None) -> dict[str, Any]:
@@ -59,8 +60,12 @@ def report(exc: BaseException, thread: str | None = None) -> dict[str, Any]:
         frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]
     except Exception:
         frames = []
-    out: dict[str, Any] = {"type": types[0], "types": types, "message": _first_line(exc),
-                           "traceback": [_frame(f) for f in frames]}
+    out: dict[str, Any] = {
+        "type": types[0],
+        "types": types,
+        "message": _first_line(exc),
+        "traceback": [_frame(f) for f in frames],
+    }
     if thread is not None:
         out["thread"] = str(thread)[:MAX_TEXT]
     return out

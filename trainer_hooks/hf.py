@@ -15,6 +15,7 @@ held back until the next callback (the next step's begin, evaluation, save, trai
 sent then, carrying whatever `on_log` added. Evaluation is the `eval` phase: it starts at
 the first prediction step and ends at `on_evaluate`.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,8 +74,7 @@ class SidecarCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self._send_pending()
         now = time.perf_counter()
-        metrics: dict[str, Any] = {
-            "samples": args.per_device_train_batch_size * args.gradient_accumulation_steps}
+        metrics: dict[str, Any] = {"samples": args.per_device_train_batch_size * args.gradient_accumulation_steps}
         if self._last_step_end is not None:
             metrics["step_time_seconds"] = now - self._last_step_end
         self._last_step_end = now
@@ -134,8 +134,11 @@ class SidecarCallback(TrainerCallback):
         if self._in_save:
             self.monitor.phase_end("checkpoint_save")
             self._in_save = False
-        self.monitor.event("checkpoint_saved", step=state.global_step,
-                           path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        self.monitor.event(
+            "checkpoint_saved",
+            step=state.global_step,
+            path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
+        )
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):

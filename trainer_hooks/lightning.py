@@ -17,6 +17,7 @@ hooks read it off the training thread). Validation is the `eval` phase. Lightnin
 `on_save_checkpoint` before it writes the file, so the `checkpoint_saved` event is sent at
 the next callback, once the write is done.
 """
+
 from __future__ import annotations
 
 import time

@@ -11,6 +11,7 @@ copy, no I/O, no formatting, no tensor access (a tensor is stored as a reference
 the sender thread). Everything else happens on the sender thread (`sender.py`). Every call
 swallows its own errors: the hooks never raise into training.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -59,15 +60,28 @@ class Monitor:
         connect_timeout, read_timeout, max_backoff: transport tuning, in seconds.
     """
 
-    def __init__(self, job_id: str | None = None, rank: int | None = None, *,
-                 local_rank: int | None = None, world_size: int | None = None,
-                 local_world_size: int | None = None, restart_count: int | None = None,
-                 enabled: bool = True, socket: str | None = None, url: str | None = None,
-                 token: str | None = None, flush_interval: float | None = None,
-                 buffer_size: int = DEFAULT_BUFFER_SIZE, diag_dir: str | None = None,
-                 stack_signal: int | None = _FROM_ENV, environ: Mapping[str, str] | None = None,
-                 connect_timeout: float | None = None, read_timeout: float | None = None,
-                 max_backoff: float | None = None):
+    def __init__(
+        self,
+        job_id: str | None = None,
+        rank: int | None = None,
+        *,
+        local_rank: int | None = None,
+        world_size: int | None = None,
+        local_world_size: int | None = None,
+        restart_count: int | None = None,
+        enabled: bool = True,
+        socket: str | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        flush_interval: float | None = None,
+        buffer_size: int = DEFAULT_BUFFER_SIZE,
+        diag_dir: str | None = None,
+        stack_signal: int | None = _FROM_ENV,
+        environ: Mapping[str, str] | None = None,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+        max_backoff: float | None = None,
+    ):
         self._live = False
         self._closed = False
         self._pid = os.getpid()
@@ -81,17 +95,25 @@ class Monitor:
             env = os.environ if environ is None else environ
             if not enabled or environment.disabled(env):
                 return
-            self.identity = environment.identity(env, job_id, rank, local_rank, world_size,
-                                                 local_world_size, restart_count)
+            self.identity = environment.identity(
+                env, job_id, rank, local_rank, world_size, local_world_size, restart_count
+            )
             endpoint = environment.endpoint(env, socket, url, token)
             signum = environment.stack_signal(env) if stack_signal is _FROM_ENV else stack_signal
             self._stack_dump = stacks.install(signum)
             interval = flush_interval or environment.flush_interval(env)
             given = (("connect_timeout", connect_timeout), ("read_timeout", read_timeout), ("max_backoff", max_backoff))
             extra: dict[str, Any] = {k: v for k, v in given if v is not None}
-            self._sender = Sender(self._buffer, endpoint, self.identity, self._pid, self._stack_dump,
-                                  flush_interval=interval or environment.DEFAULT_FLUSH_INTERVAL,
-                                  adopt_server_interval=interval is None, **extra)
+            self._sender = Sender(
+                self._buffer,
+                endpoint,
+                self.identity,
+                self._pid,
+                self._stack_dump,
+                flush_interval=interval or environment.DEFAULT_FLUSH_INTERVAL,
+                adopt_server_interval=interval is None,
+                **extra,
+            )
             self._live = True
             _monitors.add(self)
             atexit.register(self._close_at_exit)
@@ -147,8 +169,9 @@ class Monitor:
 
     # ---------------------------------------------------------------- life cycle
 
-    def close(self, reason: str = "finished", timeout: float = CLOSE_BUDGET_SECONDS,
-              exit_report: dict | None = None) -> None:
+    def close(
+        self, reason: str = "finished", timeout: float = CLOSE_BUDGET_SECONDS, exit_report: dict | None = None
+    ) -> None:
         """Flush what is buffered, deregister and stop the sender, within about `timeout`
         seconds even when the sidecar hangs. Idempotent; also runs at interpreter exit. Called
         while an exception propagates, the deregistration carries it (`exits.py`)."""
@@ -235,6 +258,7 @@ class Monitor:
 
 class Phase:
     """The context manager `Monitor.phase` returns."""
+
     __slots__ = ("_monitor", "_name", "_timeout")
 
     def __init__(self, monitor: Monitor, name: str, timeout: float | None):
@@ -256,8 +280,9 @@ def _close_all_on_exception(report: dict) -> None:
 
 def _report_thread_exception(report: dict) -> None:
     for monitor in list(_monitors):
-        monitor.event(THREAD_EXCEPTION_EVENT, type=report["type"], message=report["message"],
-                      thread=report.get("thread"))
+        monitor.event(
+            THREAD_EXCEPTION_EVENT, type=report["type"], message=report["message"], thread=report.get("thread")
+        )
 
 
 def _after_fork_in_child() -> None:

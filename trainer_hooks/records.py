@@ -13,6 +13,7 @@ the training thread never forces a device sync.
 | `PHASE_END` | phase name | None |
 | `EVENT` | event name | dict of fields |
 """
+
 from __future__ import annotations
 
 import math
@@ -121,10 +122,14 @@ class Encoder:
             return {"type": "phase", "name": name(subject), "action": "end", "time": when}
         if kind == EVENT:
             if len(payload) > MAX_EVENT_FIELDS:
-                warn(f"event_fields:{subject}", "trainer_hooks: event %r has %d fields; sending the first %d",
-                     subject, len(payload), MAX_EVENT_FIELDS)
-            fields = {str(k)[:MAX_NAME]: _field(v)
-                      for k, v in list(payload.items())[:MAX_EVENT_FIELDS]}
+                warn(
+                    f"event_fields:{subject}",
+                    "trainer_hooks: event %r has %d fields; sending the first %d",
+                    subject,
+                    len(payload),
+                    MAX_EVENT_FIELDS,
+                )
+            fields = {str(k)[:MAX_NAME]: _field(v) for k, v in list(payload.items())[:MAX_EVENT_FIELDS]}
             return {"type": "event", "name": name(subject), "time": when, "fields": fields}
         return None
 
@@ -156,8 +161,12 @@ class Encoder:
         if key in self._custom:
             return True
         if len(self._custom) >= self.max_custom_metrics:
-            warn(f"custom_limit:{key}", "trainer_hooks: not sending custom metric %r (at most %d "
-                 "custom metric names)", key, self.max_custom_metrics)
+            warn(
+                f"custom_limit:{key}",
+                "trainer_hooks: not sending custom metric %r (at most %d custom metric names)",
+                key,
+                self.max_custom_metrics,
+            )
             return False
         self._custom.add(key)
         return True

@@ -18,6 +18,7 @@ A re-registration carries the last step and phase the sidecar acknowledged, so a
 sidecar resumes watching the rank instead of giving it a fresh start-up budget; the batches
 that follow bring it up to date in order.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,8 @@ from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
 
 HOOKS_VERSION = "0.1.0"
-BATCH_ITEMS = 1000          # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
-MAX_BACKOFF_SECONDS = 5.0   # a restarted sidecar hears from every rank within this long
+BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
+MAX_BACKOFF_SECONDS = 5.0  # a restarted sidecar hears from every rank within this long
 # With nothing to send for this long, an empty push asks the sidecar whether it still knows
 # the rank: a rank that hangs (or sits in a long phase) sends nothing, and must still be
 # re-registered with a restarted sidecar so that its watchdog can see the hang.
@@ -74,11 +75,21 @@ def _dumps(body: dict) -> bytes:
 
 
 class Sender:
-    def __init__(self, buffer: deque, endpoint: Endpoint, ident: Identity, pid: int,
-                 stack_dump: StackDump | None, flush_interval: float, adopt_server_interval: bool,
-                 connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT,
-                 max_backoff: float = MAX_BACKOFF_SECONDS, batch_items: int = BATCH_ITEMS,
-                 keepalive: float = KEEPALIVE_SECONDS):
+    def __init__(
+        self,
+        buffer: deque,
+        endpoint: Endpoint,
+        ident: Identity,
+        pid: int,
+        stack_dump: StackDump | None,
+        flush_interval: float,
+        adopt_server_interval: bool,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        read_timeout: float = READ_TIMEOUT,
+        max_backoff: float = MAX_BACKOFF_SECONDS,
+        batch_items: int = BATCH_ITEMS,
+        keepalive: float = KEEPALIVE_SECONDS,
+    ):
         self.buffer = buffer
         self.endpoint = endpoint
         self.ident = ident
@@ -94,18 +105,18 @@ class Sender:
         self.encoder = Encoder()
         self.registered = False
         self.registrations = 0
-        self.sent = 0                 # items the sidecar accepted
-        self.lost = 0                 # records dropped: buffer overflow seen so far, failed batches
-        self.cpu_seconds = 0.0        # CPU time this thread spent (what the hooks cost beyond the calls)
+        self.sent = 0  # items the sidecar accepted
+        self.lost = 0  # records dropped: buffer overflow seen so far, failed batches
+        self.cpu_seconds = 0.0  # CPU time this thread spent (what the hooks cost beyond the calls)
         self._cpu_mark = 0.0
-        self._expected_seq = 0        # seq of the next record; a higher one means the buffer dropped some
+        self._expected_seq = 0  # seq of the next record; a higher one means the buffer dropped some
         self._acked_step: int | None = None
         self._acked_phases: list[tuple[str, float | None]] = []  # (name, timeout_seconds)
         self._held_back: dict | None = None  # a rolled-back step item that starts the next batch
         self._backoff = 0.0
         self.session: str | None = None  # returned by the registration
         self._retry_at = 0.0
-        self._last_contact = 0.0      # monotonic time of the last answered request
+        self._last_contact = 0.0  # monotonic time of the last answered request
         self._wake = threading.Event()
         self._close_deadline: float | None = None
         self._close_reason = "finished"
@@ -204,8 +215,13 @@ class Sender:
             try:
                 item = encode(record)
             except Exception as e:
-                warn(f"encode:{type(e).__name__}", "trainer_hooks: cannot encode a %s record (%s: %s); dropped",
-                     record[1], type(e).__name__, e)
+                warn(
+                    f"encode:{type(e).__name__}",
+                    "trainer_hooks: cannot encode a %s record (%s: %s); dropped",
+                    record[1],
+                    type(e).__name__,
+                    e,
+                )
                 item = None
             if item is None:
                 self.lost += 1
@@ -237,14 +253,27 @@ class Sender:
         if reply.status == 200:
             self._acknowledge(items)
             return True
-        warn(f"push:{reply.status}:{reply.code}", "trainer_hooks: sidecar rejected a batch of %d items (%d %s); "
-             "dropped", len(items), reply.status, reply.error)
+        warn(
+            f"push:{reply.status}:{reply.code}",
+            "trainer_hooks: sidecar rejected a batch of %d items (%d %s); dropped",
+            len(items),
+            reply.status,
+            reply.error,
+        )
         self._lose(items)
         return True
 
     def _push_body(self, items: list[dict]) -> bytes:
-        return _dumps({"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid,
-                       "dropped": self.dropped(), "items": items, "session": self.session})
+        return _dumps(
+            {
+                "job_id": self.ident.job_id,
+                "rank": self.ident.rank,
+                "pid": self.pid,
+                "dropped": self.dropped(),
+                "items": items,
+                "session": self.session,
+            }
+        )
 
     def _lose(self, items: list[dict]) -> None:
         self.lost += len(items)
@@ -273,9 +302,13 @@ class Sender:
 
     def register(self, deadline: float | None = None, with_step: bool = True) -> bool:
         body = {
-            "job_id": self.ident.job_id, "rank": self.ident.rank, "local_rank": self.ident.local_rank,
-            "world_size": self.ident.world_size, "local_world_size": self.ident.local_world_size,
-            "restart_count": self.ident.restart_count, "pid": self.pid,
+            "job_id": self.ident.job_id,
+            "rank": self.ident.rank,
+            "local_rank": self.ident.local_rank,
+            "world_size": self.ident.world_size,
+            "local_world_size": self.ident.local_world_size,
+            "restart_count": self.ident.restart_count,
+            "pid": self.pid,
             "step": self._acked_step if with_step else None,
             "phase": self._acked_phases[-1][0] if self._acked_phases else None,
             # A restarted sidecar must judge the phase by the rank's own budget, not its default.
@@ -290,8 +323,14 @@ class Sender:
         if reply is None:
             return False
         if reply.status != 200:
-            warn(f"register:{reply.status}:{reply.code}", "trainer_hooks: sidecar refused registration of "
-                 "%s rank %d (%d %s); will retry", self.ident.job_id, self.ident.rank, reply.status, reply.error)
+            warn(
+                f"register:{reply.status}:{reply.code}",
+                "trainer_hooks: sidecar refused registration of %s rank %d (%d %s); will retry",
+                self.ident.job_id,
+                self.ident.rank,
+                reply.status,
+                reply.error,
+            )
             return False
         self.registered = True
         session = reply.body.get("session")
@@ -307,8 +346,13 @@ class Sender:
         return True
 
     def deregister(self, reason: str, deadline: float | None = None) -> None:
-        body = {"job_id": self.ident.job_id, "rank": self.ident.rank, "pid": self.pid, "reason": reason,
-                "session": self.session}
+        body = {
+            "job_id": self.ident.job_id,
+            "rank": self.ident.rank,
+            "pid": self.pid,
+            "reason": reason,
+            "session": self.session,
+        }
         if self._close_exit is not None:
             body["exit"] = self._close_exit
         reply = self._post("/v1/deregister", _dumps(body), deadline)
@@ -326,7 +370,9 @@ class Sender:
         try:
             return post(self.endpoint, path, body, connect_timeout, read_timeout)
         except Unreachable as e:
-            warn("unreachable", "trainer_hooks: sidecar unreachable (%s); records are buffered and "
-                 "the oldest dropped when full", e)
+            warn(
+                "unreachable",
+                "trainer_hooks: sidecar unreachable (%s); records are buffered and the oldest dropped when full",
+                e,
+            )
             return None
-

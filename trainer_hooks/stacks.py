@@ -12,6 +12,7 @@ The handler is installed before the first registration, so the signal never find
 without one (its default action would end the process); until the sidecar's answer
 arrives, a dump goes to stderr (the worker's log).
 """
+
 from __future__ import annotations
 
 import faulthandler

@@ -3,6 +3,7 @@
 Standard library only (`http.client`): training processes must not pay for aiohttp or
 requests. A request either returns a `Reply` or raises `Unreachable`; nothing else escapes.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -67,8 +68,13 @@ class _TcpConnection(http.client.HTTPConnection):
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def post(endpoint: Endpoint, path: str, body: bytes, connect_timeout: float = CONNECT_TIMEOUT,
-         read_timeout: float = READ_TIMEOUT) -> Reply:
+def post(
+    endpoint: Endpoint,
+    path: str,
+    body: bytes,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    read_timeout: float = READ_TIMEOUT,
+) -> Reply:
     """POST a JSON body; the reply's status and JSON object (empty when the body is not one)."""
     conn: http.client.HTTPConnection
     if endpoint.socket_path is not None:

@@ -9,6 +9,7 @@ sidecar refuses what breaks them (`sidecar/ranks/protocol.py`, `sidecar/ranks/po
 Changing anything here changes the contract: bump PROTOCOL_VERSION, and pin the new
 fingerprint in tests/hooks/test_wire_contract.py (the test says so when they disagree).
 """
+
 from __future__ import annotations
 
 import re
@@ -27,9 +28,19 @@ NAME_BAD_CHARS_RE = re.compile(r"[^A-Za-z0-9_.:/-]")
 
 # Step metric keys with their own series (`samples` and `tokens` also feed the per-rank
 # counters); any other key is a custom metric, bounded per job.
-WELL_KNOWN_METRICS = frozenset({
-    "loss", "grad_norm", "lr", "step_time_seconds", "samples", "tokens",
-    "iterations_per_second", "samples_per_second", "tokens_per_second"})
+WELL_KNOWN_METRICS = frozenset(
+    {
+        "loss",
+        "grad_norm",
+        "lr",
+        "step_time_seconds",
+        "samples",
+        "tokens",
+        "iterations_per_second",
+        "samples_per_second",
+        "tokens_per_second",
+    }
+)
 # Phase names that never count against a job's phase-name limit.
 WELL_KNOWN_PHASES = frozenset({"startup", "checkpoint_save", "checkpoint_load", "eval", "compile", "data_load"})
 
@@ -79,6 +90,7 @@ THREAD_EXCEPTION_EVENT = "thread_exception"  # the event an exception that ends 
 def contract() -> dict[str, object]:
     """The contract as plain, comparable values (patterns by their text, sets sorted): what
     tests/hooks/test_wire_contract.py fingerprints."""
+
     def plain(value: object) -> object:
         if isinstance(value, re.Pattern):
             return value.pattern
@@ -89,4 +101,5 @@ def contract() -> dict[str, object]:
         if isinstance(value, (tuple, list)):
             return [plain(v) for v in value]
         return value
+
     return {k: plain(v) for k, v in sorted(globals().items()) if k.isupper() and not k.startswith("_")}

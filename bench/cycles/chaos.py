@@ -8,6 +8,7 @@ hangs, once it trained CYCLE_HANG_AFTER_SECONDS), CYCLE_HANG_MODE (`stop`: the r
 Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
 attempt, {"kind": "hang", ...} just before the hang, {"kind": "done", ...} at the end.
 The attempt is TORCHELASTIC_RESTART_COUNT (one node, so every rank agrees)."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,12 @@ class Chaos:
         if self.first is None:
             self.first = time.monotonic()
             self.record("first_step", step=step)
-        if (step >= self.hang_step and time.monotonic() - self.first >= self.hang_after
-                and self.rank == self.hang_rank and self.attempt < self.hangs):
+        if (
+            step >= self.hang_step
+            and time.monotonic() - self.first >= self.hang_after
+            and self.rank == self.hang_rank
+            and self.attempt < self.hangs
+        ):
             self.record("hang", step=step)
             if self.mode == "kill":  # a crash instead of a hang: torchrun alone restarts the group
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -8,6 +8,7 @@ first step; its recovery time is hang -> that step (the slowest rank's).
 `launcher="ft_launcher"` runs NVIDIA's ft_launcher (nvidia-resiliency-ext) instead of torchrun,
 for comparison, when it is installed.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,20 @@ from demo.processes import Processes, free_port
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {name: ROOT / "bench" / "cycles" / f"train_{name}.py" for name in ("plain", "hf", "lightning", "unmodified")}
 ATTACHED = {"unmodified"}  # run through `-m trainer_hooks.attach` (zero-code attach)
+
+
 # Fast cycles: a 2 s step floor, quick dumps, a 1 s grace, no storm cap in the way.
 def fast_sidecar() -> SidecarSpec:
-    return SidecarSpec(floor_seconds=2.0, dump_wait_seconds=0.5, grace_seconds=1.0,
-                       extra=["remediation.max_per_window=1000", "remediation.max_per_window_node=1000",
-                              "hooks_flush_interval_seconds=0.25"])
+    return SidecarSpec(
+        floor_seconds=2.0,
+        dump_wait_seconds=0.5,
+        grace_seconds=1.0,
+        extra=[
+            "remediation.max_per_window=1000",
+            "remediation.max_per_window_node=1000",
+            "hooks_flush_interval_seconds=0.25",
+        ],
+    )
 
 
 @dataclass
@@ -54,19 +64,26 @@ class Cycles:
     def line(self) -> str:
         med = f"{self.median:.2f} s" if self.median is not None else "-"
         worst = f"{max(self.recover_seconds):.2f} s" if self.recover_seconds else "-"
-        return (f"{self.script:<10} {self.launcher:<11} came back {self.came_back}/{self.cycles}  "
-                f"(hangs {self.hangs}, restarts that never trained {self.lost_attempts})  "
-                f"hang->training median {med}, max {worst}  finished={self.finished}  "
-                f"rc={self.returncode}  ({self.wall_seconds:.0f} s)")
+        return (
+            f"{self.script:<10} {self.launcher:<11} came back {self.came_back}/{self.cycles}  "
+            f"(hangs {self.hangs}, restarts that never trained {self.lost_attempts})  "
+            f"hang->training median {med}, max {worst}  finished={self.finished}  "
+            f"rc={self.returncode}  ({self.wall_seconds:.0f} s)"
+        )
 
 
 def launcher_command(launcher: str, script: Path, nproc: int, max_restarts: int, attach: bool = False) -> list[str]:
     if launcher == "torchrun":
         head = [sys.executable, "-m", "torch.distributed.run"]
     elif launcher == "ft_launcher":
-        head = [sys.executable, "-c", "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; "
-                "sys.argv[0] = 'ft_launcher'; sys.exit(main())", "--ft-param-rank_heartbeat_timeout=1000000",
-                "--ft-param-initial_rank_heartbeat_timeout=1000000"]
+        head = [
+            sys.executable,
+            "-c",
+            "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; "
+            "sys.argv[0] = 'ft_launcher'; sys.exit(main())",
+            "--ft-param-rank_heartbeat_timeout=1000000",
+            "--ft-param-initial_rank_heartbeat_timeout=1000000",
+        ]
     else:
         raise ValueError(launcher)
     tail = ["-m", "trainer_hooks.attach", str(script)] if attach else [str(script)]
@@ -100,19 +117,37 @@ def summarise(records: list[dict], cycles: int, nproc: int) -> tuple[int, list[f
     return came_back, recover, len(done) == nproc
 
 
-def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, hang_step: int = 20,
-               launcher: str = "torchrun", sidecar: bool = True, timeout: float = 600.0,
-               hang_mode: str = "stop", extra_env: dict | None = None, attach: bool | None = None) -> Cycles:
+def run_cycles(
+    script: str,
+    workdir: Path,
+    cycles: int = 10,
+    nproc: int = 2,
+    hang_step: int = 20,
+    launcher: str = "torchrun",
+    sidecar: bool = True,
+    timeout: float = 600.0,
+    hang_mode: str = "stop",
+    extra_env: dict | None = None,
+    attach: bool | None = None,
+) -> Cycles:
     """Run `script` (a key of SCRIPTS) through `cycles` hangs; returns what came back."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     record_path = workdir / "cycles.jsonl"
     record_path.unlink(missing_ok=True)
     shutil.rmtree(workdir / "diag", ignore_errors=True)
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "CYCLE_LOG": str(record_path), "CYCLE_HANGS": str(cycles), "CYCLE_HANG_STEP": str(hang_step),
-           "CYCLE_HANG_MODE": hang_mode, "CYCLE_WORKDIR": str(workdir), "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "CYCLE_LOG": str(record_path),
+        "CYCLE_HANGS": str(cycles),
+        "CYCLE_HANG_STEP": str(hang_step),
+        "CYCLE_HANG_MODE": hang_mode,
+        "CYCLE_WORKDIR": str(workdir),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
     for key, value in (extra_env or {}).items():  # PYTHONPATH entries go in front
         env[key] = os.pathsep.join([value, env[key]]) if key == "PYTHONPATH" else value
     start = time.monotonic()
@@ -127,8 +162,13 @@ def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, han
             env["SIDECAR_SOCKET"] = sock
         else:
             env["SIDECAR_HOOKS_DISABLED"] = "1"
-        job = procs.start("job", launcher_command(launcher, SCRIPTS[script], nproc, cycles + 2,
-                                                  attach=script in ATTACHED if attach is None else attach), env=env)
+        job = procs.start(
+            "job",
+            launcher_command(
+                launcher, SCRIPTS[script], nproc, cycles + 2, attach=script in ATTACHED if attach is None else attach
+            ),
+            env=env,
+        )
         deadline = time.monotonic() + timeout
         while job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -140,7 +180,17 @@ def run_cycles(script: str, workdir: Path, cycles: int = 10, nproc: int = 2, han
     incidents = len(list((workdir / "diag" / "incidents").glob("*.json"))) if sidecar else 0
     trained = {r["attempt"] for r in records if r["kind"] == "first_step"}
     last = max((r["attempt"] for r in records), default=-1)
-    return Cycles(script, launcher, cycles, rc, came_back, recover, incidents, finished,
-                  time.monotonic() - start, workdir / "job.log",
-                  hangs=sum(1 for r in records if r["kind"] == "hang"),
-                  lost_attempts=sum(1 for a in range(last + 1) if a not in trained))
+    return Cycles(
+        script,
+        launcher,
+        cycles,
+        rc,
+        came_back,
+        recover,
+        incidents,
+        finished,
+        time.monotonic() - start,
+        workdir / "job.log",
+        hangs=sum(1 for r in records if r["kind"] == "hang"),
+        lost_attempts=sum(1 for a in range(last + 1) if a not in trained),
+    )

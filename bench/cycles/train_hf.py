@@ -1,4 +1,5 @@
 """A Hugging Face Trainer run (DDP over gloo on the CPU) with the hooks' SidecarCallback."""
+
 import os
 import tempfile
 
@@ -29,10 +30,18 @@ class Hang(TrainerCallback):
 chaos = Chaos()
 torch.manual_seed(0)
 data = [{"x": torch.randn(8), "labels": torch.randn(1)} for _ in range(256)]
-args = TrainingArguments(output_dir=os.environ.get("CYCLE_WORKDIR", tempfile.gettempdir()),
-                         max_steps=chaos.hang_step + 40, per_device_train_batch_size=4, logging_steps=1,
-                         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-                         dataloader_num_workers=0, learning_rate=1e-3)
+args = TrainingArguments(
+    output_dir=os.environ.get("CYCLE_WORKDIR", tempfile.gettempdir()),
+    max_steps=chaos.hang_step + 40,
+    per_device_train_batch_size=4,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    learning_rate=1e-3,
+)
 trainer = Trainer(model=Tiny(), args=args, train_dataset=data, callbacks=[SidecarCallback(), Hang(chaos)])
 trainer.train()
 chaos.done()

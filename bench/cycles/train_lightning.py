@@ -1,4 +1,5 @@
 """A Lightning run (DDP over gloo on the CPU) with the hooks' SidecarCallback."""
+
 import os
 
 import lightning.pytorch as pl
@@ -33,9 +34,17 @@ class Hang(pl.Callback):
 chaos = Chaos()
 torch.manual_seed(0)
 data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-trainer = pl.Trainer(max_steps=chaos.hang_step + 40, accelerator="cpu",
-                     devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
-                     num_nodes=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     enable_checkpointing=False, callbacks=[SidecarCallback(), Hang(chaos)])
+trainer = pl.Trainer(
+    max_steps=chaos.hang_step + 40,
+    accelerator="cpu",
+    devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    strategy="ddp",
+    num_nodes=1,
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    callbacks=[SidecarCallback(), Hang(chaos)],
+)
 trainer.fit(Tiny(), DataLoader(data, batch_size=4))
 chaos.done()

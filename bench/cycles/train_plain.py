@@ -1,5 +1,6 @@
 """A user's own training loop: gloo all-reduce per step, the hooks' Monitor, and the process
 group from `trainer_hooks.distributed` (the one change it needs to come back after a restart)."""
+
 import torch
 import torch.distributed as dist
 

@@ -1,6 +1,7 @@
 """A training script that knows nothing of the sidecar (no trainer_hooks import): DDP over gloo,
 SGD, a plain `dist.init_process_group`. Watched only through `-m trainer_hooks.attach`.
 Prints the final parameters' checksum on rank 0."""
+
 import hashlib
 
 import torch

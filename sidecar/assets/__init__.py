@@ -7,6 +7,7 @@ the top-level `alerts/`, `dashboards/` and `deploy/` directories that the genera
 built from the checkout carries their files here, so an installed `sidecar` provisions and
 generates without the repository.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,6 +1,7 @@
 """What every collector shares: the one-method interface and the runner that samples
 collectors in the background and keeps the latest snapshot (metric specifications are
 `sidecar/metric.py`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from sidecar.config import Settings
 from sidecar.metric import MetricSpec, spec
 
 log = logging.getLogger(__name__)
+
 
 class Collector(Protocol):
     """A collector reads one data source and maps it to metric families. `collect` runs in an
@@ -83,11 +85,16 @@ class TextCache:
 
 
 RUNNER_METRICS = (
-    spec("runner", "scrape_collector_success", "gauge",
-         "1 if the collector's last run succeeded (a partial failure, such as one GPU lost, is 0).",
-         ["collector"]),
-    spec("runner", "scrape_collector_duration_seconds", "gauge",
-         "Duration of the collector's last run.", ["collector"]),
+    spec(
+        "runner",
+        "scrape_collector_success",
+        "gauge",
+        "1 if the collector's last run succeeded (a partial failure, such as one GPU lost, is 0).",
+        ["collector"],
+    ),
+    spec(
+        "runner", "scrape_collector_duration_seconds", "gauge", "Duration of the collector's last run.", ["collector"]
+    ),
 )
 
 
@@ -177,8 +184,7 @@ class CollectorRunner:
     def hung(self) -> dict[str, float]:
         """Collectors whose current run has lasted longer than `hung_after`: name -> seconds."""
         now = time.monotonic()
-        return {name: now - since for name, since in self._running_since.items()
-                if now - since > self.hung_after}
+        return {name: now - since for name, since in self._running_since.items() if now - since > self.hung_after}
 
     def families(self) -> Iterable[Metric]:
         """The latest families of every collector plus the runner's own success/duration."""
@@ -197,8 +203,15 @@ class CollectorRunner:
         out = dict(self.results)
         for name, seconds in self.hung().items():
             r = out[name]
-            out[name] = CollectorResult(r.families, False, seconds, r.finished_at or time.time(),
-                                        f"hung: its current run has lasted {seconds:.0f}s", r.text, r.series)
+            out[name] = CollectorResult(
+                r.families,
+                False,
+                seconds,
+                r.finished_at or time.time(),
+                f"hung: its current run has lasted {seconds:.0f}s",
+                r.text,
+                r.series,
+            )
         return out
 
     def health_families(self) -> Iterable[Metric]:

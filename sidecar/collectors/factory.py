@@ -1,6 +1,7 @@
 """Building the enabled hardware collectors from settings: each collector module's `build`
 gets one `BuildContext` (its settings, what it may read of the registry, the collectors built
 before it), in the order `config.COLLECTORS` lists them."""
+
 from __future__ import annotations
 
 import importlib

@@ -1,6 +1,7 @@
 """Network metrics: Ethernet interfaces (with node_exporter's meaning, so existing node rules
 carry over) and InfiniBand / RoCE ports, from sysfs. A node without InfiniBand has no
 `sidecar_infiniband_*` series; that is not a failure."""
+
 from __future__ import annotations
 
 import re
@@ -29,10 +30,20 @@ UP = spec(NAME, "network_up", "gauge", "1 when the interface's operstate is up."
 SPEED = spec(NAME, "network_speed_bytes", "gauge", "Link speed in bytes per second (absent when unknown).", D)
 CARRIER_CHANGES = spec(NAME, "network_carrier_changes", "counter", "Times the link went up or down.", D)
 
-IB_STATE = spec(NAME, "infiniband_port_state_id", "gauge",
-                "Logical port state (1 down, 2 init, 3 armed, 4 active, 5 active_defer).", P)
-IB_PHYSICAL_STATE = spec(NAME, "infiniband_port_physical_state_id", "gauge",
-                         "Physical port state (2 polling, 3 disabled, 5 link_up, 7 phy_test ...).", P)
+IB_STATE = spec(
+    NAME,
+    "infiniband_port_state_id",
+    "gauge",
+    "Logical port state (1 down, 2 init, 3 armed, 4 active, 5 active_defer).",
+    P,
+)
+IB_PHYSICAL_STATE = spec(
+    NAME,
+    "infiniband_port_physical_state_id",
+    "gauge",
+    "Physical port state (2 polling, 3 disabled, 5 link_up, 7 phy_test ...).",
+    P,
+)
 IB_UP = spec(NAME, "infiniband_port_up", "gauge", "1 when the port is ACTIVE and its link is up.", P)
 IB_RATE = spec(NAME, "infiniband_rate_bytes_per_second", "gauge", "Port link rate.", P)
 IB_RECEIVED = spec(NAME, "infiniband_port_data_received_bytes", "counter", "Data received by the port.", P)
@@ -40,23 +51,64 @@ IB_TRANSMITTED = spec(NAME, "infiniband_port_data_transmitted_bytes", "counter",
 IB_LINK_DOWNED = spec(NAME, "infiniband_link_downed", "counter", "Times the link went down after errors.", P)
 IB_SYMBOL_ERROR = spec(NAME, "infiniband_symbol_error", "counter", "Minor link errors on a physical lane.", P)
 IB_RECEIVE_ERRORS = spec(NAME, "infiniband_port_receive_errors", "counter", "Packets received with errors.", P)
-IB_TRANSMIT_WAIT = spec(NAME, "infiniband_port_transmit_wait", "counter",
-                        "Ticks the port had data to send but no credits (congestion).", P)
-IB_INFO = spec(NAME, "infiniband_port", "info", "InfiniBand port facts; value 1.",
-               ["device", "port", "link_layer", "state", "physical_state"])
+IB_TRANSMIT_WAIT = spec(
+    NAME, "infiniband_port_transmit_wait", "counter", "Ticks the port had data to send but no credits (congestion).", P
+)
+IB_INFO = spec(
+    NAME,
+    "infiniband_port",
+    "info",
+    "InfiniBand port facts; value 1.",
+    ["device", "port", "link_layer", "state", "physical_state"],
+)
 
-METRICS = (RECEIVE_BYTES, TRANSMIT_BYTES, RECEIVE_PACKETS, TRANSMIT_PACKETS, RECEIVE_ERRS, TRANSMIT_ERRS,
-           RECEIVE_DROP, TRANSMIT_DROP, UP, SPEED, CARRIER_CHANGES,
-           IB_INFO, IB_STATE, IB_PHYSICAL_STATE, IB_UP, IB_RATE, IB_RECEIVED, IB_TRANSMITTED, IB_LINK_DOWNED,
-           IB_SYMBOL_ERROR, IB_RECEIVE_ERRORS, IB_TRANSMIT_WAIT)
+METRICS = (
+    RECEIVE_BYTES,
+    TRANSMIT_BYTES,
+    RECEIVE_PACKETS,
+    TRANSMIT_PACKETS,
+    RECEIVE_ERRS,
+    TRANSMIT_ERRS,
+    RECEIVE_DROP,
+    TRANSMIT_DROP,
+    UP,
+    SPEED,
+    CARRIER_CHANGES,
+    IB_INFO,
+    IB_STATE,
+    IB_PHYSICAL_STATE,
+    IB_UP,
+    IB_RATE,
+    IB_RECEIVED,
+    IB_TRANSMITTED,
+    IB_LINK_DOWNED,
+    IB_SYMBOL_ERROR,
+    IB_RECEIVE_ERRORS,
+    IB_TRANSMIT_WAIT,
+)
 
-_NET_FIELDS = ((RECEIVE_BYTES, "rx_bytes"), (TRANSMIT_BYTES, "tx_bytes"), (RECEIVE_PACKETS, "rx_packets"),
-               (TRANSMIT_PACKETS, "tx_packets"), (RECEIVE_ERRS, "rx_errors"), (TRANSMIT_ERRS, "tx_errors"),
-               (RECEIVE_DROP, "rx_dropped"), (TRANSMIT_DROP, "tx_dropped"), (CARRIER_CHANGES, "carrier_changes"))
-_IB_FIELDS = ((IB_STATE, "state_id"), (IB_PHYSICAL_STATE, "physical_state_id"), (IB_RATE, "rate_bytes_per_second"),
-              (IB_RECEIVED, "rcv_data_bytes"), (IB_TRANSMITTED, "xmit_data_bytes"),
-              (IB_LINK_DOWNED, "link_downed"), (IB_SYMBOL_ERROR, "symbol_error"),
-              (IB_RECEIVE_ERRORS, "rcv_errors"), (IB_TRANSMIT_WAIT, "xmit_wait"))
+_NET_FIELDS = (
+    (RECEIVE_BYTES, "rx_bytes"),
+    (TRANSMIT_BYTES, "tx_bytes"),
+    (RECEIVE_PACKETS, "rx_packets"),
+    (TRANSMIT_PACKETS, "tx_packets"),
+    (RECEIVE_ERRS, "rx_errors"),
+    (TRANSMIT_ERRS, "tx_errors"),
+    (RECEIVE_DROP, "rx_dropped"),
+    (TRANSMIT_DROP, "tx_dropped"),
+    (CARRIER_CHANGES, "carrier_changes"),
+)
+_IB_FIELDS = (
+    (IB_STATE, "state_id"),
+    (IB_PHYSICAL_STATE, "physical_state_id"),
+    (IB_RATE, "rate_bytes_per_second"),
+    (IB_RECEIVED, "rcv_data_bytes"),
+    (IB_TRANSMITTED, "xmit_data_bytes"),
+    (IB_LINK_DOWNED, "link_downed"),
+    (IB_SYMBOL_ERROR, "symbol_error"),
+    (IB_RECEIVE_ERRORS, "rcv_errors"),
+    (IB_TRANSMIT_WAIT, "xmit_wait"),
+)
 
 IB_ACTIVE, IB_LINK_UP = 4, 5
 
@@ -76,8 +128,10 @@ class NicCollector:
 
     def collect(self) -> Iterable[Metric]:
         nics = [sysfs.read_net_device(self.sysfs_root, d) for d in self.devices()]
-        ports = [sysfs.read_infiniband_port(self.sysfs_root, d, p)
-                 for d, p in sysfs.list_infiniband_ports(self.sysfs_root)[: self.max_nics]]
+        ports = [
+            sysfs.read_infiniband_port(self.sysfs_root, d, p)
+            for d, p in sysfs.list_infiniband_ports(self.sysfs_root)[: self.max_nics]
+        ]
         families = [f for f in (*self._net_families(nics), *self._ib_families(ports)) if f.samples]
         problems = [msg for nic in nics for msg in nic.problems] + [msg for port in ports for msg in port.problems]
         if problems:
@@ -105,15 +159,17 @@ class NicCollector:
         fields = [(s.family(), attr) for s, attr in _IB_FIELDS]
         for port in ports:
             labels = [port.device, port.port]
-            info.add_metric(labels + [port.link_layer or "", (port.state or "").lower(),
-                                      (port.physical_state or "").lower()], {})
+            info.add_metric(
+                labels + [port.link_layer or "", (port.state or "").lower(), (port.physical_state or "").lower()], {}
+            )
             for family, attr in fields:
                 value = getattr(port, attr)
                 if value is not None:
                     family.add_metric(labels, value)
             if port.state_id is not None:
-                up.add_metric(labels, 1.0 if port.state_id == IB_ACTIVE and port.physical_state_id in
-                              (IB_LINK_UP, None) else 0.0)
+                up.add_metric(
+                    labels, 1.0 if port.state_id == IB_ACTIVE and port.physical_state_id in (IB_LINK_UP, None) else 0.0
+                )
         return [info, up, *(f for f, _ in fields)]
 
 

@@ -1,5 +1,6 @@
 """Node metrics: CPU and memory, load, free space where checkpoints go, and the software versions
 that matter when a job misbehaves after an upgrade (driver, CUDA, torch, NCCL, kernel, OS)."""
+
 from __future__ import annotations
 
 import os
@@ -15,20 +16,29 @@ from sidecar.metric import spec
 
 NAME = "node"
 
-CPU_UTILIZATION = spec(NAME, "node_cpu_utilization_ratio", "gauge",
-                       "Share of all CPUs busy since the previous sample.")
+CPU_UTILIZATION = spec(NAME, "node_cpu_utilization_ratio", "gauge", "Share of all CPUs busy since the previous sample.")
 MEMORY_TOTAL = spec(NAME, "node_memory_total_bytes", "gauge", "Physical memory.")
-MEMORY_AVAILABLE = spec(NAME, "node_memory_available_bytes", "gauge",
-                        "Memory available to new work without swapping (MemAvailable).")
+MEMORY_AVAILABLE = spec(
+    NAME, "node_memory_available_bytes", "gauge", "Memory available to new work without swapping (MemAvailable)."
+)
 LOAD1 = spec(NAME, "node_load1", "gauge", "1-minute load average.")
-CHECKPOINT_SIZE = spec(NAME, "checkpoint_filesystem_size_bytes", "gauge",
-                       "Size of the filesystem holding the checkpoint directory.")
-CHECKPOINT_AVAIL = spec(NAME, "checkpoint_filesystem_avail_bytes", "gauge",
-                        "Space on the checkpoint filesystem available to unprivileged users.")
-VERSIONS = spec(NAME, "versions", "info",
-                "Software versions, one series per registered job (job_id is empty when none is "
-                "registered); driver and CUDA come from NVML, torch and NCCL from the ranks.",
-                ["job_id", "driver_version", "cuda_version", "torch_version", "nccl_version", "kernel", "os"])
+CHECKPOINT_SIZE = spec(
+    NAME, "checkpoint_filesystem_size_bytes", "gauge", "Size of the filesystem holding the checkpoint directory."
+)
+CHECKPOINT_AVAIL = spec(
+    NAME,
+    "checkpoint_filesystem_avail_bytes",
+    "gauge",
+    "Space on the checkpoint filesystem available to unprivileged users.",
+)
+VERSIONS = spec(
+    NAME,
+    "versions",
+    "info",
+    "Software versions, one series per registered job (job_id is empty when none is "
+    "registered); driver and CUDA come from NVML, torch and NCCL from the ranks.",
+    ["job_id", "driver_version", "cuda_version", "torch_version", "nccl_version", "kernel", "os"],
+)
 
 METRICS = (CPU_UTILIZATION, MEMORY_TOTAL, MEMORY_AVAILABLE, LOAD1, CHECKPOINT_SIZE, CHECKPOINT_AVAIL, VERSIONS)
 
@@ -53,8 +63,13 @@ class NodeCollector:
     name = NAME
     metrics = METRICS
 
-    def __init__(self, checkpoint_dir: str, job_versions: JobVersionsFn,
-                 driver_versions: DriverVersionsFn = lambda: ("", ""), os_release: str = "/etc/os-release"):
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        job_versions: JobVersionsFn,
+        driver_versions: DriverVersionsFn = lambda: ("", ""),
+        os_release: str = "/etc/os-release",
+    ):
         self.checkpoint_dir = checkpoint_dir
         self.job_versions = job_versions
         self.driver_versions = driver_versions
@@ -79,8 +94,9 @@ class NodeCollector:
         driver, cuda = self.driver_versions()
         jobs = self.job_versions() or {"": {}}
         for job_id, v in sorted(jobs.items()):
-            versions.add_metric([job_id, driver, cuda, str(v.get("torch") or ""), str(v.get("nccl") or ""),
-                                 self.kernel, self.os], {})
+            versions.add_metric(
+                [job_id, driver, cuda, str(v.get("torch") or ""), str(v.get("nccl") or ""), self.kernel, self.os], {}
+            )
         return [f for f in (cpu, total, available, load1, ckpt_size, ckpt_avail, versions) if f.samples]
 
 

@@ -14,6 +14,7 @@ Utilization, memory, temperature, power, energy, clocks and processes are read e
 and PCIe link health and the slow-moving rest (encoder/decoder load, PCIe throughput, memory
 temperature, clock violation times) every HEALTH_SECONDS.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,7 +47,13 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
 # nvmlPerfPolicyType_t: the violation-time counters of nvmlDeviceGetViolationStatus, which
 # dcgm-exporter exports as DCGM_FI_DEV_<POLICY>_VIOLATION.
 VIOLATION_POLICIES: tuple[tuple[str, int], ...] = (
-    ("power", 0), ("thermal", 1), ("sync_boost", 2), ("board_limit", 3), ("low_utilization", 4), ("reliability", 5))
+    ("power", 0),
+    ("thermal", 1),
+    ("sync_boost", 2),
+    ("board_limit", 3),
+    ("low_utilization", 4),
+    ("reliability", 5),
+)
 
 NVLINK_COUNTERS = (("replay", 0), ("recovery", 1), ("crc_flit", 2), ("crc_data", 3))  # NVML_NVLINK_ERROR_DL_*
 MEMORY_V2 = 0x02000028  # nvmlMemory_v2: NVML_STRUCT_VERSION(Memory, 2)
@@ -56,14 +63,31 @@ RETRY_ABSENT_SECONDS = 60.0  # a driver may be loaded after the sidecar starts
 HEALTH_SECONDS = 10.0  # error counters, link health and slow-moving fields are re-read this often at most
 
 # GpuReading fields read by `_read_health`, kept between its reads.
-HEALTH_FIELDS = ("slowdown_temperature_celsius", "shutdown_temperature_celsius", "ecc_corrected",
-                 "ecc_uncorrected", "ecc_volatile_corrected", "ecc_volatile_uncorrected",
-                 "retired_pages_single_bit", "retired_pages_double_bit",
-                 "retired_pages_pending", "remapped_rows", "pcie_replay", "pcie_link_generation", "pcie_link_width",
-                 "pcie_link_max_generation",
-                 "pcie_link_max_width", "nvlinks", "memory_temperature_celsius", "pcie_tx_bytes_per_second",
-                 "pcie_rx_bytes_per_second", "encoder_utilization_ratio", "decoder_utilization_ratio",
-                 "violation_seconds", "mig_mode")
+HEALTH_FIELDS = (
+    "slowdown_temperature_celsius",
+    "shutdown_temperature_celsius",
+    "ecc_corrected",
+    "ecc_uncorrected",
+    "ecc_volatile_corrected",
+    "ecc_volatile_uncorrected",
+    "retired_pages_single_bit",
+    "retired_pages_double_bit",
+    "retired_pages_pending",
+    "remapped_rows",
+    "pcie_replay",
+    "pcie_link_generation",
+    "pcie_link_width",
+    "pcie_link_max_generation",
+    "pcie_link_max_width",
+    "nvlinks",
+    "memory_temperature_celsius",
+    "pcie_tx_bytes_per_second",
+    "pcie_rx_bytes_per_second",
+    "encoder_utilization_ratio",
+    "decoder_utilization_ratio",
+    "violation_seconds",
+    "mig_mode",
+)
 
 
 class NvmlBroken(Exception):
@@ -203,8 +227,9 @@ class NvmlSession:
 
     def _broken(self, why: str) -> bool:
         if why != self.broken:
-            log.warning("NVML is present but unusable: %s (GPU metrics off; retried every %.0fs)",
-                        why, RETRY_ABSENT_SECONDS)
+            log.warning(
+                "NVML is present but unusable: %s (GPU metrics off; retried every %.0fs)", why, RETRY_ABSENT_SECONDS
+            )
         self.broken = why
         return False
 
@@ -267,8 +292,11 @@ class NvmlSession:
             states.recovered.clear()
         if gone:
             level = logging.INFO if all(reason == "not_supported" for _, reason in gone) else logging.WARNING
-            log.log(level, "NVML does not give %s; asked again later (see sidecar_gpu_field_unavailable)",
-                    "; ".join(f"{key} ({reason}) on gpu {','.join(gpus)}" for (key, reason), gpus in gone.items()))
+            log.log(
+                level,
+                "NVML does not give %s; asked again later (see sidecar_gpu_field_unavailable)",
+                "; ".join(f"{key} ({reason}) on gpu {','.join(gpus)}" for (key, reason), gpus in gone.items()),
+            )
         if back:
             log.info("NVML gives again %s", "; ".join(f"{key} on gpu {','.join(gpus)}" for key, gpus in back.items()))
 
@@ -297,8 +325,11 @@ class NvmlSession:
         r.memory_clock_hertz = _scaled(d.call("memory_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_MEM), 1e6)
         r.clock_event_reasons = d.first("clock_event_reasons", g["clock_event_reasons"])
         procs = d.first("processes", g["processes"]) or []
-        r.processes = [(int(p.pid), int(p.usedGpuMemory)) for p in procs
-                       if p.usedGpuMemory is not None and p.usedGpuMemory != NOT_AVAILABLE_ULL]
+        r.processes = [
+            (int(p.pid), int(p.usedGpuMemory))
+            for p in procs
+            if p.usedGpuMemory is not None and p.usedGpuMemory != NOT_AVAILABLE_ULL
+        ]
 
     def _read_health(self, index: int, d: DeviceReader, r: GpuReading) -> None:
         """Error counters, thresholds, link health and the slow-moving fields: read at most every
@@ -310,22 +341,28 @@ class NvmlSession:
             return
         nv = d.nv
         self._check_mig_mode(d, r)
-        r.slowdown_temperature_celsius = d.call("slowdown_temperature", "nvmlDeviceGetTemperatureThreshold",
-                                                nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
-        r.shutdown_temperature_celsius = d.call("shutdown_temperature", "nvmlDeviceGetTemperatureThreshold",
-                                                nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)
+        r.slowdown_temperature_celsius = d.call(
+            "slowdown_temperature", "nvmlDeviceGetTemperatureThreshold", nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
+        )
+        r.shutdown_temperature_celsius = d.call(
+            "shutdown_temperature", "nvmlDeviceGetTemperatureThreshold", nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN
+        )
         r.memory_temperature_celsius = self._memory_temperature(d)
-        for attr, kind, counter in (("ecc_corrected", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_AGGREGATE_ECC),
-                                    ("ecc_uncorrected", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC),
-                                    ("ecc_volatile_corrected", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-                                     nv.NVML_VOLATILE_ECC),
-                                    ("ecc_volatile_uncorrected", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                     nv.NVML_VOLATILE_ECC)):
+        for attr, kind, counter in (
+            ("ecc_corrected", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_AGGREGATE_ECC),
+            ("ecc_uncorrected", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC),
+            ("ecc_volatile_corrected", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC),
+            ("ecc_volatile_uncorrected", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
+        ):
             setattr(r, attr, d.call(attr, "nvmlDeviceGetTotalEccErrors", kind, counter))
-        single = d.call("retired_pages_single_bit", "nvmlDeviceGetRetiredPages",
-                        nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
-        double = d.call("retired_pages_double_bit", "nvmlDeviceGetRetiredPages",
-                        nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        single = d.call(
+            "retired_pages_single_bit",
+            "nvmlDeviceGetRetiredPages",
+            nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        )
+        double = d.call(
+            "retired_pages_double_bit", "nvmlDeviceGetRetiredPages", nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+        )
         r.retired_pages_single_bit = None if single is None else len(single)
         r.retired_pages_double_bit = None if double is None else len(double)
         pending = d.call("retired_pages_pending", "nvmlDeviceGetRetiredPagesPendingStatus")
@@ -339,10 +376,12 @@ class NvmlSession:
         r.pcie_link_max_generation = d.call("pcie_link_max_generation", "nvmlDeviceGetMaxPcieLinkGeneration")
         r.pcie_link_max_width = d.call("pcie_link_max_width", "nvmlDeviceGetMaxPcieLinkWidth")
         # Each throughput call samples the link for about 20 ms: slow-moving, not every round.
-        r.pcie_tx_bytes_per_second = _scaled(d.call("pcie_tx_throughput", "nvmlDeviceGetPcieThroughput",
-                                                    nv.NVML_PCIE_UTIL_TX_BYTES), 1024.0)
-        r.pcie_rx_bytes_per_second = _scaled(d.call("pcie_rx_throughput", "nvmlDeviceGetPcieThroughput",
-                                                    nv.NVML_PCIE_UTIL_RX_BYTES), 1024.0)
+        r.pcie_tx_bytes_per_second = _scaled(
+            d.call("pcie_tx_throughput", "nvmlDeviceGetPcieThroughput", nv.NVML_PCIE_UTIL_TX_BYTES), 1024.0
+        )
+        r.pcie_rx_bytes_per_second = _scaled(
+            d.call("pcie_rx_throughput", "nvmlDeviceGetPcieThroughput", nv.NVML_PCIE_UTIL_RX_BYTES), 1024.0
+        )
         encoder = d.call("encoder_utilization", "nvmlDeviceGetEncoderUtilization")
         r.encoder_utilization_ratio = None if encoder is None else encoder[0] / 100.0
         decoder = d.call("decoder_utilization", "nvmlDeviceGetDecoderUtilization")
@@ -362,8 +401,9 @@ class NvmlSession:
         r.mig_mode = None if mode is None else int(mode[0])
         states = d.states
         if r.mig_mode is not None and states.mig_mode is not None and r.mig_mode != states.mig_mode:
-            log.info("gpu %s: MIG mode is now %s; asking NVML again for every field", r.gpu,
-                     "on" if r.mig_mode else "off")
+            log.info(
+                "gpu %s: MIG mode is now %s; asking NVML again for every field", r.gpu, "on" if r.mig_mode else "off"
+            )
             states.reset()
         if r.mig_mode is not None:
             states.mig_mode = r.mig_mode
@@ -375,15 +415,22 @@ class NvmlSession:
             return None
         entry = values[0]
         if entry.nvmlReturn != d.nv.NVML_SUCCESS:  # the field's own answer, e.g. NOT_SUPPORTED on GDDR boards
-            d.states.failed("memory_temperature", _field_reason(d.nv, entry.nvmlReturn),
-                            f"NVML_FI_DEV_MEMORY_TEMP: {entry.nvmlReturn}", d.now)
+            d.states.failed(
+                "memory_temperature",
+                _field_reason(d.nv, entry.nvmlReturn),
+                f"NVML_FI_DEV_MEMORY_TEMP: {entry.nvmlReturn}",
+                d.now,
+            )
             return None
         return float(_field_number(entry))
 
     def _read_static(self, index: int, d: DeviceReader, r: GpuReading) -> None:
         if index not in self.static:
-            uuid, name, pci = (d.call("uuid", "nvmlDeviceGetUUID"), d.call("name", "nvmlDeviceGetName"),
-                               d.call("pci_bus_id", "nvmlDeviceGetPciInfo"))
+            uuid, name, pci = (
+                d.call("uuid", "nvmlDeviceGetUUID"),
+                d.call("name", "nvmlDeviceGetName"),
+                d.call("pci_bus_id", "nvmlDeviceGetPciInfo"),
+            )
             facts = (_text(uuid or ""), _text(name or ""), _text(pci.busId) if pci is not None else "")
             if uuid is None or name is None or pci is None:
                 r.uuid, r.name, r.pci_bus_id = facts  # asked again when its retry is due
@@ -415,20 +462,29 @@ NOT_AVAILABLE_ULL = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE for unsigned long long
 def call_generations(nv: ModuleType) -> dict[str, list[tuple[str, Any]]]:
     """The fields read through more than one generation of an NVML call, newest first (the
     reader keeps, per GPU, the first generation the driver has)."""
+
     def the(name: str) -> tuple[str, Any]:
         return name, getattr(nv, name, None)
+
     memory_info = getattr(nv, "nvmlDeviceGetMemoryInfo", None)
     memory_v2 = None if memory_info is None else (lambda handle: memory_info(handle, version=MEMORY_V2))
     return {
         "memory": [("nvmlDeviceGetMemoryInfo_v2", memory_v2), the("nvmlDeviceGetMemoryInfo")],
-        "temperature": [the("nvmlDeviceGetTemperature"),
-                        ("nvmlDeviceGetTemperatureV", getattr(nv, "nvmlDeviceGetTemperatureV1", None))],
+        "temperature": [
+            the("nvmlDeviceGetTemperature"),
+            ("nvmlDeviceGetTemperatureV", getattr(nv, "nvmlDeviceGetTemperatureV1", None)),
+        ],
         # The "event" name replaced "throttle" in NVML 12.2; old drivers only know the latter.
-        "clock_event_reasons": [the("nvmlDeviceGetCurrentClocksEventReasons"),
-                                the("nvmlDeviceGetCurrentClocksThrottleReasons")],
+        "clock_event_reasons": [
+            the("nvmlDeviceGetCurrentClocksEventReasons"),
+            the("nvmlDeviceGetCurrentClocksThrottleReasons"),
+        ],
         # pynvml's unversioned wrapper calls _v3; drivers before R510 have _v2 or only the unversioned symbol.
-        "processes": [the("nvmlDeviceGetComputeRunningProcesses_v3"), the("nvmlDeviceGetComputeRunningProcesses_v2"),
-                      ("nvmlDeviceGetComputeRunningProcesses", compute_processes_v1(nv))],
+        "processes": [
+            the("nvmlDeviceGetComputeRunningProcesses_v3"),
+            the("nvmlDeviceGetComputeRunningProcesses_v2"),
+            ("nvmlDeviceGetComputeRunningProcesses", compute_processes_v1(nv)),
+        ],
     }
 
 

@@ -14,6 +14,7 @@ becomes unavailable, not on every round.
 A field read through several generations of an NVML call (`_v3`, `_v2`, the unversioned one)
 starts with the newest and drops, for the session, each whose symbol the driver lacks.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,8 +43,10 @@ def reason_of(nv: ModuleType, error: BaseException) -> str:
         names = _ERROR_NAMES.get(nv.__name__)
         if names is None:
             names = _ERROR_NAMES[nv.__name__] = {
-                getattr(nv, n): n[len("NVML_ERROR_"):].lower()
-                for n in dir(nv) if n.startswith("NVML_ERROR_") and isinstance(getattr(nv, n), int)}
+                getattr(nv, n): n[len("NVML_ERROR_") :].lower()
+                for n in dir(nv)
+                if n.startswith("NVML_ERROR_") and isinstance(getattr(nv, n), int)
+            }
         return names.get(error.value, f"error_{error.value}")
     if type(error).__name__ == "NVMLLibraryMismatchError":  # pynvml's unversioned wrapper, symbol missing
         return "function_not_found"
@@ -104,8 +107,9 @@ class DeviceReader:
         """`nv.<function>(handle, *args)`, or None when the field is unavailable."""
         return self.first(key, [(function, getattr(self.nv, function, None))], *args, reported=reported)
 
-    def first(self, key: str, generations: Sequence[tuple[str, Callable[..., Any] | None]], *args: Any,
-              reported: bool = True) -> Any:
+    def first(
+        self, key: str, generations: Sequence[tuple[str, Callable[..., Any] | None]], *args: Any, reported: bool = True
+    ) -> Any:
         """The field from the first call generation the driver has (newest first)."""
         states = self.states
         if states.skipped(key, self.now):
@@ -137,6 +141,7 @@ class DeviceReader:
 
 class _ProcessInfoV1(ctypes.Structure):
     """nvmlProcessInfo_v1_t (nvml.h before 11.x): what the unversioned symbol fills."""
+
     _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
 
 
@@ -160,6 +165,6 @@ def compute_processes_v1(nv: ModuleType) -> Callable[[Any], list[Any]] | None:
         ret = fn(handle, ctypes.byref(count), infos)
         if ret != nv.NVML_SUCCESS:
             raise nv.NVMLError(ret)
-        return list(infos[:count.value])
+        return list(infos[: count.value])
 
     return call

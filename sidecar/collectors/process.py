@@ -1,6 +1,7 @@
 """Per-rank process metrics: each registered rank's process together with its descendants
 (data-loader workers, compile workers), so a leak or a runaway worker shows on the rank that
 owns it. A rank whose process is gone has no series."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -17,24 +18,38 @@ from sidecar.metric import spec
 NAME = "process"
 R = ("job_id", "rank")
 
-CPU_SECONDS = spec(NAME, "process_cpu_seconds", "counter",
-                   "CPU time (user + system) of the rank and its children, including children "
-                   "they have already reaped.", R)
-RESIDENT_MEMORY = spec(NAME, "process_resident_memory_bytes", "gauge",
-                       "Resident memory of the rank and its children (shared pages count once per process).", R)
+CPU_SECONDS = spec(
+    NAME,
+    "process_cpu_seconds",
+    "counter",
+    "CPU time (user + system) of the rank and its children, including children they have already reaped.",
+    R,
+)
+RESIDENT_MEMORY = spec(
+    NAME,
+    "process_resident_memory_bytes",
+    "gauge",
+    "Resident memory of the rank and its children (shared pages count once per process).",
+    R,
+)
 THREADS = spec(NAME, "process_threads", "gauge", "Threads of the rank and its children.", R)
 OPEN_FDS = spec(NAME, "process_open_fds", "gauge", "Open file descriptors of the rank and its children.", R)
 CHILDREN = spec(NAME, "process_children", "gauge", "Live descendant processes of the rank.", R)
-STATE = spec(NAME, "process_state", "gauge", "1 for the state the rank's own process is in.",
-             ["job_id", "rank", "state"])
+STATE = spec(
+    NAME, "process_state", "gauge", "1 for the state the rank's own process is in.", ["job_id", "rank", "state"]
+)
 
 METRICS = (CPU_SECONDS, RESIDENT_MEMORY, THREADS, OPEN_FDS, CHILDREN, STATE)
 
 STATES = ("running", "sleeping", "disk_sleep", "stopped", "zombie", "other")
 _STATE_OF = {
-    psutil.STATUS_RUNNING: "running", psutil.STATUS_SLEEPING: "sleeping", psutil.STATUS_IDLE: "sleeping",
-    psutil.STATUS_DISK_SLEEP: "disk_sleep", psutil.STATUS_STOPPED: "stopped",
-    psutil.STATUS_TRACING_STOP: "stopped", psutil.STATUS_ZOMBIE: "zombie",
+    psutil.STATUS_RUNNING: "running",
+    psutil.STATUS_SLEEPING: "sleeping",
+    psutil.STATUS_IDLE: "sleeping",
+    psutil.STATUS_DISK_SLEEP: "disk_sleep",
+    psutil.STATUS_STOPPED: "stopped",
+    psutil.STATUS_TRACING_STOP: "stopped",
+    psutil.STATUS_ZOMBIE: "zombie",
 }
 
 
@@ -129,8 +144,13 @@ class ProcessCollector:
         cpu, rss, threads, fds, children, state = (s.family() for s in METRICS)
         for r in readings:
             labels = [r.job_id, str(r.rank)]
-            for family, value in ((cpu, r.cpu_seconds), (rss, r.resident_bytes), (threads, r.threads),
-                                  (fds, r.open_fds), (children, r.children)):
+            for family, value in (
+                (cpu, r.cpu_seconds),
+                (rss, r.resident_bytes),
+                (threads, r.threads),
+                (fds, r.open_fds),
+                (children, r.children),
+            ):
                 if value is not None:
                     family.add_metric(labels, value)
             for s in STATES:

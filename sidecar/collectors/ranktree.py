@@ -5,6 +5,7 @@ Finding descendants means reading every process's parent. psutil's `children()` 
 /proc on each call; with 8 ranks and two collectors that is 16 scans a round. Here one scan
 serves every lookup for SNAPSHOT_MAX_AGE seconds: a new worker shows up that much later, and a
 process that exited meanwhile is simply not found when it is read."""
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,7 @@ def _scan(procfs: str) -> dict[int, list[int]]:
         except OSError:  # exited while we looked
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
-        fields = data[data.rfind(b")") + 2:].split(b" ", 2)
+        fields = data[data.rfind(b")") + 2 :].split(b" ", 2)
         children.setdefault(int(fields[1]), []).append(int(name))
     return children
 

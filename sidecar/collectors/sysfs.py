@@ -1,6 +1,7 @@
 """Readers of the kernel's network files under sysfs, returning typed records. Each field names
 the file it comes from; a file that is absent (or that the kernel refuses to read, as `speed`
 on a link that is down) is None. Exporting these records is nic.py's job."""
+
 from __future__ import annotations
 
 import errno
@@ -14,17 +15,17 @@ class NetDevice:
     """/sys/class/net/<device>/"""
 
     device: str
-    operstate: str | None = None          # operstate: "up", "down", "unknown", ...
-    speed_mbps: int | None = None         # speed, Mb/s; -1 (unknown) is None
-    carrier_changes: int | None = None    # carrier_changes
-    rx_bytes: int | None = None           # statistics/rx_bytes
-    tx_bytes: int | None = None           # statistics/tx_bytes
-    rx_packets: int | None = None         # statistics/rx_packets
-    tx_packets: int | None = None         # statistics/tx_packets
-    rx_errors: int | None = None          # statistics/rx_errors
-    tx_errors: int | None = None          # statistics/tx_errors
-    rx_dropped: int | None = None         # statistics/rx_dropped
-    tx_dropped: int | None = None         # statistics/tx_dropped
+    operstate: str | None = None  # operstate: "up", "down", "unknown", ...
+    speed_mbps: int | None = None  # speed, Mb/s; -1 (unknown) is None
+    carrier_changes: int | None = None  # carrier_changes
+    rx_bytes: int | None = None  # statistics/rx_bytes
+    tx_bytes: int | None = None  # statistics/tx_bytes
+    rx_packets: int | None = None  # statistics/rx_packets
+    tx_packets: int | None = None  # statistics/tx_packets
+    rx_errors: int | None = None  # statistics/rx_errors
+    tx_errors: int | None = None  # statistics/tx_errors
+    rx_dropped: int | None = None  # statistics/rx_dropped
+    tx_dropped: int | None = None  # statistics/tx_dropped
     problems: list[str] = field(default_factory=list)  # files that exist but could not be read
 
 
@@ -34,26 +35,30 @@ class InfinibandPort:
 
     device: str
     port: str
-    state_id: int | None = None           # state: "4: ACTIVE"
+    state_id: int | None = None  # state: "4: ACTIVE"
     state: str | None = None
     physical_state_id: int | None = None  # phys_state: "5: LinkUp"
     physical_state: str | None = None
     rate_bytes_per_second: float | None = None  # rate: "200 Gb/sec (4X HDR)"
-    link_layer: str | None = None         # link_layer: "InfiniBand" or "Ethernet" (RoCE)
-    rcv_data_bytes: int | None = None     # counters/port_rcv_data (4-byte words)
-    xmit_data_bytes: int | None = None    # counters/port_xmit_data (4-byte words)
-    link_downed: int | None = None        # counters/link_downed
-    symbol_error: int | None = None       # counters/symbol_error
-    rcv_errors: int | None = None         # counters/port_rcv_errors
-    xmit_wait: int | None = None          # counters/port_xmit_wait
+    link_layer: str | None = None  # link_layer: "InfiniBand" or "Ethernet" (RoCE)
+    rcv_data_bytes: int | None = None  # counters/port_rcv_data (4-byte words)
+    xmit_data_bytes: int | None = None  # counters/port_xmit_data (4-byte words)
+    link_downed: int | None = None  # counters/link_downed
+    symbol_error: int | None = None  # counters/symbol_error
+    rcv_errors: int | None = None  # counters/port_rcv_errors
+    xmit_wait: int | None = None  # counters/port_xmit_wait
     problems: list[str] = field(default_factory=list)
 
 
-_STATISTICS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_errors", "tx_errors",
-               "rx_dropped", "tx_dropped")
-_IB_COUNTERS = (("rcv_data_bytes", "port_rcv_data", 4), ("xmit_data_bytes", "port_xmit_data", 4),
-                ("link_downed", "link_downed", 1), ("symbol_error", "symbol_error", 1),
-                ("rcv_errors", "port_rcv_errors", 1), ("xmit_wait", "port_xmit_wait", 1))
+_STATISTICS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_errors", "tx_errors", "rx_dropped", "tx_dropped")
+_IB_COUNTERS = (
+    ("rcv_data_bytes", "port_rcv_data", 4),
+    ("xmit_data_bytes", "port_xmit_data", 4),
+    ("link_downed", "link_downed", 1),
+    ("symbol_error", "symbol_error", 1),
+    ("rcv_errors", "port_rcv_errors", 1),
+    ("xmit_wait", "port_xmit_wait", 1),
+)
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([GM])b/sec")
 
 
@@ -82,7 +87,7 @@ def _read_int(path: Path, problems: list[str]) -> int | None:
 
 
 def _numbered(text: str | None) -> tuple[int | None, str | None]:
-    """"4: ACTIVE" -> (4, "ACTIVE")."""
+    """ "4: ACTIVE" -> (4, "ACTIVE")."""
     if not text:
         return None, None
     number, _, name = text.partition(":")
@@ -93,7 +98,7 @@ def _numbered(text: str | None) -> tuple[int | None, str | None]:
 
 
 def parse_rate(text: str | None) -> float | None:
-    """"200 Gb/sec (4X HDR)" -> 25e9 bytes per second."""
+    """ "200 Gb/sec (4X HDR)" -> 25e9 bytes per second."""
     m = _RATE.match(text or "")
     if not m:
         return None

@@ -6,6 +6,7 @@ application faults, ...). NVML delivers them as events; a daemon thread blocks i
 (NVIDIA's XID catalogue): one list for the critical alert (alerts/build.py), preflight (a node
 that logged one since boot should not start a job) and the exit reasons. Others (13, 31, 43, ...)
 are mostly application faults."""
+
 from __future__ import annotations
 
 import logging
@@ -88,8 +89,7 @@ class XidWatcher:
     def record(self, gpu: str, xid: int) -> None:
         with self._lock:
             label = str(xid)
-            if (gpu, label) not in self._counts and \
-                    sum(1 for g, _ in self._counts if g == gpu) >= MAX_XIDS_PER_GPU:
+            if (gpu, label) not in self._counts and sum(1 for g, _ in self._counts if g == gpu) >= MAX_XIDS_PER_GPU:
                 label = "other"
             count = self._counts[(gpu, label)] = self._counts.get((gpu, label), 0) + 1
             self._last[gpu] = (xid, time.time())

@@ -3,6 +3,7 @@ listens (`Endpoint`: a Unix socket or a URL) and GET with one-line errors.
 
 `sidecar status` reads its node's sidecar with it, `sidecar preflight` its own and its peers'.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +48,9 @@ class Endpoint:
         return cls(url=url if "://" in url else f"http://{url}")
 
 
-def resolve_endpoint(socket_path: str | None = None, url: str | None = None,
-                     environ: Mapping[str, str] | None = None) -> Endpoint:
+def resolve_endpoint(
+    socket_path: str | None = None, url: str | None = None, environ: Mapping[str, str] | None = None
+) -> Endpoint:
     """Flags first, then SIDECAR_SOCKET, then SIDECAR_URL, then the default socket. The socket
     wins over the URL among the environment variables because it is the default transport."""
     environ = os.environ if environ is None else environ

@@ -1,6 +1,7 @@
 """Files generated from code and kept in the repository (deploy manifests, rule files,
 dashboards, reference documents): write only what changed, tell which are stale, or print.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,9 @@ from pathlib import Path
 def stale(out_dir: Path, files: Mapping[str, str], leftovers: str | None = None) -> list[str]:
     """Sorted names of `files` missing from `out_dir` or different there, plus the files matching
     the glob `leftovers` that `files` no longer has (a removed source)."""
-    out = {name for name, text in files.items()
-           if not (out_dir / name).is_file() or (out_dir / name).read_text() != text}
+    out = {
+        name for name, text in files.items() if not (out_dir / name).is_file() or (out_dir / name).read_text() != text
+    }
     if leftovers and out_dir.is_dir():
         out |= {p.name for p in out_dir.glob(leftovers)} - set(files)
     return sorted(out)

@@ -1,6 +1,7 @@
 """What `sidecar provision` sends to Grafana, built from the shipped files: dashboards with
 our datasource, and Grafana-managed alert rules translated from the Prometheus rule files.
 Pure functions of their inputs (no HTTP): `sidecar/commands/provision.py` compares and writes them."""
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ class ProvisionError(Exception):
 
 
 # ------------------------------------------------------------------ sources
+
 
 def load_dashboards(directory: Path) -> list[dict]:
     paths = sorted(Path(directory).glob("*.json"))
@@ -68,6 +70,7 @@ def load_rule_groups(directory: Path, gpu_source: str | None = None) -> list[dic
 
 # ------------------------------------------------------------------ Prometheus rule -> Grafana rule
 
+
 def rule_uid(alertname: str) -> str:
     """A stable Grafana uid from the alert name: SidecarRankStalled -> sidecar-rank-stalled."""
     base = re.sub(r"^Sidecar", "", alertname)
@@ -93,19 +96,46 @@ def grafana_rule(rule: dict, group: str, folder_uid: str, datasource_uid: str) -
         "title": rule["alert"],
         "condition": "C",
         "data": [
-            {"refId": "A", "queryType": "", "relativeTimeRange": {"from": 600, "to": 0},
-             "datasourceUid": datasource_uid,
-             "model": {"refId": "A", "expr": expr, "instant": True, "range": False, "editorMode": "code",
-                       "legendFormat": "__auto"}},
-            {"refId": "B", "queryType": "", "relativeTimeRange": {"from": 0, "to": 0},
-             "datasourceUid": EXPR_DATASOURCE,
-             "model": {"refId": "B", "type": "reduce", "expression": "A", "reducer": "last",
-                       "datasource": {"type": EXPR_DATASOURCE, "uid": EXPR_DATASOURCE}}},
-            {"refId": "C", "queryType": "", "relativeTimeRange": {"from": 0, "to": 0},
-             "datasourceUid": EXPR_DATASOURCE,
-             "model": {"refId": "C", "type": "threshold", "expression": "B",
-                       "conditions": [{"evaluator": {"type": "gt", "params": [0]}}],
-                       "datasource": {"type": EXPR_DATASOURCE, "uid": EXPR_DATASOURCE}}},
+            {
+                "refId": "A",
+                "queryType": "",
+                "relativeTimeRange": {"from": 600, "to": 0},
+                "datasourceUid": datasource_uid,
+                "model": {
+                    "refId": "A",
+                    "expr": expr,
+                    "instant": True,
+                    "range": False,
+                    "editorMode": "code",
+                    "legendFormat": "__auto",
+                },
+            },
+            {
+                "refId": "B",
+                "queryType": "",
+                "relativeTimeRange": {"from": 0, "to": 0},
+                "datasourceUid": EXPR_DATASOURCE,
+                "model": {
+                    "refId": "B",
+                    "type": "reduce",
+                    "expression": "A",
+                    "reducer": "last",
+                    "datasource": {"type": EXPR_DATASOURCE, "uid": EXPR_DATASOURCE},
+                },
+            },
+            {
+                "refId": "C",
+                "queryType": "",
+                "relativeTimeRange": {"from": 0, "to": 0},
+                "datasourceUid": EXPR_DATASOURCE,
+                "model": {
+                    "refId": "C",
+                    "type": "threshold",
+                    "expression": "B",
+                    "conditions": [{"evaluator": {"type": "gt", "params": [0]}}],
+                    "datasource": {"type": EXPR_DATASOURCE, "uid": EXPR_DATASOURCE},
+                },
+            },
         ],
         "noDataState": "OK",
         "execErrState": "Error",
@@ -117,8 +147,12 @@ def grafana_rule(rule: dict, group: str, folder_uid: str, datasource_uid: str) -
 
 
 def grafana_rules(groups: list[dict], folder_uid: str, datasource_uid: str) -> list[dict]:
-    rules = [grafana_rule(r, g["name"], folder_uid, datasource_uid)
-             for g in groups for r in g.get("rules", []) if "alert" in r]
+    rules = [
+        grafana_rule(r, g["name"], folder_uid, datasource_uid)
+        for g in groups
+        for r in g.get("rules", [])
+        if "alert" in r
+    ]
     uids = [r["uid"] for r in rules]
     duplicates = sorted({u for u in uids if uids.count(u) > 1})
     if duplicates:
@@ -137,8 +171,15 @@ def with_datasource(dashboard: dict, uid: str, name: str) -> dict:
 
 
 def datasource_payload(uid: str, name: str, url: str) -> dict:
-    return {"uid": uid, "name": name, "type": "prometheus", "access": "proxy", "url": url, "isDefault": False,
-            "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}}
+    return {
+        "uid": uid,
+        "name": name,
+        "type": "prometheus",
+        "access": "proxy",
+        "url": url,
+        "isDefault": False,
+        "jsonData": {"httpMethod": "POST", "timeInterval": "15s"},
+    }
 
 
 def contains(actual: Any, wanted: Any) -> bool:
@@ -146,8 +187,11 @@ def contains(actual: Any, wanted: Any) -> bool:
     if isinstance(wanted, dict):
         return isinstance(actual, dict) and all(k in actual and contains(actual[k], v) for k, v in wanted.items())
     if isinstance(wanted, list):
-        return isinstance(actual, list) and len(actual) == len(wanted) and all(
-            contains(a, w) for a, w in zip(actual, wanted, strict=True))
+        return (
+            isinstance(actual, list)
+            and len(actual) == len(wanted)
+            and all(contains(a, w) for a, w in zip(actual, wanted, strict=True))
+        )
     return actual == wanted
 
 

@@ -1,5 +1,6 @@
 """`sidecar incidents`: the incident records of a diagnostics directory, newest first (a table,
 `--full` summaries or `--json`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,12 +15,16 @@ from sidecar.incidents.store import INCIDENTS_SUBDIR, load_incidents
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from sidecar.config import add_settings_arguments
+
     add_settings_arguments(parser)
     parser.add_argument("--diag-dir", help="diagnostics directory (default: the settings' diag_dir)")
     parser.add_argument("--last", type=int, default=20, metavar="N", help="show the N newest (default 20)")
     parser.add_argument("--json", action="store_true", help="print the full records as a JSON list")
-    parser.add_argument("--full", action="store_true",
-                        help="print each incident's summary: ranks, timeline and the first lines of every stack dump")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="print each incident's summary: ranks, timeline and the first lines of every stack dump",
+    )
 
 
 def _row(record: dict[str, Any]) -> list[str]:
@@ -27,9 +32,14 @@ def _row(record: dict[str, Any]) -> list[str]:
     blamed = record.get("blamed_rank")
     timeline = {e.get("event"): e.get("after_detection_seconds") for e in record.get("timeline", [])}
     exited = timeline.get("exit_observed")
-    return [when, str(record.get("job_id", "?")), f"rank {blamed}" if blamed is not None else "-",
-            str(record.get("outcome", "?")), f"+{exited:.1f}s" if exited is not None else "-",
-            str(record.get("path", ""))]
+    return [
+        when,
+        str(record.get("job_id", "?")),
+        f"rank {blamed}" if blamed is not None else "-",
+        str(record.get("outcome", "?")),
+        f"+{exited:.1f}s" if exited is not None else "-",
+        str(record.get("path", "")),
+    ]
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -41,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
     diag_dir = args.diag_dir
     if not diag_dir:
         from sidecar.config import ConfigError, settings_from_args
+
         try:
             diag_dir = str(settings_from_args(args).diagnostics_dir)
         except ConfigError as e:

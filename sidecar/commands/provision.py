@@ -15,6 +15,7 @@ Credentials never go on the command line (it shows in `ps`): a token from GRAFAN
 (one line `user:password`). Exit status: 0 done, 1 Grafana refused or is unreachable, 2 bad
 usage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,8 +96,10 @@ class Provisioner:
         try:
             return fn(*args, **kwargs)
         except GrafanaUnauthorizedError:
-            raise ProvisionError(f"Grafana at {self.url} rejected the credentials (401 Unauthorized); "
-                                 "check GRAFANA_TOKEN, --token-file or the basic-auth user") from None
+            raise ProvisionError(
+                f"Grafana at {self.url} rejected the credentials (401 Unauthorized); "
+                "check GRAFANA_TOKEN, --token-file or the basic-auth user"
+            ) from None
         except GrafanaBadInputError as e:
             raise ProvisionError(f"Grafana rejected {what} (400): {_message(e)}") from None
         except GrafanaTimeoutError:
@@ -107,11 +110,14 @@ class Provisioner:
             if e.status_code == 404 and missing_ok:
                 return None
             if e.status_code == 403:
-                raise ProvisionError(f"Grafana at {self.url} denied {what} (403 Forbidden): the token or user "
-                                     "needs the Editor or Admin role") from None
+                raise ProvisionError(
+                    f"Grafana at {self.url} denied {what} (403 Forbidden): the token or user "
+                    "needs the Editor or Admin role"
+                ) from None
             if e.status_code == 412:
-                raise ProvisionError(f"{what} was changed in Grafana while provisioning (412 "
-                                     f"{_message(e)}); run again") from None
+                raise ProvisionError(
+                    f"{what} was changed in Grafana while provisioning (412 {_message(e)}); run again"
+                ) from None
             raise ProvisionError(f"Grafana refused {what} ({e.status_code}): {_message(e)}") from None
         except niquests.exceptions.ConnectionError as e:
             reason = "connection refused" if "refused" in str(e).lower() else _short(e)
@@ -134,8 +140,7 @@ class Provisioner:
             self.call(f"folder {uid}", self.api.folder.create_folder, title, uid=uid)
             self.report("folder", uid, "created")
         elif existing.get("title") != title:
-            self.call(f"folder {uid}", self.api.folder.update_folder, uid, title=title,
-                      version=existing.get("version"))
+            self.call(f"folder {uid}", self.api.folder.update_folder, uid, title=title, version=existing.get("version"))
             self.report("folder", uid, "updated")
         else:
             self.report("folder", uid, "unchanged")
@@ -144,8 +149,10 @@ class Provisioner:
         existing = self.call(f"datasource {uid}", self.api.datasource.get_datasource_by_uid, uid, missing_ok=True)
         if url is None:
             if existing is None:
-                raise ProvisionError(f"datasource {uid} not found in Grafana; pass --datasource-url to create it "
-                                     "or --datasource-uid of an existing Prometheus datasource")
+                raise ProvisionError(
+                    f"datasource {uid} not found in Grafana; pass --datasource-url to create it "
+                    "or --datasource-uid of an existing Prometheus datasource"
+                )
             self.report("datasource", uid, "exists")
             return
         wanted = datasource_payload(uid, name, url)
@@ -174,13 +181,18 @@ class Provisioner:
         else:
             body = {**wanted, "id": None}
         # overwrite=False with the version we read: a concurrent edit in Grafana is a 412, not lost.
-        self.call(what, self.api.dashboard.update_dashboard,
-                  {"dashboard": body, "folderUid": folder_uid, "overwrite": False, "message": MESSAGE})
+        self.call(
+            what,
+            self.api.dashboard.update_dashboard,
+            {"dashboard": body, "folderUid": folder_uid, "overwrite": False, "message": MESSAGE},
+        )
         self.report("dashboard", uid, "updated" if existing is not None else "created")
 
     def alert_rules(self, wanted: list[dict], folder_uid: str) -> None:
-        existing = {r.get("uid"): r for r in self.call("the alert rules", self.api.alertingprovisioning
-                                                       .get_alertrules_all) or []}
+        existing = {
+            r.get("uid"): r
+            for r in self.call("the alert rules", self.api.alertingprovisioning.get_alertrules_all) or []
+        }
         for rule in wanted:
             uid = rule["uid"]
             what = f"alert rule {uid}"
@@ -195,8 +207,12 @@ class Provisioner:
         # Rules this tool made earlier for alerts that no longer exist.
         wanted_uids = {r["uid"] for r in wanted}
         for uid, rule in existing.items():
-            if uid and uid.startswith(RULE_UID_PREFIX) and uid not in wanted_uids \
-                    and rule.get("folderUID") == folder_uid:
+            if (
+                uid
+                and uid.startswith(RULE_UID_PREFIX)
+                and uid not in wanted_uids
+                and rule.get("folderUID") == folder_uid
+            ):
                 self.call(f"alert rule {uid}", self.api.alertingprovisioning.delete_alertrule, uid)
                 self.report("alert rule", uid, "deleted")
 
@@ -227,6 +243,7 @@ def _short(e: Exception) -> str:
 
 # ------------------------------------------------------------------ credentials
 
+
 def _read_secret(path: str, what: str) -> str:
     try:
         value = Path(path).read_text().strip()
@@ -252,8 +269,10 @@ def credential(args: argparse.Namespace, environ: dict[str, str]) -> str | tuple
         return environ["GRAFANA_TOKEN"].strip()
     if environ.get("GRAFANA_USER") and "GRAFANA_PASSWORD" in environ:
         return environ["GRAFANA_USER"], environ["GRAFANA_PASSWORD"]
-    raise UsageError("no Grafana credentials: set GRAFANA_TOKEN or --token-file, "
-                     "or GRAFANA_USER and GRAFANA_PASSWORD or --basic-auth-file")
+    raise UsageError(
+        "no Grafana credentials: set GRAFANA_TOKEN or --token-file, "
+        "or GRAFANA_USER and GRAFANA_PASSWORD or --basic-auth-file"
+    )
 
 
 def grafana_url(args: argparse.Namespace, environ: dict[str, str]) -> str:
@@ -270,6 +289,7 @@ def grafana_url(args: argparse.Namespace, environ: dict[str, str]) -> str:
 
 # ------------------------------------------------------------------ files
 
+
 def _write(path: Path, text: str, out: Callable[[str], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and path.read_text() == text:
@@ -282,59 +302,100 @@ def _write(path: Path, text: str, out: Callable[[str], None]) -> None:
 def write_files(out_dir: Path, o: Options, dashboards_path: str, out: Callable[[str], None] = print) -> None:
     """Grafana file provisioning (a dashboard provider and, with --datasource-url, a datasource),
     the dashboards, and one Prometheus rules file with every group."""
-    provider = {"apiVersion": 1, "providers": [{
-        "name": o.folder_uid, "orgId": 1, "folder": o.folder_title, "folderUid": o.folder_uid, "type": "file",
-        "disableDeletion": False, "allowUiUpdates": False, "updateIntervalSeconds": 60,
-        "options": {"path": dashboards_path, "foldersFromFilesStructure": False}}]}
-    _write(out_dir / "grafana" / "provisioning" / "dashboards" / f"{o.folder_uid}.yaml",
-           yaml.safe_dump(provider, sort_keys=False), out)
+    provider = {
+        "apiVersion": 1,
+        "providers": [
+            {
+                "name": o.folder_uid,
+                "orgId": 1,
+                "folder": o.folder_title,
+                "folderUid": o.folder_uid,
+                "type": "file",
+                "disableDeletion": False,
+                "allowUiUpdates": False,
+                "updateIntervalSeconds": 60,
+                "options": {"path": dashboards_path, "foldersFromFilesStructure": False},
+            }
+        ],
+    }
+    _write(
+        out_dir / "grafana" / "provisioning" / "dashboards" / f"{o.folder_uid}.yaml",
+        yaml.safe_dump(provider, sort_keys=False),
+        out,
+    )
     if o.datasource_url:
         ds = datasource_payload(o.datasource_uid, o.datasource_name, o.datasource_url)
         ds["orgId"] = 1
         ds["editable"] = False
-        _write(out_dir / "grafana" / "provisioning" / "datasources" / f"{o.folder_uid}.yaml",
-               yaml.safe_dump({"apiVersion": 1, "datasources": [ds]}, sort_keys=False), out)
+        _write(
+            out_dir / "grafana" / "provisioning" / "datasources" / f"{o.folder_uid}.yaml",
+            yaml.safe_dump({"apiVersion": 1, "datasources": [ds]}, sort_keys=False),
+            out,
+        )
     else:
         out("datasource: skipped (no --datasource-url); the dashboards ask for a Prometheus datasource")
     for dash in o.dashboards:
         if o.datasource_url:
             dash = with_datasource(dash, o.datasource_uid, o.datasource_name)
         _write(out_dir / "grafana" / "dashboards" / f"{dash['uid']}.json", json.dumps(dash, indent=2) + "\n", out)
-    _write(out_dir / "prometheus" / "training-sidecar.rules.yml",
-           "# Recording and alerting rules of the training sidecar (generated from alerts/).\n"
-           + yaml.safe_dump({"groups": o.rule_groups}, sort_keys=False, width=120), out)
+    _write(
+        out_dir / "prometheus" / "training-sidecar.rules.yml",
+        "# Recording and alerting rules of the training sidecar (generated from alerts/).\n"
+        + yaml.safe_dump({"groups": o.rule_groups}, sort_keys=False, width=120),
+        out,
+    )
 
 
 # ------------------------------------------------------------------ command line
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # No prefix matching: `--token SECRET` must fail, not become `--token-file SECRET`.
     parser.allow_abbrev = False
     parser.add_argument("--url", help="Grafana's base URL, e.g. http://grafana:3000 (also GRAFANA_URL)")
-    parser.add_argument("--token-file", metavar="PATH",
-                        help="file holding a service-account token (or set GRAFANA_TOKEN)")
-    parser.add_argument("--basic-auth-file", metavar="PATH",
-                        help="file holding one line user:password (or set GRAFANA_USER and GRAFANA_PASSWORD)")
+    parser.add_argument(
+        "--token-file", metavar="PATH", help="file holding a service-account token (or set GRAFANA_TOKEN)"
+    )
+    parser.add_argument(
+        "--basic-auth-file",
+        metavar="PATH",
+        help="file holding one line user:password (or set GRAFANA_USER and GRAFANA_PASSWORD)",
+    )
     parser.add_argument("--folder-uid", default=DEFAULT_FOLDER_UID, help="folder for dashboards and alert rules")
     parser.add_argument("--folder-title", default=DEFAULT_FOLDER_TITLE, help="the folder's title")
-    parser.add_argument("--datasource-url", metavar="URL",
-                        help="create or update a Prometheus datasource pointing at this URL")
-    parser.add_argument("--datasource-uid", default=DEFAULT_DATASOURCE_UID,
-                        help="uid of the Prometheus datasource the alert rules query (created with --datasource-url)")
+    parser.add_argument(
+        "--datasource-url", metavar="URL", help="create or update a Prometheus datasource pointing at this URL"
+    )
+    parser.add_argument(
+        "--datasource-uid",
+        default=DEFAULT_DATASOURCE_UID,
+        help="uid of the Prometheus datasource the alert rules query (created with --datasource-url)",
+    )
     parser.add_argument("--datasource-name", default=DEFAULT_DATASOURCE_NAME, help="name of the created datasource")
     parser.add_argument("--dashboards-dir", type=Path, default=DEFAULT_DASHBOARDS, help="dashboard JSON files")
     parser.add_argument("--rules-dir", type=Path, default=DEFAULT_RULES, help="Prometheus *.rules.yml files")
     parser.add_argument("--no-dashboards", action="store_true", help="leave the dashboards alone")
     parser.add_argument("--no-alerts", action="store_true", help="leave the alert rules alone")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each answer")
-    parser.add_argument("--write-files", metavar="DIR", type=Path,
-                        help="write Grafana provisioning files, dashboards and a Prometheus rules file to DIR "
-                             "instead of calling Grafana")
-    parser.add_argument("--gpu-source", choices=GPU_SOURCES, default="sidecar",
-                        help="with --write-files: whose GPU series the rules file maps onto the names the dashboards "
-                             "and GPU alerts read: the sidecar's own, or dcgm-exporter's (docs/dcgm.md)")
-    parser.add_argument("--dashboards-path", default="/var/lib/grafana/dashboards/training-sidecar",
-                        help="with --write-files: where Grafana will find the dashboard files")
+    parser.add_argument(
+        "--write-files",
+        metavar="DIR",
+        type=Path,
+        help="write Grafana provisioning files, dashboards and a Prometheus rules file to DIR "
+        "instead of calling Grafana",
+    )
+    parser.add_argument(
+        "--gpu-source",
+        choices=GPU_SOURCES,
+        default="sidecar",
+        help="with --write-files: whose GPU series the rules file maps onto the names the dashboards "
+        "and GPU alerts read: the sidecar's own, or dcgm-exporter's (docs/dcgm.md)",
+    )
+    parser.add_argument(
+        "--dashboards-path",
+        default="/var/lib/grafana/dashboards/training-sidecar",
+        help="with --write-files: where Grafana will find the dashboard files",
+    )
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -343,12 +404,20 @@ def _options(args: argparse.Namespace) -> Options:
     if args.no_dashboards and args.no_alerts and not args.datasource_url:
         raise UsageError("nothing to do: --no-dashboards and --no-alerts without --datasource-url")
     return Options(
-        folder_uid=args.folder_uid, folder_title=args.folder_title, datasource_uid=args.datasource_uid,
-        datasource_name=args.datasource_name, datasource_url=args.datasource_url,
+        folder_uid=args.folder_uid,
+        folder_title=args.folder_title,
+        datasource_uid=args.datasource_uid,
+        datasource_name=args.datasource_name,
+        datasource_url=args.datasource_url,
         dashboards=[] if args.no_dashboards else load_dashboards(args.dashboards_dir),
-        rule_groups=(load_rule_groups(args.rules_dir, args.gpu_source if args.write_files else None)
-                     if (not args.no_alerts or args.write_files) else []),
-        push_dashboards=not args.no_dashboards, push_alerts=not args.no_alerts)
+        rule_groups=(
+            load_rule_groups(args.rules_dir, args.gpu_source if args.write_files else None)
+            if (not args.no_alerts or args.write_files)
+            else []
+        ),
+        push_dashboards=not args.no_dashboards,
+        push_alerts=not args.no_alerts,
+    )
 
 
 def main(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:

@@ -6,6 +6,7 @@ any problem the daemon reports), 2 no answer or a broken one. On a terminal the 
 with `rich`; piped, it is plain aligned text without escape codes. The daemon is reached with
 `sidecar.commands.client`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,25 @@ from sidecar.config import DEFAULT_SOCKET
 
 INCIDENTS_SHOWN = 5
 # Clock events that slow a GPU down; `gpu_idle` and friends are normal and not shown.
-SLOWDOWN_EVENTS = {"hw_slowdown": "red", "hw_thermal_slowdown": "red", "hw_power_brake_slowdown": "red",
-                   "sw_thermal_slowdown": "red", "sw_power_cap": "yellow"}
-RANK_STATE_STYLES = {"healthy": "green", "starting": "cyan", "suspect": "yellow", "stalled": "bold red",
-                     "remediating": "bold red", "gone": "dim"}
+SLOWDOWN_EVENTS = {
+    "hw_slowdown": "red",
+    "hw_thermal_slowdown": "red",
+    "hw_power_brake_slowdown": "red",
+    "sw_thermal_slowdown": "red",
+    "sw_power_cap": "yellow",
+}
+RANK_STATE_STYLES = {
+    "healthy": "green",
+    "starting": "cyan",
+    "suspect": "yellow",
+    "stalled": "bold red",
+    "remediating": "bold red",
+    "gone": "dim",
+}
 
 
 # ---------------------------------------------------------------- formatting values
+
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or value is None:
@@ -106,6 +119,7 @@ def fmt_text(value: Any) -> str:
 
 # ---------------------------------------------------------------- the screen, as data
 
+
 @dataclass
 class Cell:
     text: str
@@ -145,12 +159,19 @@ def _gpu_rows(gpus: Iterable[dict]) -> list[list[Cell]]:
         events_style = "red" if any(SLOWDOWN_EVENTS[e] == "red" for e in events) else "yellow" if events else ""
         ecc, xid = _number(g.get("ecc_uncorrected")), _number(g.get("xid_total"))
         power = _number(g.get("power_watts"))
-        rows.append([
-            _c(g.get("gpu")), _c(g.get("name")), _c(fmt_ratio(g.get("utilization_ratio"))),
-            _c(f"{fmt_bytes(g.get('memory_used_bytes'))} / {fmt_bytes(g.get('memory_total_bytes'))}"),
-            Cell(temp_text, temp_style), _c("-" if power is None else f"{power:.0f} W"),
-            Cell(",".join(events) or "-", events_style),
-            Cell(fmt_float(ecc), "bold red" if ecc else ""), Cell(fmt_float(xid), "red" if xid else "")])
+        rows.append(
+            [
+                _c(g.get("gpu")),
+                _c(g.get("name")),
+                _c(fmt_ratio(g.get("utilization_ratio"))),
+                _c(f"{fmt_bytes(g.get('memory_used_bytes'))} / {fmt_bytes(g.get('memory_total_bytes'))}"),
+                Cell(temp_text, temp_style),
+                _c("-" if power is None else f"{power:.0f} W"),
+                Cell(",".join(events) or "-", events_style),
+                Cell(fmt_float(ecc), "bold red" if ecc else ""),
+                Cell(fmt_float(xid), "red" if xid else ""),
+            ]
+        )
     return rows
 
 
@@ -159,11 +180,16 @@ def _nic_rows(nics: Iterable[dict]) -> list[list[Cell]]:
     for n in nics:
         speed = _number(n.get("speed_bytes"))
         errors = _number(n.get("errors_total"))
-        rows.append([
-            _c(n.get("device")), Cell("up", "green") if n.get("up") else Cell("DOWN", "bold red"),
-            _c("-" if not speed else f"{speed * 8 / 1e9:g} Gb/s"),
-            _c(fmt_bytes(n.get("receive_bytes_total"))), _c(fmt_bytes(n.get("transmit_bytes_total"))),
-            Cell(fmt_float(errors), "yellow" if errors else "")])
+        rows.append(
+            [
+                _c(n.get("device")),
+                Cell("up", "green") if n.get("up") else Cell("DOWN", "bold red"),
+                _c("-" if not speed else f"{speed * 8 / 1e9:g} Gb/s"),
+                _c(fmt_bytes(n.get("receive_bytes_total"))),
+                _c(fmt_bytes(n.get("transmit_bytes_total"))),
+                Cell(fmt_float(errors), "yellow" if errors else ""),
+            ]
+        )
     return rows
 
 
@@ -171,10 +197,14 @@ def _ib_rows(ports: Iterable[dict]) -> list[list[Cell]]:
     rows = []
     for p in ports:
         rate = _number(p.get("rate_bytes_per_second"))
-        rows.append([
-            _c(p.get("device")), _c(p.get("port")),
-            Cell(fmt_text(p.get("state")), "green" if p.get("up") else "bold red"),
-            _c("-" if not rate else f"{rate * 8 / 1e9:g} Gb/s")])
+        rows.append(
+            [
+                _c(p.get("device")),
+                _c(p.get("port")),
+                Cell(fmt_text(p.get("state")), "green" if p.get("up") else "bold red"),
+                _c("-" if not rate else f"{rate * 8 / 1e9:g} Gb/s"),
+            ]
+        )
     return rows
 
 
@@ -189,14 +219,23 @@ def _rank_rows(ranks: Iterable[dict]) -> list[list[Cell]]:
         if age is not None and timeout:
             age_style = "red" if age >= timeout else "yellow" if age >= timeout / 2 else ""
         loss = _number(r.get("loss"))
-        rows.append([
-            _c(r.get("job_id")), _c(r.get("rank")), _c(r.get("pid")),
-            Cell(state, RANK_STATE_STYLES.get(state.split(" ")[0], "")), _c(r.get("step")),
-            _c(fmt_duration(r.get("step_time_seconds"))), _c(fmt_float(r.get("iterations_per_second"), 3)),
-            Cell(fmt_float(loss), "red" if loss is not None and not math.isfinite(loss) else ""),
-            _c(fmt_float(r.get("grad_norm"))), _c(r.get("phase")),
-            Cell(fmt_duration(age) + (" ago" if age is not None else ""), age_style),
-            _c(fmt_duration(timeout)), _c(r.get("restart_count"))])
+        rows.append(
+            [
+                _c(r.get("job_id")),
+                _c(r.get("rank")),
+                _c(r.get("pid")),
+                Cell(state, RANK_STATE_STYLES.get(state.split(" ")[0], "")),
+                _c(r.get("step")),
+                _c(fmt_duration(r.get("step_time_seconds"))),
+                _c(fmt_float(r.get("iterations_per_second"), 3)),
+                Cell(fmt_float(loss), "red" if loss is not None and not math.isfinite(loss) else ""),
+                _c(fmt_float(r.get("grad_norm"))),
+                _c(r.get("phase")),
+                Cell(fmt_duration(age) + (" ago" if age is not None else ""), age_style),
+                _c(fmt_duration(timeout)),
+                _c(r.get("restart_count")),
+            ]
+        )
     return rows
 
 
@@ -206,24 +245,39 @@ def _collector_rows(collectors: Mapping[str, Any]) -> list[list[Cell]]:
         if not isinstance(c, dict):
             continue
         ok = c.get("success")
-        rows.append([
-            _c(name), Cell("ok", "green") if ok else Cell("FAILING" if ok is False else "-", "bold red"),
-            _c(fmt_duration(c.get("duration_seconds"))), _c(fmt_duration(c.get("age_seconds"))),
-            _c(c.get("error"))])
+        rows.append(
+            [
+                _c(name),
+                Cell("ok", "green") if ok else Cell("FAILING" if ok is False else "-", "bold red"),
+                _c(fmt_duration(c.get("duration_seconds"))),
+                _c(fmt_duration(c.get("age_seconds"))),
+                _c(c.get("error")),
+            ]
+        )
     return rows
 
 
 def _incident_rows(incidents: list[dict]) -> list[list[Cell]]:
     latest = sorted(incidents, key=lambda i: _number(i.get("time")) or 0, reverse=True)[:INCIDENTS_SHOWN]
-    return [[_c(fmt_time(i.get("time"))), _c(i.get("job_id")), _c(i.get("blamed_rank")),
-             _c(i.get("summary")), _c(i.get("path"))] for i in latest]
+    return [
+        [
+            _c(fmt_time(i.get("time"))),
+            _c(i.get("job_id")),
+            _c(i.get("blamed_rank")),
+            _c(i.get("summary")),
+            _c(i.get("path")),
+        ]
+        for i in latest
+    ]
 
 
 def _last_exit(last: Any) -> str:
     if not isinstance(last, dict):
         return "-"
-    return (f"{fmt_text(last.get('job_id'))}/{fmt_text(last.get('rank'))} {fmt_text(last.get('reason'))} "
-            f"at {fmt_time(last.get('time'))}")
+    return (
+        f"{fmt_text(last.get('job_id'))}/{fmt_text(last.get('rank'))} {fmt_text(last.get('reason'))} "
+        f"at {fmt_time(last.get('time'))}"
+    )
 
 
 def build_screen(status: Mapping[str, Any]) -> Screen:
@@ -237,36 +291,71 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
     ]
     mem_total, mem_avail = node.get("memory_total_bytes"), node.get("memory_available_bytes")
     facts = [
-        ("kernel", fmt_text(node.get("kernel"))), ("os", fmt_text(node.get("os"))),
+        ("kernel", fmt_text(node.get("kernel"))),
+        ("os", fmt_text(node.get("os"))),
         ("cpu", fmt_ratio(node.get("cpu_utilization_ratio"))),
         ("memory available", f"{fmt_bytes(mem_avail)} of {fmt_bytes(mem_total)}"),
-        ("checkpoints",
-         f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)"),
-        ("driver", fmt_text(node.get("driver_version"))), ("cuda", fmt_text(node.get("cuda_version"))),
-        ("watchdog", ("observe-only" if watchdog.get("observe_only") else "enforcing")
-         + f", {fmt_text(watchdog.get('remediations_in_window'))}/{fmt_text(watchdog.get('max_per_window'))}"
-           " remediations in window"),
+        (
+            "checkpoints",
+            f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)",
+        ),
+        ("driver", fmt_text(node.get("driver_version"))),
+        ("cuda", fmt_text(node.get("cuda_version"))),
+        (
+            "watchdog",
+            ("observe-only" if watchdog.get("observe_only") else "enforcing")
+            + f", {fmt_text(watchdog.get('remediations_in_window'))}/{fmt_text(watchdog.get('max_per_window'))}"
+            " remediations in window",
+        ),
         ("last exit", _last_exit(dict_at(status, "exits").get("last"))),
     ]
     sections = [
-        Section("GPUs", ["GPU", "NAME", "UTIL", "MEMORY", "TEMP/SLOWDOWN", "POWER", "THROTTLE", "ECC UNCORR", "XID"],
-                _gpu_rows(dicts_at(status, "gpus")),
-                "read by dcgm-exporter (collectors.gpu_source: dcgm)" if node.get("gpu_source") == "dcgm"
-                else "none (no NVIDIA driver or no GPU)"),
+        Section(
+            "GPUs",
+            ["GPU", "NAME", "UTIL", "MEMORY", "TEMP/SLOWDOWN", "POWER", "THROTTLE", "ECC UNCORR", "XID"],
+            _gpu_rows(dicts_at(status, "gpus")),
+            "read by dcgm-exporter (collectors.gpu_source: dcgm)"
+            if node.get("gpu_source") == "dcgm"
+            else "none (no NVIDIA driver or no GPU)",
+        ),
         Section("NICs", ["DEVICE", "LINK", "SPEED", "RX", "TX", "ERRORS"], _nic_rows(dicts_at(status, "nics"))),
         Section("InfiniBand", ["DEVICE", "PORT", "STATE", "RATE"], _ib_rows(dicts_at(status, "infiniband"))),
-        Section("Ranks", ["JOB", "RANK", "PID", "STATE", "STEP", "STEP TIME", "IT/S", "LOSS", "GRAD NORM",
-                          "PHASE", "PROGRESS", "TIMEOUT", "RESTARTS"],
-                _rank_rows(dicts_at(status, "ranks")), "none registered"),
-        Section("Collectors", ["COLLECTOR", "STATUS", "DURATION", "AGE", "ERROR"],
-                _collector_rows(dict_at(status, "collectors"))),
-        Section("Last incidents", ["TIME", "JOB", "BLAMED RANK", "SUMMARY", "PATH"],
-                _incident_rows(dicts_at(status, "incidents"))),
+        Section(
+            "Ranks",
+            [
+                "JOB",
+                "RANK",
+                "PID",
+                "STATE",
+                "STEP",
+                "STEP TIME",
+                "IT/S",
+                "LOSS",
+                "GRAD NORM",
+                "PHASE",
+                "PROGRESS",
+                "TIMEOUT",
+                "RESTARTS",
+            ],
+            _rank_rows(dicts_at(status, "ranks")),
+            "none registered",
+        ),
+        Section(
+            "Collectors",
+            ["COLLECTOR", "STATUS", "DURATION", "AGE", "ERROR"],
+            _collector_rows(dict_at(status, "collectors")),
+        ),
+        Section(
+            "Last incidents",
+            ["TIME", "JOB", "BLAMED RANK", "SUMMARY", "PATH"],
+            _incident_rows(dicts_at(status, "incidents")),
+        ),
     ]
     return Screen(headline, facts, sections, verdict.problems, verdict.exit_code)
 
 
 # ---------------------------------------------------------------- rendering
+
 
 def render_plain(screen: Screen) -> str:
     """Aligned text without escape codes, for pipes, logs and grep."""
@@ -318,8 +407,9 @@ def render_rich(screen: Screen):
         if not s.rows:
             parts.append(Text.assemble((f"\n{s.title}: ", "bold"), (s.empty, "dim")))
             continue
-        table = Table(title=s.title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
-                      pad_edge=False, expand=False)
+        table = Table(
+            title=s.title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, expand=False
+        )
         for col in s.columns:
             table.add_column(col, overflow="fold")
         for row in s.rows:
@@ -330,17 +420,34 @@ def render_rich(screen: Screen):
 
 # ---------------------------------------------------------------- the command
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("exit status: 0 healthy, 1 degraded (a rank suspect/stalled/remediating, a failing "
-                     "collector, any problem), 2 no sidecar or a broken answer")
+    parser.epilog = (
+        "exit status: 0 healthy, 1 degraded (a rank suspect/stalled/remediating, a failing "
+        "collector, any problem), 2 no sidecar or a broken answer"
+    )
     parser.add_argument("--socket", help=f"the sidecar's Unix socket (also SIDECAR_SOCKET; default {DEFAULT_SOCKET})")
     parser.add_argument("--url", help="the sidecar's HTTP address, e.g. http://127.0.0.1:9402 (also SIDECAR_URL)")
-    parser.add_argument("--json", action="store_true",
-                        help="print {exit_code, problems, target, status} as JSON (status: the raw /v1/status)")
-    parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
-                        help="redraw every SECONDS (default 2) until Ctrl-C")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
-                        help=f"seconds to wait for the sidecar (default {DEFAULT_TIMEOUT_SECONDS:g})")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print {exit_code, problems, target, status} as JSON (status: the raw /v1/status)",
+    )
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_SECONDS,
+        help=f"seconds to wait for the sidecar (default {DEFAULT_TIMEOUT_SECONDS:g})",
+    )
 
 
 @dataclass
@@ -357,8 +464,13 @@ class Reading:
         return self.verdict.exit_code
 
     def as_json(self) -> dict:
-        return {"exit_code": self.exit_code, "problems": self.verdict.problems, "error": self.error,
-                "target": str(self.endpoint), "status": self.status}
+        return {
+            "exit_code": self.exit_code,
+            "problems": self.verdict.problems,
+            "error": self.error,
+            "target": str(self.endpoint),
+            "status": self.status,
+        }
 
 
 def read(endpoint: Endpoint, timeout: float) -> Reading:
@@ -389,6 +501,7 @@ def _rich_console():
     if not sys.stdout.isatty():
         return None
     from rich.console import Console
+
     return Console()
 
 

@@ -1,6 +1,7 @@
 """The verdict on a `/v1/status` document: healthy (0) or degraded (1), with the problems
 that say why. It is `sidecar status`'s exit status and `sidecar preflight`'s sidecar check.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

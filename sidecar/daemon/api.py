@@ -1,6 +1,7 @@
 """HTTP handlers: `/metrics`, `/healthz`, `/readyz`, `/v1/status` and the hooks' push API
 (`/v1/register`, `/v1/push`, `/v1/deregister`), with the middlewares that turn every
 refusal into a 4xx JSON body and keep the daemon up whatever a client sends."""
+
 from __future__ import annotations
 
 import asyncio
@@ -67,18 +68,31 @@ DAEMON = web.AppKey("daemon", Daemon)
 METRICS_ENDPOINT = web.AppKey("metrics_endpoint", MetricsEndpoint)
 
 BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
-INGEST_RECORDS = spec("daemon", "ingest_records", "counter",
-                      "Items accepted by the push API, by type (step, phase, event).", ["type"])
-INGEST_REJECTED = spec("daemon", "ingest_rejected_requests", "counter",
-                       "Push API requests refused, by error code (bad_json, bad_field, too_large, unknown_rank, "
-                       "step_not_increasing, limit_exceeded, pid_mismatch, uid_mismatch, job_owned, timeout, "
-                       "unauthorized).", ["code"])
-INGEST_REGISTRATIONS = spec("daemon", "ingest_registrations", "counter",
-                            "Rank registrations accepted (re-registrations included).")
+INGEST_RECORDS = spec(
+    "daemon", "ingest_records", "counter", "Items accepted by the push API, by type (step, phase, event).", ["type"]
+)
+INGEST_REJECTED = spec(
+    "daemon",
+    "ingest_rejected_requests",
+    "counter",
+    "Push API requests refused, by error code (bad_json, bad_field, too_large, unknown_rank, "
+    "step_not_increasing, limit_exceeded, pid_mismatch, uid_mismatch, job_owned, timeout, "
+    "unauthorized).",
+    ["code"],
+)
+INGEST_REGISTRATIONS = spec(
+    "daemon", "ingest_registrations", "counter", "Rank registrations accepted (re-registrations included)."
+)
 DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used.")
 DAEMON_RSS = spec("daemon", "daemon_resident_memory_bytes", "gauge", "The sidecar process's resident memory.")
-METRICS: tuple[MetricSpec, ...] = (BUILD_INFO, INGEST_RECORDS, INGEST_REJECTED, INGEST_REGISTRATIONS,
-                                   DAEMON_CPU, DAEMON_RSS)
+METRICS: tuple[MetricSpec, ...] = (
+    BUILD_INFO,
+    INGEST_RECORDS,
+    INGEST_REJECTED,
+    INGEST_REGISTRATIONS,
+    DAEMON_CPU,
+    DAEMON_RSS,
+)
 
 
 class ApiError(Exception):
@@ -93,6 +107,7 @@ def error_response(status: int, code: str, message: str, headers: dict | None = 
 
 # ---------------------------------------------------------------- middlewares
 
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
     """Every refusal becomes `{"error", "code"}`; an unexpected exception is logged and
@@ -105,8 +120,10 @@ async def errors_middleware(request: web.Request, handler: Callable) -> web.Stre
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        status, code = e.status, {404: "not_found", 405: "method_not_allowed",
-                                  413: "too_large"}.get(e.status, "bad_request")
+        status, code = (
+            e.status,
+            {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(e.status, "bad_request"),
+        )
         message = f"{e.reason}: {request.method} {request.path}"
     except Exception:
         log.exception("unexpected error handling %s %s", request.method, request.path)
@@ -142,11 +159,13 @@ def _is_tcp(request: web.Request) -> bool:
 
 # ---------------------------------------------------------------- push API
 
+
 async def read_json(request: web.Request) -> dict:
     limit = request.app[DAEMON].settings.limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, "too_large",
-                       f"body of {request.content_length} bytes exceeds limits.max_body_bytes ({limit})")
+        raise ApiError(
+            413, "too_large", f"body of {request.content_length} bytes exceeds limits.max_body_bytes ({limit})"
+        )
     timeout = request.app[DAEMON].settings.idle_timeout_seconds
     try:
         body = await asyncio.wait_for(request.read(), timeout)
@@ -164,10 +183,14 @@ def check_session(request: web.Request, rank, session: str | None) -> None:
     """Over TCP nothing tells who is calling, so a push or deregistration must carry the
     session its registration returned. A wrong one answers unknown_rank: honest hooks
     register again (and are checked then), a forger learns nothing."""
-    if _is_tcp(request) and not (session and hmac.compare_digest(session.encode(errors="replace"),
-                                                                 rank.session.encode())):
-        raise ApiError(409, "unknown_rank", f"session: {'stale' if session else 'missing'} for rank {rank.label} "
-                                            "over TCP; register again")
+    if _is_tcp(request) and not (
+        session and hmac.compare_digest(session.encode(errors="replace"), rank.session.encode())
+    ):
+        raise ApiError(
+            409,
+            "unknown_rank",
+            f"session: {'stale' if session else 'missing'} for rank {rank.label} over TCP; register again",
+        )
 
 
 async def loopback_peer(request: web.Request) -> int | None:
@@ -197,25 +220,47 @@ async def register(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     if peer is None:  # nobody to check against: recorded, watched, never signalled
         if reg.pid in d.protected_pids:
-            raise ApiError(403, "pid_mismatch", f"pid: {reg.pid} is init, the sidecar or one of its ancestors; "
-                                                "it may never register")
+            raise ApiError(
+                403,
+                "pid_mismatch",
+                f"pid: {reg.pid} is init, the sidecar or one of its ancestors; it may never register",
+            )
         claimed = identity.Claimed(reg.pid, reg.pid, procs.start_time(reg.pid), None, None)
     else:
         claimed = await loop.run_in_executor(None, identity.resolve, peer, reg.pid, d.protected_pids)
     previous = d.registry.get(reg.job_id, reg.rank)
-    rank = d.registry.register(reg, pid_start_time=claimed.start_time, peer_verified=peer is not None,
-                               host_pid=claimed.pid, owner_uid=claimed.uid, pidfd=claimed.pidfd)
+    rank = d.registry.register(
+        reg,
+        pid_start_time=claimed.start_time,
+        peer_verified=peer is not None,
+        host_pid=claimed.pid,
+        owner_uid=claimed.uid,
+        pidfd=claimed.pidfd,
+    )
     rank.stack_file = stack_file_for(d.settings.diagnostics_dir, rank, previous, peer is not None)
     if d.exits is not None:
         d.exits.watch(rank)
-    log.info("registered rank %s pid %d%s uid %s (restart %d%s)", rank.label, rank.pid,
-             f" (pid {reg.pid} in its namespace)" if rank.claimed_pid is not None else "", rank.owner_uid,
-             rank.restart_count, "" if peer is not None else ", unverified peer")
-    return web.json_response({"ok": True, "key": rank.label, "session": rank.session,
-                              "diag_dir": str(d.settings.diagnostics_dir / diagfiles.job_dir_name(reg.job_id)),
-                              "stack_dump": ({"path": rank.stack_file.path, "signal": rank.stack_signal}
-                                             if rank.stack_file is not None else None),
-                              "flush_interval_s": d.settings.hooks_flush_interval_seconds})
+    log.info(
+        "registered rank %s pid %d%s uid %s (restart %d%s)",
+        rank.label,
+        rank.pid,
+        f" (pid {reg.pid} in its namespace)" if rank.claimed_pid is not None else "",
+        rank.owner_uid,
+        rank.restart_count,
+        "" if peer is not None else ", unverified peer",
+    )
+    return web.json_response(
+        {
+            "ok": True,
+            "key": rank.label,
+            "session": rank.session,
+            "diag_dir": str(d.settings.diagnostics_dir / diagfiles.job_dir_name(reg.job_id)),
+            "stack_dump": (
+                {"path": rank.stack_file.path, "signal": rank.stack_signal} if rank.stack_file is not None else None
+            ),
+            "flush_interval_s": d.settings.hooks_flush_interval_seconds,
+        }
+    )
 
 
 def stack_file_for(diag_dir: Path, rank: Rank, previous: Rank | None, verified: bool) -> stackfiles.StackFile | None:
@@ -225,8 +270,12 @@ def stack_file_for(diag_dir: Path, rank: Rank, previous: Rank | None, verified: 
     process is not visible."""
     if not verified or rank.stack_signal is None or rank.pid_start_time is None:
         return None
-    if (previous is not None and previous.stack_file is not None and previous.pid == rank.pid
-            and previous.pid_start_time == rank.pid_start_time):
+    if (
+        previous is not None
+        and previous.stack_file is not None
+        and previous.pid == rank.pid
+        and previous.pid_start_time == rank.pid_start_time
+    ):
         return previous.stack_file
     uid = stackfiles.owner_uid(rank.pid)
     if uid is None:
@@ -278,6 +327,7 @@ async def deregister(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------- reading endpoints
 
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
@@ -285,14 +335,12 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     if request.app[DAEMON].runner.first_round.is_set():
         return web.json_response({"ready": True})
-    return web.json_response({"ready": False, "error": "collectors have not finished their first round"},
-                             status=503)
+    return web.json_response({"ready": False, "error": "collectors have not finished their first round"}, status=503)
 
 
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    body = status_document.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started,
-                                         exits=d.exits)
+    body = status_document.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits)
     return web.json_response(body)
 
 

@@ -1,6 +1,7 @@
 """`sidecar run`: the daemon. `build_app` assembles the application (registry, collectors,
 watchdog, handlers, background tasks); `serve` puts it on TCP and the Unix socket at once
 and runs until SIGTERM or SIGINT."""
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,15 @@ class StartupError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
-    parser.add_argument("--observe-only", action="store_true",
-                        help="detect and report stalls but never signal a process (watchdog.observe_only)")
+    parser.add_argument(
+        "--observe-only",
+        action="store_true",
+        help="detect and report stalls but never signal a process (watchdog.observe_only)",
+    )
 
 
 # ---------------------------------------------------------------- building
+
 
 def build_app(settings: Settings) -> web.Application:
     """The application, ready for a runner. Reads the push token (ConfigError if unreadable)."""
@@ -60,17 +65,28 @@ def build_app(settings: Settings) -> web.Application:
     collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
     runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
-    daemon = api.Daemon(settings=settings, registry=registry, runner=runner,
-                        watchdog=Watchdog(settings, registry), token=settings.push_token(),
-                        protected_pids=procs.protected_pids())
+    daemon = api.Daemon(
+        settings=settings,
+        registry=registry,
+        runner=runner,
+        watchdog=Watchdog(settings, registry),
+        token=settings.push_token(),
+        protected_pids=procs.protected_pids(),
+    )
     daemon.exits = exit_tracker(settings, daemon.watchdog, collectors)
     daemon.watchdog.on_remediating = daemon.exits.remediating
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
-    endpoint = MetricsEndpoint(runner, registry, TrainingCollector(registry), daemon.watchdog,
-                               [daemon.exits.families, lambda: api.daemon_families(daemon)], settings.limits.max_series,
-                               relabel=lambda families: podlabels.attach(families, registry.pod_labels),
-                               reuse_seconds=settings.metrics_reuse_seconds)
+    endpoint = MetricsEndpoint(
+        runner,
+        registry,
+        TrainingCollector(registry),
+        daemon.watchdog,
+        [daemon.exits.families, lambda: api.daemon_families(daemon)],
+        settings.limits.max_series,
+        relabel=lambda families: podlabels.attach(families, registry.pod_labels),
+        reuse_seconds=settings.metrics_reuse_seconds,
+    )
     app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)
@@ -81,8 +97,12 @@ def build_app(settings: Settings) -> web.Application:
 def exit_tracker(settings: Settings, watchdog: Watchdog, collectors: list) -> ExitTracker:
     """The exit tracker, with the GPU collector's XIDs and GPU use when that collector runs."""
     gpu = next((c for c in collectors if getattr(c, "name", None) == "gpu"), None)
-    return ExitTracker(settings, watchdog.store, xids=getattr(gpu, "last_xids", None),
-                       gpu_use=(lambda: gpu.rank_gpus) if gpu is not None else None)
+    return ExitTracker(
+        settings,
+        watchdog.store,
+        xids=getattr(gpu, "last_xids", None),
+        gpu_use=(lambda: gpu.rank_gpus) if gpu is not None else None,
+    )
 
 
 async def background_tasks(app: web.Application) -> AsyncIterator[None]:
@@ -134,11 +154,13 @@ async def sweep_forever(registry: Registry) -> None:
         if dropped:
             log.info("dropped %d rank(s) gone longer than limits.gone_retention_seconds", dropped)
         held = [r.stack_file.path for r in registry.ranks() if r.stack_file is not None]
-        await asyncio.get_running_loop().run_in_executor(None, stackfiles.prune, registry.settings.diagnostics_dir,
-                                                         held)
+        await asyncio.get_running_loop().run_in_executor(
+            None, stackfiles.prune, registry.settings.diagnostics_dir, held
+        )
 
 
 # ---------------------------------------------------------------- serving
+
 
 def socket_group_id(settings: Settings) -> int | None:
     if not settings.socket_group:
@@ -196,8 +218,7 @@ async def serve(settings: Settings) -> None:
     if settings.socket:
         claim_socket_path(settings.socket)
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           keepalive_timeout=settings.idle_timeout_seconds)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=settings.idle_timeout_seconds)
     await runner.setup()
     socket_inode = None
     try:
@@ -252,8 +273,11 @@ def announce(runner: web.AppRunner, settings: Settings) -> None:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -264,8 +288,10 @@ def main(args: argparse.Namespace) -> int:
         settings.collectors.check_host_paths()
         token = settings.push_token()  # also proves token_file readable
         if settings.requires_token() and token is None:
-            raise ConfigError(f"setting token_file: listen {settings.listen} is beyond loopback, so the push API "
-                              "needs a bearer token: set SIDECAR_TOKEN or token_file")
+            raise ConfigError(
+                f"setting token_file: listen {settings.listen} is beyond loopback, so the push API "
+                "needs a bearer token: set SIDECAR_TOKEN or token_file"
+            )
     except ConfigError as e:
         print(f"sidecar: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ scrapes queue behind each other instead of taking the default executor's threads
 rendered less than `metrics_reuse_seconds` ago is answered again, so scraping in a loop (any
 local process may) costs at most one rendering per that interval.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,11 +41,19 @@ log = logging.getLogger(__name__)
 PER_RANK_COLLECTORS = frozenset({"process"})  # their series are budgeted with the rank's
 WATCHDOG_SERIES_PER_RANK = 7  # rank_state (6 states) + watchdog_timeout_seconds
 
-SERIES_DROPPED = spec("daemon", "metrics_series_dropped", "gauge",
-                      "Series the last /metrics answer left out to stay within limits.max_series "
-                      "(per-rank series and custom metrics beyond it).")
-RANKS_DROPPED = spec("daemon", "metrics_ranks_dropped", "gauge",
-                     "Ranks whose series the last /metrics answer left out (limits.max_series).")
+SERIES_DROPPED = spec(
+    "daemon",
+    "metrics_series_dropped",
+    "gauge",
+    "Series the last /metrics answer left out to stay within limits.max_series "
+    "(per-rank series and custom metrics beyond it).",
+)
+RANKS_DROPPED = spec(
+    "daemon",
+    "metrics_ranks_dropped",
+    "gauge",
+    "Ranks whose series the last /metrics answer left out (limits.max_series).",
+)
 SERIES_LIMIT = spec("daemon", "metrics_series_limit", "gauge", "limits.max_series: the most series /metrics answers.")
 METRICS = (SERIES_DROPPED, RANKS_DROPPED, SERIES_LIMIT)
 OWN_SERIES = len(METRICS)
@@ -135,9 +144,17 @@ def _filtered(families: Iterable[Metric], keep: Callable[[Metric, dict], bool]) 
 class MetricsEndpoint:
     """The families of `/metrics`, within `limit` series."""
 
-    def __init__(self, runner: CollectorRunner, registry: Registry, training: TrainingCollector,
-                 watchdog: Watchdog, other_sources: Iterable[Callable[[], Iterable[Metric]]], limit: int,
-                 relabel: Callable[[Iterable[Metric]], list[Metric]] = list, reuse_seconds: float = 0.0):
+    def __init__(
+        self,
+        runner: CollectorRunner,
+        registry: Registry,
+        training: TrainingCollector,
+        watchdog: Watchdog,
+        other_sources: Iterable[Callable[[], Iterable[Metric]]],
+        limit: int,
+        relabel: Callable[[Iterable[Metric]], list[Metric]] = list,
+        reuse_seconds: float = 0.0,
+    ):
         self.runner, self.registry, self.training, self.watchdog = runner, registry, training, watchdog
         self.relabel = relabel  # adds each rank's pod labels (podlabels.py)
         self.reuse_seconds = reuse_seconds
@@ -179,9 +196,11 @@ class MetricsEndpoint:
     def watched_pids(self, source: Callable[[], list[tuple[str, int, int]]]) -> Callable[[], list]:
         """`source` (the registry's live ranks) narrowed to the ranks /metrics shows: what the
         per-rank collectors look at, so their cost follows the budget, not the registry."""
+
         def ranks() -> list[tuple[str, int, int]]:
             admitted = self.plan().ranks
             return [entry for entry in source() if (entry[0], entry[1]) in admitted]
+
         return ranks
 
     # ------------------------------------------------------------ rendering
@@ -190,12 +209,17 @@ class MetricsEndpoint:
         """(the hardware families, the budgeted rest), within the budget."""
         ranks = fair_order(self.registry.ranks())
         first = self.plan(ranks)
-        per_rank = [f for name in PER_RANK_COLLECTORS
-                    for f in (self.runner.results[name].families if name in self.runner.results else [])]
-        built = [*_filtered(per_rank, lambda f, labels: _rank_key(labels) in first.ranks),
-                 *self.runner.health_families(),
-                 *self.relabel(self.training.collect(only=first.ranks, custom=first.custom)),
-                 *self.relabel(self.watchdog.families(only=first.ranks))]
+        per_rank = [
+            f
+            for name in PER_RANK_COLLECTORS
+            for f in (self.runner.results[name].families if name in self.runner.results else [])
+        ]
+        built = [
+            *_filtered(per_rank, lambda f, labels: _rank_key(labels) in first.ranks),
+            *self.runner.health_families(),
+            *self.relabel(self.training.collect(only=first.ranks, custom=first.custom)),
+            *self.relabel(self.watchdog.families(only=first.ranks)),
+        ]
         for source in self.other_sources:
             try:
                 built.extend(source())
@@ -208,12 +232,17 @@ class MetricsEndpoint:
         cost = {k: (own.get(k, 0), custom.get(k, 0)) for k in order}
         room = max(0, self.limit - self._fixed_series() - other - OWN_SERIES)
         final = plan(order, cost, room)
-        final = Plan(final.ranks, final.custom, first.dropped_ranks + final.dropped_ranks,
-                     first.dropped_series + final.dropped_series)
+        final = Plan(
+            final.ranks,
+            final.custom,
+            first.dropped_ranks + final.dropped_ranks,
+            first.dropped_series + final.dropped_series,
+        )
         built = _filtered(built, lambda f, labels: self._shown(final, f, labels))
         self._note(final)
-        hardware = [f for name, r in list(self.runner.results.items()) if name not in PER_RANK_COLLECTORS
-                    for f in r.families]
+        hardware = [
+            f for name, r in list(self.runner.results.items()) if name not in PER_RANK_COLLECTORS for f in r.families
+        ]
         return hardware, built + self._own_families(final)
 
     @staticmethod
@@ -235,8 +264,13 @@ class MetricsEndpoint:
     def _note(self, p: Plan) -> None:
         self.last = p
         if p.dropped_series and not self._warned:
-            log.warning("/metrics is over limits.max_series (%d): leaving out %d series (%d ranks' own, and custom "
-                        "metrics); see sidecar_metrics_series_dropped", self.limit, p.dropped_series, p.dropped_ranks)
+            log.warning(
+                "/metrics is over limits.max_series (%d): leaving out %d series (%d ranks' own, and custom "
+                "metrics); see sidecar_metrics_series_dropped",
+                self.limit,
+                p.dropped_series,
+                p.dropped_ranks,
+            )
         self._warned = bool(p.dropped_series)
 
     def render(self, encoder: Callable | None = None) -> bytes:

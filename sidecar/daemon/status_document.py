@@ -4,6 +4,7 @@ settings, the rank registry, the collectors' latest families and the watchdog.
 Hardware facts are read back out of the families the collectors already produced (by
 sample name and labels), so the JSON and `/metrics` can never disagree.
 """
+
 from __future__ import annotations
 
 import functools
@@ -90,6 +91,7 @@ def _gpu_sort_key(gpu: str) -> tuple[int, str]:
 
 # ---------------------------------------------------------------- sections
 
+
 def node_section(settings: Settings, s: Samples) -> dict:
     versions = s.all("sidecar_versions_info")
     labels = versions[0][0] if versions else {}
@@ -114,52 +116,73 @@ def gpus_section(s: Samples) -> list[dict]:
     out = []
     for gpu in sorted(gpus, key=_gpu_sort_key):
         meta = info.get(gpu, {})
-        out.append({
-            "gpu": gpu, "name": meta.get("name"), "uuid": meta.get("uuid"),
-            "utilization_ratio": s.value("sidecar_gpu_utilization_ratio", gpu=gpu),
-            "memory_used_bytes": _int(s.value("sidecar_gpu_memory_used_bytes", gpu=gpu)),
-            "memory_total_bytes": _int(s.value("sidecar_gpu_memory_total_bytes", gpu=gpu)),
-            "temperature_celsius": s.value("sidecar_gpu_temperature_celsius", gpu=gpu),
-            "slowdown_temperature_celsius": s.value("sidecar_gpu_slowdown_temperature_celsius", gpu=gpu),
-            "power_watts": s.value("sidecar_gpu_power_watts", gpu=gpu),
-            "clock_events": sorted(labels["reason"] for labels, v in s.all("sidecar_gpu_clock_event_active")
-                                   if labels.get("gpu") == gpu and v == 1 and "reason" in labels),
-            "ecc_uncorrected": _int(s.value("sidecar_gpu_ecc_errors_total", gpu=gpu, type="uncorrected")),
-            "xid_total": _int(s.total("sidecar_gpu_xid_errors_total", gpu=gpu)) or 0,
-        })
+        out.append(
+            {
+                "gpu": gpu,
+                "name": meta.get("name"),
+                "uuid": meta.get("uuid"),
+                "utilization_ratio": s.value("sidecar_gpu_utilization_ratio", gpu=gpu),
+                "memory_used_bytes": _int(s.value("sidecar_gpu_memory_used_bytes", gpu=gpu)),
+                "memory_total_bytes": _int(s.value("sidecar_gpu_memory_total_bytes", gpu=gpu)),
+                "temperature_celsius": s.value("sidecar_gpu_temperature_celsius", gpu=gpu),
+                "slowdown_temperature_celsius": s.value("sidecar_gpu_slowdown_temperature_celsius", gpu=gpu),
+                "power_watts": s.value("sidecar_gpu_power_watts", gpu=gpu),
+                "clock_events": sorted(
+                    labels["reason"]
+                    for labels, v in s.all("sidecar_gpu_clock_event_active")
+                    if labels.get("gpu") == gpu and v == 1 and "reason" in labels
+                ),
+                "ecc_uncorrected": _int(s.value("sidecar_gpu_ecc_errors_total", gpu=gpu, type="uncorrected")),
+                "xid_total": _int(s.total("sidecar_gpu_xid_errors_total", gpu=gpu)) or 0,
+            }
+        )
     return out
 
 
 def nics_section(s: Samples) -> list[dict]:
     devices = set(s.label_values("sidecar_network_up", "device")) | set(
-        s.label_values("sidecar_network_receive_bytes_total", "device"))
+        s.label_values("sidecar_network_receive_bytes_total", "device")
+    )
     out = []
     for dev in sorted(devices):
         up = s.value("sidecar_network_up", device=dev)
         errors = [s.value(f"sidecar_network_{d}_errs_total", device=dev) for d in ("receive", "transmit")]
-        out.append({
-            "device": dev, "up": None if up is None else up == 1,
-            "speed_bytes": _int(s.value("sidecar_network_speed_bytes", device=dev)),
-            "receive_bytes_total": _int(s.value("sidecar_network_receive_bytes_total", device=dev)),
-            "transmit_bytes_total": _int(s.value("sidecar_network_transmit_bytes_total", device=dev)),
-            "errors_total": None if all(e is None for e in errors) else int(sum(e or 0 for e in errors)),
-        })
+        out.append(
+            {
+                "device": dev,
+                "up": None if up is None else up == 1,
+                "speed_bytes": _int(s.value("sidecar_network_speed_bytes", device=dev)),
+                "receive_bytes_total": _int(s.value("sidecar_network_receive_bytes_total", device=dev)),
+                "transmit_bytes_total": _int(s.value("sidecar_network_transmit_bytes_total", device=dev)),
+                "errors_total": None if all(e is None for e in errors) else int(sum(e or 0 for e in errors)),
+            }
+        )
     return out
 
 
 def infiniband_section(s: Samples) -> list[dict]:
-    ports = sorted({(labels["device"], labels["port"]) for labels, _ in s.all("sidecar_infiniband_port_state_id")
-                    if "device" in labels and "port" in labels})
+    ports = sorted(
+        {
+            (labels["device"], labels["port"])
+            for labels, _ in s.all("sidecar_infiniband_port_state_id")
+            if "device" in labels and "port" in labels
+        }
+    )
     out = []
     for dev, port in ports:
         state = _int(s.value("sidecar_infiniband_port_state_id", device=dev, port=port))
         up = s.value("sidecar_infiniband_port_up", device=dev, port=port)
-        out.append({
-            "device": dev, "port": port,
-            "up": (state == 4) if up is None else up == 1,
-            "state": IB_STATES.get(state, str(state)) if state is not None else None,
-            "rate_bytes_per_second": _int(s.value("sidecar_infiniband_rate_bytes_per_second", device=dev, port=port)),
-        })
+        out.append(
+            {
+                "device": dev,
+                "port": port,
+                "up": (state == 4) if up is None else up == 1,
+                "state": IB_STATES.get(state, str(state)) if state is not None else None,
+                "rate_bytes_per_second": _int(
+                    s.value("sidecar_infiniband_rate_bytes_per_second", device=dev, port=port)
+                ),
+            }
+        )
     return out
 
 
@@ -168,40 +191,63 @@ def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
     timeout = watchdog.timeout_for(r)
     m = r.metrics
     return {
-        "job_id": r.job_id, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size,
-        "pid": r.pid, "state": state, "step": r.step,
+        "job_id": r.job_id,
+        "rank": r.rank,
+        "local_rank": r.local_rank,
+        "world_size": r.world_size,
+        "pid": r.pid,
+        "state": state,
+        "step": r.step,
         "step_time_seconds": finite(m.get("step_time_seconds")),
         "iterations_per_second": finite(m.get("iterations_per_second")),
-        "loss": finite(m.get("loss")), "grad_norm": finite(m.get("grad_norm")), "lr": finite(m.get("lr")),
+        "loss": finite(m.get("loss")),
+        "grad_norm": finite(m.get("grad_norm")),
+        "lr": finite(m.get("lr")),
         "phase": r.phase,
         "last_progress_age_seconds": round(max(0.0, now - r.last_progress), 3),
         "timeout_seconds": finite(timeout),
-        "restart_count": r.restart_count, "dropped": r.dropped, "exit_reason": r.exit_reason,
+        "restart_count": r.restart_count,
+        "dropped": r.dropped,
+        "exit_reason": r.exit_reason,
     }
 
 
 def rank_problem(entry: dict) -> Problem:
     phase = f" in phase {entry['phase']}" if entry["phase"] else ""
     timeout = f" (timeout {entry['timeout_seconds']:.0f}s)" if entry["timeout_seconds"] is not None else ""
-    return Problem(Kind.RANK, f"rank {entry['job_id']}/{entry['rank']} {entry['state']}{phase}: no progress for "
-                              f"{entry['last_progress_age_seconds']:.0f}s{timeout}", entry["job_id"], entry["rank"])
+    return Problem(
+        Kind.RANK,
+        f"rank {entry['job_id']}/{entry['rank']} {entry['state']}{phase}: no progress for "
+        f"{entry['last_progress_age_seconds']:.0f}s{timeout}",
+        entry["job_id"],
+        entry["rank"],
+    )
 
 
 def collectors_section(runner: CollectorRunner, now_wall: float) -> dict:
     out = {}
     for name, r in runner.snapshot().items():
         ran = r.finished_at > 0
-        out[name] = {"success": r.success if ran else None,
-                     "duration_seconds": round(r.duration_seconds, 6) if ran else None,
-                     "age_seconds": round(now_wall - r.finished_at, 3) if ran else None,
-                     "error": r.error}
+        out[name] = {
+            "success": r.success if ran else None,
+            "duration_seconds": round(r.duration_seconds, 6) if ran else None,
+            "age_seconds": round(now_wall - r.finished_at, 3) if ran else None,
+            "error": r.error,
+        }
     return out
 
 
 # ---------------------------------------------------------------- the document
 
-def build_status(settings: Settings, registry: Registry, runner: CollectorRunner, watchdog: Watchdog,
-                 started: float, exits: ExitTracker | None = None) -> dict:
+
+def build_status(
+    settings: Settings,
+    registry: Registry,
+    runner: CollectorRunner,
+    watchdog: Watchdog,
+    started: float,
+    exits: ExitTracker | None = None,
+) -> dict:
     now, now_wall = time.monotonic(), time.time()
     s = Samples(runner.families())
     ranks = [rank_entry(r, watchdog, now) for r in sorted(registry.ranks(), key=lambda r: (r.job_id, r.rank))]
@@ -209,10 +255,12 @@ def build_status(settings: Settings, registry: Registry, runner: CollectorRunner
 
     # The watchdog words its own problems (stalled ranks with their timeout basis, the storm
     # cap); a rank in a bad state it did not mention still gets a line here.
-    problems = merged(watchdog.problems(),
-                      [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES])
-    problems += [Problem(Kind.COLLECTOR, f"collector {name} failing: {c['error'] or 'last run failed'}",
-                         collector=name) for name, c in collectors.items() if c["success"] is False]
+    problems = merged(watchdog.problems(), [rank_problem(e) for e in ranks if e["state"] in UNHEALTHY_RANK_STATES])
+    problems += [
+        Problem(Kind.COLLECTOR, f"collector {name} failing: {c['error'] or 'last run failed'}", collector=name)
+        for name, c in collectors.items()
+        if c["success"] is False
+    ]
 
     return {
         "version": __version__,

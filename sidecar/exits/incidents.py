@@ -7,6 +7,7 @@ the one incident that the first opened (for `exits.group_seconds`), which names 
 likely cause; the next attempt's failure is a new incident. An exit
 the sidecar's own remediation caused has its stall incident already and opens none.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,12 +42,18 @@ class ExitIncident(Incident):
 
     def text(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.time))
-        lines = [f"Incident {self.id}", f"  exit of   job {self.job_id} on {self.node}, {when}",
-                 f"  summary   {self.summary}", ""]
+        lines = [
+            f"Incident {self.id}",
+            f"  exit of   job {self.job_id} on {self.node}, {when}",
+            f"  summary   {self.summary}",
+            "",
+        ]
         for e in self.exits:
             lines.append(f"  rank {e['rank']} (pid {e['pid']}, restart {e.get('restart_count', 0)}): {e['reason']}")
-            lines.append(f"    last step {_show(e.get('step'))}, loss {_show(e.get('loss'))}, "
-                         f"step time {_show(e.get('step_time_seconds'))}s")
+            lines.append(
+                f"    last step {_show(e.get('step'))}, loss {_show(e.get('loss'))}, "
+                f"step time {_show(e.get('step_time_seconds'))}s"
+            )
             lines += [f"    evidence: {line}" for line in e.get("evidence", [])]
             exc = e.get("exception")
             if exc and exc.get("traceback"):
@@ -54,10 +61,15 @@ class ExitIncident(Incident):
                 lines += [f"      {frame}" for frame in exc["traceback"]]
             rollback = e.get("rollback")
             if rollback:
-                where = (f"checkpoint step {rollback['checkpoint_step']} at {rollback.get('checkpoint_path')}"
-                         if rollback.get("checkpoint_step") is not None else "no checkpoint before it is known")
-                lines.append(f"    rollback: loss first non-finite at step {rollback['first_nonfinite_loss_step']}; "
-                             f"last checkpoint before it: {where}")
+                where = (
+                    f"checkpoint step {rollback['checkpoint_step']} at {rollback.get('checkpoint_path')}"
+                    if rollback.get("checkpoint_step") is not None
+                    else "no checkpoint before it is known"
+                )
+                lines.append(
+                    f"    rollback: loss first non-finite at step {rollback['first_nonfinite_loss_step']}; "
+                    f"last checkpoint before it: {where}"
+                )
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines) + "\n"
@@ -90,9 +102,16 @@ class ExitIncidents:
         current = self._open.get(key)
         opened = current is None
         if current is None:
-            incident = self.store.open(job_id, cls=ExitIncident, blamed_rank=entry["rank"],
-                                       blame_reason=f"first local rank to exit ({entry['reason']})",
-                                       timeout_seconds=None, observe_only=False, ranks=[], outcome=entry["reason"])
+            incident = self.store.open(
+                job_id,
+                cls=ExitIncident,
+                blamed_rank=entry["rank"],
+                blame_reason=f"first local rank to exit ({entry['reason']})",
+                timeout_seconds=None,
+                observe_only=False,
+                ranks=[],
+                outcome=entry["reason"],
+            )
             assert isinstance(incident, ExitIncident)  # open() builds the `cls` it is given
             self._open[key] = (now, incident)
         else:

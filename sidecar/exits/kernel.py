@@ -14,6 +14,7 @@ the kernel log's "Killed process" lines.
 - The kernel log (/dev/kmsg, where readable): "Killed process <pid>" after the process started
   names the OOM killer's victim exactly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,6 +42,7 @@ _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # ---------------------------------------------------------------- exit status
+
 
 def open_pidfd(pid: int, start_time: float | None) -> PidFd | None:
     """A pidfd for the process `pid` started at `start_time`, or None (not running, another
@@ -75,7 +77,7 @@ def zombie_exit_status(pid: int, start_time: float | None, procfs: str = "/proc"
     try:
         with open(f"{procfs}/{int(pid)}/stat", "rb") as f:
             data = f.read()
-        fields = data[data.rindex(b")") + 2:].split()
+        fields = data[data.rindex(b")") + 2 :].split()
         if fields[0] != b"Z" or int(fields[19]) / procs._CLOCK_TICKS != start_time:
             return None
         return int(fields[49])
@@ -99,6 +101,7 @@ def signal_name(num: int) -> str:
 
 
 # ---------------------------------------------------------------- memory cgroup
+
 
 @dataclass
 class MemoryCgroup:
@@ -210,7 +213,7 @@ def _open_cgroup(mount: tuple[str, str], path: str, version: int, pid: int) -> M
     if root != "/":
         if path != root and not path.startswith(root.rstrip("/") + "/"):
             return None
-        path = path[len(root):]
+        path = path[len(root) :]
     parts = [p for p in path.split("/") if p]
     if len(parts) > MAX_CGROUP_DEPTH or any(p in (".", "..") for p in parts):
         return None
@@ -234,6 +237,7 @@ def _open_cgroup(mount: tuple[str, str], path: str, version: int, pid: int) -> M
 
 
 # ---------------------------------------------------------------- kernel log
+
 
 def kmsg_oom_victims(pids: set[int], since: dict[int, float], path: str = "/dev/kmsg") -> dict[int, str]:
     """pid -> the kernel log line that says the OOM killer killed it, for each of `pids` with

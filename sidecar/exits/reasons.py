@@ -26,6 +26,7 @@ arrives with the rank's deregistration over a verified connection, so a rank can
 its own exit, and nothing in it is ever opened or executed: it is classified by type names and
 message text only, and kept, clipped, as evidence.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,16 @@ from sidecar.exits import kernel
 from sidecar.ranks.protocol import ExitReport
 
 EXCEPTION_KINDS = ("cuda_oom", "collective_timeout", "communication", "nonfinite", "other")
-REASONS = ("finished", "watchdog", "oom_killed", "gpu_error", *(f"exception/{k}" for k in EXCEPTION_KINDS),
-           "signal", "nonzero_exit", "unknown")
+REASONS = (
+    "finished",
+    "watchdog",
+    "oom_killed",
+    "gpu_error",
+    *(f"exception/{k}" for k in EXCEPTION_KINDS),
+    "signal",
+    "nonzero_exit",
+    "unknown",
+)
 # Reasons that usually follow another rank's failure rather than cause one: within a job's
 # exits decided together they come after the others (the incident names the first as the cause).
 CONSEQUENCES = frozenset({"exception/communication", "signal", "nonzero_exit", "unknown"})
@@ -47,19 +56,29 @@ CONSEQUENCES = frozenset({"exception/communication", "signal", "nonzero_exit", "
 # --------------------------------------------------------------- exception classes
 
 _CUDA_OOM_TYPES = {"torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError"}
-_COMM_TYPES = {"torch.distributed.DistBackendError", "torch.distributed.DistNetworkError",
-               "torch.distributed.DistStoreError", "torch.distributed.DistError"}
+_COMM_TYPES = {
+    "torch.distributed.DistBackendError",
+    "torch.distributed.DistNetworkError",
+    "torch.distributed.DistStoreError",
+    "torch.distributed.DistError",
+}
 _CUDA_OOM_TEXT = re.compile(r"CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED", re.I)
 # What torch 2.13 raises: gloo "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting
 # 3000ms for recv operation to complete" (a RuntimeError), NCCL's watchdog "Watchdog caught
 # collective operation timeout: WorkNCCL(...) ran for ... milliseconds before timing out", the
 # c10d store's DistStoreError "wait timeout after ...", monitored barriers.
-_COLLECTIVE_TIMEOUT_TEXT = re.compile(r"Timed out waiting \d+ms for (recv|send) operation|collective operation "
-                                      r"timeout|timed out in monitoredBarrier", re.I)
+_COLLECTIVE_TIMEOUT_TEXT = re.compile(
+    r"Timed out waiting \d+ms for (recv|send) operation|collective operation "
+    r"timeout|timed out in monitoredBarrier",
+    re.I,
+)
 _TIMEOUT_TEXT = re.compile(r"timed? ?out|timeout", re.I)
-_COMM_TEXT = re.compile(r"Connection (closed|reset) by peer|NCCL (error|communicator)|ncclSystemError|"
-                        r"ncclInternalError|ncclRemoteError|ncclUnhandledCudaError|ProcessGroupNCCL|"
-                        r"ProcessGroupGloo|communicator was aborted|gloo/transport|c10d", re.I)
+_COMM_TEXT = re.compile(
+    r"Connection (closed|reset) by peer|NCCL (error|communicator)|ncclSystemError|"
+    r"ncclInternalError|ncclRemoteError|ncclUnhandledCudaError|ProcessGroupNCCL|"
+    r"ProcessGroupGloo|communicator was aborted|gloo/transport|c10d",
+    re.I,
+)
 _NONFINITE_TEXT = re.compile(r"non-?finite|\b(nan|inf)\b|returned nan values", re.I)
 
 
@@ -80,6 +99,7 @@ def exception_kind(report: ExitReport) -> str:
 
 
 # --------------------------------------------------------------- evidence and decision
+
 
 @dataclass
 class Evidence:
@@ -106,8 +126,10 @@ def decide(ev: Evidence) -> tuple[str, list[str]]:
     if ev.deregistered:
         lines.append(f"the rank deregistered ({ev.deregistered})")
     if ev.report is not None:
-        lines.append(f"the rank's hooks reported {ev.report.type}: {ev.report.message}"
-                     + (f" (thread {ev.report.thread})" if ev.report.thread else ""))
+        lines.append(
+            f"the rank's hooks reported {ev.report.type}: {ev.report.message}"
+            + (f" (thread {ev.report.thread})" if ev.report.thread else "")
+        )
     if ev.thread_exception:
         lines.append(f"a thread of the rank died earlier of {ev.thread_exception}")
     if ev.oom_kernel_log:
@@ -117,8 +139,9 @@ def decide(ev: Evidence) -> tuple[str, list[str]]:
     for xid in (ev.xid, ev.xid_unused_gpu):
         if xid is not None:
             used = "it used" if xid is ev.xid else "it was not seen using"
-            lines.append(f"XID {xid[1]} on gpu {xid[0]} ({used}) at "
-                         f"{time.strftime('%H:%M:%S', time.gmtime(xid[2]))} UTC")
+            lines.append(
+                f"XID {xid[1]} on gpu {xid[0]} ({used}) at {time.strftime('%H:%M:%S', time.gmtime(xid[2]))} UTC"
+            )
     signalled = killed = False
     if status is not None and os.WIFSIGNALED(status):
         signalled, killed = True, os.WTERMSIG(status) == signal.SIGKILL

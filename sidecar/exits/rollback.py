@@ -1,5 +1,6 @@
 """The rollback hint of an exit incident: when a rank's loss went non-finite, the checkpoint to
 resume from (the newest one saved before it that bad weights cannot have reached)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,8 +43,11 @@ class RollbackMemory:
         job = self._jobs[rank.job_id]
         bad_step = rank.first_nonfinite_loss[0]
         onsets = job["onsets"]
-        good = [(step, path) for (step, path), when in job["checkpoints"].items()
-                if step < bad_step and not any(o_step <= step and o_time <= when for o_step, o_time in onsets)]
+        good = [
+            (step, path)
+            for (step, path), when in job["checkpoints"].items()
+            if step < bad_step and not any(o_step <= step and o_time <= when for o_step, o_time in onsets)
+        ]
         hint: dict[str, Any] = {"first_nonfinite_loss_step": min([bad_step] + [s for s, _ in onsets])}
         if good:
             step, path = max(good, key=lambda c: c[0])

@@ -3,6 +3,7 @@ its memory cgroup) until it exits, gathers the evidence of why (the kernel's wai
 kills, XIDs on the GPUs it used, the hooks' report, the watchdog's own remediation), has
 `reasons.decide` name the reason, and counts, shows and (unless clean) records it as an exit
 incident. The reasons and the trust behind them: `sidecar/exits/reasons.py`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,19 +38,35 @@ SETTLE_SECONDS = 1.0  # a job's exits are decided together once the youngest is 
 MAX_JOBS_COUNTED = 64  # jobs whose exit counts are kept (the oldest job's are dropped beyond)
 
 METRICS: tuple[MetricSpec, ...] = (
-    spec("exits", "rank_exits", "counter",
-         "Rank process exits by reason: finished, watchdog, oom_killed, gpu_error, exception/cuda_oom, "
-         "exception/collective_timeout, exception/communication, exception/nonfinite, exception/other, "
-         "signal, nonzero_exit, unknown.", ["job_id", "reason"]),
-    spec("exits", "job_failures", "counter",
-         "Failures of a job's worker group on this node, by the reason of the first rank to exit (the likely "
-         "cause: torchrun stops the other workers, which then exit with `signal`). Reasons as "
-         "sidecar_rank_exits_total, without finished.", ["job_id", "reason"]),
-    spec("exits", "rank_last_exit_timestamp_seconds", "gauge",
-         "Unix time of the job's latest rank exit classified on this node, by its reason.", ["job_id", "reason"]),
+    spec(
+        "exits",
+        "rank_exits",
+        "counter",
+        "Rank process exits by reason: finished, watchdog, oom_killed, gpu_error, exception/cuda_oom, "
+        "exception/collective_timeout, exception/communication, exception/nonfinite, exception/other, "
+        "signal, nonzero_exit, unknown.",
+        ["job_id", "reason"],
+    ),
+    spec(
+        "exits",
+        "job_failures",
+        "counter",
+        "Failures of a job's worker group on this node, by the reason of the first rank to exit (the likely "
+        "cause: torchrun stops the other workers, which then exit with `signal`). Reasons as "
+        "sidecar_rank_exits_total, without finished.",
+        ["job_id", "reason"],
+    ),
+    spec(
+        "exits",
+        "rank_last_exit_timestamp_seconds",
+        "gauge",
+        "Unix time of the job's latest rank exit classified on this node, by its reason.",
+        ["job_id", "reason"],
+    ),
 )
 
 # --------------------------------------------------------------- the tracker
+
 
 @dataclass
 class _Watch:
@@ -80,8 +97,14 @@ GpuUse = Callable[[], dict[tuple[str, int], set[str]]]  # (job_id, rank) -> GPUs
 class ExitTracker:
     """Watches every registered rank process and decides why it exited."""
 
-    def __init__(self, settings: Settings, store, xids: XidSource | None = None,
-                 gpu_use: GpuUse | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        settings: Settings,
+        store,
+        xids: XidSource | None = None,
+        gpu_use: GpuUse | None = None,
+        clock=time.monotonic,
+    ):
         self.settings = settings
         self.window = settings.exits.gpu_error_window_seconds
         self.procfs = settings.collectors.procfs_root
@@ -103,8 +126,12 @@ class ExitTracker:
     def watch(self, rank: Rank) -> None:
         """At registration: pin the process (pidfd) and open its memory cgroup."""
         for key, w in list(self._watches.items()):
-            if w.rank.key == rank.key and w.rank.pid == rank.pid and w.rank.pid_start_time == rank.pid_start_time \
-                    and w.exited_at is None:
+            if (
+                w.rank.key == rank.key
+                and w.rank.pid == rank.pid
+                and w.rank.pid_start_time == rank.pid_start_time
+                and w.exited_at is None
+            ):
                 del self._watches[key]  # the same process registering again (after a 409 unknown_rank)
                 w.rank = rank
                 self._watches[id(rank)] = w
@@ -207,8 +234,13 @@ class ExitTracker:
 
     def evidence(self, w: _Watch) -> Evidence:
         status, source = self._status(w) if w.exited_at is not None else (None, None)
-        ev = Evidence(deregistered=w.deregistered, report=w.report, status=status, status_source=source,
-                      remediated_by=w.remediated_by)
+        ev = Evidence(
+            deregistered=w.deregistered,
+            report=w.report,
+            status=status,
+            status_source=source,
+            remediated_by=w.remediated_by,
+        )
         thread = [f for _, name, f in w.rank.events if name == "thread_exception"]
         if thread:
             ev.thread_exception = f"{str(thread[-1].get('type'))[:200]}: {str(thread[-1].get('message'))[:300]}"
@@ -228,8 +260,7 @@ class ExitTracker:
         round, however many ranks died in it (a node's whole group may be killed at once)."""
         if self._kmsg_scan is None or self._kmsg_scan[0] != self._round:
             exited = [w.rank for w in self._watches.values() if w.exited_at is not None]
-            found = kernel.kmsg_oom_victims({r.pid for r in exited},
-                                            {r.pid: r.pid_start_time or 0.0 for r in exited})
+            found = kernel.kmsg_oom_victims({r.pid for r in exited}, {r.pid: r.pid_start_time or 0.0 for r in exited})
             self._kmsg_scan = (self._round, found)
         return self._kmsg_scan[1]
 
@@ -256,18 +287,33 @@ class ExitTracker:
 
     def record(self, rank: Rank, reason: str, lines: list[str], ev: Evidence) -> dict[str, Any]:
         now = time.time()
-        entry = {"job_id": rank.job_id, "rank": rank.rank, "pid": rank.pid, "reason": reason, "time": now,
-                 "evidence": lines, "step": rank.step, "loss": _finite(rank.metrics.get("loss")),
-                 "step_time_seconds": _finite(rank.metrics.get("step_time_seconds")),
-                 "restart_count": rank.restart_count}
+        entry = {
+            "job_id": rank.job_id,
+            "rank": rank.rank,
+            "pid": rank.pid,
+            "reason": reason,
+            "time": now,
+            "evidence": lines,
+            "step": rank.step,
+            "loss": _finite(rank.metrics.get("loss")),
+            "step_time_seconds": _finite(rank.metrics.get("step_time_seconds")),
+            "restart_count": rank.restart_count,
+        }
         if ev.report is not None:
-            entry["exception"] = {"type": ev.report.type, "message": ev.report.message,
-                                  "traceback": list(ev.report.traceback), "thread": ev.report.thread}
+            entry["exception"] = {
+                "type": ev.report.type,
+                "message": ev.report.message,
+                "traceback": list(ev.report.traceback),
+                "thread": ev.report.thread,
+            }
         hint = self.rollback.hint(rank)
         if hint:
             entry["rollback"] = hint
-        if (rank.job_id, reason) not in self.counts and len({j for j, _ in self.counts}) >= MAX_JOBS_COUNTED \
-                and rank.job_id not in {j for j, _ in self.counts}:
+        if (
+            (rank.job_id, reason) not in self.counts
+            and len({j for j, _ in self.counts}) >= MAX_JOBS_COUNTED
+            and rank.job_id not in {j for j, _ in self.counts}
+        ):
             self._drop_oldest_job()
         self.counts[(rank.job_id, reason)] += 1
         self.last_time[(rank.job_id, reason)] = now
@@ -309,10 +355,13 @@ class ExitTracker:
 
     def status(self) -> dict[str, Any]:
         brief = ("job_id", "rank", "pid", "restart_count", "reason", "time", "step", "incident")
-        return {"last": {k: self.last.get(k) for k in brief} | {"evidence": self.last["evidence"][:3]}
-                if self.last else None,
-                "recent": [{k: e.get(k) for k in brief} for e in reversed(self.recent[-5:])],
-                "watched": len(self._watches)}
+        return {
+            "last": {k: self.last.get(k) for k in brief} | {"evidence": self.last["evidence"][:3]}
+            if self.last
+            else None,
+            "recent": [{k: e.get(k) for k in brief} for e in reversed(self.recent[-5:])],
+            "watched": len(self._watches),
+        }
 
     def close(self) -> None:
         for w in list(self._watches.values()):

@@ -15,6 +15,7 @@ Rules, so that the question of symlinks and races cannot arise (docs/security.md
 - a job's directory name comes from `job_dir_name`, which can never be `incidents`, a dot
   name or contain a separator (the protocol refuses such job_ids before they get here).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,12 @@ def _checked(fd: int, where: str) -> int:
         raise UnsafeDirectory(f"{where} is owned by uid {st.st_uid}, not by the sidecar's user")
     if st.st_mode & 0o022:
         os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
-        log.warning("%s was writable by other users (mode %o); made it %o", where, stat.S_IMODE(st.st_mode),
-                    stat.S_IMODE(st.st_mode) & ~0o022)
+        log.warning(
+            "%s was writable by other users (mode %o); made it %o",
+            where,
+            stat.S_IMODE(st.st_mode),
+            stat.S_IMODE(st.st_mode) & ~0o022,
+        )
     return fd
 
 
@@ -118,7 +123,7 @@ def write_atomic(dir_fd: int, name: str, data: bytes, mode: int, gid: int | None
                 os.fchown(fd, -1, gid)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -21,6 +21,7 @@ Without pidfds (older kernels) the same checks run on pid numbers plus boot-rela
 times, and a connection's process cannot be told from a later process with the same pid:
 docs/security.md describes that fallback.
 """
+
 from __future__ import annotations
 
 import errno
@@ -104,8 +105,10 @@ class Peer:
 
     def check_alive(self) -> None:
         if self.pidfd is not None and not self.pidfd.alive():
-            raise IdentityError(f"the connecting process (pid {self.pid}) has exited; its pid may name another "
-                                "process now, so nothing it sends over this connection is trusted")
+            raise IdentityError(
+                f"the connecting process (pid {self.pid}) has exited; its pid may name another "
+                "process now, so nothing it sends over this connection is trusted"
+            )
 
 
 def unix_peer(sock: socket.socket | None, want_pidfd: bool = True) -> Peer | None:
@@ -125,8 +128,10 @@ def unix_peer(sock: socket.socket | None, want_pidfd: bool = True) -> Peer | Non
             peer.pidfd = PidFd(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
         except OSError as e:
             if e.errno in (errno.ESRCH, errno.EINVAL):  # the peer has exited (and was reaped)
-                raise IdentityError(f"the connecting process (pid {pid}) has exited; its pid may name another "
-                                    "process now, so nothing it sends over this connection is trusted") from None
+                raise IdentityError(
+                    f"the connecting process (pid {pid}) has exited; its pid may name another "
+                    "process now, so nothing it sends over this connection is trusted"
+                ) from None
             # ENOPROTOOPT: a kernel before 6.5; pid numbers and start times it is.
     return peer
 
@@ -144,6 +149,7 @@ def process_peer(pid: int) -> Peer | None:
 
 
 # ---------------------------------------------------------------- /proc facts
+
 
 def _status_fields(pid: int, *names: str) -> dict[str, list[str]] | None:
     try:
@@ -183,6 +189,7 @@ def uids(pid: int) -> tuple[int, ...] | None:
 
 # ---------------------------------------------------------------- resolving a claim
 
+
 @dataclass
 class Claimed:
     """The process a registration names, as verified: its host pid (used for everything from
@@ -215,17 +222,22 @@ def resolve(peer: Peer, claimed: int, protected: frozenset[int]) -> Claimed:
             break
     where = "" if level == 0 else f" in its pid namespace (host pid {peer.pid})"
     if found is None:
-        raise IdentityError(f"pid: {claimed} is neither the connecting process (pid {peer_ns[-1]}{where}) "
-                            "nor one of its descendants")
+        raise IdentityError(
+            f"pid: {claimed} is neither the connecting process (pid {peer_ns[-1]}{where}) nor one of its descendants"
+        )
     if found <= 1 or found in protected:
-        raise IdentityError(f"pid: {claimed} (host pid {found}) is init, the sidecar or one of its ancestors; "
-                            "it may never register")
+        raise IdentityError(
+            f"pid: {claimed} (host pid {found}) is init, the sidecar or one of its ancestors; it may never register"
+        )
     started = procs.start_time(found)
     ids = uids(found)
     pidfd = open_pidfd(found)
     if peer.uid != 0 and (ids is None or any(u != peer.uid for u in ids[:3])):
-        raise IdentityError(f"pid: {claimed} runs as uid {ids[0] if ids else '?'}, the caller as uid {peer.uid}; "
-                            "only root may register another user's process", code="uid_mismatch")
+        raise IdentityError(
+            f"pid: {claimed} runs as uid {ids[0] if ids else '?'}, the caller as uid {peer.uid}; "
+            "only root may register another user's process",
+            code="uid_mismatch",
+        )
     # The reads above were about these processes only if both still live now.
     peer.check_alive()
     if (pidfd is not None and not pidfd.alive()) or procs.start_time(found) != started:
@@ -237,11 +249,14 @@ def check_sender(peer: Peer, rank_pid: int, owner_uid: int | None) -> None:
     """A push or deregistration over the Unix socket: from the rank's process (host pid) or one
     of its ancestors, and from the rank's uid or root."""
     if peer.uid != 0 and peer.uid != owner_uid:
-        raise IdentityError(f"the caller runs as uid {peer.uid}; this rank belongs to uid {owner_uid}",
-                            code="uid_mismatch")
+        raise IdentityError(
+            f"the caller runs as uid {peer.uid}; this rank belongs to uid {owner_uid}", code="uid_mismatch"
+        )
     if peer.pid != rank_pid and not procs.is_self_or_descendant(rank_pid, peer.pid):
-        raise IdentityError(f"pid: the registered process (host pid {rank_pid}) is neither the connecting "
-                            f"process ({peer.pid}) nor one of its descendants")
+        raise IdentityError(
+            f"pid: the registered process (host pid {rank_pid}) is neither the connecting "
+            f"process ({peer.pid}) nor one of its descendants"
+        )
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

@@ -2,6 +2,7 @@
 pid plus its start time names one process, pid reuse cannot fool it), whether a process still
 runs, is a zombie or is stopped, ancestry, and the client of a loopback TCP connection.
 Callers and pidfds: sidecar/host/identity.py."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ def start_time(pid: int) -> float | None:
     try:
         with open(f"{psutil.PROCFS_PATH}/{int(pid)}/stat", "rb") as f:
             data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[19]) / _CLOCK_TICKS
+        return int(data[data.rindex(b")") + 2 :].split()[19]) / _CLOCK_TICKS
     except (OSError, ValueError, IndexError):
         return None
 

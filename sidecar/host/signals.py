@@ -12,6 +12,7 @@ workers go with it (through the pidfd too: the kernel finds the group by the lea
 structure, so members that outlive the leader still get the SIGKILL); otherwise only the rank
 and its descendants are.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,7 +54,6 @@ class Target:
         return procs.is_running(self.pid, self.start_time)
 
 
-
 def refusal(target: Target, protected: frozenset[int] | None = None, exited_ok: bool = False) -> str | None:
     """Why `target` must not be signalled, or None when it may be. The one safety check, asked
     right before every signal. `exited_ok`: the rank itself may have exited (its leftover
@@ -61,8 +61,7 @@ def refusal(target: Target, protected: frozenset[int] | None = None, exited_ok: 
     protected = procs.protected_pids() if protected is None else protected
     pid, start_time = target.pid, target.start_time
     if not target.verified:
-        return (f"pid {pid} was registered by a client that could not be verified as that process "
-                f"or its launcher")
+        return f"pid {pid} was registered by a client that could not be verified as that process or its launcher"
     if pid <= 1:
         return f"pid {pid} is never signalled"
     if pid in protected:
@@ -140,8 +139,7 @@ def send_member(target: Target, member: psutil.Process, sig: int, protected: fro
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:  # a child of another user: the others still get the signal
-        log.warning("no permission to signal pid %d (descendant of rank %s/%d)", member.pid, target.job_id,
-                    target.rank)
+        log.warning("no permission to signal pid %d (descendant of rank %s/%d)", member.pid, target.job_id, target.rank)
         return False
 
 

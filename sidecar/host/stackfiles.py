@@ -19,6 +19,7 @@ also speak TCP, where there is none. Why not keep the descriptor open: thousands
 would hold thousands of descriptors; reopening in a directory nobody else can write, with
 the inode checked, is as safe.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -107,8 +108,7 @@ def create(diag_dir: Path | str, job_id: str, rank: int, pid: int, uid: int) -> 
     name = f"rank{rank}-pid{pid}-{secrets.token_hex(4)}.stacks"
     job_dir = diagfiles.job_dir_name(job_id)
     with diagfiles.opened(diag_dir, job_dir) as dir_fd:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=dir_fd)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
             if uid != os.geteuid():
                 os.fchown(fd, uid, -1)
@@ -163,5 +163,3 @@ def prune(diag_dir: Path | str, keep: Iterable[str], now: float | None = None) -
     finally:
         os.close(root_fd)
     return removed
-
-

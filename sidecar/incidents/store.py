@@ -4,6 +4,7 @@ Each detection writes `<diag_dir>/incidents/<UTC time>-<job>.json` (the full rec
 atomically as remediation progresses) and a `.txt` summary for people. `sidecar incidents`
 (sidecar/commands/incidents.py) lists them, newest first.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,9 @@ class Incident:
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
         at = time.time() if at is None else at
-        self.timeline.append({"event": name, "time": round(at, 3),
-                              "after_detection_seconds": round(at - self.time, 3), **detail})
+        self.timeline.append(
+            {"event": name, "time": round(at, 3), "after_detection_seconds": round(at - self.time, 3), **detail}
+        )
 
     def event_time(self, name: str) -> float | None:
         return next((e["time"] for e in self.timeline if e["event"] == name), None)
@@ -82,21 +84,35 @@ class Incident:
 
     def brief(self) -> dict[str, Any]:
         """The incident as `/v1/status` lists it."""
-        return {"id": self.id, "time": self.time, "job_id": self.job_id, "blamed_rank": self.blamed_rank,
-                "outcome": self.outcome, "summary": self.summary, "path": self.path}
+        return {
+            "id": self.id,
+            "time": self.time,
+            "job_id": self.job_id,
+            "blamed_rank": self.blamed_rank,
+            "outcome": self.outcome,
+            "summary": self.summary,
+            "path": self.path,
+        }
 
     def text(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.time))
-        lines = [f"Incident {self.id}", f"  detected  {when} on {self.node}", f"  job       {self.job_id}",
-                 f"  blamed    {'rank ' + str(self.blamed_rank) if self.blamed_rank is not None else '-'}"
-                 f" ({self.blame_reason})",
-                 f"  timeout   {self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "  timeout   -",
-                 f"  outcome   {self.outcome}" + ("  (observe-only mode)" if self.observe_only else ""), "",
-                 "  rank  pid       state        step     phase            no progress for"]
+        lines = [
+            f"Incident {self.id}",
+            f"  detected  {when} on {self.node}",
+            f"  job       {self.job_id}",
+            f"  blamed    {'rank ' + str(self.blamed_rank) if self.blamed_rank is not None else '-'}"
+            f" ({self.blame_reason})",
+            f"  timeout   {self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "  timeout   -",
+            f"  outcome   {self.outcome}" + ("  (observe-only mode)" if self.observe_only else ""),
+            "",
+            "  rank  pid       state        step     phase            no progress for",
+        ]
         for r in self.ranks:
             age = f"{r.last_progress_age_seconds:.1f}s" if r.last_progress_age_seconds is not None else "-"
-            lines.append(f"  {r.rank:<5} {r.pid:<9} {r.state:<12} {str(r.step if r.step is not None else '-'):<8} "
-                         f"{str(r.phase or '-'):<16} {age}")
+            lines.append(
+                f"  {r.rank:<5} {r.pid:<9} {r.state:<12} {str(r.step if r.step is not None else '-'):<8} "
+                f"{str(r.phase or '-'):<16} {age}"
+            )
         lines += ["", "  timeline"]
         for e in self.timeline:
             extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
@@ -135,8 +151,7 @@ class IncidentStore:
     def open(self, job_id: str, cls: type[Incident] = Incident, **fields: Any) -> Incident:
         now = time.time()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id,
-                            node=socket.gethostname(), **fields)
+        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id, node=socket.gethostname(), **fields)
         incident.path = str(self.directory / f"{incident.id}.json")
         incident.event("detected", at=now)
         self.recent.append(incident)

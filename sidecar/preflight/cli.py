@@ -9,6 +9,7 @@ Reading the node (`facts`) is kept apart from judging it (`gpu_checks`, `node_ch
 `peers`): `read_*` functions return plain facts, the `check_*` functions turn facts into
 results.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,19 @@ STYLE = {PASS: "green", SKIP: "dim", WARN: "yellow", FAIL: "bold red"}
 
 
 CHECKS: list[Callable[[Context], Iterable[Result]]] = [
-    check_driver, check_gpu_count, check_gpu_health, check_xids, check_torch, check_nics, check_infiniband,
-    check_rendezvous, check_shared_dir, check_checkpoint_disk, check_clock, check_sidecar, check_peers,
+    check_driver,
+    check_gpu_count,
+    check_gpu_health,
+    check_xids,
+    check_torch,
+    check_nics,
+    check_infiniband,
+    check_rendezvous,
+    check_shared_dir,
+    check_checkpoint_disk,
+    check_clock,
+    check_sidecar,
+    check_peers,
 ]
 
 
@@ -54,38 +66,63 @@ def run_checks(ctx: Context) -> Iterable[Result]:
             try:
                 yield from future.result()
             except Exception as e:  # a bug in one check must not hide the others
-                yield Result(check.__name__.removeprefix("check_"), FAIL, f"the check crashed: {type(e).__name__}: {e}",
-                             "please report this")
-
+                yield Result(
+                    check.__name__.removeprefix("check_"),
+                    FAIL,
+                    f"the check crashed: {type(e).__name__}: {e}",
+                    "please report this",
+                )
 
 
 # ---------------------------------------------------------------- the command
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("exit status: 0 nothing failed (warnings allowed), 1 a check failed (or warned, "
-                     "with --strict), 2 bad arguments")
-    parser.add_argument("--config", help="the sidecar's YAML settings (nvml_module, sysfs_root, checkpoint_dir, "
-                        "nic_exclude are used; also SIDECAR_CONFIG)")
+    parser.epilog = (
+        "exit status: 0 nothing failed (warnings allowed), 1 a check failed (or warned, with --strict), 2 bad arguments"
+    )
+    parser.add_argument(
+        "--config",
+        help="the sidecar's YAML settings (nvml_module, sysfs_root, checkpoint_dir, "
+        "nic_exclude are used; also SIDECAR_CONFIG)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     parser.add_argument("--expect-gpus", type=int, metavar="N", help="fail unless exactly N GPUs are visible")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the training environment's interpreter, for torch/CUDA/NCCL versions (default: this one)")
-    parser.add_argument("--torch-timeout", type=float, default=120.0, metavar="SECONDS",
-                        help="how long importing torch may take (default 120)")
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the training environment's interpreter, for torch/CUDA/NCCL versions (default: this one)",
+    )
+    parser.add_argument(
+        "--torch-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long importing torch may take (default 120)",
+    )
     parser.add_argument("--kernel-log", metavar="FILE", help="read Xids from FILE instead of `dmesg`")
     parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous endpoint to reach")
     parser.add_argument("--shared-dir", metavar="DIR", help="shared storage that must be mounted and writable")
-    parser.add_argument("--shared-marker", metavar="write:TOKEN|check:TOKEN",
-                        help="write a marker file with TOKEN in --shared-dir (one node), or check it is there "
-                             "(the others): proves every node sees the same storage")
-    parser.add_argument("--checkpoint-dir", metavar="DIR",
-                        help="checkpoint directory (default: checkpoint_dir setting)")
-    parser.add_argument("--min-free-gb", type=float, default=20.0,
-                        help="free space needed for checkpoints (default 20)")
-    parser.add_argument("--peers", metavar="URL,URL",
-                        help="other nodes' sidecars (http://host:9402); fail on driver/CUDA/torch/NCCL skew")
-    parser.add_argument("--socket", help="this node's sidecar socket (also SIDECAR_SOCKET): checked, and "
-                        "compared with --peers")
+    parser.add_argument(
+        "--shared-marker",
+        metavar="write:TOKEN|check:TOKEN",
+        help="write a marker file with TOKEN in --shared-dir (one node), or check it is there "
+        "(the others): proves every node sees the same storage",
+    )
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="checkpoint directory (default: checkpoint_dir setting)"
+    )
+    parser.add_argument(
+        "--min-free-gb", type=float, default=20.0, help="free space needed for checkpoints (default 20)"
+    )
+    parser.add_argument(
+        "--peers",
+        metavar="URL,URL",
+        help="other nodes' sidecars (http://host:9402); fail on driver/CUDA/torch/NCCL skew",
+    )
+    parser.add_argument(
+        "--socket", help="this node's sidecar socket (also SIDECAR_SOCKET): checked, and compared with --peers"
+    )
     parser.add_argument("--url", help="this node's sidecar URL (also SIDECAR_URL), instead of the socket")
     parser.add_argument("--strict", action="store_true", help="WARN fails too (exit 1)")
     parser.add_argument("--json", action="store_true", help="print {exit_code, results: [...]} as JSON")
@@ -97,6 +134,7 @@ def _printer(json_mode: bool):
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.text import Text
+
         console = Console(highlight=False)
 
         def show(r: Result) -> None:
@@ -104,12 +142,14 @@ def _printer(json_mode: bool):
             if r.hint and r.outcome in (WARN, FAIL):
                 line.append(f"\n{'':22}hint: {r.hint}", style="dim")
             console.print(line)
+
         return show
 
     def show_plain(r: Result) -> None:
         print(f"{r.outcome:<4}  {r.check:<16} {r.detail}", flush=True)
         if r.hint and r.outcome in (WARN, FAIL):
             print(f"{'':22}hint: {r.hint}", flush=True)
+
     return show_plain
 
 
@@ -129,6 +169,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({"exit_code": code, "results": [asdict(r) for r in results]}, indent=2))
     else:
         counts = {o: sum(r.outcome == o for r in results) for o in (PASS, WARN, FAIL, SKIP)}
-        print(f"preflight: {', '.join(f'{n} {o.lower()}' for o, n in counts.items())}"
-              f" -> exit {code}{' (strict)' if args.strict else ''}")
+        print(
+            f"preflight: {', '.join(f'{n} {o.lower()}' for o, n in counts.items())}"
+            f" -> exit {code}{' (strict)' if args.strict else ''}"
+        )
     return code

@@ -4,6 +4,7 @@ subprocess of its interpreter: the sidecar never imports torch), the kernel log'
 and InfiniBand ports from sysfs, the clock's synchronisation (adjtimex(2) through a ctypes
 `struct timex`) and mounts. The checks (`gpu_checks`, `node_checks`) judge them.
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,6 +43,7 @@ print(json.dumps(out))
 
 # ---------------------------------------------------------------- facts: NVML
 
+
 @dataclass
 class NvmlFacts:
     """What NVML says, read with the GPU collector's own session and device reader."""
@@ -76,6 +78,7 @@ def read_nvml(module_name: str) -> NvmlFacts:
 
 
 # ---------------------------------------------------------------- facts: torch, kernel log, sysfs
+
 
 @dataclass
 class TorchFacts:
@@ -150,8 +153,14 @@ def read_nics(sysfs_root: str, exclude: str) -> list[LinkFacts]:
         if pattern and pattern.search(name):
             continue
         d = sysfs.read_net_device(sysfs_root, name)
-        out.append(LinkFacts(name, d.operstate == "up", d.operstate or "unknown",
-                             f"{d.speed_mbps / 1000:g} Gb/s" if d.speed_mbps else None))
+        out.append(
+            LinkFacts(
+                name,
+                d.operstate == "up",
+                d.operstate or "unknown",
+                f"{d.speed_mbps / 1000:g} Gb/s" if d.speed_mbps else None,
+            )
+        )
     return out
 
 
@@ -160,8 +169,14 @@ def read_ib_ports(sysfs_root: str) -> list[LinkFacts]:
     for device, port in sysfs.list_infiniband_ports(sysfs_root):
         p = sysfs.read_infiniband_port(sysfs_root, device, port)
         rate = p.rate_bytes_per_second
-        out.append(LinkFacts(f"{device}/{port}", p.state_id == IB_ACTIVE, p.state or "?",
-                             f"{rate * 8 / 1e9:g} Gb/s" if rate else None))
+        out.append(
+            LinkFacts(
+                f"{device}/{port}",
+                p.state_id == IB_ACTIVE,
+                p.state or "?",
+                f"{rate * 8 / 1e9:g} Gb/s" if rate else None,
+            )
+        )
     return out
 
 
@@ -172,13 +187,29 @@ class _Timeval(ctypes.Structure):
 class _Timex(ctypes.Structure):
     """struct timex of <sys/timex.h> (Linux)."""
 
-    _fields_ = [("modes", ctypes.c_uint), ("offset", ctypes.c_long), ("freq", ctypes.c_long),
-                ("maxerror", ctypes.c_long), ("esterror", ctypes.c_long), ("status", ctypes.c_int),
-                ("constant", ctypes.c_long), ("precision", ctypes.c_long), ("tolerance", ctypes.c_long),
-                ("time", _Timeval), ("tick", ctypes.c_long), ("ppsfreq", ctypes.c_long),
-                ("jitter", ctypes.c_long), ("shift", ctypes.c_int), ("stabil", ctypes.c_long),
-                ("jitcnt", ctypes.c_long), ("calcnt", ctypes.c_long), ("errcnt", ctypes.c_long),
-                ("stbcnt", ctypes.c_long), ("tai", ctypes.c_int), ("_padding", ctypes.c_int * 11)]
+    _fields_ = [
+        ("modes", ctypes.c_uint),
+        ("offset", ctypes.c_long),
+        ("freq", ctypes.c_long),
+        ("maxerror", ctypes.c_long),
+        ("esterror", ctypes.c_long),
+        ("status", ctypes.c_int),
+        ("constant", ctypes.c_long),
+        ("precision", ctypes.c_long),
+        ("tolerance", ctypes.c_long),
+        ("time", _Timeval),
+        ("tick", ctypes.c_long),
+        ("ppsfreq", ctypes.c_long),
+        ("jitter", ctypes.c_long),
+        ("shift", ctypes.c_int),
+        ("stabil", ctypes.c_long),
+        ("jitcnt", ctypes.c_long),
+        ("calcnt", ctypes.c_long),
+        ("errcnt", ctypes.c_long),
+        ("stbcnt", ctypes.c_long),
+        ("tai", ctypes.c_int),
+        ("_padding", ctypes.c_int * 11),
+    ]
 
 
 TIME_ERROR, STA_UNSYNC = 5, 0x0040
@@ -198,8 +229,9 @@ def read_clock_sync() -> tuple[bool | None, str]:
     except (OSError, AttributeError) as e:
         how = f"adjtimex unavailable ({e})"
     try:
-        proc = subprocess.run(["timedatectl", "show", "-p", "NTPSynchronized", "--value"],
-                              capture_output=True, text=True, timeout=10)
+        proc = subprocess.run(
+            ["timedatectl", "show", "-p", "NTPSynchronized", "--value"], capture_output=True, text=True, timeout=10
+        )
         if proc.returncode == 0 and proc.stdout.strip() in ("yes", "no"):
             return proc.stdout.strip() == "yes", "timedatectl"
     except (OSError, subprocess.TimeoutExpired):
@@ -209,9 +241,11 @@ def read_clock_sync() -> tuple[bool | None, str]:
 
 # ---------------------------------------------------------------- facts: mounts
 
+
 def mount_of(path: Path) -> tuple[str, str]:
     """(mount point, filesystem type) holding `path`."""
     import psutil
+
     path = path.resolve()
     mounts = {p.mountpoint: p.fstype for p in psutil.disk_partitions(all=True)}
     for candidate in [path, *path.parents]:

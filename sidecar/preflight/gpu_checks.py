@@ -1,5 +1,6 @@
 """The GPU checks of `sidecar preflight`: the NVIDIA driver, the GPUs' count and health, the
 kernel log's Xids, and the training environment's torch against the driver."""
+
 from __future__ import annotations
 
 import re
@@ -14,13 +15,21 @@ from sidecar.preflight.results import FAIL, PASS, SKIP, WARN, Context, Result
 def check_driver(ctx: Context) -> Iterable[Result]:
     nv = ctx.nvml()
     if nv.absent:
-        yield Result("nvidia-driver", WARN, nv.error or "no NVIDIA driver",
-                     "expected on a CPU node; on a GPU node install the driver, or in a container set "
-                     "runtimeClassName nvidia / NVIDIA_VISIBLE_DEVICES=all")
+        yield Result(
+            "nvidia-driver",
+            WARN,
+            nv.error or "no NVIDIA driver",
+            "expected on a CPU node; on a GPU node install the driver, or in a container set "
+            "runtimeClassName nvidia / NVIDIA_VISIBLE_DEVICES=all",
+        )
         return
     if nv.error:
-        yield Result("nvidia-driver", FAIL, nv.error,
-                     "the driver is loaded but NVML fails: check `nvidia-smi` and dmesg for Xids; reboot the node")
+        yield Result(
+            "nvidia-driver",
+            FAIL,
+            nv.error,
+            "the driver is loaded but NVML fails: check `nvidia-smi` and dmesg for Xids; reboot the node",
+        )
         return
     yield Result("nvidia-driver", PASS, f"driver {nv.driver_version}, CUDA {nv.cuda_version or '?'}")
 
@@ -35,11 +44,19 @@ def check_gpu_count(ctx: Context) -> Iterable[Result]:
         return
     found = len(nv.gpus) + len(nv.lost)
     if expected is not None and found != expected:
-        yield Result("gpu-count", FAIL, f"{found} GPUs visible, expected {expected}",
-                     "a GPU missing from NVML has usually fallen off the bus (see Xid 79): drain the node")
+        yield Result(
+            "gpu-count",
+            FAIL,
+            f"{found} GPUs visible, expected {expected}",
+            "a GPU missing from NVML has usually fallen off the bus (see Xid 79): drain the node",
+        )
     elif found == 0:
-        yield Result("gpu-count", WARN, "the driver is loaded but no GPU is visible",
-                     "check CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES and `nvidia-smi`")
+        yield Result(
+            "gpu-count",
+            WARN,
+            "the driver is loaded but no GPU is visible",
+            "check CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES and `nvidia-smi`",
+        )
     else:
         names = sorted({g.name or "?" for g in nv.gpus})
         yield Result("gpu-count", PASS, f"{found} GPUs ({', '.join(names)})")
@@ -49,9 +66,11 @@ def _unchecked_health(g: GpuReading) -> list[str]:
     """The health facts NVML did not give for this GPU, each with the reason. Pending memory
     repairs count as checked when either mechanism answered: row remapping (Ampere and later)
     or page retirement (before), since a board has only one of them."""
+
     def why(*fields: str) -> str:
         reasons = ", ".join(f"{f}: {g.unavailable.get(f, 'not read')}" for f in fields)
         return reasons + ("; MIG mode is on" if g.mig_mode else "")
+
     out = []
     if g.remapped_rows is None and g.retired_pages_pending is None:
         out.append(f"pending row remaps or page retirements ({why('remapped_rows', 'retired_pages_pending')})")
@@ -69,52 +88,74 @@ def check_gpu_health(ctx: Context) -> Iterable[Result]:
     checked = 0
     for index, why in sorted(nv.lost.items()):
         bad = True
-        yield Result("gpu-health", FAIL, f"GPU {index} cannot be read: {why}",
-                     "drain the node; reset or replace the GPU")
+        yield Result(
+            "gpu-health", FAIL, f"GPU {index} cannot be read: {why}", "drain the node; reset or replace the GPU"
+        )
     for g in nv.gpus:
         where = f"GPU {g.gpu} ({g.pci_bus_id or '?'})"
         _, _, remap_pending, remap_failed = g.remapped_rows or (0, 0, 0, 0)
         if g.retired_pages_pending or remap_pending:
             bad = True
-            yield Result("gpu-health", FAIL, f"{where}: memory {'row remap' if remap_pending else 'page retirement'} "
-                         "pending", "reset the GPU (or reboot) so the retirement/remap takes effect")
+            yield Result(
+                "gpu-health",
+                FAIL,
+                f"{where}: memory {'row remap' if remap_pending else 'page retirement'} pending",
+                "reset the GPU (or reboot) so the retirement/remap takes effect",
+            )
         if remap_failed:
             bad = True
             yield Result("gpu-health", FAIL, f"{where}: row remapping failed", "replace the GPU")
         if g.ecc_uncorrected:
             bad = True
-            yield Result("gpu-health", WARN, f"{where}: {g.ecc_uncorrected} uncorrected ECC errors over its life",
-                         "fine if its pages were retired/rows remapped; a rising count means replace it")
+            yield Result(
+                "gpu-health",
+                WARN,
+                f"{where}: {g.ecc_uncorrected} uncorrected ECC errors over its life",
+                "fine if its pages were retired/rows remapped; a rising count means replace it",
+            )
         unchecked = _unchecked_health(g)
         if unchecked:
-            yield Result("gpu-health", WARN, f"{where}: could not check {'; '.join(unchecked)}",
-                         "NVML did not give these; on a MIG GPU check them with MIG off "
-                         "(`nvidia-smi -q -d ROW_REMAPPER,ECC`)")
+            yield Result(
+                "gpu-health",
+                WARN,
+                f"{where}: could not check {'; '.join(unchecked)}",
+                "NVML did not give these; on a MIG GPU check them with MIG off (`nvidia-smi -q -d ROW_REMAPPER,ECC`)",
+            )
         else:
             checked += 1
     if not bad and checked:
-        yield Result("gpu-health", PASS, f"{checked} GPUs: no uncorrected ECC errors, "
-                     "no pending retirements or remaps")
+        yield Result("gpu-health", PASS, f"{checked} GPUs: no uncorrected ECC errors, no pending retirements or remaps")
 
 
 def check_xids(ctx: Context) -> Iterable[Result]:
     log, error = read_kernel_log(ctx.args.kernel_log)
     if log is None:
-        yield Result("xid", WARN, f"kernel log not readable ({error})",
-                     "run as root (or with CAP_SYSLOG), or pass --kernel-log FILE; "
-                     "the sidecar's sidecar_gpu_xid_errors_total counts Xids from its start")
+        yield Result(
+            "xid",
+            WARN,
+            f"kernel log not readable ({error})",
+            "run as root (or with CAP_SYSLOG), or pass --kernel-log FILE; "
+            "the sidecar's sidecar_gpu_xid_errors_total counts Xids from its start",
+        )
         return
     counts = parse_xids(log)
     if not counts:
         yield Result("xid", PASS, "no NVIDIA Xid errors in the kernel log since boot")
         return
-    text = ", ".join(f"Xid {xid} on {bus} x{n}" + (f" ({HARDWARE_XIDS[xid]})" if xid in HARDWARE_XIDS else "")
-                     for (bus, xid), n in sorted(counts.items()))
+    text = ", ".join(
+        f"Xid {xid} on {bus} x{n}" + (f" ({HARDWARE_XIDS[xid]})" if xid in HARDWARE_XIDS else "")
+        for (bus, xid), n in sorted(counts.items())
+    )
     if any(xid in HARDWARE_XIDS for _, xid in counts):
         yield Result("xid", FAIL, text, "hardware Xids: drain the node, reset the GPU, replace it if they return")
     else:
-        yield Result("xid", WARN, text, "application Xids (13, 31, 43: faulting kernels) are mostly bugs of a "
-                     "previous job; check they are not recurring")
+        yield Result(
+            "xid",
+            WARN,
+            text,
+            "application Xids (13, 31, 43: faulting kernels) are mostly bugs of a "
+            "previous job; check they are not recurring",
+        )
 
 
 def check_torch(ctx: Context) -> Iterable[Result]:
@@ -130,16 +171,28 @@ def check_torch(ctx: Context) -> Iterable[Result]:
     if not t.cuda:
         yield Result("torch-cuda", FAIL, "GPUs present but torch is a CPU build", "install a CUDA build of torch")
     elif nv.cuda_version and _version_tuple(t.cuda)[:1] > _version_tuple(nv.cuda_version)[:1]:
-        yield Result("torch-cuda", FAIL, f"torch is built for CUDA {t.cuda}, the driver supports up to "
-                     f"{nv.cuda_version}", "upgrade the driver, or install a torch built for an older CUDA")
+        yield Result(
+            "torch-cuda",
+            FAIL,
+            f"torch is built for CUDA {t.cuda}, the driver supports up to {nv.cuda_version}",
+            "upgrade the driver, or install a torch built for an older CUDA",
+        )
     elif not t.cuda_available:
-        yield Result("torch-cuda", FAIL, "torch cannot use the GPUs (torch.cuda.is_available() is False)",
-                     "check the device files and CUDA_VISIBLE_DEVICES in the training environment")
+        yield Result(
+            "torch-cuda",
+            FAIL,
+            "torch cannot use the GPUs (torch.cuda.is_available() is False)",
+            "check the device files and CUDA_VISIBLE_DEVICES in the training environment",
+        )
     elif nv.cuda_version and _version_tuple(t.cuda) > _version_tuple(nv.cuda_version):
         # Same major version: runs through CUDA minor version compatibility, minus PTX JIT.
-        yield Result("torch-cuda", WARN, f"torch is built for CUDA {t.cuda}, newer than the driver's "
-                     f"{nv.cuda_version}", "works through minor version compatibility except for kernels "
-                     "JIT-compiled from PTX (Triton, torch.compile); upgrade the driver to be safe")
+        yield Result(
+            "torch-cuda",
+            WARN,
+            f"torch is built for CUDA {t.cuda}, newer than the driver's {nv.cuda_version}",
+            "works through minor version compatibility except for kernels "
+            "JIT-compiled from PTX (Triton, torch.compile); upgrade the driver to be safe",
+        )
     elif not t.nccl:
         yield Result("torch-cuda", WARN, "torch has no NCCL", "multi-GPU training will fall back to gloo")
     else:

@@ -1,5 +1,6 @@
 """`sidecar preflight --peers`: the versions this node's and the peers' sidecars report
 (drivers, CUDA, torch, NCCL, ...), compared; a difference that breaks a job FAILs."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -13,8 +14,12 @@ SKEW_FAILS = frozenset({"driver_version", "cuda_version", "torch_version", "nccl
 # The same fact under its names in the sources: `/v1/status` node fields, the ranks'
 # registered `versions` (`cuda` there is the CUDA torch was built for), and the labels of
 # `sidecar_versions_info` on `/metrics`.
-RANK_VERSION_FIELDS = {"torch": "torch_version", "nccl": "nccl_version", "cuda": "torch_cuda_version",
-                       "python": "python_version"}
+RANK_VERSION_FIELDS = {
+    "torch": "torch_version",
+    "nccl": "nccl_version",
+    "cuda": "torch_cuda_version",
+    "python": "python_version",
+}
 
 
 def node_versions(status: dict, metrics_text: str | None) -> dict[str, set[str]]:
@@ -37,6 +42,7 @@ def node_versions(status: dict, metrics_text: str | None) -> dict[str, set[str]]
                 add(RANK_VERSION_FIELDS.get(key, f"{key}_version"), value)
     if metrics_text:
         from prometheus_client.parser import text_string_to_metric_families
+
         try:
             for family in text_string_to_metric_families(metrics_text):
                 for sample in family.samples:
@@ -60,8 +66,14 @@ def compare_versions(nodes: dict[str, dict[str, set[str]]]) -> list[Result]:
                 by_value.setdefault(value, []).append(node)
         if len(by_value) > 1:
             text = "; ".join(f"{value} on {', '.join(who)}" for value, who in sorted(by_value.items()))
-            results.append(Result("version-skew", FAIL if name in SKEW_FAILS else WARN, f"{name} differs: {text}",
-                                  "align drivers, CUDA and torch on every node before starting"))
+            results.append(
+                Result(
+                    "version-skew",
+                    FAIL if name in SKEW_FAILS else WARN,
+                    f"{name} differs: {text}",
+                    "align drivers, CUDA and torch on every node before starting",
+                )
+            )
     return results
 
 
@@ -94,11 +106,19 @@ def check_peers(ctx: Context) -> Iterable[Result]:
             metrics = None
         nodes[_label(endpoint, status)] = node_versions(status, metrics)
     if len(nodes) < 2:
-        yield Result("version-skew", WARN, f"only {len(nodes)} sidecar(s) answered; nothing to compare",
-                     "list reachable sidecars in --peers")
+        yield Result(
+            "version-skew",
+            WARN,
+            f"only {len(nodes)} sidecar(s) answered; nothing to compare",
+            "list reachable sidecars in --peers",
+        )
         return
     skew = compare_versions(nodes)
     yield from skew
     if not skew:
-        yield Result("version-skew", PASS, f"{len(nodes)} nodes report the same versions "
-                     f"({', '.join(sorted({f for v in nodes.values() for f in v}))})")
+        yield Result(
+            "version-skew",
+            PASS,
+            f"{len(nodes)} nodes report the same versions "
+            f"({', '.join(sorted({f for v in nodes.values() for f in v}))})",
+        )

@@ -1,5 +1,6 @@
 """A preflight check's `Result` and outcomes, what every check is given (`Context`), and the
 exit status the results make."""
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,7 @@ rules read the registry through `RankTable`, a narrow read view (plus the one ev
 ask for); whether a process still runs is asked of `alive`, injected by whoever builds the
 registry. The refusals are `sidecar/ranks/errors.py`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -67,14 +68,21 @@ class Admission:
         self._check_not_taken(reg, host_pid)
         owned, owner = self.job_owner(reg.job_id)
         if owned and owner != owner_uid:
-            raise JobOwned(f"job_id: {reg.job_id!r} belongs to uid {uid_text(owner)} (its ranks run as it) until "
-                           f"they are gone; this registration is for uid {uid_text(owner_uid)}")
+            raise JobOwned(
+                f"job_id: {reg.job_id!r} belongs to uid {uid_text(owner)} (its ranks run as it) until "
+                f"they are gone; this registration is for uid {uid_text(owner_uid)}"
+            )
         self._check_room(reg, owned, owner_uid)
         if reg.phase is not None and reg.phase not in WELL_KNOWN_PHASES:
             self.check_names(reg.job_id, owner_uid, {}, {reg.phase: None})
 
-    def check_names(self, job_id: str, owner_uid: int | None, new_custom: Mapping[str, int | None],
-                    new_phases: Mapping[str, int | None]) -> None:
+    def check_names(
+        self,
+        job_id: str,
+        owner_uid: int | None,
+        new_custom: Mapping[str, int | None],
+        new_phases: Mapping[str, int | None],
+    ) -> None:
         """New custom metric and phase names (name -> index of the first push item naming it,
         None at registration) against the job's limits and, but for root, its owner's."""
         known = self.table.names(job_id) or JobNames()
@@ -82,19 +90,23 @@ class Admission:
         fresh_phases = {n: i for n, i in new_phases.items() if n not in known.phases}
         limits = self.settings.limits
         for new, used, limit, per_user, kind in (
-                (fresh_custom, known.custom, limits.max_custom_metrics, limits.max_custom_metrics_per_user,
-                 _CUSTOM),
-                (fresh_phases, known.phases, limits.max_phases, limits.max_phases_per_user, _PHASES)):
+            (fresh_custom, known.custom, limits.max_custom_metrics, limits.max_custom_metrics_per_user, _CUSTOM),
+            (fresh_phases, known.phases, limits.max_phases, limits.max_phases_per_user, _PHASES),
+        ):
             if not new:
                 continue
             if len(used) + len(new) > limit:
                 name = list(new)[max(0, limit - len(used))]
-                raise LimitExceeded(f"{kind.where(new, name)}too many {kind.noun} in job {job_id} (at {name!r}): "
-                                    f"limits.{kind.setting} is {limit}")
+                raise LimitExceeded(
+                    f"{kind.where(new, name)}too many {kind.noun} in job {job_id} (at {name!r}): "
+                    f"limits.{kind.setting} is {limit}"
+                )
             if owner_uid != ROOT_UID and self._user_names(owner_uid, job_id, kind) + len(new) > per_user:
                 name = next(iter(new))
-                raise LimitExceeded(f"{kind.where(new, name)}too many {kind.noun} for uid {uid_text(owner_uid)} "
-                                    f"(at {name!r}): limits.{kind.setting}_per_user is {per_user}")
+                raise LimitExceeded(
+                    f"{kind.where(new, name)}too many {kind.noun} for uid {uid_text(owner_uid)} "
+                    f"(at {name!r}): limits.{kind.setting}_per_user is {per_user}"
+                )
 
     def _check_not_taken(self, reg: Registration, host_pid: int) -> None:
         """A rank still held by another live process of the same attempt is a second job with the
@@ -102,11 +114,18 @@ class Admission:
         both ranks' stall timers on every push and mix their metrics, so the newcomer is refused.
         A restarted worker (a higher restart count) or a dead holder is replaced as usual."""
         held = self.table.get(reg.job_id, reg.rank)
-        if (held is not None and not held.gone and held.pid != host_pid and reg.restart_count <= held.restart_count
-                and self.alive(held.pid, held.pid_start_time)):
-            raise RankTaken(f"rank {held.label} is held by pid {held.pid}, still running at restart "
-                            f"{held.restart_count}: two jobs with job_id {reg.job_id!r} on this node? "
-                            "give each its own --rdzv-id")
+        if (
+            held is not None
+            and not held.gone
+            and held.pid != host_pid
+            and reg.restart_count <= held.restart_count
+            and self.alive(held.pid, held.pid_start_time)
+        ):
+            raise RankTaken(
+                f"rank {held.label} is held by pid {held.pid}, still running at restart "
+                f"{held.restart_count}: two jobs with job_id {reg.job_id!r} on this node? "
+                "give each its own --rdzv-id"
+            )
 
     def _check_room(self, reg: Registration, owned: bool, owner_uid: int | None) -> None:
         """Node-wide ceilings for everyone; per-user quotas for everyone but root, so one user
@@ -124,18 +143,21 @@ class Admission:
                     raise LimitExceeded(f"too many jobs: limits.max_jobs is {limits.max_jobs}")
             if job_ranks >= limits.max_ranks_per_job:
                 raise LimitExceeded(
-                    f"too many ranks in job {reg.job_id}: limits.max_ranks_per_job is {limits.max_ranks_per_job}")
+                    f"too many ranks in job {reg.job_id}: limits.max_ranks_per_job is {limits.max_ranks_per_job}"
+                )
         if new_rank and sum(1 for r in ranks if not r.gone) >= limits.max_ranks:
             raise LimitExceeded(f"too many ranks on this node: limits.max_ranks is {limits.max_ranks}")
         if owner_uid == ROOT_UID:
             return
         live = [r for r in ranks if not r.gone and r.owner_uid == owner_uid]
         if not owned and len({r.job_id for r in live}) >= limits.max_jobs_per_user:
-            raise LimitExceeded(f"too many jobs of uid {uid_text(owner_uid)}: limits.max_jobs_per_user is "
-                                f"{limits.max_jobs_per_user}")
+            raise LimitExceeded(
+                f"too many jobs of uid {uid_text(owner_uid)}: limits.max_jobs_per_user is {limits.max_jobs_per_user}"
+            )
         if new_rank and len(live) >= limits.max_ranks_per_user:
-            raise LimitExceeded(f"too many ranks of uid {uid_text(owner_uid)}: limits.max_ranks_per_user is "
-                                f"{limits.max_ranks_per_user}")
+            raise LimitExceeded(
+                f"too many ranks of uid {uid_text(owner_uid)}: limits.max_ranks_per_user is {limits.max_ranks_per_user}"
+            )
 
     def _user_names(self, owner_uid: int | None, job_id: str, kind: _NameKind) -> int:
         """How many names of `kind` the jobs of `owner_uid` (and `job_id`) have used."""

@@ -1,4 +1,5 @@
 """The registry's refusals: each maps onto the push API's error body (`code`, HTTP `status`)."""
+
 from __future__ import annotations
 
 
@@ -15,6 +16,7 @@ class UnknownRank(RegistryError):
 
 class RankTaken(RegistryError):
     """Another live process of the same restart attempt holds the rank: two jobs, one job_id."""
+
     code, status = "rank_taken", 409
 
 
@@ -28,4 +30,5 @@ class LimitExceeded(RegistryError):
 
 class JobOwned(RegistryError):
     """The job_id belongs to another uid (its live ranks run as that uid)."""
+
     code, status = "job_owned", 403

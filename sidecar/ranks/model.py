@@ -1,6 +1,7 @@
 """The rank model: what the sidecar knows about one registered rank process (`Rank`, keyed by
 `RankKey`), and what each pushed item does to it. The registry (registry.py) holds the table
 of ranks; the watchdog, the exit tracker and the exporters read these records."""
+
 from __future__ import annotations
 
 import collections
@@ -149,8 +150,11 @@ class Rank:
     def _derive_rates(self, sent: dict[str, float], step_time: float | None) -> None:
         if step_time is None or not math.isfinite(step_time) or step_time <= 0:
             return
-        for rate, per_step in (("iterations_per_second", None), ("samples_per_second", "samples"),
-                               ("tokens_per_second", "tokens")):
+        for rate, per_step in (
+            ("iterations_per_second", None),
+            ("samples_per_second", "samples"),
+            ("tokens_per_second", "tokens"),
+        ):
             if rate in sent:
                 continue
             if per_step is None:

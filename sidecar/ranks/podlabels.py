@@ -11,6 +11,7 @@ Kubernetes the series carry none of the three, never empty values.
 The labels add no series: a rank has one pod at a time, and a rank registering again from
 another pod replaces its registration (and its series) rather than adding to them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -42,8 +43,9 @@ def parse(value: Any) -> dict[str, str]:
         if not isinstance(text, str) or len(text) > max_len or not pattern.match(text):
             shown = repr(text[:64]) if isinstance(text, str) else type(text).__name__
             chars = "lower-case letters, digits, '-' and '.'" if key == "pod" else "lower-case letters, digits and '-'"
-            raise PodLabelError(f"kubernetes.{key}: expected {what} ({chars}, at most {max_len} characters), "
-                                f"got {shown}")
+            raise PodLabelError(
+                f"kubernetes.{key}: expected {what} ({chars}, at most {max_len} characters), got {shown}"
+            )
         out[key] = text
     return out
 
@@ -62,6 +64,8 @@ def attach(families: Iterable[Metric], labels_of: Callable[[], dict[tuple[str, s
                 return families
         family.samples = [
             s._replace(labels={**s.labels, **extra})
-            if (extra := lookup.get((s.labels.get("job_id", ""), s.labels.get("rank", "")))) else s
-            for s in family.samples]
+            if (extra := lookup.get((s.labels.get("job_id", ""), s.labels.get("rank", ""))))
+            else s
+            for s in family.samples
+        ]
     return families

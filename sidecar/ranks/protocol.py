@@ -6,6 +6,7 @@ field and what is wrong with it; the API turns it into a 4xx JSON answer.
 Validation is hand-written rather than schema-driven because it sits on the ingest hot
 path (tens of thousands of step records per second on one core).
 """
+
 from __future__ import annotations
 
 import json
@@ -124,10 +125,13 @@ class Deregistration:
 
 # ---------------------------------------------------------------- decoding
 
+
 def _refuse_constant(token: str) -> Any:
-    raise ProtocolError(f"body is not strict JSON: bare {token} is not allowed "
-                        f"(send a non-finite metric value as the string \"nan\", \"inf\" or \"-inf\")",
-                        code="bad_json")
+    raise ProtocolError(
+        f"body is not strict JSON: bare {token} is not allowed "
+        f'(send a non-finite metric value as the string "nan", "inf" or "-inf")',
+        code="bad_json",
+    )
 
 
 def decode(body: bytes) -> dict:
@@ -160,8 +164,9 @@ def _missing(where: str) -> ProtocolError:
     return ProtocolError(f"{where}: required field is missing")
 
 
-def _int(obj: dict, key: str, where: str, lo: int = 0, hi: int | None = None,
-         default: Any = ..., nullable: bool = False) -> Any:
+def _int(
+    obj: dict, key: str, where: str, lo: int = 0, hi: int | None = None, default: Any = ..., nullable: bool = False
+) -> Any:
     value = obj.get(key, ...)
     if value is ... or (value is None and nullable):
         if value is None:
@@ -190,8 +195,7 @@ def _time(obj: dict, where: str, default: float) -> float:
     return float(value)
 
 
-def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = False,
-          max_len: int = MAX_NAME) -> Any:
+def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = False, max_len: int = MAX_NAME) -> Any:
     value = obj.get(key, ...)
     if value is ... or (value is None and nullable):
         if value is None:
@@ -215,8 +219,10 @@ def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
             return None
         raise _missing(where)
     if not isinstance(value, str) or not NAME_RE.match(value):
-        raise ProtocolError(f"{where}: expected a name of letters, digits and _.:/- "
-                            f"(at most {MAX_NAME}, starting with a letter or _), got {_kind(value)}")
+        raise ProtocolError(
+            f"{where}: expected a name of letters, digits and _.:/- "
+            f"(at most {MAX_NAME}, starting with a letter or _), got {_kind(value)}"
+        )
     return value
 
 
@@ -248,7 +254,7 @@ def _metric_value(value: Any, where: str) -> float:
         v = NONFINITE.get(value.lower())
         if v is not None:
             return v
-    raise ProtocolError(f"{where}: expected a number or \"nan\"/\"inf\"/\"-inf\", got {_kind(value)}")
+    raise ProtocolError(f'{where}: expected a number or "nan"/"inf"/"-inf", got {_kind(value)}')
 
 
 _CHECKED_NAMES: set[str] = set()  # metric names already matched against NAME_RE (hot path)
@@ -265,8 +271,10 @@ def _metrics(obj: dict, where: str) -> dict[str, float]:
     for k, v in raw.items():
         if k not in _CHECKED_NAMES:
             if not NAME_RE.match(k):
-                raise ProtocolError(f"{where}.metrics: metric name {k[:40]!r} is not a name of letters, "
-                                    f"digits and _.:/- (at most {MAX_NAME}, starting with a letter or _)")
+                raise ProtocolError(
+                    f"{where}.metrics: metric name {k[:40]!r} is not a name of letters, "
+                    f"digits and _.:/- (at most {MAX_NAME}, starting with a letter or _)"
+                )
             if len(_CHECKED_NAMES) < _CHECKED_NAMES_MAX:
                 _CHECKED_NAMES.add(k)
         out[k] = v if type(v) is float else _metric_value(v, f"{where}.metrics.{k}")
@@ -278,17 +286,19 @@ def _job_id(data: dict) -> str:
     be one of the sidecar's own directories, nor a dot name."""
     job_id = _text(data, "job_id", "job_id")
     if job_id.startswith(".") or job_id.lower() in RESERVED_JOB_IDS:
-        raise ProtocolError(f"job_id: {job_id[:40]!r} is reserved (it may not start with '.' nor be "
-                            f"{', '.join(sorted(RESERVED_JOB_IDS))})")
+        raise ProtocolError(
+            f"job_id: {job_id[:40]!r} is reserved (it may not start with '.' nor be "
+            f"{', '.join(sorted(RESERVED_JOB_IDS))})"
+        )
     return job_id
 
 
 def _identity(data: dict) -> tuple[str, int, int]:
-    return (_job_id(data), _int(data, "rank", "rank", 0, MAX_RANK),
-            _int(data, "pid", "pid", 1, MAX_PID))
+    return (_job_id(data), _int(data, "rank", "rank", 0, MAX_RANK), _int(data, "pid", "pid", 1, MAX_PID))
 
 
 # ---------------------------------------------------------------- requests
+
 
 def parse_registration(data: dict) -> Registration:
     job_id, rank, pid = _identity(data)
@@ -313,8 +323,12 @@ def parse_registration(data: dict) -> Registration:
     except podlabels.PodLabelError as e:
         raise ProtocolError(str(e)) from None
     return Registration(
-        job_id=job_id, rank=rank, local_rank=local_rank, world_size=world_size,
-        local_world_size=local_world_size, pid=pid,
+        job_id=job_id,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        pid=pid,
         restart_count=_int(data, "restart_count", "restart_count", 0, MAX_COUNT, default=0, nullable=True) or 0,
         step=_int(data, "step", "step", 0, MAX_COUNT, nullable=True, default=None),
         phase=_name(data, "phase", "phase", nullable=True),
@@ -323,7 +337,8 @@ def parse_registration(data: dict) -> Registration:
         # stack_dump.path (hooks before 0.2) is ignored: the sidecar creates the dump file itself.
         stack_signal=_int(stack, "signal", "stack_dump.signal", *STACK_SIGNAL_RANGE, nullable=True, default=None),
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
-        kubernetes=kubernetes)
+        kubernetes=kubernetes,
+    )
 
 
 def parse_push(data: dict, max_items: int) -> Push:
@@ -333,8 +348,11 @@ def parse_push(data: dict, max_items: int) -> Push:
     if type(raw) is not list:
         raise ProtocolError(f"items: expected an array, got {_kind(raw) if 'items' in data else 'nothing'}")
     if len(raw) > max_items:
-        raise ProtocolError(f"items: at most {max_items} per push (limits.max_items_per_push), got {len(raw)}",
-                            code="too_large", status=413)
+        raise ProtocolError(
+            f"items: at most {max_items} per push (limits.max_items_per_push), got {len(raw)}",
+            code="too_large",
+            status=413,
+        )
     now = time.time()
     items: list[Item] = []
     append = items.append
@@ -355,16 +373,22 @@ def parse_push(data: dict, max_items: int) -> Push:
         elif kind == "phase":
             action = obj.get("action")
             if action not in PHASE_ACTIONS:
-                raise ProtocolError(f"{where}.action: expected \"start\" or \"end\", got {_kind(action)}")
-            append(PhaseItem(_name(obj, "name", f"{where}.name"), action, _time(obj, f"{where}.time", now),
-                             _timeout(obj, "timeout_seconds", f"{where}.timeout_seconds")))
+                raise ProtocolError(f'{where}.action: expected "start" or "end", got {_kind(action)}')
+            append(
+                PhaseItem(
+                    _name(obj, "name", f"{where}.name"),
+                    action,
+                    _time(obj, f"{where}.time", now),
+                    _timeout(obj, "timeout_seconds", f"{where}.timeout_seconds"),
+                )
+            )
         elif kind == "event":
             fields = _object(obj, "fields", f"{where}.fields")
             if len(fields) > MAX_EVENT_FIELDS:
                 raise ProtocolError(f"{where}.fields: at most {MAX_EVENT_FIELDS} fields, got {len(fields)}")
             append(EventItem(_name(obj, "name", f"{where}.name"), _time(obj, f"{where}.time", now), fields))
         else:
-            raise ProtocolError(f"{where}.type: expected \"step\", \"phase\" or \"event\", got {_kind(kind)}")
+            raise ProtocolError(f'{where}.type: expected "step", "phase" or "event", got {_kind(kind)}')
     return Push(job_id, rank, pid, dropped, items, _session(data))
 
 
@@ -392,12 +416,17 @@ def _exit_report(data: dict) -> ExitReport | None:
         if type(value) is not list:
             raise ProtocolError(f"exit.{key}: expected an array, got {_kind(value)}")
         limit = EXIT_MAX_TYPES if key == "types" else EXIT_MAX_FRAMES
-        lists[key] = [_clip(v, f"exit.{key}[{i}]") for i, v in enumerate(value[-limit:] if key == "traceback"
-                                                                         else value[:limit])]
+        lists[key] = [
+            _clip(v, f"exit.{key}[{i}]") for i, v in enumerate(value[-limit:] if key == "traceback" else value[:limit])
+        ]
     thread = raw.get("thread")
-    return ExitReport(type=_clip(raw.get("type", ""), "exit.type"), types=lists["types"],
-                      message=_clip(raw.get("message", ""), "exit.message"), traceback=lists["traceback"],
-                      thread=None if thread is None else _clip(thread, "exit.thread"))
+    return ExitReport(
+        type=_clip(raw.get("type", ""), "exit.type"),
+        types=lists["types"],
+        message=_clip(raw.get("message", ""), "exit.message"),
+        traceback=lists["traceback"],
+        thread=None if thread is None else _clip(thread, "exit.thread"),
+    )
 
 
 def _session(data: dict) -> str | None:

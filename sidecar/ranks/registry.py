@@ -6,6 +6,7 @@ collectors' executor threads only take snapshots (`list(...)` of a dict is atomi
 the GIL). Jobs, ranks, custom metric names and phase names are bounded so a misbehaving
 client cannot grow the registry, or the series count of `/metrics`, without limit.
 """
+
 from __future__ import annotations
 
 import collections
@@ -73,8 +74,16 @@ class Registry:
 
     # ------------------------------------------------------------ writing
 
-    def register(self, reg: Registration, *, pid_start_time: float | None, peer_verified: bool,
-                 host_pid: int | None = None, owner_uid: int | None = None, pidfd: PidFd | None = None) -> Rank:
+    def register(
+        self,
+        reg: Registration,
+        *,
+        pid_start_time: float | None,
+        peer_verified: bool,
+        host_pid: int | None = None,
+        owner_uid: int | None = None,
+        pidfd: PidFd | None = None,
+    ) -> Rank:
         """Record a rank. `reg.pid` is the pid the rank calls itself; `host_pid` its pid here
         (when they differ: a rank in its own pid namespace); `owner_uid` the uid its process
         runs as, which must be the uid of the job's live ranks (JobOwned otherwise)."""
@@ -84,14 +93,24 @@ class Registry:
         if reg.phase is not None and reg.phase not in WELL_KNOWN_PHASES:
             self._add_names(reg.job_id, (), (reg.phase,))
         rank = Rank(
-            job_id=reg.job_id, rank=reg.rank, local_rank=reg.local_rank, world_size=reg.world_size,
-            local_world_size=reg.local_world_size, pid=host,
-            pid_start_time=pid_start_time, claimed_pid=None if host_pid in (None, reg.pid) else reg.pid,
-            owner_uid=owner_uid, pidfd=pidfd,
-            restart_count=reg.restart_count, peer_verified=peer_verified,
-            stack_signal=reg.stack_signal, versions=dict(reg.versions),
-            hooks_version=reg.hooks_version, kubernetes=dict(reg.kubernetes),
-            step_times=collections.deque(maxlen=self.settings.watchdog.window))
+            job_id=reg.job_id,
+            rank=reg.rank,
+            local_rank=reg.local_rank,
+            world_size=reg.world_size,
+            local_world_size=reg.local_world_size,
+            pid=host,
+            pid_start_time=pid_start_time,
+            claimed_pid=None if host_pid in (None, reg.pid) else reg.pid,
+            owner_uid=owner_uid,
+            pidfd=pidfd,
+            restart_count=reg.restart_count,
+            peer_verified=peer_verified,
+            stack_signal=reg.stack_signal,
+            versions=dict(reg.versions),
+            hooks_version=reg.hooks_version,
+            kubernetes=dict(reg.kubernetes),
+            step_times=collections.deque(maxlen=self.settings.watchdog.window),
+        )
         # A rank re-registering after a sidecar restart resumes where it was, inside the phase
         # it declared with the budget it declared.
         rank.step = reg.step
@@ -116,8 +135,9 @@ class Registry:
             raise UnknownRank(f"rank {job_id}/{rank} is registered by pid {r.wire_pid}, not {pid}")
         return r
 
-    def apply_push(self, push: Push, rank: Rank | None = None, now_mono: float | None = None,
-                   now_wall: float | None = None) -> int:
+    def apply_push(
+        self, push: Push, rank: Rank | None = None, now_mono: float | None = None, now_wall: float | None = None
+    ) -> int:
         """Apply a push's items in order, all or nothing: the whole batch is checked (steps
         increasing, name limits) before anything changes, so a refused push can be fixed
         and resent, and a resent push that was already applied is refused, not doubled.
@@ -145,8 +165,9 @@ class Registry:
         for i, item in enumerate(push.items):
             if type(item) is StepItem:
                 if last is not None and item.step <= last:
-                    raise StepNotIncreasing(f"items[{i}].step: {item.step} is not greater than the "
-                                            f"previous step {last} of rank {r.label}")
+                    raise StepNotIncreasing(
+                        f"items[{i}].step: {item.step} is not greater than the previous step {last} of rank {r.label}"
+                    )
                 last = item.step
                 for name in item.metrics:
                     if name not in WELL_KNOWN_METRICS and name not in names.custom:
@@ -201,4 +222,3 @@ class Registry:
         jobs = self.job_ids()
         for job in [j for j in self._names if j not in jobs]:
             del self._names[job]
-

@@ -11,6 +11,7 @@ keeps the rank:
 - step time: a histogram of the step times (sent as `step_time_seconds`, else derived from the
   report times), in buckets from 5 ms to 10 minutes.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,8 +20,23 @@ from dataclasses import dataclass, field
 
 # Upper bounds in seconds: milliseconds for small models on many GPUs up to minutes for huge
 # steps; +Inf follows. 15 buckets keep a rank at 18 series.
-STEP_TIME_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                                        30.0, 60.0, 180.0, 600.0)
+STEP_TIME_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    180.0,
+    600.0,
+)
 
 
 @dataclass

@@ -4,6 +4,7 @@ registry already holds the latest pushed values, and reading it is cheap).
 Ranks that are gone stay exported until the registry drops them
 (limits.gone_retention_seconds), so the last values of a crashed rank remain visible.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
@@ -27,43 +28,93 @@ VALUE_GAUGES: tuple[tuple[str, MetricSpec], ...] = (
     ("loss", _s("training_loss", "gauge", "The rank's last reported loss (NaN when it was not finite).")),
     ("grad_norm", _s("training_grad_norm", "gauge", "The rank's last reported gradient norm.")),
     ("lr", _s("training_learning_rate", "gauge", "The rank's last reported learning rate.")),
-    ("iterations_per_second", _s("training_iterations_per_second", "gauge",
-                                 "Steps per second (sent by the rank, or derived from its step times).")),
-    ("samples_per_second", _s("training_samples_per_second", "gauge",
-                              "Samples per second (sent, or samples per step / step time).")),
-    ("tokens_per_second", _s("training_tokens_per_second", "gauge",
-                             "Tokens per second (sent, or tokens per step / step time).")),
-    ("step_time_seconds", _s("training_step_time_seconds", "gauge",
-                             "Duration of the rank's last step (sent, or derived from step report times).")),
+    (
+        "iterations_per_second",
+        _s(
+            "training_iterations_per_second",
+            "gauge",
+            "Steps per second (sent by the rank, or derived from its step times).",
+        ),
+    ),
+    (
+        "samples_per_second",
+        _s("training_samples_per_second", "gauge", "Samples per second (sent, or samples per step / step time)."),
+    ),
+    (
+        "tokens_per_second",
+        _s("training_tokens_per_second", "gauge", "Tokens per second (sent, or tokens per step / step time)."),
+    ),
+    (
+        "step_time_seconds",
+        _s(
+            "training_step_time_seconds",
+            "gauge",
+            "Duration of the rank's last step (sent, or derived from step report times).",
+        ),
+    ),
 )
-PHASE = _s("training_phase", "gauge", "1 for the phase the rank declared it is in (no series outside phases).",
-           ("job_id", "rank", "phase"))
-RESTARTS = _s("training_restarts", "gauge", "The worker group's restart count when the rank registered "
-              "(TORCHELASTIC_RESTART_COUNT).")
+PHASE = _s(
+    "training_phase",
+    "gauge",
+    "1 for the phase the rank declared it is in (no series outside phases).",
+    ("job_id", "rank", "phase"),
+)
+RESTARTS = _s(
+    "training_restarts",
+    "gauge",
+    "The worker group's restart count when the rank registered (TORCHELASTIC_RESTART_COUNT).",
+)
 CKPT_STEP = _s("training_last_checkpoint_step", "gauge", "Step of the rank's last saved checkpoint.")
 CKPT_TIME = _s("training_last_checkpoint_timestamp_seconds", "gauge", "Unix time of the rank's last saved checkpoint.")
-PROGRESS_TIME = _s("training_last_progress_timestamp_seconds", "gauge",
-                   "Unix time the rank's step last advanced (registration time before the first step).")
-NONFINITE = _s("training_nonfinite", "counter", "Non-finite (NaN or infinite) values the rank reported, per metric.",
-               ("job_id", "rank", "metric"))
-CUSTOM = _s("training_custom", "gauge", "The last value of a custom metric the rank pushed "
-            "(bounded by limits.max_custom_metrics per job).", ("job_id", "rank", "name"))
-DROPPED = _s("hooks_dropped_records", "counter",
-             "Records the rank's hooks had to drop (sidecar unreachable or buffer full).")
+PROGRESS_TIME = _s(
+    "training_last_progress_timestamp_seconds",
+    "gauge",
+    "Unix time the rank's step last advanced (registration time before the first step).",
+)
+NONFINITE = _s(
+    "training_nonfinite",
+    "counter",
+    "Non-finite (NaN or infinite) values the rank reported, per metric.",
+    ("job_id", "rank", "metric"),
+)
+CUSTOM = _s(
+    "training_custom",
+    "gauge",
+    "The last value of a custom metric the rank pushed (bounded by limits.max_custom_metrics per job).",
+    ("job_id", "rank", "name"),
+)
+DROPPED = _s(
+    "hooks_dropped_records", "counter", "Records the rank's hooks had to drop (sidecar unreachable or buffer full)."
+)
 # Counters and a histogram Prometheus can rate() (sidecar/ranks/stepcounters.py): they continue across
 # a rank's re-registrations while the registry keeps it.
 STEPS = _s("training_steps", "counter", "Steps the rank advanced (a resumed run's repeated steps count again).")
 SAMPLES = _s("training_samples", "counter", "Samples the rank trained on (the per-step `samples` it sent x steps).")
 TOKENS = _s("training_tokens", "counter", "Tokens the rank trained on (the per-step `tokens` it sent x steps).")
-STEP_DURATION = _s("training_step_duration_seconds", "histogram",
-                   "Step times of the rank (sent, or derived from step report times), in buckets from 5 ms to 10 min.")
+STEP_DURATION = _s(
+    "training_step_duration_seconds",
+    "histogram",
+    "Step times of the rank (sent, or derived from step report times), in buckets from 5 ms to 10 min.",
+)
 RATE_SPECS = (STEPS, SAMPLES, TOKENS, STEP_DURATION)
 RANKS = _s("training_ranks_registered", "gauge", "Ranks of the job registered on this node and not gone.", ("job_id",))
 WORLD = _s("training_world_size", "gauge", "The job's world size, as its ranks registered it.", ("job_id",))
 
 METRICS: tuple[MetricSpec, ...] = (
-    STEP, *(s for _, s in VALUE_GAUGES), PHASE, RESTARTS, CKPT_STEP, CKPT_TIME, PROGRESS_TIME,
-    NONFINITE, CUSTOM, DROPPED, *RATE_SPECS, RANKS, WORLD)
+    STEP,
+    *(s for _, s in VALUE_GAUGES),
+    PHASE,
+    RESTARTS,
+    CKPT_STEP,
+    CKPT_TIME,
+    PROGRESS_TIME,
+    NONFINITE,
+    CUSTOM,
+    DROPPED,
+    *RATE_SPECS,
+    RANKS,
+    WORLD,
+)
 
 
 class TrainingCollector:
@@ -75,8 +126,9 @@ class TrainingCollector:
     def __init__(self, registry: Registry):
         self.registry = registry
 
-    def collect(self, only: Collection[RankKey] | None = None,
-                custom: Collection[RankKey] | None = None) -> Iterable[Metric]:
+    def collect(
+        self, only: Collection[RankKey] | None = None, custom: Collection[RankKey] | None = None
+    ) -> Iterable[Metric]:
         """The families; per-rank series only of the ranks in `only`, custom metrics only of
         those in `custom` (None: every rank), as /metrics' series budget decides."""
         all_ranks = sorted(self.registry.ranks(), key=lambda r: (r.job_id, r.rank))
@@ -84,7 +136,8 @@ class TrainingCollector:
         step = STEP.family()
         values = [(key, s.family()) for key, s in VALUE_GAUGES]
         phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom_family, dropped = (
-            s.family() for s in (PHASE, RESTARTS, CKPT_STEP, CKPT_TIME, PROGRESS_TIME, NONFINITE, CUSTOM, DROPPED))
+            s.family() for s in (PHASE, RESTARTS, CKPT_STEP, CKPT_TIME, PROGRESS_TIME, NONFINITE, CUSTOM, DROPPED)
+        )
         steps, samples, tokens, durations = (s.family() for s in RATE_SPECS)
         for r in ranks:
             labels = [r.job_id, str(r.rank)]
@@ -125,11 +178,20 @@ class TrainingCollector:
     @staticmethod
     def series(r: Rank) -> tuple[int, int]:
         """How many series `collect` gives one rank: (its own, its custom metrics)."""
-        own = (2 + (r.step is not None) + sum(1 for key, _ in VALUE_GAUGES if key in r.metrics)
-               + (r.phase is not None) + (r.last_checkpoint_step is not None)
-               + (r.last_checkpoint_time is not None) + len(r.nonfinite) + 1
-               + (r.counters.steps > 0) + (r.counters.samples > 0) + (r.counters.tokens > 0)
-               + (len(r.counters.step_time_counts) + 2 if r.counters.step_time_count else 0))
+        own = (
+            2
+            + (r.step is not None)
+            + sum(1 for key, _ in VALUE_GAUGES if key in r.metrics)
+            + (r.phase is not None)
+            + (r.last_checkpoint_step is not None)
+            + (r.last_checkpoint_time is not None)
+            + len(r.nonfinite)
+            + 1
+            + (r.counters.steps > 0)
+            + (r.counters.samples > 0)
+            + (r.counters.tokens > 0)
+            + (len(r.counters.step_time_counts) + 2 if r.counters.step_time_count else 0)
+        )
         return own, len(r.custom)
 
     @staticmethod

@@ -18,6 +18,7 @@ is recorded so tests can assert that a second provisioning run writes nothing.
 
 Run it by hand: `python -m sidecar.testing.fake_grafana --port 3000 --token secret`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ class BadRequest(Exception):
 @dataclass
 class GrafanaState:
     folders: dict[str, dict] = field(default_factory=dict)
-    dashboards: dict[str, dict] = field(default_factory=dict)   # uid -> {"dashboard", "folderUid", "version", "id"}
+    dashboards: dict[str, dict] = field(default_factory=dict)  # uid -> {"dashboard", "folderUid", "version", "id"}
     datasources: dict[str, dict] = field(default_factory=dict)
     alert_rules: dict[str, dict] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
@@ -90,6 +91,7 @@ def _require(data: dict, key: str, kind: type | tuple, where: str) -> Any:
 
 # ------------------------------------------------------------------ middleware
 
+
 def _authorized(request: web.Request) -> tuple[bool, str, bool]:
     """(authenticated, message if not, read-only)."""
     creds = request.app[CREDENTIALS]
@@ -129,6 +131,7 @@ async def grafana_middleware(request: web.Request, handler):
 
 # ------------------------------------------------------------------ handlers
 
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"commit": "fake", "database": "ok", "version": "11.3.0"})
 
@@ -149,8 +152,15 @@ async def create_folder(request: web.Request) -> web.Response:
         return _error(409, "a folder with the same uid already exists")
     if any(f["title"] == title for f in state.folders.values()):
         return _error(409, "a folder or dashboard in the general folder with the same name already exists")
-    state.folders[uid] = {"id": state.new_id(), "uid": uid, "title": title, "url": f"/dashboards/f/{uid}/",
-                          "version": 1, "hasAcl": False, "canSave": True}
+    state.folders[uid] = {
+        "id": state.new_id(),
+        "uid": uid,
+        "title": title,
+        "url": f"/dashboards/f/{uid}/",
+        "version": 1,
+        "hasAcl": False,
+        "canSave": True,
+    }
     return web.json_response(state.folders[uid])
 
 
@@ -171,9 +181,19 @@ async def get_dashboard(request: web.Request) -> web.Response:
     stored = request.app[STATE].dashboards.get(request.match_info["uid"])
     if not stored:
         return _error(404, "Dashboard not found")
-    return web.json_response({"dashboard": stored["dashboard"], "meta": {
-        "type": "db", "slug": stored["slug"], "url": f"/d/{stored['dashboard']['uid']}/{stored['slug']}",
-        "folderUid": stored["folderUid"], "version": stored["dashboard"]["version"], "provisioned": False}})
+    return web.json_response(
+        {
+            "dashboard": stored["dashboard"],
+            "meta": {
+                "type": "db",
+                "slug": stored["slug"],
+                "url": f"/d/{stored['dashboard']['uid']}/{stored['slug']}",
+                "folderUid": stored["folderUid"],
+                "version": stored["dashboard"]["version"],
+                "provisioned": False,
+            },
+        }
+    )
 
 
 async def save_dashboard(request: web.Request) -> web.Response:
@@ -201,8 +221,9 @@ async def save_dashboard(request: web.Request) -> web.Response:
     stored.update(uid=uid, id=dash_id, version=version)
     slug = re.sub(r"[^a-z0-9]+", "-", stored["title"].lower()).strip("-")
     state.dashboards[uid] = {"dashboard": stored, "folderUid": folder_uid, "slug": slug}
-    return web.json_response({"id": dash_id, "uid": uid, "url": f"/d/{uid}/{slug}", "status": "success",
-                              "version": version, "slug": slug})
+    return web.json_response(
+        {"id": dash_id, "uid": uid, "url": f"/d/{uid}/{slug}", "status": "success", "version": version, "slug": slug}
+    )
 
 
 DATASOURCE_ACCESS = {"proxy", "direct"}
@@ -233,9 +254,20 @@ async def create_datasource(request: web.Request) -> web.Response:
     uid = data.get("uid") or f"ds{state.new_id()}"
     if uid in state.datasources:
         return _error(409, "data source with the same uid already exists")
-    ds = {"id": state.new_id(), "uid": uid, "orgId": 1, "name": data["name"], "type": data["type"],
-          "access": data.get("access", "proxy"), "url": data.get("url", ""), "isDefault": bool(data.get("isDefault")),
-          "basicAuth": False, "jsonData": data.get("jsonData", {}), "readOnly": False, "version": 1}
+    ds = {
+        "id": state.new_id(),
+        "uid": uid,
+        "orgId": 1,
+        "name": data["name"],
+        "type": data["type"],
+        "access": data.get("access", "proxy"),
+        "url": data.get("url", ""),
+        "isDefault": bool(data.get("isDefault")),
+        "basicAuth": False,
+        "jsonData": data.get("jsonData", {}),
+        "readOnly": False,
+        "version": 1,
+    }
     state.datasources[uid] = ds
     return web.json_response({"datasource": ds, "id": ds["id"], "message": "Datasource added", "name": ds["name"]})
 
@@ -247,8 +279,15 @@ async def update_datasource(request: web.Request) -> web.Response:
         return _error(404, "Data source not found")
     data = await _body(request)
     _validate_datasource(data)
-    ds.update(name=data["name"], type=data["type"], access=data.get("access", "proxy"), url=data.get("url", ""),
-              isDefault=bool(data.get("isDefault")), jsonData=data.get("jsonData", {}), version=ds["version"] + 1)
+    ds.update(
+        name=data["name"],
+        type=data["type"],
+        access=data.get("access", "proxy"),
+        url=data.get("url", ""),
+        isDefault=bool(data.get("isDefault")),
+        jsonData=data.get("jsonData", {}),
+        version=ds["version"] + 1,
+    )
     return web.json_response({"datasource": ds, "id": ds["id"], "message": "Datasource updated", "name": ds["name"]})
 
 
@@ -275,8 +314,12 @@ def _validate_alert_rule(state: GrafanaState, rule: dict) -> None:
         raise BadRequest(f"{where}: data must be a non-empty list of queries")
     ref_ids = set()
     for q in data:
-        if not isinstance(q, dict) or not q.get("refId") or not q.get("datasourceUid") \
-                or not isinstance(q.get("model"), dict):
+        if (
+            not isinstance(q, dict)
+            or not q.get("refId")
+            or not q.get("datasourceUid")
+            or not isinstance(q.get("model"), dict)
+        ):
             raise BadRequest(f"{where}: every query needs refId, datasourceUid and a model")
         rtr = q.get("relativeTimeRange")
         if not isinstance(rtr, dict) or not {"from", "to"} <= set(rtr):
@@ -297,8 +340,10 @@ def _validate_alert_rule(state: GrafanaState, rule: dict) -> None:
 
 
 def _title_taken(state: GrafanaState, rule: dict, uid: str) -> bool:
-    return any(r["title"] == rule["title"] and r["folderUID"] == rule["folderUID"] and u != uid
-               for u, r in state.alert_rules.items())
+    return any(
+        r["title"] == rule["title"] and r["folderUID"] == rule["folderUID"] and u != uid
+        for u, r in state.alert_rules.items()
+    )
 
 
 async def list_alert_rules(request: web.Request) -> web.Response:
@@ -319,8 +364,14 @@ async def create_alert_rule(request: web.Request) -> web.Response:
         return _error(409, "rule with the same uid already exists")
     if _title_taken(state, rule, uid):
         return _error(409, "a rule with the same title already exists in this folder")
-    stored = {**copy.deepcopy(rule), "uid": uid, "id": state.new_id(), "provenance": "api",
-              "updated": "2026-01-01T00:00:00Z", "isPaused": bool(rule.get("isPaused"))}
+    stored = {
+        **copy.deepcopy(rule),
+        "uid": uid,
+        "id": state.new_id(),
+        "provenance": "api",
+        "updated": "2026-01-01T00:00:00Z",
+        "isPaused": bool(rule.get("isPaused")),
+    }
     state.alert_rules[uid] = stored
     return web.json_response(stored, status=201)
 
@@ -335,8 +386,14 @@ async def update_alert_rule(request: web.Request) -> web.Response:
     _validate_alert_rule(state, rule)
     if _title_taken(state, rule, uid):
         return _error(409, "a rule with the same title already exists in this folder")
-    stored = {**copy.deepcopy(rule), "uid": uid, "id": existing["id"], "provenance": "api",
-              "updated": "2026-01-01T00:00:01Z", "isPaused": bool(rule.get("isPaused"))}
+    stored = {
+        **copy.deepcopy(rule),
+        "uid": uid,
+        "id": existing["id"],
+        "provenance": "api",
+        "updated": "2026-01-01T00:00:01Z",
+        "isPaused": bool(rule.get("isPaused")),
+    }
     state.alert_rules[uid] = stored
     return web.json_response(stored)
 
@@ -347,8 +404,13 @@ async def delete_alert_rule(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-def build_app(token: str | None = None, user: str | None = None, password: str | None = None,
-              readonly_token: str | None = None, state: GrafanaState | None = None) -> web.Application:
+def build_app(
+    token: str | None = None,
+    user: str | None = None,
+    password: str | None = None,
+    readonly_token: str | None = None,
+    state: GrafanaState | None = None,
+) -> web.Application:
     app = web.Application(middlewares=[grafana_middleware])
     app[STATE] = state or GrafanaState()
     app[CREDENTIALS] = {"token": token, "user": user, "password": password, "readonly_token": readonly_token}

@@ -29,6 +29,7 @@ The driver state lives in sidecar.testing.nvml_model, shared with the fake C lib
 lighter stand-in: pynvml's API without pynvml's code, for `bench_metrics --nvml module` and
 quick experiments.
 """
+
 from __future__ import annotations
 
 import time
@@ -58,13 +59,13 @@ from sidecar.testing.nvml_model import (  # noqa: F401
 
 # The real constants and error classes, so code written against pynvml behaves identically.
 for _name in dir(_real):
-    if _name.startswith(("NVML_", "NVMLError", "nvmlClocksEventReason", "nvmlClocksThrottleReason",
-                         "nvmlEventType")):
+    if _name.startswith(("NVML_", "NVMLError", "nvmlClocksEventReason", "nvmlClocksThrottleReason", "nvmlEventType")):
         globals()[_name] = getattr(_real, _name)
 NVMLError = _real.NVMLError
 
 
 # ---------------------------------------------------------------- library and system
+
 
 def nvmlInit() -> None:
     nvmlInitWithFlags(0)
@@ -79,8 +80,16 @@ def nvmlInitWithFlags(flags: int) -> None:
             _state.generation += 1
             _state.init_time = time.monotonic()
             _state.pending_xids = sorted(
-                ({"gpu": int(e["gpu"]), "xid": int(e["xid"]), "due": _state.init_time + float(e.get("at_seconds", 0))}
-                 for e in spec.get("xid_events", [])), key=lambda e: e["due"])
+                (
+                    {
+                        "gpu": int(e["gpu"]),
+                        "xid": int(e["xid"]),
+                        "due": _state.init_time + float(e.get("at_seconds", 0)),
+                    }
+                    for e in spec.get("xid_events", [])
+                ),
+                key=lambda e: e["due"],
+            )
         _state.refcount += 1
 
 
@@ -107,6 +116,7 @@ def nvmlErrorString(result: int) -> str:
 
 
 # ---------------------------------------------------------------- devices
+
 
 def nvmlDeviceGetCount() -> int:
     return int(_require_init().get("gpu_count", 0))
@@ -138,8 +148,14 @@ def nvmlDeviceGetPciInfo(handle: _Handle) -> SimpleNamespace:
     i, v = _gpu(handle, "nvmlDeviceGetPciInfo")
     bus_id = v.get("pci_bus_id") or f"00000000:{0x18 + 0x10 * i:02X}:00.0"
     # The real struct's busId is a char array: bytes, not str.
-    return SimpleNamespace(busId=bus_id.encode(), busIdLegacy=bus_id.encode(), domain=0,
-                           bus=int(bus_id.split(":")[1], 16), device=0, pciDeviceId=0x233010DE)
+    return SimpleNamespace(
+        busId=bus_id.encode(),
+        busIdLegacy=bus_id.encode(),
+        domain=0,
+        bus=int(bus_id.split(":")[1], 16),
+        device=0,
+        pciDeviceId=0x233010DE,
+    )
 
 
 nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
@@ -212,8 +228,10 @@ def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
 def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter_type: int) -> int:
     v = _gpu(handle, "nvmlDeviceGetTotalEccErrors")[1]
     prefix = {_real.NVML_AGGREGATE_ECC: "ecc_", _real.NVML_VOLATILE_ECC: "ecc_volatile_"}.get(counter_type)
-    kind = {_real.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
-            _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected"}.get(error_type)
+    kind = {
+        _real.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
+        _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected",
+    }.get(error_type)
     if prefix is None or kind is None:
         raise _error("invalid_argument")
     return int(v[prefix + kind])
@@ -284,9 +302,15 @@ def nvmlDeviceGetNvLinkErrorCounter(handle: _Handle, link: int, counter: int) ->
 
 def nvmlDeviceGetComputeRunningProcesses(handle: _Handle) -> list[SimpleNamespace]:
     v = _gpu(handle, "nvmlDeviceGetComputeRunningProcesses")[1]
-    return [SimpleNamespace(pid=int(p["pid"]), usedGpuMemory=p.get("used_memory_bytes"),
-                            gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
-            for p in v["processes"]]
+    return [
+        SimpleNamespace(
+            pid=int(p["pid"]),
+            usedGpuMemory=p.get("used_memory_bytes"),
+            gpuInstanceId=0xFFFFFFFF,
+            computeInstanceId=0xFFFFFFFF,
+        )
+        for p in v["processes"]
+    ]
 
 
 nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
@@ -351,6 +375,7 @@ def nvmlDeviceGetMigMode(handle: _Handle) -> list[int]:
 
 # ---------------------------------------------------------------- events
 
+
 def nvmlEventSetCreate() -> _EventSet:
     _require_init()
     event_set = _EventSet()
@@ -382,10 +407,13 @@ def nvmlEventSetWait_v2(event_set: _EventSet, timeout_ms: int) -> SimpleNamespac
             for n, event in enumerate(_state.pending_xids):
                 if event["due"] <= now and event["gpu"] in event_set.registered:
                     del _state.pending_xids[n]
-                    return SimpleNamespace(device=_Handle(event["gpu"], _state.generation),
-                                           eventType=_real.nvmlEventTypeXidCriticalError,
-                                           eventData=event["xid"], gpuInstanceId=0xFFFFFFFF,
-                                           computeInstanceId=0xFFFFFFFF)
+                    return SimpleNamespace(
+                        device=_Handle(event["gpu"], _state.generation),
+                        eventType=_real.nvmlEventTypeXidCriticalError,
+                        eventData=event["xid"],
+                        gpuInstanceId=0xFFFFFFFF,
+                        computeInstanceId=0xFFFFFFFF,
+                    )
             if now >= deadline:
                 raise _error("timeout")
             due = [e["due"] for e in _state.pending_xids if e["gpu"] in event_set.registered]

@@ -25,6 +25,7 @@ module `sidecar.testing.fake_nvml` (pynvml's API without pynvml's code) only for
 `bench_metrics --nvml module`. As a `collectors.nvml_module`, name this module: it installs
 itself on first use and then is pynvml.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -61,9 +62,16 @@ log = logging.getLogger(__name__)
 GENERATIONS: dict[str, frozenset[str]] = {
     "r570": frozenset(),
     "r535": frozenset({"nvmlDeviceGetTemperatureV"}),
-    "r470": frozenset({"nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
-                       "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetMemoryInfo_v2",
-                       "nvmlDeviceGetTemperatureV", "nvmlSystemGetCudaDriverVersion_v2"}),
+    "r470": frozenset(
+        {
+            "nvmlDeviceGetComputeRunningProcesses_v3",
+            "nvmlDeviceGetComputeRunningProcesses_v2",
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            "nvmlDeviceGetMemoryInfo_v2",
+            "nvmlDeviceGetTemperatureV",
+            "nvmlSystemGetCudaDriverVersion_v2",
+        }
+    ),
 }
 
 
@@ -105,9 +113,11 @@ _SYMBOLS: dict[str, tuple[Any, Callable[..., Any]]] = {}
 def symbol(name: str, *argtypes: Any, restype: Any = c_int):
     """Register `fn(lib, *c_args)` as the C function `name`. It returns nothing on success
     (or the value for a non-nvmlReturn_t restype) and raises NVMLError for an error code."""
+
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         _SYMBOLS[name] = (CFUNCTYPE(restype, *argtypes), fn)
         return fn
+
     return register
 
 
@@ -147,6 +157,7 @@ class FakeNvmlLibrary:
                 log.exception("fake NVML library: %s failed", name)
                 return pynvml.NVML_ERROR_UNKNOWN
             return pynvml.NVML_SUCCESS if restype is c_int else value
+
         return call
 
     # handles are addresses, as the real library's opaque pointers are
@@ -177,6 +188,7 @@ def missing_functions() -> frozenset[str]:
 
 
 # ---------------------------------------------------------------- library and system
+
 
 @symbol("nvmlInitWithFlags", U)
 def _init(lib, flags):
@@ -241,6 +253,7 @@ def _pci_info(lib, device, out):
 
 # ---------------------------------------------------------------- device fields
 
+
 @symbol("nvmlDeviceGetUtilizationRates", P, P)
 def _utilization(lib, device, out):
     util = model.nvmlDeviceGetUtilizationRates(lib.handle(device))
@@ -284,20 +297,25 @@ def _threshold(lib, device, which, out):
 
 def _device_value(function: str, ctype: Any) -> None:
     """A `nvmlReturn_t f(nvmlDevice_t, T *out)` symbol answered by the model's function of that name."""
+
     @symbol(function, P, P)
     def impl(lib, device, out):
         _out(out, ctype, getattr(model, function)(lib.handle(device)))
 
 
-for _function, _ctype in (("nvmlDeviceGetPowerUsage", c_uint), ("nvmlDeviceGetEnforcedPowerLimit", c_uint),
-                          ("nvmlDeviceGetTotalEnergyConsumption", c_ulonglong),
-                          ("nvmlDeviceGetCurrentClocksEventReasons", c_ulonglong),
-                          ("nvmlDeviceGetCurrentClocksThrottleReasons", c_ulonglong),
-                          ("nvmlDeviceGetRetiredPagesPendingStatus", c_uint),
-                          ("nvmlDeviceGetPcieReplayCounter", c_uint),
-                          ("nvmlDeviceGetCurrPcieLinkGeneration", c_uint),
-                          ("nvmlDeviceGetMaxPcieLinkGeneration", c_uint),
-                          ("nvmlDeviceGetCurrPcieLinkWidth", c_uint), ("nvmlDeviceGetMaxPcieLinkWidth", c_uint)):
+for _function, _ctype in (
+    ("nvmlDeviceGetPowerUsage", c_uint),
+    ("nvmlDeviceGetEnforcedPowerLimit", c_uint),
+    ("nvmlDeviceGetTotalEnergyConsumption", c_ulonglong),
+    ("nvmlDeviceGetCurrentClocksEventReasons", c_ulonglong),
+    ("nvmlDeviceGetCurrentClocksThrottleReasons", c_ulonglong),
+    ("nvmlDeviceGetRetiredPagesPendingStatus", c_uint),
+    ("nvmlDeviceGetPcieReplayCounter", c_uint),
+    ("nvmlDeviceGetCurrPcieLinkGeneration", c_uint),
+    ("nvmlDeviceGetMaxPcieLinkGeneration", c_uint),
+    ("nvmlDeviceGetCurrPcieLinkWidth", c_uint),
+    ("nvmlDeviceGetMaxPcieLinkWidth", c_uint),
+):
     _device_value(_function, _ctype)
 
 
@@ -410,6 +428,7 @@ _processes("nvmlDeviceGetComputeRunningProcesses_v3", ProcessInfo_v2)
 
 
 # ---------------------------------------------------------------- events
+
 
 @symbol("nvmlEventSetCreate", P)
 def _event_set_create(lib, out):

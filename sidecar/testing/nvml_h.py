@@ -1,5 +1,6 @@
 """The structs of nvml.h that the fake libnvidia-ml fills, declared from the header's layout
 (not borrowed from pynvml, so a layout mismatch between the two would show in the tests)."""
+
 from __future__ import annotations
 
 from ctypes import (
@@ -25,8 +26,13 @@ class Memory_v1(Structure):
 
 
 class Memory_v2(Structure):
-    _fields_ = [("version", c_uint), ("total", c_ulonglong), ("reserved", c_ulonglong), ("free", c_ulonglong),
-                ("used", c_ulonglong)]
+    _fields_ = [
+        ("version", c_uint),
+        ("total", c_ulonglong),
+        ("reserved", c_ulonglong),
+        ("free", c_ulonglong),
+        ("used", c_ulonglong),
+    ]
 
 
 class Utilization(Structure):
@@ -34,8 +40,15 @@ class Utilization(Structure):
 
 
 class PciInfo(Structure):
-    _fields_ = [("busIdLegacy", c_char * 16), ("domain", c_uint), ("bus", c_uint), ("device", c_uint),
-                ("pciDeviceId", c_uint), ("pciSubSystemId", c_uint), ("busId", c_char * 32)]
+    _fields_ = [
+        ("busIdLegacy", c_char * 16),
+        ("domain", c_uint),
+        ("bus", c_uint),
+        ("device", c_uint),
+        ("pciDeviceId", c_uint),
+        ("pciSubSystemId", c_uint),
+        ("busId", c_char * 32),
+    ]
 
 
 class ProcessInfo_v1(Structure):
@@ -43,13 +56,22 @@ class ProcessInfo_v1(Structure):
 
 
 class ProcessInfo_v2(Structure):  # also v3's layout
-    _fields_ = [("pid", c_uint), ("usedGpuMemory", c_ulonglong), ("gpuInstanceId", c_uint),
-                ("computeInstanceId", c_uint)]
+    _fields_ = [
+        ("pid", c_uint),
+        ("usedGpuMemory", c_ulonglong),
+        ("gpuInstanceId", c_uint),
+        ("computeInstanceId", c_uint),
+    ]
 
 
 class EventData(Structure):
-    _fields_ = [("device", c_void_p), ("eventType", c_ulonglong), ("eventData", c_ulonglong),
-                ("gpuInstanceId", c_uint), ("computeInstanceId", c_uint)]
+    _fields_ = [
+        ("device", c_void_p),
+        ("eventType", c_ulonglong),
+        ("eventData", c_ulonglong),
+        ("gpuInstanceId", c_uint),
+        ("computeInstanceId", c_uint),
+    ]
 
 
 class ViolationTime(Structure):
@@ -57,13 +79,27 @@ class ViolationTime(Structure):
 
 
 class Value(Union):
-    _fields_ = [("dVal", c_double), ("uiVal", c_uint), ("ulVal", c_ulong), ("ullVal", c_ulonglong),
-                ("sllVal", c_longlong), ("siVal", c_int), ("usVal", c_ushort)]
+    _fields_ = [
+        ("dVal", c_double),
+        ("uiVal", c_uint),
+        ("ulVal", c_ulong),
+        ("ullVal", c_ulonglong),
+        ("sllVal", c_longlong),
+        ("siVal", c_int),
+        ("usVal", c_ushort),
+    ]
 
 
 class FieldValue(Structure):
-    _fields_ = [("fieldId", c_uint32), ("scopeId", c_uint32), ("timestamp", c_int64), ("latencyUsec", c_int64),
-                ("valueType", c_int), ("nvmlReturn", c_int), ("value", Value)]
+    _fields_ = [
+        ("fieldId", c_uint32),
+        ("scopeId", c_uint32),
+        ("timestamp", c_int64),
+        ("latencyUsec", c_int64),
+        ("valueType", c_int),
+        ("nvmlReturn", c_int),
+        ("value", Value),
+    ]
 
 
 class Temperature_v1(Structure):

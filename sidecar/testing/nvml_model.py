@@ -2,6 +2,7 @@
 for its keys), the init refcount, handles, merged per-GPU values with their injected errors,
 and the XID event queue. `fake_nvml` is its pynvml-shaped Python face, `fake_nvml_lib` its C face
 (a fake libnvidia-ml under the real pynvml)."""
+
 from __future__ import annotations
 
 import copy
@@ -18,43 +19,76 @@ ENV_VAR = "SIDECAR_FAKE_NVML"
 
 DEFAULT_GPU: dict[str, Any] = {
     "name": "NVIDIA H100 80GB HBM3",
-    "utilization_gpu": 97, "utilization_memory": 41,
-    "memory_total_bytes": 85_520_809_984, "memory_used_bytes": 61_203_283_968,
-    "temperature_celsius": 62, "slowdown_celsius": 87, "shutdown_celsius": 92,
-    "power_mw": 612_000, "power_limit_mw": 700_000, "energy_mj": 1_500_000_000,
-    "sm_clock_mhz": 1980, "memory_clock_mhz": 2619,
-    "clock_event_reasons": 0,             # bitmask of nvmlClocksEventReason*
-    "ecc_corrected": 0, "ecc_uncorrected": 0,
-    "retired_pages_single_bit": 0, "retired_pages_double_bit": 0, "retired_pages_pending": 0,
-    "remapped_rows": [0, 0, 0, 0],        # correctable, uncorrectable, pending, failed
-    "pcie_replay": 0, "pcie_gen": 5, "pcie_max_gen": 5, "pcie_width": 16, "pcie_max_width": 16,
-    "nvlink_links": 18, "nvlink_down": [],
+    "utilization_gpu": 97,
+    "utilization_memory": 41,
+    "memory_total_bytes": 85_520_809_984,
+    "memory_used_bytes": 61_203_283_968,
+    "temperature_celsius": 62,
+    "slowdown_celsius": 87,
+    "shutdown_celsius": 92,
+    "power_mw": 612_000,
+    "power_limit_mw": 700_000,
+    "energy_mj": 1_500_000_000,
+    "sm_clock_mhz": 1980,
+    "memory_clock_mhz": 2619,
+    "clock_event_reasons": 0,  # bitmask of nvmlClocksEventReason*
+    "ecc_corrected": 0,
+    "ecc_uncorrected": 0,
+    "retired_pages_single_bit": 0,
+    "retired_pages_double_bit": 0,
+    "retired_pages_pending": 0,
+    "remapped_rows": [0, 0, 0, 0],  # correctable, uncorrectable, pending, failed
+    "pcie_replay": 0,
+    "pcie_gen": 5,
+    "pcie_max_gen": 5,
+    "pcie_width": 16,
+    "pcie_max_width": 16,
+    "nvlink_links": 18,
+    "nvlink_down": [],
     "nvlink_errors": {"replay": 0, "recovery": 0, "crc_flit": 0, "crc_data": 0},  # every link
-    "nvlink_link_errors": {},             # per link overrides: {"3": {"crc_flit": 12}}
-    "processes": [],                      # [{"pid": 123, "used_memory_bytes": 456}]
+    "nvlink_link_errors": {},  # per link overrides: {"3": {"crc_flit": 12}}
+    "processes": [],  # [{"pid": 123, "used_memory_bytes": 456}]
     "xid_supported": True,
-    "memory_temperature_celsius": 48, "memory_reserved_bytes": 553_648_128,
-    "pcie_tx_kbps": 12_000, "pcie_rx_kbps": 34_000,   # nvmlDeviceGetPcieThroughput answers in KB/s
-    "encoder_utilization": 0, "decoder_utilization": 0,
-    "ecc_volatile_corrected": 0, "ecc_volatile_uncorrected": 0,
-    "violation_ns": {},                   # {"power": ns, "thermal": ns, ...}: time held down, per policy
-    "mig_mode": [0, 0],                   # current, pending; with MIG on, MIG_UNSUPPORTED answer NOT_SUPPORTED
+    "memory_temperature_celsius": 48,
+    "memory_reserved_bytes": 553_648_128,
+    "pcie_tx_kbps": 12_000,
+    "pcie_rx_kbps": 34_000,  # nvmlDeviceGetPcieThroughput answers in KB/s
+    "encoder_utilization": 0,
+    "decoder_utilization": 0,
+    "ecc_volatile_corrected": 0,
+    "ecc_volatile_uncorrected": 0,
+    "violation_ns": {},  # {"power": ns, "thermal": ns, ...}: time held down, per policy
+    "mig_mode": [0, 0],  # current, pending; with MIG on, MIG_UNSUPPORTED answer NOT_SUPPORTED
     "errors": {},
 }
 
 # What a MIG-enabled GPU with instances answers NOT_SUPPORTED for on its parent device.
-MIG_UNSUPPORTED = frozenset({"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetEncoderUtilization",
-                             "nvmlDeviceGetDecoderUtilization", "nvmlDeviceGetRemappedRows",
-                             "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus"})
+MIG_UNSUPPORTED = frozenset(
+    {
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetEncoderUtilization",
+        "nvmlDeviceGetDecoderUtilization",
+        "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetRetiredPages",
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+    }
+)
 
-VIOLATION_POLICIES = {_real.NVML_PERF_POLICY_POWER: "power", _real.NVML_PERF_POLICY_THERMAL: "thermal",
-                      _real.NVML_PERF_POLICY_SYNC_BOOST: "sync_boost",
-                      _real.NVML_PERF_POLICY_BOARD_LIMIT: "board_limit",
-                      _real.NVML_PERF_POLICY_LOW_UTILIZATION: "low_utilization",
-                      _real.NVML_PERF_POLICY_RELIABILITY: "reliability"}
+VIOLATION_POLICIES = {
+    _real.NVML_PERF_POLICY_POWER: "power",
+    _real.NVML_PERF_POLICY_THERMAL: "thermal",
+    _real.NVML_PERF_POLICY_SYNC_BOOST: "sync_boost",
+    _real.NVML_PERF_POLICY_BOARD_LIMIT: "board_limit",
+    _real.NVML_PERF_POLICY_LOW_UTILIZATION: "low_utilization",
+    _real.NVML_PERF_POLICY_RELIABILITY: "reliability",
+}
 
-_NVLINK_COUNTERS = {_real.NVML_NVLINK_ERROR_DL_REPLAY: "replay", _real.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
-                    _real.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", _real.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
+_NVLINK_COUNTERS = {
+    _real.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
+    _real.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
+    _real.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
+    _real.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
+}
 
 
 def _error(name: str) -> _real.NVMLError:
@@ -148,6 +182,7 @@ def inject_xid(gpu: int, xid: int) -> None:
 
 # ---------------------------------------------------------------- internals
 
+
 def _spec() -> dict[str, Any]:
     spec = _state.load()
     if spec is None:
@@ -164,8 +199,11 @@ def _require_init() -> dict[str, Any]:
 def _gpu(handle: Any, function: str) -> tuple[int, dict[str, Any]]:
     """The GPU's merged field values; raises the error the spec assigns to `function`."""
     spec = _require_init()
-    if not isinstance(handle, _Handle) or handle.generation != _state.generation \
-            or not 0 <= handle.index < int(spec.get("gpu_count", 0)):
+    if (
+        not isinstance(handle, _Handle)
+        or handle.generation != _state.generation
+        or not 0 <= handle.index < int(spec.get("gpu_count", 0))
+    ):
         raise _error("invalid_argument")
     if _state.merged_for is not spec:  # the spec changed: merge again (once per GPU, not per call)
         _state.merged, _state.merged_for = {}, spec

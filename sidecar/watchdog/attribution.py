@@ -1,5 +1,6 @@
 """Who holds a stalled job up: the watchdog's first guess from the registry (`blame`), refined
 once the stack dumps are in (`refine_blame`)."""
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -41,14 +42,14 @@ def refine_blame(incident: Incident) -> None:
         return
     waiting = [r.rank for r in known if r.in_collective]
     if len(waiting) == len(known):
-        incident.blame_reason += "; every local rank waits in a collective, so the rank holding the job " \
-                                 "up is probably on another node"
+        incident.blame_reason += (
+            "; every local rank waits in a collective, so the rank holding the job up is probably on another node"
+        )
         return
     lowest = min(r.step if r.step is not None else -1 for r in incident.ranks)
     outside = [r for r in known if not r.in_collective and (r.step if r.step is not None else -1) == lowest]
     if outside and waiting:
         chosen = next((r for r in outside if r.rank == incident.blamed_rank), outside[0])
-        others = f"rank {waiting[0]} waits" if len(waiting) == 1 else \
-            f"ranks {', '.join(map(str, waiting))} wait"
+        others = f"rank {waiting[0]} waits" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} wait"
         incident.blamed_rank = chosen.rank
         incident.blame_reason = f"not waiting for its peers, while {others} for it in a collective"

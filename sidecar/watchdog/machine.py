@@ -15,6 +15,7 @@ handles crashes).
         any watched state --remediation starts--> REMEDIATING --process exits--> GONE
         any state --process gone / deregistered / replaced--> GONE
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,21 +76,37 @@ class IllegalTransition(RuntimeError):
 
 
 METRICS: tuple[MetricSpec, ...] = (
-    spec("watchdog", "rank_state", "gauge",
-         "1 for the rank's current watchdog state, 0 for the others "
-         "(starting, healthy, suspect, stalled, remediating, gone).", ["job_id", "rank", "state"]),
-    spec("watchdog", "watchdog_timeout_seconds", "gauge",
-         "The rank's effective progress timeout now (start-up, declared phase or adaptive step timeout).",
-         ["job_id", "rank"]),
+    spec(
+        "watchdog",
+        "rank_state",
+        "gauge",
+        "1 for the rank's current watchdog state, 0 for the others "
+        "(starting, healthy, suspect, stalled, remediating, gone).",
+        ["job_id", "rank", "state"],
+    ),
+    spec(
+        "watchdog",
+        "watchdog_timeout_seconds",
+        "gauge",
+        "The rank's effective progress timeout now (start-up, declared phase or adaptive step timeout).",
+        ["job_id", "rank"],
+    ),
     spec("watchdog", "watchdog_stalls", "counter", "Stalls detected (one per incident), per job.", ["job_id"]),
-    spec("watchdog", "watchdog_remediations", "counter",
-         "Remediations by outcome: killed, suppressed (storm cap), observe_only, failed.",
-         ["job_id", "outcome"]),
+    spec(
+        "watchdog",
+        "watchdog_remediations",
+        "counter",
+        "Remediations by outcome: killed, suppressed (storm cap), observe_only, failed.",
+        ["job_id", "outcome"],
+    ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
-    spec("watchdog", "watchdog_last_incident_timestamp_seconds", "gauge",
-         "Unix time of the latest incident (absent before the first)."),
-    spec("watchdog", "watchdog_observe_only", "gauge",
-         "1 when the watchdog only detects and reports, never signals."),
+    spec(
+        "watchdog",
+        "watchdog_last_incident_timestamp_seconds",
+        "gauge",
+        "Unix time of the latest incident (absent before the first).",
+    ),
+    spec("watchdog", "watchdog_observe_only", "gauge", "1 when the watchdog only detects and reports, never signals."),
 )
 
 
@@ -122,16 +139,23 @@ class _Counters:
 
 
 class Watchdog:
-    def __init__(self, settings: Settings, registry: Registry, clock=time.monotonic,
-                 remediator: Remediator | None = None, store: IncidentStore | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        clock=time.monotonic,
+        remediator: Remediator | None = None,
+        store: IncidentStore | None = None,
+    ):
         self.settings = settings
         self.registry = registry
         self.clock = clock
         self.store = store or IncidentStore.for_settings(settings)
         self.remediator = remediator or Remediator(settings.remediation)
         rem = settings.remediation
-        self.storm_cap = OwnerStormCaps(rem.max_per_window, max(rem.max_per_window, rem.max_per_window_node),
-                                        rem.window_seconds, clock)
+        self.storm_cap = OwnerStormCaps(
+            rem.max_per_window, max(rem.max_per_window, rem.max_per_window_node), rem.window_seconds, clock
+        )
         self.counters = _Counters()
         self._tracks: dict[RankKey, _Track] = {}
         self._episodes: dict[str, _Episode] = {}
@@ -226,8 +250,7 @@ class Watchdog:
             if self._exited(track, now):  # a dead process is never taken for a hung one
                 return
         if wanted is not track.state:
-            self._transition(track, wanted, now,
-                             f"{d.age:.1f}s without progress, timeout {d.timeout:.1f}s ({d.basis})")
+            self._transition(track, wanted, now, f"{d.age:.1f}s without progress, timeout {d.timeout:.1f}s ({d.basis})")
 
     def _exited(self, track: _Track, now: float) -> bool:
         if _process_alive(track.rank):
@@ -246,8 +269,7 @@ class Watchdog:
         track.state, track.since = new, now
         self.counters.transitions[(old.value, new.value)] += 1
         level = logging.WARNING if new in (S.STALLED, S.REMEDIATING) else logging.INFO
-        log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid,
-                old.value, new.value, reason)
+        log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid, old.value, new.value, reason)
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
         return self.timeouts.deadline(rank, self.clock() if now is None else now)
@@ -255,8 +277,9 @@ class Watchdog:
     # ------------------------------------------------------------ incidents
 
     def _open_episodes(self, now: float) -> None:
-        stalled_jobs = sorted({t.rank.job_id for t in self._tracks.values()
-                               if t.state is S.STALLED and t.episode is None})
+        stalled_jobs = sorted(
+            {t.rank.job_id for t in self._tracks.values() if t.state is S.STALLED and t.episode is None}
+        )
         for job_id in stalled_jobs:
             if job_id in self._episodes:
                 continue  # already being handled; its incident covers this rank too
@@ -272,9 +295,13 @@ class Watchdog:
         full = None if observe_only else self.storm_cap.allow(owner)
         suppressed = full is not None
         incident = self.store.open(
-            job_id, blamed_rank=blamed.rank if blamed else None, blame_reason=why,
+            job_id,
+            blamed_rank=blamed.rank if blamed else None,
+            blame_reason=why,
             timeout_seconds=stalled_deadline.timeout if stalled_deadline else None,
-            observe_only=observe_only, ranks=[self._snapshot(t, now) for t in members])
+            observe_only=observe_only,
+            ranks=[self._snapshot(t, now) for t in members],
+        )
         episode = _Episode(job_id, incident, [t.rank.key for t in members], suppressed=suppressed)
         self._episodes[job_id] = episode
         for t in members:
@@ -286,10 +313,15 @@ class Watchdog:
             episode.outcome = "observe_only" if observe_only else "suppressed"
             if suppressed:
                 incident.notes.append(f"storm cap: {full} reached; not killing")
-            log.error("job %s stalled (%s); %s", job_id, incident.summary,
-                      "observe-only mode: not killing" if observe_only else "storm cap reached: not killing")
+            log.error(
+                "job %s stalled (%s); %s",
+                job_id,
+                incident.summary,
+                "observe-only mode: not killing" if observe_only else "storm cap reached: not killing",
+            )
             episode.task = asyncio.get_running_loop().create_task(
-                self._observe(episode, targets), name=f"observe-{job_id}")
+                self._observe(episode, targets), name=f"observe-{job_id}"
+            )
             return
         log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, why, len(members))
         for t in members:
@@ -297,14 +329,23 @@ class Watchdog:
             if self.on_remediating is not None:
                 self.on_remediating(t.rank, incident.id)
         episode.task = asyncio.get_running_loop().create_task(
-            self._remediate(episode, targets), name=f"remediate-{job_id}")
+            self._remediate(episode, targets), name=f"remediate-{job_id}"
+        )
 
     def _snapshot(self, track: _Track, now: float) -> RankSnapshot:
         r = track.rank
         d = self.deadline(r, now)
-        return RankSnapshot(rank=r.rank, local_rank=r.local_rank, pid=r.pid, state=track.state.value,
-                            step=r.step, phase=r.phase, last_progress_age_seconds=round(d.age, 3),
-                            timeout_seconds=round(d.timeout, 3), stack_file=r.stack_path)
+        return RankSnapshot(
+            rank=r.rank,
+            local_rank=r.local_rank,
+            pid=r.pid,
+            state=track.state.value,
+            step=r.step,
+            phase=r.phase,
+            last_progress_age_seconds=round(d.age, 3),
+            timeout_seconds=round(d.timeout, 3),
+            stack_file=r.stack_path,
+        )
 
     async def _remediate(self, episode: _Episode, targets: list[Target]) -> None:
         incident = episode.incident
@@ -353,8 +394,9 @@ class Watchdog:
         for job_id, episode in list(self._episodes.items()):
             if episode.task is not None and not episode.task.done():
                 continue
-            active = [t for t in self._tracks.values()
-                      if t.episode is episode and t.state in (S.STALLED, S.REMEDIATING)]
+            active = [
+                t for t in self._tracks.values() if t.episode is episode and t.state in (S.STALLED, S.REMEDIATING)
+            ]
             if active:
                 continue
             for t in self._tracks.values():
@@ -390,12 +432,16 @@ class Watchdog:
 
     def status(self) -> dict:
         rem = self.settings.remediation
-        return {"enabled": self.settings.watchdog.enabled,
-                "observe_only": self.settings.watchdog.observe_only,
-                "remediations_in_window": self.storm_cap.in_window(),
-                "max_per_window": rem.max_per_window, "window_seconds": rem.window_seconds,
-                "active": [{"job_id": e.job_id, "incident": e.incident.id, "outcome": e.outcome}
-                           for e in self._episodes.values()]}
+        return {
+            "enabled": self.settings.watchdog.enabled,
+            "observe_only": self.settings.watchdog.observe_only,
+            "remediations_in_window": self.storm_cap.in_window(),
+            "max_per_window": rem.max_per_window,
+            "window_seconds": rem.window_seconds,
+            "active": [
+                {"job_id": e.job_id, "incident": e.incident.id, "outcome": e.outcome} for e in self._episodes.values()
+            ],
+        }
 
     def rank_state(self, rank: Rank) -> str:
         track = self._tracks.get(rank.key)
@@ -415,13 +461,26 @@ class Watchdog:
         for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
             if t.state in (S.SUSPECT, S.STALLED, S.REMEDIATING):
                 d = self.deadline(t.rank)
-                out.append(Problem(Kind.RANK, f"rank {t.rank.label} is {t.state.value}: no progress for {d.age:.0f}s "
-                                              f"(timeout {d.timeout:.0f}s, {d.basis})", t.rank.job_id, t.rank.rank))
+                out.append(
+                    Problem(
+                        Kind.RANK,
+                        f"rank {t.rank.label} is {t.state.value}: no progress for {d.age:.0f}s "
+                        f"(timeout {d.timeout:.0f}s, {d.basis})",
+                        t.rank.job_id,
+                        t.rank.rank,
+                    )
+                )
         for e in self._episodes.values():
             if e.suppressed:
-                out.append(Problem(Kind.STORM_CAP, f"job {e.job_id}: remediation suppressed by the storm cap "
-                                                   f"({self.settings.remediation.max_per_window} per "
-                                                   f"{self.settings.remediation.window_seconds:.0f}s)", e.job_id))
+                out.append(
+                    Problem(
+                        Kind.STORM_CAP,
+                        f"job {e.job_id}: remediation suppressed by the storm cap "
+                        f"({self.settings.remediation.max_per_window} per "
+                        f"{self.settings.remediation.window_seconds:.0f}s)",
+                        e.job_id,
+                    )
+                )
         return out
 
     def incidents(self, limit: int = 5) -> list[dict]:
@@ -441,5 +500,13 @@ def _process_alive(rank: Rank) -> bool:
 
 def target_of(rank: Rank) -> Target:
     """The signal target of a registered rank, with the identity it registered with."""
-    return Target(rank.job_id, rank.rank, rank.pid, rank.pid_start_time, rank.stack_signal, rank.stack_file,
-                  rank.peer_verified, rank.pidfd)
+    return Target(
+        rank.job_id,
+        rank.rank,
+        rank.pid,
+        rank.pid_start_time,
+        rank.stack_signal,
+        rank.stack_file,
+        rank.peer_verified,
+        rank.pidfd,
+    )

@@ -5,6 +5,7 @@ stack dumps is `sidecar/watchdog/stackdumps.py`; the storm cap is `sidecar/watch
 asyncio sleeps and the blocking calls run in the default executor, so the watchdog keeps
 ticking while a group is being dumped and killed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,6 +38,7 @@ POLL_SECONDS = 0.1
 
 # ---------------------------------------------------------------- remediation
 
+
 @dataclass
 class Termination:
     """Ranks SIGTERM reached, and the members of their process trees seen at that moment."""
@@ -65,8 +67,10 @@ class Remediator:
         stopped = {t.pid for t in targets if await loop.run_in_executor(None, procs.is_stopped, t.pid)}
         for t in targets:
             if t.pid in stopped:
-                incident.notes.append(f"rank {t.rank} (pid {t.pid}) was stopped (SIGSTOP or a tracer); "
-                                      "continued only to dump its stacks, then stopped again")
+                incident.notes.append(
+                    f"rank {t.rank} (pid {t.pid}) was stopped (SIGSTOP or a tracer); "
+                    "continued only to dump its stacks, then stopped again"
+                )
         if signal_ranks and s.dump_stacks:
             for t in targets:
                 if not (t.stack_signal and t.stack_file):
@@ -78,18 +82,17 @@ class Remediator:
                     incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
             restops = [t for t in asked if t.pid in stopped]
             if restops:
-                results = await asyncio.gather(*(restop(t, sizes[t.pid]) for t in restops),
-                                               return_exceptions=True)
+                results = await asyncio.gather(*(restop(t, sizes[t.pid]) for t in restops), return_exceptions=True)
                 for t, result in zip(restops, results, strict=True):
                     if isinstance(result, BaseException):
-                        incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again "
-                                              f"after its dump: {result}")
+                        incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again after its dump: {result}")
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
         if s.py_spy and py_spy_path():
             timeout = max(5.0, s.dump_wait_seconds + 3.0)
-            spy = asyncio.gather(*(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks or t.pid in stopped)
-                                   for t in targets))
+            spy = asyncio.gather(
+                *(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks or t.pid in stopped) for t in targets)
+            )
         if asked:
             await self._wait_for_dumps(asked, sizes)
         got = []
@@ -161,8 +164,13 @@ class Remediator:
             outcome = "killed"
         return outcome
 
-    def _kill_left(self, incident: Incident, signalled: list[Target], left: list[Target],
-                   members_left: list[tuple[Target, psutil.Process]]) -> None:
+    def _kill_left(
+        self,
+        incident: Incident,
+        signalled: list[Target],
+        left: list[Target],
+        members_left: list[tuple[Target, psutil.Process]],
+    ) -> None:
         """SIGKILL: ranks still running with their groups; the leftover group of a rank that
         already exited (through its pidfd); any member of the trees seen at SIGTERM time."""
         done, sent = [], []
@@ -197,8 +205,9 @@ class Remediator:
         incident.event(event, ranks=[t.rank for t in done], pids=sent)
         return done
 
-    async def _wait_exit(self, targets: list[Target], members: list[tuple[Target, psutil.Process]],
-                         seconds: float) -> tuple[list[Target], list[tuple[Target, psutil.Process]]]:
+    async def _wait_exit(
+        self, targets: list[Target], members: list[tuple[Target, psutil.Process]], seconds: float
+    ) -> tuple[list[Target], list[tuple[Target, psutil.Process]]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while True:

@@ -2,6 +2,7 @@
 hooks, py-spy run by the sidecar itself), and reading what they show (the main thread, the
 first lines, whether the rank waits in a collective). Attribution (`sidecar/watchdog/attribution.py`)
 and the incident records (`sidecar/incidents/store.py`) use what this module reads."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ from sidecar.incidents.store import STACK_HEAD_LINES
 # autograd's backward, where DDP waits for its gradient all-reduce.
 COLLECTIVE_FRAME = re.compile(r"torch[/\\]distributed[/\\]|_engine_run_backward")
 
-_THREAD_START = re.compile(r'^(Current thread|Thread) 0x[0-9a-f]+|^Thread \d+ ', re.M)
+_THREAD_START = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+|^Thread \d+ ", re.M)
 _MAIN_THREAD = re.compile(r'^Current thread 0x|^Thread \d+ .*"MainThread"', re.M)
 
 
@@ -31,7 +32,7 @@ def main_thread(text: str) -> str:
     if not found:
         return text
     following = _THREAD_START.search(text, found.end())
-    return text[found.start():following.start() if following else len(text)]
+    return text[found.start() : following.start() if following else len(text)]
 
 
 def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
@@ -69,8 +70,9 @@ async def py_spy_dump(pid: int, timeout: float, nonblocking: bool) -> str:
         return ""
     cmd = [exe, "dump", "--pid", str(pid)] + (["--nonblocking"] if nonblocking else [])
     try:
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
     except OSError as e:
         return f"py-spy could not start: {e}"
     try:

@@ -1,4 +1,5 @@
 """The storm cap: how many remediations a window allows, per owner under a node-wide cap."""
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,9 @@ class OwnerStormCaps:
         if cap.in_window() >= cap.limit:
             return f"{self.per_owner} remediations of uid {owner} per {self.window:.0f}s (remediation.max_per_window)"
         if not self.node.allow():
-            return f"{self.node.limit} remediations on this node per {self.window:.0f}s " \
-                   "(remediation.max_per_window_node)"
+            return (
+                f"{self.node.limit} remediations on this node per {self.window:.0f}s (remediation.max_per_window_node)"
+            )
         cap.allow()
         for key in [k for k, c in self._owners.items() if k != owner and c.in_window() == 0]:
             del self._owners[key]  # bounded by the owners with a remediation in the window

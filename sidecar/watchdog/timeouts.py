@@ -1,10 +1,11 @@
 """The watchdog's timeout policy: how long a rank may go without progress now.
 
-    start-up (no step yet)      watchdog.startup_timeout_seconds
-    a declared phase            the rank's own budget, else watchdog.phase_timeouts[name],
-                                else watchdog.default_phase_timeout_seconds
-    training steps              multiplier x quantile(recent step times), in [floor, ceiling]
+start-up (no step yet)      watchdog.startup_timeout_seconds
+a declared phase            the rank's own budget, else watchdog.phase_timeouts[name],
+                            else watchdog.default_phase_timeout_seconds
+training steps              multiplier x quantile(recent step times), in [floor, ceiling]
 """
+
 from __future__ import annotations
 
 import math
@@ -66,7 +67,7 @@ class Timeouts:
         step stands in (a slow first step must not make the second one a stall); without
         either, the floor."""
         wd = self.settings
-        recent = list(step_times)[-wd.window:]
+        recent = list(step_times)[-wd.window :]
         q = quantile(recent, wd.quantile)
         if q is None and last_step_time is not None:
             q = quantile([last_step_time], 1.0)

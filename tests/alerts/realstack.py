@@ -1,6 +1,7 @@
 """The real Prometheus and Alertmanager binaries on free loopback ports, for the tests that
 check rules and dashboards against live data. Each runs in its own session and is killed
 with everything it started when its context ends."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,15 @@ ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 
 
 class Prometheus:
-    def __init__(self, workdir: Path, targets: Sequence[str] = (), rule_files: Sequence[Path] = (),
-                 alertmanager: str | None = None, interval: str = "1s", scrape_configs: Sequence[dict] = ()):
+    def __init__(
+        self,
+        workdir: Path,
+        targets: Sequence[str] = (),
+        rule_files: Sequence[Path] = (),
+        alertmanager: str | None = None,
+        interval: str = "1s",
+        scrape_configs: Sequence[dict] = (),
+    ):
         self.workdir = Path(workdir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -27,8 +35,8 @@ class Prometheus:
         config: dict = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": list(scrape_configs) or [
-                {"job_name": "sidecar", "static_configs": [{"targets": list(targets)}]}],
+            "scrape_configs": list(scrape_configs)
+            or [{"job_name": "sidecar", "static_configs": [{"targets": list(targets)}]}],
         }
         if alertmanager:
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
@@ -38,11 +46,19 @@ class Prometheus:
 
     @contextlib.contextmanager
     def running(self, timeout: float = 60.0) -> Iterator[Prometheus]:
-        cmd = [PROMETHEUS, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
-               f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
+        cmd = [
+            PROMETHEUS,
+            f"--config.file={self.config}",
+            f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
         with spawned(cmd, self.log) as proc:
-            wait_until(lambda: proc.poll() is not None or http_get(self.url + "/-/ready")[0] == 200, timeout,
-                       what="prometheus ready")
+            wait_until(
+                lambda: proc.poll() is not None or http_get(self.url + "/-/ready")[0] == 200,
+                timeout,
+                what="prometheus ready",
+            )
             assert proc.poll() is None, f"prometheus exited:\n{tail(self.log)}"
             yield self
 
@@ -59,8 +75,11 @@ class Prometheus:
         return len(answer["data"]["result"]) if answer["status"] == "success" else 0
 
     def firing(self, alertname: str) -> list[dict]:
-        return [a for a in self.api("alerts")["data"]["alerts"]
-                if a["labels"].get("alertname") == alertname and a["state"] == "firing"]
+        return [
+            a
+            for a in self.api("alerts")["data"]["alerts"]
+            if a["labels"].get("alertname") == alertname and a["state"] == "firing"
+        ]
 
 
 class Alertmanager:
@@ -76,10 +95,19 @@ class Alertmanager:
 
     @contextlib.contextmanager
     def running(self, timeout: float = 60.0) -> Iterator[Alertmanager]:
-        cmd = [ALERTMANAGER, f"--config.file={self.config}", f"--storage.path={self.workdir / 'data'}",
-               f"--web.listen-address={self.address}", "--cluster.listen-address=", "--log.level=warn"]
+        cmd = [
+            ALERTMANAGER,
+            f"--config.file={self.config}",
+            f"--storage.path={self.workdir / 'data'}",
+            f"--web.listen-address={self.address}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ]
         with spawned(cmd, self.log) as proc:
-            wait_until(lambda: proc.poll() is not None or http_get(self.url + "/-/ready")[0] == 200, timeout,
-                       what="alertmanager ready")
+            wait_until(
+                lambda: proc.poll() is not None or http_get(self.url + "/-/ready")[0] == 200,
+                timeout,
+                what="alertmanager ready",
+            )
             assert proc.poll() is None, f"alertmanager exited:\n{tail(self.log)}"
             yield self

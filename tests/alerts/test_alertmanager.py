@@ -1,4 +1,5 @@
 """deploy/alertmanager/alertmanager.yml: valid for amtool, critical pages, the rest tickets."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,8 +14,12 @@ AMTOOL = "/usr/bin/amtool"
 
 
 def route(*labels: str) -> str:
-    out = subprocess.run([AMTOOL, "config", "routes", "test", f"--config.file={CONFIG}", *labels],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [AMTOOL, "config", "routes", "test", f"--config.file={CONFIG}", *labels],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -37,5 +42,6 @@ def test_every_shipped_alert_reaches_a_receiver():
 
 def test_notifications_are_grouped_by_alert_and_job():
     import yaml
+
     config = yaml.safe_load(CONFIG.read_text())
     assert set(config["route"]["group_by"]) == {"alertname", "job_id"}

@@ -7,6 +7,7 @@ and a rank that hangs must page.
 The only change to the shipped rules is a short `for:` (`alerts.build --for`), so the test
 does not wait minutes; expressions, labels and routing are the production ones.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,15 +34,41 @@ SHORT_FOR = "2s"
 # Panels that must show data on any node running a job (others need hardware this machine
 # lacks, such as InfiniBand, or events that did not happen, such as XIDs).
 CORE_PANELS = {
-    "sidecar-training-job": ["Step", "Ranks registered", "Loss", "Gradient norm", "Learning rate",
-                             "Iterations per second", "Ranks by state", "Step time per node (slowest rank)",
-                             "Step time: slowest rank / median", "GPU utilization per node",
-                             "Seconds since last progress"],
-    "sidecar-node-hardware": ["GPU utilization", "GPU memory used", "Temperature against slowdown threshold",
-                              "Power", "Clocks", "PCIe link", "CPU utilization", "Memory",
-                              "Checkpoint filesystem free", "Collector success"],
-    "sidecar-rank": ["Loss", "Gradient norm", "Learning rate", "Step time and watchdog timeout", "Step",
-                     "Watchdog state", "CPU", "Resident memory"],
+    "sidecar-training-job": [
+        "Step",
+        "Ranks registered",
+        "Loss",
+        "Gradient norm",
+        "Learning rate",
+        "Iterations per second",
+        "Ranks by state",
+        "Step time per node (slowest rank)",
+        "Step time: slowest rank / median",
+        "GPU utilization per node",
+        "Seconds since last progress",
+    ],
+    "sidecar-node-hardware": [
+        "GPU utilization",
+        "GPU memory used",
+        "Temperature against slowdown threshold",
+        "Power",
+        "Clocks",
+        "PCIe link",
+        "CPU utilization",
+        "Memory",
+        "Checkpoint filesystem free",
+        "Collector success",
+    ],
+    "sidecar-rank": [
+        "Loss",
+        "Gradient norm",
+        "Learning rate",
+        "Step time and watchdog timeout",
+        "Step",
+        "Watchdog state",
+        "CPU",
+        "Resident memory",
+    ],
 }
 
 
@@ -76,11 +103,30 @@ def alertmanager_config(webhook_url: str) -> dict:
 
 
 def torchrun_command(workdir: Path) -> list[str]:
-    sets = {"train.steps": 200, "train.log_every_steps": 5, "checkpoint.dir": str(workdir / "ckpt"),
-            "checkpoint.every_steps": 5, "data.delay_seconds": 0.1, "batch.global_batch_size": 16,
-            "batch.micro_batch_size": 8, "faults.kind": "sleep", "faults.rank": 1, "faults.at_step": FAULT_STEP}
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-           "-m", "trainer"]
+    sets = {
+        "train.steps": 200,
+        "train.log_every_steps": 5,
+        "checkpoint.dir": str(workdir / "ckpt"),
+        "checkpoint.every_steps": 5,
+        "data.delay_seconds": 0.1,
+        "batch.global_batch_size": 16,
+        "batch.micro_batch_size": 8,
+        "faults.kind": "sleep",
+        "faults.rank": 1,
+        "faults.at_step": FAULT_STEP,
+    }
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "trainer",
+    ]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     return cmd
@@ -98,22 +144,33 @@ def stack(tmp_path_factory):
         webhook = stack.enter_context(Webhook())
         am = stack.enter_context(Alertmanager(work / "am", alertmanager_config(webhook.url)).running())
         # Observe-only: the hung rank stays stalled (no kill, no restart) so the alert persists.
-        sidecar = stack.enter_context(Sidecar(
-            work / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml_lib", "watchdog.observe_only=true",
-            "watchdog.floor_seconds=3", "watchdog.check_interval_seconds=0.25", "hooks_flush_interval_seconds=0.5",
-            "watchdog.startup_timeout_seconds=240", f"checkpoint_dir={work / 'ckpt'}",
-            env={"SIDECAR_FAKE_NVML": str(nvml_spec)}))
-        prom = stack.enter_context(Prometheus(work / "prom", targets=[f"127.0.0.1:{sidecar.port}"],
-                                              rule_files=[*sorted(rules.glob("*.rules.yml")),
-                                                          rules / "gpu-source" / "sidecar.rules.yml"],
-                                              alertmanager=am.address).running())
+        sidecar = stack.enter_context(
+            Sidecar(
+                work / "sidecar",
+                "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
+                "watchdog.observe_only=true",
+                "watchdog.floor_seconds=3",
+                "watchdog.check_interval_seconds=0.25",
+                "hooks_flush_interval_seconds=0.5",
+                "watchdog.startup_timeout_seconds=240",
+                f"checkpoint_dir={work / 'ckpt'}",
+                env={"SIDECAR_FAKE_NVML": str(nvml_spec)},
+            )
+        )
+        prom = stack.enter_context(
+            Prometheus(
+                work / "prom",
+                targets=[f"127.0.0.1:{sidecar.port}"],
+                rule_files=[*sorted(rules.glob("*.rules.yml")), rules / "gpu-source" / "sidecar.rules.yml"],
+                alertmanager=am.address,
+            ).running()
+        )
         job = stack.enter_context(spawned(torchrun_command(work), work / "torchrun.log", env=sidecar.hook_env()))
         yield {"prom": prom, "sidecar": sidecar, "webhook": webhook, "job": job, "work": work}
 
 
 def _explain(stack) -> str:
-    return (f"\n--- torchrun\n{tail(stack['work'] / 'torchrun.log', 30)}"
-            f"\n--- sidecar\n{tail(stack['sidecar'].log, 30)}")
+    return f"\n--- torchrun\n{tail(stack['work'] / 'torchrun.log', 30)}\n--- sidecar\n{tail(stack['sidecar'].log, 30)}"
 
 
 def _label_values(prom: Prometheus, selector: str, label: str) -> list[str]:
@@ -138,13 +195,19 @@ def _resolve_variables(prom: Prometheus, dashboard: dict) -> dict[str, str]:
 
 def test_every_dashboard_query_succeeds_and_core_panels_show_data(stack):
     prom = stack["prom"]
-    wait_until(lambda: prom.series_count("job_id:sidecar_training_step:max >= 3")
-               and prom.series_count("job_id_instance:sidecar_gpu_utilization_ratio:avg")
-               and prom.series_count("rate(sidecar_process_cpu_seconds_total[1m])")
-               # the counters and the step-time histogram rated (two scrapes since the first step)
-               and prom.series_count("job_id:sidecar_training_steps:rate5m")
-               and prom.series_count("job_id:sidecar_training_step_duration_seconds:max_over_median"),
-               240, interval=1, what="training, GPU and process data in Prometheus" + _explain(stack))
+    wait_until(
+        lambda: (
+            prom.series_count("job_id:sidecar_training_step:max >= 3")
+            and prom.series_count("job_id_instance:sidecar_gpu_utilization_ratio:avg")
+            and prom.series_count("rate(sidecar_process_cpu_seconds_total[1m])")
+            # the counters and the step-time histogram rated (two scrapes since the first step)
+            and prom.series_count("job_id:sidecar_training_steps:rate5m")
+            and prom.series_count("job_id:sidecar_training_step_duration_seconds:max_over_median")
+        ),
+        240,
+        interval=1,
+        what="training, GPU and process data in Prometheus" + _explain(stack),
+    )
     for path in DASHBOARD_FILES:
         dashboard = load(path)
         values = _resolve_variables(prom, dashboard)
@@ -161,17 +224,29 @@ def test_every_dashboard_query_succeeds_and_core_panels_show_data(stack):
 
 def test_a_stalled_rank_fires_in_prometheus_and_pages_through_alertmanager(stack):
     prom, webhook = stack["prom"], stack["webhook"]
-    firing = wait_until(lambda: prom.firing("SidecarRankStalled"), 240, interval=1,
-                        what="SidecarRankStalled firing in Prometheus" + _explain(stack))
+    firing = wait_until(
+        lambda: prom.firing("SidecarRankStalled"),
+        240,
+        interval=1,
+        what="SidecarRankStalled firing in Prometheus" + _explain(stack),
+    )
     assert "1" in {a["labels"]["rank"] for a in firing}
     assert all(a["labels"]["severity"] == "critical" for a in firing)
 
     def paged():
-        return [a for n in webhook.notifications("pager") for a in n["alerts"]
-                if a["labels"]["alertname"] == "SidecarRankStalled" and a["status"] == "firing"]
+        return [
+            a
+            for n in webhook.notifications("pager")
+            for a in n["alerts"]
+            if a["labels"]["alertname"] == "SidecarRankStalled" and a["status"] == "firing"
+        ]
 
     alerts = wait_until(paged, 120, interval=1, what="the page at the webhook receiver")
     assert alerts[0]["labels"]["job_id"] == firing[0]["labels"]["job_id"]
     assert alerts[0]["annotations"]["runbook_url"].endswith("#sidecarrankstalled")
-    assert not [a for n in webhook.notifications("ticket") for a in n["alerts"]
-                if a["labels"]["alertname"] == "SidecarRankStalled"]
+    assert not [
+        a
+        for n in webhook.notifications("ticket")
+        for a in n["alerts"]
+        if a["labels"]["alertname"] == "SidecarRankStalled"
+    ]

@@ -1,5 +1,6 @@
 """The Prometheus rule files: generated from alerts/build.py, valid for promtool, and every
 alert specified by a firing and a quiet unit test in alerts/tests/."""
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,9 @@ def test_promtool_accepts_every_rule_file():
 
 
 def test_promtool_unit_tests_pass():
-    out = subprocess.run([PROMTOOL, "test", "rules", *map(str, UNIT_TESTS)], capture_output=True, text=True,
-                         cwd=ALERTS_DIR / "tests")
+    out = subprocess.run(
+        [PROMTOOL, "test", "rules", *map(str, UNIT_TESTS)], capture_output=True, text=True, cwd=ALERTS_DIR / "tests"
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -103,6 +105,7 @@ def test_gpu_source_files_are_current_and_pass_promtool():
 def test_both_gpu_sources_record_every_gpu_name_the_alerts_and_dashboards_read():
     from alerts import gpu_source
     from tests.dashboards.panels import DASHBOARD_FILES, load, queries
+
     read = set()
     for group in build.FILES.values():
         for g in group:
@@ -130,8 +133,10 @@ def test_every_gpu_alert_but_nvlink_down_fires_through_dcgm_series_in_a_unit_tes
 
 def test_docs_dcgm_carries_the_mapping_table():
     from alerts import gpu_source
+
     mapped = {f for m in gpu_source.DCGM for f in m.dcgm}
     assert set(gpu_source.DEFAULT_COUNTERS) <= mapped | set(gpu_source.NOT_MAPPED)
     assert all(m.default == all(f in gpu_source.DEFAULT_COUNTERS for f in m.dcgm) for m in gpu_source.DCGM)
-    assert gpu_source.markdown_table() in (ROOT / "docs" / "dcgm.md").read_text(), \
+    assert gpu_source.markdown_table() in (ROOT / "docs" / "dcgm.md").read_text(), (
         "paste alerts.gpu_source.markdown_table() into docs/dcgm.md"
+    )

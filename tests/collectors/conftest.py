@@ -1,5 +1,6 @@
 """Fixtures for the collector tests: the real pynvml over a fake NVML library configured per test,
 GPU collectors that are always closed, and real processes standing in for ranks."""
+
 from __future__ import annotations
 
 import subprocess
@@ -74,8 +75,9 @@ def rank_process():
     procs = []
 
     def start() -> tuple[subprocess.Popen, int]:
-        proc = subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         procs.append(proc)
         child_pid = int(proc.stdout.readline())
         return proc, child_pid

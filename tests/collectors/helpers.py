@@ -1,4 +1,5 @@
 """Helpers for the collector tests: run a collector as the daemon does, read its families."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable

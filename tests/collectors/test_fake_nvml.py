@@ -1,4 +1,5 @@
 """The NVML stand-in keeps NVML's rules, so code tested against it behaves the same on a GPU node."""
+
 from __future__ import annotations
 
 import json

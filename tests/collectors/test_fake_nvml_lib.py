@@ -1,5 +1,6 @@
 """The fake libnvidia-ml keeps the C library's rules, seen through the real pynvml: return codes,
 missing symbols per driver generation, struct versions, the two-call size protocol."""
+
 from __future__ import annotations
 
 import ctypes
@@ -54,8 +55,12 @@ def test_a_struct_of_the_wrong_version_is_refused(fake_gpus):
 
 
 def test_process_lists_use_the_two_call_size_protocol(fake_gpus):
-    lib = fake_gpus({"gpu_count": 1, "gpu": {"processes": [{"pid": 7, "used_memory_bytes": 70},
-                                                           {"pid": 8, "used_memory_bytes": None}]}})
+    lib = fake_gpus(
+        {
+            "gpu_count": 1,
+            "gpu": {"processes": [{"pid": 7, "used_memory_bytes": 70}, {"pid": 8, "used_memory_bytes": None}]},
+        }
+    )
     pynvml.nvmlInit()
     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))
     assert [(p.pid, p.usedGpuMemory) for p in procs] == [(7, 70), (8, None)]  # NOT_AVAILABLE -> None
@@ -75,6 +80,7 @@ def test_a_failure_inside_the_fake_is_unknown_not_success(fake_gpus, monkeypatch
 
 def test_uninstalled_pynvml_looks_for_the_real_library_again(fake_gpus):
     import ctypes.util
+
     fake_gpus({"gpu_count": 1})
     fake_nvml_lib.uninstall()
     if ctypes.util.find_library("nvidia-ml"):

@@ -5,6 +5,7 @@ the real pynvml over a fake libnvidia-ml (sidecar.testing.fake_nvml_lib).
 The rule under test: an error scoped to one field of one GPU removes that field for that GPU
 and is reported once (`sidecar_gpu_field_unavailable` and one log line); a GPU is lost only on
 GPU_IS_LOST or when its handle fails."""
+
 from __future__ import annotations
 
 import logging
@@ -16,26 +17,39 @@ from sidecar.testing import fake_nvml
 from tests.collectors.helpers import by_label, run, series
 
 ALL = {str(i) for i in range(4)}
-PER_GPU = ("sidecar_gpu_utilization_ratio", "sidecar_gpu_temperature_celsius", "sidecar_gpu_power_watts",
-           "sidecar_gpu_energy_joules_total", "sidecar_gpu_memory_used_bytes", "sidecar_gpu_sm_clock_hertz")
+PER_GPU = (
+    "sidecar_gpu_utilization_ratio",
+    "sidecar_gpu_temperature_celsius",
+    "sidecar_gpu_power_watts",
+    "sidecar_gpu_energy_joules_total",
+    "sidecar_gpu_memory_used_bytes",
+    "sidecar_gpu_sm_clock_hertz",
+)
 
 
 def unavailable(families) -> set[tuple[str, str, str]]:
-    return {(dict(k)["gpu"], dict(k)["field"], dict(k)["reason"])
-            for k in series(families, "sidecar_gpu_field_unavailable")}
+    return {
+        (dict(k)["gpu"], dict(k)["field"], dict(k)["reason"]) for k in series(families, "sidecar_gpu_field_unavailable")
+    }
 
 
 def field_logs(caplog, word: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("sidecar") and word in r.getMessage()]
 
 
-def test_an_r470_driver_without_the_v3_and_v2_process_calls_keeps_every_series(fake_gpus, gpu_collector,
-                                                                              rank_process):
+def test_an_r470_driver_without_the_v3_and_v2_process_calls_keeps_every_series(fake_gpus, gpu_collector, rank_process):
     proc, child = rank_process()
-    fake_gpus({"gpu_count": 4, "driver_generation": "r470", "xid_events": [{"gpu": 2, "xid": 79}],
-               "gpu": {"clock_event_reasons": 0x8,
-                       "processes": [{"pid": proc.pid, "used_memory_bytes": 1000},
-                                     {"pid": child, "used_memory_bytes": 24}]}})
+    fake_gpus(
+        {
+            "gpu_count": 4,
+            "driver_generation": "r470",
+            "xid_events": [{"gpu": 2, "xid": 79}],
+            "gpu": {
+                "clock_event_reasons": 0x8,
+                "processes": [{"pid": proc.pid, "used_memory_bytes": 1000}, {"pid": child, "used_memory_bytes": 24}],
+            },
+        }
+    )
     collector = gpu_collector(ranks=lambda: [("job", 5, proc.pid)])
     result = run(collector)
     assert result.success, result.error
@@ -49,6 +63,7 @@ def test_an_r470_driver_without_the_v3_and_v2_process_calls_keeps_every_series(f
     # nvmlMemory_v2 is newer than R470: the driver's reservation is counted in used, and said so
     assert unavailable(result.families) == {(g, "memory_reserved", "function_not_found") for g in ALL}
     from tests.support import wait_until
+
     wait_until(lambda: collector.xid.snapshot()[0], 10, what="the XID event")
     assert by_label(run(collector).families, "sidecar_gpu_last_xid", "gpu")["2"] == 79
 
@@ -63,10 +78,15 @@ def test_the_process_call_generation_is_found_once_per_session(fake_gpus, gpu_co
 
 
 @pytest.mark.parametrize("reason", ["not_ready", "no_permission"])
-def test_a_field_that_fails_every_round_is_reported_once_and_not_asked_again(fake_gpus, gpu_collector, caplog,
-                                                                             reason):
-    lib = fake_gpus({"gpu_count": 4, "gpus": {"1": {"errors": {"nvmlDeviceGetTotalEnergyConsumption": reason,
-                                                               "nvmlDeviceGetRemappedRows": reason}}}})
+def test_a_field_that_fails_every_round_is_reported_once_and_not_asked_again(fake_gpus, gpu_collector, caplog, reason):
+    lib = fake_gpus(
+        {
+            "gpu_count": 4,
+            "gpus": {
+                "1": {"errors": {"nvmlDeviceGetTotalEnergyConsumption": reason, "nvmlDeviceGetRemappedRows": reason}}
+            },
+        }
+    )
     collector = gpu_collector(xid_events=False)
     caplog.set_level(logging.INFO)
     collector.session.health_seconds = 3600  # health once: a failed health field must not void the cache
@@ -121,8 +141,14 @@ def test_a_mig_gpu_reports_what_mig_hides_and_keeps_the_rest(fake_gpus, gpu_coll
     assert set(by_label(result.families, "sidecar_gpu_temperature_celsius", "gpu")) == {"0", "1"}
     assert set(by_label(result.families, "sidecar_gpu_memory_used_bytes", "gpu")) == {"0", "1"}
     assert {(g, f) for g, f, r in unavailable(result.families) if r == "not_supported"} == {
-        ("0", "utilization"), ("0", "encoder_utilization"), ("0", "decoder_utilization"), ("0", "remapped_rows"),
-        ("0", "retired_pages_single_bit"), ("0", "retired_pages_double_bit"), ("0", "retired_pages_pending")}
+        ("0", "utilization"),
+        ("0", "encoder_utilization"),
+        ("0", "decoder_utilization"),
+        ("0", "remapped_rows"),
+        ("0", "retired_pages_single_bit"),
+        ("0", "retired_pages_double_bit"),
+        ("0", "retired_pages_pending"),
+    }
 
 
 def test_fields_hidden_by_mig_come_back_when_mig_is_turned_off(fake_gpus, gpu_collector):
@@ -151,8 +177,9 @@ def test_an_unsupported_field_is_asked_again_after_a_while(fake_gpus, gpu_collec
     assert by_label(run(collector).families, "sidecar_gpu_pcie_replay_total", "gpu") == {"0": 0}
 
 
-@pytest.mark.parametrize("removed", [["nvmlDeviceGetTemperature"],
-                                     ["nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"]])
+@pytest.mark.parametrize(
+    "removed", [["nvmlDeviceGetTemperature"], ["nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"]]
+)
 def test_the_temperature_call_removed(fake_gpus, gpu_collector, removed):
     fake_gpus({"gpu_count": 2, "missing_functions": removed, "gpu": {"temperature_celsius": 66}})
     result = run(gpu_collector(xid_events=False))
@@ -162,13 +189,16 @@ def test_the_temperature_call_removed(fake_gpus, gpu_collector, removed):
         assert temperature == {"0": 66, "1": 66} and unavailable(result.families) == set()
     else:
         assert temperature == {}
-        assert unavailable(result.families) == {("0", "temperature", "function_not_found"),
-                                                ("1", "temperature", "function_not_found")}
+        assert unavailable(result.families) == {
+            ("0", "temperature", "function_not_found"),
+            ("1", "temperature", "function_not_found"),
+        }
     assert set(by_label(result.families, "sidecar_gpu_power_watts", "gpu")) == {"0", "1"}
 
 
-def test_an_nvml_that_fails_to_initialize_is_logged_once_and_fails_each_run(fake_gpus, gpu_collector, caplog,
-                                                                           monkeypatch):
+def test_an_nvml_that_fails_to_initialize_is_logged_once_and_fails_each_run(
+    fake_gpus, gpu_collector, caplog, monkeypatch
+):
     monkeypatch.setattr(nvml, "RETRY_ABSENT_SECONDS", 0.0)  # nvmlInit is attempted on every run
     fake_gpus({"init_error": "lib_rm_version_mismatch", "gpu_count": 8})
     collector = gpu_collector()

@@ -1,5 +1,6 @@
 """docs/metrics.md is generated from the code and must stay current; the collectors define
 every metric name the architecture contract promises."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,7 @@ HARDWARE = re.compile(r"`(sidecar_(?:gpu|network|infiniband|process|node|checkpo
 def test_docs_metrics_md_is_current():
     path = ROOT / "docs" / "metrics.md"
     current = path.read_text() if path.exists() else ""
-    assert current == docs.reference_markdown(), \
-        f"docs/metrics.md is stale: regenerate it with `{docs.REGENERATE}`"
+    assert current == docs.reference_markdown(), f"docs/metrics.md is stale: regenerate it with `{docs.REGENERATE}`"
 
 
 def test_every_hardware_metric_of_the_contract_is_defined():
@@ -36,6 +36,7 @@ def test_the_reference_lists_each_metric_with_its_labels():
 
 def test_the_command_writes_the_reference(tmp_path):
     import argparse
+
     out = tmp_path / "metrics.md"
     assert docs.main(argparse.Namespace(write=str(out))) == 0
     assert out.read_text() == docs.reference_markdown()

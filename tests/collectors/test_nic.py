@@ -1,5 +1,6 @@
 """The NIC collector against a fixture sysfs tree: Ethernet interfaces (eth0 up, eth1 down,
 ens1f0np0, ib0; lo and a veth excluded) and InfiniBand ports (mlx5_0 port 1 active, mlx5_1 down)."""
+
 from __future__ import annotations
 
 import os
@@ -103,9 +104,17 @@ def test_a_garbled_counter_is_a_partial_failure(tmp_path):
     assert by_label(result.families, "sidecar_network_transmit_bytes_total", "device") == {"eth0": 875_000}
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("200 Gb/sec (4X HDR)", 25e9), ("100 Gb/sec (2X HDR)", 12.5e9), ("2.5 Gb/sec (1X SDR)", 312.5e6),
-    ("400 Gb/sec (4X NDR)", 50e9), ("", None), ("weird", None)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("200 Gb/sec (4X HDR)", 25e9),
+        ("100 Gb/sec (2X HDR)", 12.5e9),
+        ("2.5 Gb/sec (1X SDR)", 312.5e6),
+        ("400 Gb/sec (4X NDR)", 50e9),
+        ("", None),
+        ("weird", None),
+    ],
+)
 def test_infiniband_rates_are_parsed(text, expected):
     assert sysfs.parse_rate(text) == expected
 

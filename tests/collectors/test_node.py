@@ -1,4 +1,5 @@
 """The node collector: CPU, memory, load, checkpoint filesystem, and the versions info series."""
+
 from __future__ import annotations
 
 import os

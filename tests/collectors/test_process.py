@@ -1,4 +1,5 @@
 """The process collector against real processes: a rank that holds 64 MiB and has a child."""
+
 from __future__ import annotations
 
 import psutil
@@ -32,8 +33,9 @@ def test_a_rank_and_its_children_are_summed(rank_process):
 def test_the_state_of_the_rank_process_is_one_hot(rank_process):
     proc, _ = rank_process()
     wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_SLEEPING, 10, what="the rank to sleep")
-    states = {dict(k)["state"]: v for k, v in
-              series(collect([("run-42", 0, proc.pid)]), "sidecar_process_state").items()}
+    states = {
+        dict(k)["state"]: v for k, v in series(collect([("run-42", 0, proc.pid)]), "sidecar_process_state").items()
+    }
     assert states["sleeping"] == 1 and sum(states.values()) == 1
     assert set(states) == {"running", "sleeping", "disk_sleep", "stopped", "zombie", "other"}
 

@@ -1,4 +1,5 @@
 """Finding a rank's processes: its pid and every descendant, from one scan of procfs."""
+
 from __future__ import annotations
 
 import os

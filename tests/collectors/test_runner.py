@@ -1,5 +1,6 @@
 """The collector runner: one collector stuck in a driver call delays only itself, and is
 reported failing once it has run for too long."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,12 @@ async def test_a_stuck_collector_delays_only_itself_and_is_reported_hung():
         view = runner.snapshot()
         assert view["quick"].success and not view["stuck"].success
         assert view["stuck"].error.startswith("hung: its current run has lasted")
-        success = {s.labels["collector"]: s.value for f in runner.health_families()
-                   if f.name == "sidecar_scrape_collector_success" for s in f.samples}
+        success = {
+            s.labels["collector"]: s.value
+            for f in runner.health_families()
+            if f.name == "sidecar_scrape_collector_success"
+            for s in f.samples
+        }
         assert success == {"quick": 1.0, "stuck": 0.0}
         assert not runner.first_round.is_set()  # readiness waits for every collector once
     finally:

@@ -1,4 +1,5 @@
 """The per-collector text cache: unchanged families reuse their bytes, changed ones render anew."""
+
 from prometheus_client.core import GaugeMetricFamily
 
 from sidecar.collectors.base import TextCache, render_text

@@ -1,5 +1,6 @@
 """Reading the dashboards the way Grafana does: every panel's queries with the template
 variables replaced by concrete values."""
+
 from __future__ import annotations
 
 import json

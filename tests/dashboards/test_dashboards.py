@@ -1,5 +1,6 @@
 """The dashboards: generated from dashboards/build.py, shaped as Grafana expects, and every
 query valid PromQL on a real Prometheus."""
+
 from __future__ import annotations
 
 import re
@@ -61,14 +62,21 @@ def test_dashboards_are_templated_by_job_node_rank_and_gpu():
 
 def test_job_dashboard_reads_recording_rules():
     from alerts.build import all_records
+
     records = {r.record for r in all_records()}
     exprs = " ".join(e for _, e in queries(load(build.HERE / "training-job.json")))
     assert sum(r in exprs for r in records) >= 8
 
 
 def test_every_query_is_valid_promql_on_a_real_prometheus(tmp_path):
-    values = {"job_id": "j1", "instance": "127.0.0.1:1", "rank": "0", "gpu": "0", "device": "eth0",
-              "datasource": "unused"}
+    values = {
+        "job_id": "j1",
+        "instance": "127.0.0.1:1",
+        "rank": "0",
+        "gpu": "0",
+        "device": "eth0",
+        "datasource": "unused",
+    }
     with Prometheus(tmp_path).running() as prom:
         for path in DASHBOARD_FILES:
             d = load(path)

@@ -4,6 +4,7 @@ stand-in, 18 NVLinks each), 8 registered ranks reporting every well-known traini
 keeps the total under the budget stated there.
 
 Run with `-s` to print the table by family."""
+
 from __future__ import annotations
 
 import contextlib
@@ -48,21 +49,48 @@ def family(line: str) -> str:
 
 
 def register_and_push(endpoint: Endpoint, rank: int, pid: int) -> None:
-    reg = {"job_id": JOB, "rank": rank, "local_rank": rank, "world_size": RANKS, "local_world_size": RANKS,
-           "restart_count": 0, "pid": pid, "step": None, "phase": None,
-           "versions": {"torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "python": "3.11.7"},
-           "hooks_version": "0.1.0"}
+    reg = {
+        "job_id": JOB,
+        "rank": rank,
+        "local_rank": rank,
+        "world_size": RANKS,
+        "local_world_size": RANKS,
+        "restart_count": 0,
+        "pid": pid,
+        "step": None,
+        "phase": None,
+        "versions": {"torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "python": "3.11.7"},
+        "hooks_version": "0.1.0",
+    }
     reply = post(endpoint, "/v1/register", json.dumps(reg).encode())
     assert reply.status == 200, (reply.status, reply.error)
     now = time.time()
-    items = [{"type": "step", "step": s, "time": now + s * 0.1,
-              "metrics": {"loss": 2.0, "grad_norm": 1.0, "lr": 3e-4, "step_time_seconds": 0.1, "samples": 8,
-                          "tokens": 4096}} for s in range(1, 4)]
-    items += [{"type": "phase", "name": "checkpoint_save", "action": "start", "time": now + 1},
-              {"type": "phase", "name": "checkpoint_save", "action": "end", "time": now + 1.1},
-              {"type": "event", "name": "checkpoint_saved", "time": now + 1.1, "fields": {"step": 3, "path": "/c"}}]
-    reply = post(endpoint, "/v1/push", json.dumps({"job_id": JOB, "rank": rank, "pid": pid, "dropped": 0,
-                                                     "items": items}).encode())
+    items = [
+        {
+            "type": "step",
+            "step": s,
+            "time": now + s * 0.1,
+            "metrics": {
+                "loss": 2.0,
+                "grad_norm": 1.0,
+                "lr": 3e-4,
+                "step_time_seconds": 0.1,
+                "samples": 8,
+                "tokens": 4096,
+            },
+        }
+        for s in range(1, 4)
+    ]
+    items += [
+        {"type": "phase", "name": "checkpoint_save", "action": "start", "time": now + 1},
+        {"type": "phase", "name": "checkpoint_save", "action": "end", "time": now + 1.1},
+        {"type": "event", "name": "checkpoint_saved", "time": now + 1.1, "fields": {"step": 3, "path": "/c"}},
+    ]
+    reply = post(
+        endpoint,
+        "/v1/push",
+        json.dumps({"job_id": JOB, "rank": rank, "pid": pid, "dropped": 0, "items": items}).encode(),
+    )
     assert reply.status == 200, reply.status
 
 
@@ -73,12 +101,20 @@ def test_series_per_node_stay_within_the_documented_budget(tmp_path):
     sysfs = node_sysfs(tmp_path / "sys")
     with contextlib.ExitStack() as stack:
         # Observe-only with long timeouts: nothing here is ever signalled.
-        sidecar = stack.enter_context(Sidecar(
-            tmp_path / "sidecar", "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
-            f"collectors.sysfs_root={sysfs}", "watchdog.observe_only=true", "watchdog.startup_timeout_seconds=3600",
-            "watchdog.floor_seconds=3600", "watchdog.ceiling_seconds=3600",
-            "remediation.dump_stacks=false", f"checkpoint_dir={tmp_path}",
-            env={"SIDECAR_FAKE_NVML": str(nvml)}))
+        sidecar = stack.enter_context(
+            Sidecar(
+                tmp_path / "sidecar",
+                "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
+                f"collectors.sysfs_root={sysfs}",
+                "watchdog.observe_only=true",
+                "watchdog.startup_timeout_seconds=3600",
+                "watchdog.floor_seconds=3600",
+                "watchdog.ceiling_seconds=3600",
+                "remediation.dump_stacks=false",
+                f"checkpoint_dir={tmp_path}",
+                env={"SIDECAR_FAKE_NVML": str(nvml)},
+            )
+        )
         ranks = [stack.enter_context(spawned(["sleep", "600"], tmp_path / f"rank{r}.log")) for r in range(RANKS)]
         endpoint = Endpoint(socket_path=sidecar.socket)
         for rank, proc in enumerate(ranks):
@@ -86,8 +122,11 @@ def test_series_per_node_stay_within_the_documented_budget(tmp_path):
 
         def complete() -> str | None:
             text = sidecar.metrics()
-            ready = ("sidecar_process_resident_memory_bytes" in text and "sidecar_infiniband_port_up" in text
-                     and f'gpu="{GPUS - 1}"' in text)
+            ready = (
+                "sidecar_process_resident_memory_bytes" in text
+                and "sidecar_infiniband_port_up" in text
+                and f'gpu="{GPUS - 1}"' in text
+            )
             return text if ready else None
 
         text = wait_until(complete, 60, interval=0.5, what="every collector's series")
@@ -102,4 +141,5 @@ def test_series_per_node_stay_within_the_documented_budget(tmp_path):
 
 def test_the_documented_budget_is_the_default_series_limit():
     from sidecar.config import LimitSettings
+
     assert LimitSettings().max_series == budget_from_doc()

@@ -1,5 +1,6 @@
 """A real sidecar and real rank processes (tests/exits/exit_rank.py) that die in chosen ways
 (helpers: tests/exits/helpers.py)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +36,7 @@ def ranks(tmp_path):
 
 
 # ---------------------------------------------------------------- a small memory cgroup
+
 
 def _own_memory_cgroup() -> tuple[int, Path] | None:
     with open("/proc/self/cgroup") as f:

@@ -13,6 +13,7 @@ Modes:
     user_hook     install its own sys.excepthook (it writes --marker), then raise ValueError
     nan           steps with checkpoints, the loss goes NaN, a guard raises
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,6 +44,7 @@ def main() -> None:
     mon = None
     if not args.no_hooks:
         from trainer_hooks import Monitor
+
         mon = Monitor(flush_interval=0.2)
     if args.mode == "user_hook":
         previous = sys.excepthook
@@ -51,6 +53,7 @@ def main() -> None:
             with open(args.marker, "w") as f:
                 f.write(f"{tp.__name__}: {value}")
             previous(tp, value, tb)
+
         sys.excepthook = users_hook
 
     loss = 2.0
@@ -83,11 +86,13 @@ def main() -> None:
     if args.mode == "cuda_oom":
         raise torch.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-            "1.02 GiB is free.\nOf the allocated memory 70.00 GiB is allocated by PyTorch")
+            "1.02 GiB is free.\nOf the allocated memory 70.00 GiB is allocated by PyTorch"
+        )
     if args.mode == "gloo_timeout":
         import datetime
 
         import torch.distributed as dist
+
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
         if dist.get_rank() == 1:
             time.sleep(3600)  # the straggler: it never joins the all_reduce

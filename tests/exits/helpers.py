@@ -1,5 +1,6 @@
 """Helpers of the exit tests: the rank stand-in (tests/exits/exit_rank.py) that dies in chosen
 ways, the sidecar's settings for them, and what the sidecar decided about each exit."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,15 @@ from tests.support import PYTHON, ROOT, Sidecar, spawned, tail, wait_until
 RANK = str(ROOT / "tests" / "exits" / "exit_rank.py")
 
 
-SETTINGS = ("watchdog.check_interval_seconds=0.25", "hooks_flush_interval_seconds=0.5",
-            "remediation.py_spy=false", "remediation.dump_wait_seconds=0.5", "remediation.grace_seconds=2",
-            "watchdog.floor_seconds=60", "exits.group_seconds=20")
+SETTINGS = (
+    "watchdog.check_interval_seconds=0.25",
+    "hooks_flush_interval_seconds=0.5",
+    "remediation.py_spy=false",
+    "remediation.dump_wait_seconds=0.5",
+    "remediation.grace_seconds=2",
+    "watchdog.floor_seconds=60",
+    "exits.group_seconds=20",
+)
 
 
 HANG_SETTINGS = SETTINGS + ("watchdog.floor_seconds=3",)
@@ -25,8 +32,15 @@ TIMEOUT = 120.0  # generous: the machine is shared
 
 
 def rank_env(sidecar: Sidecar, job_id: str, rank: int = 0, world: int = 1) -> dict:
-    return {**sidecar.hook_env(), "TORCHELASTIC_RUN_ID": job_id, "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": str(ROOT)}
+    return {
+        **sidecar.hook_env(),
+        "TORCHELASTIC_RUN_ID": job_id,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 class Rank:
@@ -35,8 +49,9 @@ class Rank:
     def __init__(self, tmp_path: Path, env: dict, mode: str, *args: str, name: str = "rank"):
         self.ready, self.go = tmp_path / f"{name}.ready", tmp_path / f"{name}.go"
         self.log = tmp_path / f"{name}.log"
-        self._cm = spawned([PYTHON, RANK, "--mode", mode, "--ready", str(self.ready), "--go", str(self.go), *args],
-                           self.log, env=env)
+        self._cm = spawned(
+            [PYTHON, RANK, "--mode", mode, "--ready", str(self.ready), "--go", str(self.go), *args], self.log, env=env
+        )
         self.proc = self._cm.__enter__()
 
     def wait_ready(self) -> Rank:
@@ -87,25 +102,37 @@ def counted(sidecar: Sidecar, job_id: str, name: str = "sidecar_rank_exits_total
     return out
 
 
-def wait_for_exit(sidecar: Sidecar, job_id: str, reason: str | None = None, rank: int | None = None,
-                  timeout: float = 60.0, restart: int | None = None) -> dict:
+def wait_for_exit(
+    sidecar: Sidecar,
+    job_id: str,
+    reason: str | None = None,
+    rank: int | None = None,
+    timeout: float = 60.0,
+    restart: int | None = None,
+) -> dict:
     """The first counted exit of the job (of that rank, with that reason) once decided."""
+
     def decided():
         try:
             recent = sidecar.status()["exits"]["recent"]
         except Exception:
             return None
         for e in recent:
-            if e["job_id"] == job_id and (rank is None or e["rank"] == rank) \
-                    and (reason is None or e["reason"] == reason) \
-                    and (restart is None or e.get("restart_count") == restart):
+            if (
+                e["job_id"] == job_id
+                and (rank is None or e["rank"] == rank)
+                and (reason is None or e["reason"] == reason)
+                and (restart is None or e.get("restart_count") == restart)
+            ):
                 return e
         return None
+
     try:
         return wait_until(decided, timeout, interval=0.2, what=f"an exit of {job_id} ({reason})")
     except TimeoutError:
-        raise AssertionError(f"no exit {reason} of {job_id}; status exits: "
-                             f"{sidecar.status().get('exits')}\n{tail(sidecar.log, 30)}") from None
+        raise AssertionError(
+            f"no exit {reason} of {job_id}; status exits: {sidecar.status().get('exits')}\n{tail(sidecar.log, 30)}"
+        ) from None
 
 
 def register(sidecar: Sidecar, job_id: str, pid: int, rank: int = 0) -> dict:

@@ -1,5 +1,6 @@
 """The decision rules, on real exceptions (torch's own types and messages, through the hooks'
 report and the wire parser) and on evidence combinations."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,14 @@ from sidecar.exits.reasons import Evidence, decide, exception_kind
 from sidecar.ranks import protocol
 from trainer_hooks import exits as hook_exits
 
-GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
-                "waiting 3000ms for recv operation to complete")  # torch 2.13, seen in tests/exits/test_torchrun.py
-NCCL_WATCHDOG = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
-                 "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
+GLOO_TIMEOUT = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+    "waiting 3000ms for recv operation to complete"
+)  # torch 2.13, seen in tests/exits/test_torchrun.py
+NCCL_WATCHDOG = (
+    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+    "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out."
+)
 
 
 def wire(exc: BaseException) -> protocol.ExitReport:
@@ -35,17 +40,30 @@ def test_torch_out_of_memory_is_cuda_oom():
     assert exception_kind(report) == "cuda_oom"
 
 
-@pytest.mark.parametrize("exc", [RuntimeError(GLOO_TIMEOUT), dist.DistBackendError(NCCL_WATCHDOG),
-                                 dist.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cuda//0")],
-                         ids=["gloo", "nccl", "store"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError(GLOO_TIMEOUT),
+        dist.DistBackendError(NCCL_WATCHDOG),
+        dist.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cuda//0"),
+    ],
+    ids=["gloo", "nccl", "store"],
+)
 def test_collective_timeouts_as_torch_raises_them(exc):
     assert exception_kind(wire(exc)) == "collective_timeout"
 
 
-@pytest.mark.parametrize("exc", [
-    RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:23456"),
-    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
-    dist.DistNetworkError("Connection reset by peer")], ids=["gloo-peer-gone", "nccl-error", "network"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError(
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:23456"
+        ),
+        dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
+        dist.DistNetworkError("Connection reset by peer"),
+    ],
+    ids=["gloo-peer-gone", "nccl-error", "network"],
+)
 def test_other_communication_errors(exc):
     assert exception_kind(wire(exc)) == "communication"
 
@@ -58,8 +76,9 @@ def test_torchs_own_nonfinite_guard_is_nonfinite():
     assert exception_kind(wire(caught.value)) == "nonfinite"
 
 
-@pytest.mark.parametrize("exc", [ValueError("bad config"), KeyError("x"),
-                                 RuntimeError("DataLoader timed out after 30 seconds")])
+@pytest.mark.parametrize(
+    "exc", [ValueError("bad config"), KeyError("x"), RuntimeError("DataLoader timed out after 30 seconds")]
+)
 def test_everything_else_is_other(exc):
     assert exception_kind(wire(exc)) == "other", "a timeout outside torch.distributed is not a collective one"
 
@@ -69,6 +88,7 @@ def test_the_report_is_bounded():
         if n == 0:
             raise RuntimeError("x" * 10_000 + "\nsecond line")
         deep(n - 1)
+
     with pytest.raises(RuntimeError) as caught:
         deep(50)
     report = hook_exits.report(caught.value)
@@ -107,8 +127,9 @@ def test_a_zero_status_is_finished_whatever_the_rank_said():
 def test_the_kernels_oom_kill_outranks_the_report_and_needs_sigkill():
     cgroup = "oom_kill 0 -> 1 in /sys/fs/cgroup/memory/x"
     assert decide(Evidence(status=KILLED, status_source="pidfd", oom_cgroup=cgroup))[0] == "oom_killed"
-    assert decide(Evidence(status=EXIT_1, status_source="pidfd", oom_cgroup=cgroup, report=OOM))[0] == \
-        "exception/cuda_oom", "a rank that exited by itself was not the OOM killer's victim"
+    assert (
+        decide(Evidence(status=EXIT_1, status_source="pidfd", oom_cgroup=cgroup, report=OOM))[0] == "exception/cuda_oom"
+    ), "a rank that exited by itself was not the OOM killer's victim"
 
 
 def test_an_xid_on_its_gpu_outranks_the_report():
@@ -126,10 +147,20 @@ def test_without_a_report_the_status_decides():
 
 # ---------------------------------------------------------------- rollback hint across restarts
 
+
 def _rank(restart: int, checkpoints, nonfinite):
     from sidecar.ranks.model import Rank
-    r = Rank(job_id="j", rank=0, local_rank=0, world_size=1, local_world_size=1, pid=100 + restart,
-             pid_start_time=1.0, restart_count=restart)
+
+    r = Rank(
+        job_id="j",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        pid=100 + restart,
+        pid_start_time=1.0,
+        restart_count=restart,
+    )
     r.checkpoints.extend(checkpoints)
     r.first_nonfinite_loss = nonfinite
     return r
@@ -137,6 +168,7 @@ def _rank(restart: int, checkpoints, nonfinite):
 
 def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_restart():
     from sidecar.exits.rollback import RollbackMemory
+
     memory = RollbackMemory()
     # attempt 0: checkpoints at 4 and 8, NaN from step 9 on, and the checkpoint at 12 saved from NaN weights
     first = _rank(0, [(4, "/c/step-4", 40.0), (8, "/c/step-8", 80.0), (12, "/c/step-12", 120.0)], (9, 90.0))
@@ -148,16 +180,23 @@ def test_the_hint_skips_a_checkpoint_saved_after_the_loss_went_bad_even_after_a_
 
 def test_no_hint_without_a_nonfinite_loss():
     from sidecar.exits.rollback import RollbackMemory
+
     assert RollbackMemory().hint(_rank(0, [(4, "/c/step-4", 40.0)], None)) is None
 
 
 # ---------------------------------------------------------------- the kernel's counters, both layouts
 
-@pytest.mark.parametrize("version,name,text", [
-    (2, "memory.events", "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n"),
-    (1, "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")])
+
+@pytest.mark.parametrize(
+    "version,name,text",
+    [
+        (2, "memory.events", "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n"),
+        (1, "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"),
+    ],
+)
 def test_oom_kill_counters_of_cgroup_v2_and_v1(tmp_path, version, name, text):
     from sidecar.exits.kernel import MemoryCgroup
+
     (tmp_path / name).write_text(text)
     cgroup = MemoryCgroup(str(tmp_path), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), version)
     try:
@@ -172,6 +211,7 @@ def test_oom_kill_counters_of_cgroup_v2_and_v1(tmp_path, version, name, text):
 def test_the_memory_cgroup_of_a_live_process_is_the_kernels(spawn):
     from sidecar.exits.kernel import memory_cgroup_of
     from sidecar.host import procs
+
     p = spawn()
     cgroup = memory_cgroup_of(p.pid, procs.start_time(p.pid))
     if cgroup is None:

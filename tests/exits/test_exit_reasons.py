@@ -1,5 +1,6 @@
 """Every rank exit gets its reason from real evidence: real processes that finish, raise, are
 killed from outside, by the kernel's OOM killer or by the watchdog, watched by a real sidecar."""
+
 from __future__ import annotations
 
 import json
@@ -51,6 +52,7 @@ def test_an_outside_sigkill_is_signal(sidecar, ranks):
     (entry,) = [e for e in status["ranks"] if e["job_id"] == "killed"]
     assert entry["exit_reason"] == "signal"
     from tests.ops.helpers import run_cli
+
     out = run_cli("status", "--socket", sidecar.socket)
     assert "last exit: killed/0 signal at " in out.stdout, out.stdout
     (row,) = [line.split() for line in out.stdout.splitlines() if line.startswith("killed ")]
@@ -132,17 +134,27 @@ def test_a_kernel_oom_kill_is_oom_killed(hooks, sidecar, ranks, small_memory_cgr
 def test_a_hung_sidecar_delays_an_exception_exit_by_a_fraction_of_a_second(tmp_path):
     """The final report's flush is bounded: a sidecar that accepts and never answers."""
     from tests.hooks.helpers import HungServer
+
     server = HungServer(tmp_path / "hung.sock")
     try:
-        env = {"SIDECAR_SOCKET": server.path, "TORCHELASTIC_RUN_ID": "hung-sidecar", "RANK": "0", "WORLD_SIZE": "1",
-               "PYTHONPATH": os.environ.get("PYTHONPATH", "") + os.pathsep + str(RANK.rsplit("/tests/", 1)[0])}
-        code = ("import time, sys\nfrom trainer_hooks import Monitor\nm = Monitor()\ntime.sleep(0.5)\n"
-                "t0 = time.monotonic()\nimport atexit\n"
-                "atexit.register(lambda: print('exit-delay', time.monotonic() - t0, flush=True))\n"
-                "raise RuntimeError('boom')\n")
+        env = {
+            "SIDECAR_SOCKET": server.path,
+            "TORCHELASTIC_RUN_ID": "hung-sidecar",
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "PYTHONPATH": os.environ.get("PYTHONPATH", "") + os.pathsep + str(RANK.rsplit("/tests/", 1)[0]),
+        }
+        code = (
+            "import time, sys\nfrom trainer_hooks import Monitor\nm = Monitor()\ntime.sleep(0.5)\n"
+            "t0 = time.monotonic()\nimport atexit\n"
+            "atexit.register(lambda: print('exit-delay', time.monotonic() - t0, flush=True))\n"
+            "raise RuntimeError('boom')\n"
+        )
         import subprocess
-        out = subprocess.run([PYTHON, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                             timeout=60)
+
+        out = subprocess.run(
+            [PYTHON, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+        )
         delay = float(out.stdout.split("exit-delay", 1)[1].split()[0])
         assert delay < 1.0, delay
         assert "RuntimeError: boom" in out.stderr
@@ -154,21 +166,36 @@ def test_a_rank_that_dies_soon_after_an_xid_on_its_gpu_is_gpu_error(tmp_path, ra
     """The NVML stand-in: gpu 1 reports XID 79 (fallen off the bus) 2 s after the sidecar starts;
     the rank shows up in gpu 1's process list, then dies. A rank on gpu 0 killed the same way
     is only `signal`: the XID was not on a GPU it used."""
-    spec = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2,
-            "xid_events": [{"gpu": 1, "xid": 79, "at_seconds": 2}]}
+    spec = {
+        "driver_version": "550.54.15",
+        "cuda_driver_version": 12040,
+        "gpu_count": 2,
+        "xid_events": [{"gpu": 1, "xid": 79, "at_seconds": 2}],
+    }
     spec_file = tmp_path / "nvml.json"
     spec_file.write_text(json.dumps(spec))
-    with Sidecar(tmp_path / "gpu", *SETTINGS, "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
-                 env={"SIDECAR_FAKE_NVML": str(spec_file)}) as sidecar:
+    with Sidecar(
+        tmp_path / "gpu",
+        *SETTINGS,
+        "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
+        env={"SIDECAR_FAKE_NVML": str(spec_file)},
+    ) as sidecar:
         on_bad = ranks(rank_env(sidecar, "xid"), "hold", name="on-bad-gpu").wait_ready()
         on_good = ranks(rank_env(sidecar, "xid", rank=1, world=2), "hold", name="on-good-gpu").wait_ready()
-        spec["gpus"] = {"1": {"processes": [{"pid": on_bad.proc.pid, "used_memory_bytes": 1 << 30}]},
-                        "0": {"processes": [{"pid": on_good.proc.pid, "used_memory_bytes": 1 << 30}]}}
+        spec["gpus"] = {
+            "1": {"processes": [{"pid": on_bad.proc.pid, "used_memory_bytes": 1 << 30}]},
+            "0": {"processes": [{"pid": on_good.proc.pid, "used_memory_bytes": 1 << 30}]},
+        }
         spec_file.write_text(json.dumps(spec))
-        wait_until(lambda: 'sidecar_gpu_xid_errors_total{gpu="1",xid="79"}' in sidecar.metrics()
-                   and 'sidecar_gpu_process_memory_bytes{gpu="1",job_id="xid",rank="0"}' in sidecar.metrics()
-                   and 'sidecar_gpu_process_memory_bytes{gpu="0",job_id="xid",rank="1"}' in sidecar.metrics(),
-                   60, what="the XID and both ranks on their GPUs")
+        wait_until(
+            lambda: (
+                'sidecar_gpu_xid_errors_total{gpu="1",xid="79"}' in sidecar.metrics()
+                and 'sidecar_gpu_process_memory_bytes{gpu="1",job_id="xid",rank="0"}' in sidecar.metrics()
+                and 'sidecar_gpu_process_memory_bytes{gpu="0",job_id="xid",rank="1"}' in sidecar.metrics()
+            ),
+            60,
+            what="the XID and both ranks on their GPUs",
+        )
         time.sleep(1.5)  # one more exit-tracker poll after the collector round
         for r in (on_bad, on_good):
             os.kill(r.proc.pid, signal.SIGKILL)
@@ -182,12 +209,15 @@ def test_a_rank_that_dies_soon_after_an_xid_on_its_gpu_is_gpu_error(tmp_path, ra
 
 def test_an_exception_that_ends_a_thread_is_kept_as_evidence(sidecar, tmp_path):
     """A thread's death does not end the process: it is an event, and evidence when the rank dies."""
-    code = ("import os, threading, time\nfrom trainer_hooks import Monitor\nm = Monitor(flush_interval=0.2)\n"
-            "m.step(1, loss=1.0)\n"
-            "def worker():\n    raise ConnectionError('prefetch server went away')\n"
-            "t = threading.Thread(target=worker, name='prefetch'); t.start(); t.join()\n"
-            "time.sleep(1.0)\nos._exit(3)\n")
+    code = (
+        "import os, threading, time\nfrom trainer_hooks import Monitor\nm = Monitor(flush_interval=0.2)\n"
+        "m.step(1, loss=1.0)\n"
+        "def worker():\n    raise ConnectionError('prefetch server went away')\n"
+        "t = threading.Thread(target=worker, name='prefetch'); t.start(); t.join()\n"
+        "time.sleep(1.0)\nos._exit(3)\n"
+    )
     import subprocess
+
     env = {**os.environ, **rank_env(sidecar, "thread")}
     out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "ConnectionError: prefetch server went away" in out.stderr

@@ -1,5 +1,6 @@
 """The Hugging Face and Lightning adapters need no code for exits: a real framework run whose
 step raises torch.OutOfMemoryError is reported as exception/cuda_oom."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,12 @@ def test_a_cuda_oom_in_a_framework_run_is_exception_cuda_oom(framework, sidecar,
     for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # HF would take them for a torch.distributed launch
         env.pop(key)
     log = tmp_path / f"{framework}.log"
-    with spawned([PYTHON, "-m", "tests.hooks.framework_rank", framework, str(tmp_path / "calls.json"),
-                  str(tmp_path)], log, env=env, cwd=ROOT) as proc:
+    with spawned(
+        [PYTHON, "-m", "tests.hooks.framework_rank", framework, str(tmp_path / "calls.json"), str(tmp_path)],
+        log,
+        env=env,
+        cwd=ROOT,
+    ) as proc:
         assert proc.wait(timeout=300) == 1, tail(log)
     assert "torch.OutOfMemoryError: CUDA out of memory" in log.read_text()
     wait_for_exit(sidecar, job, reason="exception/cuda_oom")

@@ -1,5 +1,6 @@
 """Exits of real torchrun workers: a CUDA out-of-memory error and a real gloo collective timeout,
 reported by the hooks' excepthook, classified by the sidecar."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,16 +10,38 @@ from tests.support import PYTHON, free_port, spawned, tail
 
 pytestmark = pytest.mark.slow
 
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--rdzv-backend", "c10d", "--max-restarts", "1",
-            "--monitor-interval", "0.2"]
+TORCHRUN = [
+    PYTHON,
+    "-m",
+    "torch.distributed.run",
+    "--nnodes",
+    "1",
+    "--rdzv-backend",
+    "c10d",
+    "--max-restarts",
+    "1",
+    "--monitor-interval",
+    "0.2",
+]
 
 
 def torchrun(tmp_path, sidecar, job_id: str, nproc: int, mode: str):
     env = {**rank_env(sidecar, job_id), "OMP_NUM_THREADS": "1"}
     for key in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         env.pop(key)
-    cmd = TORCHRUN + ["--nproc-per-node", str(nproc), "--rdzv-id", job_id, "--rdzv-endpoint",
-                      f"127.0.0.1:{free_port()}", RANK, "--mode", mode, "--steps", "2"]
+    cmd = TORCHRUN + [
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-id",
+        job_id,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        RANK,
+        "--mode",
+        mode,
+        "--steps",
+        "2",
+    ]
     log = tmp_path / f"{job_id}.log"
     with spawned(cmd, log, env=env) as proc:
         code = proc.wait(timeout=TIMEOUT * 2)

@@ -1,5 +1,6 @@
 """The bundled trainer under real torchrun, with no exit-specific code of its own: its
 `finally: monitor.close("failed")` sends the exception it is dying of."""
+
 from __future__ import annotations
 
 import pytest

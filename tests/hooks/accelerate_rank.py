@@ -3,6 +3,7 @@ then writes the Monitor calls of this process to OUT_DIR/rank<r>.json.
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 tests/hooks/accelerate_rank.py OUT_DIR
 """
+
 import json
 import os
 import sys

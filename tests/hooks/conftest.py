@@ -1,4 +1,5 @@
 """Fixtures for the hooks' tests: a real sidecar, background ranks, a hung sidecar."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -23,8 +24,12 @@ def hung_server(tmp_path: Path) -> Iterator[HungServer]:
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
     """One real sidecar shared by a module's tests; each test uses its own job id. Its push
     API needs TOKEN over TCP, and it allows one custom metric name per job."""
-    with Sidecar(tmp_path_factory.mktemp("sidecar"), "watchdog.observe_only=true", "limits.max_custom_metrics=1",
-                 env={"SIDECAR_TOKEN": TOKEN}) as s:
+    with Sidecar(
+        tmp_path_factory.mktemp("sidecar"),
+        "watchdog.observe_only=true",
+        "limits.max_custom_metrics=1",
+        env={"SIDECAR_TOKEN": TOKEN},
+    ) as s:
         yield s
 
 

@@ -10,6 +10,7 @@ allocation that does not fit would (tests/exits: the adapters need nothing to re
 The callback's Monitor is the real one (it pushes to the sidecar named by SIDECAR_SOCKET);
 a subclass only records the calls on the way through.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ OOM_AT_STEP = int(os.environ.get("FRAMEWORK_RANK_OOM_AT_STEP", "-1"))
 def out_of_memory_at(step: int) -> None:
     if step == OOM_AT_STEP:
         import torch
+
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
 
 
@@ -61,19 +63,36 @@ def train_hf(workdir: Path) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (32, 16))]
-    args = TrainingArguments(output_dir=str(workdir / "out"), max_steps=6, per_device_train_batch_size=4,
-                             per_device_eval_batch_size=8, logging_steps=1, eval_strategy="steps", eval_steps=3,
-                             save_strategy="steps", save_steps=4, report_to=[], use_cpu=True,
-                             include_num_input_tokens_seen=True,
-                             disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3)
+    args = TrainingArguments(
+        output_dir=str(workdir / "out"),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=4,
+        report_to=[],
+        use_cpu=True,
+        include_num_input_tokens_seen=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        learning_rate=1e-3,
+    )
     from transformers import TrainerCallback
 
     class OutOfMemory(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             out_of_memory_at(state.global_step + 1)
 
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8],
-                      callbacks=[trainer_hooks.hf.SidecarCallback(), OutOfMemory()])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data[:8],
+        callbacks=[trainer_hooks.hf.SidecarCallback(), OutOfMemory()],
+    )
     trainer.train()
 
 
@@ -110,13 +129,23 @@ def train_lightning(workdir: Path) -> None:
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-    trainer = pl.Trainer(max_steps=6, val_check_interval=3, accumulate_grad_batches=2,
-                         num_sanity_val_steps=0, limit_val_batches=2, accelerator="cpu", devices=1,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(workdir),
-                         callbacks=[trainer_hooks.lightning.SidecarCallback(),
-                                    pl.callbacks.ModelCheckpoint(dirpath=str(workdir / "ckpt"),
-                                                                 every_n_train_steps=4, save_top_k=-1)])
+    trainer = pl.Trainer(
+        max_steps=6,
+        val_check_interval=3,
+        accumulate_grad_batches=2,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(workdir),
+        callbacks=[
+            trainer_hooks.lightning.SidecarCallback(),
+            pl.callbacks.ModelCheckpoint(dirpath=str(workdir / "ckpt"), every_n_train_steps=4, save_top_k=-1),
+        ],
+    )
     trainer.fit(Tiny(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
 
 

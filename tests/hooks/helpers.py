@@ -1,6 +1,7 @@
 """Helpers for the hooks' tests: a real rank process (tests/hooks/rank.py) run to completion
 or in the background, a real socket server that accepts connections and never answers (a
 hung sidecar), and readers of the sidecar's status and metrics."""
+
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +84,20 @@ class RankProcess:
         self.release = tmp_path / f"{name}.release"
         self.stop_file = tmp_path / f"{name}.stop"
         self.ready = tmp_path / f"{name}.ready"
-        self._cm = spawned(rank_command(self.result, "--hold-until", str(self.release), "--run-until",
-                                        str(self.stop_file), "--ready", str(self.ready), *args), self.log, env=env)
+        self._cm = spawned(
+            rank_command(
+                self.result,
+                "--hold-until",
+                str(self.release),
+                "--run-until",
+                str(self.stop_file),
+                "--ready",
+                str(self.ready),
+                *args,
+            ),
+            self.log,
+            env=env,
+        )
         self.proc = self._cm.__enter__()
         wait_until(lambda: self.ready.exists() or self.proc.poll() is not None, RANK_TIMEOUT, what="rank start")
 
@@ -137,5 +150,3 @@ def disabled_env(**extra: str) -> dict:
     env = {"SIDECAR_HOOKS_DISABLED": "1", "PYTHONPATH": str(ROOT)}
     env.update(extra)
     return env
-
-

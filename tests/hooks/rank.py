@@ -10,6 +10,7 @@ Each step sleeps `--sleep` (the "work"), then calls `mon.step` with six metrics.
 holds the loop's wall time, the slowest hook call, how long `close()` took, and the
 monitor's counters after it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ from trainer_hooks import Monitor
 
 class DuckTensor:
     """Quacks like a one-element tensor; remembers which threads read it."""
+
     readers: set[str] = set()
 
     def __init__(self, value: float):
@@ -52,29 +54,50 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps to run; 0: until --run-until exists")
     p.add_argument("--run-until", help="with --steps 0: keep stepping until this file exists")
     p.add_argument("--first-step", type=int, default=1)
-    p.add_argument("--rewind-to", type=int, default=-1,
-                   help="after the steps, roll back to this step (a restore) and run --rewind-steps more")
+    p.add_argument(
+        "--rewind-to",
+        type=int,
+        default=-1,
+        help="after the steps, roll back to this step (a restore) and run --rewind-steps more",
+    )
     p.add_argument("--rewind-steps", type=int, default=5)
     p.add_argument("--sleep", type=float, default=0.005, help="seconds of 'work' per step")
     p.add_argument("--buffer-size", type=int, default=10_000)
     p.add_argument("--nan-loss-at", type=int, default=-1, help="send loss=NaN at this step")
-    p.add_argument("--checkpoint-at", type=int, default=-1,
-                   help="at this step run a checkpoint_save phase and a checkpoint_saved event")
+    p.add_argument(
+        "--checkpoint-at",
+        type=int,
+        default=-1,
+        help="at this step run a checkpoint_save phase and a checkpoint_saved event",
+    )
     p.add_argument("--raise-in-phase", action="store_true", help="the checkpoint phase raises (caught here)")
     p.add_argument("--hold-in-phase", help="inside the checkpoint phase, wait for this file")
     p.add_argument("--custom-until", type=int, default=-1, help="send custom metrics c1, c2 up to this step")
     p.add_argument("--pause-after", type=int, default=-1, help="pause --pause-seconds after this step")
     p.add_argument("--pause-seconds", type=float, default=1.5)
-    p.add_argument("--tensors", choices=["none", "torch", "duck"], default="none",
-                   help="send loss and grad_norm as torch tensors or as duck-typed tensors")
-    p.add_argument("--fork-at", type=int, default=-1,
-                   help="at this step fork a child that calls every hook (and close) and exits")
+    p.add_argument(
+        "--tensors",
+        choices=["none", "torch", "duck"],
+        default="none",
+        help="send loss and grad_norm as torch tensors or as duck-typed tensors",
+    )
+    p.add_argument(
+        "--fork-at", type=int, default=-1, help="at this step fork a child that calls every hook (and close) and exits"
+    )
     p.add_argument("--hold-until", help="after the loop, wait for this file before closing")
-    p.add_argument("--event-threads", type=int, default=0,
-                   help="threads that each send --events-per-thread events while the steps run")
+    p.add_argument(
+        "--event-threads",
+        type=int,
+        default=0,
+        help="threads that each send --events-per-thread events while the steps run",
+    )
     p.add_argument("--events-per-thread", type=int, default=1000)
-    p.add_argument("--wait-sent", type=int, default=0,
-                   help="before closing, wait (up to 30 s) until the sidecar accepted this many items")
+    p.add_argument(
+        "--wait-sent",
+        type=int,
+        default=0,
+        help="before closing, wait (up to 30 s) until the sidecar accepted this many items",
+    )
     p.add_argument("--ready", help="touch this file once the monitor is set up")
     p.add_argument("--read-timeout", type=float, help="the monitor's read timeout (seconds)")
     return p.parse_args(argv)
@@ -103,8 +126,9 @@ def main(argv: list[str]) -> int:
         import torch  # noqa: F811 - only when asked: the hooks themselves never import it
     worst = 0.0
     raised: list[str] = []
-    senders = [threading.Thread(target=send_events, args=(mon, i, args.events_per_thread))
-               for i in range(args.event_threads)]
+    senders = [
+        threading.Thread(target=send_events, args=(mon, i, args.events_per_thread)) for i in range(args.event_threads)
+    ]
     start = time.perf_counter()
     for t in senders:
         t.start()
@@ -121,8 +145,9 @@ def main(argv: list[str]) -> int:
             loss, grad_norm = DuckTensor(loss), DuckTensor(grad_norm)
         extra = {"c1": step, "c2": -step} if step <= args.custom_until else {}
         t0 = time.perf_counter()
-        mon.step(step, loss=loss, grad_norm=grad_norm, lr=3e-4, samples=8, tokens=256,
-                 step_time_seconds=args.sleep, **extra)
+        mon.step(
+            step, loss=loss, grad_norm=grad_norm, lr=3e-4, samples=8, tokens=256, step_time_seconds=args.sleep, **extra
+        )
         worst = max(worst, time.perf_counter() - t0)
         if step == args.checkpoint_at:
             try:
@@ -146,8 +171,13 @@ def main(argv: list[str]) -> int:
         time.sleep(0.05)
     t0 = time.perf_counter()
     mon.close()
-    result.update(close_seconds=time.perf_counter() - t0, sent=mon.sent, dropped=mon.dropped,
-                  registrations=mon.registrations, tensor_readers=sorted(DuckTensor.readers))
+    result.update(
+        close_seconds=time.perf_counter() - t0,
+        sent=mon.sent,
+        dropped=mon.dropped,
+        registrations=mon.registrations,
+        tensor_readers=sorted(DuckTensor.readers),
+    )
     Path(args.result).write_text(json.dumps(result))
     return 0
 

@@ -1,5 +1,6 @@
 """The Hugging Face and Lightning callbacks, driven by the frameworks' real trainers on a
 tiny random model, report steps, evaluation and checkpoints to a real sidecar."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,11 @@ from tests.support import PYTHON, free_port, spawned, tail, wait_until
 
 def train(framework: str, sidecar, tmp_path: Path, job_id: str) -> list:
     out, log = tmp_path / "calls.json", tmp_path / "train.log"
-    with spawned([PYTHON, "-m", "tests.hooks.framework_rank", framework, str(out), str(tmp_path)], log,
-                 env=rank_env(sidecar, job_id)) as proc:
+    with spawned(
+        [PYTHON, "-m", "tests.hooks.framework_rank", framework, str(out), str(tmp_path)],
+        log,
+        env=rank_env(sidecar, job_id),
+    ) as proc:
         try:
             rc = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
@@ -34,15 +38,22 @@ def python(code: str) -> str:
 
 
 def test_importing_the_hooks_pulls_in_no_framework_and_no_torch():
-    assert python("import sys, trainer_hooks; "
-                  "print([m for m in ('torch', 'transformers', 'lightning') if m in sys.modules])") == "[]"
+    assert (
+        python(
+            "import sys, trainer_hooks; print([m for m in ('torch', 'transformers', 'lightning') if m in sys.modules])"
+        )
+        == "[]"
+    )
 
 
-@pytest.mark.parametrize("module, absent, package", [
-    ("trainer_hooks.hf", ["transformers"], "pip install transformers"),
-    ("trainer_hooks.lightning", ["lightning", "lightning.pytorch", "pytorch_lightning"], "pip install lightning"),
-    ("trainer_hooks.accelerate", ["accelerate", "accelerate.tracking"], "pip install accelerate"),
-])
+@pytest.mark.parametrize(
+    "module, absent, package",
+    [
+        ("trainer_hooks.hf", ["transformers"], "pip install transformers"),
+        ("trainer_hooks.lightning", ["lightning", "lightning.pytorch", "pytorch_lightning"], "pip install lightning"),
+        ("trainer_hooks.accelerate", ["accelerate", "accelerate.tracking"], "pip install accelerate"),
+    ],
+)
 def test_adapter_without_its_framework_says_what_to_install(module: str, absent: list, package: str):
     hide = "; ".join(f"sys.modules[{m!r}] = None" for m in absent)  # makes `import m` fail
     message = python(f"import sys; {hide}\ntry:\n    import {module}\nexcept ImportError as e:\n    print(e)")
@@ -100,9 +111,26 @@ def test_accelerate_tracker_reports_every_process_of_a_real_run(sidecar, tmp_pat
     pytest.importorskip("accelerate")
     out, log = tmp_path / "out", tmp_path / "torchrun.log"
     out.mkdir()
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--rdzv-backend", "c10d",  # the run id is the job id
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "adapter-accelerate",
-           "--nproc-per-node", "2", "--max-restarts", "1", "-m", "tests.hooks.accelerate_rank", str(out)]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--rdzv-backend",
+        "c10d",  # the run id is the job id
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "adapter-accelerate",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "tests.hooks.accelerate_rank",
+        str(out),
+    ]
     with spawned(cmd, log, env=rank_env(sidecar, "adapter-accelerate")) as proc:
         try:
             rc = proc.wait(timeout=180)
@@ -115,6 +143,9 @@ def test_accelerate_tracker_reports_every_process_of_a_real_run(sidecar, tmp_pat
         assert all({"lr", "step_time_seconds"} <= set(c[2]) for c in calls[r] if c[0] == "step" and c[1] > 1)
     # what accelerator.log passed rides with the main process's steps
     assert all({"loss", "samples"} <= set(c[2]) for c in calls[0] if c[0] == "step")
-    both = wait_until(lambda: len([r for r in (0, 1) if (rank_status(sidecar, "adapter-accelerate", r) or {})
-                                   .get("step") == 4]) == 2, 10, what="both ranks at step 4")
+    both = wait_until(
+        lambda: len([r for r in (0, 1) if (rank_status(sidecar, "adapter-accelerate", r) or {}).get("step") == 4]) == 2,
+        10,
+        what="both ranks at step 4",
+    )
     assert both

@@ -1,5 +1,6 @@
 """The Monitor in the training process itself: disabled mode, errors swallowed, phases,
 close, fork safety, stack dumps on a signal, and what it reads from the environment."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,7 @@ def quiet_monitor(tmp_path: Path, **kw) -> Monitor:
 
 
 def test_disabled_by_environment_is_a_no_op(tmp_path: Path, hung_server):
-    mon = Monitor(socket=hung_server.path, diag_dir=str(tmp_path / "diag"),
-                  environ={"SIDECAR_HOOKS_DISABLED": "1"})
+    mon = Monitor(socket=hung_server.path, diag_dir=str(tmp_path / "diag"), environ={"SIDECAR_HOOKS_DISABLED": "1"})
     mon.step(1, loss=1.0)
     with mon.phase("eval"):
         mon.event("x")
@@ -125,8 +125,9 @@ def test_stack_dump_goes_to_the_file_the_sidecar_created(tmp_path: Path, sidecar
         assert path.parent.stat().st_mode & 0o022 == 0  # nobody else may write where the dumps live
         time.sleep(0.3)  # into the sleep
         proc.send_signal(signal.SIGUSR2)
-        text = wait_until(lambda: "waiting_for_allreduce" in path.read_text() and path.read_text(),
-                          20, what="stack dump")
+        text = wait_until(
+            lambda: "waiting_for_allreduce" in path.read_text() and path.read_text(), 20, what="stack dump"
+        )
         assert "Current thread" in text and "trainer_hooks/sender.py" in text  # all threads
         assert proc.poll() is None  # the dump does not kill the rank
     finally:
@@ -145,14 +146,19 @@ print("alive", mon.stack_dump_path, flush=True)
 
 
 def test_a_dump_signal_before_any_sidecar_answer_goes_to_stderr(tmp_path: Path):
-    out = subprocess.run([sys.executable, "-c", HANDLER_BEFORE_REGISTRATION, str(tmp_path / "absent.sock")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", HANDLER_BEFORE_REGISTRATION, str(tmp_path / "absent.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.stdout.strip() == "alive None"  # the signal's default action would have ended the rank
     assert "Current thread" in out.stderr
 
 
 def test_only_a_regular_file_of_this_user_is_adopted(tmp_path: Path):
     from trainer_hooks import stacks
+
     dump = stacks.install(int(signal.SIGUSR1))
     assert dump is not None
     try:
@@ -214,8 +220,16 @@ def test_cuda_tensor_is_not_synchronised_on_the_training_thread(tmp_path: Path):
 
 
 def test_identity_comes_from_torchrun_environment():
-    ident = environment.identity({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
-                                  "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "run-42"})
+    ident = environment.identity(
+        {
+            "RANK": "5",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "8",
+            "LOCAL_WORLD_SIZE": "4",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+            "TORCHELASTIC_RUN_ID": "run-42",
+        }
+    )
     assert ident == environment.Identity("run-42", 5, 1, 8, 4, 2)
     assert environment.identity({}) == environment.Identity("default", 0, 0, 1, 1, 0)
     assert environment.identity({"RANK": "5", "WORLD_SIZE": "8"}, job_id="mine", rank=7).rank == 7

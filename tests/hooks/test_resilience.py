@@ -5,6 +5,7 @@ records are counted, and the hooks find a restarted sidecar again.
 "About as long" is a generous bound that only catches blocking (one connect or read timeout
 on the training thread would show); speed itself is measured in bench/bench_hooks.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,16 +42,16 @@ def test_disabled_hooks_send_nothing(baseline: dict):
 
 
 def test_absent_sidecar_neither_slows_nor_breaks_training(tmp_path: Path, baseline: dict):
-    result = run_rank(tmp_path, rank_env(None, "absent", SIDECAR_SOCKET=str(tmp_path / "nobody.sock")),
-                      "--steps", str(STEPS), *LOOP)
+    result = run_rank(
+        tmp_path, rank_env(None, "absent", SIDECAR_SOCKET=str(tmp_path / "nobody.sock")), "--steps", str(STEPS), *LOOP
+    )
     not_slowed(result, baseline)
     assert result["registrations"] == 0 and result["sent"] == 0
     assert result["dropped"] == STEPS - 100  # all but what the buffer still holds
 
 
 def test_hung_sidecar_neither_slows_nor_breaks_training(tmp_path: Path, baseline: dict, hung_server):
-    result = run_rank(tmp_path, rank_env(None, "hung", SIDECAR_SOCKET=hung_server.path),
-                      "--steps", str(STEPS), *LOOP)
+    result = run_rank(tmp_path, rank_env(None, "hung", SIDECAR_SOCKET=hung_server.path), "--steps", str(STEPS), *LOOP)
     not_slowed(result, baseline)
     assert hung_server.connections >= 1
     assert result["sent"] == 0 and result["dropped"] >= STEPS - 100
@@ -58,8 +59,9 @@ def test_hung_sidecar_neither_slows_nor_breaks_training(tmp_path: Path, baseline
 
 def test_close_is_bounded_with_a_hung_sidecar(tmp_path: Path, hung_server):
     # A 30 s read timeout: an unbounded close would wait on it.
-    result = run_rank(tmp_path, rank_env(None, "hung-close", SIDECAR_SOCKET=hung_server.path),
-                      "--steps", "5", "--read-timeout", "30")
+    result = run_rank(
+        tmp_path, rank_env(None, "hung-close", SIDECAR_SOCKET=hung_server.path), "--steps", "5", "--read-timeout", "30"
+    )
     assert result["close_seconds"] < 5.0
 
 
@@ -67,8 +69,9 @@ def test_sidecar_killed_mid_run(tmp_path: Path, baseline: dict, ranks):
     with Sidecar(tmp_path / "doomed") as sidecar:
         rank = RankProcess(tmp_path, rank_env(sidecar, "killed"), "--steps", "0", *LOOP)
         ranks.append(rank)
-        wait_until(lambda: (r := rank_status(sidecar, "killed")) and (r["step"] or 0) >= 10, 30,
-                   what="first steps arrive")
+        wait_until(
+            lambda: (r := rank_status(sidecar, "killed")) and (r["step"] or 0) >= 10, 30, what="first steps arrive"
+        )
         os.kill(sidecar.proc.pid, signal.SIGKILL)
         time.sleep(1.5)  # ~300 more steps: more than the buffer holds
         result = rank.finish()
@@ -81,11 +84,22 @@ def test_restarted_sidecar_sees_the_rank_again_at_its_current_step_and_phase(tmp
     leave_phase = tmp_path / "leave-phase"
     try:
         # 30 steps, then a long checkpoint save: the rank sends nothing new for a while.
-        rank = RankProcess(tmp_path, rank_env(first, "restarted"), "--steps", "30", "--checkpoint-at", "30",
-                           "--hold-in-phase", str(leave_phase))
+        rank = RankProcess(
+            tmp_path,
+            rank_env(first, "restarted"),
+            "--steps",
+            "30",
+            "--checkpoint-at",
+            "30",
+            "--hold-in-phase",
+            str(leave_phase),
+        )
         ranks.append(rank)
-        wait_until(lambda: (r := rank_status(first, "restarted")) and r["phase"] == "checkpoint_save", 30,
-                   what="step 30 and the checkpoint phase")
+        wait_until(
+            lambda: (r := rank_status(first, "restarted")) and r["phase"] == "checkpoint_save",
+            30,
+            what="step 30 and the checkpoint phase",
+        )
     finally:
         first.stop()
     time.sleep(0.5)
@@ -112,8 +126,11 @@ def test_restarted_sidecar_receives_the_steps_made_while_it_was_down(tmp_path: P
         first.stop()
     time.sleep(0.6)  # down long enough for the rank to overflow its 100-record buffer
     with Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true") as second:
-        wait_until(lambda: (r := rank_status(second, "resumed")) and (r["step"] or 0) >= 10, 30,
-                   what="steps at the restarted sidecar")
+        wait_until(
+            lambda: (r := rank_status(second, "resumed")) and (r["step"] or 0) >= 10,
+            30,
+            what="steps at the restarted sidecar",
+        )
         result = rank.finish()
         seen = rank_status(second, "resumed")
         assert seen["step"] == result["last_step"]

@@ -1,5 +1,6 @@
 """The wire contract (trainer_hooks/wire.py) is defined once, both sides use it, and it does not
 change without its protocol version changing."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,14 +27,18 @@ def test_the_contract_does_not_change_without_a_new_protocol_version():
         f"{wire.PROTOCOL_VERSION} is pinned to {pinned}. If the change is meant, bump PROTOCOL_VERSION in "
         f"trainer_hooks/wire.py, describe it in docs/architecture.md (the wire protocol) and add "
         f"{{{wire.PROTOCOL_VERSION + 1 if pinned else wire.PROTOCOL_VERSION}: {got!r}}} to PINNED in "
-        f"tests/hooks/test_wire_contract.py; a pinned version's contract never changes.")
+        f"tests/hooks/test_wire_contract.py; a pinned version's contract never changes."
+    )
 
 
 def test_the_fingerprint_sees_every_kind_of_constant(monkeypatch):
     before = fingerprint()
-    for name, value in (("MAX_EVENT_FIELDS", 17), ("WELL_KNOWN_METRICS", wire.WELL_KNOWN_METRICS | {"x"}),
-                        ("POD_LABEL_RULES", {**wire.POD_LABEL_RULES, "pod": wire.POD_LABEL_RULES["namespace"]}),
-                        ("NAME_RE", __import__("re").compile(r"[a-z]+\Z"))):
+    for name, value in (
+        ("MAX_EVENT_FIELDS", 17),
+        ("WELL_KNOWN_METRICS", wire.WELL_KNOWN_METRICS | {"x"}),
+        ("POD_LABEL_RULES", {**wire.POD_LABEL_RULES, "pod": wire.POD_LABEL_RULES["namespace"]}),
+        ("NAME_RE", __import__("re").compile(r"[a-z]+\Z")),
+    ):
         with monkeypatch.context() as m:
             m.setattr(wire, name, value)
             assert fingerprint() != before, name
@@ -50,10 +55,14 @@ def test_both_sides_use_the_one_contract():
     assert registry.WELL_KNOWN_METRICS is records.WELL_KNOWN_METRICS is wire.WELL_KNOWN_METRICS
     assert registry.WELL_KNOWN_PHASES is wire.WELL_KNOWN_PHASES
     assert podlabels.RULES is wire.POD_LABEL_RULES and podlabels.KEYS is wire.POD_LABEL_KEYS
-    assert {label: n for _, label, n in environment.POD_VARIABLES} == \
-        {k: rule[1] for k, rule in wire.POD_LABEL_RULES.items()}
-    assert (exits.MAX_TEXT, exits.MAX_FRAMES, exits.MAX_TYPES) == \
-        (protocol.EXIT_MAX_TEXT, protocol.EXIT_MAX_FRAMES, protocol.EXIT_MAX_TYPES)
+    assert {label: n for _, label, n in environment.POD_VARIABLES} == {
+        k: rule[1] for k, rule in wire.POD_LABEL_RULES.items()
+    }
+    assert (exits.MAX_TEXT, exits.MAX_FRAMES, exits.MAX_TYPES) == (
+        protocol.EXIT_MAX_TEXT,
+        protocol.EXIT_MAX_FRAMES,
+        protocol.EXIT_MAX_TYPES,
+    )
     limits = config.LimitSettings()
     assert (limits.max_custom_metrics, limits.max_phases) == (wire.MAX_CUSTOM_METRICS, wire.MAX_PHASES)
     assert records.Encoder().max_custom_metrics == limits.max_custom_metrics
@@ -63,8 +72,10 @@ def test_the_contract_needs_only_the_standard_library():
     """The hooks ship alone (packaging/hooks/): the system's bare Python imports the contract,
     and nothing of the daemon comes with it."""
     root = str(Path(wire.__file__).resolve().parent.parent)
-    code = (f"import sys; sys.path.insert(0, {root!r}); import trainer_hooks.wire; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('sidecar', 'aiohttp', 'prometheus_client', "
-            "'yaml', 'psutil')]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); import trainer_hooks.wire; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('sidecar', 'aiohttp', 'prometheus_client', "
+        "'yaml', 'psutil')]; print(bad); sys.exit(1 if bad else 0)"
+    )
     done = subprocess.run(["/usr/bin/python3", "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -1,5 +1,6 @@
 """Training counters and the step-time histogram on a real sidecar's /metrics: what a real
 Monitor pushes accumulates, survives the rank's re-registration, and promtool accepts it."""
+
 from __future__ import annotations
 
 import shutil
@@ -43,8 +44,13 @@ sys.exit(0 if mon.sent == last - first + 1 else 1)
 
 def push(sidecar: Sidecar, first: int, last: int, step_time: float) -> None:
     """A rank process (a child of the test, not of the sidecar) pushes steps first..last."""
-    done = subprocess.run([PYTHON, "-c", PUSH, str(first), str(last), str(step_time)], capture_output=True,
-                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT), **sidecar.hook_env()})
+    done = subprocess.run(
+        [PYTHON, "-c", PUSH, str(first), str(last), str(step_time)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT), **sidecar.hook_env()},
+    )
     assert done.returncode == 0, done.stderr
 
 

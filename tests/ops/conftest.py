@@ -1,4 +1,5 @@
 """Fixtures of the operator-side tests (helpers: tests/ops/helpers.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 by their required fields, their pod templates by the core schemas, their rules by
 promtool), the settings they carry load, the systemd unit verifies, the launcher refuses
 bad input, and the generated files are current."""
+
 from __future__ import annotations
 
 import argparse
@@ -48,15 +49,22 @@ def _validate(doc: dict) -> None:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
-@pytest.mark.parametrize("name, doc", [d for d in DOCS if d[1]["kind"] not in CRD_KINDS], ids=lambda v: v
-                         if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name, doc", [d for d in DOCS if d[1]["kind"] not in CRD_KINDS], ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_manifest_validates_against_the_kubernetes_schema(name, doc):
     _validate(doc)
 
 
 def test_every_manifest_kind_is_validated_somewhere():
     assert {d["kind"] for _, d in DOCS} <= CRD_KINDS | {
-        "Namespace", "ServiceAccount", "ConfigMap", "ResourceQuota", "DaemonSet", "Service"}
+        "Namespace",
+        "ServiceAccount",
+        "ConfigMap",
+        "ResourceQuota",
+        "DaemonSet",
+        "Service",
+    }
 
 
 def _container(pod_spec: dict, name: str | None = None) -> dict:
@@ -112,6 +120,7 @@ def _configmap_settings():
                 walk(f"{prefix}{key}.", value)
             else:
                 flat[prefix + key] = value
+
     walk("", tree)
     return load_settings(overrides=flat, environ={})  # a bad key or value raises ConfigError
 
@@ -134,7 +143,8 @@ def test_service_monitor_selects_the_service_and_its_port():
     assert service["spec"]["clusterIP"] == "None"
     ports = {p["name"] for p in service["spec"]["ports"]}
     assert [e["port"] for e in monitor["spec"]["endpoints"]] and all(
-        e["port"] in ports and e.get("path", "/metrics") == "/metrics" for e in monitor["spec"]["endpoints"])
+        e["port"] in ports and e.get("path", "/metrics") == "/metrics" for e in monitor["spec"]["endpoints"]
+    )
     assert service["spec"]["selector"].items() <= daemonset()["spec"]["template"]["metadata"]["labels"].items()
     # The ranks' own namespace/pod/container labels win over the target's (the sidecar pod's), which are dropped.
     for endpoint in monitor["spec"]["endpoints"]:
@@ -205,8 +215,14 @@ def test_jobset_runs_the_trainer_with_c10d_and_the_socket():
     assert jobset["apiVersion"].startswith("jobset.x-k8s.io/")
     for replicated in jobset["spec"]["replicatedJobs"]:
         assert replicated["name"] and replicated["replicas"] >= 1
-        _validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "workers"},
-                   "spec": replicated["template"]["spec"]})
+        _validate(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": "workers"},
+                "spec": replicated["template"]["spec"],
+            }
+        )
         _assert_training_pod(replicated["template"]["spec"]["template"]["spec"])
 
 
@@ -219,6 +235,7 @@ def test_kustomization_lists_files_that_exist():
 
 # ---------------------------------------------------------------- generated files
 
+
 def test_generated_files_are_current():
     assert deploygen.stale_files() == [], "run `sidecar deploy-gen --write`"
 
@@ -226,8 +243,10 @@ def test_generated_files_are_current():
 def test_deploy_gen_check_names_a_stale_file_and_write_fixes_it(tmp_path, capsys):
     for part in ("alerts", "dashboards"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+
     def args(*flags):
         return argparse.Namespace(write="" if "--write" in flags else None, check="--check" in flags, root=tmp_path)
+
     assert deploygen.main(args("--write")) == 0
     assert deploygen.main(args("--check")) == 0
     rules = sorted((tmp_path / "alerts").glob("*.rules.yml"))[0]
@@ -249,6 +268,7 @@ def test_deploy_gen_names_a_broken_source(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- bare metal
+
 
 def _unit_directives(path: Path) -> dict[str, dict[str, list[str]]]:
     """systemd's syntax: sections, repeatable keys; comments start with # or ;."""
@@ -299,8 +319,11 @@ def test_the_daemon_tells_systemd_it_is_ready(tmp_path):
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_unit_verifies(tmp_path):
     # verify checks that ExecStart exists: point it at this checkout's console script.
-    text = (BAREMETAL / "sidecar.service").read_text().replace("/opt/sidecar/bin/sidecar",
-                                                               str(Path(PYTHON).parent / "sidecar"))
+    text = (
+        (BAREMETAL / "sidecar.service")
+        .read_text()
+        .replace("/opt/sidecar/bin/sidecar", str(Path(PYTHON).parent / "sidecar"))
+    )
     unit = tmp_path / "sidecar.service"
     unit.write_text(text)
     out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
@@ -322,8 +345,14 @@ def test_environment_file_example_names_only_real_settings():
 
 def _launch(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     full = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "PREFLIGHT": "0", **env}
-    return subprocess.run(["bash", str(BAREMETAL / "torchrun-launch.sh"), "--set", "train.steps=5"],
-                          capture_output=True, text=True, env=full, cwd=tmp_path, timeout=30)
+    return subprocess.run(
+        ["bash", str(BAREMETAL / "torchrun-launch.sh"), "--set", "train.steps=5"],
+        capture_output=True,
+        text=True,
+        env=full,
+        cwd=tmp_path,
+        timeout=30,
+    )
 
 
 def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
@@ -338,12 +367,17 @@ def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
     assert cmd[-2:] == ["--set", "train.steps=5"]
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"RDZV_ENDPOINT": "node-0:29400", "CONFIG": "c.yaml"}, "set NNODES"),
-    ({"NNODES": "2", "RDZV_ENDPOINT": "node-0", "CONFIG": "c.yaml"}, "RDZV_ENDPOINT must be HOST:PORT"),
-    ({"NNODES": "2", "RDZV_ENDPOINT": "node-0:1", "CONFIG": "c.yaml", "MAX_RESTARTS": "0"},
-     "MAX_RESTARTS must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RDZV_ENDPOINT": "node-0:29400", "CONFIG": "c.yaml"}, "set NNODES"),
+        ({"NNODES": "2", "RDZV_ENDPOINT": "node-0", "CONFIG": "c.yaml"}, "RDZV_ENDPOINT must be HOST:PORT"),
+        (
+            {"NNODES": "2", "RDZV_ENDPOINT": "node-0:1", "CONFIG": "c.yaml", "MAX_RESTARTS": "0"},
+            "MAX_RESTARTS must be >= 1",
+        ),
+    ],
+)
 def test_launcher_refuses_missing_or_bad_settings(tmp_path, env, message):
     out = _launch(tmp_path, **env)
     assert out.returncode == 2 and message in out.stderr and out.stdout == ""
@@ -351,8 +385,12 @@ def test_launcher_refuses_missing_or_bad_settings(tmp_path, env, message):
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 def test_prometheus_config_example_is_valid(tmp_path):
-    out = subprocess.run([PROMTOOL, "check", "config", "--syntax-only", str(BAREMETAL / "prometheus.yml")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [PROMTOOL, "check", "config", "--syntax-only", str(BAREMETAL / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     scrape = yaml.safe_load((BAREMETAL / "prometheus.yml").read_text())["scrape_configs"]
     assert [s["job_name"] for s in scrape] == ["sidecar"]
@@ -366,8 +404,13 @@ def test_the_kubernetes_settings_start_a_daemon(tmp_path):
     token = tmp_path / "token"
     token.write_text("0123456789abcdef\n")
     # This machine's paths for what the DaemonSet mounts; everything else as shipped.
-    with Sidecar(tmp_path, f"token_file={token}", "collectors.sysfs_root=/sys", "collectors.procfs_root=/proc",
-                 env={"SIDECAR_CONFIG": str(config)}) as sidecar:
+    with Sidecar(
+        tmp_path,
+        f"token_file={token}",
+        "collectors.sysfs_root=/sys",
+        "collectors.procfs_root=/proc",
+        env={"SIDECAR_CONFIG": str(config)},
+    ) as sidecar:
         status = sidecar.status()
     assert status["health"] == "healthy", status["problems"]
 

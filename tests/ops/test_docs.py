@@ -1,4 +1,5 @@
 """The operator guide's links lead somewhere: files exist, runbook anchors name real sections."""
+
 from __future__ import annotations
 
 import re
@@ -35,7 +36,11 @@ def test_every_link_of_the_operator_guide_resolves():
 
 def test_the_guide_links_the_runbook_for_each_troubleshooting_case():
     section = GUIDE.read_text().split("## Troubleshooting", 1)[1]
-    for case in ("Rendezvous or communication timeouts", "Out of memory", "Silent hangs",
-                 "A node that fails its restart"):
+    for case in (
+        "Rendezvous or communication timeouts",
+        "Out of memory",
+        "Silent hangs",
+        "A node that fails its restart",
+    ):
         body = section.split(f"### {case}", 1)[1].split("\n### ", 1)[0]
         assert "runbook.md#" in body, case

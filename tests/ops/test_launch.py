@@ -1,6 +1,7 @@
 """deploy/baremetal/torchrun-launch.sh for real: preflight, then the bundled trainer under
 torchrun with a c10d rendezvous, its ranks reporting to a live sidecar that `sidecar status`
 then shows."""
+
 from __future__ import annotations
 
 import json
@@ -22,14 +23,23 @@ train: {{steps: {STEPS}, log_every_steps: 2}}
 batch: {{global_batch_size: 16, micro_batch_size: 8}}
 data: {{kwargs: {{size: 256}}}}
 parallel: {{backend: gloo}}
-checkpoint: {{dir: {tmp_path / 'ckpt'}, every_steps: 3}}
+checkpoint: {{dir: {tmp_path / "ckpt"}, every_steps: 3}}
 monitor: {{enabled: true}}
 """)
     with Sidecar(tmp_path / "sidecar", "watchdog.observe_only=true") as sidecar:
-        env = {"NNODES": "1", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
-               "RDZV_ID": "launch-test", "MAX_RESTARTS": "1", "CONFIG": str(config), "PYTHON": PYTHON,
-               "SIDECAR_SOCKET": sidecar.socket, "PREFLIGHT": "1", "PREFLIGHT_ARGS": "--min-free-gb 0",
-               "PATH": f"{os.path.dirname(PYTHON)}:{os.environ['PATH']}"}
+        env = {
+            "NNODES": "1",
+            "NPROC_PER_NODE": "2",
+            "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+            "RDZV_ID": "launch-test",
+            "MAX_RESTARTS": "1",
+            "CONFIG": str(config),
+            "PYTHON": PYTHON,
+            "SIDECAR_SOCKET": sidecar.socket,
+            "PREFLIGHT": "1",
+            "PREFLIGHT_ARGS": "--min-free-gb 0",
+            "PATH": f"{os.path.dirname(PYTHON)}:{os.environ['PATH']}",
+        }
         log = tmp_path / "launch.log"
         with spawned(["bash", str(ROOT / "deploy/baremetal/torchrun-launch.sh")], log, env=env) as proc:
             assert proc.wait(timeout=300) == 0, tail(log)

@@ -2,6 +2,7 @@
 validates (core kinds against the Kubernetes schemas, the Prometheus Operator's by structure,
 rules by promtool), each cluster-specific value is one line of the overlay's settings.yaml, and
 a missing or misspelled setting stops the build with a message naming it."""
+
 from __future__ import annotations
 
 import shutil
@@ -31,8 +32,9 @@ def _failure(tmp_path, overlay: str, edit) -> str:
     shutil.copytree(K8S, tree)
     settings = tree / "overlays" / overlay / "settings.yaml"
     settings.write_text(edit(settings.read_text()))
-    out = subprocess.run([KUBECTL, "kustomize", str(tree / "overlays" / overlay)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0 and out.stdout == ""
     return out.stderr
 
@@ -60,13 +62,19 @@ def test_kube_prometheus_stack_labels_come_from_one_setting_each(overlay, tmp_pa
     tree = tmp_path / "kubernetes"
     shutil.copytree(K8S, tree)
     settings = tree / "overlays" / overlay / "settings.yaml"
-    settings.write_text(settings.read_text().replace("release: kube-prometheus-stack", "release: monitoring")
-                        .replace('grafana_dashboard: "1"', 'grafana_dashboard: "yes"'))
+    settings.write_text(
+        settings.read_text()
+        .replace("release: kube-prometheus-stack", "release: monitoring")
+        .replace('grafana_dashboard: "1"', 'grafana_dashboard: "yes"')
+    )
     docs = render(tree / "overlays" / overlay)
     selected = [d for d in docs if d["kind"] in ("ServiceMonitor", "PrometheusRule")]
     assert len(selected) >= 6 and all(d["metadata"]["labels"]["release"] == "monitoring" for d in selected)
-    dashboards = [d for d in docs if d["kind"] == "ConfigMap"
-                  and d["metadata"]["labels"].get("app.kubernetes.io/component") == "dashboards"]
+    dashboards = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "dashboards"
+    ]
     assert len(dashboards) == len(list((ROOT / "dashboards").glob("*.json")))
     assert all(d["metadata"]["labels"]["grafana_dashboard"] == "yes" for d in dashboards)
     # Nothing else got the label: the sidecar's settings ConfigMap is no dashboard.
@@ -92,6 +100,7 @@ def test_the_gpu_operator_overlay_reads_dcgm_exporter_instead_of_polling_nvml(tm
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert env["SIDECAR_COLLECTORS_GPU_SOURCE"] == "dcgm" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
     from sidecar.config import load_settings
+
     settings = load_settings(environ={k: v for k, v in env.items() if k.startswith("SIDECAR_")})
     assert settings.collectors.gpu_source == "dcgm"
 
@@ -106,6 +115,10 @@ def test_an_overlay_without_its_settings_file_stops_the_build(tmp_path):
     tree = tmp_path / "kubernetes"
     shutil.copytree(K8S, tree)
     (tree / "overlays" / "kube-prometheus-stack" / "settings.yaml").unlink()
-    out = subprocess.run([KUBECTL, "kustomize", str(tree / "overlays" / "kube-prometheus-stack")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(tree / "overlays" / "kube-prometheus-stack")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "settings.yaml" in out.stderr

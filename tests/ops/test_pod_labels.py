@@ -2,6 +2,7 @@
 examples set and send them at registration; the sidecar checks them as untrusted input and puts
 `namespace`, `pod` and `container` on every series of that rank (training, watchdog, process),
 and on none when the variables are absent."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,11 @@ import yaml
 from tests.ops.helpers import post
 from tests.support import ROOT, Sidecar, wait_until
 
-POD_ENV = {"SIDECAR_POD_NAMESPACE": "team-a", "SIDECAR_POD_NAME": "llm-worker-1.abc",
-           "SIDECAR_CONTAINER_NAME": "pytorch"}
+POD_ENV = {
+    "SIDECAR_POD_NAMESPACE": "team-a",
+    "SIDECAR_POD_NAME": "llm-worker-1.abc",
+    "SIDECAR_CONTAINER_NAME": "pytorch",
+}
 RANK_SCRIPT = """
 import os, sys, time
 from trainer_hooks import Monitor
@@ -33,13 +37,17 @@ time.sleep(600)
 def _rank(sidecar: Sidecar, job: str, rank: int, extra_env: dict) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     env.update(sidecar.hook_env(), PYTHONPATH=str(ROOT), **extra_env)
-    return subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, job, str(rank)], env=env,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", RANK_SCRIPT, job, str(rank)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _series(metrics: str, name: str, job: str) -> list[str]:
-    return [line for line in metrics.splitlines()
-            if line.startswith(name + "{") and f'job_id="{job}"' in line]
+    return [line for line in metrics.splitlines() if line.startswith(name + "{") and f'job_id="{job}"' in line]
 
 
 def test_rank_series_carry_the_pod_labels_and_only_when_set(tmp_path):
@@ -54,8 +62,11 @@ def test_rank_series_carry_the_pod_labels_and_only_when_set(tmp_path):
 
             def labelled() -> bool:
                 m = sidecar.metrics()
-                return all(_series(m, n, "k8s") and _series(m, n, "bare") and _series(m, n, "bad")
-                           for n in ("sidecar_training_step", "sidecar_process_cpu_seconds_total"))
+                return all(
+                    _series(m, n, "k8s") and _series(m, n, "bare") and _series(m, n, "bad")
+                    for n in ("sidecar_training_step", "sidecar_process_cpu_seconds_total")
+                )
+
             wait_until(labelled, 60, interval=0.5, what="rank series of the three jobs")
             metrics = sidecar.metrics()
         finally:
@@ -76,21 +87,27 @@ def test_rank_series_carry_the_pod_labels_and_only_when_set(tmp_path):
         assert lines and not any(re.search(r'\b(namespace|pod|container)="', line) for line in lines), job
 
 
-@pytest.mark.parametrize("kubernetes, message", [
-    ({"namespace": "Team-A"}, "kubernetes.namespace: expected a DNS-1123 label"),
-    ({"pod": "a" * 254}, "kubernetes.pod: expected a DNS-1123 subdomain"),
-    ({"pod": "x\ny"}, "kubernetes.pod: expected a DNS-1123 subdomain"),
-    ({"container": ""}, "kubernetes.container: expected a DNS-1123 label"),
-    ({"container": 7}, "kubernetes.container: expected a DNS-1123 label"),
-    ({"node": "n1"}, "kubernetes: unknown key 'node'"),
-    ("team-a/pod", "kubernetes: expected an object"),
-])
+@pytest.mark.parametrize(
+    "kubernetes, message",
+    [
+        ({"namespace": "Team-A"}, "kubernetes.namespace: expected a DNS-1123 label"),
+        ({"pod": "a" * 254}, "kubernetes.pod: expected a DNS-1123 subdomain"),
+        ({"pod": "x\ny"}, "kubernetes.pod: expected a DNS-1123 subdomain"),
+        ({"container": ""}, "kubernetes.container: expected a DNS-1123 label"),
+        ({"container": 7}, "kubernetes.container: expected a DNS-1123 label"),
+        ({"node": "n1"}, "kubernetes: unknown key 'node'"),
+        ("team-a/pod", "kubernetes: expected an object"),
+    ],
+)
 def test_a_registration_with_a_bad_pod_name_is_refused_naming_the_field(tmp_path, kubernetes, message):
     proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         with Sidecar(tmp_path, "collectors.enabled=[]") as sidecar:
-            status, answer = post(sidecar.socket, "/v1/register", {
-                "job_id": "j", "rank": 0, "world_size": 1, "pid": proc.pid, "kubernetes": kubernetes})
+            status, answer = post(
+                sidecar.socket,
+                "/v1/register",
+                {"job_id": "j", "rank": 0, "world_size": 1, "pid": proc.pid, "kubernetes": kubernetes},
+            )
             assert sidecar.status()["ranks"] == []
     finally:
         proc.kill()
@@ -105,13 +122,16 @@ def _pod_env(pod_spec: dict) -> dict:
 
 def test_the_job_examples_set_the_variables_from_the_downward_api():
     from trainer_hooks.environment import POD_VARIABLES
+
     wanted = {"SIDECAR_POD_NAMESPACE": "metadata.namespace", "SIDECAR_POD_NAME": "metadata.name"}
     assert {v for v, _, _ in POD_VARIABLES} == {*wanted, "SIDECAR_CONTAINER_NAME"}
     examples = ROOT / "deploy" / "kubernetes" / "examples"
     job = yaml.safe_load((examples / "pytorchjob.yaml").read_text())
     jobset = yaml.safe_load((examples / "jobset.yaml").read_text())
-    pods = [job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"],
-            *(r["template"]["spec"]["template"]["spec"] for r in jobset["spec"]["replicatedJobs"])]
+    pods = [
+        job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"],
+        *(r["template"]["spec"]["template"]["spec"] for r in jobset["spec"]["replicatedJobs"]),
+    ]
     for pod in pods:
         env = _pod_env(pod)
         assert wanted.items() <= env.items()

@@ -1,6 +1,7 @@
 """`sidecar preflight`: every check reports on this GPU-less machine, peers' version skew
 fails naming the field, and the individual judgements (GPU health, Xids, shared storage,
 rendezvous, strictness) on controlled inputs."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,21 @@ from sidecar.testing import fake_nvml, fake_nvml_lib
 from tests.ops.helpers import Rank, run_cli
 from tests.support import Sidecar, free_port, wait_until
 
-CHECKS = ["nvidia-driver", "gpu-count", "gpu-health", "xid", "torch", "nics", "infiniband", "rendezvous",
-          "shared-storage", "checkpoint-disk", "clock", "sidecar", "version-skew"]
+CHECKS = [
+    "nvidia-driver",
+    "gpu-count",
+    "gpu-health",
+    "xid",
+    "torch",
+    "nics",
+    "infiniband",
+    "rendezvous",
+    "shared-storage",
+    "checkpoint-disk",
+    "clock",
+    "sidecar",
+    "version-skew",
+]
 
 
 def _args(**over) -> argparse.Namespace:
@@ -35,8 +49,18 @@ def _run(check, settings=None, **over) -> list[Result]:
 
 
 def test_every_check_runs_and_reports_without_a_gpu(tmp_path):
-    out = run_cli("preflight", "--json", "--shared-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path),
-                  "--min-free-gb", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    out = run_cli(
+        "preflight",
+        "--json",
+        "--shared-dir",
+        str(tmp_path),
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--min-free-gb",
+        "0",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+    )
     doc = json.loads(out.stdout)
     by_check = {}
     for r in doc["results"]:
@@ -111,8 +135,7 @@ def test_the_local_sidecar_passes_when_healthy_and_warns_when_absent(two_nodes, 
 
 
 def test_compare_versions_ignores_fields_a_node_does_not_report():
-    nodes = {"a": {"driver_version": {"550.54"}, "os": {"Ubuntu 22.04"}},
-             "b": {"driver_version": {"550.54"}}}
+    nodes = {"a": {"driver_version": {"550.54"}, "os": {"Ubuntu 22.04"}}, "b": {"driver_version": {"550.54"}}}
     assert peers.compare_versions(nodes) == []
 
 
@@ -132,8 +155,14 @@ def nvml_stand_in():
 
 
 def test_gpu_checks_fail_on_a_lost_gpu_and_a_pending_remap(nvml_stand_in):
-    fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 3,
-                         "gpus": {"1": {"remapped_rows": [0, 1, 1, 0]}, "2": {"errors": {"*": "gpu_is_lost"}}}})
+    fake_nvml.configure(
+        {
+            "driver_version": "550.54.15",
+            "cuda_driver_version": 12040,
+            "gpu_count": 3,
+            "gpus": {"1": {"remapped_rows": [0, 1, 1, 0]}, "2": {"errors": {"*": "gpu_is_lost"}}},
+        }
+    )
     health = _run(gpu_checks.check_gpu_health, nvml_stand_in)
     assert [r.outcome for r in health] == ["FAIL", "FAIL"], health
     assert health[0].detail.startswith("GPU 2 cannot be read")
@@ -161,9 +190,18 @@ def test_a_mig_gpu_does_not_pass_health_it_could_not_read(nvml_stand_in):
 
 @pytest.mark.parametrize("error", ["no_permission", "unknown"])
 def test_health_fields_that_fail_to_read_are_not_passed(nvml_stand_in, error):
-    fake_nvml.configure({"gpu_count": 1, "gpu": {"errors": {"nvmlDeviceGetRemappedRows": error,
-                                                            "nvmlDeviceGetRetiredPagesPendingStatus": error,
-                                                            "nvmlDeviceGetTotalEccErrors": error}}})
+    fake_nvml.configure(
+        {
+            "gpu_count": 1,
+            "gpu": {
+                "errors": {
+                    "nvmlDeviceGetRemappedRows": error,
+                    "nvmlDeviceGetRetiredPagesPendingStatus": error,
+                    "nvmlDeviceGetTotalEccErrors": error,
+                }
+            },
+        }
+    )
     health = _run(gpu_checks.check_gpu_health, nvml_stand_in)
     assert [r.outcome for r in health] == ["WARN"], health
     assert f"remapped_rows: {error}" in health[0].detail and f"ecc_uncorrected: {error}" in health[0].detail
@@ -175,8 +213,9 @@ def test_an_r470_driver_is_checked_not_crashed(nvml_stand_in):
     assert [r.outcome for r in _run(gpu_checks.check_gpu_count, nvml_stand_in, expect_gpus=2)] == ["PASS"]
 
 
-@pytest.mark.parametrize("init_error, outcome", [("driver_not_loaded", "WARN"), ("unknown", "FAIL"),
-                                                 ("lib_rm_version_mismatch", "FAIL")])
+@pytest.mark.parametrize(
+    "init_error, outcome", [("driver_not_loaded", "WARN"), ("unknown", "FAIL"), ("lib_rm_version_mismatch", "FAIL")]
+)
 def test_no_driver_warns_but_a_failing_driver_fails(nvml_stand_in, init_error, outcome):
     fake_nvml.configure({"init_error": init_error})
     (result,) = _run(gpu_checks.check_driver, nvml_stand_in)
@@ -191,17 +230,26 @@ def _interpreter(tmp_path, **facts) -> str:
     return str(script)
 
 
-@pytest.mark.parametrize("driver_cuda, torch_cuda, available, outcome", [
-    (12040, "12.4", True, "PASS"),
-    (12040, "12.8", True, "WARN"),   # minor version compatibility
-    (11080, "12.4", True, "FAIL"),   # a newer major version than the driver knows
-    (12040, "12.4", False, "FAIL"),  # cannot see the GPUs
-    (12040, None, False, "FAIL"),    # a CPU build on a GPU node
-])
+@pytest.mark.parametrize(
+    "driver_cuda, torch_cuda, available, outcome",
+    [
+        (12040, "12.4", True, "PASS"),
+        (12040, "12.8", True, "WARN"),  # minor version compatibility
+        (11080, "12.4", True, "FAIL"),  # a newer major version than the driver knows
+        (12040, "12.4", False, "FAIL"),  # cannot see the GPUs
+        (12040, None, False, "FAIL"),  # a CPU build on a GPU node
+    ],
+)
 def test_torch_cuda_against_the_driver(nvml_stand_in, tmp_path, driver_cuda, torch_cuda, available, outcome):
     fake_nvml.configure({"driver_version": "550.54.15", "cuda_driver_version": driver_cuda, "gpu_count": 2})
-    python = _interpreter(tmp_path, torch="2.7.0", cuda=torch_cuda, nccl="2.26.2" if torch_cuda else None,
-                          cuda_available=available, device_count=2 if available else 0)
+    python = _interpreter(
+        tmp_path,
+        torch="2.7.0",
+        cuda=torch_cuda,
+        nccl="2.26.2" if torch_cuda else None,
+        cuda_available=available,
+        device_count=2 if available else 0,
+    )
     torch, *cuda = _run(gpu_checks.check_torch, nvml_stand_in, python=python)
     assert torch.outcome == "PASS" and "torch 2.7.0" in torch.detail
     assert [r.outcome for r in cuda] == [outcome], cuda
@@ -231,8 +279,9 @@ def test_application_xids_warn_and_strict_turns_that_into_failure(tmp_path):
 
 def test_a_hardware_xid_fails(tmp_path):
     log = tmp_path / "kern.log"
-    log.write_text(KERNEL_LOG
-                   + "[ 900.0] NVRM: Xid (PCI:0000:86:00): 79, pid='<unknown>', GPU has fallen off the bus.\n")
+    log.write_text(
+        KERNEL_LOG + "[ 900.0] NVRM: Xid (PCI:0000:86:00): 79, pid='<unknown>', GPU has fallen off the bus.\n"
+    )
     results = _run(gpu_checks.check_xids, kernel_log=str(log))
     assert results[0].outcome == "FAIL" and "Xid 79 on 0000:86:00 x1 (GPU has fallen off the bus)" in results[0].detail
 

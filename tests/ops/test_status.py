@@ -1,4 +1,5 @@
 """`sidecar status` against live sidecars: what it shows and what its exit status says."""
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,13 @@ def test_endpoint_is_the_flag_then_sidecar_socket_then_sidecar_url_then_the_defa
 
 
 def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):
-    settings = ("watchdog.observe_only=true", "watchdog.check_interval_seconds=0.2",
-                "watchdog.floor_seconds=1", "watchdog.ceiling_seconds=2", "hooks_flush_interval_seconds=0.2")
+    settings = (
+        "watchdog.observe_only=true",
+        "watchdog.check_interval_seconds=0.2",
+        "watchdog.floor_seconds=1",
+        "watchdog.ceiling_seconds=2",
+        "hooks_flush_interval_seconds=0.2",
+    )
     with Sidecar(tmp_path, *settings) as sidecar:
         rank = ranks(sidecar, "run-7", 3)
         rank.push_step()
@@ -83,18 +89,23 @@ def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):
     row = next(line.split() for line in out.stdout.splitlines() if line.startswith("run-7 "))
     assert row[3] == "stalled"
     lines = out.stdout.splitlines()
-    problems = [line for line in lines[lines.index("Problems:") + 1:] if line.startswith("  - ")]
+    problems = [line for line in lines[lines.index("Problems:") + 1 :] if line.startswith("  - ")]
     assert any("run-7/3" in p and "stalled" in p for p in problems), problems
     assert "DEGRADED" in lines[0]
 
 
 def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):
-    spec = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2,
-            "gpus": {"1": {"errors": {"*": "gpu_is_lost"}}}}
+    spec = {
+        "driver_version": "550.54.15",
+        "cuda_driver_version": 12040,
+        "gpu_count": 2,
+        "gpus": {"1": {"errors": {"*": "gpu_is_lost"}}},
+    }
     spec_file = tmp_path / "nvml.json"
     spec_file.write_text(json.dumps(spec))
-    with Sidecar(tmp_path, "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
-                 env={"SIDECAR_FAKE_NVML": str(spec_file)}) as sidecar:
+    with Sidecar(
+        tmp_path, "collectors.nvml_module=sidecar.testing.fake_nvml_lib", env={"SIDECAR_FAKE_NVML": str(spec_file)}
+    ) as sidecar:
         wait_until(lambda: sidecar.status()["collectors"]["gpu"]["success"] is False, 30, what="gpu collector failing")
         out = run_cli("status", "--socket", sidecar.socket, "--json")
     assert out.returncode == 1
@@ -137,8 +148,9 @@ class _Broken(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("mode, expected", [("not-json", "did not answer JSON"),
-                                            ("error", "HTTP 503: the sidecar is shutting down")])
+@pytest.mark.parametrize(
+    "mode, expected", [("not-json", "did not answer JSON"), ("error", "HTTP 503: the sidecar is shutting down")]
+)
 def test_a_broken_answer_exits_2_saying_what_is_wrong(mode, expected):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
     server.mode = mode
@@ -156,8 +168,14 @@ def test_a_broken_answer_exits_2_saying_what_is_wrong(mode, expected):
 
 def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "status", "--watch", "0.2", "--socket", healthy.socket],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "status", "--watch", "0.2", "--socket", healthy.socket],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         frames = 0
         for line in proc.stdout:
@@ -172,7 +190,6 @@ def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
         proc.wait()
 
 
-
 class _Terminal:
     """`sidecar ARGS` with a pseudo-terminal (160x60) as stdin, stdout and stderr."""
 
@@ -180,8 +197,9 @@ class _Terminal:
         master, slave = os.openpty()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
         env.update(COLUMNS="160", LINES="60", TERM="xterm-256color")
-        self.proc = subprocess.Popen([sys.executable, "-m", "sidecar", *args], stdin=slave, stdout=slave,
-                                     stderr=slave, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", *args], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT
+        )
         os.close(slave)
         self.master, self.output = master, b""
 

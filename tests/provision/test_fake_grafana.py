@@ -1,6 +1,7 @@
 """The Grafana stand-in answers like Grafana: 401 with a JSON message for bad credentials,
 400 for payloads Grafana would reject, 412 for a stale dashboard version. Without this, the
 provisioning tests could pass against a server that accepts anything."""
+
 from __future__ import annotations
 
 import base64
@@ -25,8 +26,10 @@ async def test_health_needs_no_credentials(client):
     assert resp.status == 200 and (await resp.json())["database"] == "ok"
 
 
-@pytest.mark.parametrize("header", [{}, {"Authorization": "Bearer wrong"},
-                                    {"Authorization": "Basic " + base64.b64encode(b"admin:nope").decode()}])
+@pytest.mark.parametrize(
+    "header",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + base64.b64encode(b"admin:nope").decode()}],
+)
 async def test_bad_credentials_get_401_with_a_json_message(client, header):
     resp = await client.get("/api/folders/x", headers=header)
     assert resp.status == 401 and (await resp.json())["message"]
@@ -52,12 +55,22 @@ async def test_a_stale_dashboard_version_is_412_version_mismatch(client):
 
 async def test_an_alert_rule_whose_condition_is_not_in_data_is_400(client):
     await client.post("/api/folders", json={"uid": "f", "title": "F"}, headers=AUTH)
-    await client.post("/api/datasources", json={"uid": "ds", "name": "P", "type": "prometheus", "access": "proxy"},
-                      headers=AUTH)
-    rule = {"title": "R", "ruleGroup": "g", "folderUID": "f", "orgID": 1, "condition": "C", "for": "1m",
-            "noDataState": "OK", "execErrState": "Error",
-            "data": [{"refId": "A", "datasourceUid": "ds", "relativeTimeRange": {"from": 600, "to": 0},
-                      "model": {"expr": "up"}}]}
+    await client.post(
+        "/api/datasources", json={"uid": "ds", "name": "P", "type": "prometheus", "access": "proxy"}, headers=AUTH
+    )
+    rule = {
+        "title": "R",
+        "ruleGroup": "g",
+        "folderUID": "f",
+        "orgID": 1,
+        "condition": "C",
+        "for": "1m",
+        "noDataState": "OK",
+        "execErrState": "Error",
+        "data": [
+            {"refId": "A", "datasourceUid": "ds", "relativeTimeRange": {"from": 600, "to": 0}, "model": {"expr": "up"}}
+        ],
+    }
     resp = await client.post("/api/v1/provisioning/alert-rules", json=rule, headers=AUTH)
     assert resp.status == 400 and "condition" in (await resp.json())["message"]
     rule["condition"] = "A"
@@ -65,7 +78,16 @@ async def test_an_alert_rule_whose_condition_is_not_in_data_is_400(client):
 
 
 async def test_an_alert_rule_in_a_missing_folder_is_400(client):
-    rule = {"title": "R", "ruleGroup": "g", "folderUID": "nope", "orgID": 1, "condition": "A", "for": "1m",
-            "noDataState": "OK", "execErrState": "Error", "data": []}
+    rule = {
+        "title": "R",
+        "ruleGroup": "g",
+        "folderUID": "nope",
+        "orgID": 1,
+        "condition": "A",
+        "for": "1m",
+        "noDataState": "OK",
+        "execErrState": "Error",
+        "data": [],
+    }
     resp = await client.post("/api/v1/provisioning/alert-rules", json=rule, headers=AUTH)
     assert resp.status == 400

@@ -9,6 +9,7 @@ into fresh virtual environments in a temporary directory, run from there.
 - `training-sidecar-hooks`: the hooks alone in a venv without any third-party package; a rank
   there registers and pushes to a real sidecar.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,14 +28,26 @@ from tests.support import ROOT, Sidecar, wait_until
 
 pytestmark = pytest.mark.xdist_group("installed-wheels")
 TIMEOUT = 300
-PARTS = ("pyproject.toml", "README.md", "sidecar", "trainer_hooks", "trainer", "alerts", "dashboards", "deploy",
-         "packaging")
+PARTS = (
+    "pyproject.toml",
+    "README.md",
+    "sidecar",
+    "trainer_hooks",
+    "trainer",
+    "alerts",
+    "dashboards",
+    "deploy",
+    "packaging",
+)
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
 
 def _run(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-             and not k.startswith("SIDECAR_")}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("SIDECAR_")
+    }
     out = subprocess.run(cmd, cwd=cwd, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT)
     if check:
         assert out.returncode == 0, f"{cmd}: {out.returncode}\n{out.stdout}\n{out.stderr}"
@@ -54,8 +67,23 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
         else:
             shutil.copy2(path, src / part)
     dist = work / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-          "-w", str(dist), ".", "packaging/hooks"], cwd=src)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dist),
+            ".",
+            "packaging/hooks",
+        ],
+        cwd=src,
+    )
     found = {p.name.split("-")[0]: p for p in dist.glob("*.whl")}
     assert set(found) == {"training_sidecar", "training_sidecar_hooks"}, found
     return found
@@ -67,8 +95,11 @@ def _venv(where: Path, see_shared_deps: bool) -> Path:
     if see_shared_deps:
         # A plain path (no `import` line): the shared site-packages' own .pth files, among them
         # the editable install of the checkout, are not run, so `sidecar` can only come from the wheel.
-        site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         cwd=where).stdout.strip())
+        site = Path(
+            _run(
+                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=where
+            ).stdout.strip()
+        )
         (site / "shared-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
@@ -78,10 +109,14 @@ def installed(wheels, tmp_path_factory) -> Path:
     """A venv with the training-sidecar wheel; returns its bin/ directory."""
     venv = tmp_path_factory.mktemp("installed") / "venv"
     python = _venv(venv, see_shared_deps=True)
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels["training_sidecar"])],
-         cwd=venv.parent)
-    where = _run([str(python), "-c", "import sidecar, trainer_hooks; print(sidecar.__file__); "
-                  "print(trainer_hooks.__file__)"], cwd=venv.parent).stdout.split()
+    _run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels["training_sidecar"])],
+        cwd=venv.parent,
+    )
+    where = _run(
+        [str(python), "-c", "import sidecar, trainer_hooks; print(sidecar.__file__); print(trainer_hooks.__file__)"],
+        cwd=venv.parent,
+    ).stdout.split()
     assert all(Path(w).is_relative_to(venv) for w in where), where
     return venv / "bin"
 
@@ -117,8 +152,11 @@ def test_provision_write_files_from_the_installed_package(installed, tmp_path):
 
 def test_provision_pushes_to_grafana_from_the_installed_package(installed, tmp_path):
     with FakeGrafana(token="glsa_installed") as grafana:
-        out = _run([str(installed / "sidecar"), "provision", "--datasource-url", "http://prometheus:9090"],
-                   cwd=tmp_path, env={"GRAFANA_URL": grafana.url, "GRAFANA_TOKEN": "glsa_installed"})
+        out = _run(
+            [str(installed / "sidecar"), "provision", "--datasource-url", "http://prometheus:9090"],
+            cwd=tmp_path,
+            env={"GRAFANA_URL": grafana.url, "GRAFANA_TOKEN": "glsa_installed"},
+        )
         state = grafana.state
         assert {json.loads(p.read_text())["uid"] for p in (ROOT / "dashboards").glob("*.json")} == set(state.dashboards)
         assert state.alert_rules and "sidecar-prometheus" in state.datasources
@@ -147,15 +185,23 @@ mon.close()
 def test_the_hooks_install_alone_and_push_to_a_real_sidecar(wheels, tmp_path):
     venv = tmp_path / "hooks-venv"
     python = _venv(venv, see_shared_deps=False)
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels["training_sidecar_hooks"])],
-         cwd=tmp_path)
+    _run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels["training_sidecar_hooks"])],
+        cwd=tmp_path,
+    )
     listed = _run([str(python), "-m", "pip", "list", "--format=json"], cwd=tmp_path).stdout
     assert {p["name"] for p in json.loads(listed)} <= {"pip", "setuptools", "training-sidecar-hooks"}
     with Sidecar(tmp_path / "daemon", "collectors.enabled=[]") as sidecar:
         out = _run([str(python), "-c", HOOKS_RANK], cwd=tmp_path, env=sidecar.hook_env())
         assert Path(out.stdout.strip()).is_relative_to(venv)
-        wait_until(lambda: "sidecar_training_step{" in sidecar.metrics() and
-                   'job_id="hooks-only"' in sidecar.metrics(), 30, what="the hooks-only rank's steps")
-        step = [line for line in sidecar.metrics().splitlines()
-                if line.startswith("sidecar_training_step{") and 'job_id="hooks-only"' in line]
+        wait_until(
+            lambda: "sidecar_training_step{" in sidecar.metrics() and 'job_id="hooks-only"' in sidecar.metrics(),
+            30,
+            what="the hooks-only rank's steps",
+        )
+        step = [
+            line
+            for line in sidecar.metrics().splitlines()
+            if line.startswith("sidecar_training_step{") and 'job_id="hooks-only"' in line
+        ]
     assert step and step[0].endswith(" 5.0"), step

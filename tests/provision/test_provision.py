@@ -1,5 +1,6 @@
 """`sidecar provision` against the Grafana stand-in: payloads in Grafana's documented shapes,
 idempotent runs, clear one-line errors, and the file mode."""
+
 from __future__ import annotations
 
 import subprocess
@@ -37,6 +38,7 @@ def dashboards() -> list[dict]:
 
 def alert_names() -> list[str]:
     from alerts.build import all_alerts
+
     return [a.name for a in all_alerts()]
 
 
@@ -103,6 +105,7 @@ def test_alert_rules_have_grafanas_provisioning_shape(grafana):
 
 def test_converted_alert_queries_are_valid_promql(tmp_path):
     from tests.alerts.realstack import Prometheus
+
     groups = provision.load_rule_groups(ROOT / "alerts")
     rules = provision.grafana_rules(groups, "f", "ds")
     with Prometheus(tmp_path).running() as prom:
@@ -165,13 +168,16 @@ def test_missing_datasource_without_url_is_a_clear_error(grafana, capsys):
     assert "--datasource-url" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    ([], {"GRAFANA_TOKEN": TOKEN}, "no Grafana URL"),
-    ([], {"GRAFANA_URL": "http://g:3000"}, "no Grafana credentials"),
-    ([], {"GRAFANA_URL": "http://admin:pw@g:3000", "GRAFANA_TOKEN": TOKEN}, "must not hold credentials"),
-    (["--token-file", "/nonexistent/token"], {"GRAFANA_URL": "http://g:3000"}, "cannot read token file"),
-    (["--no-dashboards", "--no-alerts"], {"GRAFANA_URL": "http://g:3000", "GRAFANA_TOKEN": TOKEN}, "nothing to do"),
-])
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        ([], {"GRAFANA_TOKEN": TOKEN}, "no Grafana URL"),
+        ([], {"GRAFANA_URL": "http://g:3000"}, "no Grafana credentials"),
+        ([], {"GRAFANA_URL": "http://admin:pw@g:3000", "GRAFANA_TOKEN": TOKEN}, "must not hold credentials"),
+        (["--token-file", "/nonexistent/token"], {"GRAFANA_URL": "http://g:3000"}, "cannot read token file"),
+        (["--no-dashboards", "--no-alerts"], {"GRAFANA_URL": "http://g:3000", "GRAFANA_TOKEN": TOKEN}, "nothing to do"),
+    ],
+)
 def test_bad_usage_exits_2_with_one_line(argv, env, message, capsys):
     assert run(argv, env) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -202,8 +208,13 @@ def test_write_files_produces_grafana_provisioning_and_prometheus_rules(tmp_path
 
 
 def test_the_console_script_runs_provision(tmp_path):
-    out = subprocess.run([PYTHON, "-m", "sidecar", "provision", "--write-files", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [PYTHON, "-m", "sidecar", "provision", "--write-files", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "prometheus/training-sidecar.rules.yml").exists()
 
@@ -217,6 +228,7 @@ def test_dashboards_preselect_the_provisioned_datasource(grafana):
 
 def test_a_dashboard_saved_by_someone_else_meanwhile_is_not_overwritten(grafana):
     from grafana_client import GrafanaApi
+
     run(["--datasource-url", PROM_URL], token_env(grafana))
     api = GrafanaApi.from_url(grafana.url, credential=TOKEN)
     read = api.dashboard.get_dashboard

@@ -5,6 +5,7 @@ Attempt 1 looks, before forming its own group, for the address keys gloo wrote i
 then forms its group. Each rank writes what it saw to OUT_DIR/attempt<a>-rank<r>.json, again
 (with `formed`) once its group works.
 USE_HELPER=1 forms the group through trainer_hooks.distributed."""
+
 import json
 import os
 import sys

@@ -1,6 +1,7 @@
 """Restarts that come back for any script (issue 12): the root cause on real torchrun, the
 helper outside torchrun, and hang -> kill -> restart cycles of a plain script, a Hugging Face
 Trainer and a Lightning run next to a real sidecar (bench/cycles)."""
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,33 @@ def torchrun_stale_keys(tmp_path: Path, use_helper: bool, max_restarts: int) -> 
     out.mkdir()
     log = tmp_path / "torchrun.log"
     env = {"OUT_DIR": str(out), "USE_HELPER": "1" if use_helper else "0", "OMP_NUM_THREADS": "1"}
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(max_restarts), str(HERE / "stale_keys.py")]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(max_restarts),
+        str(HERE / "stale_keys.py"),
+    ]
+
     def attempt1() -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted(out.glob("attempt1-*.json"))]
 
     # Without the helper the restarted group may fail or never form: read what attempt 1 saw,
     # then stop torchrun (spawned kills it on the way out).
     with spawned(cmd, log, env=env) as proc:
-        wait_until(lambda: proc.poll() is not None or (len(attempt1()) == 2 and (
-            not use_helper or all(r.get("formed") for r in attempt1()))), 180, interval=0.2,
-            what=f"attempt 1 of both ranks:\n{tail(log)}")
+        wait_until(
+            lambda: (
+                proc.poll() is not None
+                or (len(attempt1()) == 2 and (not use_helper or all(r.get("formed") for r in attempt1())))
+            ),
+            180,
+            interval=0.2,
+            what=f"attempt 1 of both ranks:\n{tail(log)}",
+        )
         return attempt1()
 
 
@@ -55,30 +72,42 @@ def test_the_helper_forms_the_restarted_group_in_a_namespace_of_its_own(tmp_path
 
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE",
-                                                                     "MASTER_", "LOCAL_"))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**clean, "PYTHONPATH": str(ROOT), **env})
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, "PYTHONPATH": str(ROOT), **env},
+    )
 
 
 def test_outside_torchrun_the_helper_is_a_plain_init_process_group():
-    done = python("import torch.distributed as dist, trainer_hooks.distributed as d\n"
-                  "assert not d.install()\n"
-                  "gen = d.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-                  "assert gen is None and dist.get_world_size() == 1\n"
-                  "import importlib; h = importlib.import_module('torch.distributed.rendezvous')._rendezvous_handlers\n"
-                  "assert not any(hasattr(f, '_trainer_hooks_attempt_store') for f in h.values())\n"
-                  "dist.destroy_process_group(); print('ok')")
+    done = python(
+        "import torch.distributed as dist, trainer_hooks.distributed as d\n"
+        "assert not d.install()\n"
+        "gen = d.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "assert gen is None and dist.get_world_size() == 1\n"
+        "import importlib; h = importlib.import_module('torch.distributed.rendezvous')._rendezvous_handlers\n"
+        "assert not any(hasattr(f, '_trainer_hooks_attempt_store') for f in h.values())\n"
+        "dist.destroy_process_group(); print('ok')"
+    )
     assert done.stdout.strip() == "ok", done.stderr
 
 
 def test_the_helper_imports_no_torch_until_called_and_the_switch_turns_it_off():
-    done = python("import sys, trainer_hooks.distributed as d\n"
-                  "assert 'torch' not in sys.modules\n"
-                  "env = {'TORCHELASTIC_USE_AGENT_STORE': 'True', 'TORCHELASTIC_RUN_ID': 'x'}\n"
-                  "assert d.needed(env) and not d.needed({**env, 'SIDECAR_ATTEMPT_STORE': '0'})\n"
-                  "assert not d.needed({**env, 'TORCHELASTIC_USE_AGENT_STORE': 'False'})\n"
-                  "print('ok')")
+    done = python(
+        "import sys, trainer_hooks.distributed as d\n"
+        "assert 'torch' not in sys.modules\n"
+        "env = {'TORCHELASTIC_USE_AGENT_STORE': 'True', 'TORCHELASTIC_RUN_ID': 'x'}\n"
+        "assert d.needed(env) and not d.needed({**env, 'SIDECAR_ATTEMPT_STORE': '0'})\n"
+        "assert not d.needed({**env, 'TORCHELASTIC_USE_AGENT_STORE': 'False'})\n"
+        "print('ok')"
+    )
     assert done.stdout.strip() == "ok", done.stderr
 
 

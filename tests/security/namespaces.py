@@ -2,6 +2,7 @@
 the way to force pid reuse deterministically (write `/proc/sys/kernel/ns_last_pid`, then fork:
 no other process on the machine competes for pids there) and to stand in for a pod without
 `hostPID`."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,14 @@ def in_new_pid_namespace(code: str, env: dict[str, str], timeout: float = 120.0)
     needs_namespaces()
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env)
     source = f"CLIENT = {CLIENT!r}\n" + CLIENT + REUSE + textwrap.dedent(code)
-    proc = subprocess.run([UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc", PYTHON, "-c", source],
-                          env=full_env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    proc = subprocess.run(
+        [UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc", PYTHON, "-c", source],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
     return result_of(proc)
 
 
@@ -52,12 +59,18 @@ def start_in_new_pid_namespace(code: str, env: dict[str, str], timeout: float = 
     import time
 
     import psutil
+
     needs_namespaces()
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env)
     source = f"CLIENT = {CLIENT!r}\n" + CLIENT + REUSE + textwrap.dedent(code)
-    proc = subprocess.Popen([UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc", PYTHON, "-c", source],
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc", PYTHON, "-c", source],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.5)
@@ -65,7 +78,7 @@ def start_in_new_pid_namespace(code: str, env: dict[str, str], timeout: float = 
             line = proc.stdout.readline()
             if line.startswith("RESULT "):
                 init = psutil.Process(proc.pid).children()[0].pid
-                return proc, init, json.loads(line[len("RESULT "):])
+                return proc, init, json.loads(line[len("RESULT ") :])
             if not line:
                 break
     proc.kill()

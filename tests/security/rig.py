@@ -3,6 +3,7 @@ attacks run as those users (`CLIENT` is prepended to each attack's code).
 
 The sidecar runs as root with its socket at mode 0666, as the shipped configurations have it.
 Its directory is world-traversable so that any local user can connect."""
+
 from __future__ import annotations
 
 import json
@@ -84,15 +85,19 @@ def open_sidecar(*settings: str, name: str = "sidecar") -> OpenSidecar:
 
 def attack(user: User, sidecar: Sidecar, code: str, timeout: float = 120.0) -> dict:
     """Run `code` (after CLIENT) as `user` against `sidecar`; the dict it passed to report()."""
-    proc = run_as_sync(user, [UNPRIV_PYTHON, "-c", CLIENT + textwrap.dedent(code)],
-                       env={"SIDECAR_SOCKET": sidecar.socket}, timeout=timeout)
+    proc = run_as_sync(
+        user,
+        [UNPRIV_PYTHON, "-c", CLIENT + textwrap.dedent(code)],
+        env={"SIDECAR_SOCKET": sidecar.socket},
+        timeout=timeout,
+    )
     return result_of(proc)
 
 
 def result_of(proc: subprocess.CompletedProcess) -> dict:
     for line in proc.stdout.splitlines()[::-1]:
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise AssertionError(f"no result (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
@@ -105,6 +110,7 @@ def start_as(user: User, sidecar: Sidecar, code: str, timeout: float = 60.0):
     reported first). The caller stops the process (tests.support.kill_tree)."""
     import select
     import time
+
     proc = run_as_user_background(user, sidecar, code)
     deadline = time.monotonic() + timeout
     buffered = ""
@@ -116,7 +122,7 @@ def start_as(user: User, sidecar: Sidecar, code: str, timeout: float = 60.0):
                 break
             buffered += line
             if line.startswith("RESULT "):
-                return proc, json.loads(line[len("RESULT "):])
+                return proc, json.loads(line[len("RESULT ") :])
         elif proc.poll() is not None:
             break
     proc.kill()
@@ -125,6 +131,12 @@ def start_as(user: User, sidecar: Sidecar, code: str, timeout: float = 60.0):
 
 def run_as_user_background(user: User, sidecar: Sidecar, code: str) -> subprocess.Popen:
     from tests.unpriv import run_as
-    return run_as(user, [UNPRIV_PYTHON, "-c", CLIENT + textwrap.dedent(code)],
-                  env={"SIDECAR_SOCKET": sidecar.socket}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                  text=True)
+
+    return run_as(
+        user,
+        [UNPRIV_PYTHON, "-c", CLIENT + textwrap.dedent(code)],
+        env={"SIDECAR_SOCKET": sidecar.socket},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -2,6 +2,7 @@
 slow `/healthz`, an unbounded `/metrics`, or a healthy rank killed because the sidecar fell
 behind. The node-wide case (root's ranks: per-user quotas do not apply to them). The
 benchmark of the same load is `python -m bench.bench_metrics` (its item-9 case)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +23,15 @@ def rank_state(sc: Sidecar, job: str) -> str | None:
 
 def test_thousands_of_ranks_neither_slow_health_nor_kill_a_healthy_rank(tmp_path):
     with contextlib.ExitStack() as stack:
-        sc = Sidecar(tmp_path / "sc", "collectors.enabled=[nic,process,node]", "watchdog.floor_seconds=5",
-                     "hooks_flush_interval_seconds=1", f"limits.max_series={MAX_SERIES}", "log_level=warning",
-                     "metrics_reuse_seconds=0.5")  # the default, which tests/support.py turns off
+        sc = Sidecar(
+            tmp_path / "sc",
+            "collectors.enabled=[nic,process,node]",
+            "watchdog.floor_seconds=5",
+            "hooks_flush_interval_seconds=1",
+            f"limits.max_series={MAX_SERIES}",
+            "log_level=warning",
+            "metrics_reuse_seconds=0.5",
+        )  # the default, which tests/support.py turns off
         sc.start()
         stack.callback(sc.stop)
         healthy = stack.enter_context(spawned([PYTHON, "-c", HEALTHY], tmp_path / "healthy.log", env=sc.hook_env()))
@@ -33,9 +40,13 @@ def test_thousands_of_ranks_neither_slow_health_nor_kill_a_healthy_rank(tmp_path
         during = scrape_and_probe(sc.port, 20)  # while the ranks register, and after
         accepted = wait_loaded(tmp_path, JOBS, 300)
         after = scrape_and_probe(sc.port, 15)
-        seen = Latencies(during.healthz_ms + after.healthz_ms, during.scrape_ms + after.scrape_ms,
-                         during.scrape_series + after.scrape_series, during.scrape_bytes + after.scrape_bytes,
-                         during.failures + after.failures)
+        seen = Latencies(
+            during.healthz_ms + after.healthz_ms,
+            during.scrape_ms + after.scrape_ms,
+            during.scrape_series + after.scrape_series,
+            during.scrape_bytes + after.scrape_bytes,
+            during.failures + after.failures,
+        )
         print(f"{accepted} ranks registered with {CUSTOMS} custom metrics each; " + seen.summary())
         try:
             assert accepted >= JOBS * RANKS_PER_JOB * 0.9

@@ -1,5 +1,6 @@
 """The training-pod examples run without `hostPID` (the sidecar maps pod pids to host pids),
 and keep the one thing the socket needs: the /run/sidecar hostPath."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """Exit reports are a rank's claim about itself: another local user cannot put an exception in
 someone else's mouth, and what a user claims about its own rank is kept as text, clipped and
 without control characters, never acted on."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,12 @@ from tests.security.rig import attack, open_sidecar
 from tests.support import PYTHON, spawned, tail, wait_until
 from tests.unpriv import unprivileged_user
 
-OOM_REPORT = {"type": "torch.OutOfMemoryError", "types": ["torch.OutOfMemoryError"], "message": "CUDA out of memory",
-              "traceback": []}
+OOM_REPORT = {
+    "type": "torch.OutOfMemoryError",
+    "types": ["torch.OutOfMemoryError"],
+    "message": "CUDA out of memory",
+    "traceback": [],
+}
 
 
 def test_another_user_cannot_report_an_exception_for_someone_elses_rank(tmp_path):
@@ -21,15 +26,20 @@ def test_another_user_cannot_report_an_exception_for_someone_elses_rank(tmp_path
     with open_sidecar() as sidecar:
         env = {**rank_env(sidecar, "victim"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
         ready = tmp_path / "victim.ready"
-        with spawned([PYTHON, RANK, "--mode", "hold", "--ready", str(ready)], tmp_path / "victim.log",
-                     env=env) as victim:
+        with spawned(
+            [PYTHON, RANK, "--mode", "hold", "--ready", str(ready)], tmp_path / "victim.log", env=env
+        ) as victim:
             wait_until(lambda: ready.exists() or victim.poll() is not None, 120, what="victim ready")
             assert victim.poll() is None, tail(tmp_path / "victim.log")
-            result = attack(mallory, sidecar, f"""
+            result = attack(
+                mallory,
+                sidecar,
+                f"""
                 body = {{"job_id": "victim", "rank": 0, "pid": {victim.pid}, "reason": "exception",
                          "exit": {json.dumps(OOM_REPORT)}}}
                 report(reply=request("/v1/deregister", body))
-            """)
+            """,
+            )
             status, answer = result["reply"]
             assert status in (403, 409), answer
             assert [r["state"] for r in sidecar.status()["ranks"] if r["job_id"] == "victim"] != ["gone"]
@@ -44,7 +54,10 @@ def test_another_user_cannot_report_an_exception_for_someone_elses_rank(tmp_path
 def test_a_users_claim_about_its_own_rank_is_clipped_text(tmp_path):
     mallory = unprivileged_user("m")
     with open_sidecar() as sidecar:
-        result = attack(mallory, sidecar, r"""
+        result = attack(
+            mallory,
+            sidecar,
+            r"""
             status, answer = request("/v1/register", registration(os.getpid(), "mallory", world_size=1))
             report_body = {"type": "\x1b[31mEvil\x07", "types": ["x" * 5_000] * 50,
                            "message": "/etc/shadow\x1b]0;owned\x07" + "m" * 100_000,
@@ -53,7 +66,8 @@ def test_a_users_claim_about_its_own_rank_is_clipped_text(tmp_path):
                     "session": answer.get("session"), "exit": report_body}
             report(registered=status, dereg=request("/v1/deregister", body))
             sys.exit(1)
-        """)
+        """,
+        )
         assert result["registered"] == 200 and result["dereg"][0] == 200, result
         wait_for_exit(sidecar, "mallory", timeout=60)
         (incident,) = [i for i in incidents(sidecar, "exit") if i["job_id"] == "mallory"]

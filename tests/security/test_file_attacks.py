@@ -3,6 +3,7 @@ node. Each attack runs as a throw-away user (tests/unpriv.py) with the standard 
 against a real sidecar whose socket is open to everyone (mode 0666, as shipped), and must get
 nothing: no file it could not read lands in an incident, nothing root owns is written, and no
 path it names can block the sidecar. docs/security.md, "Files the sidecar opens and writes"."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,13 +28,22 @@ from tests.unpriv import (
     world_dir,
 )
 
-QUICK_STALLS = ("socket_mode=0666", "collectors.enabled=[]", "hooks_flush_interval_seconds=0.5",
-                "watchdog.check_interval_seconds=0.25", "watchdog.startup_timeout_seconds=2",
-                "watchdog.floor_seconds=2", "remediation.py_spy=false", "remediation.dump_wait_seconds=1",
-                "remediation.grace_seconds=2", "remediation.max_per_window=50", "limits.max_jobs=64")
+QUICK_STALLS = (
+    "socket_mode=0666",
+    "collectors.enabled=[]",
+    "hooks_flush_interval_seconds=0.5",
+    "watchdog.check_interval_seconds=0.25",
+    "watchdog.startup_timeout_seconds=2",
+    "watchdog.floor_seconds=2",
+    "remediation.py_spy=false",
+    "remediation.dump_wait_seconds=1",
+    "remediation.grace_seconds=2",
+    "remediation.max_per_window=50",
+    "limits.max_jobs=64",
+)
 
 # The attacker's toolkit: raw HTTP over the sidecar's Unix socket, standard library only.
-CLIENT = r'''
+CLIENT = r"""
 import http.client, json, os, signal, socket, sys, tempfile, time
 SOCK = os.environ["SIDECAR_SOCKET"]
 class Conn(http.client.HTTPConnection):
@@ -55,11 +65,13 @@ def register(job, path, signum=int(signal.SIGUSR2)):
                                  "stack_dump": {"signal": signum, "path": path}})
 def report(**kw):
     print(json.dumps(kw), flush=True)
-'''
+"""
 
 # Row 1: the dump path is a symlink to the attacker's own empty file; when the dump signal
 # comes, it is re-pointed at a root-only file (the sidecar measured the empty file first).
-SYMLINK_ATTACK = CLIENT + r'''
+SYMLINK_ATTACK = (
+    CLIENT
+    + r"""
 secret = sys.argv[1]
 d = tempfile.mkdtemp()
 empty = os.path.join(d, "empty")
@@ -73,19 +85,25 @@ signal.signal(signal.SIGUSR2, repoint)
 status, body = register("row1", link)
 report(status=status, body=body)
 time.sleep(120)  # and never push: a stall
-'''
+"""
+)
 
 # Row 2: the dump path is another process's environment (here: the sidecar's own).
-PROC_ATTACK = CLIENT + r'''
+PROC_ATTACK = (
+    CLIENT
+    + r"""
 signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 status, body = register("row2", sys.argv[1])
 report(status=status, body=body)
 time.sleep(120)
-'''
+"""
+)
 
 # Row 3: the job_id `incidents` (the incident store's directory), then symlinks planted under
 # every temporary name the next incident of job "row3" could use, pointing at a root file.
-PLANT_ATTACK = CLIENT + r'''
+PLANT_ATTACK = (
+    CLIENT
+    + r"""
 import subprocess
 target, incidents = sys.argv[1], sys.argv[2]
 signal.signal(signal.SIGUSR2, signal.SIG_IGN)
@@ -107,10 +125,13 @@ report(step="planted", planted=planted, error=error)
 status, body = register("row3", None)
 report(step="row3", status=status, body=body)
 time.sleep(120)
-'''
+"""
+)
 
 # Row 4: the dump path is a FIFO nobody writes: opening it blocks until a writer comes.
-FIFO_ATTACK = CLIENT + r'''
+FIFO_ATTACK = (
+    CLIENT
+    + r"""
 signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 d = tempfile.mkdtemp()
 fifo = os.path.join(d, "dump")
@@ -118,10 +139,11 @@ os.mkfifo(fifo)
 status, body = register(sys.argv[1], fifo)
 report(status=status, body=body)
 time.sleep(120)
-'''
+"""
+)
 
 # Another user's real training rank (the hooks): steps every 0.1 s, then hangs for good.
-VICTIM = r'''
+VICTIM = r"""
 import time
 from trainer_hooks import Monitor
 mon = Monitor(job_id="victim", rank=0, world_size=1)
@@ -132,7 +154,7 @@ print("hanging", mon.stack_dump_path, flush=True)
 def stuck_in_allreduce():
     time.sleep(600)
 stuck_in_allreduce()
-'''
+"""
 
 
 @pytest.fixture
@@ -186,15 +208,23 @@ def incidents(diag: Path, job: str) -> list[dict]:
 
 
 def finished_incident(diag: Path, job: str, timeout: float = 60) -> dict:
-    return wait_until(lambda: next((r for r in incidents(diag, job) if r.get("outcome") != "pending"), None),
-                      timeout, interval=0.25, what=f"the incident of job {job} to finish")
+    return wait_until(
+        lambda: next((r for r in incidents(diag, job) if r.get("outcome") != "pending"), None),
+        timeout,
+        interval=0.25,
+        what=f"the incident of job {job} to finish",
+    )
 
 
 def everything_written(diag: Path) -> str:
     """Every incident file and `sidecar incidents --full`: where a leak would show."""
     texts = [p.read_text(errors="replace") for p in (diag / "incidents").glob("*") if p.is_file()]
-    out = subprocess.run([PYTHON, "-m", "sidecar", "incidents", "--diag-dir", str(diag), "--full"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [PYTHON, "-m", "sidecar", "incidents", "--diag-dir", str(diag), "--full"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return "\n".join(texts) + out.stdout + out.stderr
 
 
@@ -212,8 +242,11 @@ def test_row1_a_symlinked_dump_path_repointed_at_a_root_only_file_leaks_nothing(
     secret = "ROOT-ONLY-" + secrets.token_hex(8)
     secret_file = root_only_file(secret)
     try:
-        with Sidecar(d / "sc", *QUICK_STALLS) as sc, explained(sc), attacker(mallory, SYMLINK_ATTACK,
-                                                                              str(secret_file), sidecar=sc) as proc:
+        with (
+            Sidecar(d / "sc", *QUICK_STALLS) as sc,
+            explained(sc),
+            attacker(mallory, SYMLINK_ATTACK, str(secret_file), sidecar=sc) as proc,
+        ):
             answer = line(proc)
             assert answer["status"] == 200, answer
             record = finished_incident(d / "sc" / "diag", "row1")
@@ -273,12 +306,15 @@ def test_row4_a_fifo_dump_path_blocks_nothing(node):
     try:
         with explained(sc), contextlib.ExitStack() as stack:
             # More stalled FIFO jobs than the sidecar has worker threads (min(32, cores + 4)).
-            attacks = [stack.enter_context(attacker(mallory, FIFO_ATTACK, f"row4-{i}", sidecar=sc))
-                       for i in range(min(32, (os.cpu_count() or 1) + 4) + 2)]
+            attacks = [
+                stack.enter_context(attacker(mallory, FIFO_ATTACK, f"row4-{i}", sidecar=sc))
+                for i in range(min(32, (os.cpu_count() or 1) + 4) + 2)
+            ]
             accepted = [f"row4-{i}" for i, p in enumerate(attacks) if line(p)["status"] == 200]
             assert accepted
-            wait_until(lambda: all(incidents(diag, job) for job in accepted), 60, interval=0.25,
-                       what="the FIFO jobs' stalls")
+            wait_until(
+                lambda: all(incidents(diag, job) for job in accepted), 60, interval=0.25, what="the FIFO jobs' stalls"
+            )
             time.sleep(3)  # past the dump wait: the reads of the dumps have begun
             victim = stack.enter_context(attacker(victim_user, VICTIM, sidecar=sc, hooks=hooks))
             hanging = victim.stdout.readline().split()

@@ -6,6 +6,7 @@ pid is reused by a root process, and the user registers that pid over the dead c
 connection. The sidecar used to trust the peer credentials recorded at connect(); it must see
 that the connecting process is gone. The reuse is forced inside a fresh pid namespace (sidecar
 and all), where writing ns_last_pid hands out exactly the pid wanted."""
+
 from __future__ import annotations
 
 import psutil
@@ -67,17 +68,26 @@ def test_a_user_cannot_register_a_root_process_it_started_through_a_setuid_path(
     mallory = unprivileged_user("mallory")
     root_proc = spawn()
     with open_sidecar() as sidecar:
-        out = attack(mallory, sidecar, f"""
+        out = attack(
+            mallory,
+            sidecar,
+            f"""
             report(reply=request("/v1/register", registration({root_proc.pid}, "j", world_size=1)))
-        """)
+        """,
+        )
     assert out["reply"][0] == 403 and root_proc.poll() is None
 
 
 # ---------------------------------------------------------------- ranks in their own pid namespace
 
-NS_SETTINGS = ("watchdog.startup_timeout_seconds=2", "watchdog.floor_seconds=3", "hooks_flush_interval_seconds=0.5",
-               "watchdog.check_interval_seconds=0.25", "remediation.dump_wait_seconds=0",
-               "remediation.grace_seconds=1")
+NS_SETTINGS = (
+    "watchdog.startup_timeout_seconds=2",
+    "watchdog.floor_seconds=3",
+    "hooks_flush_interval_seconds=0.5",
+    "watchdog.check_interval_seconds=0.25",
+    "remediation.dump_wait_seconds=0",
+    "remediation.grace_seconds=1",
+)
 
 LAUNCHER = r"""
     me = request("/v1/register", registration(os.getpid(), "pod", rank=0, world_size=2))

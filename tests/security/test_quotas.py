@@ -2,6 +2,7 @@
 every job slot, or spending the storm cap with stalls of its own, used to leave other users'
 jobs unwatched (429) and a root job's real hang unremediated ("storm cap reached"). Each
 attack runs as an unprivileged user against a real sidecar."""
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,15 @@ def test_one_user_cannot_take_every_job_slot():
         statuses = [status for status, _ in hog["replies"]]
         assert statuses[:4] == [200] * 4 and set(statuses[4:]) == {429}, statuses
         assert "limits.max_jobs_per_user is 4" in hog["replies"][4][1]["error"]
-        out = attack(alice, sidecar, """
+        out = attack(
+            alice,
+            sidecar,
+            """
             p = sleeper()
             report(reply=request("/v1/register", registration(p.pid, "alices-job", world_size=1)))
             p.kill()
-        """)
+        """,
+        )
         assert out["reply"][0] == 200, out
         kill_tree(kill_tree_later)
 
@@ -71,8 +76,14 @@ def test_one_user_cannot_take_every_rank_or_custom_metric_name():
         assert out["ranks"] == [200, 200, 200, 200] and out["pushes"][0][0] == 200, out
 
 
-STORM = ("watchdog.startup_timeout_seconds=2", "watchdog.floor_seconds=3", "hooks_flush_interval_seconds=0.5",
-         "watchdog.check_interval_seconds=0.25", "remediation.dump_wait_seconds=0", "remediation.grace_seconds=1")
+STORM = (
+    "watchdog.startup_timeout_seconds=2",
+    "watchdog.floor_seconds=3",
+    "hooks_flush_interval_seconds=0.5",
+    "watchdog.check_interval_seconds=0.25",
+    "remediation.dump_wait_seconds=0",
+    "remediation.grace_seconds=1",
+)
 
 OWN_STALLS = """
     kept = [subprocess.Popen(["sleep", "600"], start_new_session=True) for _ in range(4)]
@@ -91,8 +102,10 @@ def _register_as_root(sidecar, pid: int, job: str) -> int:
     body = json.dumps({"job_id": job, "rank": 0, "world_size": 1, "pid": pid}).encode()
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(sidecar.socket)
-        s.sendall(b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(
+            b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         return int(s.recv(4096).split()[1])
 
 
@@ -107,5 +120,8 @@ def test_one_user_s_stalls_do_not_spend_the_storm_cap_of_a_root_job(spawn):
         root_rank = spawn()
         assert _register_as_root(sidecar, root_rank.pid, "root-job") == 200
         wait_until(lambda: root_rank.poll() is not None, 60, what="the root job's hang remediated")
-        wait_until(lambda: any(i["job_id"] == "root-job" and i["outcome"] == "killed"
-                               for i in sidecar.status()["incidents"]), 30, what="the root job's incident")
+        wait_until(
+            lambda: any(i["job_id"] == "root-job" and i["outcome"] == "killed" for i in sidecar.status()["incidents"]),
+            30,
+            what="the root job's incident",
+        )

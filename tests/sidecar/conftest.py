@@ -1,6 +1,7 @@
 """Fixtures for the daemon's tests: the real application served in-process on a real Unix
 socket and a real TCP port, real processes standing in for ranks (helpers:
 tests/sidecar/helpers.py)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -43,8 +44,13 @@ def child_pid(spawn) -> int:
 def stranger_pid():
     """A process that is not a descendant of the test process (re-parented to init or a
     subreaper), so the test may not register it over the Unix socket."""
-    out = subprocess.run(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
-                         check=True, start_new_session=True)
+    out = subprocess.run(
+        ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+        start_new_session=True,
+    )
     pid = int(out.stdout.strip())
     yield pid
     kill_tree(pid)

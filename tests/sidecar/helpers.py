@@ -1,5 +1,6 @@
 """Helpers of the daemon's tests: the application served in-process on a real Unix socket and
 a real TCP port with a client for each, the settings they share, and request bodies."""
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ class Served:
                 await session.close()
         await self.runner.cleanup()
 
-    async def request(self, method: str, path: str, body: Any = None, *, tcp: bool = False,
-                      headers: dict | None = None) -> Reply:
+    async def request(
+        self, method: str, path: str, body: Any = None, *, tcp: bool = False, headers: dict | None = None
+    ) -> Reply:
         session = self._tcp if tcp else self._unix
         base = f"http://127.0.0.1:{self.port}" if tcp else "http://sidecar"
         raw = body is None or isinstance(body, (bytes, str)) or hasattr(body, "__aiter__")
@@ -79,9 +81,17 @@ class Served:
 
 
 def registration(pid: int, job: str = "run-42", rank: int = 0, world_size: int = 2, **extra) -> dict:
-    body = {"job_id": job, "rank": rank, "local_rank": rank % 2, "world_size": world_size,
-            "local_world_size": min(2, world_size), "restart_count": 0, "pid": pid,
-            "versions": {"torch": "2.13.0", "python": "3.11.7"}, "hooks_version": "0.1.0"}
+    body = {
+        "job_id": job,
+        "rank": rank,
+        "local_rank": rank % 2,
+        "world_size": world_size,
+        "local_world_size": min(2, world_size),
+        "restart_count": 0,
+        "pid": pid,
+        "versions": {"torch": "2.13.0", "python": "3.11.7"},
+        "hooks_version": "0.1.0",
+    }
     body.update(extra)
     return body
 
@@ -96,5 +106,4 @@ def push_body(pid: int, items: list[dict], job: str = "run-42", rank: int = 0, d
 
 def series(exposition: str, name: str) -> list[str]:
     """The sample lines of one metric name in a text exposition."""
-    return [line for line in exposition.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")]
+    return [line for line in exposition.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]

@@ -1,5 +1,6 @@
 """`sidecar run` as a real process: the push API over its Unix socket, `/metrics` (linted by
 the real promtool), `/v1/status` against the contract, start-up refusals and a clean stop."""
+
 from __future__ import annotations
 
 import grp
@@ -19,19 +20,76 @@ from tests.sidecar.helpers import push_body, registration, step_item
 from tests.support import PYTHON, ROOT, Sidecar, http_get, spawned, tail, wait_until
 
 PROMTOOL = "/usr/bin/promtool"
-FAKE_GPUS = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2,
-             "gpus": {"1": {"clock_event_reasons": 4, "ecc_uncorrected": 2}}}
+FAKE_GPUS = {
+    "driver_version": "550.54.15",
+    "cuda_driver_version": 12040,
+    "gpu_count": 2,
+    "gpus": {"1": {"clock_event_reasons": 4, "ecc_uncorrected": 2}},
+}
 
-STATUS_KEYS = {"version", "time", "uptime_seconds", "health", "problems", "node", "gpus", "nics", "infiniband",
-               "ranks", "collectors", "watchdog", "incidents", "exits"}
-NODE_KEYS = {"hostname", "kernel", "os", "cpu_utilization_ratio", "memory_total_bytes", "memory_available_bytes",
-             "checkpoint_dir", "checkpoint_avail_bytes", "driver_version", "cuda_version", "gpu_source"}
-GPU_KEYS = {"gpu", "name", "uuid", "utilization_ratio", "memory_used_bytes", "memory_total_bytes",
-            "temperature_celsius", "slowdown_temperature_celsius", "power_watts", "clock_events",
-            "ecc_uncorrected", "xid_total"}
-RANK_KEYS = {"job_id", "rank", "local_rank", "world_size", "pid", "state", "step", "step_time_seconds",
-             "iterations_per_second", "loss", "grad_norm", "lr", "phase", "last_progress_age_seconds",
-             "timeout_seconds", "restart_count", "dropped", "exit_reason"}
+STATUS_KEYS = {
+    "version",
+    "time",
+    "uptime_seconds",
+    "health",
+    "problems",
+    "node",
+    "gpus",
+    "nics",
+    "infiniband",
+    "ranks",
+    "collectors",
+    "watchdog",
+    "incidents",
+    "exits",
+}
+NODE_KEYS = {
+    "hostname",
+    "kernel",
+    "os",
+    "cpu_utilization_ratio",
+    "memory_total_bytes",
+    "memory_available_bytes",
+    "checkpoint_dir",
+    "checkpoint_avail_bytes",
+    "driver_version",
+    "cuda_version",
+    "gpu_source",
+}
+GPU_KEYS = {
+    "gpu",
+    "name",
+    "uuid",
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_celsius",
+    "slowdown_temperature_celsius",
+    "power_watts",
+    "clock_events",
+    "ecc_uncorrected",
+    "xid_total",
+}
+RANK_KEYS = {
+    "job_id",
+    "rank",
+    "local_rank",
+    "world_size",
+    "pid",
+    "state",
+    "step",
+    "step_time_seconds",
+    "iterations_per_second",
+    "loss",
+    "grad_norm",
+    "lr",
+    "phase",
+    "last_progress_age_seconds",
+    "timeout_seconds",
+    "restart_count",
+    "dropped",
+    "exit_reason",
+}
 COLLECTOR_KEYS = {"success", "duration_seconds", "age_seconds", "error"}
 
 
@@ -70,20 +128,35 @@ def daemon(tmp_path_factory, rank_process):
     """One real sidecar with two stand-in GPUs and one rank that pushed a few steps."""
     work = tmp_path_factory.mktemp("daemon")
     (work / "gpus.json").write_text(json.dumps(FAKE_GPUS))
-    with Sidecar(work, "collectors.nvml_module=sidecar.testing.fake_nvml_lib", f"checkpoint_dir={work}",
-                 env={"SIDECAR_FAKE_NVML": str(work / "gpus.json")}) as sc:
+    with Sidecar(
+        work,
+        "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
+        f"checkpoint_dir={work}",
+        env={"SIDECAR_FAKE_NVML": str(work / "gpus.json")},
+    ) as sc:
         pid = rank_process.pid
         status, body = post(sc.socket, "/v1/register", registration(pid, world_size=1))
         assert status == 200, body
         t = time.time()
-        status, body = post(sc.socket, "/v1/push", push_body(pid, [
-            step_item(1, t - 0.2, loss=2.0, lr=1e-3, tokens=4096),
-            step_item(2, t - 0.1, loss=1.5, grad_norm=0.5, tokens=4096, mfu=0.4),
-            {"type": "phase", "name": "eval", "action": "start", "time": t, "timeout_seconds": 600}]))
+        status, body = post(
+            sc.socket,
+            "/v1/push",
+            push_body(
+                pid,
+                [
+                    step_item(1, t - 0.2, loss=2.0, lr=1e-3, tokens=4096),
+                    step_item(2, t - 0.1, loss=1.5, grad_norm=0.5, tokens=4096, mfu=0.4),
+                    {"type": "phase", "name": "eval", "action": "start", "time": t, "timeout_seconds": 600},
+                ],
+            ),
+        )
         assert status == 200, body
         # The node collector reads the driver version the GPU collector found in an earlier round.
-        wait_until(lambda: (lambda s: len(s["gpus"]) == 2 and s["node"]["driver_version"])(sc.status()), 30,
-                   what="a collector round that saw the GPUs")
+        wait_until(
+            lambda: (lambda s: len(s["gpus"]) == 2 and s["node"]["driver_version"])(sc.status()),
+            30,
+            what="a collector round that saw the GPUs",
+        )
         yield sc
 
 
@@ -100,13 +173,15 @@ def test_pushed_steps_reach_metrics(daemon):
 def test_the_full_exposition_passes_promtool(daemon):
     exposition = daemon.metrics()
     assert "sidecar_gpu_utilization_ratio" in exposition and "sidecar_training_step" in exposition
-    result = subprocess.run([PROMTOOL, "check", "metrics"], input=exposition, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_openmetrics_is_served_when_asked_for(daemon):
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
     conn.request("GET", "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     resp = conn.getresponse()
@@ -129,7 +204,13 @@ def test_status_follows_the_contract(daemon, rank_process):
     (rank,) = s["ranks"]
     assert set(rank) == RANK_KEYS
     assert (rank["job_id"], rank["rank"], rank["pid"], rank["step"], rank["loss"], rank["phase"]) == (
-        "run-42", 0, rank_process.pid, 2, 1.5, "eval")
+        "run-42",
+        0,
+        rank_process.pid,
+        2,
+        1.5,
+        "eval",
+    )
     assert s["health"] == "healthy" and s["problems"] == []
 
 
@@ -138,16 +219,27 @@ def test_the_socket_gets_the_configured_mode(daemon):
 
 
 def test_a_second_sidecar_on_the_same_socket_refuses_to_start(daemon):
-    result = subprocess.run([PYTHON, "-m", "sidecar", "run", "--listen", "127.0.0.1:0", "--socket", daemon.socket],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [PYTHON, "-m", "sidecar", "run", "--listen", "127.0.0.1:0", "--socket", daemon.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 1
     assert "already running" in result.stderr
     assert http_get(daemon.url + "/healthz")[0] == 200 and os.path.exists(daemon.socket)
 
 
 def run_sidecar(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "sidecar", "run", *args], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [PYTHON, "-m", "sidecar", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path):
@@ -159,8 +251,14 @@ def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path):
 
 def test_listening_beyond_loopback_needs_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SIDECAR_TOKEN"}
-    result = subprocess.run([PYTHON, "-m", "sidecar", "run", "--listen", "0.0.0.0:0", "--socket",
-                             str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    result = subprocess.run(
+        [PYTHON, "-m", "sidecar", "run", "--listen", "0.0.0.0:0", "--socket", str(tmp_path / "s.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "SIDECAR_TOKEN" in result.stderr
 
@@ -182,16 +280,20 @@ def test_a_tcp_port_in_use_exits_1_and_leaves_no_socket(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_sidecar("--listen", f"127.0.0.1:{port}", "--socket", str(tmp_path / "s.sock"),
-                             "--set", "collectors.enabled=[]")
+        result = run_sidecar(
+            "--listen", f"127.0.0.1:{port}", "--socket", str(tmp_path / "s.sock"), "--set", "collectors.enabled=[]"
+        )
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert not (tmp_path / "s.sock").exists()
 
 
 def listening_url(log) -> str:
-    found = wait_until(lambda: re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace")),
-                       30, what="the listening line")
+    found = wait_until(
+        lambda: re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace")),
+        30,
+        what="the listening line",
+    )
     return found.group(1)
 
 
@@ -207,9 +309,25 @@ def test_port_0_tcp_beyond_loopback_with_a_token_and_a_clean_stop(tmp_path):
     stale.bind(str(sock_path))
     stale.close()
     log = tmp_path / "sidecar.log"
-    cmd = [PYTHON, "-m", "sidecar", "run", "--listen", "0.0.0.0:0", "--socket", str(sock_path),
-           "--set", "collectors.enabled=[]", "--set", f"diag_dir={tmp_path / 'diag'}", "--observe-only",
-           "--set", f"socket_group={group}", "--set", "socket_mode=0600"]
+    cmd = [
+        PYTHON,
+        "-m",
+        "sidecar",
+        "run",
+        "--listen",
+        "0.0.0.0:0",
+        "--socket",
+        str(sock_path),
+        "--set",
+        "collectors.enabled=[]",
+        "--set",
+        f"diag_dir={tmp_path / 'diag'}",
+        "--observe-only",
+        "--set",
+        f"socket_group={group}",
+        "--set",
+        "socket_mode=0600",
+    ]
     with spawned(cmd, log, env={"NOTIFY_SOCKET": str(tmp_path / "notify"), "SIDECAR_TOKEN": "t0ken"}) as proc:
         try:
             assert notify.recv(256) == b"READY=1"

@@ -1,6 +1,7 @@
 """The diagnostics directory's rules (sidecar/host/diagfiles.py, sidecar/host/stackfiles.py): private
 directories, writes that never follow a symlink, dump files read back only when they are the
 file the sidecar created. The attacks themselves, as another user, are tests/security."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,18 @@ from sidecar.host import diagfiles, stackfiles
 from sidecar.incidents.store import IncidentStore
 
 
-@pytest.mark.parametrize("job_id, name", [("run-42", "run-42"), ("a/b c", "a_b_c"), ("incidents", "_incidents"),
-                                          ("INCIDENTS", "_INCIDENTS"), (".x", "_.x"), ("..", "_.."), ("", "_")])
+@pytest.mark.parametrize(
+    "job_id, name",
+    [
+        ("run-42", "run-42"),
+        ("a/b c", "a_b_c"),
+        ("incidents", "_incidents"),
+        ("INCIDENTS", "_INCIDENTS"),
+        (".x", "_.x"),
+        ("..", "_.."),
+        ("", "_"),
+    ],
+)
 def test_a_job_directory_name_is_never_reserved_nor_a_path(job_id, name):
     assert diagfiles.job_dir_name(job_id) == name
 

@@ -1,6 +1,7 @@
 """Input from anyone on the node: a fuzz of the push API (fixed seed, thousands of bodies,
 never a 5xx), a non-ASCII session over TCP (row 10 of the security issue: it used to raise
 TypeError in hmac.compare_digest and answer 500), and connections that never finish a request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,28 @@ async def test_a_non_ascii_session_over_tcp_is_a_4xx(sidecar, child_pid):
 
 def _mutate(rng: random.Random, value, depth: int = 0):
     """A random variation of a JSON value: wrong types, extreme numbers, odd strings."""
-    choices = [None, True, False, 0, -1, 1 << 64, -(1 << 63), 1e308, -0.0, 3.5, "", "x" * 300, "é\u2028\x00",
-               "nan", "inf", "-inf", [], {}, [1, "a"], {"a": {"b": [None]}}]
+    choices = [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1 << 64,
+        -(1 << 63),
+        1e308,
+        -0.0,
+        3.5,
+        "",
+        "x" * 300,
+        "é\u2028\x00",
+        "nan",
+        "inf",
+        "-inf",
+        [],
+        {},
+        [1, "a"],
+        {"a": {"b": [None]}},
+    ]
     roll = rng.random()
     if roll < 0.3:
         return rng.choice(choices)
@@ -51,12 +72,19 @@ def _mutate(rng: random.Random, value, depth: int = 0):
 
 def _bodies(rng: random.Random, pid: int):
     t = time.time()
-    push = push_body(pid, [step_item(1, t, loss=1.0, tokens=3), {"type": "phase", "name": "eval", "action": "start",
-                                                                  "time": t, "timeout_seconds": 5},
-                           {"type": "event", "name": "checkpoint_saved", "time": t, "fields": {"step": 1}}])
-    templates = {"/v1/push": push, "/v1/register": registration(pid, stack_dump=None, phase="eval",
-                                                                 phase_timeout_seconds=60),
-                 "/v1/deregister": {"job_id": "run-42", "rank": 0, "pid": pid, "reason": "finished"}}
+    push = push_body(
+        pid,
+        [
+            step_item(1, t, loss=1.0, tokens=3),
+            {"type": "phase", "name": "eval", "action": "start", "time": t, "timeout_seconds": 5},
+            {"type": "event", "name": "checkpoint_saved", "time": t, "fields": {"step": 1}},
+        ],
+    )
+    templates = {
+        "/v1/push": push,
+        "/v1/register": registration(pid, stack_dump=None, phase="eval", phase_timeout_seconds=60),
+        "/v1/deregister": {"job_id": "run-42", "rank": 0, "pid": pid, "reason": "finished"},
+    }
     for _ in range(FUZZ_BODIES):
         path = rng.choice(list(templates))
         roll = rng.random()
@@ -77,8 +105,8 @@ async def test_fuzzed_push_api_bodies_never_get_a_5xx(sidecar, child_pid):
     bodies = list(_bodies(rng, child_pid))
     started = time.monotonic()
     for i in range(0, len(bodies), 50):
-        replies = await asyncio.gather(*(sidecar.post(path, body, tcp=tcp) for path, body, tcp in bodies[i:i + 50]))
-        for (path, body, _), reply in zip(bodies[i:i + 50], replies, strict=True):
+        replies = await asyncio.gather(*(sidecar.post(path, body, tcp=tcp) for path, body, tcp in bodies[i : i + 50]))
+        for (path, body, _), reply in zip(bodies[i : i + 50], replies, strict=True):
             statuses[reply.status] = statuses.get(reply.status, 0) + 1
             if reply.status >= 500:
                 server_errors.append((path, body[:200], reply.body))

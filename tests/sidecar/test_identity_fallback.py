@@ -1,5 +1,6 @@
 """Registration on a kernel without pidfds (no SO_PEERPIDFD, no pidfd_open): the same checks
 on pid numbers plus start times, documented in docs/security.md as the fallback."""
+
 from __future__ import annotations
 
 import signal

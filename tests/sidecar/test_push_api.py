@@ -1,5 +1,6 @@
 """The push API over real sockets: what it accepts, and that every refusal is a 4xx JSON
 body naming the problem while the daemon stays up and its series stay bounded."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,6 +43,7 @@ async def test_registration_over_the_socket_records_a_verified_identity(sidecar,
     import psutil
 
     from sidecar.daemon.api import DAEMON
+
     await sidecar.post("/v1/register", registration(child_pid))
     rank = sidecar.app[DAEMON].registry.get("run-42", 0)
     assert rank.peer_verified is True
@@ -58,6 +60,7 @@ async def test_a_pid_that_is_not_the_callers_is_refused_over_the_socket(sidecar,
 
 async def test_over_loopback_tcp_the_client_process_is_looked_up(sidecar, child_pid, stranger_pid):
     from sidecar.daemon.api import DAEMON
+
     reply = await sidecar.post("/v1/register", registration(stranger_pid), tcp=True)
     assert (reply.status, reply.code) == (403, "pid_mismatch")
     reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True)
@@ -102,11 +105,18 @@ async def test_init_the_sidecar_and_its_ancestors_may_never_register(sidecar, pi
 async def test_pushed_steps_show_as_training_series(sidecar, child_pid):
     await sidecar.post("/v1/register", registration(child_pid))
     t = time.time()
-    reply = await sidecar.post("/v1/push", push_body(child_pid, [
-        step_item(1, t - 1.0, loss=2.5, lr=3e-4, samples=64),
-        step_item(2, t - 0.5, loss="nan", grad_norm=0.9, samples=64, mfu=0.41),
-        {"type": "event", "name": "checkpoint_saved", "time": t, "fields": {"step": 2, "path": "/c/step-2"}},
-    ], dropped=3))
+    reply = await sidecar.post(
+        "/v1/push",
+        push_body(
+            child_pid,
+            [
+                step_item(1, t - 1.0, loss=2.5, lr=3e-4, samples=64),
+                step_item(2, t - 0.5, loss="nan", grad_norm=0.9, samples=64, mfu=0.41),
+                {"type": "event", "name": "checkpoint_saved", "time": t, "fields": {"step": 2, "path": "/c/step-2"}},
+            ],
+            dropped=3,
+        ),
+    )
     assert (reply.status, reply.body) == (200, {"ok": True, "accepted": 3})
     text = await sidecar.metrics()
     labels = '{job_id="run-42",rank="0"}'
@@ -134,26 +144,38 @@ async def test_a_declared_phase_shows_until_it_ends(sidecar, child_pid):
 
 async def test_deregistered_ranks_take_no_more_pushes(sidecar, child_pid):
     await sidecar.post("/v1/register", registration(child_pid))
-    reply = await sidecar.post("/v1/deregister",
-                               {"job_id": "run-42", "rank": 0, "pid": child_pid, "reason": "finished"})
+    reply = await sidecar.post(
+        "/v1/deregister", {"job_id": "run-42", "rank": 0, "pid": child_pid, "reason": "finished"}
+    )
     assert reply.status == 200
     reply = await sidecar.post("/v1/push", push_body(child_pid, [step_item(1)]))
     assert (reply.status, reply.code) == (409, "unknown_rank")
     assert 'sidecar_training_ranks_registered{job_id="run-42"} 0.0' in await sidecar.metrics()
 
 
-@pytest.mark.parametrize("body, status, code, named", [
-    (b"{not json", 400, "bad_json", "not valid JSON"),
-    (b'{"job_id": "run-42", "rank": 0, "pid": 5, "items": [], "x": NaN}', 400, "bad_json", "NaN"),
-    (b'{"job_id": "run-42", "rank": 0, "pid": 5, "items": [], "x": -Infinity}', 400, "bad_json", "Infinity"),
-    (b"[]", 400, "bad_json", "JSON object"),
-    ({"job_id": "run-42", "rank": "0", "pid": 5, "items": []}, 400, "bad_field", "rank:"),
-    ({"job_id": "run-42", "rank": 0, "pid": 5}, 400, "bad_field", "items:"),
-    ({"job_id": "run-42", "rank": 0, "pid": 5, "items": [{"type": "step", "step": -1}]}, 400, "bad_field",
-     "items[0].step:"),
-    ({"job_id": "nobody", "rank": 0, "pid": 5, "items": [{"type": "step", "step": 1}]}, 409, "unknown_rank",
-     "nobody/0"),
-])
+@pytest.mark.parametrize(
+    "body, status, code, named",
+    [
+        (b"{not json", 400, "bad_json", "not valid JSON"),
+        (b'{"job_id": "run-42", "rank": 0, "pid": 5, "items": [], "x": NaN}', 400, "bad_json", "NaN"),
+        (b'{"job_id": "run-42", "rank": 0, "pid": 5, "items": [], "x": -Infinity}', 400, "bad_json", "Infinity"),
+        (b"[]", 400, "bad_json", "JSON object"),
+        ({"job_id": "run-42", "rank": "0", "pid": 5, "items": []}, 400, "bad_field", "rank:"),
+        ({"job_id": "run-42", "rank": 0, "pid": 5}, 400, "bad_field", "items:"),
+        (
+            {"job_id": "run-42", "rank": 0, "pid": 5, "items": [{"type": "step", "step": -1}]},
+            400,
+            "bad_field",
+            "items[0].step:",
+        ),
+        (
+            {"job_id": "nobody", "rank": 0, "pid": 5, "items": [{"type": "step", "step": 1}]},
+            409,
+            "unknown_rank",
+            "nobody/0",
+        ),
+    ],
+)
 async def test_bad_pushes_get_a_json_error_naming_the_problem(sidecar, body, status, code, named):
     reply = await sidecar.post("/v1/push", body)
     assert (reply.status, reply.code) == (status, code), reply.body
@@ -178,6 +200,7 @@ async def test_a_body_over_the_size_limit_is_413(serve, child_pid):
     async def chunks():  # no Content-Length: the limit holds while reading
         for _ in range(10):
             yield b" " * 1024
+
     reply = await sidecar.post("/v1/push", chunks())
     assert (reply.status, reply.code) == (413, "too_large")
     await still_up(sidecar)
@@ -221,14 +244,22 @@ async def test_unknown_paths_and_methods_answer_json(sidecar):
 
 async def test_garbage_never_takes_the_daemon_down(sidecar, child_pid):
     await sidecar.post("/v1/register", registration(child_pid))
-    garbage = [b"\x00" * 100, b'{"job_id": {"a": 1}}', b'{"items": null}', b"1e999", b'"\\ud800"',
-               b'{"job_id": "run-42", "rank": 1e400, "pid": 1}', b'{"job_id": "%s"}' % (b"\\u0000" * 10)]
+    garbage = [
+        b"\x00" * 100,
+        b'{"job_id": {"a": 1}}',
+        b'{"items": null}',
+        b"1e999",
+        b'"\\ud800"',
+        b'{"job_id": "run-42", "rank": 1e400, "pid": 1}',
+        b'{"job_id": "%s"}' % (b"\\u0000" * 10),
+    ]
     for body in garbage:
         for path in ("/v1/register", "/v1/push", "/v1/deregister"):
             reply = await sidecar.post(path, body)
             assert 400 <= reply.status < 500 and reply.code, (path, body, reply)
-    reply = await sidecar.post("/v1/push", b'{"job_id":"run-42","rank":0,"pid":%d,"items":[{"type":"step",'
-                                           b'"step":1e400}]}' % child_pid)
+    reply = await sidecar.post(
+        "/v1/push", b'{"job_id":"run-42","rank":0,"pid":%d,"items":[{"type":"step","step":1e400}]}' % child_pid
+    )
     assert (reply.status, reply.code) == (400, "bad_field")
     await still_up(sidecar)
     assert "sidecar_ingest_rejected_requests_total" in await sidecar.metrics()
@@ -240,11 +271,13 @@ async def test_a_configured_token_guards_the_push_api_over_tcp_only(serve, child
     sidecar = await serve(token_file=str(token_file))
     reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True)
     assert (reply.status, reply.code) == (401, "unauthorized")
-    reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True,
-                               headers={"Authorization": "Bearer wrong"})
+    reply = await sidecar.post(
+        "/v1/register", registration(child_pid), tcp=True, headers={"Authorization": "Bearer wrong"}
+    )
     assert reply.status == 401
-    reply = await sidecar.post("/v1/register", registration(child_pid), tcp=True,
-                               headers={"Authorization": "Bearer s3cret"})
+    reply = await sidecar.post(
+        "/v1/register", registration(child_pid), tcp=True, headers={"Authorization": "Bearer s3cret"}
+    )
     assert reply.status == 200
     assert (await sidecar.post("/v1/register", registration(child_pid))).status == 200  # the Unix socket
     assert (await sidecar.get("/metrics", tcp=True)).status == 200

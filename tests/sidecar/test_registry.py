@@ -1,4 +1,5 @@
 """The rank registry: what a push does to a rank, and the bounds that keep it small."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,17 @@ T0 = 1_800_000_000.0  # the rank's wall clock at its first step
 
 @pytest.fixture
 def registry(tmp_path) -> Registry:
-    return Registry(make_settings(tmp_path, DAEMON, limits__max_jobs=3, limits__max_custom_metrics=2,
-                                  limits__max_phases=1, limits__max_ranks_per_job=4, watchdog__window=5))
+    return Registry(
+        make_settings(
+            tmp_path,
+            DAEMON,
+            limits__max_jobs=3,
+            limits__max_custom_metrics=2,
+            limits__max_phases=1,
+            limits__max_ranks_per_job=4,
+            watchdog__window=5,
+        )
+    )
 
 
 def register(registry: Registry, job: str = "j", rank: int = 0, pid: int = 100, **kw):
@@ -31,8 +41,11 @@ def push(registry: Registry, *items, job: str = "j", rank: int = 0, pid: int = 1
 
 def test_rates_are_derived_from_step_times_when_not_sent(registry):
     r = register(registry)
-    push(registry, StepItem(1, T0, {"samples": 64, "tokens": 32768}),
-         StepItem(2, T0 + 0.5, {"samples": 64, "tokens": 32768}))
+    push(
+        registry,
+        StepItem(1, T0, {"samples": 64, "tokens": 32768}),
+        StepItem(2, T0 + 0.5, {"samples": 64, "tokens": 32768}),
+    )
     assert r.metrics["step_time_seconds"] == 0.5
     assert r.metrics["iterations_per_second"] == 2.0
     assert r.metrics["samples_per_second"] == 128.0
@@ -47,9 +60,15 @@ def test_rates_sent_by_the_rank_win(registry):
 
 def test_step_times_skip_intervals_that_overlapped_a_phase(registry):
     r = register(registry)
-    push(registry, StepItem(1, T0, {}), StepItem(2, T0 + 1, {}),
-         PhaseItem("checkpoint_save", "start", T0 + 1.1), PhaseItem("checkpoint_save", "end", T0 + 30),
-         StepItem(3, T0 + 31, {}), StepItem(4, T0 + 32, {}))
+    push(
+        registry,
+        StepItem(1, T0, {}),
+        StepItem(2, T0 + 1, {}),
+        PhaseItem("checkpoint_save", "start", T0 + 1.1),
+        PhaseItem("checkpoint_save", "end", T0 + 30),
+        StepItem(3, T0 + 31, {}),
+        StepItem(4, T0 + 32, {}),
+    )
     assert list(r.step_times) == [1.0, 1.0]
 
 

@@ -1,6 +1,7 @@
 """Ownership and per-owner quotas in the registry: a job belongs to the uid its live ranks run
 as; jobs, ranks, custom metric names and phase names are counted per uid (root: only the
 node-wide ceilings)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,19 @@ ALICE, MALLORY, ROOT = 1001, 1002, 0
 
 @pytest.fixture
 def registry(tmp_path) -> Registry:
-    return Registry(make_settings(tmp_path, DAEMON, limits__max_jobs=6, limits__max_jobs_per_user=2,
-                                  limits__max_ranks_per_user=3, limits__max_phases=4, limits__max_phases_per_user=5,
-                                  limits__max_custom_metrics=4, limits__max_custom_metrics_per_user=5))
+    return Registry(
+        make_settings(
+            tmp_path,
+            DAEMON,
+            limits__max_jobs=6,
+            limits__max_jobs_per_user=2,
+            limits__max_ranks_per_user=3,
+            limits__max_phases=4,
+            limits__max_phases_per_user=5,
+            limits__max_custom_metrics=4,
+            limits__max_custom_metrics_per_user=5,
+        )
+    )
 
 
 def register(registry, owner, job, rank=0, pid=None, **kw):

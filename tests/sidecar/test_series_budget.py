@@ -1,6 +1,7 @@
 """`/metrics` within limits.max_series (sidecar/daemon/exposition.py): per-rank series and custom
 metrics beyond the budget are left out and counted, fairly across jobs, and the answer never
 exceeds the budget. The load case with thousands of ranks is tests/security/test_bounded_cost.py."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,11 @@ def value(text: str, name: str) -> float:
 
 def fill(registry: Registry, job: str, ranks: int, customs: int, pid: int) -> None:
     for rank in range(ranks):
-        registry.register(Registration(job_id=job, rank=rank, local_rank=0, world_size=ranks, local_world_size=1,
-                                       pid=pid), pid_start_time=None, peer_verified=True)
+        registry.register(
+            Registration(job_id=job, rank=rank, local_rank=0, world_size=ranks, local_world_size=1, pid=pid),
+            pid_start_time=None,
+            peer_verified=True,
+        )
         metrics = {"loss": 1.0, **{f"c{i}": float(i) for i in range(customs)}}
         registry.apply_push(Push(job, rank, pid, 0, [StepItem(1, 1.0, metrics)]))
 
@@ -35,7 +39,14 @@ def test_the_order_is_round_robin_over_jobs_live_ranks_first(tmp_path):
     fill(registry, "small", 2, 0, os.getpid())
     registry.mark_gone(("big", 0), "exited")
     assert [r.key for r in fair_order(registry.ranks())] == [
-        ("big", 1), ("small", 0), ("big", 2), ("small", 1), ("big", 3), ("big", 4), ("big", 0)]
+        ("big", 1),
+        ("small", 0),
+        ("big", 2),
+        ("small", 1),
+        ("big", 3),
+        ("big", 4),
+        ("big", 0),
+    ]
 
 
 def test_a_plan_admits_ranks_then_their_custom_metrics_while_they_fit():

@@ -1,5 +1,6 @@
 """`/v1/status` health: degraded, with one line per problem, when a rank stalls or a
 collector fails; healthy otherwise."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,9 +29,15 @@ async def test_a_fresh_daemon_is_healthy(sidecar):
 async def test_a_rank_reports_its_latest_values(sidecar, child_pid):
     await sidecar.post("/v1/register", registration(child_pid, rank=1, world_size=4, restart_count=2))
     t = time.time()
-    await sidecar.post("/v1/push", push_body(child_pid, [step_item(7, t - 0.25, loss=3.0, lr=0.1),
-                                                         step_item(8, t, loss="nan", grad_norm=2.0)],
-                                             rank=1, dropped=5))
+    await sidecar.post(
+        "/v1/push",
+        push_body(
+            child_pid,
+            [step_item(7, t - 0.25, loss=3.0, lr=0.1), step_item(8, t, loss="nan", grad_norm=2.0)],
+            rank=1,
+            dropped=5,
+        ),
+    )
     (rank,) = (await sidecar.get("/v1/status")).body["ranks"]
     assert (rank["rank"], rank["world_size"], rank["step"], rank["restart_count"], rank["dropped"]) == (1, 4, 8, 2, 5)
     assert rank["loss"] is None  # NaN has no JSON form
@@ -41,8 +48,13 @@ async def test_a_rank_reports_its_latest_values(sidecar, child_pid):
 
 
 async def test_a_stalled_rank_makes_the_node_degraded(serve, child_pid):
-    sidecar = await serve(watchdog__observe_only=True, watchdog__floor_seconds=0.5, watchdog__ceiling_seconds=1,
-                          watchdog__check_interval_seconds=0.1, hooks_flush_interval_seconds=0.2)
+    sidecar = await serve(
+        watchdog__observe_only=True,
+        watchdog__floor_seconds=0.5,
+        watchdog__ceiling_seconds=1,
+        watchdog__check_interval_seconds=0.1,
+        hooks_flush_interval_seconds=0.2,
+    )
     await sidecar.post("/v1/register", registration(child_pid))
     await sidecar.post("/v1/push", push_body(child_pid, [step_item(1)]))
     body = await status_when(sidecar, lambda b: b["ranks"][0]["state"] == "stalled")

@@ -1,4 +1,5 @@
 """Fixtures of the trainer's tests: the reference run (helpers: tests/trainer/helpers.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Running the bundled trainer for real: `python -m trainer` and torchrun jobs on CPU/gloo."""
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,16 @@ import pytest
 from tests.support import PYTHON, ROOT, spawned, tail
 
 # Small enough for seconds per run on a busy 2-core machine, long enough to checkpoint 6 times.
-TINY = ["train.steps=30", "train.log_every_steps=5", "batch.global_batch_size=32", "batch.micro_batch_size=8",
-        "data.kwargs={size: 1024}", "checkpoint.every_steps=5", "checkpoint.keep_last=2", "monitor.enabled=false"]
+TINY = [
+    "train.steps=30",
+    "train.log_every_steps=5",
+    "batch.global_batch_size=32",
+    "batch.micro_batch_size=8",
+    "data.kwargs={size: 1024}",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=2",
+    "monitor.enabled=false",
+]
 
 
 @dataclass
@@ -32,9 +41,20 @@ def torchrun(workdir: Path, *settings: str, nproc: int = 2, max_restarts: int = 
     """One `torchrun --standalone` job of the trainer with TINY settings plus `settings`."""
     workdir.mkdir(parents=True, exist_ok=True)
     log, final = workdir / "torchrun.log", workdir / "final.pt"
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "trainer", "--final-params", str(final),
-           "--set", f"checkpoint.dir={workdir / 'ckpt'}"]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "trainer",
+        "--final-params",
+        str(final),
+        "--set",
+        f"checkpoint.dir={workdir / 'ckpt'}",
+    ]
     for s in (*TINY, *settings):
         cmd += ["--set", s]
     with spawned(cmd, log) as proc:
@@ -48,6 +68,8 @@ def torchrun(workdir: Path, *settings: str, nproc: int = 2, max_restarts: int = 
 def trainer_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` as a subprocess, without torchrun."""
     import os
+
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([PYTHON, "-m", "trainer", *args], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [PYTHON, "-m", "trainer", *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )

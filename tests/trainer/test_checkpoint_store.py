@@ -1,4 +1,5 @@
 """The on-disk checkpoint protocol: only committed, intact step-N/ directories count."""
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,10 @@ def save(store: CheckpointStore, step: int, payload: bytes = b"weights") -> Path
     """What the ranks and rank 0 do together, in one process."""
     store.root.mkdir(parents=True, exist_ok=True)
     tmp = store.begin(step)
-    digests = {"rank-0.pt": write_file(tmp / "rank-0.pt", payload + str(step).encode()),
-               "rank-1.pt": write_file(tmp / "rank-1.pt", payload * 2)}
+    digests = {
+        "rank-0.pt": write_file(tmp / "rank-0.pt", payload + str(step).encode()),
+        "rank-1.pt": write_file(tmp / "rank-1.pt", payload * 2),
+    }
     path = store.commit(step, digests)
     store.prune(step)
     return path

@@ -1,4 +1,5 @@
 """Configuration: one typed object from file < env < flags; bad settings exit 2 with one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,15 +20,26 @@ def one_error_line(result) -> str:
 
 # ---------------------------------------------------------------- as the command line sees it
 
+
 def test_grad_accum_steps_that_disagree_with_the_batch_sizes_exit_2_naming_the_numbers():
-    line = one_error_line(trainer_cli("--set", "batch.global_batch_size=64", "--set", "batch.micro_batch_size=8",
-                                      "--set", "batch.grad_accum_steps=2", env={"WORLD_SIZE": "2"}))
+    line = one_error_line(
+        trainer_cli(
+            "--set",
+            "batch.global_batch_size=64",
+            "--set",
+            "batch.micro_batch_size=8",
+            "--set",
+            "batch.grad_accum_steps=2",
+            env={"WORLD_SIZE": "2"},
+        )
+    )
     assert "batch: global_batch_size=64 != micro_batch_size 8 x grad_accum_steps 2 x world_size 2 (= 32)" in line
 
 
 def test_a_global_batch_not_divisible_by_micro_batch_times_world_size_exits_2():
-    line = one_error_line(trainer_cli("--set", "batch.global_batch_size=60", "--set", "batch.micro_batch_size=8",
-                                      env={"WORLD_SIZE": "2"}))
+    line = one_error_line(
+        trainer_cli("--set", "batch.global_batch_size=60", "--set", "batch.micro_batch_size=8", env={"WORLD_SIZE": "2"})
+    )
     assert "global_batch_size=60 is not divisible by micro_batch_size 8 x world_size 2 (= 16)" in line
 
 
@@ -58,6 +70,7 @@ def test_help_config_prints_every_field_with_its_documentation():
 
 # ---------------------------------------------------------------- in process
 
+
 def test_a_flag_beats_the_environment_which_beats_the_file(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("train: {steps: 10, seed: 1, log_every_steps: 3}\n")
@@ -80,12 +93,15 @@ def test_the_strategy_gets_its_default_option_block_and_not_the_other():
     assert cfg.parallel.fsdp is not None and cfg.parallel.ddp is None
 
 
-@pytest.mark.parametrize("override, field", [
-    ({"train.steps": 0}, "train.steps"),
-    ({"faults.kind": "segfault"}, "faults.kind"),
-    ({"checkpoint.keep_last": 0}, "checkpoint.keep_last"),
-    ({"optim.lr": "fast"}, "optim.lr"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"train.steps": 0}, "train.steps"),
+        ({"faults.kind": "segfault"}, "faults.kind"),
+        ({"checkpoint.keep_last": 0}, "checkpoint.keep_last"),
+        ({"optim.lr": "fast"}, "optim.lr"),
+    ],
+)
 def test_a_bad_value_names_its_field(override, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):
         load_config(None, override, environ={})

@@ -1,4 +1,5 @@
 """Data order: a function of (seed, epoch, step), not of the world size or of restarts."""
+
 from __future__ import annotations
 
 import torch
@@ -8,10 +9,18 @@ from trainer.demo import TeacherDataset
 
 
 def batches(world: int, rank: int, position: DataPosition | None = None, seed=0, size=96, global_batch=16, micro=4):
-    return StepBatches(TeacherDataset(seed, size=size, features=4), seed=seed, global_batch=global_batch,
-                       micro_batch=micro, accum=global_batch // (micro * world), rank=rank, world_size=world,
-                       num_workers=0, delay_seconds=0,
-                       position=DataPosition() if position is None else position)
+    return StepBatches(
+        TeacherDataset(seed, size=size, features=4),
+        seed=seed,
+        global_batch=global_batch,
+        micro_batch=micro,
+        accum=global_batch // (micro * world),
+        rank=rank,
+        world_size=world,
+        num_workers=0,
+        delay_seconds=0,
+        position=DataPosition() if position is None else position,
+    )
 
 
 def samples_of_step(world: int, steps: int) -> list[set]:
@@ -55,6 +64,7 @@ def test_a_loader_started_at_a_saved_position_continues_exactly_across_epochs():
     for _ in range(5):  # into the next epoch, with its own permutation
         (expected, pos_a), (got, pos_b) = straight.next_step(), resumed.next_step()
         assert pos_a == pos_b
-        assert all(torch.equal(x1, x2) and torch.equal(y1, y2)
-                   for (x1, y1), (x2, y2) in zip(expected, got, strict=True))
+        assert all(
+            torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(expected, got, strict=True)
+        )
     assert resumed.position == DataPosition(epoch=1, step_in_epoch=3)

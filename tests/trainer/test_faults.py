@@ -1,4 +1,5 @@
 """Fault injection fires on the configured rank, step and attempt only."""
+
 from __future__ import annotations
 
 from trainer.config import FaultConfig
@@ -6,8 +7,12 @@ from trainer.faults import FaultInjector
 
 
 def injector(rank=1, restart_count=0, generation=1, **cfg) -> FaultInjector:
-    return FaultInjector(FaultConfig(**{"kind": "sleep", "rank": 1, "at_step": 3, "sleep_seconds": 0, **cfg}),
-                         rank=rank, restart_count=restart_count, generation=generation)
+    return FaultInjector(
+        FaultConfig(**{"kind": "sleep", "rank": 1, "at_step": 3, "sleep_seconds": 0, **cfg}),
+        rank=rank,
+        restart_count=restart_count,
+        generation=generation,
+    )
 
 
 def test_a_fault_is_armed_only_on_its_rank():

@@ -1,4 +1,5 @@
 """Killed workers come back through torchrun and finish exactly where an uninterrupted run does."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,9 @@ def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
 
 def test_fsdp_run_killed_mid_training_matches_its_uninterrupted_twin(tmp_path):
     reference = torchrun(tmp_path / "reference", "parallel.strategy=fsdp")
-    killed = torchrun(tmp_path / "killed", "parallel.strategy=fsdp", "faults.kind=sigkill", "faults.rank=0",
-                      "faults.at_step=17")
+    killed = torchrun(
+        tmp_path / "killed", "parallel.strategy=fsdp", "faults.kind=sigkill", "faults.rank=0", "faults.at_step=17"
+    )
 
     assert reference.returncode == 0, reference.log[-3000:]
     assert killed.returncode == 0, killed.log[-3000:]

@@ -1,4 +1,5 @@
 """The training loop in one process (`python -m trainer` without torchrun: a world of one)."""
+
 from __future__ import annotations
 
 import re

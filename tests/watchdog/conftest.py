@@ -1,5 +1,6 @@
 """Fixtures for the watchdog's unit-level tests: real processes standing in for ranks, a real
 Registry, and a clock the test moves by hand (helpers: tests/watchdog/helpers.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,6 +17,7 @@ def clock() -> FakeClock:
 def hung_rank(spawn, tmp_path):
     """Start a stand-in rank; returns (process, stack file)."""
     from tests.support import PYTHON, wait_until
+
     count = [0]
 
     def start(*flags: str):

@@ -1,6 +1,7 @@
 """Helpers of the watchdog's unit-level tests: the settings they share, a clock the test moves
 by hand, registering ranks and their progress in a real Registry, and a stand-in rank that
 hangs and dumps its stacks."""
+
 from __future__ import annotations
 
 import time
@@ -10,9 +11,15 @@ from sidecar.ranks.protocol import PhaseItem, Push, Registration, StepItem
 from sidecar.ranks.registry import Registry
 
 # Short timeouts and waits; no py-spy (the stand-in ranks dump their own stacks).
-WATCHDOG = {"watchdog.floor_seconds": 10, "watchdog.ceiling_seconds": 100, "watchdog.startup_timeout_seconds": 60,
-            "watchdog.suspect_ratio": 0.5, "remediation.py_spy": False, "remediation.dump_wait_seconds": 0.5,
-            "remediation.grace_seconds": 2}
+WATCHDOG = {
+    "watchdog.floor_seconds": 10,
+    "watchdog.ceiling_seconds": 100,
+    "watchdog.startup_timeout_seconds": 60,
+    "watchdog.suspect_ratio": 0.5,
+    "remediation.py_spy": False,
+    "remediation.dump_wait_seconds": 0.5,
+    "remediation.grace_seconds": 2,
+}
 
 
 class FakeClock:
@@ -29,10 +36,25 @@ class FakeClock:
         self.now += seconds
 
 
-def register(registry: Registry, pid: int, rank: int = 0, job: str = "job", step: int | None = None,
-             start_time: float | None = ..., restart_count: int = 0):
-    reg = Registration(job_id=job, rank=rank, local_rank=rank, world_size=2, local_world_size=2, pid=pid,
-                       step=step, restart_count=restart_count)
+def register(
+    registry: Registry,
+    pid: int,
+    rank: int = 0,
+    job: str = "job",
+    step: int | None = None,
+    start_time: float | None = ...,
+    restart_count: int = 0,
+):
+    reg = Registration(
+        job_id=job,
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        local_world_size=2,
+        pid=pid,
+        step=step,
+        restart_count=restart_count,
+    )
     started = procs.start_time(pid) if start_time is ... else start_time
     return registry.register(reg, pid_start_time=started, peer_verified=True)
 
@@ -41,14 +63,16 @@ def step(registry: Registry, r, n: int, clock: FakeClock, step_time: float | Non
     """Report step n at the fake clock's now (the wall time moves with it)."""
     wall = time.time() + (clock.now - time.monotonic())
     metrics = {"step_time_seconds": step_time} if step_time is not None else {}
-    registry.apply_push(Push(r.job_id, r.rank, r.pid, 0, [StepItem(n, wall, metrics)]),
-                        now_mono=clock.now, now_wall=wall)
+    registry.apply_push(
+        Push(r.job_id, r.rank, r.pid, 0, [StepItem(n, wall, metrics)]), now_mono=clock.now, now_wall=wall
+    )
 
 
 def phase(registry: Registry, r, name: str, action: str, clock: FakeClock, timeout: float | None = None) -> None:
     wall = time.time() + (clock.now - time.monotonic())
-    registry.apply_push(Push(r.job_id, r.rank, r.pid, 0, [PhaseItem(name, action, wall, timeout)]),
-                        now_mono=clock.now, now_wall=wall)
+    registry.apply_push(
+        Push(r.job_id, r.rank, r.pid, 0, [PhaseItem(name, action, wall, timeout)]), now_mono=clock.now, now_wall=wall
+    )
 
 
 # A stand-in rank: dumps its stacks on SIGUSR2 into a file (as the hooks arrange) and hangs
@@ -70,8 +94,16 @@ def register_hung(registry: Registry, proc, stack_path, rank: int = 0, job: str 
     import signal as _signal
 
     from sidecar.host.stackfiles import StackFile
-    reg = Registration(job_id=job, rank=rank, local_rank=rank, world_size=2, local_world_size=2, pid=proc.pid,
-                       stack_signal=int(_signal.SIGUSR2))
+
+    reg = Registration(
+        job_id=job,
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        local_world_size=2,
+        pid=proc.pid,
+        stack_signal=int(_signal.SIGUSR2),
+    )
     r = registry.register(reg, pid_start_time=procs.start_time(proc.pid), peer_verified=True)
     r.stack_file = StackFile.existing(stack_path)  # the stand-in opened it before it said "ready"
     return r

@@ -2,6 +2,7 @@
 
 Every job trains the same 16 steps of the same model from the same seed, so any run that
 finishes must end with the parameters of the uninterrupted reference run, bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,26 @@ FAULT_STEP = 9  # checkpoints every 4 steps: a restart resumes from step 8
 JOB_TIMEOUT = 240.0  # only catches hangs; a loaded machine is slow
 
 # Fast detection for tests: a 3 s floor, quick dumps and a short grace period.
-SIDECAR_SETTINGS = ("watchdog.floor_seconds=3", "watchdog.startup_timeout_seconds=180",
-                    "watchdog.check_interval_seconds=0.25", "remediation.dump_wait_seconds=1",
-                    "remediation.grace_seconds=3", "hooks_flush_interval_seconds=0.5")
+SIDECAR_SETTINGS = (
+    "watchdog.floor_seconds=3",
+    "watchdog.startup_timeout_seconds=180",
+    "watchdog.check_interval_seconds=0.25",
+    "remediation.dump_wait_seconds=1",
+    "remediation.grace_seconds=3",
+    "hooks_flush_interval_seconds=0.5",
+)
 
 
 def spec(**overrides) -> JobSpec:
-    base = dict(steps=STEPS, fault="none", fault_rank=1, fault_step=FAULT_STEP, checkpoint_every=4,
-                step_delay_seconds=0.02, max_restarts=3)
+    base = dict(
+        steps=STEPS,
+        fault="none",
+        fault_rank=1,
+        fault_step=FAULT_STEP,
+        checkpoint_every=4,
+        step_delay_seconds=0.02,
+        max_restarts=3,
+    )
     base.update(overrides)
     return JobSpec(**base)
 
@@ -79,4 +92,5 @@ def wait_for_step(sidecar, step: int, timeout: float = JOB_TIMEOUT) -> None:
             return any((r.get("step") or 0) >= step for r in sidecar.status()["ranks"])
         except Exception:
             return False
+
     wait_until(reached, timeout, interval=0.2, what=f"a rank at step {step}")

@@ -1,4 +1,5 @@
 """Which rank is blamed when several ranks of a job stall."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -31,13 +32,31 @@ def test_a_rank_that_never_stepped_is_behind_every_stepping_rank():
 
 
 def snap(n: int, step: int, collective: bool | None) -> RankSnapshot:
-    return RankSnapshot(rank=n, local_rank=n, pid=100 + n, state="stalled", step=step, phase=None,
-                        last_progress_age_seconds=10.0, timeout_seconds=5.0, in_collective=collective)
+    return RankSnapshot(
+        rank=n,
+        local_rank=n,
+        pid=100 + n,
+        state="stalled",
+        step=step,
+        phase=None,
+        last_progress_age_seconds=10.0,
+        timeout_seconds=5.0,
+        in_collective=collective,
+    )
 
 
 def incident(*ranks: RankSnapshot, blamed: int = 0) -> Incident:
-    return Incident(id="x", time=0.0, job_id="job", node="n", blamed_rank=blamed, blame_reason="oldest progress",
-                    timeout_seconds=5.0, observe_only=False, ranks=list(ranks))
+    return Incident(
+        id="x",
+        time=0.0,
+        job_id="job",
+        node="n",
+        blamed_rank=blamed,
+        blame_reason="oldest progress",
+        timeout_seconds=5.0,
+        observe_only=False,
+        ranks=list(ranks),
+    )
 
 
 def test_a_rank_outside_a_collective_while_the_others_wait_in_one_is_blamed():

@@ -1,6 +1,7 @@
 """A real sidecar watching real torchrun jobs: every kind of hang is detected, its stacks are
 saved, the group is killed, torchrun restarts it and the run ends with exactly the parameters
 of an uninterrupted run; and nothing that merely looks slow is ever killed."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,7 +48,7 @@ def test_a_hung_rank_is_detected_killed_and_resumed_exactly(kind, tmp_path, refe
     with Sidecar(tmp_path, *jobs.SIDECAR_SETTINGS) as sidecar:
         result = jobs.run(jobs.spec(fault=kind), tmp_path, sidecar.hook_env())
         assert_recovered(result, reference_digest, sidecar)
-        assert 'sidecar_watchdog_remediations_total{job_id=' in sidecar.metrics()
+        assert "sidecar_watchdog_remediations_total{job_id=" in sidecar.metrics()
 
 
 def test_a_declared_checkpoint_longer_than_the_step_timeout_is_not_a_stall(tmp_path, reference_digest):
@@ -90,12 +91,18 @@ def test_a_hang_on_one_of_two_nodes_is_remediated_and_both_nodes_finish(tmp_path
     """Two torchrun agents (one rank each) in one c10d rendezvous, one sidecar per 'node'."""
     port = free_port()
     job = jobs.spec(fault="sleep", nproc=1, nnodes=2, checkpoint_dir=str(tmp_path / "shared-ckpt"))
-    with Sidecar(tmp_path / "node0", *jobs.SIDECAR_SETTINGS) as node0, \
-            Sidecar(tmp_path / "node1", *jobs.SIDECAR_SETTINGS) as node1:
-        with jobs.start(job, tmp_path / "node0", node0.hook_env(), rdzv_port=port) as agent0, \
-                jobs.start(job, tmp_path / "node1", node1.hook_env(), rdzv_port=port) as agent1:
-            results = [jobs.finish(agent0, tmp_path / "node0" / "torchrun.log"),
-                       jobs.finish(agent1, tmp_path / "node1" / "torchrun.log")]
+    with (
+        Sidecar(tmp_path / "node0", *jobs.SIDECAR_SETTINGS) as node0,
+        Sidecar(tmp_path / "node1", *jobs.SIDECAR_SETTINGS) as node1,
+    ):
+        with (
+            jobs.start(job, tmp_path / "node0", node0.hook_env(), rdzv_port=port) as agent0,
+            jobs.start(job, tmp_path / "node1", node1.hook_env(), rdzv_port=port) as agent1,
+        ):
+            results = [
+                jobs.finish(agent0, tmp_path / "node0" / "torchrun.log"),
+                jobs.finish(agent1, tmp_path / "node1" / "torchrun.log"),
+            ]
         for result in results:
             assert result.returncode == 0, result.explain()
             assert "resumed from step" in result.text() or result.digest is None
@@ -108,9 +115,11 @@ def test_a_hang_on_one_of_two_nodes_is_remediated_and_both_nodes_finish(tmp_path
 def test_observe_only_reports_a_real_hang_and_leaves_the_job_alone(tmp_path):
     with Sidecar(tmp_path, *jobs.SIDECAR_SETTINGS, "watchdog.observe_only=true") as sidecar:
         with jobs.start(jobs.spec(fault="sleep"), tmp_path, sidecar.hook_env()) as proc:
+
             def reported():
                 briefs = sidecar.status()["incidents"]
                 return briefs if briefs and briefs[0]["outcome"] == "observe_only" else None
+
             wait_until(reported, jobs.JOB_TIMEOUT, interval=0.3, what="an observe-only incident")
             status = sidecar.status()
             assert {r["state"] for r in status["ranks"]} == {"stalled"}

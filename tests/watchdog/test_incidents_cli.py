@@ -1,4 +1,5 @@
 """`sidecar incidents` lists the records the watchdog wrote, newest first."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,14 @@ from tests.support import PYTHON, ROOT
 def write_incidents(diag, jobs):
     store = IncidentStore(diag)
     for job in jobs:
-        i = store.open(job, blamed_rank=1, blame_reason="lowest step", timeout_seconds=5.0, observe_only=False,
-                       ranks=[RankSnapshot(1, 1, 4242, "stalled", 7, None, 6.0, 5.0)])
+        i = store.open(
+            job,
+            blamed_rank=1,
+            blame_reason="lowest step",
+            timeout_seconds=5.0,
+            observe_only=False,
+            ranks=[RankSnapshot(1, 1, 4242, "stalled", 7, None, 6.0, 5.0)],
+        )
         i.event("sigterm")
         i.event("exit_observed")
         i.outcome = "killed"
@@ -21,8 +28,9 @@ def write_incidents(diag, jobs):
 
 
 def sidecar(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "sidecar", "incidents", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [PYTHON, "-m", "sidecar", "incidents", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_incidents_are_listed_newest_first(tmp_path):

@@ -3,6 +3,7 @@ exits promptly on SIGTERM is "killed" (it used to be "failed": the SIGCONT that 
 SIGTERM found it gone), every member of a group still alive after the grace gets SIGKILL (it
 used to go only to ranks), both through pidfds and on the pid-number fallback. And a restarted
 sidecar judges a rank inside a declared phase by that phase's own budget."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ time.sleep(600)
 
 def register(registry: Registry, pid: int, with_pidfd: bool, job: str = "job"):
     reg = Registration(job_id=job, rank=0, local_rank=0, world_size=1, local_world_size=1, pid=pid)
-    return registry.register(reg, pid_start_time=procs.start_time(pid), peer_verified=True,
-                             pidfd=identity.open_pidfd(pid) if with_pidfd else None, owner_uid=0)
+    return registry.register(
+        reg,
+        pid_start_time=procs.start_time(pid),
+        peer_verified=True,
+        pidfd=identity.open_pidfd(pid) if with_pidfd else None,
+        owner_uid=0,
+    )
 
 
 @pytest.mark.asyncio
@@ -47,16 +53,20 @@ async def test_every_group_member_alive_after_the_grace_gets_sigkill(tmp_path, c
     s = make_settings(tmp_path, WATCHDOG, **{"remediation.grace_seconds": 0.5})
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
-    rank = subprocess.Popen([sys.executable, "-c", GROUP_WITH_STUBBORN_WORKER], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", GROUP_WITH_STUBBORN_WORKER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         worker = psutil.Process(int(rank.stdout.readline()))
         r = register(registry, rank.pid, with_pidfd)
         await stall(dog, registry, clock, [r])
         await finish(dog)
         assert rank.wait(timeout=10) == -signal.SIGTERM, "the rank itself died on SIGTERM"
-        wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 10,
-                   what="the worker that ignored SIGTERM killed")
+        wait_until(
+            lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE,
+            10,
+            what="the worker that ignored SIGTERM killed",
+        )
         record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
         assert events(record)[-3:] == ["sigterm", "sigkill", "exit_observed"], events(record)
         assert record["outcome"] == "killed"
@@ -87,8 +97,9 @@ async def test_a_rank_that_exits_promptly_on_sigterm_is_killed_not_failed(tmp_pa
     s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
-    parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         rank_pid = int(parent.stdout.readline())
         r = register(registry, rank_pid, with_pidfd)
@@ -118,8 +129,17 @@ def test_a_re_registered_rank_inside_a_phase_keeps_the_phase_s_own_budget(tmp_pa
     s = make_settings(tmp_path, WATCHDOG)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=FakeClock())
-    reg = Registration(job_id="job", rank=0, local_rank=0, world_size=1, local_world_size=1, pid=12345, step=40,
-                       phase="checkpoint_save", phase_timeout_seconds=7200.0)
+    reg = Registration(
+        job_id="job",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        pid=12345,
+        step=40,
+        phase="checkpoint_save",
+        phase_timeout_seconds=7200.0,
+    )
     r = registry.register(reg, pid_start_time=None, peer_verified=True)
     d = dog.deadline(r)
     assert (d.timeout, d.basis) == (7200.0, "phase:checkpoint_save")

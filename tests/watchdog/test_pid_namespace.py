@@ -2,6 +2,7 @@
 outside it: the ranks register with the pids they see, the sidecar maps them to host pids
 through NSpid, and a hang is detected, its stacks captured, the group killed, torchrun (inside
 the namespace) restarts it and the run ends with the uninterrupted run's parameters."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,14 @@ pytestmark = pytest.mark.slow
 def test_a_hang_in_a_job_in_its_own_pid_namespace_is_remediated_and_resumed_exactly(tmp_path, reference_digest):
     needs_namespaces()
     with Sidecar(tmp_path, *jobs.SIDECAR_SETTINGS) as sidecar:
-        command = [UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc",
-                   *jobs.spec(fault="sleep").command(tmp_path)]
+        command = [
+            UNSHARE,
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            *jobs.spec(fault="sleep").command(tmp_path),
+        ]
         with spawned(command, tmp_path / "torchrun.log", env=sidecar.hook_env()) as proc:
             result = jobs.finish(proc, tmp_path / "torchrun.log")
         incident = assert_recovered(result, reference_digest, sidecar)

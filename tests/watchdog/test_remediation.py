@@ -1,5 +1,6 @@
 """Remediation of real (stand-in) rank processes: stacks, SIGTERM, grace, SIGKILL, the
 incident's timeline; observe-only and the storm cap never signal."""
+
 from __future__ import annotations
 
 import json

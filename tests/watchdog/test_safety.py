@@ -1,5 +1,6 @@
 """The safety rules, checked right before every signal: only the registered process (pid plus
 start time), never pid 1, the sidecar or its ancestors."""
+
 from __future__ import annotations
 
 import os
@@ -90,5 +91,9 @@ def test_a_rank_that_does_not_lead_its_group_is_signalled_with_its_descendants_o
 
 def _wait_children(pid: int, n: int, recursive: bool = True) -> list[psutil.Process]:
     from tests.support import wait_until
-    return wait_until(lambda: (lambda c: c if len(c) >= n else None)(
-        psutil.Process(pid).children(recursive=recursive)), 10, what=f"{n} children of {pid}")
+
+    return wait_until(
+        lambda: (lambda c: c if len(c) >= n else None)(psutil.Process(pid).children(recursive=recursive)),
+        10,
+        what=f"{n} children of {pid}",
+    )

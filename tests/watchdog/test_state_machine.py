@@ -1,5 +1,6 @@
 """The per-rank state machine, driven tick by tick with a hand-moved clock over a real
 Registry whose ranks are real (sleeping) processes. Observe-only, so nothing is signalled."""
+
 from __future__ import annotations
 
 import pytest

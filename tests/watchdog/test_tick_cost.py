@@ -1,6 +1,7 @@
 """A watchdog tick's cost is bounded (issue 9, row 9): with thousands of ranks it looks up at
 most LIVENESS_CHECKS_PER_TICK processes in /proc (in turn), plus the ranks about to turn
 suspect or stalled, and the step timeout's quantile is computed once per new step."""
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ def counting_liveness(monkeypatch) -> list[int]:
     def alive(rank):
         calls.append(rank.pid)
         return real(rank)
+
     monkeypatch.setattr(watchdog_module, "_process_alive", alive)
     return calls
 

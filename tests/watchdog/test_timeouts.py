@@ -1,4 +1,5 @@
 """The adaptive training-step timeout: multiplier x quantile of recent step times, clamped."""
+
 from __future__ import annotations
 
 import pytest

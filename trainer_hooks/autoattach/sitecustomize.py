@@ -9,6 +9,7 @@ Python imports one `sitecustomize` module; the next one on sys.path (a distribut
 after this one. Processes the worker starts (DataLoader workers) inherit the environment but do
 not attach again (SIDECAR_ATTACHED_PID names the attached process).
 """
+
 import importlib.machinery
 import importlib.util
 import os
@@ -17,8 +18,12 @@ import sys
 
 def _attach() -> None:
     env = os.environ
-    if (env.get("SIDECAR_ATTACH", "").strip().lower() not in ("1", "true", "yes", "on")
-            or "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env or env.get("SIDECAR_ATTACHED_PID")):
+    if (
+        env.get("SIDECAR_ATTACH", "").strip().lower() not in ("1", "true", "yes", "on")
+        or "TORCHELASTIC_RUN_ID" not in env
+        or "RANK" not in env
+        or env.get("SIDECAR_ATTACHED_PID")
+    ):
         return
     env["SIDECAR_ATTACHED_PID"] = str(os.getpid())
     try:
