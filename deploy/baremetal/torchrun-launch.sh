@@ -52,5 +52,5 @@ cmd=("$PYTHON" -m torch.distributed.run
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
   --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
   --max-restarts "$MAX_RESTARTS"
-  -m trainer --config "$CONFIG" "$@")
+  -m sidecar_trainer --config "$CONFIG" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then run "${cmd[@]}"; else exec "${cmd[@]}"; fi

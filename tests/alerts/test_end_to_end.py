@@ -125,7 +125,7 @@ def torchrun_command(workdir: Path) -> list[str]:
         "--max-restarts",
         "1",
         "-m",
-        "trainer",
+        "sidecar_trainer",
     ]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]

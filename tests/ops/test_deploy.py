@@ -191,7 +191,7 @@ def _assert_training_pod(pod_spec: dict) -> None:
     assert cmd[0] == "torchrun" and "--rdzv-backend=c10d" in cmd
     restarts = next(a for a in cmd if a.startswith("--max-restarts="))
     assert int(restarts.split("=")[1]) > 0
-    assert cmd[cmd.index("-m") + 1] == "trainer" and any(a.startswith("--config=") for a in cmd)
+    assert cmd[cmd.index("-m") + 1] == "sidecar_trainer" and any(a.startswith("--config=") for a in cmd)
     env = {e["name"]: e.get("value") for e in container["env"]}
     socket_dir = str(Path(env["SIDECAR_SOCKET"]).parent)
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == socket_dir)
@@ -363,7 +363,7 @@ def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
     pairs = dict(zip(cmd, cmd[1:], strict=False))
     assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "node-0:29400"
     assert pairs["--rdzv-id"] == "job-17" and int(pairs["--max-restarts"]) > 0
-    assert pairs["--nnodes"] == "2" and pairs["-m"] == "trainer" and pairs["--config"] == "train.yaml"
+    assert pairs["--nnodes"] == "2" and pairs["-m"] == "sidecar_trainer" and pairs["--config"] == "train.yaml"
     assert cmd[-2:] == ["--set", "train.steps=5"]
 
 

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ PARTS = (
     "README.md",
     "sidecar",
     "trainer_hooks",
-    "trainer",
+    "sidecar_trainer",
     "alerts",
     "dashboards",
     "deploy",
@@ -102,6 +103,13 @@ def _venv(where: Path, see_shared_deps: bool) -> Path:
         )
         (site / "shared-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
+
+
+def test_the_wheel_installs_only_top_level_packages_named_after_the_project(wheels):
+    # A generic name (`trainer`) would shadow, or be shadowed by, a package of the user's own.
+    with zipfile.ZipFile(wheels["training_sidecar"]) as wheel:
+        top = {name.split("/")[0] for name in wheel.namelist() if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"sidecar", "sidecar_trainer", "trainer_hooks"}, top
 
 
 @pytest.fixture(scope="module")

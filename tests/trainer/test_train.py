@@ -1,4 +1,4 @@
-"""The training loop in one process (`python -m trainer` without torchrun: a world of one)."""
+"""The training loop in one process (`python -m sidecar_trainer` without torchrun: a world of one)."""
 
 from __future__ import annotations
 
