@@ -167,7 +167,7 @@ def test_provision_pushes_to_grafana_from_the_installed_package(installed, tmp_p
         )
         state = grafana.state
         assert {json.loads(p.read_text())["uid"] for p in (ROOT / "dashboards").glob("*.json")} == set(state.dashboards)
-        assert state.alert_rules and "sidecar-prometheus" in state.datasources
+        assert not state.alert_rules and "sidecar-prometheus" in state.datasources
     assert "done:" in out.stdout
 
 
