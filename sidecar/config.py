@@ -264,6 +264,16 @@ class RemediationSettings:
         ),
     )
     window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
+    kill_without_restart: bool = field(
+        default=False,
+        metadata=doc(
+            "Kill a hung worker group even when nothing would restart it (the ranks say: no launcher, as for a "
+            "plain `python` rank, or torchrun's --max-restarts used up). Off: such a stall is recorded, alerted "
+            "and its stacks dumped, but its processes are left alive (outcome `not_killed_no_restart`), since "
+            "the kill would only turn the hang into a failed job. On: fail fast and free the GPUs; also the "
+            "choice where something the ranks cannot see restarts them (a pod restart policy)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("remediation.dump_wait_seconds", self.dump_wait_seconds, allow_zero=True)

@@ -316,6 +316,7 @@ class Sender:
             "versions": versions(),
             "stack_dump": self.stack_dump.as_wire() if self.stack_dump else None,
             "hooks_version": HOOKS_VERSION,
+            "launcher": self.ident.launcher.as_wire(),
         }
         if self.ident.kubernetes:
             body["kubernetes"] = dict(self.ident.kubernetes)

@@ -20,6 +20,7 @@ from trainer_hooks.wire import (
     EXIT_MAX_FRAMES,
     EXIT_MAX_TEXT,
     EXIT_MAX_TYPES,
+    LAUNCHERS,
     MAX_COUNT,
     MAX_EVENT_FIELDS,
     MAX_NAME,
@@ -49,6 +50,14 @@ class ProtocolError(ValueError):
         self.status = status
 
 
+@dataclass(frozen=True, slots=True)
+class Launcher:
+    """What restarts the rank's worker group once it is killed, as the rank says (wire.LAUNCHERS)."""
+
+    name: str  # "torchrun" | "none"
+    max_restarts: int | None = None  # torchrun's --max-restarts; None: not said
+
+
 @dataclass(slots=True)
 class Registration:
     job_id: str
@@ -65,6 +74,7 @@ class Registration:
     stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/ranks/podlabels.py)
+    launcher: Launcher | None = None  # None: not said (hooks of protocol 1)
 
 
 @dataclass(slots=True)
@@ -300,6 +310,17 @@ def _identity(data: dict) -> tuple[str, int, int]:
 # ---------------------------------------------------------------- requests
 
 
+def _launcher(data: dict) -> Launcher | None:
+    if data.get("launcher") is None:
+        return None
+    obj = _object(data, "launcher", "launcher")
+    name = obj.get("name")
+    if name not in LAUNCHERS:
+        raise ProtocolError(f"launcher.name: expected one of {', '.join(LAUNCHERS)}, got {_kind(name)}")
+    max_restarts = _int(obj, "max_restarts", "launcher.max_restarts", 0, MAX_COUNT, default=None, nullable=True)
+    return Launcher(name, max_restarts if name == "torchrun" else None)
+
+
 def parse_registration(data: dict) -> Registration:
     job_id, rank, pid = _identity(data)
     world_size = _int(data, "world_size", "world_size", 1, MAX_RANK)
@@ -338,6 +359,7 @@ def parse_registration(data: dict) -> Registration:
         stack_signal=_int(stack, "signal", "stack_dump.signal", *STACK_SIGNAL_RANGE, nullable=True, default=None),
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
         kubernetes=kubernetes,
+        launcher=_launcher(data),
     )
 
 

@@ -38,6 +38,7 @@ from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.attribution import blame, refine_blame
 from sidecar.watchdog.remediation import Remediator
+from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no_restart_reasons
 from sidecar.watchdog.stormcap import OwnerStormCaps
 from sidecar.watchdog.timeouts import Deadline, Timeouts
 
@@ -96,7 +97,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog",
         "watchdog_remediations",
         "counter",
-        "Remediations by outcome: killed, suppressed (storm cap), observe_only, failed.",
+        "Remediations by outcome: killed, suppressed (storm cap), observe_only, not_killed_no_restart "
+        "(nothing would restart the ranks: no launcher, or torchrun's restarts used up; stacks dumped, "
+        "no signal to end them; remediation.kill_without_restart), failed.",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -291,8 +294,11 @@ class Watchdog:
         blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is S.STALLED})
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
         observe_only = self.settings.watchdog.observe_only
+        # A kill that nothing restarts turns the hang into a failed job: by default, don't.
+        no_restart = [] if observe_only else no_restart_reasons(t.rank for t in members)
+        spare = bool(no_restart) and not self.settings.remediation.kill_without_restart
         owner = members[0].rank.owner_uid if members else None
-        full = None if observe_only else self.storm_cap.allow(owner)
+        full = None if observe_only or spare else self.storm_cap.allow(owner)
         suppressed = full is not None
         incident = self.store.open(
             job_id,
@@ -309,15 +315,21 @@ class Watchdog:
         self.counters.stalls[job_id] += 1
         self.counters.last_incident = incident.time
         targets = [target_of(t.rank) for t in members]
-        if observe_only or suppressed:
-            episode.outcome = "observe_only" if observe_only else "suppressed"
+        if no_restart:
+            incident.notes.append(no_restart_note(no_restart, killing=not spare))
+        if observe_only or suppressed or spare:
+            episode.outcome = "observe_only" if observe_only else "suppressed" if suppressed else NOT_KILLED_NO_RESTART
             if suppressed:
                 incident.notes.append(f"storm cap: {full} reached; not killing")
             log.error(
                 "job %s stalled (%s); %s",
                 job_id,
                 incident.summary,
-                "observe-only mode: not killing" if observe_only else "storm cap reached: not killing",
+                "observe-only mode: not killing"
+                if observe_only
+                else (
+                    "storm cap reached: not killing" if suppressed else "nothing would restart its ranks: not killing"
+                ),
             )
             episode.task = asyncio.get_running_loop().create_task(
                 self._observe(episode, targets), name=f"observe-{job_id}"
@@ -371,10 +383,12 @@ class Watchdog:
                     self._transition(t, S.STALLED, now, f"remediation {outcome}")
 
     async def _observe(self, episode: _Episode, targets: list[Target]) -> None:
-        """Observe-only and storm-capped stalls: stacks from py-spy (it reads memory and never
-        signals), the incident, the count; no signal."""
+        """Stalls left alive: stacks, the incident, the count; no signal that ends a process.
+        Observe-only and storm-capped stalls get py-spy's stacks only (it reads memory and never
+        signals); a stall nothing would restart also gets the ranks' own dump signal."""
         try:
-            await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=False)
+            spared = episode.outcome == NOT_KILLED_NO_RESTART
+            await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=spared)
             refine_blame(episode.incident)
         except asyncio.CancelledError:
             raise

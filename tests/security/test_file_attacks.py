@@ -37,6 +37,7 @@ QUICK_STALLS = (
     "watchdog.floor_seconds=2",
     "remediation.py_spy=false",
     "remediation.dump_wait_seconds=1",
+    "remediation.kill_without_restart=true",  # the victim is a plain python rank, no launcher
     "remediation.grace_seconds=2",
     "remediation.max_per_window=50",
     "limits.max_jobs=64",
