@@ -22,7 +22,7 @@ from tests.support import PYTHON, ROOT, Sidecar
 K8S = ROOT / "deploy" / "kubernetes"
 BAREMETAL = ROOT / "deploy" / "baremetal"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "PyTorchJob", "JobSet", "Kustomization"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "PyTorchJob", "JobSet", "TrainJob", "Kustomization"}
 PROMTOOL = shutil.which("promtool")
 
 
@@ -83,7 +83,7 @@ def test_daemonset_sees_host_processes_with_only_kill_and_ptrace():
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
     assert pod["priorityClassName"] == "system-node-critical"
-    assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert pod["tolerations"] == [{"operator": "Exists"}]  # every node that trains runs the sidecar
 
 
 def test_daemonset_mounts_host_sys_and_proc_read_only_where_the_settings_point():
@@ -185,29 +185,74 @@ def _torchrun_command(container: dict) -> list[str]:
     return container.get("command", []) + container.get("args", [])
 
 
-def _assert_training_pod(pod_spec: dict) -> None:
-    container = pod_spec["containers"][0]
+def _flags(cmd: list[str]) -> dict[str, str]:
+    return dict(a.split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+
+
+def _assert_training_pod(pod_spec: dict, container: dict | None = None, from_operator: dict | None = None) -> None:
+    """A pod of an example job: the bundled trainer under torchrun with a c10d rendezvous and
+    restarts, whose rendezvous flags come from the command or, where the operator passes them
+    as PET_* variables (torchrun reads PET_<FLAG> for every flag not given), `from_operator`."""
+    container = container or pod_spec["containers"][0]
     cmd = _torchrun_command(container)
-    assert cmd[0] == "torchrun" and "--rdzv-backend=c10d" in cmd
-    restarts = next(a for a in cmd if a.startswith("--max-restarts="))
-    assert int(restarts.split("=")[1]) > 0
+    flags = {**(from_operator or {}), **_flags(cmd)}
+    assert cmd[0] == "torchrun" and flags["--rdzv-backend"] == "c10d"
+    assert int(flags["--max-restarts"]) > 0
     assert cmd[cmd.index("-m") + 1] == "sidecar_trainer" and any(a.startswith("--config=") for a in cmd)
     env = {e["name"]: e.get("value") for e in container["env"]}
+    # torch's own switch that brings restarts of unmodified scripts back (pytorch#135712).
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     socket_dir = str(Path(env["SIDECAR_SOCKET"]).parent)
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == socket_dir)
     volume = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
-    assert volume["hostPath"]["path"] == "/run/sidecar"
+    # A node without the sidecar still starts the pod (the hooks carry on without it).
+    assert volume["hostPath"] == {"path": "/run/sidecar", "type": "DirectoryOrCreate"}
     assert "--set=monitor.enabled=true" in cmd
 
 
-def test_pytorchjob_runs_the_trainer_elastically_with_c10d_and_the_socket():
+def test_pytorchjob_runs_the_trainer_elastically_with_the_operators_pet_variables():
     (job,) = BY_KIND["PyTorchJob"]
     assert job["apiVersion"] == "kubeflow.org/v1"
-    assert job["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
-    assert job["spec"]["elasticPolicy"]["maxRestarts"] > 0
+    policy = job["spec"]["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d" and policy["maxRestarts"] > 0 and policy["rdzvId"]
+    assert int(job["spec"]["nprocPerNode"]) >= 1  # PET_NPROC_PER_NODE
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     _validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker"}, "spec": template["spec"]})
-    _assert_training_pod(template["spec"])
+    container = _container(template["spec"], "pytorch")  # the container the operator fills in
+    # The operator's PET_RDZV_ENDPOINT is worker 0's Service at the port named pytorchjob-port.
+    assert any(p["name"] == "pytorchjob-port" for p in container["ports"])
+    cmd = _torchrun_command(container)
+    hard_coded = {"--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--max-restarts"}
+    assert not hard_coded & set(_flags(cmd)), cmd
+    from_operator = {"--rdzv-backend": policy["rdzvBackend"], "--max-restarts": str(policy["maxRestarts"])}
+    _assert_training_pod(template["spec"], container, from_operator)
+
+
+def test_trainjob_runs_the_trainer_with_c10d_on_the_trainers_pet_variables():
+    (job,) = BY_KIND["TrainJob"]
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    trainer = job["spec"]["trainer"]
+    assert trainer["numNodes"] >= 1 and trainer["numProcPerNode"] >= 1  # PET_NNODES, PET_NPROC_PER_NODE
+    assert _flags(trainer["command"])["--rdzv-endpoint"] == "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    (patch,) = job["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert node["name"] == "node"
+    pod = node["template"]["spec"]["template"]["spec"]
+    (mounts,) = pod.pop("containers")
+    assert mounts["name"] == "node"  # the runtime's trainer container
+    # The pod as the Trainer builds it: the runtime's container with the TrainJob's trainer.
+    container = {
+        "name": "node",
+        "image": trainer["image"],
+        "command": trainer["command"],
+        "env": trainer["env"],
+        "resources": trainer["resourcesPerNode"],
+        "volumeMounts": mounts["volumeMounts"],
+    }
+    pod["containers"] = [container]
+    _validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "node"}, "spec": pod})
+    _assert_training_pod(pod)
 
 
 def test_jobset_runs_the_trainer_with_c10d_and_the_socket():
@@ -224,6 +269,13 @@ def test_jobset_runs_the_trainer_with_c10d_and_the_socket():
             }
         )
         _assert_training_pod(replicated["template"]["spec"]["template"]["spec"])
+
+
+@pytest.mark.parametrize("name", ["pytorchjob.yaml", "jobset.yaml", "trainjob.yaml"])
+def test_example_jobs_use_no_namespace_of_their_own(name):
+    """They are created in the team's namespace (`kubectl -n TEAM apply -f`), with their ConfigMap."""
+    for doc in yaml.safe_load_all((K8S / "examples" / name).read_text()):
+        assert "namespace" not in doc["metadata"]
 
 
 def test_kustomization_lists_files_that_exist():
@@ -243,6 +295,8 @@ def test_generated_files_are_current():
 def test_deploy_gen_check_names_a_stale_file_and_write_fixes_it(tmp_path, capsys):
     for part in ("alerts", "dashboards"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / deploygen.BASE_KUSTOMIZATION).parent.mkdir(parents=True)
+    shutil.copy(ROOT / deploygen.BASE_KUSTOMIZATION, tmp_path / deploygen.BASE_KUSTOMIZATION)
 
     def args(*flags):
         return argparse.Namespace(write="" if "--write" in flags else None, check="--check" in flags, root=tmp_path)
@@ -359,7 +413,8 @@ def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
     out = _launch(tmp_path, NNODES="2", RDZV_ENDPOINT="node-0:29400", CONFIG="train.yaml", RDZV_ID="job-17")
     assert out.returncode == 0, out.stderr
     cmd = out.stdout.split()
-    assert cmd[:3] == ["python3", "-m", "torch.distributed.run"]
+    # torch's own switch that brings restarts of unmodified scripts back (pytorch#135712).
+    assert cmd[:5] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "python3", "-m", "torch.distributed.run"]
     pairs = dict(zip(cmd, cmd[1:], strict=False))
     assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "node-0:29400"
     assert pairs["--rdzv-id"] == "job-17" and int(pairs["--max-restarts"]) > 0
