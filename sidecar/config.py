@@ -99,14 +99,19 @@ class CollectorSettings:
     )
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(
-        default=True, metadata=doc("Wait for NVML XID events in a dedicated thread and count them per GPU and XID.")
+        default=True,
+        metadata=doc(
+            "Wait for NVML XID events in a dedicated thread and count them per GPU and XID. With gpu_source "
+            "`dcgm` the thread still runs (no GPU metrics), so exits after an XID are still `gpu_error`."
+        ),
     )
     gpu_source: str = field(
         default="sidecar",
         metadata=doc(
             "Where the cluster's GPU metrics come from: `sidecar` (this daemon's NVML collector) or `dcgm` "
             "(NVIDIA dcgm-exporter, as the GPU Operator runs it): then the gpu collector is off, whatever "
-            "`enabled` says, and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."
+            "`enabled` says (only its XID event thread and NVML's process lists stay, for the exit reason "
+            "`gpu_error`), and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."
         ),
     )
 

@@ -17,8 +17,9 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import BuildContext, PartialFailure
+from sidecar.collectors.gpu_events import RankGpus, owners_of, rank_gpus, start_xid_watcher
 from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
-from sidecar.collectors.ranktree import RanksFn, pid_owners
+from sidecar.collectors.ranktree import RanksFn
 from sidecar.collectors.xid import XidWatcher
 from sidecar.metric import spec
 
@@ -311,7 +312,7 @@ class GpuCollector:
         self.ranks = ranks
         self.xid_events = xid_events
         self.xid: XidWatcher | None = None
-        self.rank_gpus: dict[tuple[str, int], set[str]] = {}  # GPUs each rank's processes held, last round
+        self.rank_gpus: RankGpus = {}  # GPUs each rank's processes held, last round
 
     def last_xids(self) -> dict[str, tuple[int, float]]:
         """gpu -> (latest XID, Unix time) since the sidecar started."""
@@ -332,7 +333,7 @@ class GpuCollector:
                 raise PartialFailure(self.session.broken, [])
             return []
         if self.xid_events and self.xid is None:
-            self._start_xid_watcher()
+            self.xid = start_xid_watcher(self.session)
         readings: list[GpuReading] = []
         lost: list[str] = []
         problems: list[str] = []
@@ -352,19 +353,6 @@ class GpuCollector:
                 "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + (f" (+{more} more)" if more > 0 else ""), families
             )
         return families
-
-    def _start_xid_watcher(self) -> None:
-        handles = {}
-        for index in range(self.session.count):
-            try:
-                handles[str(index)] = self.session.handle(index)
-            except GpuLost:
-                pass
-        nv = self.session.nv
-        if nv is None:  # the session closed meanwhile
-            return
-        self.xid = XidWatcher(nv, handles)
-        self.xid.start()
 
     def _families(self, readings: list[GpuReading], lost: list[str]) -> list[Metric]:
         info, lost_family, unavailable = INFO.family(), LOST.family(), FIELD_UNAVAILABLE.family()
@@ -463,11 +451,9 @@ class GpuCollector:
 
     def _process_memory(self, readings: list[GpuReading]) -> Metric:
         family = PROCESS_MEMORY.family()
-        if not any(r.processes for r in readings):
-            self.rank_gpus = {}
-            return family
-        owners = pid_owners(self.ranks())
-        rank_gpus: dict[tuple[str, int], set[str]] = {}
+        processes = [(r.gpu, r.processes) for r in readings]
+        owners = owners_of(processes, self.ranks)
+        self.rank_gpus = rank_gpus(processes, owners)
         for r in readings:
             per_rank: dict[tuple[str, int], int] = {}
             for pid, used in r.processes:
@@ -476,8 +462,6 @@ class GpuCollector:
                     per_rank[owner] = per_rank.get(owner, 0) + used
             for (job_id, rank), used in sorted(per_rank.items()):
                 family.add_metric([r.gpu, job_id, str(rank)], used)
-                rank_gpus.setdefault((job_id, rank), set()).add(r.gpu)
-        self.rank_gpus = rank_gpus
         return family
 
 
