@@ -6,6 +6,7 @@ bad input, and the generated files are current."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import subprocess
@@ -347,13 +348,44 @@ def test_systemd_unit_is_a_notify_service_with_only_the_capabilities_it_needs():
     service = unit["Service"]
     assert service["Type"] == ["notify"] and service["Restart"] == ["on-failure"]
     assert service["RuntimeDirectory"] == ["sidecar"]
-    assert service["CapabilityBoundingSet"] == ["CAP_KILL CAP_SYS_PTRACE"]
-    assert service["AmbientCapabilities"] == ["CAP_KILL CAP_SYS_PTRACE"]
+    assert service["CapabilityBoundingSet"] == ["CAP_KILL CAP_SYS_PTRACE CAP_SYSLOG"]
+    assert service["AmbientCapabilities"] == ["CAP_KILL CAP_SYS_PTRACE CAP_SYSLOG"]
     # Hardening that would break it: hiding other users' processes or the GPU device nodes.
     assert service.get("ProtectProc", ["default"]) == ["default"] and "ProcSubset" not in service
     assert service.get("PrivateDevices", ["no"]) == ["no"] and "PrivateUsers" not in service
     assert "/sidecar run" in service["ExecStart"][0]
     assert f"/run/{service['RuntimeDirectory'][0]}" == str(Path(DEFAULT_SOCKET).parent)
+
+
+# The sidecar's own read of the kernel log (sidecar/exits/kernel.py): OOM kills are named there.
+READ_KMSG = "import os; fd = os.open('/dev/kmsg', os.O_RDONLY | os.O_NONBLOCK); os.read(fd, 8192); print('read')"
+
+
+def test_systemd_unit_does_not_hide_the_kernel_log():
+    service = _unit_directives(BAREMETAL / "sidecar.service")["Service"]
+    assert service.get("ProtectKernelLogs", ["no"]) == ["no"]  # yes makes /dev/kmsg inaccessible
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/dev/kmsg").exists(),
+    reason="needs root, setpriv and /dev/kmsg",
+)
+def test_the_units_user_and_capabilities_can_read_the_kernel_log():
+    """The unit's non-root user with exactly the unit's capabilities (setpriv applies them as
+    systemd does) opens and reads /dev/kmsg, also where kernel.dmesg_restrict is 1."""
+    service = _unit_directives(BAREMETAL / "sidecar.service")["Service"]
+    caps = ",".join("+" + c.removeprefix("CAP_").lower() for c in service["AmbientCapabilities"][0].split())
+    bounding = ",".join("+" + c.removeprefix("CAP_").lower() for c in service["CapabilityBoundingSet"][0].split())
+    nobody = "65534"  # an unprivileged uid, like the unit's `sidecar` user
+    out = subprocess.run(
+        ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"]
+        + [f"--inh-caps=-all,{caps}", f"--ambient-caps=-all,{caps}", f"--bounding-set=-all,{bounding}"]
+        + ["/usr/bin/python3", "-c", READ_KMSG],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "read", out.stderr
 
 
 def test_the_daemon_tells_systemd_it_is_ready(tmp_path):
