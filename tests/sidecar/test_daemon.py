@@ -52,6 +52,7 @@ NODE_KEYS = {
     "memory_available_bytes",
     "checkpoint_dir",
     "checkpoint_avail_bytes",
+    "diag_dir",
     "driver_version",
     "cuda_version",
     "gpu_source",
