@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.sidecar.helpers import push_body, registration, step_item
+from tests.daemon.helpers import push_body, registration, step_item
 from tests.support import PYTHON, ROOT, Sidecar, http_get, spawned, tail, wait_until
 
 PROMTOOL = "/usr/bin/promtool"
