@@ -170,6 +170,7 @@ def test_pushed_steps_reach_metrics(daemon):
     assert 'sidecar_build_info{version="' in text
 
 
+@pytest.mark.system
 def test_the_full_exposition_passes_promtool(daemon):
     exposition = daemon.metrics()
     assert "sidecar_gpu_utilization_ratio" in exposition and "sidecar_training_step" in exposition
