@@ -201,8 +201,8 @@ class Sender:
         if self._held_back is not None:
             items.append(self._held_back)
             last_step, self._held_back = self._held_back["step"], None
-        buffer, encode = self.buffer, self.encoder.item
-        while buffer and len(items) < self.tuning.batch_items:
+        buffer, encode, batch_items = self.buffer, self.encoder.item, self.tuning.batch_items
+        while buffer and len(items) < batch_items:
             if len(items) % YIELD_EVERY == YIELD_EVERY - 1:
                 time.sleep(0)  # let the training thread have the GIL
             record = buffer.popleft()
