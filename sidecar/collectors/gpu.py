@@ -24,7 +24,7 @@ from sidecar.collectors.xid import XidWatcher
 from sidecar.metric import spec
 
 NAME = "gpu"
-G = ("gpu",)
+GPU_LABELS = ("gpu",)
 
 INFO = spec(NAME, "gpu", "info", "GPU identity; value 1.", ["gpu", "uuid", "name", "pci_bus_id"])
 LOST = spec(
@@ -32,44 +32,52 @@ LOST = spec(
     "gpu_lost",
     "gauge",
     "1 when NVML reports the GPU lost or in an unknown state (its other series are absent).",
-    G,
+    GPU_LABELS,
 )
 UTILIZATION = spec(
-    NAME, "gpu_utilization_ratio", "gauge", "Share of the last sample period in which a kernel ran on the GPU.", G
+    NAME,
+    "gpu_utilization_ratio",
+    "gauge",
+    "Share of the last sample period in which a kernel ran on the GPU.",
+    GPU_LABELS,
 )
 MEMORY_UTILIZATION = spec(
     NAME,
     "gpu_memory_utilization_ratio",
     "gauge",
     "Share of the last sample period in which device memory was read or written.",
-    G,
+    GPU_LABELS,
 )
-MEMORY_USED = spec(NAME, "gpu_memory_used_bytes", "gauge", "Device memory in use.", G)
-MEMORY_TOTAL = spec(NAME, "gpu_memory_total_bytes", "gauge", "Device memory installed.", G)
-MEMORY_FREE = spec(NAME, "gpu_memory_free_bytes", "gauge", "Device memory free (DCGM_FI_DEV_FB_FREE).", G)
+MEMORY_USED = spec(NAME, "gpu_memory_used_bytes", "gauge", "Device memory in use.", GPU_LABELS)
+MEMORY_TOTAL = spec(NAME, "gpu_memory_total_bytes", "gauge", "Device memory installed.", GPU_LABELS)
+MEMORY_FREE = spec(NAME, "gpu_memory_free_bytes", "gauge", "Device memory free (DCGM_FI_DEV_FB_FREE).", GPU_LABELS)
 MEMORY_RESERVED = spec(
     NAME,
     "gpu_memory_reserved_bytes",
     "gauge",
     "Device memory the driver reserves for itself (DCGM_FI_DEV_FB_RESERVED; drivers whose "
     "NVML has no nvmlMemory_v2 count it in used).",
-    G,
+    GPU_LABELS,
 )
-TEMPERATURE = spec(NAME, "gpu_temperature_celsius", "gauge", "GPU core temperature.", G)
+TEMPERATURE = spec(NAME, "gpu_temperature_celsius", "gauge", "GPU core temperature.", GPU_LABELS)
 MEMORY_TEMPERATURE = spec(
-    NAME, "gpu_memory_temperature_celsius", "gauge", "Device memory (HBM) temperature, refreshed every 10 s.", G
+    NAME,
+    "gpu_memory_temperature_celsius",
+    "gauge",
+    "Device memory (HBM) temperature, refreshed every 10 s.",
+    GPU_LABELS,
 )
 SLOWDOWN_TEMPERATURE = spec(
-    NAME, "gpu_slowdown_temperature_celsius", "gauge", "Temperature at which the GPU slows its clocks.", G
+    NAME, "gpu_slowdown_temperature_celsius", "gauge", "Temperature at which the GPU slows its clocks.", GPU_LABELS
 )
 SHUTDOWN_TEMPERATURE = spec(
-    NAME, "gpu_shutdown_temperature_celsius", "gauge", "Temperature at which the GPU shuts down.", G
+    NAME, "gpu_shutdown_temperature_celsius", "gauge", "Temperature at which the GPU shuts down.", GPU_LABELS
 )
-POWER = spec(NAME, "gpu_power_watts", "gauge", "Board power draw.", G)
-POWER_LIMIT = spec(NAME, "gpu_power_limit_watts", "gauge", "Enforced board power limit.", G)
-ENERGY = spec(NAME, "gpu_energy_joules", "counter", "Energy used since the driver was loaded.", G)
-SM_CLOCK = spec(NAME, "gpu_sm_clock_hertz", "gauge", "Current SM clock.", G)
-MEMORY_CLOCK = spec(NAME, "gpu_memory_clock_hertz", "gauge", "Current memory clock.", G)
+POWER = spec(NAME, "gpu_power_watts", "gauge", "Board power draw.", GPU_LABELS)
+POWER_LIMIT = spec(NAME, "gpu_power_limit_watts", "gauge", "Enforced board power limit.", GPU_LABELS)
+ENERGY = spec(NAME, "gpu_energy_joules", "counter", "Energy used since the driver was loaded.", GPU_LABELS)
+SM_CLOCK = spec(NAME, "gpu_sm_clock_hertz", "gauge", "Current SM clock.", GPU_LABELS)
+MEMORY_CLOCK = spec(NAME, "gpu_memory_clock_hertz", "gauge", "Current memory clock.", GPU_LABELS)
 CLOCK_EVENT = spec(
     NAME,
     "gpu_clock_event_active",
@@ -87,10 +95,18 @@ CLOCK_VIOLATION = spec(
     ["gpu", "policy"],
 )
 ENCODER_UTILIZATION = spec(
-    NAME, "gpu_encoder_utilization_ratio", "gauge", "Share of time the video encoder was busy, refreshed every 10 s.", G
+    NAME,
+    "gpu_encoder_utilization_ratio",
+    "gauge",
+    "Share of time the video encoder was busy, refreshed every 10 s.",
+    GPU_LABELS,
 )
 DECODER_UTILIZATION = spec(
-    NAME, "gpu_decoder_utilization_ratio", "gauge", "Share of time the video decoder was busy, refreshed every 10 s.", G
+    NAME,
+    "gpu_decoder_utilization_ratio",
+    "gauge",
+    "Share of time the video decoder was busy, refreshed every 10 s.",
+    GPU_LABELS,
 )
 ECC_ERRORS = spec(
     NAME,
@@ -110,7 +126,7 @@ RETIRED_PAGES = spec(
     NAME, "gpu_retired_pages", "gauge", "Device memory pages retired (pre-Ampere), by cause.", ["gpu", "cause"]
 )
 RETIRED_PAGES_PENDING = spec(
-    NAME, "gpu_retired_pages_pending", "gauge", "1 when a page retirement waits for the next driver reload.", G
+    NAME, "gpu_retired_pages_pending", "gauge", "1 when a page retirement waits for the next driver reload.", GPU_LABELS
 )
 REMAPPED_ROWS = spec(
     NAME,
@@ -119,21 +135,25 @@ REMAPPED_ROWS = spec(
     "Memory rows remapped (Ampere and later), by the error that caused it.",
     ["gpu", "type"],
 )
-REMAPPED_ROWS_PENDING = spec(NAME, "gpu_remapped_rows_pending", "gauge", "1 when a row remap waits for a GPU reset.", G)
-REMAPPED_ROWS_FAILED = spec(
-    NAME, "gpu_remapped_rows_failed", "gauge", "1 when a row remap failed: the GPU needs service.", G
+REMAPPED_ROWS_PENDING = spec(
+    NAME, "gpu_remapped_rows_pending", "gauge", "1 when a row remap waits for a GPU reset.", GPU_LABELS
 )
-PCIE_REPLAY = spec(NAME, "gpu_pcie_replay", "counter", "PCIe replays (link-level retransmissions).", G)
+REMAPPED_ROWS_FAILED = spec(
+    NAME, "gpu_remapped_rows_failed", "gauge", "1 when a row remap failed: the GPU needs service.", GPU_LABELS
+)
+PCIE_REPLAY = spec(NAME, "gpu_pcie_replay", "counter", "PCIe replays (link-level retransmissions).", GPU_LABELS)
 PCIE_GEN = spec(
     NAME,
     "gpu_pcie_link_generation",
     "gauge",
     "Current PCIe link generation (lower at idle to save power), refreshed every 10 s.",
-    G,
+    GPU_LABELS,
 )
-PCIE_MAX_GEN = spec(NAME, "gpu_pcie_link_max_generation", "gauge", "Highest PCIe link generation.", G)
-PCIE_WIDTH = spec(NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes), refreshed every 10 s.", G)
-PCIE_MAX_WIDTH = spec(NAME, "gpu_pcie_link_max_width", "gauge", "Widest PCIe link (lanes).", G)
+PCIE_MAX_GEN = spec(NAME, "gpu_pcie_link_max_generation", "gauge", "Highest PCIe link generation.", GPU_LABELS)
+PCIE_WIDTH = spec(
+    NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes), refreshed every 10 s.", GPU_LABELS
+)
+PCIE_MAX_WIDTH = spec(NAME, "gpu_pcie_link_max_width", "gauge", "Widest PCIe link (lanes).", GPU_LABELS)
 PCIE_THROUGHPUT = spec(
     NAME,
     "gpu_pcie_throughput_bytes_per_second",
@@ -157,9 +177,13 @@ XID_ERRORS = spec(
     "(gpu is empty for an event the driver did not attribute to a GPU).",
     ["gpu", "xid"],
 )
-LAST_XID = spec(NAME, "gpu_last_xid", "gauge", "The most recent XID on this GPU, 0 when none was seen.", G)
+LAST_XID = spec(NAME, "gpu_last_xid", "gauge", "The most recent XID on this GPU, 0 when none was seen.", GPU_LABELS)
 LAST_XID_TIME = spec(
-    NAME, "gpu_last_xid_timestamp_seconds", "gauge", "When the most recent XID on this GPU arrived (Unix time).", G
+    NAME,
+    "gpu_last_xid_timestamp_seconds",
+    "gauge",
+    "When the most recent XID on this GPU arrived (Unix time).",
+    GPU_LABELS,
 )
 PROCESS_MEMORY = spec(
     NAME,

@@ -90,10 +90,6 @@ HEALTH_FIELDS = (
 )
 
 
-class NvmlBroken(Exception):
-    """NVML is installed but unusable (e.g. a driver/library version mismatch after an upgrade)."""
-
-
 def cuda_version_string(version: int) -> str:
     """NVML's integer CUDA driver version (12040) as "12.4"."""
     return f"{version // 1000}.{version % 1000 // 10}"

@@ -104,9 +104,6 @@ class Rank:
     def wire_pid(self) -> int:
         return self.pid if self.claimed_pid is None else self.claimed_pid
 
-    def progress_age(self, now: float | None = None) -> float:
-        return (time.monotonic() if now is None else now) - self.last_progress
-
     # ------------------------------------------------------------ applying items
 
     def _monotonic_of(self, wall: float, now_mono: float, now_wall: float) -> float:

@@ -174,16 +174,25 @@ def _missing(where: str) -> ProtocolError:
     return ProtocolError(f"{where}: required field is missing")
 
 
+def _given(obj: dict, key: str, where: str, default: Any, nullable: bool) -> tuple[bool, Any]:
+    """(True, value) when the field holds a value to check; else (False, what to return): None
+    for a null where null is allowed, the default for an absent field (an error without one)."""
+    value = obj.get(key, ...)
+    if value is None and nullable:
+        return False, None
+    if value is ...:
+        if default is ...:
+            raise _missing(where)
+        return False, default
+    return True, value
+
+
 def _int(
     obj: dict, key: str, where: str, lo: int = 0, hi: int | None = None, default: Any = ..., nullable: bool = False
 ) -> Any:
-    value = obj.get(key, ...)
-    if value is ... or (value is None and nullable):
-        if value is None:
-            return None
-        if default is ...:
-            raise _missing(where)
-        return default
+    given, value = _given(obj, key, where, default, nullable)
+    if not given:
+        return value
     if type(value) is not int:
         # 3.0 is a float in JSON's eyes but an integer in everyone else's.
         if type(value) is float and value.is_integer():
@@ -206,13 +215,9 @@ def _time(obj: dict, where: str, default: float) -> float:
 
 
 def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = False, max_len: int = MAX_NAME) -> Any:
-    value = obj.get(key, ...)
-    if value is ... or (value is None and nullable):
-        if value is None:
-            return None
-        if default is ...:
-            raise _missing(where)
-        return default
+    given, value = _given(obj, key, where, default, nullable)
+    if not given:
+        return value
     if not isinstance(value, str):
         raise ProtocolError(f"{where}: expected a string, got {_kind(value)}")
     if not value or len(value) > max_len or CONTROL_RE.search(value):
@@ -221,13 +226,9 @@ def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = 
 
 
 def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
-    value = obj.get(key, ...)
-    if value is None and nullable:
-        return None
-    if value is ...:
-        if nullable:
-            return None
-        raise _missing(where)
+    given, value = _given(obj, key, where, None if nullable else ..., nullable)
+    if not given:
+        return value
     if not isinstance(value, str) or not NAME_RE.match(value):
         raise ProtocolError(
             f"{where}: expected a name of letters, digits and _.:/- "

@@ -57,18 +57,23 @@ class RankState(enum.Enum):
     GONE = "gone"  # exited, deregistered or replaced by a new registration
 
 
-S = RankState
-WATCHING = frozenset({S.STARTING, S.HEALTHY, S.SUSPECT, S.STALLED})
+WATCHING = frozenset({RankState.STARTING, RankState.HEALTHY, RankState.SUSPECT, RankState.STALLED})
 # The only transitions there are. Progress may bring a suspect or stalled rank back (a rank
 # re-registered without a step goes back to STARTING); a failed remediation leaves its
 # ranks STALLED; GONE is final (a new registration is a new rank).
 ALLOWED: dict[RankState, frozenset[RankState]] = {
-    S.STARTING: frozenset({S.HEALTHY, S.SUSPECT, S.STALLED, S.REMEDIATING, S.GONE}),
-    S.HEALTHY: frozenset({S.SUSPECT, S.STALLED, S.REMEDIATING, S.GONE}),
-    S.SUSPECT: frozenset({S.STARTING, S.HEALTHY, S.STALLED, S.REMEDIATING, S.GONE}),
-    S.STALLED: frozenset({S.STARTING, S.HEALTHY, S.SUSPECT, S.REMEDIATING, S.GONE}),
-    S.REMEDIATING: frozenset({S.STALLED, S.GONE}),
-    S.GONE: frozenset(),
+    RankState.STARTING: frozenset(
+        {RankState.HEALTHY, RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING, RankState.GONE}
+    ),
+    RankState.HEALTHY: frozenset({RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING, RankState.GONE}),
+    RankState.SUSPECT: frozenset(
+        {RankState.STARTING, RankState.HEALTHY, RankState.STALLED, RankState.REMEDIATING, RankState.GONE}
+    ),
+    RankState.STALLED: frozenset(
+        {RankState.STARTING, RankState.HEALTHY, RankState.SUSPECT, RankState.REMEDIATING, RankState.GONE}
+    ),
+    RankState.REMEDIATING: frozenset({RankState.STALLED, RankState.GONE}),
+    RankState.GONE: frozenset(),
 }
 
 
@@ -220,10 +225,10 @@ class Watchdog:
         if track is not None and track.rank is rank:
             return track
         if track is not None:
-            self._transition(track, S.GONE, now, "replaced by a new registration")
+            self._transition(track, RankState.GONE, now, "replaced by a new registration")
         # A registration that carries a step is a rank re-registering (the sidecar restarted):
         # it is watched as healthy, with a fresh timer, never as a stall.
-        state = S.HEALTHY if rank.step is not None else S.STARTING
+        state = RankState.HEALTHY if rank.step is not None else RankState.STARTING
         track = _Track(rank, state, now)
         self._tracks[rank.key] = track
         log.info("watching rank %s (pid %d) as %s", rank.label, rank.pid, state.value)
@@ -231,25 +236,25 @@ class Watchdog:
 
     def _evaluate(self, track: _Track, now: float, check_liveness: bool = True) -> None:
         rank = track.rank
-        if track.state is S.GONE:
+        if track.state is RankState.GONE:
             return
         if rank.gone:
-            self._transition(track, S.GONE, now, rank.gone_reason or "deregistered")
+            self._transition(track, RankState.GONE, now, rank.gone_reason or "deregistered")
             return
-        if (check_liveness or track.state is S.REMEDIATING) and self._exited(track, now):
+        if (check_liveness or track.state is RankState.REMEDIATING) and self._exited(track, now):
             return
-        if track.state is S.REMEDIATING:
+        if track.state is RankState.REMEDIATING:
             return
         d = self.deadline(rank, now)
         if d.age >= d.timeout:
-            wanted = S.STALLED
+            wanted = RankState.STALLED
         elif d.age >= self.settings.watchdog.suspect_ratio * d.timeout:
-            wanted = S.SUSPECT
+            wanted = RankState.SUSPECT
         else:
-            wanted = S.STARTING if rank.step is None else S.HEALTHY
-        if wanted is S.STARTING and track.state is S.HEALTHY:
-            wanted = S.HEALTHY  # a started rank never goes back to starting
-        if wanted in (S.SUSPECT, S.STALLED) and wanted is not track.state and not check_liveness:
+            wanted = RankState.STARTING if rank.step is None else RankState.HEALTHY
+        if wanted is RankState.STARTING and track.state is RankState.HEALTHY:
+            wanted = RankState.HEALTHY  # a started rank never goes back to starting
+        if wanted in (RankState.SUSPECT, RankState.STALLED) and wanted is not track.state and not check_liveness:
             if self._exited(track, now):  # a dead process is never taken for a hung one
                 return
         if wanted is not track.state:
@@ -259,7 +264,7 @@ class Watchdog:
         if _process_alive(track.rank):
             return False
         self.registry.mark_gone(track.rank.key, "process exited")
-        self._transition(track, S.GONE, now, "process exited")
+        self._transition(track, RankState.GONE, now, "process exited")
         return True
 
     def _transition(self, track: _Track, new: RankState, now: float, reason: str) -> None:
@@ -271,7 +276,7 @@ class Watchdog:
             raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
         track.state, track.since = new, now
         self.counters.transitions[(old.value, new.value)] += 1
-        level = logging.WARNING if new in (S.STALLED, S.REMEDIATING) else logging.INFO
+        level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO
         log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid, old.value, new.value, reason)
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
@@ -281,7 +286,7 @@ class Watchdog:
 
     def _open_episodes(self, now: float) -> None:
         stalled_jobs = sorted(
-            {t.rank.job_id for t in self._tracks.values() if t.state is S.STALLED and t.episode is None}
+            {t.rank.job_id for t in self._tracks.values() if t.state is RankState.STALLED and t.episode is None}
         )
         for job_id in stalled_jobs:
             if job_id in self._episodes:
@@ -291,7 +296,7 @@ class Watchdog:
     def _start_episode(self, job_id: str, now: float) -> None:
         members = [t for t in self._tracks.values() if t.rank.job_id == job_id and t.state in WATCHING]
         members.sort(key=lambda t: t.rank.rank)
-        blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is S.STALLED})
+        blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is RankState.STALLED})
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
         observe_only = self.settings.watchdog.observe_only
         # A kill that nothing restarts turns the hang into a failed job: by default, don't.
@@ -337,7 +342,7 @@ class Watchdog:
             return
         log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, why, len(members))
         for t in members:
-            self._transition(t, S.REMEDIATING, now, f"its job {job_id} stalled")
+            self._transition(t, RankState.REMEDIATING, now, f"its job {job_id} stalled")
             if self.on_remediating is not None:
                 self.on_remediating(t.rank, incident.id)
         episode.task = asyncio.get_running_loop().create_task(
@@ -367,7 +372,7 @@ class Watchdog:
             self.store.save(incident)  # the stacks are on disk before any signal
             term = await self.remediator.sigterm(incident, targets)
             self.store.save(incident)
-            outcome = "failed" if term is None else await self.remediator.finish(incident, term)
+            outcome = "failed" if term is None else await self.remediator.kill_survivors_after_grace(incident, term)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # remediation bugs must not take the watchdog down
@@ -379,8 +384,8 @@ class Watchdog:
             now = self.clock()
             for key in episode.keys:
                 t = self._tracks.get(key)
-                if t is not None and t.episode is episode and t.state is S.REMEDIATING:
-                    self._transition(t, S.STALLED, now, f"remediation {outcome}")
+                if t is not None and t.episode is episode and t.state is RankState.REMEDIATING:
+                    self._transition(t, RankState.STALLED, now, f"remediation {outcome}")
 
     async def _observe(self, episode: _Episode, targets: list[Target]) -> None:
         """Stalls left alive: stacks, the incident, the count; no signal that ends a process.
@@ -409,7 +414,9 @@ class Watchdog:
             if episode.task is not None and not episode.task.done():
                 continue
             active = [
-                t for t in self._tracks.values() if t.episode is episode and t.state in (S.STALLED, S.REMEDIATING)
+                t
+                for t in self._tracks.values()
+                if t.episode is episode and t.state in (RankState.STALLED, RankState.REMEDIATING)
             ]
             if active:
                 continue
@@ -431,7 +438,7 @@ class Watchdog:
             labels = [t.rank.job_id, str(t.rank.rank)]
             for s in RankState:
                 state.add_metric(labels + [s.value], 1.0 if s is t.state else 0.0)
-            if t.state is not S.GONE:
+            if t.state is not RankState.GONE:
                 timeout.add_metric(labels, self.deadline(t.rank, now).timeout)
         for job_id, n in sorted(self.counters.stalls.items()):
             stalls.add_metric([job_id], n)
@@ -462,18 +469,18 @@ class Watchdog:
         if track is not None and track.rank is rank:
             return track.state.value
         if rank.gone:
-            return S.GONE.value
-        return (S.HEALTHY if rank.step is not None else S.STARTING).value
+            return RankState.GONE.value
+        return (RankState.HEALTHY if rank.step is not None else RankState.STARTING).value
 
     def timeout_for(self, rank: Rank) -> float | None:
-        if rank.gone or self.rank_state(rank) == S.GONE.value:
+        if rank.gone or self.rank_state(rank) == RankState.GONE.value:
             return None
         return self.deadline(rank).timeout
 
     def problems(self) -> list[Problem]:
         out = []
         for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
-            if t.state in (S.SUSPECT, S.STALLED, S.REMEDIATING):
+            if t.state in (RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING):
                 d = self.deadline(t.rank)
                 out.append(
                     Problem(

@@ -88,6 +88,7 @@ def test_job_dashboard_reads_recording_rules():
     assert sum(r in exprs for r in records) >= 8
 
 
+@pytest.mark.system
 def test_every_query_is_valid_promql_on_a_real_prometheus(tmp_path):
     values = {
         "cluster": ".*",

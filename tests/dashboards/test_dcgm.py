@@ -22,7 +22,7 @@ from tests.dashboards.panels import DASHBOARD_FILES, load, queries, substitute
 from tests.ops.helpers import post, run_cli
 from tests.support import Sidecar, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dcgm-stack")]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.xdist_group("dcgm-stack")]
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dcgm-exporter.prom"
 NODE = "gpu-node-1"  # the fixture's Hostname; the sidecar's target is relabelled to the same node name

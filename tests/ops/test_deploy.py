@@ -164,6 +164,7 @@ def test_prometheus_rules_have_the_operator_structure():
                 assert ("alert" in r) != ("record" in r) and r["expr"]
 
 
+@pytest.mark.system
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 def test_prometheus_rules_embedded_in_the_objects_pass_promtool(tmp_path):
     files = []
@@ -470,6 +471,7 @@ def test_launcher_refuses_missing_or_bad_settings(tmp_path, env, message):
     assert out.returncode == 2 and message in out.stderr and out.stdout == ""
 
 
+@pytest.mark.system
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 def test_prometheus_config_example_is_valid(tmp_path):
     out = subprocess.run(

@@ -27,7 +27,8 @@ import yaml
 from sidecar.testing.fake_grafana import FakeGrafana
 from tests.support import ROOT, Sidecar, wait_until
 
-pytestmark = pytest.mark.xdist_group("installed-wheels")
+# Slow: two wheels and two virtual environments built, about 25 s of work before the first test.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("installed-wheels")]
 TIMEOUT = 300
 PARTS = (
     "pyproject.toml",

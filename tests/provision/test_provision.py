@@ -132,6 +132,7 @@ def test_alert_rules_have_grafanas_provisioning_shape(grafana):
     assert c["model"]["conditions"][0]["evaluator"] == {"type": "gt", "params": [0]}
 
 
+@pytest.mark.system
 def test_converted_alert_queries_are_valid_promql(tmp_path):
     from tests.alerts.realstack import Prometheus
 
@@ -220,6 +221,7 @@ def test_a_token_flag_does_not_exist(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.system
 def test_write_files_produces_grafana_provisioning_and_prometheus_rules(tmp_path, capsys):
     out = tmp_path / "out"
     assert run(["--write-files", str(out), "--datasource-url", PROM_URL], {}) == 0

@@ -298,6 +298,7 @@ def test_row3_job_id_incidents_and_planted_tmp_symlinks_write_nothing_of_roots(n
         subprocess.run(["rm", "-rf", str(target.parent)], check=False)
 
 
+@pytest.mark.slow
 def test_row4_a_fifo_dump_path_blocks_nothing(node):
     d, hooks = node
     mallory, victim_user = unprivileged_user("a"), unprivileged_user("b")
