@@ -96,7 +96,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog",
         "watchdog_remediations",
         "counter",
-        "Remediations by outcome: killed, suppressed (storm cap), observe_only, failed.",
+        "Remediations by outcome: killed, suppressed (storm cap), observe_only, unverified (registered by "
+        "unverified callers: never signalled), failed.",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -292,7 +293,10 @@ class Watchdog:
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
         observe_only = self.settings.watchdog.observe_only
         owner = members[0].rank.owner_uid if members else None
-        full = None if observe_only else self.storm_cap.allow(owner)
+        # Ranks no verified caller registered are never signalled, so their stall spends no slot
+        # of the storm cap (a slot another job's real hang may need) and gets no remediation.
+        verified = any(t.rank.peer_verified for t in members)
+        full = None if observe_only or not verified else self.storm_cap.allow(owner)
         suppressed = full is not None
         incident = self.store.open(
             job_id,
@@ -309,15 +313,24 @@ class Watchdog:
         self.counters.stalls[job_id] += 1
         self.counters.last_incident = incident.time
         targets = [target_of(t.rank) for t in members]
-        if observe_only or suppressed:
-            episode.outcome = "observe_only" if observe_only else "suppressed"
+        if observe_only or suppressed or not verified:
+            episode.outcome = "observe_only" if observe_only else "suppressed" if suppressed else "unverified"
             if suppressed:
                 incident.notes.append(f"storm cap: {full} reached; not killing")
+            elif not verified and not observe_only:
+                incident.notes.append(
+                    "no rank of this job was registered by a verified caller: never signalled, no py-spy, "
+                    "no storm-cap slot spent"
+                )
             log.error(
                 "job %s stalled (%s); %s",
                 job_id,
                 incident.summary,
-                "observe-only mode: not killing" if observe_only else "storm cap reached: not killing",
+                "observe-only mode: not killing"
+                if observe_only
+                else "storm cap reached: not killing"
+                if suppressed
+                else "registered by unverified callers: not killing",
             )
             episode.task = asyncio.get_running_loop().create_task(
                 self._observe(episode, targets), name=f"observe-{job_id}"

@@ -36,10 +36,12 @@ def main_thread(text: str) -> str:
 
 
 def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
-    """The first lines of a dump, main thread first: that is where a hang shows."""
+    """The first lines of a dump, main thread first: that is where a hang shows. Split on line
+    feeds only: a carriage return or form feed the rank wrote stays inside its line (and is
+    escaped when printed), never starts a line of the incident."""
     main = main_thread(text)
     ordered = main + ("\n" + text.replace(main, "", 1) if main != text else "")
-    return [line.rstrip() for line in ordered.splitlines() if line.strip()][:lines]
+    return [line.rstrip() for line in ordered.split("\n") if line.strip()][:lines]
 
 
 def in_collective(text: str) -> bool | None:
@@ -52,6 +54,11 @@ def in_collective(text: str) -> bool | None:
 
 def file_size(stack_file: StackFile | None) -> int:
     return stack_file.size() if stack_file is not None else 0
+
+
+def file_sizes(targets: list[Target]) -> list[int]:
+    """The dump file size of each target, in one executor call however many there are."""
+    return [file_size(t.stack_file) for t in targets]
 
 
 def py_spy_path() -> str | None:
