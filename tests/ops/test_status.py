@@ -223,10 +223,12 @@ def test_on_a_terminal_the_screen_has_colours(healthy):
     term = _Terminal("status", "--socket", healthy.socket)
     try:
         out = term.read_until(b"run-42", count=2)
-        assert term.proc.wait(timeout=60) == 0
+        code = term.proc.wait(timeout=60)
     finally:
         term.close()
     assert b"\x1b[" in out and out.count(b"run-42") == 2
+    # Its exit status is the verdict it shows (on a loaded machine the rank may turn suspect).
+    assert (code, b"HEALTHY" in out) in ((0, True), (1, False)), (code, out[-2000:])
 
 
 def test_on_a_terminal_watch_redraws_on_the_alternate_screen_until_ctrl_c(healthy):
