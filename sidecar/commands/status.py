@@ -284,7 +284,7 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
     verdict = assess(status)
     node, watchdog = dict_at(status, "node"), dict_at(status, "watchdog")
     headline = [
-        Cell(f"node {fmt_text(node.get('hostname'))}", "bold"),
+        Cell(f"node {fmt_text(node.get('name') or node.get('hostname'))}", "bold"),
         Cell(f"sidecar {fmt_text(status.get('version'))}"),
         Cell(f"up {fmt_duration(status.get('uptime_seconds'))}"),
         Cell("HEALTHY", "bold green") if verdict.exit_code == EXIT_HEALTHY else Cell("DEGRADED", "bold red"),

@@ -21,11 +21,14 @@ from prometheus_client.exposition import choose_encoder
 
 from sidecar import __version__
 from sidecar.collectors.base import CollectorRunner
-from sidecar.config import Settings
+from sidecar.config import NODE_NAME, Settings
 from sidecar.daemon import status_document
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import diagfiles, identity, procs, stackfiles
+from sidecar.jobview import auth
+from sidecar.jobview.coordinator import Coordinator
+from sidecar.jobview.reporter import Reporter
 from sidecar.metric import MetricSpec, spec
 from sidecar.ranks import protocol
 from sidecar.ranks.errors import RegistryError
@@ -33,6 +36,7 @@ from sidecar.ranks.model import Rank
 from sidecar.ranks.protocol import ProtocolError
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
+from trainer_hooks.wire import JOB_COORDINATOR_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,9 @@ class Daemon:
     started: float = field(default_factory=time.monotonic)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
     exits: ExitTracker | None = None  # why each rank process exited (sidecar/exits/tracker.py)
+    reporter: Reporter | None = None  # this node's side of the job view (sidecar/jobview/)
+    coordinator: Coordinator | None = None  # the job view of the jobs whose rank 0 runs here
+    peer_verifier: auth.Verifier | None = None  # checks other sidecars' signed requests (with a token)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
@@ -259,6 +266,13 @@ async def register(request: web.Request) -> web.Response:
                 {"path": rank.stack_file.path, "signal": rank.stack_signal} if rank.stack_file is not None else None
             ),
             "flush_interval_s": d.settings.hooks_flush_interval_seconds,
+            # Rank 0 names this sidecar as its job's coordinator (sidecar/jobview/); the others learn
+            # where it is through the job's own store.
+            "job_view": (
+                {"url": d.settings.peer_url, "node": d.settings.node_name}
+                if d.reporter is not None and reg.world_size > 1
+                else None
+            ),
         }
     )
 
@@ -303,6 +317,12 @@ async def push(request: web.Request) -> web.Response:
     check_session(request, rank, batch.session)
     check_sender(request, rank)
     accepted = d.registry.apply_push(batch, rank)
+    if d.reporter is not None and rank.peer_verified:
+        for item in batch.items:
+            if type(item) is protocol.EventItem and item.name == JOB_COORDINATOR_EVENT:
+                url, node = item.fields.get("url"), item.fields.get("node")
+                if isinstance(url, str) and isinstance(node, str) and NODE_NAME.fullmatch(node):
+                    d.reporter.set_coordinator(rank.job_id, url, node)
     records = d.stats.records
     for item in batch.items:
         records[_ITEM_TYPES[type(item)]] += 1

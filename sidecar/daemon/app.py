@@ -19,16 +19,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from sidecar import __version__
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.factory import build_collectors
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
-from sidecar.daemon import api
+from sidecar.daemon import api, peer_api
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import procs, stackfiles
+from sidecar.jobview import auth
+from sidecar.jobview.coordinator import Coordinator
+from sidecar.jobview.reporter import Reporter
 from sidecar.ranks import podlabels
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
@@ -75,6 +79,8 @@ def build_app(settings: Settings) -> web.Application:
     )
     daemon.exits = exit_tracker(settings, daemon.watchdog, collectors)
     daemon.watchdog.on_remediating = daemon.exits.remediating
+    if settings.job_view.enabled:
+        attach_job_view(daemon)
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
     endpoint = MetricsEndpoint(
@@ -90,6 +96,7 @@ def build_app(settings: Settings) -> web.Application:
     app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)
+    peer_api.add_routes(app)
     app.cleanup_ctx.append(background_tasks)
     return app
 
@@ -105,6 +112,41 @@ def exit_tracker(settings: Settings, watchdog: Watchdog, collectors: list) -> Ex
     )
 
 
+def attach_job_view(daemon: api.Daemon) -> None:
+    """The job view (sidecar/jobview/): this node coordinates the jobs whose ranks it hosts and
+    asks, and reports its picture of every job whose coordinator a local rank names."""
+    settings, registry = daemon.settings, daemon.registry
+    jv = settings.job_view
+    daemon.coordinator = Coordinator(
+        hosts=lambda job_id: any(r.job_id == job_id for r in registry.ranks()),
+        lost_after=jv.lost_after_seconds,
+        verdict_wait=jv.verdict_wait_seconds,
+        max_nodes=jv.max_nodes,
+        probe=probe_peer,
+    )
+    daemon.reporter = Reporter(
+        settings.node_name,
+        settings.peer_url,
+        daemon.token,
+        jv.report_interval_seconds,
+        source=daemon.watchdog.node_report,
+        local=daemon.coordinator,
+    )
+    if daemon.token:
+        daemon.peer_verifier = auth.Verifier(daemon.token)
+    daemon.watchdog.job_view = daemon.reporter
+
+
+async def probe_peer(url: str) -> bool:
+    """Whether a sidecar answers `/healthz` at `url` within a second."""
+    timeout = aiohttp.ClientTimeout(total=1.0)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/healthz") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
 async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     d = app[api.DAEMON]
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -115,6 +157,8 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         jobs["exits"] = d.exits.run
     if d.settings.watchdog.enabled:
         jobs["watchdog"] = d.watchdog.run
+    if d.reporter is not None:
+        jobs["job_view"] = d.reporter.run
     tasks = [asyncio.create_task(supervised(name, job), name=name) for name, job in jobs.items()]
     yield
     for t in tasks:

@@ -96,6 +96,7 @@ def node_section(settings: Settings, s: Samples) -> dict:
     versions = s.all("sidecar_versions_info")
     labels = versions[0][0] if versions else {}
     return {
+        "name": settings.node_name,
         "hostname": socket.gethostname(),
         "kernel": labels.get("kernel") or platform.release(),
         "os": labels.get("os") or os_name(),

@@ -51,14 +51,17 @@ class Remediator:
     def __init__(self, settings: RemediationSettings):
         self.settings = settings
 
-    async def collect_stacks(self, incident: Incident, targets: list[Target], signal_ranks: bool = True) -> None:
+    async def collect_stacks(
+        self, incident: Incident, targets: list[Target], signal_ranks: bool = True, use_py_spy: bool = True
+    ) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
         file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
         soon as its dump file has grown and held still (at most RESTOP_MAX_SECONDS): a stopped
         process runs no signal handler, and sending SIGSTOP at once would stop it again before
         the handler's first instruction, while continuing it for the whole dump wait would let
         it train on, or even finish, before the SIGTERM. Without `signal_ranks` only py-spy's
-        non-blocking mode runs: it never stops the process."""
+        non-blocking mode runs: it never stops the process. Without `use_py_spy` (a probe while a
+        rank is only suspect) py-spy is not run."""
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
@@ -88,7 +91,7 @@ class Remediator:
                         incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again after its dump: {result}")
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
-        if s.py_spy and py_spy_path():
+        if s.py_spy and use_py_spy and py_spy_path():
             timeout = max(5.0, s.dump_wait_seconds + 3.0)
             spy = asyncio.gather(
                 *(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks or t.pid in stopped) for t in targets)

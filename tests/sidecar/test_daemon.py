@@ -44,6 +44,7 @@ STATUS_KEYS = {
     "exits",
 }
 NODE_KEYS = {
+    "name",
     "hostname",
     "kernel",
     "os",
