@@ -371,6 +371,12 @@ def training_job() -> dict:
             min_=0,
         ),
         table(
+            "Rank holding the job up",
+            f"job_id_rank:sidecar_rank_holding_job_up{{{JOB}}}",
+            "The rank at the job's lowest step that does not wait for its peers while they wait for it in a "
+            "collective, with its node (the JobHungOnRank rule, from every node's per-rank step and stack).",
+        ),
+        table(
             "Ranks not healthy",
             f'sidecar_rank_state{{{JOB}, state!="healthy"}} == 1',
             "Ranks in any state but healthy, with their node.",

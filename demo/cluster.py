@@ -128,6 +128,7 @@ class Cluster:
             PYTHON, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(node.spec.nproc),
             "--max-restarts", str(self.spec.max_restarts), "--rdzv-id", self.spec.job_id,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}",
+            *(["--rdzv-conf", "last_call_timeout=2"] if self.spec.min_nodes else []),
             str(self.spec.script), *self.spec.script_args,
         ]  # fmt: skip
 

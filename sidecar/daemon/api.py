@@ -75,6 +75,14 @@ DAEMON = web.AppKey("daemon", Daemon)
 METRICS_ENDPOINT = web.AppKey("metrics_endpoint", MetricsEndpoint)
 
 BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
+NODE_INFO = spec(
+    "daemon",
+    "node_info",
+    "gauge",
+    "1, labelled with this node's name (the node_name setting): what incidents and the job view call the node, "
+    "joined onto per-rank series by the JobHungOnRank rule.",
+    ["node"],
+)
 INGEST_RECORDS = spec(
     "daemon", "ingest_records", "counter", "Items accepted by the push API, by type (step, phase, event).", ["type"]
 )
@@ -94,6 +102,7 @@ DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidec
 DAEMON_RSS = spec("daemon", "daemon_resident_memory_bytes", "gauge", "The sidecar process's resident memory.")
 METRICS: tuple[MetricSpec, ...] = (
     BUILD_INFO,
+    NODE_INFO,
     INGEST_RECORDS,
     INGEST_REJECTED,
     INGEST_REGISTRATIONS,
@@ -379,6 +388,8 @@ async def metrics(request: web.Request) -> web.Response:
 def daemon_families(d: Daemon) -> Iterable[Metric]:
     build = BUILD_INFO.family()
     build.add_metric([__version__], 1)
+    node = NODE_INFO.family()
+    node.add_metric([d.settings.node_name], 1)
     records = INGEST_RECORDS.family()
     for kind in ("step", "phase", "event"):
         records.add_metric([kind], d.stats.records[kind])
@@ -387,7 +398,7 @@ def daemon_families(d: Daemon) -> Iterable[Metric]:
         rejected.add_metric([code], count)
     registrations = INGEST_REGISTRATIONS.family()
     registrations.add_metric([], d.registry.registrations_total)
-    yield from (build, records, rejected, registrations)
+    yield from (build, node, records, rejected, registrations)
     try:
         cpu = d.process.cpu_times()
         cpu_family, rss = DAEMON_CPU.family(), DAEMON_RSS.family()
