@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sidecar.config import NODE_NAME, check_url
 from sidecar.ranks.protocol import ProtocolError, _int, _job_id, _object, _text
 from trainer_hooks.wire import MAX_RANK
 
@@ -168,12 +169,12 @@ def _part(obj: dict, where: str) -> NodePart | None:
 
 def parse_report(data: dict, max_ranks: int) -> NodeReport:
     """A node's report, validated; ProtocolError names the first bad field."""
-    from sidecar.config import NODE_NAME
-
     node = _text(data, "node", "node", max_len=253)
     if not NODE_NAME.fullmatch(node):
         raise ProtocolError("node: expected letters, digits, '.', '_' or '-'")
-    url = _text(data, "url", "url", default="", max_len=MAX_TEXT)
+    url = data.get("url") or ""
+    if url and check_url(url) is not None:
+        raise ProtocolError(f"url: {check_url(url)}")
     return NodeReport(
         job_id=_job_id(data),
         node=node,
