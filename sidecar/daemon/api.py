@@ -369,7 +369,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    body = status_document.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits)
+    body = status_document.build_status(
+        d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits, reporter=d.reporter
+    )
     return web.json_response(body)
 
 
