@@ -42,6 +42,7 @@ log = logging.getLogger("sidecar")
 
 RESTART_BACKOFF_SECONDS = (1.0, 30.0)  # a crashed background task restarts after 1 s, doubling to 30 s
 SWEEP_INTERVAL_SECONDS = 30.0
+LISTEN_BACKLOG = 4096  # pending TCP connections (the kernel caps it at net.core.somaxconn)
 
 
 class StartupError(Exception):
@@ -267,7 +268,9 @@ async def serve(settings: Settings) -> None:
     socket_inode = None
     try:
         try:
-            await web.TCPSite(runner, settings.listen_host, settings.listen_port).start()
+            # A job's coordinator hears from every node of the job at once when it hangs: a
+            # listen backlog of aiohttp's default 128 would drop connects (1 s SYN retries).
+            await web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG).start()
         except OSError as e:
             raise StartupError(f"cannot listen on {settings.listen}: {e.strerror or e}") from None
         if settings.socket:

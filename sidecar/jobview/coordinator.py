@@ -22,11 +22,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.jobview.judge import judge
-from sidecar.jobview.report import NodePart, NodeReport, Verdict
+from sidecar.jobview.judge import Summary, judge_summaries, summarize
+from sidecar.jobview.report import MAX_NOT_DUMPED, NodePart, NodeReport, Verdict
 
 log = logging.getLogger(__name__)
 
+JUDGE_EVERY_SECONDS = 0.05  # a job is judged at most this often, however many nodes report
 PROBE_SECONDS = 1.0  # how long a probe of a silent node's sidecar may take
 CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
 FORGET_AFTER_SECONDS = 600.0  # a node silent this long is no longer part of the job
@@ -46,6 +47,9 @@ class _Incident:
     parts: dict[str, NodePart] = field(default_factory=dict)
     ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # node -> its ranks when troubled
     opened_mono: float = 0.0  # monotonic, when it opened
+    node_set: set[str] = field(default_factory=set)  # the nodes that reported during it
+    order: list[str] = field(default_factory=list)  # the same, in the order they first reported
+    dumped_set: set[str] = field(default_factory=set)  # those whose stacks are dumped
     untroubled_since: float | None = None  # monotonic: every report fine since
 
 
@@ -53,12 +57,16 @@ class _Incident:
 class _Job:
     job_id: str
     reports: dict[str, tuple[NodeReport, float]] = field(default_factory=dict)  # node -> (report, monotonic)
+    summaries: dict[str, Summary] = field(default_factory=dict)  # node -> its latest report, summarised
     current: _Incident | None = None
     closed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=CLOSED_KEPT))
     unreachable: set[str] = field(default_factory=set)  # nodes whose sidecar did not answer a probe
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     version: int = 0
     probing: asyncio.Task | None = None
+    troubled: set[str] = field(default_factory=set)  # nodes whose latest report is troubled
+    judged_at: float = -1e9  # monotonic, the last judgement
+    judge_pending: bool = False
 
 
 Probe = Callable[[str], Awaitable[bool]]  # url -> whether a sidecar answers there
@@ -99,37 +107,61 @@ class Coordinator:
                     429, "limit_exceeded", f"job {report.job_id}: job_view.max_nodes ({self.max_nodes}) reached"
                 )
         job.reports[report.node] = (report, now)
+        job.summaries[report.node] = summarize(report)
         job.unreachable.discard(report.node)
         self.reports_total += 1
         self._update(job, report, now)
         return job.current.verdict if job.current is not None else None
 
     def _update(self, job: _Job, report: NodeReport, now: float) -> None:
+        """O(the report's ranks): the judgement, which reads every node, runs at most every
+        JUDGE_EVERY_SECONDS per job (tick). Long-polls wake only for what a node acts on: an
+        incident opened or closed, a culprit named, a node lost, every node's stacks dumped; a
+        node joining the incident or a part recorded does not wake a thousand waiters."""
         changed = False
+        if report.troubled:
+            job.troubled.add(report.node)
+        else:
+            job.troubled.discard(report.node)
         incident = job.current
-        troubled = report.troubled or any(r.troubled for r, _ in job.reports.values())
-        if (incident is None or incident.verdict.closed) and troubled:
+        if (incident is None or incident.verdict.closed) and report.troubled:
             incident = job.current = self._open(job)
             changed = True
         if incident is None or incident.verdict.closed:
             return
         v = incident.verdict
-        if report.node not in v.nodes:
-            v.nodes.append(report.node)
-            changed = True
+        dumped_before = v.all_dumped
+        if report.node not in incident.node_set:
+            incident.node_set.add(report.node)
+            incident.order.append(report.node)
         if report.troubled:
             incident.ranks[report.node] = [_rank_brief(r) for r in report.ranks]
-        if report.dumped == v.job_incident and report.node not in v.dumped:
-            v.dumped.append(report.node)
-            changed = True
+        if report.dumped == v.job_incident:
+            incident.dumped_set.add(report.node)
+        v.nodes, v.dumped = len(incident.node_set), len(incident.dumped_set)
+        if not v.all_dumped:
+            v.not_dumped = sorted(incident.node_set - incident.dumped_set)[:MAX_NOT_DUMPED]
         if report.part is not None and report.job_incident == v.job_incident:
-            if incident.parts.get(report.node) != report.part:
-                incident.parts[report.node] = report.part
-                changed = True
-        changed |= self._judge(job, incident, now)
-        changed |= self._maybe_close(job, incident, now)
+            incident.parts[report.node] = report.part
+        changed |= v.all_dumped and not dumped_before
         if changed:
             self._bump(job)
+        self._judge_soon(job, now)
+
+    def _judge_soon(self, job: _Job, now: float) -> None:
+        wait = JUDGE_EVERY_SECONDS - (now - job.judged_at)
+        if wait <= 0:
+            self.tick(job.job_id)
+            return
+        if job.judge_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a direct call): judge now
+            self.tick(job.job_id)
+            return
+        job.judge_pending = True
+        loop.call_later(wait, self.tick, job.job_id)
 
     def _open(self, job: _Job) -> _Incident:
         if job.current is not None:
@@ -156,10 +188,11 @@ class Coordinator:
         v.lost_nodes = lost[:64]
         if v.culprit is not None and (v.culprit.rank is not None or not lost):
             return changed
-        fresh = [r for node, (r, _) in job.reports.items() if node not in lost]
+        gone = set(lost)
+        fresh = [s for node, s in job.summaries.items() if node not in gone]
         force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS
         silent = [node for node, (_, at) in job.reports.items() if at < incident.opened_mono]
-        culprit = judge(fresh, lost, force=force, silent=silent)
+        culprit = judge_summaries(fresh, lost, force=force, silent=silent)
         if culprit is not None and culprit != v.culprit:
             v.culprit, v.decided = culprit, self.wall()
             where = f"rank {culprit.rank} on {culprit.node}" if culprit.rank is not None else f"node {culprit.node}"
@@ -170,8 +203,7 @@ class Coordinator:
     def _maybe_close(self, job: _Job, incident: _Incident, now: float) -> bool:
         """An incident closes once every fresh report is untroubled for a report round, with
         progress after the incident opened (training again), or when no node reports ranks."""
-        fresh = [r for r, at in job.reports.values() if now - at <= self.lost_after]
-        if any(r.troubled for r in fresh):
+        if any(now - job.reports[node][1] <= self.lost_after for node in job.troubled if node in job.reports):
             incident.untroubled_since = None
             return False
         if incident.untroubled_since is None:
@@ -193,6 +225,8 @@ class Coordinator:
     def _forget_silent(self, job: _Job, now: float) -> None:
         for node in [n for n, (_, at) in job.reports.items() if now - at > FORGET_AFTER_SECONDS]:
             del job.reports[node]
+            job.summaries.pop(node, None)
+            job.troubled.discard(node)
 
     # ------------------------------------------------------------ waiting, probing
 
@@ -211,11 +245,15 @@ class Coordinator:
         return job.current.verdict if job.current is not None else None
 
     def tick(self, job_id: str) -> None:
-        """Judge again without a report (time has passed: a forced judgement, a lost node)."""
+        """Judge the job from every node's latest report (after reports, or when time has passed:
+        a forced judgement, a lost node), and close its incident once it trains again."""
         job = self._jobs.get(job_id)
-        if job is None or job.current is None or job.current.verdict.closed:
+        if job is None:
             return
         now = self.clock()
+        job.judged_at, job.judge_pending = now, False
+        if job.current is None or job.current.verdict.closed:
+            return
         if self._judge(job, job.current, now) | self._maybe_close(job, job.current, now):
             self._bump(job)
 
@@ -276,7 +314,7 @@ class Coordinator:
                     ),
                     "ranks": chosen.ranks.get(node, []),
                 }
-                for node in chosen.verdict.nodes
+                for node in chosen.order
             },
             "timeline": timeline,
         }

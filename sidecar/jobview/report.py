@@ -21,6 +21,7 @@ from trainer_hooks.wire import MAX_RANK
 MAX_TEXT = 240  # a stack frame, a reason, an outcome
 MAX_TIMELINE = 24  # events of one node's part
 MAX_LOST = 64  # lost nodes named in a verdict
+MAX_NOT_DUMPED = 8  # nodes still dumping named in a verdict
 MAX_TIME = 4e9
 STATES = ("starting", "healthy", "suspect", "stalled", "remediating", "gone")
 TROUBLED = frozenset({"suspect", "stalled", "remediating"})
@@ -63,6 +64,7 @@ class NodeReport:
     dumped: str | None = None  # the job incident whose stacks this node has dumped
     part: NodePart | None = None  # set once the node has a record of the job incident
     job_incident: str | None = None  # the job incident the node knows of (from an earlier verdict)
+    healthy: int = 0  # ranks left out because all is well (a heartbeat: no incident, nothing troubled)
 
     @property
     def troubled(self) -> bool:
@@ -90,14 +92,16 @@ class Verdict:
     opened: float  # wall clock of the first troubled report
     culprit: Culprit | None = None
     lost_nodes: list[str] = field(default_factory=list)
-    nodes: list[str] = field(default_factory=list)  # every node that reported during the incident
-    dumped: list[str] = field(default_factory=list)  # nodes whose stacks are dumped
+    # Counts, not names: a verdict goes to every node, so its size must not grow with the job.
+    nodes: int = 0  # nodes that reported during the incident
+    dumped: int = 0  # of them, those whose stacks are dumped
+    not_dumped: list[str] = field(default_factory=list)  # a few of those still dumping (for the record)
     decided: float | None = None  # wall clock of the culprit decision
     closed: bool = False  # every rank progresses again (or the job is gone)
 
     @property
     def all_dumped(self) -> bool:
-        return bool(self.nodes) and set(self.nodes) <= set(self.dumped)
+        return self.nodes > 0 and self.dumped >= self.nodes
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,6 +189,7 @@ def parse_report(data: dict, max_ranks: int) -> NodeReport:
         dumped=_text(data, "dumped", "dumped", nullable=True, default=None, max_len=MAX_TEXT),
         part=_part(data, "part"),
         job_incident=_text(data, "job_incident", "job_incident", nullable=True, default=None, max_len=MAX_TEXT),
+        healthy=_int(data, "healthy", "healthy", 0, max_ranks, default=0),
     )
 
 
@@ -206,10 +211,10 @@ def parse_verdict(data: Any) -> Verdict | None:
             reason=_text(raw, "reason", "culprit.reason", default="", max_len=4 * MAX_TEXT),
         )
 
-    def names(key: str) -> list[str]:
+    def names(key: str, limit: int) -> list[str]:
         return [
             _text({"n": n}, "n", f"verdict.{key}[{i}]", max_len=253)
-            for i, n in enumerate(_list(data, key, f"verdict.{key}", MAX_LOST if key == "lost_nodes" else 1 << 16))
+            for i, n in enumerate(_list(data, key, f"verdict.{key}", limit))
         ]
 
     decided = data.get("decided")
@@ -219,9 +224,10 @@ def parse_verdict(data: Any) -> Verdict | None:
         version=_int(data, "version", "verdict.version", 0, (1 << 63) - 1),
         opened=_seconds(data, "opened", "verdict.opened"),
         culprit=culprit,
-        lost_nodes=names("lost_nodes"),
-        nodes=names("nodes"),
-        dumped=names("dumped"),
+        lost_nodes=names("lost_nodes", MAX_LOST),
+        nodes=_int(data, "nodes", "verdict.nodes", 0, 1 << 31, default=0),
+        dumped=_int(data, "dumped", "verdict.dumped", 0, 1 << 31, default=0),
+        not_dumped=names("not_dumped", MAX_NOT_DUMPED),
         decided=None if decided is None else _seconds(data, "decided", "verdict.decided"),
         closed=bool(_bool(data, "closed", "verdict.closed")),
     )

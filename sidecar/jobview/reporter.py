@@ -197,6 +197,8 @@ class Reporter:
                 continue
             link.absent_since = None
             report.node, report.url, report.time = self.node, self.own_url, time.time()
+            if not report.troubled and (link.verdict is None or link.verdict.closed):
+                report.healthy, report.ranks = len(report.ranks), []  # a heartbeat: the coordinator needs no more
             link.wake.clear()
             try:
                 self._take(link, await self._send(link, report))

@@ -470,7 +470,7 @@ class Watchdog:
             if here:
                 dumped = await jv.wait_for(job_id, everyone_dumped, wait)
                 if not everyone_dumped(dumped):
-                    missing = sorted(set(dumped.nodes) - set(dumped.dumped)) if dumped is not None else []
+                    missing = dumped.not_dumped if dumped is not None else []
                     incident.notes.append(
                         f"killing before every node had dumped its stacks (waited {wait:g}s"
                         + (f"; missing: {', '.join(missing[:8])}" if missing else "")

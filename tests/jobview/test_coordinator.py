@@ -34,7 +34,7 @@ def test_every_node_of_a_stall_gets_the_same_job_incident_and_culprit():
     assert v0 is not None and v1 is not None and v2 is not None
     assert v0.job_incident == v1.job_incident == v2.job_incident
     assert v2.culprit is not None and (v2.culprit.rank, v2.culprit.node) == (1, "node-1")
-    assert v2.nodes == ["node-0", "node-1", "node-2"]
+    assert (v2.nodes, v2.dumped) == (3, 0) and v2.not_dumped == ["node-0", "node-1", "node-2"]
 
 
 def test_a_job_without_a_rank_on_this_node_is_refused():
