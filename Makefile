@@ -37,8 +37,9 @@ fmt: $(STAMP)
 test: lint system-deps
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
-# The inner loop: no torchrun jobs (`slow`), nothing that needs the Debian packages (`system`),
-# no lint. A few minutes on 2 cores; `make test` before you push.
+# The inner loop: nothing of ten seconds or more (`slow`: torchrun jobs, training runs, load
+# tests), nothing that needs the Debian packages (`system`), no lint. Under 3 minutes on 2
+# cores; `make test` before you push.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not system"
 

@@ -2,8 +2,8 @@
 
 `python -m alerts.build` writes `alerts/*.rules.yml` from this file; a test fails when the
 files are not current. Edit thresholds in `THRESHOLDS`, then regenerate. `sidecar provision`
-reads the generated files (and converts the alerts to Grafana-managed rules), so Prometheus,
-Grafana and the dashboards all follow the same numbers.
+reads the generated files (with `--alerts grafana` it converts the alerts to Grafana-managed
+rules), so Prometheus, Grafana and the dashboards all follow the same numbers.
 
 Every alert carries `labels.severity` (critical pages, warning and info open tickets, see
 deploy/alertmanager/alertmanager.yml) and the annotations `summary`, `description` and

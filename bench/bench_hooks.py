@@ -11,7 +11,7 @@ Targets: median <= 2 us, p99 <= 20 us, judged with the sidecar live and absent. 
 hooks disabled and for a paced loop (1000 calls/s, cold caches) are for comparison. Each
 line also gives the sender thread's CPU use: what the hooks cost beyond the calls themselves.
 
-Training (--training): mean step time of 2-rank `torchrun -m trainer` on the CPU with the
+Training (--training): mean step time of 2-rank `torchrun -m sidecar_trainer` on the CPU with the
 monitor on (against a real sidecar) and off, in alternating runs, and their ratio.
 """
 
@@ -148,7 +148,7 @@ def run_training(workdir: Path, enabled: bool, steps: int, sidecar: Sidecar, att
         "--max-restarts",
         "1",
         "-m",
-        "trainer",
+        "sidecar_trainer",
         "--set",
         f"monitor.enabled={'true' if enabled else 'false'}",
         "--set",

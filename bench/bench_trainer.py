@@ -38,7 +38,7 @@ def run(workdir: Path, hidden: int, steps: int, *settings: str) -> str:
         "--nproc-per-node=2",
         "--max-restarts=1",
         "-m",
-        "trainer",
+        "sidecar_trainer",
         "--set",
         f"checkpoint.dir={workdir / 'ckpt'}",
         "--set",

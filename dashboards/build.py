@@ -1,8 +1,13 @@
 """The single source of the Grafana dashboards: `python -m dashboards.build` writes
 `dashboards/*.json`; a test fails when the files are not current.
 
-Panels select with the template variables `$job_id`, `$instance` (the node), `$rank`, `$gpu`
-and `$device`, and query the `${datasource}` variable (any Prometheus). Job-level panels read
+Panels select with the template variables `$cluster` and `$namespace` (kube-prometheus-stack's
+conventions), `$job_id`, `$instance` (the node), `$rank`, `$gpu` and `$device`, and query the
+`${datasource}` variable (any Prometheus). Every selector names `$cluster` (the label a
+multi-cluster setup adds, Thanos/Mimir external labels; its All value also matches series without
+it, as on a single cluster). `$namespace` is the training pods' namespace: it narrows the jobs
+offered (the ranks' series carry it, docs/operator-guide.md#pod-labels) and the per-rank panels
+that read the ranks' own series. Job-level panels read
 the recording rules of alerts/recording.rules.yml, so they stay cheap on a thousand nodes;
 thresholds drawn on panels come from alerts/build.py's THRESHOLDS, the same numbers the
 alerts use.
@@ -25,11 +30,13 @@ SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}
 TAGS = ["training-sidecar"]
 
-# Selectors used throughout: one place to change how a job, node, rank or GPU is picked.
-JOB = 'job_id="$job_id"'
+# Selectors used throughout: one place to change how a cluster, job, node, rank or GPU is picked.
+CLUSTER = 'cluster=~"$cluster"'
+NAMESPACE = 'namespace=~"$namespace"'
+JOB = f'{CLUSTER}, job_id="$job_id"'
 NODES = 'instance=~"$instance"'
-RANKS = f'{JOB}, {NODES}, rank=~"$rank"'
-NODE = 'instance="$instance"'
+RANKS = f'{JOB}, {NAMESPACE}, {NODES}, rank=~"$rank"'  # the ranks' own series: they carry the namespace
+NODE = f'{CLUSTER}, instance="$instance"'
 GPUS = f'{NODE}, gpu=~"$gpu"'
 RANK = f'{JOB}, rank="$rank"'
 
@@ -199,6 +206,28 @@ def query_var(
     if include_all:
         v["allValue"] = ".*"
     return v
+
+
+def cluster_var() -> dict:
+    """Every cluster's sidecars by default: All also matches series without a `cluster` label."""
+    return query_var("cluster", "Cluster", "label_values(sidecar_build_info, cluster)", include_all=True)
+
+
+def namespace_var() -> dict:
+    """The training pods' namespaces (the ranks' pod labels); All also matches ranks outside Kubernetes."""
+    return query_var(
+        "namespace", "Namespace", f"label_values(sidecar_rank_state{{{CLUSTER}}}, namespace)", include_all=True
+    )
+
+
+def job_var(include_all: bool = False) -> dict:
+    """The jobs with ranks in the chosen cluster and namespace."""
+    return query_var(
+        "job_id",
+        "Job",
+        f"label_values(sidecar_rank_state{{{CLUSTER}, {NAMESPACE}}}, job_id)",
+        include_all=include_all,
+    )
 
 
 DATASOURCE_VAR = {
@@ -481,7 +510,9 @@ def training_job() -> dict:
         ),
     ]
     variables = [
-        query_var("job_id", "Job", "label_values(sidecar_training_ranks_registered, job_id)"),
+        cluster_var(),
+        namespace_var(),
+        job_var(),
         query_var(
             "instance",
             "Node",
@@ -805,14 +836,16 @@ def node_hardware() -> dict:
         timeseries("Collector duration", f"sidecar_scrape_collector_duration_seconds{{{NODE}}}", "s", min_=0, w=12),
     ]
     variables = [
-        query_var("job_id", "Job", "label_values(sidecar_training_ranks_registered, job_id)", include_all=True),
+        cluster_var(),
+        namespace_var(),
+        job_var(include_all=True),
         # Every node when Job is All (job_id=~".*" also matches build_info's missing job_id),
         # else the nodes where the job has ranks.
         query_var(
             "instance",
             "Node",
             'label_values({__name__=~"sidecar_build_info|sidecar_training_ranks_registered", '
-            'job_id=~"$job_id"}, instance)',
+            f'{CLUSTER}, job_id=~"$job_id"}}, instance)',
         ),
         query_var("gpu", "GPU", f"label_values(gpu:sidecar_gpu_info{{{NODE}}}, gpu)", multi=True, include_all=True),
         query_var("device", "NIC", f"label_values(sidecar_network_up{{{NODE}}}, device)", multi=True, include_all=True),
@@ -930,8 +963,10 @@ def rank_drilldown() -> dict:
         ),
     ]
     variables = [
-        query_var("job_id", "Job", "label_values(sidecar_training_ranks_registered, job_id)"),
-        query_var("rank", "Rank", f"label_values(sidecar_training_step{{{JOB}}}, rank)"),
+        cluster_var(),
+        namespace_var(),
+        job_var(),
+        query_var("rank", "Rank", f"label_values(sidecar_training_step{{{JOB}, {NAMESPACE}}}, rank)"),
         query_var("instance", "Node", f"label_values(sidecar_training_step{{{RANK}}}, instance)"),
         # The rank's GPUs, from the memory its processes hold; all of the node's when unknown.
         query_var(

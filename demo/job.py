@@ -95,7 +95,7 @@ class JobSpec:
             if rdzv_port is None
             else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
         )
-        cmd += ["-m", "trainer"]
+        cmd += ["-m", "sidecar_trainer"]
         for key, value in sets.items():
             cmd += ["--set", f"{key}={value}"]
         for item in self.extra:

@@ -204,7 +204,7 @@ def _short(path: str, root: Path) -> str:
 
 def _short_frame(line: str) -> str:
     """`File "/long/venv/.../site-packages/torch/autograd/graph.py", line 9 in f` without the prefix."""
-    return re.sub(r'File "(?:[^"]*/site-packages/|[^"]*/(?=trainer/|trainer_hooks/))', 'File "', line.strip())
+    return re.sub(r'File "(?:[^"]*/site-packages/|[^"]*/(?=sidecar_trainer/|trainer_hooks/))', 'File "', line.strip())
 
 
 def main() -> int:
@@ -238,7 +238,7 @@ def main() -> int:
             train = procs.start("torchrun", job.command(workdir), env={"SIDECAR_SOCKET": sock})
             story.say(
                 f"torchrun --standalone --nproc-per-node {job.nproc} --max-restarts {job.max_restarts} "
-                f"-m trainer (faults.kind={job.fault})"
+                f"-m sidecar_trainer (faults.kind={job.fault})"
             )
             log = TrainerLog(procs.log("torchrun"))
             deadline = time.monotonic() + DEADLINE_SECONDS

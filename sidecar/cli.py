@@ -9,12 +9,26 @@ import sys
 
 from sidecar import __version__
 
+# What `sidecar --help` says, for the people who run it (the docstring above is for developers).
+DESCRIPTION = (
+    "The training node sidecar: GPU, network, process and training-progress metrics for Prometheus, "
+    "and a watchdog that dumps the stacks of hung PyTorch ranks and kills their worker group so "
+    "torchrun restarts it."
+)
+EPILOG = (
+    "Run `sidecar COMMAND --help` for a command's options. Operating it: docs/operator-guide.md; "
+    "every setting: docs/configuration.md (`sidecar config-doc`)."
+)
+
 SUBCOMMANDS = {
     "run": ("sidecar.daemon.app", "run the daemon (metrics, push API, watchdog)"),
     "status": ("sidecar.commands.status", "show this node's health at a glance"),
     "incidents": ("sidecar.commands.incidents", "list the watchdog's incident records"),
     "preflight": ("sidecar.preflight.cli", "check this node before a job starts"),
-    "provision": ("sidecar.commands.provision", "push dashboards, datasource and alert rules to Grafana"),
+    "provision": (
+        "sidecar.commands.provision",
+        "push the dashboards and the datasource to Grafana (alert rules only with --alerts grafana)",
+    ),
     "deploy-gen": (
         "sidecar.commands.deploygen",
         "generate the deploy files from the rules and dashboards (--write DIR: the whole tree)",
@@ -25,7 +39,7 @@ SUBCOMMANDS = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sidecar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sidecar", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)

@@ -117,14 +117,19 @@ class CollectorSettings:
     )
     max_nics: int = field(default=64, metadata=doc("Most network interfaces exported (bounds series)."))
     xid_events: bool = field(
-        default=True, metadata=doc("Wait for NVML XID events in a dedicated thread and count them per GPU and XID.")
+        default=True,
+        metadata=doc(
+            "Wait for NVML XID events in a dedicated thread and count them per GPU and XID. With gpu_source "
+            "`dcgm` the thread still runs (no GPU metrics), so exits after an XID are still `gpu_error`."
+        ),
     )
     gpu_source: str = field(
         default="sidecar",
         metadata=doc(
             "Where the cluster's GPU metrics come from: `sidecar` (this daemon's NVML collector) or `dcgm` "
             "(NVIDIA dcgm-exporter, as the GPU Operator runs it): then the gpu collector is off, whatever "
-            "`enabled` says, and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."
+            "`enabled` says (only its XID event thread and NVML's process lists stay, for the exit reason "
+            "`gpu_error`), and load alerts/gpu-source/dcgm.rules.yml instead of sidecar.rules.yml (docs/dcgm.md)."
         ),
     )
 
@@ -282,6 +287,16 @@ class RemediationSettings:
         ),
     )
     window_seconds: float = field(default=3600.0, metadata=doc("The storm cap's window."))
+    kill_without_restart: bool = field(
+        default=False,
+        metadata=doc(
+            "Kill a hung worker group even when nothing would restart it (the ranks say: no launcher, as for a "
+            "plain `python` rank, or torchrun's --max-restarts used up). Off: such a stall is recorded, alerted "
+            "and its stacks dumped, but its processes are left alive (outcome `not_killed_no_restart`), since "
+            "the kill would only turn the hang into a failed job. On: fail fast and free the GPUs; also the "
+            "choice where something the ranks cannot see restarts them (a pod restart policy)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("remediation.dump_wait_seconds", self.dump_wait_seconds, allow_zero=True)

@@ -1,5 +1,5 @@
 """Typing a tree of settings by a schema of nested dataclasses: the loading both the sidecar
-(sidecar/config.py) and the bundled trainer (trainer/config.py) share.
+(sidecar/config.py) and the bundled trainer (sidecar_trainer/config.py) share.
 
 A program's settings arrive as a tree of plain values (a YAML file, environment variables,
 dotted `section.field=value` overrides), are merged in precedence order, then typed field by

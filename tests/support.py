@@ -27,7 +27,7 @@ PYTHON = sys.executable
 def make_settings(tmp_path: Path, *presets: Mapping[str, Any], **overrides: Any) -> Settings:
     """Typed settings for a test, from no file and no environment: the diagnostics directory
     and the socket under `tmp_path`, then each preset (an area's defaults, such as
-    `tests.sidecar.helpers.DAEMON`), then `overrides`. Keys name settings by their dotted
+    `tests.daemon.helpers.DAEMON`), then `overrides`. Keys name settings by their dotted
     path; as keywords `__` stands for the dot: `limits__max_jobs=3` or `**{"limits.max_jobs": 3}`."""
     values: dict[str, Any] = {"diag_dir": str(tmp_path / "diag"), "socket": str(tmp_path / "sidecar.sock")}
     for preset in presets:

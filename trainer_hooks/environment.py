@@ -8,6 +8,7 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE` | set by torchrun; identify the rank |
 | `TORCHELASTIC_RUN_ID` | the job id (default `"default"`) |
 | `TORCHELASTIC_RESTART_COUNT` | how often torchrun restarted the worker group |
+| `TORCHELASTIC_MAX_RESTARTS` | set by torchrun: its `--max-restarts`; with the restart count, whether a killed worker group would be restarted. No `TORCHELASTIC_RUN_ID` means no launcher: nothing restarts the rank |
 | `SIDECAR_SOCKET` | the sidecar's Unix socket (preferred transport) |
 | `SIDECAR_URL` | `http://HOST:PORT` of the sidecar, used when `SIDECAR_SOCKET` is not set |
 | `SIDECAR_TOKEN` | bearer token sent with every request (needed when the sidecar listens beyond loopback) |
@@ -42,6 +43,21 @@ _OFF = ("", "0", "off", "none", "no", "false", "disabled")
 
 
 @dataclass(frozen=True)
+class Launcher:
+    """What restarts this rank's worker group when the sidecar kills it (the registration's
+    `launcher`): torchrun's elastic agent with its restart budget, or nothing."""
+
+    name: str  # one of wire.LAUNCHERS
+    max_restarts: int | None = None  # torchrun's --max-restarts; None: torchrun did not say
+
+    def as_wire(self) -> dict[str, object]:
+        return {"name": self.name, "max_restarts": self.max_restarts}
+
+
+NO_LAUNCHER = Launcher("none")
+
+
+@dataclass(frozen=True)
 class Identity:
     """Who this rank is, as the register request names it."""
 
@@ -52,6 +68,7 @@ class Identity:
     local_world_size: int
     restart_count: int
     kubernetes: tuple[tuple[str, str], ...] = ()  # (label, value) of the rank's pod, from the downward API
+    launcher: Launcher = NO_LAUNCHER
 
 
 @dataclass(frozen=True)
@@ -105,7 +122,17 @@ def identity(
         ),
         restart_count=(_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if restart_count is None else int(restart_count)),
         kubernetes=kubernetes(environ),
+        launcher=launcher(environ),
     )
+
+
+def launcher(environ: Mapping[str, str]) -> Launcher:
+    """torchrun's agent when torchrun started this process (it sets TORCHELASTIC_RUN_ID, and
+    TORCHELASTIC_MAX_RESTARTS for its workers), else none: a plain `python` rank dies for good."""
+    if not environ.get("TORCHELASTIC_RUN_ID", "").strip():
+        return NO_LAUNCHER
+    max_restarts = _int(environ, "TORCHELASTIC_MAX_RESTARTS", -1)
+    return Launcher("torchrun", max_restarts if max_restarts >= 0 else None)
 
 
 # Downward-API variables of the job examples -> label, with the label's most characters;

@@ -26,7 +26,7 @@ from typing import Any
 from trainer_hooks import environment, exits, jobview, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
-from trainer_hooks.sender import Sender
+from trainer_hooks.sender import Sender, Tuning
 from trainer_hooks.wire import THREAD_EXCEPTION_EVENT
 
 DEFAULT_BUFFER_SIZE = 10_000
@@ -103,7 +103,7 @@ class Monitor:
             self._stack_dump = stacks.install(signum)
             interval = flush_interval or environment.flush_interval(env)
             given = (("connect_timeout", connect_timeout), ("read_timeout", read_timeout), ("max_backoff", max_backoff))
-            extra: dict[str, Any] = {k: v for k, v in given if v is not None}
+            overrides: dict[str, Any] = {k: v for k, v in given if v is not None}
             self._sender = Sender(
                 self._buffer,
                 endpoint,
@@ -112,7 +112,7 @@ class Monitor:
                 self._stack_dump,
                 flush_interval=interval or environment.DEFAULT_FLUSH_INTERVAL,
                 adopt_server_interval=interval is None,
-                **extra,
+                tuning=Tuning(**overrides),
             )
             self._sender.job_view_enabled = jobview.enabled(env)
             self._live = True

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from trainer_hooks.environment import Endpoint, Identity
 from trainer_hooks.errors import warn
@@ -75,34 +76,33 @@ def _dumps(body: dict) -> bytes:
     return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """How the sender talks to the sidecar: per-request timeouts and the longest backoff (in
+    seconds), the most items in one batch, and the silence after which it sends an empty push."""
+
+    connect_timeout: float = CONNECT_TIMEOUT
+    read_timeout: float = READ_TIMEOUT
+    max_backoff: float = MAX_BACKOFF_SECONDS
+    batch_items: int = BATCH_ITEMS
+    keepalive: float = KEEPALIVE_SECONDS
+
+
+@dataclass(eq=False, repr=False)
 class Sender:
-    def __init__(
-        self,
-        buffer: deque,
-        endpoint: Endpoint,
-        ident: Identity,
-        pid: int,
-        stack_dump: StackDump | None,
-        flush_interval: float,
-        adopt_server_interval: bool,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        read_timeout: float = READ_TIMEOUT,
-        max_backoff: float = MAX_BACKOFF_SECONDS,
-        batch_items: int = BATCH_ITEMS,
-        keepalive: float = KEEPALIVE_SECONDS,
-    ):
-        self.buffer = buffer
-        self.endpoint = endpoint
-        self.ident = ident
-        self.pid = pid
-        self.stack_dump = stack_dump
-        self.flush_interval = flush_interval
-        self.adopt_server_interval = adopt_server_interval
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.max_backoff = max_backoff
-        self.batch_items = batch_items
-        self.keepalive = keepalive
+    """The sender thread's inputs; its own state is set up in __post_init__. `flush_interval`
+    changes when `adopt_server_interval` lets the sidecar's registration answer set it."""
+
+    buffer: deque
+    endpoint: Endpoint
+    ident: Identity
+    pid: int
+    stack_dump: StackDump | None
+    flush_interval: float
+    adopt_server_interval: bool
+    tuning: Tuning = field(default_factory=Tuning)
+
+    def __post_init__(self) -> None:
         self.encoder = Encoder()
         self.registered = False
         self.registrations = 0
@@ -188,7 +188,7 @@ class Sender:
         if not self.registered and not self.register(deadline):
             self._failed()
             return
-        if not self.buffer and not final and time.monotonic() - self._last_contact >= self.keepalive:
+        if not self.buffer and not final and time.monotonic() - self._last_contact >= self.tuning.keepalive:
             self._send([], deadline)
             return
         while self.buffer or self._held_back is not None or self.extra:
@@ -211,8 +211,8 @@ class Sender:
         if self._held_back is not None:
             items.append(self._held_back)
             last_step, self._held_back = self._held_back["step"], None
-        buffer, encode = self.buffer, self.encoder.item
-        while buffer and len(items) < self.batch_items:
+        buffer, encode, batch_items = self.buffer, self.encoder.item, self.tuning.batch_items
+        while buffer and len(items) < batch_items:
             if len(items) % YIELD_EVERY == YIELD_EVERY - 1:
                 time.sleep(0)  # let the training thread have the GIL
             record = buffer.popleft()
@@ -305,7 +305,7 @@ class Sender:
         self._backoff = 0.0
 
     def _failed(self) -> None:
-        self._backoff = min(self.max_backoff, max(self.flush_interval, self._backoff * 2))
+        self._backoff = min(self.tuning.max_backoff, max(self.flush_interval, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff * random.uniform(0.8, 1.2)
 
     # ---------------------------------------------------------------- requests
@@ -326,6 +326,7 @@ class Sender:
             "versions": versions(),
             "stack_dump": self.stack_dump.as_wire() if self.stack_dump else None,
             "hooks_version": HOOKS_VERSION,
+            "launcher": self.ident.launcher.as_wire(),
         }
         if self.ident.kubernetes:
             body["kubernetes"] = dict(self.ident.kubernetes)
@@ -380,7 +381,7 @@ class Sender:
 
     def _post(self, path: str, body: bytes, deadline: float | None) -> Reply | None:
         """The reply, or None when the sidecar is unreachable or the deadline leaves no time."""
-        connect_timeout, read_timeout = self.connect_timeout, self.read_timeout
+        connect_timeout, read_timeout = self.tuning.connect_timeout, self.tuning.read_timeout
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0.01:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import re
 
-PROTOCOL_VERSION = 2
+# 3: the `job_coordinator` event (the job view); 2: a registration's optional `launcher`
+# (LAUNCHERS). Registrations of versions 1 and 2 stay valid.
+PROTOCOL_VERSION = 3
 
 # ---------------------------------------------------------------- names
 
@@ -64,6 +66,11 @@ NONFINITE_VALUES = ("nan", "inf", "+inf", "-inf")  # how a non-finite metric val
 ITEM_TYPES = ("step", "phase", "event")
 PHASE_ACTIONS = ("start", "end")
 RESERVED_JOB_IDS = frozenset({"incidents"})  # names of the diag directory's own subdirectories
+# A registration's `launcher.name`: what restarts the rank's worker group once it is killed.
+# "torchrun": torchrun's elastic agent, with its restart budget (`launcher.max_restarts`: its
+# --max-restarts, TORCHELASTIC_MAX_RESTARTS) against the top-level `restart_count`; "none": no
+# launcher (no TORCHELASTIC_RUN_ID), nothing restarts it. Absent (hooks of protocol 1): unknown.
+LAUNCHERS = ("torchrun", "none")
 
 # ---------------------------------------------------------------- pod labels
 

@@ -10,6 +10,8 @@
 #   RDZV_ID         the job's id, the same on every node (default: training)
 #   MAX_RESTARTS    worker-group restarts torchrun allows (default: 3)
 #   SIDECAR_SOCKET  the node sidecar's socket (default: /run/sidecar/sidecar.sock)
+#   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  1 (default): each restart attempt gets a fresh store,
+#                   torch's own switch that lets a restarted group form again (pytorch#135712)
 #   PYTHON          the training environment's interpreter (default: python3)
 #   PREFLIGHT       1 (default): run `sidecar preflight` first and stop if it fails; 0: skip
 #   EXPECT_GPUS     passed to preflight's --expect-gpus when set
@@ -48,9 +50,11 @@ if [ "${PREFLIGHT:-1}" = 1 ]; then
   fi
 fi
 
-cmd=("$PYTHON" -m torch.distributed.run
+# torchrun reads it: the workers of each restart attempt get a store of their own instead of
+# sharing the agent's, whose keys outlive the attempt (docs/architecture.md, "Restarts").
+cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "$PYTHON" -m torch.distributed.run
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
   --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
   --max-restarts "$MAX_RESTARTS"
-  -m trainer --config "$CONFIG" "$@")
+  -m sidecar_trainer --config "$CONFIG" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then run "${cmd[@]}"; else exec "${cmd[@]}"; fi

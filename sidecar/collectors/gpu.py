@@ -17,13 +17,14 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import BuildContext, PartialFailure
+from sidecar.collectors.gpu_events import RankGpus, owners_of, rank_gpus, start_xid_watcher
 from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
-from sidecar.collectors.ranktree import RanksFn, pid_owners
+from sidecar.collectors.ranktree import RanksFn
 from sidecar.collectors.xid import XidWatcher
 from sidecar.metric import spec
 
 NAME = "gpu"
-G = ("gpu",)
+GPU_LABELS = ("gpu",)
 
 INFO = spec(NAME, "gpu", "info", "GPU identity; value 1.", ["gpu", "uuid", "name", "pci_bus_id"])
 LOST = spec(
@@ -31,44 +32,52 @@ LOST = spec(
     "gpu_lost",
     "gauge",
     "1 when NVML reports the GPU lost or in an unknown state (its other series are absent).",
-    G,
+    GPU_LABELS,
 )
 UTILIZATION = spec(
-    NAME, "gpu_utilization_ratio", "gauge", "Share of the last sample period in which a kernel ran on the GPU.", G
+    NAME,
+    "gpu_utilization_ratio",
+    "gauge",
+    "Share of the last sample period in which a kernel ran on the GPU.",
+    GPU_LABELS,
 )
 MEMORY_UTILIZATION = spec(
     NAME,
     "gpu_memory_utilization_ratio",
     "gauge",
     "Share of the last sample period in which device memory was read or written.",
-    G,
+    GPU_LABELS,
 )
-MEMORY_USED = spec(NAME, "gpu_memory_used_bytes", "gauge", "Device memory in use.", G)
-MEMORY_TOTAL = spec(NAME, "gpu_memory_total_bytes", "gauge", "Device memory installed.", G)
-MEMORY_FREE = spec(NAME, "gpu_memory_free_bytes", "gauge", "Device memory free (DCGM_FI_DEV_FB_FREE).", G)
+MEMORY_USED = spec(NAME, "gpu_memory_used_bytes", "gauge", "Device memory in use.", GPU_LABELS)
+MEMORY_TOTAL = spec(NAME, "gpu_memory_total_bytes", "gauge", "Device memory installed.", GPU_LABELS)
+MEMORY_FREE = spec(NAME, "gpu_memory_free_bytes", "gauge", "Device memory free (DCGM_FI_DEV_FB_FREE).", GPU_LABELS)
 MEMORY_RESERVED = spec(
     NAME,
     "gpu_memory_reserved_bytes",
     "gauge",
     "Device memory the driver reserves for itself (DCGM_FI_DEV_FB_RESERVED; drivers whose "
     "NVML has no nvmlMemory_v2 count it in used).",
-    G,
+    GPU_LABELS,
 )
-TEMPERATURE = spec(NAME, "gpu_temperature_celsius", "gauge", "GPU core temperature.", G)
+TEMPERATURE = spec(NAME, "gpu_temperature_celsius", "gauge", "GPU core temperature.", GPU_LABELS)
 MEMORY_TEMPERATURE = spec(
-    NAME, "gpu_memory_temperature_celsius", "gauge", "Device memory (HBM) temperature, refreshed every 10 s.", G
+    NAME,
+    "gpu_memory_temperature_celsius",
+    "gauge",
+    "Device memory (HBM) temperature, refreshed every 10 s.",
+    GPU_LABELS,
 )
 SLOWDOWN_TEMPERATURE = spec(
-    NAME, "gpu_slowdown_temperature_celsius", "gauge", "Temperature at which the GPU slows its clocks.", G
+    NAME, "gpu_slowdown_temperature_celsius", "gauge", "Temperature at which the GPU slows its clocks.", GPU_LABELS
 )
 SHUTDOWN_TEMPERATURE = spec(
-    NAME, "gpu_shutdown_temperature_celsius", "gauge", "Temperature at which the GPU shuts down.", G
+    NAME, "gpu_shutdown_temperature_celsius", "gauge", "Temperature at which the GPU shuts down.", GPU_LABELS
 )
-POWER = spec(NAME, "gpu_power_watts", "gauge", "Board power draw.", G)
-POWER_LIMIT = spec(NAME, "gpu_power_limit_watts", "gauge", "Enforced board power limit.", G)
-ENERGY = spec(NAME, "gpu_energy_joules", "counter", "Energy used since the driver was loaded.", G)
-SM_CLOCK = spec(NAME, "gpu_sm_clock_hertz", "gauge", "Current SM clock.", G)
-MEMORY_CLOCK = spec(NAME, "gpu_memory_clock_hertz", "gauge", "Current memory clock.", G)
+POWER = spec(NAME, "gpu_power_watts", "gauge", "Board power draw.", GPU_LABELS)
+POWER_LIMIT = spec(NAME, "gpu_power_limit_watts", "gauge", "Enforced board power limit.", GPU_LABELS)
+ENERGY = spec(NAME, "gpu_energy_joules", "counter", "Energy used since the driver was loaded.", GPU_LABELS)
+SM_CLOCK = spec(NAME, "gpu_sm_clock_hertz", "gauge", "Current SM clock.", GPU_LABELS)
+MEMORY_CLOCK = spec(NAME, "gpu_memory_clock_hertz", "gauge", "Current memory clock.", GPU_LABELS)
 CLOCK_EVENT = spec(
     NAME,
     "gpu_clock_event_active",
@@ -86,10 +95,18 @@ CLOCK_VIOLATION = spec(
     ["gpu", "policy"],
 )
 ENCODER_UTILIZATION = spec(
-    NAME, "gpu_encoder_utilization_ratio", "gauge", "Share of time the video encoder was busy, refreshed every 10 s.", G
+    NAME,
+    "gpu_encoder_utilization_ratio",
+    "gauge",
+    "Share of time the video encoder was busy, refreshed every 10 s.",
+    GPU_LABELS,
 )
 DECODER_UTILIZATION = spec(
-    NAME, "gpu_decoder_utilization_ratio", "gauge", "Share of time the video decoder was busy, refreshed every 10 s.", G
+    NAME,
+    "gpu_decoder_utilization_ratio",
+    "gauge",
+    "Share of time the video decoder was busy, refreshed every 10 s.",
+    GPU_LABELS,
 )
 ECC_ERRORS = spec(
     NAME,
@@ -109,7 +126,7 @@ RETIRED_PAGES = spec(
     NAME, "gpu_retired_pages", "gauge", "Device memory pages retired (pre-Ampere), by cause.", ["gpu", "cause"]
 )
 RETIRED_PAGES_PENDING = spec(
-    NAME, "gpu_retired_pages_pending", "gauge", "1 when a page retirement waits for the next driver reload.", G
+    NAME, "gpu_retired_pages_pending", "gauge", "1 when a page retirement waits for the next driver reload.", GPU_LABELS
 )
 REMAPPED_ROWS = spec(
     NAME,
@@ -118,21 +135,25 @@ REMAPPED_ROWS = spec(
     "Memory rows remapped (Ampere and later), by the error that caused it.",
     ["gpu", "type"],
 )
-REMAPPED_ROWS_PENDING = spec(NAME, "gpu_remapped_rows_pending", "gauge", "1 when a row remap waits for a GPU reset.", G)
-REMAPPED_ROWS_FAILED = spec(
-    NAME, "gpu_remapped_rows_failed", "gauge", "1 when a row remap failed: the GPU needs service.", G
+REMAPPED_ROWS_PENDING = spec(
+    NAME, "gpu_remapped_rows_pending", "gauge", "1 when a row remap waits for a GPU reset.", GPU_LABELS
 )
-PCIE_REPLAY = spec(NAME, "gpu_pcie_replay", "counter", "PCIe replays (link-level retransmissions).", G)
+REMAPPED_ROWS_FAILED = spec(
+    NAME, "gpu_remapped_rows_failed", "gauge", "1 when a row remap failed: the GPU needs service.", GPU_LABELS
+)
+PCIE_REPLAY = spec(NAME, "gpu_pcie_replay", "counter", "PCIe replays (link-level retransmissions).", GPU_LABELS)
 PCIE_GEN = spec(
     NAME,
     "gpu_pcie_link_generation",
     "gauge",
     "Current PCIe link generation (lower at idle to save power), refreshed every 10 s.",
-    G,
+    GPU_LABELS,
 )
-PCIE_MAX_GEN = spec(NAME, "gpu_pcie_link_max_generation", "gauge", "Highest PCIe link generation.", G)
-PCIE_WIDTH = spec(NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes), refreshed every 10 s.", G)
-PCIE_MAX_WIDTH = spec(NAME, "gpu_pcie_link_max_width", "gauge", "Widest PCIe link (lanes).", G)
+PCIE_MAX_GEN = spec(NAME, "gpu_pcie_link_max_generation", "gauge", "Highest PCIe link generation.", GPU_LABELS)
+PCIE_WIDTH = spec(
+    NAME, "gpu_pcie_link_width", "gauge", "Current PCIe link width (lanes), refreshed every 10 s.", GPU_LABELS
+)
+PCIE_MAX_WIDTH = spec(NAME, "gpu_pcie_link_max_width", "gauge", "Widest PCIe link (lanes).", GPU_LABELS)
 PCIE_THROUGHPUT = spec(
     NAME,
     "gpu_pcie_throughput_bytes_per_second",
@@ -156,9 +177,13 @@ XID_ERRORS = spec(
     "(gpu is empty for an event the driver did not attribute to a GPU).",
     ["gpu", "xid"],
 )
-LAST_XID = spec(NAME, "gpu_last_xid", "gauge", "The most recent XID on this GPU, 0 when none was seen.", G)
+LAST_XID = spec(NAME, "gpu_last_xid", "gauge", "The most recent XID on this GPU, 0 when none was seen.", GPU_LABELS)
 LAST_XID_TIME = spec(
-    NAME, "gpu_last_xid_timestamp_seconds", "gauge", "When the most recent XID on this GPU arrived (Unix time).", G
+    NAME,
+    "gpu_last_xid_timestamp_seconds",
+    "gauge",
+    "When the most recent XID on this GPU arrived (Unix time).",
+    GPU_LABELS,
 )
 PROCESS_MEMORY = spec(
     NAME,
@@ -311,7 +336,7 @@ class GpuCollector:
         self.ranks = ranks
         self.xid_events = xid_events
         self.xid: XidWatcher | None = None
-        self.rank_gpus: dict[tuple[str, int], set[str]] = {}  # GPUs each rank's processes held, last round
+        self.rank_gpus: RankGpus = {}  # GPUs each rank's processes held, last round
 
     def last_xids(self) -> dict[str, tuple[int, float]]:
         """gpu -> (latest XID, Unix time) since the sidecar started."""
@@ -332,7 +357,7 @@ class GpuCollector:
                 raise PartialFailure(self.session.broken, [])
             return []
         if self.xid_events and self.xid is None:
-            self._start_xid_watcher()
+            self.xid = start_xid_watcher(self.session)
         readings: list[GpuReading] = []
         lost: list[str] = []
         problems: list[str] = []
@@ -352,19 +377,6 @@ class GpuCollector:
                 "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + (f" (+{more} more)" if more > 0 else ""), families
             )
         return families
-
-    def _start_xid_watcher(self) -> None:
-        handles = {}
-        for index in range(self.session.count):
-            try:
-                handles[str(index)] = self.session.handle(index)
-            except GpuLost:
-                pass
-        nv = self.session.nv
-        if nv is None:  # the session closed meanwhile
-            return
-        self.xid = XidWatcher(nv, handles)
-        self.xid.start()
 
     def _families(self, readings: list[GpuReading], lost: list[str]) -> list[Metric]:
         info, lost_family, unavailable = INFO.family(), LOST.family(), FIELD_UNAVAILABLE.family()
@@ -463,11 +475,9 @@ class GpuCollector:
 
     def _process_memory(self, readings: list[GpuReading]) -> Metric:
         family = PROCESS_MEMORY.family()
-        if not any(r.processes for r in readings):
-            self.rank_gpus = {}
-            return family
-        owners = pid_owners(self.ranks())
-        rank_gpus: dict[tuple[str, int], set[str]] = {}
+        processes = [(r.gpu, r.processes) for r in readings]
+        owners = owners_of(processes, self.ranks)
+        self.rank_gpus = rank_gpus(processes, owners)
         for r in readings:
             per_rank: dict[tuple[str, int], int] = {}
             for pid, used in r.processes:
@@ -476,8 +486,6 @@ class GpuCollector:
                     per_rank[owner] = per_rank.get(owner, 0) + used
             for (job_id, rank), used in sorted(per_rank.items()):
                 family.add_metric([r.gpu, job_id, str(rank)], used)
-                rank_gpus.setdefault((job_id, rank), set()).add(r.gpu)
-        self.rank_gpus = rank_gpus
         return family
 
 

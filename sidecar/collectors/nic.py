@@ -15,44 +15,52 @@ from sidecar.collectors.base import BuildContext, PartialFailure
 from sidecar.metric import spec
 
 NAME = "nic"
-D = ("device",)
-P = ("device", "port")
+DEVICE_LABELS = ("device",)
+PORT_LABELS = ("device", "port")
 
-RECEIVE_BYTES = spec(NAME, "network_receive_bytes", "counter", "Bytes received (statistics/rx_bytes).", D)
-TRANSMIT_BYTES = spec(NAME, "network_transmit_bytes", "counter", "Bytes sent (statistics/tx_bytes).", D)
-RECEIVE_PACKETS = spec(NAME, "network_receive_packets", "counter", "Packets received.", D)
-TRANSMIT_PACKETS = spec(NAME, "network_transmit_packets", "counter", "Packets sent.", D)
-RECEIVE_ERRS = spec(NAME, "network_receive_errs", "counter", "Receive errors.", D)
-TRANSMIT_ERRS = spec(NAME, "network_transmit_errs", "counter", "Transmit errors.", D)
-RECEIVE_DROP = spec(NAME, "network_receive_drop", "counter", "Received packets dropped.", D)
-TRANSMIT_DROP = spec(NAME, "network_transmit_drop", "counter", "Packets dropped on send.", D)
-UP = spec(NAME, "network_up", "gauge", "1 when the interface's operstate is up.", D)
-SPEED = spec(NAME, "network_speed_bytes", "gauge", "Link speed in bytes per second (absent when unknown).", D)
-CARRIER_CHANGES = spec(NAME, "network_carrier_changes", "counter", "Times the link went up or down.", D)
+RECEIVE_BYTES = spec(NAME, "network_receive_bytes", "counter", "Bytes received (statistics/rx_bytes).", DEVICE_LABELS)
+TRANSMIT_BYTES = spec(NAME, "network_transmit_bytes", "counter", "Bytes sent (statistics/tx_bytes).", DEVICE_LABELS)
+RECEIVE_PACKETS = spec(NAME, "network_receive_packets", "counter", "Packets received.", DEVICE_LABELS)
+TRANSMIT_PACKETS = spec(NAME, "network_transmit_packets", "counter", "Packets sent.", DEVICE_LABELS)
+RECEIVE_ERRS = spec(NAME, "network_receive_errs", "counter", "Receive errors.", DEVICE_LABELS)
+TRANSMIT_ERRS = spec(NAME, "network_transmit_errs", "counter", "Transmit errors.", DEVICE_LABELS)
+RECEIVE_DROP = spec(NAME, "network_receive_drop", "counter", "Received packets dropped.", DEVICE_LABELS)
+TRANSMIT_DROP = spec(NAME, "network_transmit_drop", "counter", "Packets dropped on send.", DEVICE_LABELS)
+UP = spec(NAME, "network_up", "gauge", "1 when the interface's operstate is up.", DEVICE_LABELS)
+SPEED = spec(
+    NAME, "network_speed_bytes", "gauge", "Link speed in bytes per second (absent when unknown).", DEVICE_LABELS
+)
+CARRIER_CHANGES = spec(NAME, "network_carrier_changes", "counter", "Times the link went up or down.", DEVICE_LABELS)
 
 IB_STATE = spec(
     NAME,
     "infiniband_port_state_id",
     "gauge",
     "Logical port state (1 down, 2 init, 3 armed, 4 active, 5 active_defer).",
-    P,
+    PORT_LABELS,
 )
 IB_PHYSICAL_STATE = spec(
     NAME,
     "infiniband_port_physical_state_id",
     "gauge",
     "Physical port state (2 polling, 3 disabled, 5 link_up, 7 phy_test ...).",
-    P,
+    PORT_LABELS,
 )
-IB_UP = spec(NAME, "infiniband_port_up", "gauge", "1 when the port is ACTIVE and its link is up.", P)
-IB_RATE = spec(NAME, "infiniband_rate_bytes_per_second", "gauge", "Port link rate.", P)
-IB_RECEIVED = spec(NAME, "infiniband_port_data_received_bytes", "counter", "Data received by the port.", P)
-IB_TRANSMITTED = spec(NAME, "infiniband_port_data_transmitted_bytes", "counter", "Data sent by the port.", P)
-IB_LINK_DOWNED = spec(NAME, "infiniband_link_downed", "counter", "Times the link went down after errors.", P)
-IB_SYMBOL_ERROR = spec(NAME, "infiniband_symbol_error", "counter", "Minor link errors on a physical lane.", P)
-IB_RECEIVE_ERRORS = spec(NAME, "infiniband_port_receive_errors", "counter", "Packets received with errors.", P)
+IB_UP = spec(NAME, "infiniband_port_up", "gauge", "1 when the port is ACTIVE and its link is up.", PORT_LABELS)
+IB_RATE = spec(NAME, "infiniband_rate_bytes_per_second", "gauge", "Port link rate.", PORT_LABELS)
+IB_RECEIVED = spec(NAME, "infiniband_port_data_received_bytes", "counter", "Data received by the port.", PORT_LABELS)
+IB_TRANSMITTED = spec(NAME, "infiniband_port_data_transmitted_bytes", "counter", "Data sent by the port.", PORT_LABELS)
+IB_LINK_DOWNED = spec(NAME, "infiniband_link_downed", "counter", "Times the link went down after errors.", PORT_LABELS)
+IB_SYMBOL_ERROR = spec(NAME, "infiniband_symbol_error", "counter", "Minor link errors on a physical lane.", PORT_LABELS)
+IB_RECEIVE_ERRORS = spec(
+    NAME, "infiniband_port_receive_errors", "counter", "Packets received with errors.", PORT_LABELS
+)
 IB_TRANSMIT_WAIT = spec(
-    NAME, "infiniband_port_transmit_wait", "counter", "Ticks the port had data to send but no credits (congestion).", P
+    NAME,
+    "infiniband_port_transmit_wait",
+    "counter",
+    "Ticks the port had data to send but no credits (congestion).",
+    PORT_LABELS,
 )
 IB_INFO = spec(
     NAME,

@@ -90,10 +90,6 @@ HEALTH_FIELDS = (
 )
 
 
-class NvmlBroken(Exception):
-    """NVML is installed but unusable (e.g. a driver/library version mismatch after an upgrade)."""
-
-
 def cuda_version_string(version: int) -> str:
     """NVML's integer CUDA driver version (12040) as "12.4"."""
     return f"{version // 1000}.{version % 1000 // 10}"
@@ -324,8 +320,24 @@ class NvmlSession:
         r.sm_clock_hertz = _scaled(d.call("sm_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_SM), 1e6)
         r.memory_clock_hertz = _scaled(d.call("memory_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_MEM), 1e6)
         r.clock_event_reasons = d.first("clock_event_reasons", g["clock_event_reasons"])
-        procs = d.first("processes", g["processes"]) or []
-        r.processes = [
+        r.processes = self._processes(d)
+
+    def processes(self, index: int) -> list[tuple[int, int]]:
+        """Only the compute processes of one device, (pid, used GPU memory bytes): what the XID
+        source reads where dcgm-exporter exports the GPU metrics. Raises GpuLost."""
+        nv = self.nv
+        assert nv is not None
+        try:
+            return self._processes(
+                DeviceReader(nv, self.handle(index), str(index), self.fields.setdefault(index, FieldStates()))
+            )
+        except GpuLost:
+            self.handles[index] = None
+            raise
+
+    def _processes(self, d: DeviceReader) -> list[tuple[int, int]]:
+        procs = d.first("processes", self.generations["processes"]) or []
+        return [
             (int(p.pid), int(p.usedGpuMemory))
             for p in procs
             if p.usedGpuMemory is not None and p.usedGpuMemory != NOT_AVAILABLE_ULL

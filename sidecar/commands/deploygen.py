@@ -7,7 +7,10 @@ Grafana chart's dashboard sidecar (kiwigrid k8s-sidecar) watches and loads. The 
 `dashboards/` stay the single source: `--check` (run by the tests) fails when the generated
 files are stale, naming them. The GPU sources (`alerts/gpu-source/*.rules.yml`, docs/dcgm.md)
 become one kustomization each, `generated/gpu-source-<source>/`: the base includes the
-sidecar's, the gpu-operator overlay swaps in dcgm-exporter's.
+sidecar's, the gpu-operator overlay swaps in dcgm-exporter's. Every generated kustomization
+names the base's namespace (deploy/kubernetes/base/kustomization.yaml, the one place it is set):
+the gpu-operator overlay takes its rules from outside the base, where the base's `namespace:`
+does not reach.
 
 The sources are the package's data (sidecar/assets), so an installed wheel generates too:
 `--write DIR` writes the whole deploy tree (Kubernetes base, overlays, examples, bare-metal and
@@ -30,6 +33,7 @@ from sidecar.commands import generated
 
 ROOT = assets.ROOT  # holds alerts/, dashboards/ and deploy/ (in a checkout: links to the top level)
 OUTPUT = Path("deploy/kubernetes/base/generated")
+BASE_KUSTOMIZATION = Path("deploy/kubernetes/base/kustomization.yaml")
 COMMON_LABELS = {"app.kubernetes.io/name": "training-sidecar", "app.kubernetes.io/part-of": "training-sidecar"}
 DASHBOARD_FOLDER = "Training"  # the Grafana folder; the chart's sidecar reads the `grafana_folder` annotation
 
@@ -122,10 +126,24 @@ def dashboard_configmap(path: Path, root: Path) -> tuple[str, str]:
     return f"dashboard-{stem}.yaml", _dump(obj, path.relative_to(root).as_posix())
 
 
-def _kustomization(resources: list[str], source: str) -> str:
+def namespace(root: Path) -> str:
+    """The namespace the base puts everything in."""
+    path = root / BASE_KUSTOMIZATION
+    doc = _load_yaml(path, root)
+    if not isinstance(doc, dict) or not isinstance(doc.get("namespace"), str):
+        raise SourceError(f"{BASE_KUSTOMIZATION}: no `namespace:`")
+    return doc["namespace"]
+
+
+def _kustomization(resources: list[str], source: str, namespace: str) -> str:
     return _dump(
-        {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": sorted(resources)},
-        source,
+        {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "namespace": namespace,
+            "resources": sorted(resources),
+        },
+        f"{source} (namespace: {BASE_KUSTOMIZATION})",
     )
 
 
@@ -133,14 +151,15 @@ def generate(root: Path = ROOT) -> dict[str, dict[str, str]]:
     """{directory under deploy/kubernetes/base/generated/ ("" for itself): {file name: content}}."""
     files = dict(prometheus_rule(p, root) for p in rule_files(root))
     files.update(dashboard_configmap(p, root) for p in sorted((root / "dashboards").glob("*.json")))
-    files["kustomization.yaml"] = _kustomization(list(files), "alerts/ and dashboards/")
+    ns = namespace(root)
+    files["kustomization.yaml"] = _kustomization(list(files), "alerts/ and dashboards/", ns)
     out = {"": files}
     for path in sorted((root / "alerts" / "gpu-source").glob("*.rules.yml")):
         source = _stem(path, ".rules.yml")
         name, text = prometheus_rule(path, root, stem=f"gpu-source-{source}")
         out[f"gpu-source-{source}"] = {
             name: text,
-            "kustomization.yaml": _kustomization([name], f"alerts/gpu-source/{path.name}"),
+            "kustomization.yaml": _kustomization([name], f"alerts/gpu-source/{path.name}", ns),
         }
     return out
 
@@ -169,7 +188,7 @@ def write_tree(directory: Path, root: Path = ROOT) -> list[str]:
     """The whole deploy tree into `directory` (its kubernetes/, baremetal/, alertmanager/, ...),
     with the generated objects made afresh from the rules and dashboards; the files written."""
     shutil.copytree(root / "deploy", directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    write(root, directory / "kubernetes" / "generated")
+    write(root, directory / OUTPUT.relative_to("deploy"))
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 

@@ -160,6 +160,39 @@ def grafana_rules(groups: list[dict], folder_uid: str, datasource_uid: str) -> l
     return rules
 
 
+# The API's placement of a rule, which Grafana's alerting provisioning file sets per group instead.
+_API_PLACEMENT = ("orgID", "folderUID", "ruleGroup")
+DEFAULT_GROUP_INTERVAL = "1m"
+
+
+def grafana_alerting_file(groups: list[dict], folder_uid: str, folder_title: str, datasource_uid: str) -> dict:
+    """The same Grafana-managed rules as the API path creates, as a Grafana alerting provisioning
+    file (provisioning/alerting/*.yaml: apiVersion 1, groups with a folder title, an interval
+    and their rules)."""
+    by_group: dict[str, list[dict]] = {}
+    for rule in grafana_rules(groups, folder_uid, datasource_uid):
+        by_group.setdefault(rule["ruleGroup"], []).append({k: v for k, v in rule.items() if k not in _API_PLACEMENT})
+    intervals = {g["name"]: g.get("interval", DEFAULT_GROUP_INTERVAL) for g in groups}
+    return {
+        "apiVersion": 1,
+        "groups": [
+            {"orgId": 1, "name": name, "folder": folder_title, "interval": intervals[name], "rules": rules}
+            for name, rules in by_group.items()
+        ],
+    }
+
+
+def recording_groups(groups: list[dict]) -> list[dict]:
+    """The rule groups without their alerting rules (groups left empty are dropped): what
+    Prometheus still evaluates when Grafana owns the alerts."""
+    out = []
+    for g in groups:
+        records = [r for r in g.get("rules", []) if "record" in r]
+        if records:
+            out.append({**g, "rules": records})
+    return out
+
+
 def with_datasource(dashboard: dict, uid: str, name: str) -> dict:
     """The dashboard with its `datasource` variable preselecting the provisioned datasource
     (otherwise Grafana shows the default datasource, which may be another Prometheus)."""

@@ -1,26 +1,39 @@
 """`sidecar incidents`: the incident records of a diagnostics directory, newest first (a table,
-`--full` summaries or `--json`), and with `--job ID` the job's story across its nodes: the job
-incident every node's record shares, the culprit, each node's part, each rank's innermost frame,
-one timeline (from the job's coordinator, through this node's sidecar; this node's own records
-when the coordinator cannot be reached)."""
+`--full` summaries or `--json`).
+
+Which directory: `--diag-dir`; else the running daemon's, as its `/v1/status` names it (found as
+`sidecar status` finds it: `--socket`/`--url`, SIDECAR_SOCKET/SIDECAR_URL, the settings' socket,
+the default socket), so a daemon started with its own `diag_dir` is read where it writes; else,
+when no sidecar answers, the settings' `diag_dir` (said on stderr).
+
+With `--job ID`: the job's story across its nodes, from the job's coordinator through this node's
+sidecar: the job incident every node's record shares, the culprit, each node's part, each rank's
+innermost frame, one timeline; this node's own records when the coordinator cannot be reached."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from sidecar.commands.client import StatusError, fetch_json, resolve_endpoint
+from sidecar.config import DEFAULT_SOCKET, ConfigError, Settings, add_settings_arguments, settings_from_args
 from sidecar.incidents.store import INCIDENTS_SUBDIR, load_incidents
+
+DAEMON_TIMEOUT_SECONDS = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from sidecar.config import add_settings_arguments
-
     add_settings_arguments(parser)
-    parser.add_argument("--diag-dir", help="diagnostics directory (default: the settings' diag_dir)")
+    parser.add_argument(
+        "--diag-dir",
+        help="diagnostics directory (default: the running sidecar's, else the settings' diag_dir)",
+    )
+    parser.add_argument("--url", help="the running sidecar's HTTP address, to ask for its diag dir (also SIDECAR_URL)")
     parser.add_argument("--last", type=int, default=20, metavar="N", help="show the N newest (default 20)")
     parser.add_argument("--json", action="store_true", help="print the full records as a JSON list")
     parser.add_argument(
@@ -33,7 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="a job_id or a job incident id: the job's story across its nodes (latest job incident of a job_id)",
     )
-    parser.add_argument("--url", help="the sidecar to ask for the job's story over TCP (default: its socket)")
 
 
 def _row(record: dict[str, Any]) -> list[str]:
@@ -56,16 +68,30 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
+def daemon_diag_dir(settings: Settings, socket: str | None, url: str | None) -> str:
+    """The running sidecar's diagnostics directory; StatusError when none answers or says."""
+    configured = socket or (settings.socket if settings.socket != DEFAULT_SOCKET else None)
+    endpoint = resolve_endpoint(configured, url, os.environ)
+    node = fetch_json(endpoint, timeout=DAEMON_TIMEOUT_SECONDS).get("node")
+    diag_dir = node.get("diag_dir") if isinstance(node, dict) else None
+    if not isinstance(diag_dir, str) or not diag_dir:
+        raise StatusError(f"the sidecar at {endpoint} does not name its diag dir (an older sidecar)")
+    return diag_dir
+
+
 def main(args: argparse.Namespace) -> int:
     diag_dir = args.diag_dir
     if not diag_dir:
-        from sidecar.config import ConfigError, settings_from_args
-
         try:
-            diag_dir = str(settings_from_args(args).diagnostics_dir)
+            settings = settings_from_args(args)
         except ConfigError as e:
             print(f"sidecar incidents: {e}", file=sys.stderr)
             return 2
+        try:
+            diag_dir = daemon_diag_dir(settings, args.socket, args.url)
+        except StatusError as e:
+            diag_dir = str(settings.diagnostics_dir)
+            print(f"sidecar incidents: {e}; reading the settings' diag dir {diag_dir}", file=sys.stderr)
     if args.last is not None and args.last < 1:
         print("sidecar incidents: --last must be >= 1", file=sys.stderr)
         return 2
@@ -116,8 +142,6 @@ def job_story(args: argparse.Namespace, diag_dir: str) -> int:
 
 def _fetch_story(args: argparse.Namespace, job_id: str, job_incident: str | None) -> tuple[dict | None, str]:
     from urllib.parse import quote
-
-    from sidecar.commands.client import StatusError, fetch_json, resolve_endpoint
 
     endpoint = resolve_endpoint(getattr(args, "socket", None), getattr(args, "url", None))
     path = f"/v1/jobs/{quote(job_id, safe='')}/story" + (f"?incident={quote(job_incident)}" if job_incident else "")

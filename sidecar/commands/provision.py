@@ -1,14 +1,22 @@
-"""`sidecar provision`: push the dashboards, the Prometheus datasource and the alert rules
-into Grafana, or write them as files for those who deploy by files.
+"""`sidecar provision`: push the dashboards and the Prometheus datasource into Grafana, or
+write them as files for those who deploy by files.
 
 Against Grafana's HTTP API (with grafana-client) it creates the folder if missing, creates or
-updates the datasource when `--datasource-url` is given, saves every dashboard of
-`dashboards/` into the folder, and turns every alert of `alerts/*.rules.yml` into a
-Grafana-managed alert rule (/api/v1/provisioning/alert-rules). It compares before it writes:
-a second run changes nothing and says "unchanged" for every object.
+updates the datasource when `--datasource-url` is given and saves every dashboard of
+`dashboards/` into the folder. It compares before it writes: a second run changes nothing and
+says "unchanged" for every object.
+
+One alerting owner: by default (`--alerts prometheus`) the alerts are Prometheus's
+(`alerts/*.rules.yml`, the PrometheusRules of deploy/kubernetes, routed by Alertmanager) and
+Grafana only displays; rules an earlier `--alerts grafana` run made are deleted, so no alert
+fires twice. `--alerts grafana` turns every alert into a Grafana-managed alert rule
+(/api/v1/provisioning/alert-rules) for a Grafana that alerts on its own; then load only the
+recording rules into Prometheus. `--write-files` writes the same choice as files: the
+Prometheus rules file holds the alerts, or (with `--alerts grafana`) only the recording rules
+next to a Grafana alerting provisioning file.
 
 The alerts query the series of the recording rules (alerts/recording.rules.yml): load those
-into the Prometheus behind the datasource.
+into the Prometheus behind the datasource either way.
 
 Credentials never go on the command line (it shows in `ps`): a token from GRAFANA_TOKEN or
 `--token-file`, or basic auth from GRAFANA_USER and GRAFANA_PASSWORD or `--basic-auth-file`
@@ -37,9 +45,11 @@ from sidecar.commands.grafana_payloads import (
     UsageError,
     contains,
     datasource_payload,
+    grafana_alerting_file,
     grafana_rules,
     load_dashboards,
     load_rule_groups,
+    recording_groups,
     with_datasource,
 )
 
@@ -47,11 +57,18 @@ from sidecar.commands.grafana_payloads import (
 DEFAULT_DASHBOARDS = assets.DASHBOARDS
 DEFAULT_RULES = assets.ALERTS
 GPU_SOURCES = ("sidecar", "dcgm")
+# Who evaluates the alerts and sends the notifications: Prometheus (-> Alertmanager), as
+# kube-prometheus-stack does, or Grafana's own alerting. Never both: every alert would fire twice.
+ALERT_OWNERS = ("prometheus", "grafana")
 DEFAULT_FOLDER_UID = "training-sidecar"
 DEFAULT_FOLDER_TITLE = "Training sidecar"
 DEFAULT_DATASOURCE_UID = "sidecar-prometheus"
 DEFAULT_DATASOURCE_NAME = "Prometheus (training sidecar)"
 MESSAGE = "provisioned by `sidecar provision`"
+PROMETHEUS_OWNS_ALERTS = (
+    "alert rules: none in Grafana; Prometheus owns the alerts (alerts/*.rules.yml or the PrometheusRules "
+    "of deploy/kubernetes, routed by Alertmanager); --alerts grafana makes Grafana-managed rules instead"
+)
 
 
 @dataclass
@@ -64,7 +81,7 @@ class Options:
     dashboards: list[dict]
     rule_groups: list[dict]
     push_dashboards: bool
-    push_alerts: bool
+    alerts_in_grafana: bool  # --alerts grafana: Grafana-managed alert rules, Prometheus records only
 
 
 class Provisioner:
@@ -189,6 +206,7 @@ class Provisioner:
         self.report("dashboard", uid, "updated" if existing is not None else "created")
 
     def alert_rules(self, wanted: list[dict], folder_uid: str) -> None:
+        """Make the folder's rules of this tool exactly `wanted` (none: Prometheus owns the alerts)."""
         existing = {
             r.get("uid"): r
             for r in self.call("the alert rules", self.api.alertingprovisioning.get_alertrules_all) or []
@@ -204,7 +222,8 @@ class Provisioner:
             else:
                 self.call(what, self.api.alertingprovisioning.update_alertrule, uid, rule)
                 self.report("alert rule", uid, "updated")
-        # Rules this tool made earlier for alerts that no longer exist.
+        # Rules this tool made earlier for alerts that no longer exist, or all of them when
+        # Prometheus owns the alerts (an earlier `--alerts grafana` run would double every alert).
         wanted_uids = {r["uid"] for r in wanted}
         for uid, rule in existing.items():
             if (
@@ -219,15 +238,18 @@ class Provisioner:
     def run(self, o: Options) -> None:
         self.check_reachable()
         self.folder(o.folder_uid, o.folder_title)
-        if o.push_alerts or o.datasource_url:
+        if o.alerts_in_grafana or o.datasource_url:
             self.datasource(o.datasource_uid, o.datasource_name, o.datasource_url)
         if o.push_dashboards:
             for dash in o.dashboards:
-                if o.push_alerts or o.datasource_url:  # the datasource was checked above
+                if o.alerts_in_grafana or o.datasource_url:  # the datasource was checked above
                     dash = with_datasource(dash, o.datasource_uid, o.datasource_name)
                 self.dashboard(dash, o.folder_uid)
-        if o.push_alerts:
+        if o.alerts_in_grafana:
             self.alert_rules(grafana_rules(o.rule_groups, o.folder_uid, o.datasource_uid), o.folder_uid)
+        else:
+            self.alert_rules([], o.folder_uid)
+            self.out(PROMETHEUS_OWNS_ALERTS)
 
 
 def _message(e: Exception) -> str:
@@ -301,7 +323,8 @@ def _write(path: Path, text: str, out: Callable[[str], None]) -> None:
 
 def write_files(out_dir: Path, o: Options, dashboards_path: str, out: Callable[[str], None] = print) -> None:
     """Grafana file provisioning (a dashboard provider and, with --datasource-url, a datasource),
-    the dashboards, and one Prometheus rules file with every group."""
+    the dashboards, and one Prometheus rules file with every group; with `--alerts grafana` the
+    alerts go to a Grafana alerting provisioning file instead and the rules file records only."""
     provider = {
         "apiVersion": 1,
         "providers": [
@@ -338,10 +361,20 @@ def write_files(out_dir: Path, o: Options, dashboards_path: str, out: Callable[[
         if o.datasource_url:
             dash = with_datasource(dash, o.datasource_uid, o.datasource_name)
         _write(out_dir / "grafana" / "dashboards" / f"{dash['uid']}.json", json.dumps(dash, indent=2) + "\n", out)
+    if o.alerts_in_grafana:
+        alerting = grafana_alerting_file(o.rule_groups, o.folder_uid, o.folder_title, o.datasource_uid)
+        _write(
+            out_dir / "grafana" / "provisioning" / "alerting" / f"{o.folder_uid}.yaml",
+            yaml.safe_dump(alerting, sort_keys=False, width=120),
+            out,
+        )
+        groups, what = recording_groups(o.rule_groups), "Recording rules (Grafana owns the alerts)"
+    else:
+        groups, what = o.rule_groups, "Recording and alerting rules"
     _write(
         out_dir / "prometheus" / "training-sidecar.rules.yml",
-        "# Recording and alerting rules of the training sidecar (generated from alerts/).\n"
-        + yaml.safe_dump({"groups": o.rule_groups}, sort_keys=False, width=120),
+        f"# {what} of the training sidecar (generated from alerts/).\n"
+        + yaml.safe_dump({"groups": groups}, sort_keys=False, width=120),
         out,
     )
 
@@ -375,7 +408,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dashboards-dir", type=Path, default=DEFAULT_DASHBOARDS, help="dashboard JSON files")
     parser.add_argument("--rules-dir", type=Path, default=DEFAULT_RULES, help="Prometheus *.rules.yml files")
     parser.add_argument("--no-dashboards", action="store_true", help="leave the dashboards alone")
-    parser.add_argument("--no-alerts", action="store_true", help="leave the alert rules alone")
+    parser.add_argument(
+        "--alerts",
+        choices=ALERT_OWNERS,
+        default="prometheus",
+        help="who owns the alerts: prometheus (default: Grafana gets no alert rules, and those an earlier "
+        "`--alerts grafana` run made are deleted; load alerts/*.rules.yml or the PrometheusRules) or grafana "
+        "(Grafana-managed alert rules; Prometheus then needs only the recording rules)",
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each answer")
     parser.add_argument(
         "--write-files",
@@ -401,8 +441,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> Options:
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be > 0, got {args.timeout}")
-    if args.no_dashboards and args.no_alerts and not args.datasource_url:
-        raise UsageError("nothing to do: --no-dashboards and --no-alerts without --datasource-url")
+    alerts_in_grafana = args.alerts == "grafana"
+    if args.no_dashboards and not alerts_in_grafana and not args.datasource_url:
+        raise UsageError("nothing to do: --no-dashboards without --datasource-url or --alerts grafana")
     return Options(
         folder_uid=args.folder_uid,
         folder_title=args.folder_title,
@@ -412,11 +453,11 @@ def _options(args: argparse.Namespace) -> Options:
         dashboards=[] if args.no_dashboards else load_dashboards(args.dashboards_dir),
         rule_groups=(
             load_rule_groups(args.rules_dir, args.gpu_source if args.write_files else None)
-            if (not args.no_alerts or args.write_files)
+            if (alerts_in_grafana or args.write_files)
             else []
         ),
         push_dashboards=not args.no_dashboards,
-        push_alerts=not args.no_alerts,
+        alerts_in_grafana=alerts_in_grafana,
     )
 
 

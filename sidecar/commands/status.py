@@ -143,7 +143,7 @@ class Screen:
     exit_code: int
 
 
-def _c(text: Any, style: str = "") -> Cell:
+def _cell(text: Any, style: str = "") -> Cell:
     return Cell(text if isinstance(text, str) else fmt_text(text), style)
 
 
@@ -161,12 +161,12 @@ def _gpu_rows(gpus: Iterable[dict]) -> list[list[Cell]]:
         power = _number(g.get("power_watts"))
         rows.append(
             [
-                _c(g.get("gpu")),
-                _c(g.get("name")),
-                _c(fmt_ratio(g.get("utilization_ratio"))),
-                _c(f"{fmt_bytes(g.get('memory_used_bytes'))} / {fmt_bytes(g.get('memory_total_bytes'))}"),
+                _cell(g.get("gpu")),
+                _cell(g.get("name")),
+                _cell(fmt_ratio(g.get("utilization_ratio"))),
+                _cell(f"{fmt_bytes(g.get('memory_used_bytes'))} / {fmt_bytes(g.get('memory_total_bytes'))}"),
                 Cell(temp_text, temp_style),
-                _c("-" if power is None else f"{power:.0f} W"),
+                _cell("-" if power is None else f"{power:.0f} W"),
                 Cell(",".join(events) or "-", events_style),
                 Cell(fmt_float(ecc), "bold red" if ecc else ""),
                 Cell(fmt_float(xid), "red" if xid else ""),
@@ -182,11 +182,11 @@ def _nic_rows(nics: Iterable[dict]) -> list[list[Cell]]:
         errors = _number(n.get("errors_total"))
         rows.append(
             [
-                _c(n.get("device")),
+                _cell(n.get("device")),
                 Cell("up", "green") if n.get("up") else Cell("DOWN", "bold red"),
-                _c("-" if not speed else f"{speed * 8 / 1e9:g} Gb/s"),
-                _c(fmt_bytes(n.get("receive_bytes_total"))),
-                _c(fmt_bytes(n.get("transmit_bytes_total"))),
+                _cell("-" if not speed else f"{speed * 8 / 1e9:g} Gb/s"),
+                _cell(fmt_bytes(n.get("receive_bytes_total"))),
+                _cell(fmt_bytes(n.get("transmit_bytes_total"))),
                 Cell(fmt_float(errors), "yellow" if errors else ""),
             ]
         )
@@ -199,10 +199,10 @@ def _ib_rows(ports: Iterable[dict]) -> list[list[Cell]]:
         rate = _number(p.get("rate_bytes_per_second"))
         rows.append(
             [
-                _c(p.get("device")),
-                _c(p.get("port")),
+                _cell(p.get("device")),
+                _cell(p.get("port")),
                 Cell(fmt_text(p.get("state")), "green" if p.get("up") else "bold red"),
-                _c("-" if not rate else f"{rate * 8 / 1e9:g} Gb/s"),
+                _cell("-" if not rate else f"{rate * 8 / 1e9:g} Gb/s"),
             ]
         )
     return rows
@@ -221,19 +221,19 @@ def _rank_rows(ranks: Iterable[dict]) -> list[list[Cell]]:
         loss = _number(r.get("loss"))
         rows.append(
             [
-                _c(r.get("job_id")),
-                _c(r.get("rank")),
-                _c(r.get("pid")),
+                _cell(r.get("job_id")),
+                _cell(r.get("rank")),
+                _cell(r.get("pid")),
                 Cell(state, RANK_STATE_STYLES.get(state.split(" ")[0], "")),
-                _c(r.get("step")),
-                _c(fmt_duration(r.get("step_time_seconds"))),
-                _c(fmt_float(r.get("iterations_per_second"), 3)),
+                _cell(r.get("step")),
+                _cell(fmt_duration(r.get("step_time_seconds"))),
+                _cell(fmt_float(r.get("iterations_per_second"), 3)),
                 Cell(fmt_float(loss), "red" if loss is not None and not math.isfinite(loss) else ""),
-                _c(fmt_float(r.get("grad_norm"))),
-                _c(r.get("phase")),
+                _cell(fmt_float(r.get("grad_norm"))),
+                _cell(r.get("phase")),
                 Cell(fmt_duration(age) + (" ago" if age is not None else ""), age_style),
-                _c(fmt_duration(timeout)),
-                _c(r.get("restart_count")),
+                _cell(fmt_duration(timeout)),
+                _cell(r.get("restart_count")),
             ]
         )
     return rows
@@ -247,11 +247,11 @@ def _collector_rows(collectors: Mapping[str, Any]) -> list[list[Cell]]:
         ok = c.get("success")
         rows.append(
             [
-                _c(name),
+                _cell(name),
                 Cell("ok", "green") if ok else Cell("FAILING" if ok is False else "-", "bold red"),
-                _c(fmt_duration(c.get("duration_seconds"))),
-                _c(fmt_duration(c.get("age_seconds"))),
-                _c(c.get("error")),
+                _cell(fmt_duration(c.get("duration_seconds"))),
+                _cell(fmt_duration(c.get("age_seconds"))),
+                _cell(c.get("error")),
             ]
         )
     return rows
@@ -261,11 +261,11 @@ def _incident_rows(incidents: list[dict]) -> list[list[Cell]]:
     latest = sorted(incidents, key=lambda i: _number(i.get("time")) or 0, reverse=True)[:INCIDENTS_SHOWN]
     return [
         [
-            _c(fmt_time(i.get("time"))),
-            _c(i.get("job_id")),
-            _c(i.get("blamed_rank")),
-            _c(i.get("summary")),
-            _c(i.get("path")),
+            _cell(fmt_time(i.get("time"))),
+            _cell(i.get("job_id")),
+            _cell(i.get("blamed_rank")),
+            _cell(i.get("summary")),
+            _cell(i.get("path")),
         ]
         for i in latest
     ]
@@ -286,11 +286,11 @@ def _job_rows(jobs: dict) -> list[list[Cell]]:
         reachable = view.get("reachable")
         rows.append(
             [
-                _c(job_id),
-                _c(view.get("coordinator")),
+                _cell(job_id),
+                _cell(view.get("coordinator")),
                 Cell("yes", "green") if reachable else Cell("no", "red"),
-                _c(incident),
-                _c(held) if culprit is None or verdict.get("closed") else Cell(held, "bold red"),
+                _cell(incident),
+                _cell(held) if culprit is None or verdict.get("closed") else Cell(held, "bold red"),
             ]
         )
     return rows

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from sidecar import __version__
+from sidecar.collectors import gpu_events
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.factory import build_collectors
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
@@ -78,7 +79,8 @@ def build_app(settings: Settings) -> web.Application:
         token=settings.push_token(),
         protected_pids=procs.protected_pids(),
     )
-    daemon.exits = exit_tracker(settings, daemon.watchdog, collectors)
+    events = gpu_events.build(settings, registry.live_pids)  # dcgm mode: XIDs without the gpu collector
+    daemon.exits = exit_tracker(settings, daemon.watchdog, collectors, events)
     daemon.watchdog.on_remediating = daemon.exits.remediating
     if settings.job_view.enabled:
         attach_job_view(daemon)
@@ -99,12 +101,17 @@ def build_app(settings: Settings) -> web.Application:
     api.add_routes(app)
     peer_api.add_routes(app)
     app.cleanup_ctx.append(background_tasks)
+    if events is not None:
+        app.cleanup_ctx.append(refreshing(events, settings.collectors.interval_seconds))
     return app
 
 
-def exit_tracker(settings: Settings, watchdog: Watchdog, collectors: list) -> ExitTracker:
-    """The exit tracker, with the GPU collector's XIDs and GPU use when that collector runs."""
-    gpu = next((c for c in collectors if getattr(c, "name", None) == "gpu"), None)
+def exit_tracker(
+    settings: Settings, watchdog: Watchdog, collectors: list, events: gpu_events.GpuEvents | None = None
+) -> ExitTracker:
+    """The exit tracker, with the XIDs and GPU use of the gpu collector when it runs, else of the
+    XID source that stands in for it where dcgm-exporter is the GPU source."""
+    gpu = next((c for c in collectors if getattr(c, "name", None) == "gpu"), None) or events
     return ExitTracker(
         settings,
         watchdog.store,
@@ -146,6 +153,27 @@ async def probe_peer(url: str) -> bool:
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False
+
+
+def refreshing(events: gpu_events.GpuEvents, interval: float) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context that refreshes the XID source off the event loop every `interval` (a
+    supervised job, like the collectors) and stops its thread at shutdown."""
+
+    async def refresh_forever() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await loop.run_in_executor(None, events.refresh)
+            await asyncio.sleep(interval)
+
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(supervised("gpu_events", refresh_forever), name="gpu_events")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            events.close()
+
+    return context
 
 
 async def background_tasks(app: web.Application) -> AsyncIterator[None]:

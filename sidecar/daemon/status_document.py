@@ -105,6 +105,7 @@ def node_section(settings: Settings, s: Samples) -> dict:
         "memory_total_bytes": _int(s.value("sidecar_node_memory_total_bytes")),
         "memory_available_bytes": _int(s.value("sidecar_node_memory_available_bytes")),
         "checkpoint_dir": settings.checkpoint_dir,
+        "diag_dir": str(settings.diagnostics_dir),  # where its incidents are (`sidecar incidents` reads it)
         "checkpoint_avail_bytes": _int(s.value("sidecar_checkpoint_filesystem_avail_bytes")),
         "gpu_source": settings.collectors.gpu_source,  # "dcgm": dcgm-exporter reads the GPUs, not this daemon
         "driver_version": labels.get("driver_version") or None,

@@ -55,7 +55,7 @@ class Incident:
     timeout_seconds: float | None
     observe_only: bool
     ranks: list[RankSnapshot]
-    outcome: str = "pending"  # killed | suppressed | observe_only | failed
+    outcome: str = "pending"  # killed | suppressed | observe_only | not_killed_no_restart | failed
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: str = ""

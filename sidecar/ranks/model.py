@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from sidecar.host.identity import PidFd
 from sidecar.host.stackfiles import StackFile
-from sidecar.ranks.protocol import EventItem, PhaseItem, StepItem
+from sidecar.ranks.protocol import EventItem, Launcher, PhaseItem, StepItem
 from sidecar.ranks.stepcounters import StepCounters
 from trainer_hooks.wire import WELL_KNOWN_METRICS
 
@@ -42,6 +42,7 @@ class Rank:
     versions: dict[str, str] = field(default_factory=dict)
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # its pod's namespace, pod, container labels
+    launcher: Launcher | None = None  # what restarts it once killed, as it said (None: hooks that do not say)
     claimed_pid: int | None = None  # the pid the rank calls itself (its own pid namespace's); None: `pid`
     owner_uid: int | None = None  # the uid its process runs as (None: unknown, an unverified TCP caller)
     pidfd: PidFd | None = field(default=None, repr=False)  # of the process, where the kernel has pidfds
@@ -102,9 +103,6 @@ class Rank:
     @property
     def wire_pid(self) -> int:
         return self.pid if self.claimed_pid is None else self.claimed_pid
-
-    def progress_age(self, now: float | None = None) -> float:
-        return (time.monotonic() if now is None else now) - self.last_progress
 
     # ------------------------------------------------------------ applying items
 

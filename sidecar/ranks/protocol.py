@@ -20,6 +20,7 @@ from trainer_hooks.wire import (
     EXIT_MAX_FRAMES,
     EXIT_MAX_TEXT,
     EXIT_MAX_TYPES,
+    LAUNCHERS,
     MAX_COUNT,
     MAX_EVENT_FIELDS,
     MAX_NAME,
@@ -49,6 +50,14 @@ class ProtocolError(ValueError):
         self.status = status
 
 
+@dataclass(frozen=True, slots=True)
+class Launcher:
+    """What restarts the rank's worker group once it is killed, as the rank says (wire.LAUNCHERS)."""
+
+    name: str  # "torchrun" | "none"
+    max_restarts: int | None = None  # torchrun's --max-restarts; None: not said
+
+
 @dataclass(slots=True)
 class Registration:
     job_id: str
@@ -65,6 +74,7 @@ class Registration:
     stack_signal: int | None = None  # the signal the hooks' faulthandler dumps stacks on
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/ranks/podlabels.py)
+    launcher: Launcher | None = None  # None: not said (hooks of protocol 1)
 
 
 @dataclass(slots=True)
@@ -164,16 +174,25 @@ def _missing(where: str) -> ProtocolError:
     return ProtocolError(f"{where}: required field is missing")
 
 
+def _given(obj: dict, key: str, where: str, default: Any, nullable: bool) -> tuple[bool, Any]:
+    """(True, value) when the field holds a value to check; else (False, what to return): None
+    for a null where null is allowed, the default for an absent field (an error without one)."""
+    value = obj.get(key, ...)
+    if value is None and nullable:
+        return False, None
+    if value is ...:
+        if default is ...:
+            raise _missing(where)
+        return False, default
+    return True, value
+
+
 def _int(
     obj: dict, key: str, where: str, lo: int = 0, hi: int | None = None, default: Any = ..., nullable: bool = False
 ) -> Any:
-    value = obj.get(key, ...)
-    if value is ... or (value is None and nullable):
-        if value is None:
-            return None
-        if default is ...:
-            raise _missing(where)
-        return default
+    given, value = _given(obj, key, where, default, nullable)
+    if not given:
+        return value
     if type(value) is not int:
         # 3.0 is a float in JSON's eyes but an integer in everyone else's.
         if type(value) is float and value.is_integer():
@@ -196,13 +215,9 @@ def _time(obj: dict, where: str, default: float) -> float:
 
 
 def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = False, max_len: int = MAX_NAME) -> Any:
-    value = obj.get(key, ...)
-    if value is ... or (value is None and nullable):
-        if value is None:
-            return None
-        if default is ...:
-            raise _missing(where)
-        return default
+    given, value = _given(obj, key, where, default, nullable)
+    if not given:
+        return value
     if not isinstance(value, str):
         raise ProtocolError(f"{where}: expected a string, got {_kind(value)}")
     if not value or len(value) > max_len or CONTROL_RE.search(value):
@@ -211,13 +226,9 @@ def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = 
 
 
 def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
-    value = obj.get(key, ...)
-    if value is None and nullable:
-        return None
-    if value is ...:
-        if nullable:
-            return None
-        raise _missing(where)
+    given, value = _given(obj, key, where, None if nullable else ..., nullable)
+    if not given:
+        return value
     if not isinstance(value, str) or not NAME_RE.match(value):
         raise ProtocolError(
             f"{where}: expected a name of letters, digits and _.:/- "
@@ -300,6 +311,17 @@ def _identity(data: dict) -> tuple[str, int, int]:
 # ---------------------------------------------------------------- requests
 
 
+def _launcher(data: dict) -> Launcher | None:
+    if data.get("launcher") is None:
+        return None
+    obj = _object(data, "launcher", "launcher")
+    name = obj.get("name")
+    if name not in LAUNCHERS:
+        raise ProtocolError(f"launcher.name: expected one of {', '.join(LAUNCHERS)}, got {_kind(name)}")
+    max_restarts = _int(obj, "max_restarts", "launcher.max_restarts", 0, MAX_COUNT, default=None, nullable=True)
+    return Launcher(name, max_restarts if name == "torchrun" else None)
+
+
 def parse_registration(data: dict) -> Registration:
     job_id, rank, pid = _identity(data)
     world_size = _int(data, "world_size", "world_size", 1, MAX_RANK)
@@ -338,6 +360,7 @@ def parse_registration(data: dict) -> Registration:
         stack_signal=_int(stack, "signal", "stack_dump.signal", *STACK_SIGNAL_RANGE, nullable=True, default=None),
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
         kubernetes=kubernetes,
+        launcher=_launcher(data),
     )
 
 

@@ -109,6 +109,7 @@ class Registry:
             versions=dict(reg.versions),
             hooks_version=reg.hooks_version,
             kubernetes=dict(reg.kubernetes),
+            launcher=reg.launcher,
             step_times=collections.deque(maxlen=self.settings.watchdog.window),
         )
         # A rank re-registering after a sidecar restart resumes where it was, inside the phase

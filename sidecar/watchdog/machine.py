@@ -54,6 +54,7 @@ from sidecar.watchdog.coordination import (
     rank_view,
 )
 from sidecar.watchdog.remediation import Remediator
+from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no_restart_reasons
 from sidecar.watchdog.stackdumps import stack_top
 from sidecar.watchdog.stormcap import OwnerStormCaps
 from sidecar.watchdog.timeouts import Deadline, Timeouts
@@ -73,18 +74,23 @@ class RankState(enum.Enum):
     GONE = "gone"  # exited, deregistered or replaced by a new registration
 
 
-S = RankState
-WATCHING = frozenset({S.STARTING, S.HEALTHY, S.SUSPECT, S.STALLED})
+WATCHING = frozenset({RankState.STARTING, RankState.HEALTHY, RankState.SUSPECT, RankState.STALLED})
 # The only transitions there are. Progress may bring a suspect or stalled rank back (a rank
 # re-registered without a step goes back to STARTING); a failed remediation leaves its
 # ranks STALLED; GONE is final (a new registration is a new rank).
 ALLOWED: dict[RankState, frozenset[RankState]] = {
-    S.STARTING: frozenset({S.HEALTHY, S.SUSPECT, S.STALLED, S.REMEDIATING, S.GONE}),
-    S.HEALTHY: frozenset({S.SUSPECT, S.STALLED, S.REMEDIATING, S.GONE}),
-    S.SUSPECT: frozenset({S.STARTING, S.HEALTHY, S.STALLED, S.REMEDIATING, S.GONE}),
-    S.STALLED: frozenset({S.STARTING, S.HEALTHY, S.SUSPECT, S.REMEDIATING, S.GONE}),
-    S.REMEDIATING: frozenset({S.STALLED, S.GONE}),
-    S.GONE: frozenset(),
+    RankState.STARTING: frozenset(
+        {RankState.HEALTHY, RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING, RankState.GONE}
+    ),
+    RankState.HEALTHY: frozenset({RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING, RankState.GONE}),
+    RankState.SUSPECT: frozenset(
+        {RankState.STARTING, RankState.HEALTHY, RankState.STALLED, RankState.REMEDIATING, RankState.GONE}
+    ),
+    RankState.STALLED: frozenset(
+        {RankState.STARTING, RankState.HEALTHY, RankState.SUSPECT, RankState.REMEDIATING, RankState.GONE}
+    ),
+    RankState.REMEDIATING: frozenset({RankState.STALLED, RankState.GONE}),
+    RankState.GONE: frozenset(),
 }
 
 
@@ -113,8 +119,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog",
         "watchdog_remediations",
         "counter",
-        "Remediations by outcome: killed, suppressed (storm cap), observe_only, failed, left_to_launcher "
-        "(the culprit was on another node: torchrun stopped this node's waiting ranks).",
+        "Remediations by outcome: killed, suppressed (storm cap), observe_only, not_killed_no_restart "
+        "(nothing would restart the ranks: no launcher, or torchrun's restarts used up; stacks dumped, "
+        "no signal to end them; remediation.kill_without_restart), left_to_launcher (the culprit was on "
+        "another node: torchrun stopped this node's waiting ranks), failed.",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -257,10 +265,10 @@ class Watchdog:
         if track is not None and track.rank is rank:
             return track
         if track is not None:
-            self._transition(track, S.GONE, now, "replaced by a new registration")
+            self._transition(track, RankState.GONE, now, "replaced by a new registration")
         # A registration that carries a step is a rank re-registering (the sidecar restarted):
         # it is watched as healthy, with a fresh timer, never as a stall.
-        state = S.HEALTHY if rank.step is not None else S.STARTING
+        state = RankState.HEALTHY if rank.step is not None else RankState.STARTING
         track = _Track(rank, state, now)
         self._tracks[rank.key] = track
         log.info("watching rank %s (pid %d) as %s", rank.label, rank.pid, state.value)
@@ -268,25 +276,25 @@ class Watchdog:
 
     def _evaluate(self, track: _Track, now: float, check_liveness: bool = True) -> None:
         rank = track.rank
-        if track.state is S.GONE:
+        if track.state is RankState.GONE:
             return
         if rank.gone:
-            self._transition(track, S.GONE, now, rank.gone_reason or "deregistered")
+            self._transition(track, RankState.GONE, now, rank.gone_reason or "deregistered")
             return
-        if (check_liveness or track.state is S.REMEDIATING) and self._exited(track, now):
+        if (check_liveness or track.state is RankState.REMEDIATING) and self._exited(track, now):
             return
-        if track.state is S.REMEDIATING:
+        if track.state is RankState.REMEDIATING:
             return
         d = self.deadline(rank, now)
         if d.age >= d.timeout:
-            wanted = S.STALLED
+            wanted = RankState.STALLED
         elif d.age >= self.settings.watchdog.suspect_ratio * d.timeout:
-            wanted = S.SUSPECT
+            wanted = RankState.SUSPECT
         else:
-            wanted = S.STARTING if rank.step is None else S.HEALTHY
-        if wanted is S.STARTING and track.state is S.HEALTHY:
-            wanted = S.HEALTHY  # a started rank never goes back to starting
-        if wanted in (S.SUSPECT, S.STALLED) and wanted is not track.state and not check_liveness:
+            wanted = RankState.STARTING if rank.step is None else RankState.HEALTHY
+        if wanted is RankState.STARTING and track.state is RankState.HEALTHY:
+            wanted = RankState.HEALTHY  # a started rank never goes back to starting
+        if wanted in (RankState.SUSPECT, RankState.STALLED) and wanted is not track.state and not check_liveness:
             if self._exited(track, now):  # a dead process is never taken for a hung one
                 return
         if wanted is not track.state:
@@ -296,7 +304,7 @@ class Watchdog:
         if _process_alive(track.rank):
             return False
         self.registry.mark_gone(track.rank.key, "process exited")
-        self._transition(track, S.GONE, now, "process exited")
+        self._transition(track, RankState.GONE, now, "process exited")
         return True
 
     def _transition(self, track: _Track, new: RankState, now: float, reason: str) -> None:
@@ -308,15 +316,15 @@ class Watchdog:
             raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
         track.state, track.since = new, now
         self.counters.transitions[(old.value, new.value)] += 1
-        if new in (S.SUSPECT, S.STALLED) and track.probe is None:
+        if new in (RankState.SUSPECT, RankState.STALLED) and track.probe is None:
             self._probe_wanted.add(track.rank.job_id)
-        elif new in (S.HEALTHY, S.STARTING):
+        elif new in (RankState.HEALTHY, RankState.STARTING):
             track.probe = None  # progress again: what its stack showed no longer holds
-        elif new is S.GONE and reason in ("process exited", "exception"):
+        elif new is RankState.GONE and reason in ("process exited", "exception"):
             track.exited_wall = time.time()
         if self.job_view is not None:
             self.job_view.wake(track.rank.job_id)
-        level = logging.WARNING if new in (S.STALLED, S.REMEDIATING) else logging.INFO
+        level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO
         log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid, old.value, new.value, reason)
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
@@ -326,7 +334,7 @@ class Watchdog:
 
     def _open_episodes(self, now: float) -> None:
         stalled_jobs = sorted(
-            {t.rank.job_id for t in self._tracks.values() if t.state is S.STALLED and t.episode is None}
+            {t.rank.job_id for t in self._tracks.values() if t.state is RankState.STALLED and t.episode is None}
         )
         for job_id in stalled_jobs:
             if job_id in self._episodes:
@@ -336,11 +344,14 @@ class Watchdog:
     def _start_episode(self, job_id: str, now: float) -> None:
         members = [t for t in self._tracks.values() if t.rank.job_id == job_id and t.state in WATCHING]
         members.sort(key=lambda t: t.rank.rank)
-        blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is S.STALLED})
+        blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is RankState.STALLED})
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
         observe_only = self.settings.watchdog.observe_only
+        # A kill that nothing restarts turns the hang into a failed job: by default, don't.
+        no_restart = [] if observe_only else no_restart_reasons(t.rank for t in members)
+        spare = bool(no_restart) and not self.settings.remediation.kill_without_restart
         owner = members[0].rank.owner_uid if members else None
-        full = None if observe_only else self.storm_cap.allow(owner)
+        full = None if observe_only or spare else self.storm_cap.allow(owner)
         suppressed = full is not None
         incident = self.store.open(
             job_id,
@@ -357,15 +368,21 @@ class Watchdog:
         self.counters.stalls[job_id] += 1
         self.counters.last_incident = incident.time
         targets = [target_of(t.rank) for t in members]
-        if observe_only or suppressed:
-            episode.outcome = "observe_only" if observe_only else "suppressed"
+        if no_restart:
+            incident.notes.append(no_restart_note(no_restart, killing=not spare))
+        if observe_only or suppressed or spare:
+            episode.outcome = "observe_only" if observe_only else "suppressed" if suppressed else NOT_KILLED_NO_RESTART
             if suppressed:
                 incident.notes.append(f"storm cap: {full} reached; not killing")
             log.error(
                 "job %s stalled (%s); %s",
                 job_id,
                 incident.summary,
-                "observe-only mode: not killing" if observe_only else "storm cap reached: not killing",
+                "observe-only mode: not killing"
+                if observe_only
+                else (
+                    "storm cap reached: not killing" if suppressed else "nothing would restart its ranks: not killing"
+                ),
             )
             episode.task = asyncio.get_running_loop().create_task(
                 self._observe(episode, targets), name=f"observe-{job_id}"
@@ -393,7 +410,7 @@ class Watchdog:
             t = self._tracks.get(key)
             if t is None or t.episode is not episode or t.state not in WATCHING:
                 continue
-            self._transition(t, S.REMEDIATING, now, f"its job {episode.job_id} stalled")
+            self._transition(t, RankState.REMEDIATING, now, f"its job {episode.job_id} stalled")
             if self.on_remediating is not None:
                 self.on_remediating(t.rank, episode.incident.id)
 
@@ -434,7 +451,7 @@ class Watchdog:
         self.store.save(incident)  # the stacks are on disk before any signal
         term = await self.remediator.sigterm(incident, targets)
         self.store.save(incident)
-        return "failed" if term is None else await self.remediator.finish(incident, term)
+        return "failed" if term is None else await self.remediator.kill_survivors_after_grace(incident, term)
 
     async def _coordinate(self, episode: _Episode, targets: list[Target]) -> None:
         """A stall the job's other nodes share (module docstring of coordination.py): dump, take
@@ -502,7 +519,7 @@ class Watchdog:
         while True:
             waiting = [
                 t for key in episode.keys if (t := self._tracks.get(key)) is not None and t.episode is episode
-                and t.state in (S.SUSPECT, S.STALLED)
+                and t.state in (RankState.SUSPECT, RankState.STALLED)
             ]  # fmt: skip
             if not waiting:
                 incident.event("restarted_by_launcher")
@@ -523,16 +540,18 @@ class Watchdog:
             now = self.clock()
             for key in episode.keys:
                 t = self._tracks.get(key)
-                if t is not None and t.episode is episode and t.state is S.REMEDIATING:
-                    self._transition(t, S.STALLED, now, f"remediation {outcome}")
+                if t is not None and t.episode is episode and t.state is RankState.REMEDIATING:
+                    self._transition(t, RankState.STALLED, now, f"remediation {outcome}")
 
     async def _observe(self, episode: _Episode, targets: list[Target]) -> None:
-        """Observe-only and storm-capped stalls: stacks from py-spy (it reads memory and never
-        signals), the incident (with the job's verdict, when the job view has one), the count; no
-        signal."""
+        """Stalls left alive: stacks, the incident (with the job's verdict, when the job view has one),
+        the count; no signal that ends a process. Observe-only and storm-capped stalls get py-spy's
+        stacks only (it reads memory and never signals); a stall nothing would restart also gets the
+        ranks' own dump signal."""
         try:
             await self._await_probe(episode.job_id)
-            await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=False)
+            spared = episode.outcome == NOT_KILLED_NO_RESTART
+            await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=spared)
             refine_blame(episode.incident)
             self._probes_from(episode.incident)
             episode.stacks_done = True
@@ -569,7 +588,7 @@ class Watchdog:
             self._probe_wanted.discard(job_id)
             tracks = [
                 t for t in self._tracks.values() if t.rank.job_id == job_id and t.probe is None
-                and t.state in (S.SUSPECT, S.STALLED) and t.episode is None
+                and t.state in (RankState.SUSPECT, RankState.STALLED) and t.episode is None
             ]  # fmt: skip
             if tracks:
                 self._probes[job_id] = asyncio.get_running_loop().create_task(
@@ -632,7 +651,7 @@ class Watchdog:
         for t in sorted(tracks, key=lambda t: t.rank.rank):
             r = t.rank
             exited = t.exited_wall if t.exited_wall is not None and wall - t.exited_wall <= recent else None
-            if t.state is S.GONE and exited is None:
+            if t.state is RankState.GONE and exited is None:
                 continue
             age = now - r.last_progress
             ranks.append(rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited))
@@ -664,7 +683,9 @@ class Watchdog:
             if episode.task is not None and not episode.task.done():
                 continue
             active = [
-                t for t in self._tracks.values() if t.episode is episode and t.state in (S.STALLED, S.REMEDIATING)
+                t
+                for t in self._tracks.values()
+                if t.episode is episode and t.state in (RankState.STALLED, RankState.REMEDIATING)
             ]
             if active:
                 continue
@@ -686,7 +707,7 @@ class Watchdog:
             labels = [t.rank.job_id, str(t.rank.rank)]
             for s in RankState:
                 state.add_metric(labels + [s.value], 1.0 if s is t.state else 0.0)
-            if t.state is not S.GONE:
+            if t.state is not RankState.GONE:
                 timeout.add_metric(labels, self.deadline(t.rank, now).timeout)
                 if t.probe is not None and t.probe.waiting is not None:
                     waiting.add_metric(labels, 1.0 if t.probe.waiting else 0.0)
@@ -719,18 +740,18 @@ class Watchdog:
         if track is not None and track.rank is rank:
             return track.state.value
         if rank.gone:
-            return S.GONE.value
-        return (S.HEALTHY if rank.step is not None else S.STARTING).value
+            return RankState.GONE.value
+        return (RankState.HEALTHY if rank.step is not None else RankState.STARTING).value
 
     def timeout_for(self, rank: Rank) -> float | None:
-        if rank.gone or self.rank_state(rank) == S.GONE.value:
+        if rank.gone or self.rank_state(rank) == RankState.GONE.value:
             return None
         return self.deadline(rank).timeout
 
     def problems(self) -> list[Problem]:
         out = []
         for t in sorted(self._tracks.values(), key=lambda t: t.rank.key):
-            if t.state in (S.SUSPECT, S.STALLED, S.REMEDIATING):
+            if t.state in (RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING):
                 d = self.deadline(t.rank)
                 out.append(
                     Problem(

@@ -26,14 +26,16 @@ from sidecar.watchdog.stackdumps import (
     in_collective,
     py_spy_dump,
     py_spy_path,
-    restop,
     stack_head,
+    stop_again_after_dump,
+    wait_until_written,
 )
 
 log = logging.getLogger(__name__)
 
 EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
 POLL_SECONDS = 0.1
+DUMP_STILL_SECONDS = 0.3  # a dump file that held still this long is complete
 
 
 # ---------------------------------------------------------------- remediation
@@ -56,7 +58,7 @@ class Remediator:
     ) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
         file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
-        soon as its dump file has grown and held still (at most RESTOP_MAX_SECONDS): a stopped
+        soon as its dump file has grown and held still (at most STOPPED_RUN_MAX_SECONDS): a stopped
         process runs no signal handler, and sending SIGSTOP at once would stop it again before
         the handler's first instruction, while continuing it for the whole dump wait would let
         it train on, or even finish, before the SIGTERM. Without `signal_ranks` only py-spy's
@@ -83,10 +85,12 @@ class Remediator:
                     asked.append(t)
                 except (Refused, OSError, psutil.Error) as e:
                     incident.notes.append(f"no stack dump from rank {t.rank}: {e}")
-            restops = [t for t in asked if t.pid in stopped]
-            if restops:
-                results = await asyncio.gather(*(restop(t, sizes[t.pid]) for t in restops), return_exceptions=True)
-                for t, result in zip(restops, results, strict=True):
+            continued = [t for t in asked if t.pid in stopped]
+            if continued:
+                results = await asyncio.gather(
+                    *(stop_again_after_dump(t, sizes[t.pid]) for t in continued), return_exceptions=True
+                )
+                for t, result in zip(continued, results, strict=True):
                     if isinstance(result, BaseException):
                         incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again after its dump: {result}")
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
@@ -96,8 +100,14 @@ class Remediator:
             spy = asyncio.gather(
                 *(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks or t.pid in stopped) for t in targets)
             )
-        if asked:
-            await self._wait_for_dumps(asked, sizes)
+        if asked:  # until every dump is written, or dump_wait_seconds
+            await wait_until_written(
+                [t.stack_file for t in asked],
+                [sizes[t.pid] for t in asked],
+                still_for=DUMP_STILL_SECONDS,
+                at_most=s.dump_wait_seconds,
+                poll=POLL_SECONDS,
+            )
         got = []
         for t in asked:
             assert t.stack_file is not None  # only ranks with a dump file are asked
@@ -118,27 +128,9 @@ class Remediator:
                         snap.in_collective = in_collective(text)
             incident.event("py_spy_done")
 
-    async def _wait_for_dumps(self, targets: list[Target], sizes: dict[int, int]) -> None:
-        """Until every file has grown and then held still briefly, or dump_wait_seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.dump_wait_seconds
-        last: dict[int, int] = {}
-        still_since: float | None = None
-        while loop.time() < deadline:
-            now = {t.pid: await loop.run_in_executor(None, file_size, t.stack_file) for t in targets}
-            grown = all(now[p] > sizes[p] for p in now)
-            if grown and now == last:
-                still_since = still_since or loop.time()
-                if loop.time() - still_since >= 0.3:
-                    return
-            else:
-                still_since = None
-            last = now
-            await asyncio.sleep(POLL_SECONDS)
-
     async def sigterm(self, incident: Incident, targets: list[Target]) -> Termination | None:
         """The first half of a termination: SIGTERM each rank's group (None when no rank could
-        be signalled). The caller saves the incident, then awaits `finish`."""
+        be signalled). The caller saves the incident, then awaits `kill_survivors_after_grace`."""
         loop = asyncio.get_running_loop()
         # The tree as it is now: what a rank started is killed even if the rank dies first.
         members = [(t, p) for t in targets for p in await loop.run_in_executor(None, descendants, t.pid)]
@@ -148,7 +140,7 @@ class Remediator:
             return None
         return Termination(signalled, [(t, p) for t, p in members if t in signalled])  # never a refused rank's tree
 
-    async def finish(self, incident: Incident, term: Termination) -> str:
+    async def kill_survivors_after_grace(self, incident: Incident, term: Termination) -> str:
         """After SIGTERM: wait grace_seconds, then SIGKILL every rank and every member of their
         groups still alive (not only ranks: a data-loader worker that ignores SIGTERM would hold
         the GPU). "killed" when every rank and member is seen gone, whether SIGTERM did it (the

@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar.host.signals import Target, send
@@ -106,30 +107,49 @@ async def py_spy_dump(pid: int, timeout: float, nonblocking: bool) -> str:
 
 def ask_for_stacks(target: Target, stack_signal: int, stopped: bool) -> None:
     send(target, stack_signal, "process")
-    if stopped:  # a stopped process runs no handler: continue it; restop() stops it again
+    if stopped:  # a stopped process runs no handler: continue it; stop_again_after_dump() stops it again
         send(target, signal.SIGCONT, "process")
+
+
+async def wait_until_written(
+    files: Sequence[StackFile | None], sizes_before: Sequence[int], *, still_for: float, at_most: float, poll: float
+) -> bool:
+    """Wait until every file has grown past its size before and then kept one size for
+    `still_for` seconds (its writer is done), or `at_most` seconds. True when they settled."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + at_most
+    last: list[int] | None = None
+    still_since: float | None = None
+    while loop.time() < deadline:
+        sizes = [await loop.run_in_executor(None, file_size, f) for f in files]
+        grown = all(size > before for size, before in zip(sizes, sizes_before, strict=True))
+        if grown and sizes == last:
+            if still_since is None:
+                still_since = loop.time()
+            if loop.time() - still_since >= still_for:
+                return True
+        else:
+            still_since = None
+        last = sizes
+        await asyncio.sleep(poll)
+    return False
 
 
 # A stopped rank is continued only until its dump is written: faulthandler writes the whole
 # dump from inside its signal handler, so the file growing and then holding still for a few
 # milliseconds means the handler has returned (or is about to), and the rank is stopped again
-# after at most RESTOP_MAX_SECONDS of running.
-RESTOP_STILL_SECONDS = 0.02
-RESTOP_MAX_SECONDS = 1.0
+# after at most STOPPED_RUN_MAX_SECONDS of running.
+STOPPED_DUMP_STILL_SECONDS = 0.02
+STOPPED_RUN_MAX_SECONDS = 1.0
 
 
-async def restop(target: Target, size_before: int) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + RESTOP_MAX_SECONDS
-    last, still_since = -1, None
-    while loop.time() < deadline:
-        size = await loop.run_in_executor(None, file_size, target.stack_file)
-        if size > size_before and size == last:
-            still_since = still_since or loop.time()
-            if loop.time() - still_since >= RESTOP_STILL_SECONDS:
-                break
-        else:
-            still_since = None
-        last = size
-        await asyncio.sleep(0.005)
-    await loop.run_in_executor(None, send, target, signal.SIGSTOP, "process")
+async def stop_again_after_dump(target: Target, size_before: int) -> None:
+    """SIGSTOP a rank that was stopped before and continued for its dump, once the dump is written."""
+    await wait_until_written(
+        [target.stack_file],
+        [size_before],
+        still_for=STOPPED_DUMP_STILL_SECONDS,
+        at_most=STOPPED_RUN_MAX_SECONDS,
+        poll=0.005,
+    )
+    await asyncio.get_running_loop().run_in_executor(None, send, target, signal.SIGSTOP, "process")

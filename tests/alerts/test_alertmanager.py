@@ -12,6 +12,8 @@ from tests.support import ROOT
 CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 AMTOOL = "/usr/bin/amtool"
 
+pytestmark = pytest.mark.system
+
 
 def route(*labels: str) -> str:
     out = subprocess.run(

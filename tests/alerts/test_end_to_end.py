@@ -26,7 +26,7 @@ from tests.dashboards.panels import DASHBOARD_FILES, load, queries, substitute, 
 from tests.support import PYTHON, ROOT, Sidecar, spawned, tail, wait_until
 
 # One stack for the module: xdist keeps the module on one worker (make test uses --dist loadgroup).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("alerts-end-to-end")]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.xdist_group("alerts-end-to-end")]
 
 FAULT_STEP = 12
 SHORT_FOR = "2s"
@@ -125,7 +125,7 @@ def torchrun_command(workdir: Path) -> list[str]:
         "--max-restarts",
         "1",
         "-m",
-        "trainer",
+        "sidecar_trainer",
     ]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]

@@ -25,11 +25,13 @@ def test_rule_files_are_current_with_their_source():
     assert not stale, f"regenerate with `python -m alerts.build`: {stale}"
 
 
+@pytest.mark.system
 def test_promtool_accepts_every_rule_file():
     out = subprocess.run([PROMTOOL, "check", "rules", *map(str, RULE_FILES)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.system
 def test_promtool_unit_tests_pass():
     out = subprocess.run(
         [PROMTOOL, "test", "rules", *map(str, UNIT_TESTS)], capture_output=True, text=True, cwd=ALERTS_DIR / "tests"
@@ -93,6 +95,7 @@ def test_for_override_shortens_every_alert_and_keeps_expressions(tmp_path):
 SOURCE_FILES = sorted((ALERTS_DIR / "gpu-source").glob("*.rules.yml"))
 
 
+@pytest.mark.system
 def test_gpu_source_files_are_current_and_pass_promtool():
     expected = build.source_files()
     assert sorted(f"gpu-source/{p.name}" for p in SOURCE_FILES) == sorted(expected)

@@ -55,7 +55,12 @@ RANK_SCRIPT = textwrap.dedent("""
     ballast = bytearray(64 * 1024 * 1024)  # touched below, so it is resident
     for i in range(0, len(ballast), 4096):
         ballast[i] = 1
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # The child says when its interpreter is up: before that its memory still grows, and a test
+    # that compares a sample with a later reading would race it.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print(flush=True); time.sleep(600)"], stdout=subprocess.PIPE
+    )
+    child.stdout.readline()
 
     def stop(*_):  # reap the child ourselves: an orphan waits long for this container's init
         child.terminate()

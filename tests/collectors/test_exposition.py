@@ -81,6 +81,7 @@ def test_every_collector_succeeds_on_a_healthy_node(collectors):
     }
 
 
+@pytest.mark.system
 def test_promtool_accepts_the_exposition(collectors):
     gpu = collectors[0]
     run_all(collectors)

@@ -38,6 +38,7 @@ def test_it_skips_cleanly_without_a_driver():
     assert proc.stdout.startswith("no NVIDIA driver: skipped")
 
 
+@pytest.mark.system
 def test_it_passes_on_the_fake_library_when_each_missing_family_has_a_reason(tmp_path):
     spec = tmp_path / "nvml.json"
     errors = {"nvmlDeviceGetPowerUsage": "no_permission"}

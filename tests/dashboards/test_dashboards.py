@@ -60,6 +60,26 @@ def test_dashboards_are_templated_by_job_node_rank_and_gpu():
     assert {"datasource", "job_id", "instance", "rank", "gpu"} <= names
 
 
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_dashboard_has_kube_prometheus_stacks_cluster_and_namespace_variables(path):
+    variables = {v["name"]: v for v in load(path)["templating"]["list"]}
+    names = list(variables)
+    assert names[:4] == ["datasource", "cluster", "namespace", "job_id"], names
+    for name in ("cluster", "namespace"):
+        # All matches series without the label too: one cluster, or ranks outside Kubernetes.
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*", name
+    assert "$namespace" in variables["job_id"]["definition"]  # the namespace narrows the jobs
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_selector_of_every_query_names_the_cluster(path):
+    for where, expr in queries(load(path)):
+        selectors = re.findall(r"[\w:]+\{([^{}]*)\}", expr)
+        assert selectors, where
+        for labels in selectors:
+            assert 'cluster=~"$cluster"' in labels, f"{where}: {{{labels}}}"
+
+
 def test_job_dashboard_reads_recording_rules():
     from alerts.build import all_records
 
@@ -68,8 +88,11 @@ def test_job_dashboard_reads_recording_rules():
     assert sum(r in exprs for r in records) >= 8
 
 
+@pytest.mark.system
 def test_every_query_is_valid_promql_on_a_real_prometheus(tmp_path):
     values = {
+        "cluster": ".*",
+        "namespace": ".*",
         "job_id": "j1",
         "instance": "127.0.0.1:1",
         "rank": "0",

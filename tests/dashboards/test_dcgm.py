@@ -22,7 +22,7 @@ from tests.dashboards.panels import DASHBOARD_FILES, load, queries, substitute
 from tests.ops.helpers import post, run_cli
 from tests.support import Sidecar, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dcgm-stack")]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.xdist_group("dcgm-stack")]
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dcgm-exporter.prom"
 NODE = "gpu-node-1"  # the fixture's Hostname; the sidecar's target is relabelled to the same node name
@@ -130,7 +130,15 @@ def _gpu_queries() -> list[tuple[str, str, str]]:
 
 
 def test_dcgm_mode_gpu_panels_and_alerts_work_from_dcgm_exporter_series(tmp_path):
-    values = {"job_id": "j1", "instance": NODE, "rank": "0", "gpu": ".*", "datasource": "unused"}
+    values = {
+        "cluster": ".*",
+        "namespace": ".*",
+        "job_id": "j1",
+        "instance": NODE,
+        "rank": "0",
+        "gpu": ".*",
+        "datasource": "unused",
+    }
     gpu_alerts = [a.name for a in alerts_build.GPU.rules]
     with dcgm_stack(tmp_path) as (sidecar, prom):
         # No NVML poller: the sidecar exports no GPU series of its own.

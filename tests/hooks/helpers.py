@@ -105,9 +105,6 @@ class RankProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def stop_stepping(self) -> None:
-        self.stop_file.touch()
-
     def finish(self, timeout: float = RANK_TIMEOUT) -> dict:
         self.stop_file.touch()
         self.release.touch()

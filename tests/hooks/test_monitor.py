@@ -228,9 +228,10 @@ def test_identity_comes_from_torchrun_environment():
             "LOCAL_WORLD_SIZE": "4",
             "TORCHELASTIC_RESTART_COUNT": "2",
             "TORCHELASTIC_RUN_ID": "run-42",
+            "TORCHELASTIC_MAX_RESTARTS": "3",
         }
     )
-    assert ident == environment.Identity("run-42", 5, 1, 8, 4, 2)
+    assert ident == environment.Identity("run-42", 5, 1, 8, 4, 2, launcher=environment.Launcher("torchrun", 3))
     assert environment.identity({}) == environment.Identity("default", 0, 0, 1, 1, 0)
     assert environment.identity({"RANK": "5", "WORLD_SIZE": "8"}, job_id="mine", rank=7).rank == 7
 

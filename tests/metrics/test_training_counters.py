@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from sidecar.ranks.stepcounters import STEP_TIME_BUCKETS, StepCounters
 from tests.hooks.helpers import metric_value
 from tests.support import PYTHON, ROOT, Sidecar
@@ -54,6 +56,7 @@ def push(sidecar: Sidecar, first: int, last: int, step_time: float) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.system
 def test_a_sidecar_exports_counters_and_a_histogram_that_continue_across_re_registration(tmp_path: Path):
     with Sidecar(tmp_path, "watchdog.observe_only=true") as sidecar:
         push(sidecar, 1, 10, 0.2)

@@ -6,6 +6,7 @@ bad input, and the generated files are current."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from tests.support import PYTHON, ROOT, Sidecar
 K8S = ROOT / "deploy" / "kubernetes"
 BAREMETAL = ROOT / "deploy" / "baremetal"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "PyTorchJob", "JobSet", "Kustomization"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "PyTorchJob", "JobSet", "TrainJob", "Kustomization"}
 PROMTOOL = shutil.which("promtool")
 
 
@@ -83,7 +84,7 @@ def test_daemonset_sees_host_processes_with_only_kill_and_ptrace():
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
     assert pod["priorityClassName"] == "system-node-critical"
-    assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert pod["tolerations"] == [{"operator": "Exists"}]  # every node that trains runs the sidecar
 
 
 def test_daemonset_mounts_host_sys_and_proc_read_only_where_the_settings_point():
@@ -163,6 +164,7 @@ def test_prometheus_rules_have_the_operator_structure():
                 assert ("alert" in r) != ("record" in r) and r["expr"]
 
 
+@pytest.mark.system
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 def test_prometheus_rules_embedded_in_the_objects_pass_promtool(tmp_path):
     files = []
@@ -185,29 +187,74 @@ def _torchrun_command(container: dict) -> list[str]:
     return container.get("command", []) + container.get("args", [])
 
 
-def _assert_training_pod(pod_spec: dict) -> None:
-    container = pod_spec["containers"][0]
+def _flags(cmd: list[str]) -> dict[str, str]:
+    return dict(a.split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+
+
+def _assert_training_pod(pod_spec: dict, container: dict | None = None, from_operator: dict | None = None) -> None:
+    """A pod of an example job: the bundled trainer under torchrun with a c10d rendezvous and
+    restarts, whose rendezvous flags come from the command or, where the operator passes them
+    as PET_* variables (torchrun reads PET_<FLAG> for every flag not given), `from_operator`."""
+    container = container or pod_spec["containers"][0]
     cmd = _torchrun_command(container)
-    assert cmd[0] == "torchrun" and "--rdzv-backend=c10d" in cmd
-    restarts = next(a for a in cmd if a.startswith("--max-restarts="))
-    assert int(restarts.split("=")[1]) > 0
-    assert cmd[cmd.index("-m") + 1] == "trainer" and any(a.startswith("--config=") for a in cmd)
+    flags = {**(from_operator or {}), **_flags(cmd)}
+    assert cmd[0] == "torchrun" and flags["--rdzv-backend"] == "c10d"
+    assert int(flags["--max-restarts"]) > 0
+    assert cmd[cmd.index("-m") + 1] == "sidecar_trainer" and any(a.startswith("--config=") for a in cmd)
     env = {e["name"]: e.get("value") for e in container["env"]}
+    # torch's own switch that brings restarts of unmodified scripts back (pytorch#135712).
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     socket_dir = str(Path(env["SIDECAR_SOCKET"]).parent)
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == socket_dir)
     volume = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
-    assert volume["hostPath"]["path"] == "/run/sidecar"
+    # A node without the sidecar still starts the pod (the hooks carry on without it).
+    assert volume["hostPath"] == {"path": "/run/sidecar", "type": "DirectoryOrCreate"}
     assert "--set=monitor.enabled=true" in cmd
 
 
-def test_pytorchjob_runs_the_trainer_elastically_with_c10d_and_the_socket():
+def test_pytorchjob_runs_the_trainer_elastically_with_the_operators_pet_variables():
     (job,) = BY_KIND["PyTorchJob"]
     assert job["apiVersion"] == "kubeflow.org/v1"
-    assert job["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
-    assert job["spec"]["elasticPolicy"]["maxRestarts"] > 0
+    policy = job["spec"]["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d" and policy["maxRestarts"] > 0 and policy["rdzvId"]
+    assert int(job["spec"]["nprocPerNode"]) >= 1  # PET_NPROC_PER_NODE
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     _validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker"}, "spec": template["spec"]})
-    _assert_training_pod(template["spec"])
+    container = _container(template["spec"], "pytorch")  # the container the operator fills in
+    # The operator's PET_RDZV_ENDPOINT is worker 0's Service at the port named pytorchjob-port.
+    assert any(p["name"] == "pytorchjob-port" for p in container["ports"])
+    cmd = _torchrun_command(container)
+    hard_coded = {"--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--max-restarts"}
+    assert not hard_coded & set(_flags(cmd)), cmd
+    from_operator = {"--rdzv-backend": policy["rdzvBackend"], "--max-restarts": str(policy["maxRestarts"])}
+    _assert_training_pod(template["spec"], container, from_operator)
+
+
+def test_trainjob_runs_the_trainer_with_c10d_on_the_trainers_pet_variables():
+    (job,) = BY_KIND["TrainJob"]
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    trainer = job["spec"]["trainer"]
+    assert trainer["numNodes"] >= 1 and trainer["numProcPerNode"] >= 1  # PET_NNODES, PET_NPROC_PER_NODE
+    assert _flags(trainer["command"])["--rdzv-endpoint"] == "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    (patch,) = job["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert node["name"] == "node"
+    pod = node["template"]["spec"]["template"]["spec"]
+    (mounts,) = pod.pop("containers")
+    assert mounts["name"] == "node"  # the runtime's trainer container
+    # The pod as the Trainer builds it: the runtime's container with the TrainJob's trainer.
+    container = {
+        "name": "node",
+        "image": trainer["image"],
+        "command": trainer["command"],
+        "env": trainer["env"],
+        "resources": trainer["resourcesPerNode"],
+        "volumeMounts": mounts["volumeMounts"],
+    }
+    pod["containers"] = [container]
+    _validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "node"}, "spec": pod})
+    _assert_training_pod(pod)
 
 
 def test_jobset_runs_the_trainer_with_c10d_and_the_socket():
@@ -224,6 +271,13 @@ def test_jobset_runs_the_trainer_with_c10d_and_the_socket():
             }
         )
         _assert_training_pod(replicated["template"]["spec"]["template"]["spec"])
+
+
+@pytest.mark.parametrize("name", ["pytorchjob.yaml", "jobset.yaml", "trainjob.yaml"])
+def test_example_jobs_use_no_namespace_of_their_own(name):
+    """They are created in the team's namespace (`kubectl -n TEAM apply -f`), with their ConfigMap."""
+    for doc in yaml.safe_load_all((K8S / "examples" / name).read_text()):
+        assert "namespace" not in doc["metadata"]
 
 
 def test_kustomization_lists_files_that_exist():
@@ -243,6 +297,8 @@ def test_generated_files_are_current():
 def test_deploy_gen_check_names_a_stale_file_and_write_fixes_it(tmp_path, capsys):
     for part in ("alerts", "dashboards"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / deploygen.BASE_KUSTOMIZATION).parent.mkdir(parents=True)
+    shutil.copy(ROOT / deploygen.BASE_KUSTOMIZATION, tmp_path / deploygen.BASE_KUSTOMIZATION)
 
     def args(*flags):
         return argparse.Namespace(write="" if "--write" in flags else None, check="--check" in flags, root=tmp_path)
@@ -293,13 +349,44 @@ def test_systemd_unit_is_a_notify_service_with_only_the_capabilities_it_needs():
     service = unit["Service"]
     assert service["Type"] == ["notify"] and service["Restart"] == ["on-failure"]
     assert service["RuntimeDirectory"] == ["sidecar"]
-    assert service["CapabilityBoundingSet"] == ["CAP_KILL CAP_SYS_PTRACE"]
-    assert service["AmbientCapabilities"] == ["CAP_KILL CAP_SYS_PTRACE"]
+    assert service["CapabilityBoundingSet"] == ["CAP_KILL CAP_SYS_PTRACE CAP_SYSLOG"]
+    assert service["AmbientCapabilities"] == ["CAP_KILL CAP_SYS_PTRACE CAP_SYSLOG"]
     # Hardening that would break it: hiding other users' processes or the GPU device nodes.
     assert service.get("ProtectProc", ["default"]) == ["default"] and "ProcSubset" not in service
     assert service.get("PrivateDevices", ["no"]) == ["no"] and "PrivateUsers" not in service
     assert "/sidecar run" in service["ExecStart"][0]
     assert f"/run/{service['RuntimeDirectory'][0]}" == str(Path(DEFAULT_SOCKET).parent)
+
+
+# The sidecar's own read of the kernel log (sidecar/exits/kernel.py): OOM kills are named there.
+READ_KMSG = "import os; fd = os.open('/dev/kmsg', os.O_RDONLY | os.O_NONBLOCK); os.read(fd, 8192); print('read')"
+
+
+def test_systemd_unit_does_not_hide_the_kernel_log():
+    service = _unit_directives(BAREMETAL / "sidecar.service")["Service"]
+    assert service.get("ProtectKernelLogs", ["no"]) == ["no"]  # yes makes /dev/kmsg inaccessible
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/dev/kmsg").exists(),
+    reason="needs root, setpriv and /dev/kmsg",
+)
+def test_the_units_user_and_capabilities_can_read_the_kernel_log():
+    """The unit's non-root user with exactly the unit's capabilities (setpriv applies them as
+    systemd does) opens and reads /dev/kmsg, also where kernel.dmesg_restrict is 1."""
+    service = _unit_directives(BAREMETAL / "sidecar.service")["Service"]
+    caps = ",".join("+" + c.removeprefix("CAP_").lower() for c in service["AmbientCapabilities"][0].split())
+    bounding = ",".join("+" + c.removeprefix("CAP_").lower() for c in service["CapabilityBoundingSet"][0].split())
+    nobody = "65534"  # an unprivileged uid, like the unit's `sidecar` user
+    out = subprocess.run(
+        ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"]
+        + [f"--inh-caps=-all,{caps}", f"--ambient-caps=-all,{caps}", f"--bounding-set=-all,{bounding}"]
+        + ["/usr/bin/python3", "-c", READ_KMSG],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "read", out.stderr
 
 
 def test_the_daemon_tells_systemd_it_is_ready(tmp_path):
@@ -359,11 +446,12 @@ def test_launcher_runs_torchrun_with_c10d_restarts_and_the_socket(tmp_path):
     out = _launch(tmp_path, NNODES="2", RDZV_ENDPOINT="node-0:29400", CONFIG="train.yaml", RDZV_ID="job-17")
     assert out.returncode == 0, out.stderr
     cmd = out.stdout.split()
-    assert cmd[:3] == ["python3", "-m", "torch.distributed.run"]
+    # torch's own switch that brings restarts of unmodified scripts back (pytorch#135712).
+    assert cmd[:5] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "python3", "-m", "torch.distributed.run"]
     pairs = dict(zip(cmd, cmd[1:], strict=False))
     assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "node-0:29400"
     assert pairs["--rdzv-id"] == "job-17" and int(pairs["--max-restarts"]) > 0
-    assert pairs["--nnodes"] == "2" and pairs["-m"] == "trainer" and pairs["--config"] == "train.yaml"
+    assert pairs["--nnodes"] == "2" and pairs["-m"] == "sidecar_trainer" and pairs["--config"] == "train.yaml"
     assert cmd[-2:] == ["--set", "train.steps=5"]
 
 
@@ -383,6 +471,7 @@ def test_launcher_refuses_missing_or_bad_settings(tmp_path, env, message):
     assert out.returncode == 2 and message in out.stderr and out.stdout == ""
 
 
+@pytest.mark.system
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 def test_prometheus_config_example_is_valid(tmp_path):
     out = subprocess.run(

@@ -44,3 +44,30 @@ def test_the_guide_links_the_runbook_for_each_troubleshooting_case():
     ):
         body = section.split(f"### {case}", 1)[1].split("\n### ", 1)[0]
         assert "runbook.md#" in body, case
+
+
+# A Python file of the repository, named from one of its top-level directories (not the tail of
+# a longer path such as `/run/sidecar/...`); `{a,b}` stands for both names, as in a shell.
+SOURCE_PATH = re.compile(
+    r"(?<![\w./~-])((?:sidecar|trainer_hooks|trainer|tests|alerts|dashboards|bench|demo|scripts|packaging)"
+    r"/[\w./{},-]*?\.py)\b"
+)
+
+
+def _expand(path: str) -> list[str]:
+    found = re.search(r"\{([^{}]*)\}", path)
+    if not found:
+        return [path]
+    return [p for alt in found[1].split(",") for p in _expand(path[: found.start()] + alt + path[found.end() :])]
+
+
+def test_every_python_file_the_docs_name_exists():
+    docs = [ROOT / "README.md", *ROOT.glob("CONTRIBUTING.md"), *sorted((ROOT / "docs").glob("*.md"))]
+    missing = [
+        f"{doc.relative_to(ROOT)}: {path}"
+        for doc in docs
+        for named in SOURCE_PATH.findall(doc.read_text())
+        for path in _expand(named)
+        if not (ROOT / path).is_file()
+    ]
+    assert missing == []

@@ -141,3 +141,73 @@ def test_an_overlay_without_its_settings_file_stops_the_build(tmp_path):
         timeout=120,
     )
     assert out.returncode != 0 and "settings.yaml" in out.stderr
+
+
+# Kinds that live in no namespace; every other kind rendered must name its namespace, or it
+# lands in whatever namespace kubectl's context has.
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "PriorityClass",
+    "RuntimeClass",
+    "CustomResourceDefinition",
+    "StorageClass",
+    "PersistentVolume",
+}
+KUSTOMIZATIONS = sorted(
+    str(p.parent.relative_to(K8S))
+    for p in K8S.rglob("kustomization.yaml")
+    if yaml.safe_load(p.read_text()).get("kind") == "Kustomization"  # components render only inside one
+)
+NAMESPACE = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["namespace"]
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_namespaced_object_of_every_kustomization_is_in_the_namespace(kustomization):
+    docs = render(K8S / kustomization)
+    assert docs
+    for doc in docs:
+        if doc["kind"] not in CLUSTER_SCOPED:
+            assert doc["metadata"].get("namespace") == NAMESPACE, (doc["kind"], doc["metadata"]["name"])
+
+
+def _daemonset_pod(docs: list[dict]) -> dict:
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    return ds["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("kustomization", ["", "base", "overlays/kube-prometheus-stack"])
+def test_only_the_gpu_operator_overlay_sets_a_runtime_class(kustomization):
+    assert "runtimeClassName" not in _daemonset_pod(render(K8S / kustomization))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_daemonset_tolerates_every_taint_by_default(overlay):
+    assert _daemonset_pod(render(K8S / "overlays" / overlay))["tolerations"] == [{"operator": "Exists"}]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_daemonsets_tolerations_are_one_setting_of_the_overlay(overlay, tmp_path):
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    path = tree / "overlays" / overlay / "tolerations.yaml"
+    patch = yaml.safe_load(path.read_text())
+    only = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    patch["spec"]["template"]["spec"]["tolerations"] = only
+    path.write_text(yaml.safe_dump(patch))
+    assert _daemonset_pod(render(tree / "overlays" / overlay))["tolerations"] == only
+
+
+@pytest.mark.parametrize("kustomization", ["", *(f"overlays/{o}" for o in OVERLAYS)])
+def test_the_image_is_set_by_kustomize_images(kustomization, tmp_path):
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    path = tree / kustomization / "kustomization.yaml"
+    doc = yaml.safe_load(path.read_text())
+    (image,) = doc["images"]
+    image.update(newName="registry.example/ml/training-sidecar", newTag="1.2.3")
+    path.write_text(yaml.safe_dump(doc))
+    pod = _daemonset_pod(render(tree / kustomization))
+    images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
+    assert images == {"registry.example/ml/training-sidecar:1.2.3"}

@@ -42,7 +42,7 @@ def alert_names() -> list[str]:
     return [a.name for a in all_alerts()]
 
 
-def test_first_run_creates_folder_datasource_dashboards_and_alert_rules(grafana, capsys):
+def test_first_run_creates_folder_datasource_and_dashboards(grafana, capsys):
     assert run(["--datasource-url", PROM_URL], token_env(grafana)) == 0
     s = grafana.state
     assert s.folders["training-sidecar"]["title"] == "Training sidecar"
@@ -50,11 +50,31 @@ def test_first_run_creates_folder_datasource_dashboards_and_alert_rules(grafana,
     assert s.datasources["sidecar-prometheus"]["type"] == "prometheus"
     assert set(s.dashboards) == {d["uid"] for d in dashboards()}
     assert all(d["folderUid"] == "training-sidecar" for d in s.dashboards.values())
-    assert sorted(r["title"] for r in s.alert_rules.values()) == sorted(alert_names())
     out = capsys.readouterr().out
     assert "folder training-sidecar: created" in out
     assert "dashboard sidecar-training-job: created" in out
-    assert "alert rule sidecar-rank-stalled: created" in out
+
+
+def test_by_default_no_alert_rule_is_created_in_grafana(grafana, capsys):
+    assert run(["--datasource-url", PROM_URL], token_env(grafana)) == 0
+    assert grafana.state.alert_rules == {}
+    assert "Prometheus owns the alerts" in capsys.readouterr().out
+
+
+def test_alerts_grafana_creates_a_grafana_managed_rule_per_alert(grafana, capsys):
+    assert run(["--datasource-url", PROM_URL, "--alerts", "grafana"], token_env(grafana)) == 0
+    assert sorted(r["title"] for r in grafana.state.alert_rules.values()) == sorted(alert_names())
+    assert "alert rule sidecar-rank-stalled: created" in capsys.readouterr().out
+
+
+def test_the_default_run_deletes_the_rules_an_earlier_alerts_grafana_run_made(grafana, capsys):
+    run(["--datasource-url", PROM_URL, "--alerts", "grafana"], token_env(grafana))
+    someone_elses = dict(grafana.state.alert_rules["sidecar-rank-stalled"], uid="team-rule", title="Theirs")
+    grafana.state.alert_rules["team-rule"] = someone_elses
+    capsys.readouterr()
+    assert run([], token_env(grafana)) == 0
+    assert set(grafana.state.alert_rules) == {"team-rule"}
+    assert "alert rule sidecar-rank-stalled: deleted" in capsys.readouterr().out
 
 
 def test_second_run_writes_nothing_and_says_unchanged(grafana, capsys):
@@ -64,9 +84,18 @@ def test_second_run_writes_nothing_and_says_unchanged(grafana, capsys):
     assert run(["--datasource-url", PROM_URL], token_env(grafana)) == 0
     assert len(grafana.state.writes()) == writes_before
     lines = capsys.readouterr().out.splitlines()
-    objects = [line for line in lines if not line.startswith("done")]
+    objects = [line for line in lines if not line.startswith(("done", "alert rules: none"))]
     assert objects and all(line.endswith(": unchanged") for line in objects), lines
     assert lines[-1] == "done: everything unchanged"
+
+
+def test_a_second_alerts_grafana_run_leaves_the_alert_rules_unchanged(grafana, capsys):
+    assert run(["--datasource-url", PROM_URL, "--alerts", "grafana"], token_env(grafana)) == 0
+    writes_before = len(grafana.state.writes())
+    capsys.readouterr()
+    assert run(["--datasource-url", PROM_URL, "--alerts", "grafana"], token_env(grafana)) == 0
+    assert len(grafana.state.writes()) == writes_before
+    assert "alert rule sidecar-rank-stalled: unchanged" in capsys.readouterr().out
 
 
 def test_a_dashboard_edited_in_grafana_is_put_back(grafana, capsys):
@@ -82,14 +111,14 @@ def test_a_dashboard_edited_in_grafana_is_put_back(grafana, capsys):
 def test_a_changed_datasource_url_is_updated_keeping_other_settings(grafana, capsys):
     run(["--datasource-url", PROM_URL], token_env(grafana))
     grafana.state.datasources["sidecar-prometheus"]["jsonData"]["tlsSkipVerify"] = True
-    assert run(["--datasource-url", "http://other:9090", "--no-dashboards", "--no-alerts"], token_env(grafana)) == 0
+    assert run(["--datasource-url", "http://other:9090", "--no-dashboards"], token_env(grafana)) == 0
     ds = grafana.state.datasources["sidecar-prometheus"]
     assert ds["url"] == "http://other:9090" and ds["jsonData"]["tlsSkipVerify"] is True
     assert "datasource sidecar-prometheus: updated" in capsys.readouterr().out
 
 
 def test_alert_rules_have_grafanas_provisioning_shape(grafana):
-    run(["--datasource-url", PROM_URL], token_env(grafana))
+    run(["--datasource-url", PROM_URL, "--alerts", "grafana"], token_env(grafana))
     rule = grafana.state.alert_rules["sidecar-rank-stalled"]
     assert rule["folderUID"] == "training-sidecar" and rule["ruleGroup"] == "sidecar-training"
     assert rule["condition"] == "C" and rule["for"] == "2m" and rule["orgID"] == 1
@@ -103,6 +132,7 @@ def test_alert_rules_have_grafanas_provisioning_shape(grafana):
     assert c["model"]["conditions"][0]["evaluator"] == {"type": "gt", "params": [0]}
 
 
+@pytest.mark.system
 def test_converted_alert_queries_are_valid_promql(tmp_path):
     from tests.alerts.realstack import Prometheus
 
@@ -115,11 +145,12 @@ def test_converted_alert_queries_are_valid_promql(tmp_path):
 
 
 def test_rules_it_made_for_removed_alerts_are_deleted(grafana, capsys):
-    run(["--datasource-url", PROM_URL], token_env(grafana))
+    run(["--datasource-url", PROM_URL, "--alerts", "grafana"], token_env(grafana))
     old = dict(grafana.state.alert_rules["sidecar-rank-stalled"], uid="sidecar-retired-alert", title="Retired")
     grafana.state.alert_rules["sidecar-retired-alert"] = old
     capsys.readouterr()
-    assert run([], token_env(grafana)) == 0
+    assert run(["--alerts", "grafana"], token_env(grafana)) == 0
+    assert "sidecar-rank-stalled" in grafana.state.alert_rules
     assert "sidecar-retired-alert" not in grafana.state.alert_rules
     assert "alert rule sidecar-retired-alert: deleted" in capsys.readouterr().out
 
@@ -128,7 +159,7 @@ def test_basic_auth_from_a_file_works(grafana, tmp_path):
     secret = tmp_path / "grafana-auth"
     secret.write_text("admin:s3cret\n")
     assert run(["--datasource-url", PROM_URL, "--basic-auth-file", str(secret)], {"GRAFANA_URL": grafana.url}) == 0
-    assert grafana.state.alert_rules
+    assert grafana.state.dashboards
 
 
 def test_token_from_a_file_works(grafana, tmp_path):
@@ -164,7 +195,7 @@ def test_unreachable_grafana_is_one_error_line_and_exit_1(capsys):
 
 
 def test_missing_datasource_without_url_is_a_clear_error(grafana, capsys):
-    assert run([], token_env(grafana)) == 1
+    assert run(["--alerts", "grafana"], token_env(grafana)) == 1
     assert "--datasource-url" in capsys.readouterr().err
 
 
@@ -175,7 +206,7 @@ def test_missing_datasource_without_url_is_a_clear_error(grafana, capsys):
         ([], {"GRAFANA_URL": "http://g:3000"}, "no Grafana credentials"),
         ([], {"GRAFANA_URL": "http://admin:pw@g:3000", "GRAFANA_TOKEN": TOKEN}, "must not hold credentials"),
         (["--token-file", "/nonexistent/token"], {"GRAFANA_URL": "http://g:3000"}, "cannot read token file"),
-        (["--no-dashboards", "--no-alerts"], {"GRAFANA_URL": "http://g:3000", "GRAFANA_TOKEN": TOKEN}, "nothing to do"),
+        (["--no-dashboards"], {"GRAFANA_URL": "http://g:3000", "GRAFANA_TOKEN": TOKEN}, "nothing to do"),
     ],
 )
 def test_bad_usage_exits_2_with_one_line(argv, env, message, capsys):
@@ -190,6 +221,7 @@ def test_a_token_flag_does_not_exist(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.system
 def test_write_files_produces_grafana_provisioning_and_prometheus_rules(tmp_path, capsys):
     out = tmp_path / "out"
     assert run(["--write-files", str(out), "--datasource-url", PROM_URL], {}) == 0
@@ -205,6 +237,44 @@ def test_write_files_produces_grafana_provisioning_and_prometheus_rules(tmp_path
     assert run(["--write-files", str(out), "--datasource-url", PROM_URL], {}) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines and all(line.endswith(": unchanged") for line in lines), lines
+
+
+def _rules_file(out) -> list[dict]:
+    return [
+        r
+        for g in yaml.safe_load((out / "prometheus/training-sidecar.rules.yml").read_text())["groups"]
+        for r in g["rules"]
+    ]
+
+
+def test_write_files_by_default_keeps_the_alerts_in_prometheus_and_writes_no_grafana_alerting(tmp_path):
+    out = tmp_path / "out"
+    assert run(["--write-files", str(out)], {}) == 0
+    assert sorted(r["alert"] for r in _rules_file(out) if "alert" in r) == sorted(alert_names())
+    assert not (out / "grafana/provisioning/alerting").exists()
+
+
+def test_write_files_with_alerts_grafana_writes_the_api_paths_rules_and_prometheus_records_only(grafana, tmp_path):
+    out = tmp_path / "out"
+    assert run(["--write-files", str(out), "--alerts", "grafana"], {}) == 0
+    assert run(["--datasource-url", PROM_URL, "--alerts", "grafana"], token_env(grafana)) == 0
+    alerting = yaml.safe_load((out / "grafana/provisioning/alerting/training-sidecar.yaml").read_text())
+    assert alerting["apiVersion"] == 1
+    assert {g["folder"] for g in alerting["groups"]} == {"Training sidecar"}
+    by_uid = {r["uid"]: (g["name"], r) for g in alerting["groups"] for r in g["rules"]}
+    assert set(by_uid) == set(grafana.state.alert_rules)  # the file and the API path agree
+    for uid, (group, rule) in by_uid.items():
+        pushed = grafana.state.alert_rules[uid]
+        assert pushed["ruleGroup"] == group
+        assert {k: pushed[k] for k in rule} == rule
+    records = _rules_file(out)
+    assert records and all("record" in r for r in records)
+    check = subprocess.run(
+        ["/usr/bin/promtool", "check", "rules", str(out / "prometheus/training-sidecar.rules.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_the_console_script_runs_provision(tmp_path):

@@ -9,9 +9,12 @@ import contextlib
 import json
 import subprocess
 
+import pytest
+
 from tests.load import HEALTHY, Latencies, scrape_and_probe, start_loaders, wait_loaded
 from tests.support import PYTHON, Sidecar, http_json, spawned, tail, wait_until
 
+pytestmark = pytest.mark.slow  # a load test: 35 s of probing by design
 JOBS, RANKS_PER_JOB, CUSTOMS = 4, 500, 32
 MAX_SERIES = 3000
 

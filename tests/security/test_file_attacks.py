@@ -37,6 +37,7 @@ QUICK_STALLS = (
     "watchdog.floor_seconds=2",
     "remediation.py_spy=false",
     "remediation.dump_wait_seconds=1",
+    "remediation.kill_without_restart=true",  # the victim is a plain python rank, no launcher
     "remediation.grace_seconds=2",
     "remediation.max_per_window=50",
     "limits.max_jobs=64",
@@ -297,6 +298,7 @@ def test_row3_job_id_incidents_and_planted_tmp_symlinks_write_nothing_of_roots(n
         subprocess.run(["rm", "-rf", str(target.parent)], check=False)
 
 
+@pytest.mark.slow
 def test_row4_a_fifo_dump_path_blocks_nothing(node):
     d, hooks = node
     mallory, victim_user = unprivileged_user("a"), unprivileged_user("b")

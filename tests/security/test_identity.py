@@ -10,6 +10,7 @@ and all), where writing ns_last_pid hands out exactly the pid wanted."""
 from __future__ import annotations
 
 import psutil
+import pytest
 
 from tests.security.namespaces import in_new_pid_namespace, start_in_new_pid_namespace
 from tests.security.rig import OPEN_SOCKET, attack, open_sidecar, ranks_of
@@ -163,6 +164,7 @@ REUSE_IN_NS = r"""
 """
 
 
+@pytest.mark.slow
 def test_pid_reuse_inside_a_namespace_is_never_signalled():
     with open_sidecar(*NS_SETTINGS) as sidecar:
         proc, _, out = start_in_new_pid_namespace(REUSE_IN_NS, sidecar.hook_env(), timeout=90)

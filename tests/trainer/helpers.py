@@ -1,4 +1,4 @@
-"""Running the bundled trainer for real: `python -m trainer` and torchrun jobs on CPU/gloo."""
+"""Running the bundled trainer for real: `python -m sidecar_trainer` and torchrun jobs on CPU/gloo."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def torchrun(workdir: Path, *settings: str, nproc: int = 2, max_restarts: int = 
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "-m",
-        "trainer",
+        "sidecar_trainer",
         "--final-params",
         str(final),
         "--set",
@@ -66,10 +66,15 @@ def torchrun(workdir: Path, *settings: str, nproc: int = 2, max_restarts: int = 
 
 
 def trainer_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` as a subprocess, without torchrun."""
+    """`python -m sidecar_trainer ARGS` as a subprocess, without torchrun."""
     import os
 
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [PYTHON, "-m", "trainer", *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+        [PYTHON, "-m", "sidecar_trainer", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint_store import COMMIT, MANIFEST, CheckpointStore, write_file
+from sidecar_trainer.checkpoint_store import COMMIT, MANIFEST, CheckpointStore, write_file
 
 
 def save(store: CheckpointStore, step: int, payload: bytes = b"weights") -> Path:
@@ -44,7 +44,7 @@ def test_a_temp_directory_left_by_a_dead_writer_is_skipped_with_a_warning(store,
     tmp = store.begin(10)
     write_file(tmp / "rank-0.pt", b"half")
 
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="sidecar_trainer"):
         found = store.latest_complete()
 
     assert found.step == 5
@@ -55,7 +55,7 @@ def test_a_step_directory_without_commit_marker_is_skipped_with_a_warning(store,
     save(store, 5)
     (save(store, 10) / COMMIT).unlink()
 
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="sidecar_trainer"):
         assert store.latest_complete().step == 5
     assert "step-10" in caplog.text and "no COMMIT marker" in caplog.text
 
@@ -67,7 +67,7 @@ def test_a_file_with_a_bad_checksum_makes_the_checkpoint_corrupt(store, caplog):
     data[0] ^= 0xFF  # same size, different bytes
     damaged.write_bytes(bytes(data))
 
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="sidecar_trainer"):
         assert store.latest_complete().step == 5
     assert "rank-1.pt checksum mismatch" in caplog.text
 

@@ -7,8 +7,8 @@ import typing
 
 import pytest
 
+from sidecar_trainer.config import Config, ConfigError, help_text, load_config
 from tests.trainer.helpers import trainer_cli
-from trainer.config import Config, ConfigError, help_text, load_config
 
 
 def one_error_line(result) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.data import DataPosition, StepBatches
-from trainer.demo import TeacherDataset
+from sidecar_trainer.data import DataPosition, StepBatches
+from sidecar_trainer.demo import TeacherDataset
 
 
 def batches(world: int, rank: int, position: DataPosition | None = None, seed=0, size=96, global_batch=16, micro=4):

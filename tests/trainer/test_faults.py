@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trainer.config import FaultConfig
-from trainer.faults import FaultInjector
+from sidecar_trainer.config import FaultConfig
+from sidecar_trainer.faults import FaultInjector
 
 
 def injector(rank=1, restart_count=0, generation=1, **cfg) -> FaultInjector:

@@ -1,8 +1,10 @@
-"""The training loop in one process (`python -m trainer` without torchrun: a world of one)."""
+"""The training loop in one process (`python -m sidecar_trainer` without torchrun: a world of one)."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from tests.trainer.helpers import TINY, trainer_cli
 
@@ -16,6 +18,7 @@ def run_single(tmp_path, *settings: str) -> str:
     return result.stderr
 
 
+@pytest.mark.slow
 def test_evaluation_runs_in_its_phase_and_never_changes_the_trained_parameters(tmp_path):
     plain = run_single(tmp_path / "plain")
     evaluated = run_single(tmp_path / "eval", "eval.every_steps=4")
@@ -25,6 +28,7 @@ def test_evaluation_runs_in_its_phase_and_never_changes_the_trained_parameters(t
     assert digest.search(plain)[1] == digest.search(evaluated)[1]
 
 
+@pytest.mark.slow
 def test_a_finished_run_started_again_resumes_at_its_end_and_trains_no_further(tmp_path):
     first = run_single(tmp_path)
     again = run_single(tmp_path)

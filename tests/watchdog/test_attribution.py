@@ -81,5 +81,5 @@ def test_stack_dumps_inside_torch_distributed_are_collectives():
     faulthandler = '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2800 in all_reduce'
     py_spy = "    all_reduce (torch/distributed/distributed_c10d.py:2800)"
     assert in_collective(faulthandler) and in_collective(py_spy)
-    assert in_collective('  File "/x/trainer/faults.py", line 44 in before_allreduce') is False
+    assert in_collective('  File "/x/sidecar_trainer/faults.py", line 44 in before_allreduce') is False
     assert in_collective("") is None

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 from sidecar.incidents.store import IncidentStore, RankSnapshot, load_incidents
-from tests.support import PYTHON, ROOT
+from tests.support import PYTHON, ROOT, Sidecar
 
 
 def write_incidents(diag, jobs):
@@ -49,10 +49,28 @@ def test_json_output_holds_the_full_records(tmp_path):
     assert [e["event"] for e in records[0]["timeline"]] == ["detected", "sigterm", "exit_observed"]
 
 
-def test_the_diag_dir_comes_from_the_settings_when_not_given(tmp_path):
+def test_the_diag_dir_comes_from_the_settings_when_no_sidecar_answers(tmp_path):
     write_incidents(tmp_path / "d", ["alpha"])
-    out = sidecar("--set", f"diag_dir={tmp_path / 'd'}")
-    assert "alpha" in out.stdout
+    out = sidecar("--socket", str(tmp_path / "none.sock"), "--set", f"diag_dir={tmp_path / 'd'}")
+    assert out.returncode == 0 and "alpha" in out.stdout
+    assert "no sidecar at" in out.stderr and str(tmp_path / "d") in out.stderr  # says where it looked instead
+
+
+def test_the_diag_dir_is_the_running_daemons_found_by_its_socket(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    with Sidecar(tmp_path / "daemon", f"diag_dir={elsewhere}") as daemon:
+        write_incidents(elsewhere, ["alpha"])
+        out = sidecar("--socket", daemon.socket)
+    assert out.returncode == 0 and "alpha" in out.stdout, out.stdout + out.stderr
+    assert out.stderr == ""
+
+
+def test_the_diag_dir_is_the_running_daemons_found_by_its_url(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    with Sidecar(tmp_path / "daemon", f"diag_dir={elsewhere}") as daemon:
+        write_incidents(elsewhere, ["alpha"])
+        out = sidecar("--url", daemon.url)
+    assert out.returncode == 0 and "alpha" in out.stdout, out.stdout + out.stderr
 
 
 def test_an_empty_directory_says_so(tmp_path):

@@ -11,7 +11,7 @@ from sidecar.daemon.api import DAEMON
 from sidecar.host import identity
 from sidecar.host.signals import send
 from sidecar.watchdog.machine import target_of
-from tests.sidecar.helpers import registration
+from tests.daemon.helpers import registration
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import time
 
 from sidecar.collectors.base import CollectorResult
 from sidecar.daemon.api import DAEMON
-from tests.sidecar.helpers import push_body, registration, step_item
+from tests.daemon.helpers import push_body, registration, step_item
 
 
 async def status_when(sidecar, predicate, timeout: float = 30.0) -> dict:

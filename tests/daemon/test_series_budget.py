@@ -10,7 +10,7 @@ from sidecar.daemon.exposition import fair_order, plan
 from sidecar.ranks.protocol import Push, Registration, StepItem
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
-from tests.sidecar.helpers import DAEMON, push_body, registration, step_item
+from tests.daemon.helpers import DAEMON, push_body, registration, step_item
 from tests.support import make_settings
 
 

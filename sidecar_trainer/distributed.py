@@ -1,5 +1,5 @@
 """Process group set-up: torchrun's environment when present, a one-process group otherwise, so the
-same code path (DDP or FSDP over a real process group) runs under `python -m trainer` too."""
+same code path (DDP or FSDP over a real process group) runs under `python -m sidecar_trainer` too."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
 
 
 def init(device_choice: str, backend_choice: str, timeout_seconds: float) -> World:
-    if "RANK" not in os.environ:  # plain `python -m trainer`: a world of one
+    if "RANK" not in os.environ:  # plain `python -m sidecar_trainer`: a world of one
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
         )

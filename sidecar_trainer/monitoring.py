@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("sidecar_trainer")
 
 
 class NullMonitor:

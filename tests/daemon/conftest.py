@@ -1,6 +1,6 @@
 """Fixtures for the daemon's tests: the real application served in-process on a real Unix
 socket and a real TCP port, real processes standing in for ranks (helpers:
-tests/sidecar/helpers.py)."""
+tests/daemon/helpers.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from sidecar.daemon.app import build_app
-from tests.sidecar.helpers import DAEMON, Served
+from tests.daemon.helpers import DAEMON, Served
 from tests.support import kill_tree, make_settings
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.sidecar.helpers import push_body, registration, series, step_item
+from tests.daemon.helpers import push_body, registration, series, step_item
 
 
 async def still_up(sidecar) -> None:

@@ -3,7 +3,7 @@
 The hooks sit where real faults happen: a dead or frozen process at the start of a step, a hang
 inside the step before its gradient all-reduce (the other ranks then wait in the collective, as
 they do behind a real straggler), a data fetch that never returns, a crash half-way through
-writing a checkpoint. Configured by the `faults` section (see trainer/config.py).
+writing a checkpoint. Configured by the `faults` section (see sidecar_trainer/config.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from trainer.config import FaultConfig
+from sidecar_trainer.config import FaultConfig
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("sidecar_trainer")
 
 
 class FaultInjector:

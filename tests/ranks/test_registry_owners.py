@@ -9,7 +9,6 @@ import pytest
 from sidecar.ranks.errors import JobOwned, LimitExceeded
 from sidecar.ranks.protocol import PhaseItem, Push, Registration, StepItem
 from sidecar.ranks.registry import Registry
-from tests.sidecar.helpers import DAEMON
 from tests.support import make_settings
 
 ALICE, MALLORY, ROOT = 1001, 1002, 0
@@ -20,7 +19,6 @@ def registry(tmp_path) -> Registry:
     return Registry(
         make_settings(
             tmp_path,
-            DAEMON,
             limits__max_jobs=6,
             limits__max_jobs_per_user=2,
             limits__max_ranks_per_user=3,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.sidecar.helpers import push_body, registration, step_item
+from tests.daemon.helpers import push_body, registration, step_item
 from tests.support import PYTHON, ROOT, Sidecar, http_get, spawned, tail, wait_until
 
 PROMTOOL = "/usr/bin/promtool"
@@ -53,6 +53,7 @@ NODE_KEYS = {
     "memory_available_bytes",
     "checkpoint_dir",
     "checkpoint_avail_bytes",
+    "diag_dir",
     "driver_version",
     "cuda_version",
     "gpu_source",
@@ -171,6 +172,7 @@ def test_pushed_steps_reach_metrics(daemon):
     assert 'sidecar_build_info{version="' in text
 
 
+@pytest.mark.system
 def test_the_full_exposition_passes_promtool(daemon):
     exposition = daemon.metrics()
     assert "sidecar_gpu_utilization_ratio" in exposition and "sidecar_training_step" in exposition

@@ -17,17 +17,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from trainer import distributed, rng
-from trainer.checkpoint import Checkpointer
-from trainer.config import Config, import_factory
-from trainer.data import DataPosition, StepBatches
-from trainer.faults import FaultInjector
-from trainer.monitoring import open_monitor
+from sidecar_trainer import distributed, rng
+from sidecar_trainer.checkpoint import Checkpointer
+from sidecar_trainer.config import Config, import_factory
+from sidecar_trainer.data import DataPosition, StepBatches
+from sidecar_trainer.faults import FaultInjector
+from sidecar_trainer.monitoring import open_monitor
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("sidecar_trainer")
 
 
 def lr_lambda(cfg: Config):

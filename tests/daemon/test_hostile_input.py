@@ -10,7 +10,7 @@ import random
 import socket
 import time
 
-from tests.sidecar.helpers import push_body, registration, step_item
+from tests.daemon.helpers import push_body, registration, step_item
 from tests.support import Sidecar, wait_until
 
 FUZZ_SEED = 20261202

@@ -4,7 +4,7 @@
   model.pt        (ddp, written by rank 0) model and optimizer state
   model/          (fsdp) the same, sharded, written by torch.distributed.checkpoint
   rank-R.pt       (every rank) step, data position, LR scheduler, and the rank's RNG states
-  manifest.json, COMMIT   see trainer/checkpoint_store.py
+  manifest.json, COMMIT   see sidecar_trainer/checkpoint_store.py
 Everything loads with `torch.load(weights_only=True)`.
 """
 
@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import rng
-from trainer.checkpoint_store import CheckpointStore, FileDigest, digest_file, write_stream
-from trainer.config import CheckpointConfig
-from trainer.data import DataPosition
-from trainer.distributed import World
-from trainer.faults import FaultInjector
+from sidecar_trainer import rng
+from sidecar_trainer.checkpoint_store import CheckpointStore, FileDigest, digest_file, write_stream
+from sidecar_trainer.config import CheckpointConfig
+from sidecar_trainer.data import DataPosition
+from sidecar_trainer.distributed import World
+from sidecar_trainer.faults import FaultInjector
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("sidecar_trainer")
 
 
 @dataclass

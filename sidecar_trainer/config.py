@@ -1,9 +1,9 @@
 """The trainer's configuration: nested dataclasses, one YAML file, `TRAINER_<SECTION>_<FIELD>`
 environment variables and `--set section.field=value` flags (flag > env > file > default).
 
-Every field documents itself in `metadata["help"]` (printed by `python -m trainer --help-config`).
+Every field documents itself in `metadata["help"]` (printed by `python -m sidecar_trainer --help-config`).
 Each section validates itself in `__post_init__`; anything wrong raises `ConfigError` with one
-line that names the field, which `python -m trainer` turns into exit status 2.
+line that names the field, which `python -m sidecar_trainer` turns into exit status 2.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def import_factory(name: str, path: str) -> Callable[..., Any]:
 @dataclass
 class ModelConfig:
     factory: str = field(
-        default="trainer.demo:build_model",
+        default="sidecar_trainer.demo:build_model",
         metadata=doc(
             "Import path `package.module:factory` of the model. Called as factory(**kwargs); returns an "
             "nn.Module whose forward(inputs, targets) returns the scalar loss of a micro-batch."
@@ -101,7 +101,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     factory: str = field(
-        default="trainer.demo:build_dataset",
+        default="sidecar_trainer.demo:build_dataset",
         metadata=doc(
             "Import path `package.module:factory` of the dataset. Called as factory(seed=train.seed, "
             "**kwargs); returns a map-style dataset whose items are (inputs, targets). Sample i must "

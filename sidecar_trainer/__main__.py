@@ -1,6 +1,6 @@
-"""`python -m trainer --config cfg.yaml --set section.field=value ...`, usually under torchrun:
+"""`python -m sidecar_trainer --config cfg.yaml --set section.field=value ...`, usually under torchrun:
 
-    torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m trainer --config cfg.yaml
+    torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m sidecar_trainer --config cfg.yaml
 
 Exit status 2 with one line on stderr for a bad configuration (checked before the rendezvous).
 """
@@ -12,11 +12,11 @@ import logging
 import os
 import sys
 
-from trainer.config import ConfigError, help_text, load_config, parse_set, world_size_from_env
+from sidecar_trainer.config import ConfigError, help_text, load_config, parse_set, world_size_from_env
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="The bundled distributed trainer.")
+    p = argparse.ArgumentParser(prog="python -m sidecar_trainer", description="The bundled distributed trainer.")
     p.add_argument(
         "--config", default=os.environ.get("TRAINER_CONFIG"), help="YAML configuration file (also TRAINER_CONFIG)"
     )
@@ -38,7 +38,7 @@ def setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s trainer[rank{rank}] %(levelname)s %(message)s"))
-    log = logging.getLogger("trainer")
+    log = logging.getLogger("sidecar_trainer")
     log.addHandler(handler)
     log.setLevel(logging.INFO if rank == "0" else logging.WARNING)
     log.propagate = False
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2
     setup_logging()
-    from trainer.train import Trainer
+    from sidecar_trainer.train import Trainer
 
     trainer = Trainer(cfg, final_params=args.final_params)
     ok = False

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("sidecar_trainer")
 
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"

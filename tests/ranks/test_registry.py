@@ -9,7 +9,6 @@ import pytest
 from sidecar.ranks.errors import LimitExceeded, RankTaken, StepNotIncreasing, UnknownRank
 from sidecar.ranks.protocol import EventItem, PhaseItem, Push, Registration, StepItem
 from sidecar.ranks.registry import Registry
-from tests.sidecar.helpers import DAEMON
 from tests.support import make_settings
 
 T0 = 1_800_000_000.0  # the rank's wall clock at its first step
@@ -20,7 +19,6 @@ def registry(tmp_path) -> Registry:
     return Registry(
         make_settings(
             tmp_path,
-            DAEMON,
             limits__max_jobs=3,
             limits__max_custom_metrics=2,
             limits__max_phases=1,
@@ -189,7 +187,7 @@ def test_a_rank_held_by_a_live_process_of_the_same_attempt_is_not_taken_over(tmp
     """The rank_taken rule is the registry's; whether the holder still runs is asked of the
     injected `alive`."""
     running = {100}
-    registry = Registry(make_settings(tmp_path, DAEMON), alive=lambda pid, start: pid in running)
+    registry = Registry(make_settings(tmp_path), alive=lambda pid, start: pid in running)
     register(registry, pid=100)
     with pytest.raises(RankTaken, match="held by pid 100, still running at restart 0"):
         register(registry, pid=200)
