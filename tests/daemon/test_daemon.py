@@ -42,6 +42,7 @@ STATUS_KEYS = {
     "watchdog",
     "incidents",
     "exits",
+    "jobs",
 }
 NODE_KEYS = {
     "name",
