@@ -193,10 +193,19 @@ class LimitSettings:
     gone_retention_seconds: float = field(
         default=600.0, metadata=doc("How long a finished or dead rank stays in the registry (and in `/metrics`).")
     )
+    job_reservation_seconds: float = field(
+        default=300.0,
+        metadata=doc(
+            "After a job's last live rank is gone, its job_id stays reserved this long for the uid its ranks "
+            "ran as: its next restart attempt registers again, another user gets 403 job_owned. Recorded in "
+            "the diagnostics directory, so a restarted sidecar reserves every job it had for this long from "
+            "its start (docs/security.md, Ownership). 0: no reservations."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _positive(f"limits.{f.name}", getattr(self, f.name))
+            _positive(f"limits.{f.name}", getattr(self, f.name), allow_zero=f.name == "job_reservation_seconds")
 
 
 @dataclass
@@ -312,7 +321,7 @@ class ExitSettings:
         default=60.0,
         metadata=doc(
             "A rank that dies within this many seconds after an XID on a GPU it was using exited with "
-            "reason `gpu_error`."
+            "reason `gpu_error` (a hardware XID) or `gpu_app_fault` (any other: 13, 31, 43, ...)."
         ),
     )
     group_seconds: float = field(
@@ -465,6 +474,14 @@ class Settings:
             "late, so watchdog.floor_seconds must be at least twice it plus the check interval."
         ),
     )
+    listen_retry_seconds: float = field(
+        default=30.0,
+        metadata=doc(
+            "At start, how long to keep trying to listen on `listen` while its port is taken (a process that "
+            "bound it while the sidecar was down), once a second, logging who holds it; then exit with "
+            "status 1. 0: fail at once."
+        ),
+    )
     idle_timeout_seconds: float = field(
         default=30.0,
         metadata=doc(
@@ -506,6 +523,7 @@ class Settings:
         _positive("metrics_reuse_seconds", self.metrics_reuse_seconds, allow_zero=True)
         _positive("hooks_flush_interval_seconds", self.hooks_flush_interval_seconds)
         _positive("idle_timeout_seconds", self.idle_timeout_seconds)
+        _positive("listen_retry_seconds", self.listen_retry_seconds, allow_zero=True)
         # Between two batches a healthy rank's progress looks up to one flush interval old.
         slack = 2 * self.hooks_flush_interval_seconds + self.watchdog.check_interval_seconds
         if self.watchdog.floor_seconds < slack:

@@ -23,6 +23,7 @@ from typing import Any
 from sidecar.commands.client import StatusError, fetch_json, resolve_endpoint
 from sidecar.config import DEFAULT_SOCKET, ConfigError, Settings, add_settings_arguments, settings_from_args
 from sidecar.incidents.store import INCIDENTS_SUBDIR, load_incidents
+from sidecar.safetext import printable
 
 DAEMON_TIMEOUT_SECONDS = 2.0
 
@@ -49,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _row(record: dict[str, Any]) -> list[str]:
+    return [printable(cell) for cell in _cells(record)]
+
+
+def _cells(record: dict[str, Any]) -> list[str]:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.get("time", 0)))
     blamed = record.get("blamed_rank")
     timeline = {e.get("event"): e.get("after_detection_seconds") for e in record.get("timeline", [])}
@@ -108,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
         for record in records:
             summary = Path(str(record.get("path", ""))).with_suffix(".txt")
             try:
-                print(summary.read_text())
+                # The sidecar escaped what ranks wrote into it; a file from an older version may not be.
+                print(printable(summary.read_text(errors="replace"), keep_newlines=True))
             except OSError:
                 print(f"(no summary at {summary})\n")
         return 0

@@ -12,7 +12,6 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 from aiohttp import web
@@ -24,6 +23,7 @@ from sidecar.collectors.base import CollectorRunner
 from sidecar.config import NODE_NAME, Settings
 from sidecar.daemon import status_document
 from sidecar.daemon.exposition import MetricsEndpoint
+from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import diagfiles, identity, procs, stackfiles
 from sidecar.jobview import auth
@@ -69,6 +69,8 @@ class Daemon:
     reporter: Reporter | None = None  # this node's side of the job view (sidecar/jobview/)
     coordinator: Coordinator | None = None  # the job view of the jobs whose rank 0 runs here
     peer_verifier: auth.Verifier | None = None  # checks other sidecars' signed requests (with a token)
+    loop_lag: LoopLag = field(default_factory=LoopLag)
+    dump_files: stackfiles.DumpFiles | None = None  # the stack-dump files it created (host/stackfiles.py)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
@@ -100,6 +102,14 @@ INGEST_REGISTRATIONS = spec(
 )
 DAEMON_CPU = spec("daemon", "daemon_cpu_seconds", "counter", "CPU time the sidecar process has used.")
 DAEMON_RSS = spec("daemon", "daemon_resident_memory_bytes", "gauge", "The sidecar process's resident memory.")
+DAEMON_FDS = spec("daemon", "daemon_open_fds", "gauge", "Descriptors the sidecar process holds open.")
+EVENT_LOOP_LAG = spec(
+    "daemon",
+    "event_loop_lag_seconds",
+    "gauge",
+    "The longest the event loop was late over the last minute: health checks, registrations, pushes and "
+    "the watchdog all waited that long. Above a second, healthy ranks near their timeout may look stalled.",
+)
 METRICS: tuple[MetricSpec, ...] = (
     BUILD_INFO,
     NODE_INFO,
@@ -108,6 +118,8 @@ METRICS: tuple[MetricSpec, ...] = (
     INGEST_REGISTRATIONS,
     DAEMON_CPU,
     DAEMON_RSS,
+    DAEMON_FDS,
+    EVENT_LOOP_LAG,
 )
 
 
@@ -192,9 +204,6 @@ async def read_json(request: web.Request) -> dict:
     return protocol.decode(body)
 
 
-LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
-
-
 def check_session(request: web.Request, rank, session: str | None) -> None:
     """Over TCP nothing tells who is calling, so a push or deregistration must carry the
     session its registration returned. A wrong one answers unknown_rank: honest hooks
@@ -209,24 +218,29 @@ def check_session(request: web.Request, rank, session: str | None) -> None:
         )
 
 
-async def loopback_peer(request: web.Request) -> int | None:
-    """For a TCP connection from this node, the pid of the client (None when not visible)."""
+async def tcp_peer(request: web.Request) -> tuple[int, int] | None:
+    """For a TCP connection from a process on this node: its pid and the inode of its end of
+    the connection (None when not visible: another host or network namespace)."""
     transport = request.transport
     if transport is None or not _is_tcp(request):
         return None
     client, server = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
-    if not (isinstance(client, tuple) and isinstance(server, tuple) and client[0] in LOOPBACK):
+    if not (isinstance(client, tuple) and isinstance(server, tuple)):
         return None
-    return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_peer_pid, client, server)
+    return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_peer, client, server)
 
 
 async def registering_peer(request: web.Request) -> identity.Peer | None:
     """Who is registering: the Unix socket's peer (with its pidfd), or the process behind a
-    loopback TCP connection; None when nothing tells (TCP from elsewhere)."""
+    TCP connection from this node (checked, once opened, to hold the connection still); None
+    when nothing tells (TCP from elsewhere). IdentityError when the process found has gone."""
     if not _is_tcp(request):
         return identity.unix_peer(_socket(request))
-    pid = await loopback_peer(request)
-    return None if pid is None else identity.process_peer(pid)
+    found = await tcp_peer(request)
+    if found is None:
+        return None
+    pid, inode = found
+    return await asyncio.get_running_loop().run_in_executor(None, identity.process_peer, pid, inode)
 
 
 async def register(request: web.Request) -> web.Response:
@@ -253,7 +267,7 @@ async def register(request: web.Request) -> web.Response:
         owner_uid=claimed.uid,
         pidfd=claimed.pidfd,
     )
-    rank.stack_file = stack_file_for(d.settings.diagnostics_dir, rank, previous, peer is not None)
+    rank.stack_file = stack_file_for(d, rank, previous, peer is not None)
     if d.exits is not None:
         d.exits.watch(rank)
     log.info(
@@ -286,11 +300,11 @@ async def register(request: web.Request) -> web.Response:
     )
 
 
-def stack_file_for(diag_dir: Path, rank: Rank, previous: Rank | None, verified: bool) -> stackfiles.StackFile | None:
+def stack_file_for(d: Daemon, rank: Rank, previous: Rank | None, verified: bool) -> stackfiles.StackFile | None:
     """The dump file of a rank that just registered: the one it already had when the same
-    process registers again, else a new one. None when it asked for no dumps, when its
-    caller was not verified as the process (nothing would be signalled anyway), or when the
-    process is not visible."""
+    process registers again, else a new one (within the per-uid bounds of stackfiles.DumpFiles).
+    None when it asked for no dumps, when its caller was not verified as the process (nothing
+    would be signalled anyway), or when the process is not visible."""
     if not verified or rank.stack_signal is None or rank.pid_start_time is None:
         return None
     if (
@@ -304,10 +318,17 @@ def stack_file_for(diag_dir: Path, rank: Rank, previous: Rank | None, verified: 
     if uid is None:
         return None
     try:
-        return stackfiles.create(diag_dir, rank.job_id, rank.rank, rank.pid, uid)
+        if d.dump_files is None:
+            return stackfiles.create(d.settings.diagnostics_dir, rank.job_id, rank.rank, rank.pid, uid)
+        return d.dump_files.create(rank.job_id, rank.rank, rank.pid, uid, lambda: held_dump_files(d.registry))
     except OSError as e:
         log.warning("no stack-dump file for rank %s: %s", rank.label, e)
         return None
+
+
+def held_dump_files(registry: Registry) -> set[str]:
+    """The dump files of live ranks: never removed."""
+    return {r.stack_file.path for r in registry.ranks() if r.stack_file is not None and not r.gone}
 
 
 def check_sender(request: web.Request, rank) -> None:
@@ -400,13 +421,16 @@ def daemon_families(d: Daemon) -> Iterable[Metric]:
         rejected.add_metric([code], count)
     registrations = INGEST_REGISTRATIONS.family()
     registrations.add_metric([], d.registry.registrations_total)
-    yield from (build, node, records, rejected, registrations)
+    lag = EVENT_LOOP_LAG.family()
+    lag.add_metric([], d.loop_lag.worst())
+    yield from (build, node, records, rejected, registrations, lag)
     try:
         cpu = d.process.cpu_times()
-        cpu_family, rss = DAEMON_CPU.family(), DAEMON_RSS.family()
+        cpu_family, rss, fds = DAEMON_CPU.family(), DAEMON_RSS.family(), DAEMON_FDS.family()
         cpu_family.add_metric([], cpu.user + cpu.system)
         rss.add_metric([], d.process.memory_info().rss)
-        yield from (cpu_family, rss)
+        fds.add_metric([], d.process.num_fds())
+        yield from (cpu_family, rss, fds)
     except psutil.Error:
         pass
 

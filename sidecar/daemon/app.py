@@ -1,12 +1,21 @@
 """`sidecar run`: the daemon. `build_app` assembles the application (registry, collectors,
 watchdog, handlers, background tasks); `serve` puts it on TCP and the Unix socket at once
-and runs until SIGTERM or SIGINT."""
+and runs until SIGTERM or SIGINT.
+
+Starting: a TCP port another process holds (one that bound it while the sidecar was down) is
+retried once a second for `listen_retry_seconds`, each attempt logged with who holds it, then
+the start fails with status 1 and that line. Stopping: SIGTERM and SIGINT are handled by
+Python's own handler, which runs between two bytecodes of whatever the main thread does, so
+a stop request never waits for a busy event loop to come back to its signal pipe; in-flight
+requests get STOP_SECONDS, and if the orderly stop has not finished after HARD_STOP_SECONDS,
+or on a second signal, the process exits at once (the next start removes the stale socket)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
@@ -15,6 +24,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,9 +44,10 @@ from sidecar.host import procs, stackfiles
 from sidecar.jobview import auth
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
-from sidecar.ranks import podlabels
+from sidecar.ranks import ownership, podlabels
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
+from sidecar.safetext import printable
 from sidecar.watchdog.machine import Watchdog
 
 log = logging.getLogger("sidecar")
@@ -44,6 +55,10 @@ log = logging.getLogger("sidecar")
 RESTART_BACKOFF_SECONDS = (1.0, 30.0)  # a crashed background task restarts after 1 s, doubling to 30 s
 SWEEP_INTERVAL_SECONDS = 30.0
 LISTEN_BACKLOG = 4096  # pending TCP connections (the kernel caps it at net.core.somaxconn)
+OWNERS_SAVE_SECONDS = 1.0  # how often the job owners are written while they change (ranks/ownership.py)
+LISTEN_RETRY_INTERVAL_SECONDS = 1.0
+STOP_SECONDS = 2.0  # after SIGTERM, how long in-flight requests may take (a half-sent body never holds the stop)
+HARD_STOP_SECONDS = 10.0  # after SIGTERM, the process exits by then whatever the loop is doing
 
 
 class StartupError(Exception):
@@ -78,6 +93,10 @@ def build_app(settings: Settings) -> web.Application:
         watchdog=Watchdog(settings, registry),
         token=settings.push_token(),
         protected_pids=procs.protected_pids(),
+    )
+    limits = settings.limits
+    daemon.dump_files = stackfiles.DumpFiles(
+        settings.diagnostics_dir, limits.max_ranks_per_user + stackfiles.KEPT_PER_UID, 2 * limits.max_ranks
     )
     events = gpu_events.build(settings, registry.live_pids)  # dcgm mode: XIDs without the gpu collector
     daemon.exits = exit_tracker(settings, daemon.watchdog, collectors, events)
@@ -180,7 +199,7 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     d = app[api.DAEMON]
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
         "collectors": d.runner.run_forever,
-        "retention": lambda: sweep_forever(d.registry),
+        "retention": lambda: sweep_forever(d.registry, d.dump_files),
     }
     if d.exits is not None:
         jobs["exits"] = d.exits.run
@@ -188,11 +207,15 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         jobs["watchdog"] = d.watchdog.run
     if d.reporter is not None:
         jobs["job_view"] = d.reporter.run
+    jobs["owners"] = lambda: save_owners_forever(d.registry)
+    jobs["loop_lag"] = d.loop_lag.run
+    restore_owners(d.registry)
     tasks = [asyncio.create_task(supervised(name, job), name=name) for name, job in jobs.items()]
     yield
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    ownership.write_owners(d.settings.diagnostics_dir, d.registry.owners.snapshot())  # what the next start reserves
     app[api.METRICS_ENDPOINT].close()
     if d.exits is not None:
         d.exits.close()
@@ -219,17 +242,44 @@ async def supervised(name: str, job: Callable[[], Awaitable[Any]]) -> None:
         delay = min(ceiling, delay * 2)
 
 
-async def sweep_forever(registry: Registry) -> None:
+async def sweep_forever(registry: Registry, dump_files: stackfiles.DumpFiles | None = None) -> None:
     interval = min(SWEEP_INTERVAL_SECONDS, registry.settings.limits.gone_retention_seconds / 4)
     while True:
         await asyncio.sleep(interval)
         dropped = registry.sweep()
         if dropped:
             log.info("dropped %d rank(s) gone longer than limits.gone_retention_seconds", dropped)
-        held = [r.stack_file.path for r in registry.ranks() if r.stack_file is not None]
+        held = [r.stack_file.path for r in registry.ranks() if r.stack_file is not None and not r.gone]
         await asyncio.get_running_loop().run_in_executor(
             None, stackfiles.prune, registry.settings.diagnostics_dir, held
         )
+        if dump_files is not None:
+            await asyncio.get_running_loop().run_in_executor(None, dump_files.forget_missing)
+
+
+def restore_owners(registry: Registry) -> None:
+    """Reserve the jobs the previous sidecar had for their owners (ranks/ownership.py)."""
+    document = ownership.read_owners(registry.settings.diagnostics_dir)
+    if document:
+        restored = registry.owners.restore(document)
+        if restored:
+            log.info(
+                "reserved %d job_id(s) of the previous run for their owners for %.0f s "
+                "(limits.job_reservation_seconds)",
+                restored,
+                registry.settings.limits.job_reservation_seconds,
+            )
+
+
+async def save_owners_forever(registry: Registry) -> None:
+    """Write the job owners while they change, off the event loop."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(OWNERS_SAVE_SECONDS)
+        registry.owners.expire()
+        if registry.owners.changed:
+            document = registry.owners.snapshot()
+            await loop.run_in_executor(None, ownership.write_owners, registry.settings.diagnostics_dir, document)
 
 
 # ---------------------------------------------------------------- serving
@@ -291,16 +341,17 @@ async def serve(settings: Settings) -> None:
     if settings.socket:
         claim_socket_path(settings.socket)
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=settings.idle_timeout_seconds)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        keepalive_timeout=settings.idle_timeout_seconds,
+        shutdown_timeout=STOP_SECONDS,
+    )
     await runner.setup()
     socket_inode = None
     try:
-        try:
-            # A job's coordinator hears from every node of the job at once when it hangs: a
-            # listen backlog of aiohttp's default 128 would drop connects (1 s SYN retries).
-            await web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG).start()
-        except OSError as e:
-            raise StartupError(f"cannot listen on {settings.listen}: {e.strerror or e}") from None
+        await listen_tcp(runner, settings)
         if settings.socket:
             try:
                 await web.UnixSite(runner, settings.socket).start()
@@ -312,17 +363,76 @@ async def serve(settings: Settings) -> None:
                 raise StartupError(f"cannot serve on socket {settings.socket}: {e.strerror or e}") from None
         announce(runner, settings)
         sd_notify("READY=1")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        stop = StopSignals(asyncio.get_running_loop())
+        await stop.requested.wait()
         log.info("stopping")
         sd_notify("STOPPING=1")
     finally:
         await runner.cleanup()
         if socket_inode is not None:
             remove_own_socket(settings.socket, socket_inode)
+
+
+async def listen_tcp(runner: web.AppRunner, settings: Settings) -> None:
+    """Listen on `listen`; while its port is in use, retry once a second for
+    listen_retry_seconds (the holder named in each attempt's log line), then StartupError."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.listen_retry_seconds
+    attempt = 0
+    while True:
+        attempt += 1
+        # A job's coordinator hears from every node of the job at once when it hangs: a listen
+        # backlog of aiohttp's default 128 would drop connects (1 s SYN retries).
+        site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG)
+        try:
+            await site.start()
+            if attempt > 1:
+                log.warning("listening on %s after %d attempts", settings.listen, attempt)
+            return
+        except OSError as e:
+            await site.stop()  # unregister the site that never started
+            holder = await loop.run_in_executor(None, procs.tcp_listener, settings.listen_port)
+            message = f"cannot listen on {settings.listen}: {e.strerror or e}"
+            if holder:
+                message += f" (held by {holder})"
+            if e.errno != errno.EADDRINUSE or loop.time() >= deadline:
+                raise StartupError(message) from None
+            log.warning(
+                "%s; retrying for %.0f s more (listen_retry_seconds)", message, max(0.0, deadline - loop.time())
+            )
+        await asyncio.sleep(LISTEN_RETRY_INTERVAL_SECONDS)
+
+
+class StopSignals:
+    """SIGTERM and SIGINT through Python's own signal handler, not the event loop's: it runs
+    between two bytecodes of the main thread even while the loop is busy. The first signal
+    asks the loop to stop (`requested`) and arms a timer that ends the process after
+    HARD_STOP_SECONDS if the orderly stop has not; a second signal ends it at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.requested = asyncio.Event()
+        self._signalled = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self._signalled:
+            _exit_now(f"{name} again while stopping: exiting now")
+        self._signalled = True
+        why = f"not stopped {HARD_STOP_SECONDS:.0f} s after {name}: exiting now"
+        timer = threading.Timer(HARD_STOP_SECONDS, _exit_now, [why])
+        timer.daemon = True
+        timer.start()
+        self.loop.call_soon_threadsafe(self.requested.set)
+
+
+def _exit_now(why: str) -> None:
+    with contextlib.suppress(Exception):
+        log.error("%s", why)
+        logging.shutdown()
+    os._exit(1)
 
 
 def remove_own_socket(path: str, inode: int) -> None:
@@ -347,12 +457,21 @@ def announce(runner: web.AppRunner, settings: Settings) -> None:
     log.info("%s", line)
 
 
+class PrintableFormatter(logging.Formatter):
+    """Log lines quote what ranks sent (job ids are checked, but cgroup names, exception text
+    and stack lines are theirs): every message goes through safetext.printable, so a log line
+    is one line and carries no escape sequence to the terminal that tails it. Tracebacks, the
+    sidecar's own, keep their line breaks."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
 
 
 def main(args: argparse.Namespace) -> int:

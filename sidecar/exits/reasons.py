@@ -8,8 +8,12 @@ Reasons (`REASONS`; the `reason` label of `sidecar_rank_exits_total`):
     watchdog                       the sidecar's own remediation killed it
     oom_killed                     the kernel's OOM killer (SIGKILL + the kernel log naming
                                    the pid, or the memory cgroup's oom_kill counter rising)
-    gpu_error                      it died within exits.gpu_error_window_seconds of an XID
+    gpu_error                      it died within exits.gpu_error_window_seconds of a hardware
+                                   XID (collectors/xid.py HARDWARE_XIDS: reset or reboot the GPU)
                                    on a GPU it was seen using
+    gpu_app_fault                  the same with any other XID (13, 31, 43, ...): an application
+                                   fault, which any GPU user's own kernel can cause; the job's bug,
+                                   not the hardware's, so no alert drains the node for it
     exception/cuda_oom             its own report: torch.OutOfMemoryError
     exception/collective_timeout   a collective or store timed out (gloo, NCCL, c10d)
     exception/communication        another communication error (a peer closed the connection,
@@ -35,6 +39,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from sidecar.collectors.xid import HARDWARE_XIDS
 from sidecar.exits import kernel
 from sidecar.ranks.protocol import ExitReport
 
@@ -44,6 +49,7 @@ REASONS = (
     "watchdog",
     "oom_killed",
     "gpu_error",
+    "gpu_app_fault",
     *(f"exception/{k}" for k in EXCEPTION_KINDS),
     "signal",
     "nonzero_exit",
@@ -157,7 +163,7 @@ def decide(ev: Evidence) -> tuple[str, list[str]]:
     if killed and ev.oom_cgroup:
         return "oom_killed", lines
     if ev.xid is not None:
-        return "gpu_error", lines
+        return ("gpu_error" if ev.xid[1] in HARDWARE_XIDS else "gpu_app_fault"), lines
     if ev.report is not None:
         return f"exception/{exception_kind(ev.report)}", lines
     if signalled:

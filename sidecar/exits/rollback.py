@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sidecar.ranks.model import Rank
-from sidecar.ranks.protocol import CONTROL_RE
+from sidecar.safetext import printable
 
 
 class RollbackMemory:
@@ -52,5 +52,5 @@ class RollbackMemory:
         if good:
             step, path = max(good, key=lambda c: c[0])
             # The rank's text, shown to people (never opened): no control characters in a terminal.
-            hint.update(checkpoint_step=step, checkpoint_path=None if path is None else CONTROL_RE.sub(" ", path))
+            hint.update(checkpoint_step=step, checkpoint_path=None if path is None else printable(path))
         return hint

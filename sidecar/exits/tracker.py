@@ -27,8 +27,10 @@ from sidecar.exits.rollback import RollbackMemory
 from sidecar.host.identity import PidFd
 from sidecar.host.procs import is_running
 from sidecar.metric import MetricSpec, spec
-from sidecar.ranks.model import Rank
+from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.protocol import ExitReport
+from sidecar.safetext import printable
+from trainer_hooks.wire import THREAD_EXCEPTION_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "exits",
         "rank_exits",
         "counter",
-        "Rank process exits by reason: finished, watchdog, oom_killed, gpu_error, exception/cuda_oom, "
+        "Rank process exits by reason: finished, watchdog, oom_killed, gpu_error (a hardware XID), gpu_app_fault "
+        "(another XID: the application's own fault), exception/cuda_oom, "
         "exception/collective_timeout, exception/communication, exception/nonfinite, exception/other, "
         "signal, nonzero_exit, unknown.",
         ["job_id", "reason"],
@@ -67,27 +70,50 @@ METRICS: tuple[MetricSpec, ...] = (
 
 # --------------------------------------------------------------- the tracker
 
+DECIDE_CHUNK = 64  # exits decided between two returns to the event loop
+ROOT_UID = 0
+
+
+@dataclass
+class _Process:
+    """One watched process, shared by every (job, rank) key registered for it: one pidfd and
+    one memory-cgroup descriptor however many keys name it (a process may register thousands)."""
+
+    pid: int
+    start_time: float | None
+    pidfd: PidFd | None  # the first registration's (identity.py), or one opened here
+    cgroup: kernel.MemoryCgroup | None
+    oom_baseline: int | None
+    watches: int = 0  # how many watches share it; closed with the last
+    checked: tuple[int, bool] = (0, True)  # (poll round, alive then): one check per round
+    status: tuple[int, tuple[int | None, str | None]] = (0, (None, None))
+
+    def close(self) -> None:
+        self.pidfd = None  # a PidFd closes its descriptor with its last reference
+        if self.cgroup is not None:
+            self.cgroup.close()
+            self.cgroup = None
+
 
 @dataclass
 class _Watch:
-    """One registered rank process, from registration until its exit is decided."""
+    """One registered rank, from registration until its exit is decided."""
 
     rank: Rank
-    pidfd: PidFd | None  # the registration's own (identity.py), or one opened here; closed with its last holder
-    cgroup: kernel.MemoryCgroup | None
-    oom_baseline: int | None
+    process: _Process
     gpus: set[str] = field(default_factory=set)
     deregistered: str | None = None
     report: ExitReport | None = None
     remediated_by: str | None = None
+    replaced: bool = False  # a later registration took its key
     exited_at: float | None = None  # monotonic, when the exit was noticed
     exited_wall: float | None = None
 
-    def close(self) -> None:
-        self.pidfd = None
-        if self.cgroup is not None:
-            self.cgroup.close()
-            self.cgroup = None
+    @property
+    def retired(self) -> bool:
+        """The rank has left the registry's live set (deregistered or replaced) while its
+        process may run on: such watches are what a per-user bound may drop."""
+        return self.deregistered is not None or self.replaced
 
 
 XidSource = Callable[[], dict[str, tuple[int, float]]]  # gpu -> (last xid, unix time)
@@ -95,7 +121,14 @@ GpuUse = Callable[[], dict[tuple[str, int], set[str]]]  # (job_id, rank) -> GPUs
 
 
 class ExitTracker:
-    """Watches every registered rank process and decides why it exited."""
+    """Watches every registered rank process and decides why it exited.
+
+    Cost bounds (docs/security.md, "Bounded cost"): the processes of many keys share one pidfd
+    and one cgroup descriptor; watches of retired ranks (deregistered or replaced, process still
+    running) are bounded per owner uid by limits.max_ranks_per_user (root: none) and on the node
+    by limits.max_ranks, dropping the owner's own oldest, never another user's; exits are
+    decided DECIDE_CHUNK at a time between returns to the event loop, the kernel log is read in
+    the executor, and each exit incident touched in a round is written once, off the loop."""
 
     def __init__(
         self,
@@ -110,7 +143,11 @@ class ExitTracker:
         self.procfs = settings.collectors.procfs_root
         self.incidents = ExitIncidents(store, settings.exits.group_seconds)
         self.xids, self.gpu_use, self.clock = xids, gpu_use, clock
-        self._watches: dict[int, _Watch] = {}  # by id(rank): a re-registration is a new Rank
+        self._watches: dict[int, _Watch] = {}  # by id(rank), oldest first: a re-registration is a new Rank
+        self._by_key: dict[RankKey, list[_Watch]] = {}
+        self._processes: dict[tuple[int, float | None], _Process] = {}
+        self._retired: Counter = Counter()  # owner uid -> its retired watches
+        self.dropped = 0  # retired watches dropped to stay within the bounds
         self.counts: Counter = Counter()  # (job_id, reason)
         self.failures: Counter = Counter()  # (job_id, reason of the first exit)
         self._remediations_counted: list[str] = []  # watchdog incidents already counted as a failure
@@ -118,40 +155,50 @@ class ExitTracker:
         self.last: dict[str, Any] | None = None  # the latest decided exit, for /v1/status
         self.recent: list[dict[str, Any]] = []
         self.rollback = RollbackMemory()
-        self._kmsg_scan: tuple[int, dict[int, str]] | None = None  # (round, victims)
+        self._kmsg_victims: dict[int, str] = {}  # this round's kernel-log OOM victims
         self._round = 0  # polls so far
 
     # ------------------------------------------------------------ inputs
 
     def watch(self, rank: Rank) -> None:
-        """At registration: pin the process (pidfd) and open its memory cgroup."""
-        for key, w in list(self._watches.items()):
-            if (
-                w.rank.key == rank.key
-                and w.rank.pid == rank.pid
-                and w.rank.pid_start_time == rank.pid_start_time
-                and w.exited_at is None
-            ):
-                del self._watches[key]  # the same process registering again (after a 409 unknown_rank)
+        """At registration: pin the process (pidfd) and open its memory cgroup, once per process."""
+        for w in list(self._by_key.get(rank.key, [])):
+            if w.exited_at is not None or w.replaced:
+                continue
+            if (w.rank.pid, w.rank.pid_start_time) == (rank.pid, rank.pid_start_time):
+                # The same process registering again (after a 409 unknown_rank, or after it had
+                # deregistered): the same watch, live again.
+                if w.deregistered is not None:
+                    self._uncount_retired(w)
+                    w.deregistered, w.report = None, None
+                del self._watches[id(w.rank)]
                 w.rank = rank
                 self._watches[id(rank)] = w
                 return
-        cgroup = kernel.memory_cgroup_of(rank.pid, rank.pid_start_time, self.procfs)
-        pidfd = getattr(rank, "pidfd", None)
-        if pidfd is None:
-            pidfd = kernel.open_pidfd(rank.pid, rank.pid_start_time)
-        watch = _Watch(rank, pidfd, cgroup, cgroup.oom_kills() if cgroup else None)
-        self._watches[id(rank)] = watch
-        limit = self.settings.limits.max_jobs * self.settings.limits.max_ranks_per_job
-        if len(self._watches) > limit:  # only ever exceeded by processes that never exit
-            oldest = next(iter(self._watches))
-            self._watches.pop(oldest).close()
+            self._retire(w, replaced=True)
+        ident = (rank.pid, rank.pid_start_time)
+        process = self._processes.get(ident)
+        if process is None:
+            cgroup = kernel.memory_cgroup_of(rank.pid, rank.pid_start_time, self.procfs)
+            pidfd = getattr(rank, "pidfd", None)
+            if pidfd is None:
+                pidfd = kernel.open_pidfd(rank.pid, rank.pid_start_time)
+            process = _Process(rank.pid, rank.pid_start_time, pidfd, cgroup, cgroup.oom_kills() if cgroup else None)
+            self._processes[ident] = process
+        process.watches += 1
+        w = _Watch(rank, process)
+        self._watches[id(rank)] = w
+        self._by_key.setdefault(rank.key, []).append(w)
 
     def deregistered(self, rank: Rank, reason: str, report: ExitReport | None) -> None:
         w = self._watches.get(id(rank))
         if w is None:
             return
-        w.deregistered, w.report = reason, report
+        w.report = report
+        if w.deregistered is None:
+            w.deregistered = reason
+            if not w.replaced:
+                self._count_retired(w)
         if reason == "finished" and report is None:
             self._decide(w)  # it says it is done; whatever it does next is not training
 
@@ -160,39 +207,79 @@ class ExitTracker:
         if w is not None:
             w.remediated_by = incident_id
 
+    def _retire(self, w: _Watch, replaced: bool) -> None:
+        if w.retired:
+            w.replaced = w.replaced or replaced
+            return
+        w.replaced = replaced
+        self._count_retired(w)
+
+    def _count_retired(self, w: _Watch) -> None:
+        """One more retired watch of its owner: past the owner's bound, the owner's oldest goes;
+        past the node's, the oldest of whoever holds the most."""
+        owner = w.rank.owner_uid
+        self._retired[owner] += 1
+        limits = self.settings.limits
+        if owner != ROOT_UID and self._retired[owner] > limits.max_ranks_per_user:
+            self._drop_oldest_retired(owner)
+        if sum(self._retired.values()) > limits.max_ranks:
+            self._drop_oldest_retired(max(self._retired, key=lambda uid: self._retired[uid]))
+
+    def _uncount_retired(self, w: _Watch) -> None:
+        owner = w.rank.owner_uid
+        self._retired[owner] -= 1
+        if self._retired[owner] <= 0:
+            del self._retired[owner]
+
+    def _drop_oldest_retired(self, owner: int | None) -> None:
+        victim = next(
+            (w for w in self._watches.values() if w.retired and w.exited_at is None and w.rank.owner_uid == owner),
+            None,
+        )
+        if victim is not None:
+            self.dropped += 1
+            log.debug("no longer watching the exit of rank %s (pid %d): bound", victim.rank.label, victim.rank.pid)
+            self._forget(victim)
+
     # ------------------------------------------------------------ the loop
 
     async def run(self) -> None:
         """Poll on the event loop: every input (registration, deregistration, remediation) arrives
-        there too, so nothing here needs a lock. The reads are small kernel files and a poll(2)."""
+        there too, so nothing here needs a lock."""
         while True:
             try:
-                self.poll()
+                await self.poll()
             except Exception:
                 log.exception("exit tracking failed")
             await asyncio.sleep(POLL_SECONDS)
 
-    def poll(self) -> None:
+    async def poll(self) -> None:
         """Notice exits, and decide those whose evidence is in (or will not come). The exits of
         one job are decided together once none of them is younger than SETTLE_SECONDS, causes
         before consequences: when a rank dies its peers fail at once ("Connection closed by
-        peer"), and may be noticed in the same round or even first."""
+        peer"), and may be noticed in the same round or even first. A round returns to the
+        event loop every DECIDE_CHUNK watches, reads the kernel log in the executor and writes
+        each exit incident it touched once, in the executor."""
         now = self.clock()
         self._round += 1
         in_use = self.gpu_use() if self.gpu_use is not None and self._watches else {}
         waiting: dict[str, list[_Watch]] = {}
         latest: dict[str, float] = {}  # by job: when its last exit was noticed
         unsettled: set[str] = set()  # jobs with an exit whose status is not in yet
-        for w in list(self._watches.values()):
+        for i, w in enumerate(list(self._watches.values())):
+            if i and i % (DECIDE_CHUNK * 16) == 0:
+                await asyncio.sleep(0)
+            if self._watches.get(id(w.rank)) is not w:
+                continue  # forgotten meanwhile
             try:
                 if w.exited_at is None:
                     w.gpus |= in_use.get(w.rank.key, set())
-                    if self._alive(w):
-                        if w.cgroup is not None and w.oom_baseline is None:
-                            w.oom_baseline = w.cgroup.oom_kills()
+                    if self._alive(w.process):
+                        if w.process.cgroup is not None and w.process.oom_baseline is None:
+                            w.process.oom_baseline = w.process.cgroup.oom_kills()
                         continue
                     w.exited_at, w.exited_wall = now, time.time()
-                status, _ = self._status(w)
+                status, _ = self._status(w.process)
                 job_id = w.rank.job_id
                 if status is None and now - w.exited_at < STATUS_WAIT_SECONDS:  # not reaped yet
                     unsettled.add(job_id)
@@ -202,13 +289,26 @@ class ExitTracker:
             except Exception:
                 log.exception("deciding the exit of rank %s failed", w.rank.label)
                 self._forget(w)
-        for job_id, exits in waiting.items():
-            if job_id in unsettled or now - latest[job_id] < SETTLE_SECONDS:
-                continue
+        ready = [
+            exits
+            for job_id, exits in waiting.items()
+            if job_id not in unsettled and now - latest[job_id] >= SETTLE_SECONDS
+        ]
+        if not ready:
+            return
+        await self._read_kernel_log([w for exits in ready for w in exits])
+        xids = self.xids() if self.xids is not None else {}
+        touched = 0
+        for exits in ready:
             decided = []
             for w in exits:
+                touched += 1
+                if touched % DECIDE_CHUNK == 0:
+                    await asyncio.sleep(0)
+                if self._watches.get(id(w.rank)) is not w:
+                    continue  # decided or dropped while the round waited
                 try:
-                    ev = self.evidence(w)
+                    ev = self.evidence(w, xids)
                     decided.append((w, *decide(ev), ev))
                 except Exception:
                     log.exception("deciding the exit of rank %s failed", w.rank.label)
@@ -216,24 +316,50 @@ class ExitTracker:
             decided.sort(key=lambda d: (d[1] in CONSEQUENCES, d[0].exited_at, d[0].rank.rank))
             for w, reason, lines, ev in decided:
                 self.record(w.rank, reason, lines, ev)
+        await self.incidents.flush()
 
-    def _alive(self, w: _Watch) -> bool:
-        if w.pidfd is not None:
-            return w.pidfd.alive()
-        return w.rank.pid_start_time is None or is_running(w.rank.pid, w.rank.pid_start_time)
+    def _alive(self, p: _Process) -> bool:
+        if p.checked[0] != self._round:
+            if p.pidfd is not None:
+                alive = p.pidfd.alive()
+            else:
+                alive = p.start_time is None or is_running(p.pid, p.start_time)
+            p.checked = (self._round, alive)
+        return p.checked[1]
 
-    def _status(self, w: _Watch) -> tuple[int | None, str | None]:
-        if w.pidfd is not None:
-            status = kernel.pidfd_exit_status(w.pidfd.fd)
+    def _status(self, p: _Process) -> tuple[int | None, str | None]:
+        if p.status[0] == self._round:
+            return p.status[1]
+        found: tuple[int | None, str | None] = (None, None)
+        if p.pidfd is not None:
+            status = kernel.pidfd_exit_status(p.pidfd.fd)
             if status is not None:
-                return status, "pidfd"
-        status = kernel.zombie_exit_status(w.rank.pid, w.rank.pid_start_time, self.procfs)
-        return (status, "zombie") if status is not None else (None, None)
+                found = (status, "pidfd")
+        if found[0] is None:
+            status = kernel.zombie_exit_status(p.pid, p.start_time, self.procfs)
+            if status is not None:
+                found = (status, "zombie")
+        p.status = (self._round, found)
+        return found
+
+    async def _read_kernel_log(self, exits: list[_Watch]) -> None:
+        """The kernel log's OOM victims among this round's exits: one scan of the log (bounded,
+        in the executor), however many ranks died (a node's whole group may be killed at once).
+        Only exits killed by SIGKILL, or without a status, can be the OOM killer's."""
+        self._kmsg_victims = {}
+        wanted: dict[int, float] = {}
+        for w in exits:
+            status, _ = self._status(w.process)
+            if status is None or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
+                wanted[w.rank.pid] = w.rank.pid_start_time or 0.0
+        if wanted:
+            loop = asyncio.get_running_loop()
+            self._kmsg_victims = await loop.run_in_executor(None, kernel.kmsg_oom_victims, set(wanted), wanted)
 
     # ------------------------------------------------------------ deciding
 
-    def evidence(self, w: _Watch) -> Evidence:
-        status, source = self._status(w) if w.exited_at is not None else (None, None)
+    def evidence(self, w: _Watch, xids: dict[str, tuple[int, float]] | None = None) -> Evidence:
+        status, source = self._status(w.process) if w.exited_at is not None else (None, None)
         ev = Evidence(
             deregistered=w.deregistered,
             report=w.report,
@@ -241,33 +367,29 @@ class ExitTracker:
             status_source=source,
             remediated_by=w.remediated_by,
         )
-        thread = [f for _, name, f in w.rank.events if name == "thread_exception"]
-        if thread:
-            ev.thread_exception = f"{str(thread[-1].get('type'))[:200]}: {str(thread[-1].get('message'))[:300]}"
+        thread = w.rank.last_event(THREAD_EXCEPTION_EVENT)
+        if thread is not None:
+            # The rank's own words, kept as text: escaped here, so no record, log line or
+            # `sidecar status` shows them raw.
+            ev.thread_exception = printable(f"{str(thread.get('type'))[:200]}: {str(thread.get('message'))[:300]}")
         if w.exited_at is None:
             return ev
-        if w.cgroup is not None and w.oom_baseline is not None:
-            after = w.cgroup.oom_kills()
-            if after is not None and after > w.oom_baseline:
-                ev.oom_cgroup = f"oom_kill {w.oom_baseline} -> {after} in {w.cgroup.path}"
+        cgroup, baseline = w.process.cgroup, w.process.oom_baseline
+        if cgroup is not None and baseline is not None:
+            after = cgroup.oom_kills()
+            if after is not None and after > baseline:
+                ev.oom_cgroup = f"oom_kill {baseline} -> {after} in {printable(cgroup.path)}"  # a name the user chose
         if status is None or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
-            ev.oom_kernel_log = self._kernel_log_victims().get(w.rank.pid)
-        self._xid_evidence(w, ev)
+            ev.oom_kernel_log = self._kmsg_victims.get(w.rank.pid)
+        if xids is None:
+            xids = self.xids() if self.xids is not None else {}
+        self._xid_evidence(w, ev, xids)
         return ev
 
-    def _kernel_log_victims(self) -> dict[int, str]:
-        """The kernel log's OOM victims among the exited processes: one scan of the log per
-        round, however many ranks died in it (a node's whole group may be killed at once)."""
-        if self._kmsg_scan is None or self._kmsg_scan[0] != self._round:
-            exited = [w.rank for w in self._watches.values() if w.exited_at is not None]
-            found = kernel.kmsg_oom_victims({r.pid for r in exited}, {r.pid: r.pid_start_time or 0.0 for r in exited})
-            self._kmsg_scan = (self._round, found)
-        return self._kmsg_scan[1]
-
-    def _xid_evidence(self, w: _Watch, ev: Evidence) -> None:
-        if self.xids is None or w.exited_wall is None:
+    def _xid_evidence(self, w: _Watch, ev: Evidence, xids: dict[str, tuple[int, float]]) -> None:
+        if w.exited_wall is None:
             return
-        for gpu, (xid, when) in sorted(self.xids().items()):
+        for gpu, (xid, when) in sorted(xids.items()):
             if not xid or not (w.exited_wall - self.window <= when <= w.exited_wall + 1.0):
                 continue
             if gpu in w.gpus:
@@ -280,10 +402,23 @@ class ExitTracker:
         reason, lines = decide(ev)
         self._forget(w)
         self.record(w.rank, reason, lines, ev)
+        self.incidents.flush_soon()
 
     def _forget(self, w: _Watch) -> None:
-        self._watches.pop(id(w.rank), None)
-        w.close()
+        if self._watches.pop(id(w.rank), None) is None:
+            return
+        same_key = self._by_key.get(w.rank.key, [])
+        if w in same_key:
+            same_key.remove(w)
+        if not same_key:
+            self._by_key.pop(w.rank.key, None)
+        if w.retired:
+            self._uncount_retired(w)
+        p = w.process
+        p.watches -= 1
+        if p.watches <= 0:
+            self._processes.pop((p.pid, p.start_time), None)
+            p.close()
 
     def record(self, rank: Rank, reason: str, lines: list[str], ev: Evidence) -> dict[str, Any]:
         now = time.time()
@@ -364,9 +499,12 @@ class ExitTracker:
         }
 
     def close(self) -> None:
-        for w in list(self._watches.values()):
-            w.close()
+        for p in self._processes.values():
+            p.close()
+        self._processes.clear()
         self._watches.clear()
+        self._by_key.clear()
+        self._retired.clear()
 
 
 def _finite(value: Any) -> Any:

@@ -31,6 +31,7 @@ import select
 import signal
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import psutil
@@ -136,16 +137,29 @@ def unix_peer(sock: socket.socket | None, want_pidfd: bool = True) -> Peer | Non
     return peer
 
 
-def process_peer(pid: int) -> Peer | None:
-    """A peer found another way (the client of a loopback TCP connection): no pidfd from the
-    kernel, so the pidfd is opened now and its uid read from /proc."""
+def process_peer(pid: int, socket_inode: int | None = None) -> Peer | None:
+    """A peer found another way (the client of a local TCP connection, `socket_inode` its end
+    of it): no pidfd from the kernel, so one is opened now, and only then are the facts read:
+    its uid, and that it still holds the connection. The process found by the lookup may have
+    exited since and its pid been reused (by root's process, say): that one does not hold the
+    socket, and is refused (IdentityError) rather than taken for the caller. The pidfd still
+    alive after the reads means they were about it. None when the process is not there any more
+    to be opened."""
+    try:
+        pidfd = open_pidfd(pid)
+    except IdentityError:
+        return None
     ids = uids(pid)
     if ids is None:
         return None
-    try:
-        return Peer(pid, ids[0], open_pidfd(pid))
-    except IdentityError:
-        return None
+    if socket_inode is not None and not procs.holds_socket(pid, socket_inode):
+        raise IdentityError(
+            f"the connecting process (pid {pid}) does not hold the connection any more: it has exited and its "
+            "pid may name another process now, so nothing it sends over this connection is trusted"
+        )
+    peer = Peer(pid, ids[0], pidfd)
+    peer.check_alive()
+    return peer
 
 
 # ---------------------------------------------------------------- /proc facts
@@ -213,9 +227,15 @@ def resolve(peer: Peer, claimed: int, protected: frozenset[int]) -> Claimed:
         raise IdentityError(f"pid: {claimed}: the connecting process (pid {peer.pid}) has exited")
     level = len(peer_ns) - 1
     found = None
-    # The caller itself first (a rank registering itself, the common case), so the scan for
-    # descendants runs only for a launcher.
-    for pid in itertools.chain([peer.pid], (p.pid for p in _descendants(peer.pid))):
+    # The caller itself first (a rank registering itself, the common case). A caller in the
+    # sidecar's own pid namespace names a host pid: its ancestry is walked up (a launcher of a
+    # thousand workers must not make each registration read every worker). A caller in a pod's
+    # namespace names a pid only its descendants' NSpid can map: those are scanned.
+    if level == 0:
+        candidates: Iterable[int] = [claimed] if procs.is_self_or_descendant(claimed, peer.pid) else []
+    else:
+        candidates = itertools.chain([peer.pid], (p.pid for p in _descendants(peer.pid)))
+    for pid in candidates:
         ns = nspids(pid)
         if ns is not None and len(ns) > level and ns[level] == claimed:
             found = pid

@@ -1,11 +1,15 @@
 """Process facts the sidecar trusts before it records or signals a process: start times (a
 pid plus its start time names one process, pid reuse cannot fool it), whether a process still
-runs, is a zombie or is stopped, ancestry, and the client of a loopback TCP connection.
+runs, is a zombie or is stopped, ancestry, and the process behind a local TCP connection.
 Callers and pidfds: sidecar/host/identity.py."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+import sys
+from collections.abc import Iterator
 
 import psutil
 
@@ -73,18 +77,99 @@ def protected_pids() -> frozenset[int]:
     return frozenset({0, 1, me, *ancestors(me)})
 
 
-def tcp_peer_pid(client: tuple, server: tuple) -> int | None:
-    """The pid owning the client end of a loopback TCP connection (client and server are
-    (host, port) as the server sees them), or None when it cannot be seen: another user's
-    process while the sidecar is not root, or a process in another pid namespace. Scans
-    every process's descriptors, so callers run it off the event loop and only for rare
-    requests (registration)."""
-    want_client, want_server = (client[0], client[1]), (server[0], server[1])
+# ---------------------------------------------------------------- TCP sockets and their processes
+
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
+
+
+def _tcp_sockets() -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int]]:
+    """(local address, remote address, state, inode) of every TCP socket of this network
+    namespace, from /proc/net/tcp and tcp6 (an inode of 0: no process holds it any more)."""
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            with open(f"{psutil.PROCFS_PATH}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            try:
+                yield _address(fields[1], family), _address(fields[2], family), fields[3], int(fields[9])
+            except (IndexError, ValueError, OSError):
+                continue
+
+
+def _address(text: str, family: int) -> tuple[str, int]:
+    """ "0100007F:1F90" -> ("127.0.0.1", 8080): each 32-bit word in the host's byte order."""
+    host, _, port = text.partition(":")
+    raw = bytes.fromhex(host)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(family, raw), int(port, 16)
+
+
+def _same_host(a: str, b: str) -> bool:
     try:
-        connections = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
+        x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return False
+    x = x.ipv4_mapped or x if isinstance(x, ipaddress.IPv6Address) else x
+    y = y.ipv4_mapped or y if isinstance(y, ipaddress.IPv6Address) else y
+    return x == y
+
+
+def holds_socket(pid: int, inode: int) -> bool:
+    """Whether the process `pid` has the socket `inode` open now."""
+    want = f"socket:[{inode}]"
+    try:
+        names = os.listdir(f"{psutil.PROCFS_PATH}/{int(pid)}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"{psutil.PROCFS_PATH}/{int(pid)}/fd/{name}") == want:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _holder(inode: int) -> int | None:
+    """The lowest pid holding the socket `inode`: /proc/<pid>/fd of every process, until found."""
+    try:
+        pids = sorted(int(p) for p in os.listdir(psutil.PROCFS_PATH) if p.isdigit())
+    except OSError:
         return None
-    for c in connections:
-        if c.pid and tuple(c.laddr) == want_client and tuple(c.raddr) == want_server:  # raddr: () unconnected
-            return c.pid
+    return next((pid for pid in pids if holds_socket(pid, inode)), None)
+
+
+def tcp_peer(client: tuple, server: tuple) -> tuple[int, int] | None:
+    """The process holding the client end of a TCP connection from this node (client and server
+    are (host, port) as the server sees them) and that socket's inode, or None when it cannot
+    be seen: a client on another host or in another network namespace, one that closed its
+    end, another user's process while the sidecar is not root. Scans every process's
+    descriptors, so callers run it off the event loop and only for rare requests
+    (registration); identity.process_peer then checks the process still holds the socket."""
+    for local, remote, _, inode in _tcp_sockets():
+        if local[1] == client[1] and remote[1] == server[1] and _same_host(local[0], client[0]):
+            if _same_host(remote[0], server[0]) and inode:
+                pid = _holder(inode)
+                return None if pid is None else (pid, inode)
     return None
+
+
+def tcp_listener(port: int) -> str | None:
+    """Who listens on TCP `port` in this network namespace, for a start-up error: "pid 123
+    (uid 1001, python3)", "an unknown process" when none is visible; None when nobody listens."""
+    inodes = [inode for local, _, state, inode in _tcp_sockets() if local[1] == port and state == _TCP_LISTEN]
+    if not inodes:
+        return None
+    for inode in inodes:
+        pid = _holder(inode) if inode else None
+        if pid is not None:
+            try:
+                p = psutil.Process(pid)
+                return f"pid {pid} (uid {p.uids().real}, {p.name()})"
+            except psutil.Error:
+                return f"pid {pid}"
+    return "an unknown process"

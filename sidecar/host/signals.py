@@ -154,6 +154,23 @@ def _signal_group(target: Target, sig: int) -> None:
     os.killpg(target.pid, sig)
 
 
+def descendants_of(pids: list[int]) -> dict[int, list[psutil.Process]]:
+    """The descendants of each of `pids`, from one reading of every process's parent: a job of a
+    thousand ranks costs one scan of /proc, not a thousand."""
+    children: dict[int, list[psutil.Process]] = {}
+    for p in psutil.process_iter(["ppid"]):
+        children.setdefault(p.info["ppid"], []).append(p)
+    out = {}
+    for pid in pids:
+        found, stack = [], [pid]
+        while stack:
+            for child in children.get(stack.pop(), []):
+                found.append(child)
+                stack.append(child.pid)
+        out[pid] = found
+    return out
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)

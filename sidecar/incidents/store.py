@@ -3,10 +3,16 @@
 Each detection writes `<diag_dir>/incidents/<UTC time>-<job>.json` (the full record, rewritten
 atomically as remediation progresses) and a `.txt` summary for people. `sidecar incidents`
 (sidecar/commands/incidents.py) lists them, newest first.
+
+The summary quotes text ranks control (their stack dumps, py-spy's view of them, cgroup names,
+exception reports): each of its lines goes through `safetext.printable`, so a rank can neither
+send escape sequences to the terminal of whoever reads it nor fake a line of it. Writes are
+rendered on the caller's thread and, with `save_async`, written in the executor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -18,6 +24,7 @@ from typing import Any
 
 from sidecar.config import Settings
 from sidecar.host import diagfiles
+from sidecar.safetext import printable
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ class Incident:
     timeout_seconds: float | None
     observe_only: bool
     ranks: list[RankSnapshot]
-    outcome: str = "pending"  # killed | suppressed | observe_only | not_killed_no_restart | failed
+    outcome: str = "pending"  # killed | suppressed | observe_only | unverified | not_killed_no_restart | failed
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: str = ""
@@ -143,10 +150,16 @@ class Incident:
                 lines += ["", f"  stacks of rank {r.rank} (pid {r.pid}): {r.stack_file or 'py-spy only'}"]
                 lines += [f"    {line}" for line in r.stack_head]
                 if r.py_spy:
-                    lines += ["    -- py-spy --"] + [f"    {line}" for line in r.py_spy.splitlines()[:STACK_HEAD_LINES]]
+                    lines += ["    -- py-spy --"] + [f"    {line}" for line in r.py_spy.split("\n")[:STACK_HEAD_LINES]]
         for note in self.notes:
             lines.append(f"  note: {note}")
-        return "\n".join(lines) + "\n"
+        return document(lines)
+
+
+def document(lines: list[str]) -> str:
+    """A summary for people from its lines: each escaped whole (safetext.printable), so a line
+    break or escape sequence inside one field shows as `\\x0a`, never as a line of its own."""
+    return "".join(printable(line) + "\n" for line in lines)
 
 
 def _safe_name(text: str) -> str:
@@ -172,7 +185,9 @@ class IncidentStore:
             settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id(), settings.node_name
         )
 
-    def open(self, job_id: str, cls: type[Incident] = Incident, **fields: Any) -> Incident:
+    def open(self, job_id: str, cls: type[Incident] = Incident, save: bool = True, **fields: Any) -> Incident:
+        """A new incident, detected now; written at once unless `save` is False (the caller
+        saves it later)."""
         now = time.time()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
         incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id, node=self.node, **fields)
@@ -180,18 +195,31 @@ class IncidentStore:
         incident.event("detected", at=now)
         self.recent.append(incident)
         del self.recent[:-50]
-        self.save(incident)
+        if save:
+            self.save(incident)
         return incident
 
     def save(self, incident: Incident) -> None:
+        self._write(self._render(incident))
+
+    async def save_async(self, incident: Incident) -> None:
+        """`save`, with the files written in the executor: rendered now (later changes to the
+        incident wait for its next save), so the event loop only pays for the rendering."""
+        rendered = self._render(incident)
+        await asyncio.get_running_loop().run_in_executor(None, self._write, rendered)
+
+    def _render(self, incident: Incident) -> tuple[str, str, bytes, bytes]:
+        record = (json.dumps(incident.to_dict(), indent=2) + "\n").encode()
+        return incident.path, Path(incident.path).stem, record, incident.text().encode()
+
+    def _write(self, rendered: tuple[str, str, bytes, bytes]) -> None:
+        path, name, record, summary = rendered
         try:
-            name = Path(incident.path).stem
             with diagfiles.opened(self.diag_dir, INCIDENTS_SUBDIR) as dir_fd:
-                document = (json.dumps(incident.to_dict(), indent=2) + "\n").encode()
-                diagfiles.write_atomic(dir_fd, name + ".json", document, self.file_mode, self.gid)
-                diagfiles.write_atomic(dir_fd, name + ".txt", incident.text().encode(), self.file_mode, self.gid)
+                diagfiles.write_atomic(dir_fd, name + ".json", record, self.file_mode, self.gid)
+                diagfiles.write_atomic(dir_fd, name + ".txt", summary, self.file_mode, self.gid)
         except OSError as e:
-            log.error("cannot write incident %s: %s", incident.path, e)
+            log.error("cannot write incident %s: %s", path, e)
 
     def latest(self, limit: int = 5) -> list[dict[str, Any]]:
         return [i.brief() for i in reversed(self.recent[-limit:])] if limit > 0 else []

@@ -10,6 +10,7 @@ registry. The refusals are `sidecar/ranks/errors.py`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,6 +18,7 @@ from typing import Protocol
 from sidecar.config import Settings
 from sidecar.ranks.errors import JobOwned, LimitExceeded, RankTaken
 from sidecar.ranks.model import Rank
+from sidecar.ranks.ownership import Ownership
 from sidecar.ranks.protocol import Registration
 from trainer_hooks.wire import WELL_KNOWN_PHASES
 
@@ -25,8 +27,10 @@ ROOT_UID = 0
 
 @dataclass
 class JobNames:
-    """The custom metric and phase names one job has used (beyond the well-known ones)."""
+    """The custom metric and phase names one job has used (beyond the well-known ones), under
+    its owner: a job_id that passes to another uid starts with none (registry.py)."""
 
+    owner_uid: int | None = None
     custom: set[str] = field(default_factory=set)
     phases: set[str] = field(default_factory=set)
 
@@ -42,6 +46,9 @@ class RankTable(Protocol):
 
     def names(self, job_id: str) -> JobNames | None: ...
 
+    def reservation(self, job_id: str) -> Ownership | None:
+        """The job's owner while it is reserved (no live rank, within the reservation time)."""
+
     def evict_gone_job(self) -> None:
         """Drop the job whose ranks are all gone, oldest first (to make room for a new job)."""
 
@@ -49,10 +56,17 @@ class RankTable(Protocol):
 class Admission:
     """The rules over the registry's ranks and per-job names, with `settings.limits`."""
 
-    def __init__(self, settings: Settings, table: RankTable, alive: Callable[[int, float | None], bool]):
+    def __init__(
+        self,
+        settings: Settings,
+        table: RankTable,
+        alive: Callable[[int, float | None], bool],
+        clock: Callable[[], float] = time.time,
+    ):
         self.settings = settings
         self.table = table
         self.alive = alive
+        self.clock = clock
 
     def job_owner(self, job_id: str) -> tuple[bool, int | None]:
         """(owned, uid): a job is owned while it has live ranks, by the uid they run as."""
@@ -63,14 +77,23 @@ class Admission:
 
     def check_registration(self, reg: Registration, host_pid: int, owner_uid: int | None) -> None:
         """Refuse a registration that breaks a rule. `host_pid`: the rank's pid here;
-        `owner_uid`: the uid its process runs as, which must be the uid of the job's live ranks
-        (JobOwned otherwise). A phase it re-registers inside counts as a new phase name."""
+        `owner_uid`: the uid its process runs as, which must be the uid of the job's live ranks,
+        or of its reservation (JobOwned otherwise). A phase it re-registers inside counts as a
+        new phase name."""
         self._check_not_taken(reg, host_pid)
         owned, owner = self.job_owner(reg.job_id)
         if owned and owner != owner_uid:
             raise JobOwned(
                 f"job_id: {reg.job_id!r} belongs to uid {uid_text(owner)} (its ranks run as it) until "
                 f"they are gone; this registration is for uid {uid_text(owner_uid)}"
+            )
+        reserved = None if owned else self.table.reservation(reg.job_id)
+        if reserved is not None and reserved.uid != owner_uid:
+            left = max(0.0, (reserved.until or 0.0) - self.clock())
+            raise JobOwned(
+                f"job_id: {reg.job_id!r} is reserved for uid {uid_text(reserved.uid)}, whose ranks of it went "
+                f"lately, for {left:.0f} s more (limits.job_reservation_seconds); this registration is for "
+                f"uid {uid_text(owner_uid)}"
             )
         self._check_room(reg, owned, owner_uid)
         if reg.phase is not None and reg.phase not in WELL_KNOWN_PHASES:

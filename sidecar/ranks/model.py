@@ -5,18 +5,26 @@ of ranks; the watchdog, the exit tracker and the exporters read these records.""
 from __future__ import annotations
 
 import collections
+import json
 import math
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sidecar.host.identity import PidFd
 from sidecar.host.stackfiles import StackFile
 from sidecar.ranks.protocol import EventItem, Launcher, PhaseItem, StepItem
 from sidecar.ranks.stepcounters import StepCounters
-from trainer_hooks.wire import WELL_KNOWN_METRICS
+from trainer_hooks.wire import MAX_FIELD_CHARS, MAX_NAME, WELL_KNOWN_METRICS
 
 RankKey = tuple[str, int]
+
+# Events are kept as text, not as the parsed objects they arrived as (a 1 MiB body of `{},{},...`
+# parses into ~25 MiB of Python objects): each field clipped to MAX_FIELD_CHARS of JSON, at most
+# EVENTS_MAX (the newest) and EVENT_BYTES_PER_RANK of them per rank.
+EVENTS_MAX = 32
+EVENT_BYTES_PER_RANK = 32 * 1024
 
 # The well-known metric and phase names are the wire contract's (trainer_hooks/wire.py): any
 # other key in a step's metrics is a custom metric, any other phase name counts against limits.
@@ -72,7 +80,9 @@ class Rank:
     nonfinite: collections.Counter = field(default_factory=collections.Counter)  # by metric key
     counters: StepCounters = field(default_factory=StepCounters)  # steps/samples/tokens, step-time histogram
     records: int = 0  # items accepted since registration
-    events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
+    # Recent events as (time, name, fields as compact JSON text), newest last (`compact_fields`).
+    events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=EVENTS_MAX))
+    events_bytes: int = 0
     gone: bool = False
     gone_reason: str | None = None
     gone_at: float | None = None  # monotonic
@@ -180,7 +190,13 @@ class Rank:
             self.phase, self.phase_started, self.phase_timeout = None, None, None
 
     def apply_event(self, item: EventItem) -> None:
-        self.events.append((item.time, item.name, dict(item.fields)))
+        text = compact_fields(item.fields)
+        if len(self.events) == self.events.maxlen:
+            self.events_bytes -= len(self.events[0][2])
+        self.events.append((item.time, item.name, text))
+        self.events_bytes += len(text)
+        while self.events_bytes > EVENT_BYTES_PER_RANK and len(self.events) > 1:
+            self.events_bytes -= len(self.events.popleft()[2])
         if item.name == "checkpoint_saved":
             step = item.fields.get("step")
             if type(step) is int and 0 <= step < 1 << 63:
@@ -188,3 +204,25 @@ class Rank:
                 path = item.fields.get("path")
                 self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None, item.time))
             self.last_checkpoint_time = item.time
+
+    def last_event(self, name: str) -> dict[str, Any] | None:
+        """The fields of the newest kept event called `name` (each clipped as `compact_fields`
+        says), or None."""
+        for _, event_name, text in reversed(self.events):
+            if event_name == name:
+                fields = json.loads(text)
+                return fields if isinstance(fields, dict) else None
+        return None
+
+
+def compact_fields(fields: dict[str, Any]) -> str:
+    """An event's fields as compact JSON text: names clipped to MAX_NAME characters, text values
+    to MAX_FIELD_CHARS, and any other value larger than that replaced by its JSON text, clipped."""
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, str):
+            value = value[:MAX_FIELD_CHARS]
+        elif not (value is None or isinstance(value, (bool, int, float))) or len(repr(value)) > MAX_FIELD_CHARS:
+            value = json.dumps(value)[:MAX_FIELD_CHARS]
+        out[str(key)[:MAX_NAME]] = value
+    return json.dumps(out, allow_nan=True)

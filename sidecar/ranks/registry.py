@@ -19,6 +19,7 @@ from sidecar.host.identity import PidFd
 from sidecar.ranks.admission import Admission, JobNames
 from sidecar.ranks.errors import StepNotIncreasing, UnknownRank
 from sidecar.ranks.model import Rank, RankKey
+from sidecar.ranks.ownership import JobOwners, Ownership
 from sidecar.ranks.protocol import Deregistration, EventItem, PhaseItem, Push, Registration, StepItem
 from trainer_hooks.wire import WELL_KNOWN_METRICS, WELL_KNOWN_PHASES
 
@@ -33,6 +34,8 @@ class Registry:
         self._ranks: dict[RankKey, Rank] = {}
         self._names: dict[str, JobNames] = {}  # per job: its custom metric and phase names
         self.registrations_total = 0
+        limits = settings.limits
+        self.owners = JobOwners(limits.job_reservation_seconds, limits.max_jobs_per_user, limits.max_jobs)
         self.admission = Admission(settings, self, alive)
 
     # ------------------------------------------------------------ reading
@@ -53,6 +56,11 @@ class Registry:
     def names(self, job_id: str) -> JobNames | None:
         """The custom metric and phase names the job has used (None: none yet)."""
         return self._names.get(job_id)
+
+    def reservation(self, job_id: str) -> Ownership | None:
+        """The job's owner while its job_id is reserved (ownership.py), else None."""
+        entry = self.owners.owner(job_id)
+        return entry if entry is not None and entry.until is not None else None
 
     def jobs(self) -> dict[str, list[Rank]]:
         """Ranks grouped by job, ordered by rank."""
@@ -90,8 +98,9 @@ class Registry:
         key = (reg.job_id, reg.rank)
         host = reg.pid if host_pid is None else host_pid
         self.admission.check_registration(reg, host, owner_uid)
+        self._forget_previous_owner(reg.job_id, owner_uid)
         if reg.phase is not None and reg.phase not in WELL_KNOWN_PHASES:
-            self._add_names(reg.job_id, (), (reg.phase,))
+            self._add_names(reg.job_id, owner_uid, (), (reg.phase,))
         rank = Rank(
             job_id=reg.job_id,
             rank=reg.rank,
@@ -120,11 +129,23 @@ class Registry:
             rank.phase, rank.phase_started = reg.phase, rank.registered_at
             rank.phase_timeout = reg.phase_timeout_seconds
         previous = self._ranks.get(key)
-        if previous is not None:  # a restarted worker continues its counters (no reset for rate())
+        if previous is not None:  # a restarted worker of the same owner continues its counters (no reset for rate())
             rank.counters = previous.counters
+            previous.pidfd = None  # replaced: never signalled again, its descriptor goes now
         self._ranks[key] = rank
+        self.owners.claimed(reg.job_id, owner_uid)
         self.registrations_total += 1
         return rank
+
+    def _forget_previous_owner(self, job_id: str, owner_uid: int | None) -> None:
+        """A job_id passing to another uid (admission allowed it: the job had no live rank and
+        no reservation of another uid): what the registry kept of the previous owner's job, its
+        gone ranks (with their step counters) and its name tables, goes."""
+        names = self._names.get(job_id)
+        if names is not None and names.owner_uid != owner_uid:
+            del self._names[job_id]
+        for key in [k for k, r in self._ranks.items() if k[0] == job_id and r.owner_uid != owner_uid]:
+            del self._ranks[key]
 
     def lookup(self, job_id: str, rank: int, pid: int) -> Rank:
         """The live registration of `(job_id, rank)` by `pid`, or UnknownRank (the hooks then
@@ -177,10 +198,10 @@ class Registry:
                 if item.name not in WELL_KNOWN_PHASES and item.name not in names.phases:
                     new_phases.setdefault(item.name, i)
         self.admission.check_names(r.job_id, r.owner_uid, new_custom, new_phases)
-        self._add_names(r.job_id, new_custom, new_phases)
+        self._add_names(r.job_id, r.owner_uid, new_custom, new_phases)
 
-    def _add_names(self, job_id: str, custom: Iterable[str], phases: Iterable[str]) -> None:
-        names = self._names.setdefault(job_id, JobNames())
+    def _add_names(self, job_id: str, owner_uid: int | None, custom: Iterable[str], phases: Iterable[str]) -> None:
+        names = self._names.setdefault(job_id, JobNames(owner_uid))
         names.custom.update(custom)
         names.phases.update(phases)
 
@@ -194,6 +215,8 @@ class Registry:
         if r is not None and not r.gone:
             r.gone, r.gone_reason, r.gone_at = True, reason, time.monotonic()
             r.pidfd = None  # a gone rank is never signalled again: its descriptor goes now, not at retention
+            if not any(o.job_id == r.job_id and not o.gone for o in self._ranks.values()):
+                self.owners.released(r.job_id, r.owner_uid)  # its owner keeps the job_id a while
 
     def sweep(self, now: float | None = None) -> int:
         """Drop ranks gone longer than limits.gone_retention_seconds; returns how many."""
@@ -203,6 +226,7 @@ class Registry:
         for k in stale:
             del self._ranks[k]
         self._forget_empty_jobs()
+        self.owners.expire()
         return len(stale)
 
     # ------------------------------------------------------------ bounds

@@ -119,10 +119,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog",
         "watchdog_remediations",
         "counter",
-        "Remediations by outcome: killed, suppressed (storm cap), observe_only, not_killed_no_restart "
-        "(nothing would restart the ranks: no launcher, or torchrun's restarts used up; stacks dumped, "
-        "no signal to end them; remediation.kill_without_restart), left_to_launcher (the culprit was on "
-        "another node: torchrun stopped this node's waiting ranks), failed.",
+        "Remediations by outcome: killed, suppressed (storm cap), observe_only, unverified (registered by "
+        "unverified callers: never signalled), not_killed_no_restart (nothing would restart the ranks: no "
+        "launcher, or torchrun's restarts used up; stacks dumped, no signal to end them; "
+        "remediation.kill_without_restart), left_to_launcher (the culprit was on another node: torchrun "
+        "stopped this node's waiting ranks), failed.",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -351,7 +352,10 @@ class Watchdog:
         no_restart = [] if observe_only else no_restart_reasons(t.rank for t in members)
         spare = bool(no_restart) and not self.settings.remediation.kill_without_restart
         owner = members[0].rank.owner_uid if members else None
-        full = None if observe_only or spare else self.storm_cap.allow(owner)
+        # Ranks no verified caller registered are never signalled, so their stall spends no slot
+        # of the storm cap (a slot another job's real hang may need) and gets no remediation.
+        verified = any(t.rank.peer_verified for t in members)
+        full = None if observe_only or spare or not verified else self.storm_cap.allow(owner)
         suppressed = full is not None
         incident = self.store.open(
             job_id,
@@ -370,19 +374,34 @@ class Watchdog:
         targets = [target_of(t.rank) for t in members]
         if no_restart:
             incident.notes.append(no_restart_note(no_restart, killing=not spare))
-        if observe_only or suppressed or spare:
-            episode.outcome = "observe_only" if observe_only else "suppressed" if suppressed else NOT_KILLED_NO_RESTART
+        if observe_only or suppressed or not verified or spare:
+            episode.outcome = (
+                "observe_only"
+                if observe_only
+                else "suppressed"
+                if suppressed
+                else "unverified"
+                if not verified
+                else NOT_KILLED_NO_RESTART
+            )
             if suppressed:
                 incident.notes.append(f"storm cap: {full} reached; not killing")
+            elif not verified and not observe_only:
+                incident.notes.append(
+                    "no rank of this job was registered by a verified caller: never signalled, no py-spy, "
+                    "no storm-cap slot spent"
+                )
             log.error(
                 "job %s stalled (%s); %s",
                 job_id,
                 incident.summary,
                 "observe-only mode: not killing"
                 if observe_only
-                else (
-                    "storm cap reached: not killing" if suppressed else "nothing would restart its ranks: not killing"
-                ),
+                else "storm cap reached: not killing"
+                if suppressed
+                else "registered by unverified callers: not killing"
+                if not verified
+                else "nothing would restart its ranks: not killing",
             )
             episode.task = asyncio.get_running_loop().create_task(
                 self._observe(episode, targets), name=f"observe-{job_id}"

@@ -18,11 +18,11 @@ import psutil
 
 from sidecar.config import RemediationSettings
 from sidecar.host import procs
-from sidecar.host.signals import Refused, Target, descendants, send, send_member
+from sidecar.host.signals import Refused, Target, descendants_of, send, send_member
 from sidecar.incidents.store import Incident
 from sidecar.watchdog.stackdumps import (
     ask_for_stacks,
-    file_size,
+    file_sizes,
     in_collective,
     py_spy_dump,
     py_spy_path,
@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
 POLL_SECONDS = 0.1
 DUMP_STILL_SECONDS = 0.3  # a dump file that held still this long is complete
+# py-spy runs at most this many at a time (each is a process, and on Python 3.11 a child-watcher
+# thread, started from the event loop): a stall of a thousand ranks must not start a thousand.
+PY_SPY_CONCURRENCY = 4
 
 
 # ---------------------------------------------------------------- remediation
@@ -52,6 +55,7 @@ class Termination:
 class Remediator:
     def __init__(self, settings: RemediationSettings):
         self.settings = settings
+        self._py_spy_slots = asyncio.Semaphore(PY_SPY_CONCURRENCY)
 
     async def collect_stacks(
         self, incident: Incident, targets: list[Target], signal_ranks: bool = True, use_py_spy: bool = True
@@ -62,14 +66,16 @@ class Remediator:
         process runs no signal handler, and sending SIGSTOP at once would stop it again before
         the handler's first instruction, while continuing it for the whole dump wait would let
         it train on, or even finish, before the SIGTERM. Without `signal_ranks` only py-spy's
-        non-blocking mode runs: it never stops the process. Without `use_py_spy` (a probe while a
-        rank is only suspect) py-spy is not run."""
+        non-blocking mode runs: it never stops the process. py-spy runs only for ranks a
+        verified caller registered (it reads, and in blocking mode pauses, the process with
+        root's authority), PY_SPY_CONCURRENCY at a time, within one shared deadline. Without
+        `use_py_spy` (a probe while a rank is only suspect) py-spy is not run."""
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
-        sizes = {t.pid: await loop.run_in_executor(None, file_size, t.stack_file) for t in targets}
+        sizes = dict(zip([t.pid for t in targets], await loop.run_in_executor(None, file_sizes, targets), strict=True))
         asked = []
-        stopped = {t.pid for t in targets if await loop.run_in_executor(None, procs.is_stopped, t.pid)}
+        stopped = set(await loop.run_in_executor(None, stopped_pids, targets))
         for t in targets:
             if t.pid in stopped:
                 incident.notes.append(
@@ -95,10 +101,12 @@ class Remediator:
                         incident.notes.append(f"rank {t.rank} (pid {t.pid}) not stopped again after its dump: {result}")
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
-        if s.py_spy and use_py_spy and py_spy_path():
+        spied = [t for t in targets if t.verified]
+        if s.py_spy and use_py_spy and py_spy_path() and spied:
             timeout = max(5.0, s.dump_wait_seconds + 3.0)
+            deadline = loop.time() + timeout
             spy = asyncio.gather(
-                *(py_spy_dump(t.pid, timeout, nonblocking=not signal_ranks or t.pid in stopped) for t in targets)
+                *(self._py_spy(t.pid, deadline, nonblocking=not signal_ranks or t.pid in stopped) for t in spied)
             )
         if asked:  # until every dump is written, or dump_wait_seconds
             await wait_until_written(
@@ -120,7 +128,7 @@ class Remediator:
         if asked:
             incident.event("dumps_received", ranks=got)
         if spy is not None:
-            for t, text in zip(targets, await spy, strict=True):
+            for t, text in zip(spied, await spy, strict=True):
                 snap = by_pid.get(t.pid)
                 if snap is not None and text:
                     snap.py_spy = text
@@ -128,12 +136,22 @@ class Remediator:
                         snap.in_collective = in_collective(text)
             incident.event("py_spy_done")
 
+    async def _py_spy(self, pid: int, deadline: float, nonblocking: bool) -> str:
+        """py-spy of one rank once a slot is free, if the shared deadline leaves time for it."""
+        loop = asyncio.get_running_loop()
+        async with self._py_spy_slots:
+            left = deadline - loop.time()
+            if left < 1.0:
+                return f"py-spy not run: {PY_SPY_CONCURRENCY} at a time, no time left before the deadline"
+            return await py_spy_dump(pid, left, nonblocking)
+
     async def sigterm(self, incident: Incident, targets: list[Target]) -> Termination | None:
         """The first half of a termination: SIGTERM each rank's group (None when no rank could
         be signalled). The caller saves the incident, then awaits `kill_survivors_after_grace`."""
         loop = asyncio.get_running_loop()
         # The tree as it is now: what a rank started is killed even if the rank dies first.
-        members = [(t, p) for t in targets for p in await loop.run_in_executor(None, descendants, t.pid)]
+        trees = await loop.run_in_executor(None, descendants_of, [t.pid for t in targets])  # one scan for all
+        members = [(t, p) for t in targets for p in trees[t.pid]]
         signalled = await self._signal_all(incident, targets, signal.SIGTERM, "sigterm")
         if not signalled:
             incident.notes.append("no rank could be signalled")
@@ -206,11 +224,21 @@ class Remediator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while True:
-            left = [t for t in targets if await loop.run_in_executor(None, Target.is_running, t)]
-            members = [(t, p) for t, p in members if await loop.run_in_executor(None, _alive, p)]
+            left, members = await loop.run_in_executor(None, _still_running, targets, members)
             if (not left and not members) or loop.time() >= deadline:
                 return left, members
             await asyncio.sleep(POLL_SECONDS)
+
+
+def _still_running(
+    targets: list[Target], members: list[tuple[Target, psutil.Process]]
+) -> tuple[list[Target], list[tuple[Target, psutil.Process]]]:
+    """The ranks and members still running, in one executor call however many there are."""
+    return [t for t in targets if t.is_running()], [(t, p) for t, p in members if _alive(p)]
+
+
+def stopped_pids(targets: list[Target]) -> list[int]:
+    return [t.pid for t in targets if procs.is_stopped(t.pid)]
 
 
 def _alive(p: psutil.Process) -> bool:

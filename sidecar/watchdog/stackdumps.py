@@ -37,10 +37,12 @@ def main_thread(text: str) -> str:
 
 
 def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
-    """The first lines of a dump, main thread first: that is where a hang shows."""
+    """The first lines of a dump, main thread first: that is where a hang shows. Split on line
+    feeds only: a carriage return or form feed the rank wrote stays inside its line (and is
+    escaped when printed), never starts a line of the incident."""
     main = main_thread(text)
     ordered = main + ("\n" + text.replace(main, "", 1) if main != text else "")
-    return [line.rstrip() for line in ordered.splitlines() if line.strip()][:lines]
+    return [line.rstrip() for line in ordered.split("\n") if line.strip()][:lines]
 
 
 _FAULTHANDLER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
@@ -71,6 +73,11 @@ def in_collective(text: str) -> bool | None:
 
 def file_size(stack_file: StackFile | None) -> int:
     return stack_file.size() if stack_file is not None else 0
+
+
+def file_sizes(targets: list[Target]) -> list[int]:
+    """The dump file size of each target, in one executor call however many there are."""
+    return [file_size(t.stack_file) for t in targets]
 
 
 def py_spy_path() -> str | None:
@@ -121,7 +128,7 @@ async def wait_until_written(
     last: list[int] | None = None
     still_since: float | None = None
     while loop.time() < deadline:
-        sizes = [await loop.run_in_executor(None, file_size, f) for f in files]
+        sizes = await loop.run_in_executor(None, lambda: [file_size(f) for f in files])  # one executor hop
         grown = all(size > before for size, before in zip(sizes, sizes_before, strict=True))
         if grown and sizes == last:
             if still_since is None:

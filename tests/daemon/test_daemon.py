@@ -285,7 +285,14 @@ def test_a_tcp_port_in_use_exits_1_and_leaves_no_socket(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         result = run_sidecar(
-            "--listen", f"127.0.0.1:{port}", "--socket", str(tmp_path / "s.sock"), "--set", "collectors.enabled=[]"
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--set",
+            "collectors.enabled=[]",
+            "--set",
+            "listen_retry_seconds=0",  # the retry is tests/security/test_start_and_stop.py's
         )
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr

@@ -137,6 +137,12 @@ def test_an_xid_on_its_gpu_outranks_the_report():
     assert decide(ev)[0] == "gpu_error"
 
 
+def test_an_application_fault_xid_is_not_a_gpu_error():
+    """13, 31, 43: the application's own fault (any GPU user can cause one), not the hardware's."""
+    for xid in (13, 31, 43):
+        assert decide(Evidence(status=KILLED, status_source="pidfd", xid=("0", xid, 1.0)))[0] == "gpu_app_fault"
+
+
 def test_without_a_report_the_status_decides():
     assert decide(Evidence(status=signal.SIGTERM, status_source="pidfd"))[0] == "signal"
     assert decide(Evidence(status=EXIT_1, status_source="pidfd"))[0] == "nonzero_exit"

@@ -4,6 +4,8 @@ node-wide ceilings)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sidecar.ranks.errors import JobOwned, LimitExceeded
@@ -47,6 +49,9 @@ def test_a_job_belongs_to_its_owner_until_its_ranks_are_gone(registry):
     with pytest.raises(JobOwned):
         register(registry, ROOT, "a", rank=0, restart_count=5)  # root's own process: not alice's job
     registry.mark_gone(r.key, "exited")
+    with pytest.raises(JobOwned, match="reserved for uid 1001"):
+        register(registry, MALLORY, "a")  # its next restart attempt may still come (ranks/ownership.py)
+    registry.owners.clock = lambda: time.time() + 3600  # the reservation has ended
     assert register(registry, MALLORY, "a").owner_uid == MALLORY
 
 

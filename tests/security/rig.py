@@ -78,9 +78,9 @@ class OpenSidecar(Sidecar):
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def open_sidecar(*settings: str, name: str = "sidecar") -> OpenSidecar:
+def open_sidecar(*settings: str, name: str = "sidecar", env: dict | None = None) -> OpenSidecar:
     """A sidecar (not started) in a fresh world-traversable directory, socket mode 0666."""
-    return OpenSidecar(world_dir(), *OPEN_SOCKET, *settings, name=name)
+    return OpenSidecar(world_dir(), *OPEN_SOCKET, *settings, name=name, env=env)
 
 
 def attack(user: User, sidecar: Sidecar, code: str, timeout: float = 120.0) -> dict:
@@ -99,6 +99,20 @@ def result_of(proc: subprocess.CompletedProcess) -> dict:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     raise AssertionError(f"no result (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+def register_as_root(sidecar: Sidecar, pid: int, job: str) -> int:
+    """Register `pid` (a process of the test's, root's) as rank 0 of `job`; the HTTP status."""
+    import socket
+
+    body = json.dumps({"job_id": job, "rank": 0, "world_size": 1, "pid": pid}).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sidecar.socket)
+        s.sendall(
+            b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        return int(s.recv(4096).split()[1])
 
 
 def ranks_of(sidecar: Sidecar, job: str) -> dict[int, dict]:
@@ -140,3 +154,94 @@ def run_as_user_background(user: User, sidecar: Sidecar, code: str) -> subproces
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+# ---------------------------------------------------------------- round 2: measuring the daemon under attack
+
+
+class LoopProbe:
+    """A tight `/healthz` poller over TCP, from its own thread: the longest answer it waited for
+    is how long the sidecar's event loop was held (a handler that only answers `{"ok": true}`
+    waits for nothing else). Use as a context manager; `worst` is in seconds."""
+
+    def __init__(self, sidecar: Sidecar, pause: float = 0.01):
+        import threading
+
+        self.sidecar, self.pause = sidecar, pause
+        self.worst, self.samples, self.failures = 0.0, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import http.client
+        import time
+
+        while not self._stop.is_set():
+            start = time.monotonic()
+            conn = http.client.HTTPConnection("127.0.0.1", self.sidecar.port, timeout=300)
+            try:
+                conn.request("GET", "/healthz")
+                if conn.getresponse().status != 200:
+                    self.failures.append("status")
+            except OSError as e:
+                self.failures.append(str(e))
+            finally:
+                conn.close()
+            self.worst = max(self.worst, time.monotonic() - start)
+            self.samples += 1
+            self._stop.wait(self.pause)
+
+    def __enter__(self) -> LoopProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=300)
+
+
+# A rank of another user running the real hooks, a step every 0.2 s (the victim that must stay
+# healthy while someone else attacks the sidecar).
+HEALTHY_RANK = r"""
+import time
+from trainer_hooks import Monitor
+mon = Monitor(job_id="healthy", rank=0, world_size=1, flush_interval=0.2)
+step = 0
+while True:
+    step += 1
+    mon.step(step, loss=1.0)
+    time.sleep(0.2)
+"""
+
+
+def start_healthy_rank(user: User, sidecar: Sidecar) -> subprocess.Popen:
+    """HEALTHY_RANK as `user` (the caller stops it with tests.support.kill_tree), once the
+    sidecar watches it as healthy."""
+    from tests.support import wait_until
+    from tests.unpriv import run_as, stage_hooks
+
+    hooks = stage_hooks(sidecar.workdir)
+    proc = run_as(
+        user,
+        [UNPRIV_PYTHON, "-c", HEALTHY_RANK],
+        env={"SIDECAR_SOCKET": sidecar.socket, "PYTHONPATH": str(hooks)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_until(
+        lambda: ranks_of(sidecar, "healthy").get(0, {}).get("state") == "healthy",
+        60,
+        interval=0.2,
+        what="the healthy rank watched as healthy",
+    )
+    return proc
+
+
+def healthy_rank_taken_for_stalled(sidecar: Sidecar) -> list[str]:
+    """The healthy rank's transitions past suspect, from the sidecar's log (the watchdog logs
+    every transition): empty when it was never taken for stalled."""
+    return [
+        line
+        for line in sidecar.log.read_text(errors="replace").splitlines()
+        if "rank healthy/0 " in line and ("-> stalled" in line or "-> remediating" in line)
+    ]

@@ -77,3 +77,53 @@ def test_a_users_claim_about_its_own_rank_is_clipped_text(tmp_path):
         assert "\x1b" not in text and "\x07" not in text
         assert len(recorded["exception"]["message"]) <= 512 and len(recorded["exception"]["traceback"]) <= 12
         assert os.path.getsize(incident["path"]) < 64 * 1024
+
+
+# ---------------------------------------------------------------- round 2, row 11
+
+HOLD_A_RANK = """
+    rank = sleeper()
+    status, body = request("/v1/register", registration(rank.pid, "app-fault", world_size=1))
+    report(reply=[status, body], pid=rank.pid)
+    rank.wait()
+"""
+
+
+def test_row11_an_application_fault_xid_before_a_rank_dies_is_not_a_gpu_error(tmp_path):
+    """XID 31 (a kernel's illegal memory access) is the application's fault, and any GPU user
+    can cause it with their own kernel. A rank that died right after one used to be `gpu_error`,
+    which feeds the "drain the node, replace the GPU" alert; now `gpu_app_fault`. Hardware XIDs
+    (sidecar/collectors/xid.py HARDWARE_XIDS) stay `gpu_error` (tests/exits/test_exit_reasons.py)."""
+    import time
+
+    from tests.security.rig import start_as
+    from tests.support import kill_tree
+
+    mallory = unprivileged_user("mallory")
+    spec = {"driver_version": "550.54.15", "gpu_count": 2, "xid_events": [{"gpu": 1, "xid": 31, "at_seconds": 2}]}
+    spec_file = tmp_path / "nvml.json"
+    spec_file.write_text(json.dumps(spec))
+    with open_sidecar(
+        "collectors.nvml_module=sidecar.testing.fake_nvml_lib", env={"SIDECAR_FAKE_NVML": str(spec_file)}
+    ) as sidecar:
+        holder, out = start_as(mallory, sidecar, HOLD_A_RANK)
+        try:
+            assert out["reply"][0] == 200, out
+            spec["gpus"] = {"1": {"processes": [{"pid": out["pid"], "used_memory_bytes": 1 << 30}]}}
+            spec_file.write_text(json.dumps(spec))
+            wait_until(
+                lambda: (
+                    'sidecar_gpu_xid_errors_total{gpu="1",xid="31"}' in sidecar.metrics()
+                    and 'sidecar_gpu_process_memory_bytes{gpu="1",job_id="app-fault",rank="0"}' in sidecar.metrics()
+                ),
+                60,
+                what="the XID and the rank on its GPU",
+            )
+            time.sleep(1.5)  # one more exit-tracker poll after the collector round
+            os.kill(out["pid"], signal.SIGKILL)
+            exit_ = wait_for_exit(sidecar, "app-fault")
+            assert exit_["reason"] == "gpu_app_fault", exit_
+            (recorded,) = exits_of(sidecar, "app-fault")
+            assert any("XID 31 on gpu 1 (it used)" in line for line in recorded["evidence"]), recorded
+        finally:
+            kill_tree(holder)

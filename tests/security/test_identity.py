@@ -176,3 +176,109 @@ def test_pid_reuse_inside_a_namespace_is_never_signalled():
             assert sidecar.status()["incidents"] == []
         finally:
             kill_tree(proc)
+
+
+# ---------------------------------------------------------------- round 2, row 5: over TCP
+
+# The client C connects over TCP and forks P, which inherits the connection; helpers started
+# after P hold many descriptors, so a scan of every process's descriptors (the old lookup) takes
+# a while after it has seen P. C registers P's pid; P exits right after the lookup has seen it,
+# and root's process gets P's pid before the sidecar opens a pidfd for "the caller".
+ROW_5_TCP = r"""
+    import pwd
+    from tests.security.rig import OpenSidecar as Sidecar
+    from tests.unpriv import UNPRIV_PYTHON, world_dir
+    ATTACK = CLIENT + '''
+    import resource
+    s = socket.create_connection(("127.0.0.1", int(os.environ["PORT"])))
+    r, w = os.pipe()
+    p = os.fork()
+    if p == 0:                              # P: holds the connection until told to go
+        os.read(r, 1)
+        os._exit(0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if os.fork() == 0:                      # helpers after P, 30 of them with ~20,000 descriptors each
+        null = os.open("/dev/null", os.O_RDWR)
+        os.dup2(null, 1)
+        s.close()
+        try:
+            for _ in range(hard - 64):
+                os.dup(null)
+        except OSError:
+            pass
+        for _ in range(29):
+            if os.fork() == 0:
+                break
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(1.5)
+    body = json.dumps(registration(p, "reuse", world_size=1)).encode()
+    s.sendall(b"POST /v1/register HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n"
+              b"Content-Length: %d\\r\\n\\r\\n%s" % (len(body), body))
+    time.sleep(0.3)                         # the lookup has seen P by now, and goes on scanning
+    os.write(w, b"x")
+    os.waitpid(p, 0)
+    print(p, flush=True)
+    sys.stdin.readline()                    # P's pid now belongs to a root process
+    s.settimeout(60)
+    raw = b""
+    while b"\\r\\n\\r\\n" not in raw:
+        raw += s.recv(65536)
+    head, _, rest = raw.partition(b"\\r\\n\\r\\n")
+    length = int([l for l in head.split(b"\\r\\n") if l.lower().startswith(b"content-length")][0].split(b":")[1])
+    while len(rest) < length:
+        rest += s.recv(65536)
+    report(reply=[int(head.split()[1]), json.loads(rest)])
+    '''
+    user = pwd.getpwnam(os.environ["ATTACKER"])
+    with Sidecar(world_dir(), *os.environ["SETTINGS"].split()) as sc:
+        attacker = subprocess.Popen([UNPRIV_PYTHON, "-c", ATTACK], user=user.pw_uid, group=user.pw_gid,
+                                    extra_groups=[], env={"PORT": str(sc.port), "PATH": "/usr/bin:/bin"},
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+        gone = int(attacker.stdout.readline())
+        victim = process_with_pid(gone, ["sleep", "600"])
+        attacker.stdin.write("go\n")
+        attacker.stdin.flush()
+        out = attacker.stdout.readline()
+        time.sleep(6)                       # past the start-up timeout of a rank registered then
+        log = open(sc.log).read()
+        report(attack=json.loads(out.split("RESULT ", 1)[1]), victim_pid=victim.pid,
+               victim_alive=victim.poll() is None,
+               as_root=[l for l in log.splitlines() if f"pid {victim.pid} uid 0" in l])
+        victim.kill()
+"""
+
+
+def test_row5_a_tcp_caller_whose_pid_was_reused_by_root_is_not_taken_for_root():
+    """Round 2, row 5: the TCP client is looked up by its socket, then a pidfd is opened for the
+    pid found. A client that exited in between, its pid reused by root, used to be registered as
+    uid 0 and its "hang" killed root's process. The sidecar now checks, with the pidfd open,
+    that the process still holds the connection's socket."""
+    mallory = unprivileged_user("mallory")
+    out = in_new_pid_namespace(ROW_5_TCP, {"ATTACKER": mallory.name, "SETTINGS": " ".join(OPEN_SOCKET + NS_SETTINGS)})
+    assert out["victim_alive"], out
+    assert out["as_root"] == [], out["as_root"]
+
+
+def test_a_process_that_does_not_hold_the_tcp_connection_is_not_taken_for_its_caller(spawn):
+    """The check that closes round 2's row 5, on its own: the lookup finds the socket's holder
+    (and the socket's inode); once a pidfd is open, a process that does not hold that socket,
+    whatever its pid, is refused."""
+    import os
+    import socket
+
+    import pytest
+
+    from sidecar.host import identity, procs
+
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        accepted, _ = server.accept()
+        with accepted:
+            found = procs.tcp_peer(accepted.getpeername(), accepted.getsockname())
+            assert found == (os.getpid(), os.fstat(client.fileno()).st_ino)
+            peer = identity.process_peer(*found)
+            assert peer is not None and peer.pid == os.getpid()
+            with pytest.raises(identity.IdentityError, match="does not hold the connection"):
+                identity.process_peer(spawn().pid, found[1])

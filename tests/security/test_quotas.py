@@ -5,11 +5,9 @@ attack runs as an unprivileged user against a real sidecar."""
 
 from __future__ import annotations
 
-import json
-import socket
 import textwrap
 
-from tests.security.rig import attack, open_sidecar, start_as
+from tests.security.rig import attack, open_sidecar, register_as_root, start_as
 from tests.support import kill_tree, wait_until
 from tests.unpriv import unprivileged_user
 
@@ -98,17 +96,6 @@ OWN_STALLS = """
 """
 
 
-def _register_as_root(sidecar, pid: int, job: str) -> int:
-    body = json.dumps({"job_id": job, "rank": 0, "world_size": 1, "pid": pid}).encode()
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(sidecar.socket)
-        s.sendall(
-            b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        return int(s.recv(4096).split()[1])
-
-
 def test_one_user_s_stalls_do_not_spend_the_storm_cap_of_a_root_job(spawn):
     mallory = unprivileged_user("mallory")
     with open_sidecar(*STORM) as sidecar:
@@ -118,7 +105,7 @@ def test_one_user_s_stalls_do_not_spend_the_storm_cap_of_a_root_job(spawn):
         outcomes = {i["job_id"]: i["outcome"] for i in sidecar.status()["incidents"]}
         assert sorted(outcomes.values()) == ["killed", "killed", "killed", "suppressed"], outcomes
         root_rank = spawn()
-        assert _register_as_root(sidecar, root_rank.pid, "root-job") == 200
+        assert register_as_root(sidecar, root_rank.pid, "root-job") == 200
         wait_until(lambda: root_rank.poll() is not None, 60, what="the root job's hang remediated")
         wait_until(
             lambda: any(i["job_id"] == "root-job" and i["outcome"] == "killed" for i in sidecar.status()["incidents"]),

@@ -1,0 +1,32 @@
+"""Text that a rank controls, made safe to print: the one escaping function for everything the
+sidecar writes for people (incident summaries, `sidecar incidents`, log lines).
+
+A rank writes its own stack-dump file, names its own cgroup, reports its own exceptions and
+event fields. Printed raw to an operator's terminal, such text can clear the screen, write the
+clipboard (OSC 52), retitle the window, or move the cursor to overwrite a line ("evidence:
+none"); a newline or carriage return inside one field can fake a line of the record. So every
+control character (C0, DEL, C1) and the invisible bidirectional overrides (which reorder what a
+reader sees) become visible escapes: `\\x1b`, `\\u202e`. Only the line breaks the sidecar itself
+puts between lines survive, and only where the caller says so (`keep_newlines`).
+
+JSON records need nothing: `json.dumps` escapes control characters itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+# C0 controls, DEL, C1 controls; the bidi embeddings, overrides and isolates, and the marks.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """`text` with every control character escaped (`\\x1b`); `keep_newlines` leaves `\\n`
+    alone, for a whole document whose fields were escaped when it was put together."""
+    return (_UNSAFE_BUT_NEWLINE if keep_newlines else _UNSAFE).sub(_escape, text)
