@@ -160,6 +160,19 @@ class Cluster:
 
         return wait_for(reached, timeout, 0.2)
 
+    def rendezvous_host(self) -> str | None:
+        """The node whose agent serves the c10d rendezvous store (the agent that bound the
+        endpoint's port first): losing it ends the rendezvous for everyone."""
+        for node in self.nodes:
+            if node.agent is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                for p in [psutil.Process(node.agent.pid), *psutil.Process(node.agent.pid).children(recursive=True)]:
+                    for c in p.net_connections(kind="tcp"):
+                        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.rdzv_port:
+                            return node.spec.name
+        return None
+
     def stop_rank(self, rank: int) -> int:
         """SIGSTOP a rank from outside (a frozen process); returns its pid."""
         pid = self.rank_pid(rank)

@@ -162,6 +162,29 @@ def attach_job_view(daemon: api.Daemon) -> None:
     if daemon.token:
         daemon.peer_verifier = auth.Verifier(daemon.token)
     daemon.watchdog.job_view = daemon.reporter
+    if daemon.exits is not None:
+        daemon.exits.job_incident_of = exit_context(daemon.reporter, settings.node_name)
+        daemon.exits.job_view_wait = jv.verdict_wait_seconds + 2.0
+        daemon.watchdog.on_left_to_launcher = daemon.exits.left_to_launcher
+
+
+def exit_context(reporter: Reporter, node: str) -> Callable[[str, int], tuple[str | None, str | None, bool]]:
+    """For the exit tracker: whether a rank's exit is a consequence of its job's incident (the
+    verdict names another rank, or a lost node), and whether the job view may still tell."""
+
+    def of(job_id: str, rank: int) -> tuple[str | None, str | None, bool]:
+        if reporter.coordinator(job_id) is None:
+            return None, None, False
+        verdict = reporter.verdict(job_id)
+        if verdict is None or verdict.closed or verdict.culprit is None:
+            return None, None, reporter.reachable(job_id)
+        c = verdict.culprit
+        if c.rank == rank and c.node == node:
+            return None, None, False  # this rank is the cause
+        what = f"rank {c.rank} on {c.node}" if c.rank is not None else f"node {c.node} lost"
+        return verdict.job_incident, what, False
+
+    return of
 
 
 async def probe_peer(url: str) -> bool:

@@ -190,7 +190,8 @@ class Coordinator:
             return changed
         gone = set(lost)
         fresh = [s for node, s in job.summaries.items() if node not in gone]
-        force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS
+        probing = job.probing is not None and not job.probing.done()
+        force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS and not probing
         silent = [node for node, (_, at) in job.reports.items() if at < incident.opened_mono]
         culprit = judge_summaries(fresh, lost, force=force, silent=silent)
         if culprit is not None and culprit != v.culprit:

@@ -205,7 +205,7 @@ class Watchdog:
         self.on_remediating: Callable[[Rank, str], None] | None = None
         # Told of each rank left to its launcher because the job's culprit is elsewhere (the exit
         # tracker: its exit is a consequence of that job incident).
-        self.on_left_to_launcher: Callable[[Rank, str], None] | None = None
+        self.on_left_to_launcher: Callable[[Rank, str, str], None] | None = None
         self.job_view: JobView | None = None  # this node's reporter of the job view, when it is on
         self.node = settings.node_name
         self._probe_wanted: set[str] = set()  # jobs with a suspect or stalled rank not probed yet
@@ -531,7 +531,7 @@ class Watchdog:
         for key in episode.keys:
             t = self._tracks.get(key)
             if t is not None and self.on_left_to_launcher is not None:
-                self.on_left_to_launcher(t.rank, incident.job_incident or incident.id)
+                self.on_left_to_launcher(t.rank, incident.job_incident or incident.id, incident.blamed)
         self.store.save(incident)
         deadline = self.clock() + grace
         interval = self.settings.watchdog.check_interval_seconds

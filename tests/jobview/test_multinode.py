@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
+from demo.job import SidecarSpec, wait_for
 from tests.support import PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
@@ -80,3 +80,35 @@ def test_a_hung_rank_on_the_middle_node_is_named_by_every_node_and_only_its_node
         assert story.returncode == 0, story.stderr
         assert f"culprit   rank {hung} on node-1" in story.stdout, story.stdout
         assert all(f"node-{i}" in story.stdout.split("timeline")[1] for i in range(3)), story.stdout
+
+
+def test_a_lost_node_is_named_by_the_survivors_and_the_job_comes_back_without_it(tmp_path):
+    """A whole node goes (its sidecar, agent and ranks SIGKILLed at once): the survivors' ranks
+    fail on the lost peer, their exits are recorded as consequences of one job incident that
+    names the lost node, and the elastic job (--nnodes 2:3) finishes on the two that are left."""
+    nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2), NodeSpec("node-2", 1)]
+    # No hang: 141 steps, long enough for every node to report before one is lost.
+    env = {"CYCLE_HANG_STEP": "100", "CYCLE_LOG": str(tmp_path / "cycle.jsonl")}
+    spec = ClusterSpec(nodes, job_id="jv", sidecar=sidecars(), env=env, min_nodes=2)
+    with Cluster(spec, tmp_path) as cluster:
+        assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
+        # every node reports to the job's coordinator (it learns the node before the node is lost)
+        assert wait_for(lambda: all(n.status().get("jobs", {}).get("jv", {}).get("reachable") for n in cluster.nodes),
+                        60), explain(cluster)  # fmt: skip
+        # Not the coordinator's node (rank 0's) nor the rendezvous store's host: torchrun cannot
+        # re-rendezvous without its store (that loss ends the job, with the same record).
+        spared = {n.spec.name for n in cluster.nodes if any(r["rank"] == 0 for r in n.ranks())}
+        spared.add(cluster.rendezvous_host() or "")
+        lost = next(n.spec.name for n in reversed(cluster.nodes) if n.spec.name not in spared)
+        cluster.lose_node(lost)
+        survivors = [n for n in cluster.nodes if n.spec.name != lost]
+        codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(JOB_TIMEOUT), strict=True)}
+        assert all(codes[n.spec.name] == 0 for n in survivors), (codes, explain(cluster))
+        exits = [r for n in survivors for r in n.incidents(kind="exit")]
+        assert exits, explain(cluster)
+        named = {e["exits"][0].get("consequence_of") for e in exits}
+        assert named == {f"node {lost} lost"}, [e["summary"] for e in exits]
+        assert len({e["job_incident"] for e in exits}) == 1
+        statuses = [n.status()["exits"]["recent"] for n in survivors]
+        failed = [r for recent in statuses for r in recent if r["job_id"] == "jv" and r["reason"] != "finished"]
+        assert failed and all(r["role"] == "consequence" for r in failed), failed
