@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sidecar.config import NODE_NAME, check_url
-from sidecar.ranks.protocol import ProtocolError, _int, _job_id, _object, _text
+from sidecar.ranks.protocol import CONTROL_RE, ProtocolError, _int, _job_id, _object, _text
 from trainer_hooks.wire import MAX_RANK
 
 MAX_TEXT = 240  # a stack frame, a reason, an outcome
@@ -135,7 +135,39 @@ def _list(obj: dict, key: str, where: str, limit: int) -> list:
     return value
 
 
+_STATES = frozenset(STATES)
+_MAX_STEP = (1 << 63) - 1
+
+
+def _plain_text(value: Any) -> bool:
+    return value is None or (type(value) is str and 0 < len(value) <= MAX_TEXT and not CONTROL_RE.search(value))
+
+
+def _well_formed(obj: Any) -> RankView | None:
+    """The common case, checked in one pass (a coordinator reads a thousand reports at once);
+    None sends the entry through the checks that name the bad field."""
+    if type(obj) is not dict:
+        return None
+    rank, local, state, step = obj.get("rank"), obj.get("local_rank"), obj.get("state"), obj.get("step")
+    age, waiting, exited = obj.get("progress_age_seconds"), obj.get("waiting"), obj.get("exited_at")
+    phase, top = obj.get("phase"), obj.get("stack_top")
+    if not (
+        type(rank) is int and 0 <= rank <= MAX_RANK and type(local) is int and 0 <= local <= MAX_RANK
+        and state in _STATES and (step is None or (type(step) is int and 0 <= step <= _MAX_STEP))
+        and type(age) in (int, float) and 0 <= age < MAX_TIME and (waiting is None or type(waiting) is bool)
+        and (exited is None or (type(exited) in (int, float) and 0 <= exited < MAX_TIME))
+        and _plain_text(phase) and _plain_text(top)
+    ):  # fmt: skip
+        return None
+    return RankView(
+        rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited)
+    )
+
+
 def _rank_view(obj: Any, where: str) -> RankView:
+    fast = _well_formed(obj)
+    if fast is not None:
+        return fast
     if not isinstance(obj, dict):
         raise ProtocolError(f"{where}: expected an object")
     state = _text(obj, "state", f"{where}.state")
