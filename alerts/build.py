@@ -41,7 +41,9 @@ SIDECAR_SCRAPE_JOB = "sidecar"
 THRESHOLDS: dict[str, float | str] = {
     # --- watchdog and progress
     "rank_stalled_for": "2m",  # a stall the watchdog has not cleared within this pages
-    "job_hung_for": "1m",  # a rank holding its job up this long (the watchdog usually acts within seconds)
+    "job_hung_for": "1m",
+    "goodput_low_ratio": 0.8,  # the job spent less than this share of the last hour on productive steps
+    "goodput_low_for": "30m",  # a rank holding its job up this long (the watchdog usually acts within seconds)
     "no_progress_seconds": 1800,  # no rank of the job advanced its step for this long
     "storm_killed_per_hour": 3,  # watchdog kills of one job per hour that count as a storm
     "restarts_per_hour": 3,  # worker-group restarts of one job per hour (any cause)
@@ -209,6 +211,15 @@ RECORDING = Group(
         # job's lowest step, suspect or stalled, whose latest stack does not wait; `node` names its
         # node (sidecar_node_info).
         Record("job_id:sidecar_training_step:min", "min by (job_id) (sidecar_training_step)"),
+        # Goodput: the share of the job's wall time spent on productive steps over the last hour
+        # (sidecar_job_seconds_total; every node counts the job's time, so the ratio is averaged).
+        Record(
+            "job_id:sidecar_goodput:ratio1h",
+            "avg by (job_id) (\n"
+            '  sum by (job_id, instance) (rate(sidecar_job_seconds_total{state="productive"}[1h]))\n'
+            "  / sum by (job_id, instance) (rate(sidecar_job_seconds_total[1h]))\n"
+            ")",
+        ),
         Record(
             "job_id_rank:sidecar_rank_holding_job_up",
             "(\n"
@@ -252,6 +263,16 @@ TRAINING = Group(
             "collective. The sidecars kill its node's worker group unless remediation is off or capped; `sidecar "
             "incidents --job {{ $labels.job_id }}` on any node of the job tells the story.",
             for_=window("job_hung_for"),
+        ),
+        Alert(
+            "SidecarJobGoodputLow",
+            f"job_id:sidecar_goodput:ratio1h < {T['goodput_low_ratio']}",
+            "warning",
+            "Job {{ $labels.job_id }} trains only {{ $value | humanizePercentage }} of the time",
+            f"Over the last hour job {{{{ $labels.job_id }}}} spent less than {int(number('goodput_low_ratio') * 100)}% "
+            "of its wall time on productive steps: the rest went to stalls, recoveries and steps trained again "
+            "after resumes (sidecar_job_seconds_total by state; the job dashboard's 'Where recovery time goes').",
+            for_=window("goodput_low_for"),
         ),
         Alert(
             "SidecarRankStalled",

@@ -58,12 +58,17 @@ def _cells(record: dict[str, Any]) -> list[str]:
     blamed = record.get("blamed_rank")
     timeline = {e.get("event"): e.get("after_detection_seconds") for e in record.get("timeline", [])}
     exited = timeline.get("exit_observed")
+    recovery: dict[str, Any] = record["recovery"] if isinstance(record.get("recovery"), dict) else {}
+    again = recovery.get("hang_to_training_seconds")
+    node = record.get("blamed_node")
     return [
         when,
         str(record.get("job_id", "?")),
-        f"rank {blamed}" if blamed is not None else "-",
+        (f"rank {blamed}" if blamed is not None else f"node {node}" if node else "-")
+        + (f" on {node}" if node and blamed is not None else ""),
         str(record.get("outcome", "?")),
         f"+{exited:.1f}s" if exited is not None else "-",
+        f"{again:.1f}s" if isinstance(again, (int, float)) else "-",
         str(record.get("path", "")),
     ]
 
@@ -118,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
             except OSError:
                 print(f"(no summary at {summary})\n")
         return 0
-    header = ["detected (UTC)", "job", "blamed", "outcome", "exited", "record"]
+    header = ["detected (UTC)", "job", "blamed", "outcome", "exited", "training again", "record"]
     print(_table([header] + [_row(r) for r in records]))
     return 0
 

@@ -72,6 +72,8 @@ class Incident:
     job_incident: str | None = None
     blamed_node: str | None = None
     culprit: dict[str, Any] | None = None
+    # Where the recovery's time went, once the ranks are gone (sidecar/watchdog/recovery.py).
+    recovery: dict[str, Any] | None = None
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -114,6 +116,7 @@ class Incident:
             "blamed_node": self.blamed_node,
             "job_incident": self.job_incident,
             "outcome": self.outcome,
+            "recovery": self.recovery,
             "summary": self.summary,
             "path": self.path,
         }
@@ -145,6 +148,7 @@ class Incident:
         for e in self.timeline:
             extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
             lines.append(f"    +{e['after_detection_seconds']:7.3f}s  {e['event']}" + (f"  ({extra})" if extra else ""))
+        lines += recovery_lines(self.recovery)
         for r in self.ranks:
             if r.stack_file or r.py_spy:
                 lines += ["", f"  stacks of rank {r.rank} (pid {r.pid}): {r.stack_file or 'py-spy only'}"]
@@ -239,3 +243,19 @@ def load_incidents(diag_dir: Path | str, last: int | None = None) -> list[dict[s
         if last is not None and len(records) >= last:
             break
     return records
+
+
+def recovery_lines(recovery: dict[str, Any] | None) -> list[str]:
+    """The incident's `recovery` section for people: seconds per stage, unknown ones as `?`."""
+    if not recovery:
+        return []
+    total = recovery.get("hang_to_training_seconds")
+    head = f"hang -> training again {total:.2f}s" if isinstance(total, (int, float)) else "not training again yet"
+    lines = ["", f"  recovery  {head}" + ("" if recovery.get("complete") else " (still following)")]
+    for stage, seconds in (recovery.get("stages_seconds") or {}).items():
+        shown = f"{seconds:8.3f}s" if isinstance(seconds, (int, float)) else "       ?"
+        lines.append(f"    {stage:<11}{shown}")
+    redone = recovery.get("steps_redone")
+    if redone is not None:
+        lines.append(f"    steps redone: {redone} (from checkpoint step {recovery.get('checkpoint_step')})")
+    return lines

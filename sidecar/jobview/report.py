@@ -139,6 +139,10 @@ _STATES = frozenset(STATES)
 _MAX_STEP = (1 << 63) - 1
 
 
+def _seconds_value(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < MAX_TIME
+
+
 def _plain_text(value: Any) -> bool:
     return value is None or (type(value) is str and 0 < len(value) <= MAX_TEXT and not CONTROL_RE.search(value))
 
@@ -154,11 +158,12 @@ def _well_formed(obj: Any) -> RankView | None:
     if not (
         type(rank) is int and 0 <= rank <= MAX_RANK and type(local) is int and 0 <= local <= MAX_RANK
         and state in _STATES and (step is None or (type(step) is int and 0 <= step <= _MAX_STEP))
-        and type(age) in (int, float) and 0 <= age < MAX_TIME and (waiting is None or type(waiting) is bool)
-        and (exited is None or (type(exited) in (int, float) and 0 <= exited < MAX_TIME))
+        and _seconds_value(age) and (waiting is None or type(waiting) is bool)
+        and (exited is None or _seconds_value(exited))
         and _plain_text(phase) and _plain_text(top)
     ):  # fmt: skip
         return None
+    assert isinstance(age, (int, float))  # _seconds_value checked it
     return RankView(
         rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited)
     )

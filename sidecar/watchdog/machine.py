@@ -53,6 +53,8 @@ from sidecar.watchdog.coordination import (
     part_of,
     rank_view,
 )
+from sidecar.watchdog.goodput import Goodput
+from sidecar.watchdog.recovery import Recoveries
 from sidecar.watchdog.remediation import Remediator
 from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no_restart_reasons
 from sidecar.watchdog.stackdumps import stack_top
@@ -62,6 +64,7 @@ from sidecar.watchdog.timeouts import Deadline, Timeouts
 log = logging.getLogger(__name__)
 
 
+ACCOUNT_EVERY_SECONDS = 1.0  # goodput and recoveries are read this often (not every tick)
 LIVENESS_CHECKS_PER_TICK = 64  # ranks whose process is checked per tick, in turn (bounds a tick's cost)
 
 
@@ -210,7 +213,11 @@ class Watchdog:
         self.node = settings.node_name
         self._probe_wanted: set[str] = set()  # jobs with a suspect or stalled rank not probed yet
         self._probes: dict[str, asyncio.Task] = {}  # job_id -> its running stack probe
-        self._parts: dict[str, Incident] = {}  # job_id -> the incident of its last episode in a job incident
+        self._parts: dict[str, Incident] = {}
+        self.goodput = Goodput()  # each job's wall time by state (goodput.py)
+        self.recoveries = Recoveries(self._save_soon)  # where each recovery's time goes (recovery.py)
+        self._accounted_at = -1e9
+        self._saves: set[asyncio.Task] = set()  # job_id -> the incident of its last episode in a job incident
 
     # ------------------------------------------------------------ the loop
 
@@ -258,6 +265,11 @@ class Watchdog:
             del self._tracks[key]  # the registry forgot it (retention): so do we
             self.timeouts.forget(key)
         self._start_probes()
+        if now - self._accounted_at >= ACCOUNT_EVERY_SECONDS:
+            self._accounted_at = now
+            jobs = self.registry.jobs()
+            self.goodput.tick(jobs)
+            self.recoveries.tick(jobs)
         self._open_episodes(now)
         self._close_episodes()
 
@@ -371,6 +383,7 @@ class Watchdog:
             t.episode = episode
         self.counters.stalls[job_id] += 1
         self.counters.last_incident = incident.time
+        self.goodput.stalled(job_id, incident.time)
         targets = [target_of(t.rank) for t in members]
         if no_restart:
             incident.notes.append(no_restart_note(no_restart, killing=not spare))
@@ -555,6 +568,12 @@ class Watchdog:
 
     def _end_remediation(self, episode: _Episode, outcome: str) -> None:
         self._finish(episode, outcome)
+        if outcome in ("killed", "left_to_launcher"):  # the ranks are gone: follow the next attempt
+            ranks = [t.rank for key in episode.keys if (t := self._tracks.get(key)) is not None]
+            steps = [s.step for s in episode.incident.ranks if s.step is not None]
+            times = sorted(x for r in ranks for x in r.step_times)
+            step_time = times[len(times) // 2] if times else None
+            self.recoveries.start(episode.incident, ranks, max(steps) if steps else None, step_time)
         if outcome != "killed":
             now = self.clock()
             for key in episode.keys:
@@ -594,6 +613,12 @@ class Watchdog:
             self._parts[episode.job_id] = episode.incident
         if self.job_view is not None:
             self.job_view.wake(episode.job_id)
+
+    def _save_soon(self, incident: Incident) -> None:
+        """Write an incident again off the event loop (a recovery's milestones)."""
+        task = asyncio.get_running_loop().create_task(self.store.save_async(incident))
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
 
     # ------------------------------------------------------------ stack probes
 
@@ -739,7 +764,10 @@ class Watchdog:
         if self.counters.last_incident is not None:
             last.add_metric([], self.counters.last_incident)
         observe.add_metric([], 1.0 if self.settings.watchdog.observe_only else 0.0)
-        return [state, timeout, stalls, remediations, transitions, last, observe, waiting]
+        return [
+            state, timeout, stalls, remediations, transitions, last, observe, waiting,
+            *self.goodput.families(), *self.recoveries.families(),
+        ]  # fmt: skip
 
     def status(self) -> dict:
         rem = self.settings.remediation
