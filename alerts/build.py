@@ -41,6 +41,9 @@ SIDECAR_SCRAPE_JOB = "sidecar"
 THRESHOLDS: dict[str, float | str] = {
     # --- watchdog and progress
     "rank_stalled_for": "2m",  # a stall the watchdog has not cleared within this pages
+    "job_hung_for": "1m",
+    "goodput_low_ratio": 0.8,  # the job spent less than this share of the last hour on productive steps
+    "goodput_low_for": "30m",  # a rank holding its job up this long (the watchdog usually acts within seconds)
     "no_progress_seconds": 1800,  # no rank of the job advanced its step for this long
     "storm_killed_per_hour": 3,  # watchdog kills of one job per hour that count as a storm
     "restarts_per_hour": 3,  # worker-group restarts of one job per hour (any cause)
@@ -203,6 +206,31 @@ RECORDING = Group(
         Record("job_id:sidecar_training_grad_norm:max", "max by (job_id) (sidecar_training_grad_norm)"),
         Record("job_id:sidecar_training_learning_rate:max", "max by (job_id) (sidecar_training_learning_rate)"),
         Record("job_id_state:sidecar_rank_state:count", "count by (job_id, state) (sidecar_rank_state == 1)"),
+        # The job view without the sidecars (docs/architecture.md): every rank of a hung job soon
+        # waits for the culprit in a collective, so the rank holding the job up is the one at the
+        # job's lowest step, suspect or stalled, whose latest stack does not wait; `node` names its
+        # node (sidecar_node_info).
+        Record("job_id:sidecar_training_step:min", "min by (job_id) (sidecar_training_step)"),
+        # Goodput: the share of the job's wall time spent on productive steps over the last hour
+        # (sidecar_job_seconds_total; every node counts the job's time, so the ratio is averaged).
+        Record(
+            "job_id:sidecar_goodput:ratio1h",
+            "avg by (job_id) (\n"
+            '  sum by (job_id, instance) (rate(sidecar_job_seconds_total{state="productive"}[1h]))\n'
+            "  / sum by (job_id, instance) (rate(sidecar_job_seconds_total[1h]))\n"
+            ")",
+        ),
+        Record(
+            "job_id_rank:sidecar_rank_holding_job_up",
+            "(\n"
+            "  max by (job_id, rank, instance) (\n"
+            "    (sidecar_training_step == on (job_id) group_left job_id:sidecar_training_step:min)\n"
+            "    and on (job_id, rank, instance) (sidecar_rank_waiting_in_collective == 0)\n"
+            '    and on (job_id, rank, instance) (sidecar_rank_state{state=~"suspect|stalled|remediating"} == 1)\n'
+            "  ) * 0 + 1\n"
+            ")\n"
+            "* on (instance) group_left (node) max by (instance, node) (sidecar_node_info)",
+        ),
         # GPU metrics (gpu:*, from either GPU source, alerts/gpu_source.py) carry no job label: a node belongs to the jobs that have ranks registered on it.
         Record(
             "job_id_instance:sidecar_gpu_utilization_ratio:avg",
@@ -225,6 +253,27 @@ STEP_RATE = "deriv(job_id:sidecar_training_step:max[5m]) > 0"
 TRAINING = Group(
     "sidecar-training",
     [
+        Alert(
+            "JobHungOnRank",
+            "max by (job_id, rank, node) (job_id_rank:sidecar_rank_holding_job_up) == 1",
+            "critical",
+            "Job {{ $labels.job_id }} is held up by rank {{ $labels.rank }} on {{ $labels.node }}",
+            "Rank {{ $labels.rank }} of job {{ $labels.job_id }} (node {{ $labels.node }}) is at the job's lowest step, "
+            "has not progressed, and its stack shows it running its own code while its peers wait for it in a "
+            "collective. The sidecars kill its node's worker group unless remediation is off or capped; `sidecar "
+            "incidents --job {{ $labels.job_id }}` on any node of the job tells the story.",
+            for_=window("job_hung_for"),
+        ),
+        Alert(
+            "SidecarJobGoodputLow",
+            f"job_id:sidecar_goodput:ratio1h < {T['goodput_low_ratio']}",
+            "warning",
+            "Job {{ $labels.job_id }} trains only {{ $value | humanizePercentage }} of the time",
+            f"Over the last hour job {{{{ $labels.job_id }}}} spent less than {int(number('goodput_low_ratio') * 100)}% "
+            "of its wall time on productive steps: the rest went to stalls, recoveries and steps trained again "
+            "after resumes (sidecar_job_seconds_total by state; the job dashboard's 'Where recovery time goes').",
+            for_=window("goodput_low_for"),
+        ),
         Alert(
             "SidecarRankStalled",
             'max by (job_id, instance, rank) (sidecar_rank_state{state=~"stalled|remediating"}) == 1',

@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["bench_hooks", "bench_ingest", "bench_metrics", "bench_trainer", "bench_recovery", "bench_cycles"]
+ORDER = [
+    "bench_hooks",
+    "bench_ingest",
+    "bench_metrics",
+    "bench_trainer",
+    "bench_recovery",
+    "bench_cycles",
+    "bench_jobview",
+    "bench_jobview_scale",
+]
 
 
 def main(argv: list[str]) -> int:

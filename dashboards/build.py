@@ -399,6 +399,36 @@ def training_job() -> dict:
             bars=True,
             min_=0,
         ),
+        timeseries(
+            "Goodput",
+            [(f"job_id:sidecar_goodput:ratio1h{{{JOB}}}", "productive share, 1h")],
+            "percentunit",
+            "The share of the job's wall time spent on productive steps over the last hour (stalls, recoveries and "
+            "steps redone after a resume are not). SidecarJobGoodputLow fires below the threshold.",
+            min_=0,
+        ),
+        timeseries(
+            "Where recovery time goes",
+            [
+                (
+                    f"sum by (stage) (increase(sidecar_recovery_stage_seconds_sum{{{CLUSTER}, {NODES}}}[$__range]))\n"
+                    f"/ sum by (stage) (increase(sidecar_recovery_stage_seconds_count{{{CLUSTER}, {NODES}}}[$__range]))",
+                    "{{stage}}",
+                )
+            ],
+            "s",
+            "Mean seconds of each stage of a recovery over the dashboard's range: detect, dump, decide (the job "
+            "view's verdict and the other nodes' dumps), kill, restart, rendezvous, load, first_step, redo "
+            "(steps trained again). `sidecar incidents` has each incident's own.",
+            bars=True,
+            min_=0,
+        ),
+        table(
+            "Rank holding the job up",
+            f"job_id_rank:sidecar_rank_holding_job_up{{{JOB}}}",
+            "The rank at the job's lowest step that does not wait for its peers while they wait for it in a "
+            "collective, with its node (the JobHungOnRank rule, from every node's per-rank step and stack).",
+        ),
         table(
             "Ranks not healthy",
             f'sidecar_rank_state{{{JOB}, state!="healthy"}} == 1',

@@ -197,6 +197,23 @@ class Story:
         return table
 
 
+def _with_recovery(incident: dict) -> dict | None:
+    record = load_incident(incident["path"])
+    return record if record and (record.get("recovery") or {}).get("complete") else None
+
+
+def recovery_table(recovery: dict) -> Table:
+    """The incident's `recovery` section: seconds per stage, as the sidecar measured them."""
+    table = Table(title="Where the recovery went (the incident's recovery section)", header_style="bold")
+    table.add_column("stage")
+    table.add_column("seconds", justify="right")
+    for stage, seconds in recovery["stages_seconds"].items():
+        table.add_row(stage, f"{seconds:.2f}" if seconds is not None else "unknown")
+    total = recovery.get("hang_to_training_seconds")
+    table.add_row("hang -> training again", f"{total:.2f}" if total is not None else "-", style="bold")
+    return table
+
+
 def _short(path: str, root: Path) -> str:
     p = Path(path)
     return str(p.relative_to(root)) if p.is_relative_to(root) else path
@@ -268,6 +285,14 @@ def main() -> int:
         console.print("\n[yellow]interrupted: every process the demo started has been stopped[/yellow]")
         return 130
     console.print(story.summary(workdir))
+    if story.incident:
+        # The sidecar follows the next attempt and writes where the recovery's time went.
+        record = wait_for(lambda: _with_recovery(story.incident), 5.0, 0.2) if story.incident else None
+        if record is not None:
+            console.print(recovery_table(record["recovery"]))
+        else:
+            ok = False
+            story.say("the incident has no recovery section", "bold red")
     if story.incident:
         console.print(
             f"incident: {story.incident['path']} (and .txt); list with "

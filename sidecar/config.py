@@ -14,7 +14,10 @@ import argparse
 import dataclasses
 import math
 import os
+import re
+import socket
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,7 @@ DEFAULT_PORT = 9402
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_SOCKET = "/run/sidecar/sidecar.sock"
 ENV_PREFIX = "SIDECAR_"
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 
 # The hardware collectors there are, name -> the module that implements it: the one list the
 # settings (`collectors.enabled` and its default), the collector factory
@@ -58,6 +62,20 @@ def _fail(name: str, problem: str) -> typing.NoReturn:
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         _fail(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+PEER_URL = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):\d{1,5}/?")
+
+
+def check_url(url: str) -> str | None:
+    """Why `url` cannot be a coordinator's address (None when it can): `http(s)://HOST:PORT` and
+    nothing else, no user, path or query."""
+    if not isinstance(url, str) or len(url) > 240 or not PEER_URL.fullmatch(url):
+        return "expected http://HOST:PORT"
+    port = urllib.parse.urlsplit(url).port
+    if port is None or not 0 < port < 65536:
+        return "port out of range"
+    return None
 
 
 def parse_hostport(value: str, name: str = "listen") -> tuple[str, int]:
@@ -320,7 +338,81 @@ class ExitSettings:
 
 
 @dataclass
+class JobViewSettings:
+    enabled: bool = field(
+        default=True,
+        metadata=doc(
+            'Share the job\'s picture with the other nodes of each job (docs/architecture.md, "The job view"): '
+            "one culprit, one job incident, and only the culprit's node kills. Off: every node judges its own "
+            "ranks alone."
+        ),
+    )
+    advertise_url: str = field(
+        default="",
+        metadata=doc(
+            "Where the other nodes' sidecars reach this one (`http://HOST:PORT`), told to the ranks so that "
+            "rank 0 can name its node's sidecar as the job's coordinator. Empty: from `listen` (a wildcard "
+            "address is replaced by the hostname). The DaemonSet sets it from the pod's host IP."
+        ),
+    )
+    report_interval_seconds: float = field(
+        default=5.0,
+        metadata=doc(
+            "How often a node reports each job to its coordinator while nothing is wrong (at once, and then "
+            "long-polled, while a rank is suspect or stalled). It bounds how late a lost node is noticed."
+        ),
+    )
+    verdict_wait_seconds: float = field(
+        default=3.0,
+        metadata=doc(
+            "How long a stalled node waits for the job's verdict and for every node's stack dumps before it "
+            "acts on what it knows; also how long the coordinator waits for the stacks at the job's lowest "
+            "step before it names the rank with the oldest progress."
+        ),
+    )
+    launcher_grace_seconds: float = field(
+        default=30.0,
+        metadata=doc(
+            "A node whose ranks only wait for a culprit on another node leaves them to torchrun's "
+            "re-rendezvous (the culprit's node kills its group, every agent then restarts its own) for this "
+            "long, then kills them itself."
+        ),
+    )
+    lost_after_seconds: float = field(
+        default=15.0,
+        metadata=doc(
+            "A node of a job that has not reported for this long is lost (named when every rank that still "
+            "reports waits). Keep it above 2 x report_interval_seconds."
+        ),
+    )
+    max_nodes: int = field(default=4096, metadata=doc("Most nodes of one job a coordinator keeps (429 beyond)."))
+
+    def __post_init__(self) -> None:
+        for name in ("report_interval_seconds", "verdict_wait_seconds", "launcher_grace_seconds"):
+            _positive(f"job_view.{name}", getattr(self, name), allow_zero=name != "report_interval_seconds")
+        _positive("job_view.max_nodes", self.max_nodes)
+        if self.lost_after_seconds < 2 * self.report_interval_seconds:
+            _fail(
+                "job_view.lost_after_seconds",
+                f"must be at least 2 x job_view.report_interval_seconds ({self.lost_after_seconds} < "
+                f"{2 * self.report_interval_seconds:g})",
+            )
+        if self.advertise_url:
+            why = check_url(self.advertise_url)
+            if why is not None:
+                _fail("job_view.advertise_url", f"{why}, got {self.advertise_url!r}")
+
+
+@dataclass
 class Settings:
+    node_name: str = field(
+        default="",
+        metadata=doc(
+            "This node's name in incidents, `/v1/status`, `sidecar status` and the job view shared with the "
+            "other nodes of a job (empty: the hostname). The DaemonSet sets it from `spec.nodeName`. Letters, "
+            "digits, `.`, `_` and `-`, at most 253 characters."
+        ),
+    )
     listen: str = field(
         default=DEFAULT_LISTEN,
         metadata=doc(
@@ -403,8 +495,13 @@ class Settings:
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
     remediation: RemediationSettings = field(default_factory=RemediationSettings)
     exits: ExitSettings = field(default_factory=ExitSettings)
+    job_view: JobViewSettings = field(default_factory=JobViewSettings)
 
     def __post_init__(self) -> None:
+        if not self.node_name:
+            self.node_name = socket.gethostname()
+        if not NODE_NAME.fullmatch(self.node_name):
+            _fail("node_name", f"expected letters, digits, '.', '_' or '-' (at most 253), got {self.node_name!r}")
         parse_hostport(self.listen)
         try:
             mode = int(str(self.socket_mode), 8)
@@ -488,6 +585,16 @@ class Settings:
                 _fail("token_file", f"{self.token_file} is empty")
             return token
         return None
+
+    @property
+    def peer_url(self) -> str:
+        """Where other nodes reach this sidecar (job_view.advertise_url, else from listen)."""
+        if self.job_view.advertise_url:
+            return self.job_view.advertise_url.rstrip("/")
+        host = self.listen_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"http://[{host}]:{self.listen_port}" if ":" in host else f"http://{host}:{self.listen_port}"
 
     def requires_token(self) -> bool:
         return self.listen_host not in ("127.0.0.1", "localhost", "::1")

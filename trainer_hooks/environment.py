@@ -20,6 +20,7 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_ATTACH` | `1` with `autoattach/` on PYTHONPATH attaches every torchrun worker (`attach.py`) |
 | `SIDECAR_ATTACHED_PID` | set by the attach switch in the attached process; its children do not attach again |
 | `SIDECAR_ATTEMPT_STORE` | `0` turns off the per-attempt store namespace of `trainer_hooks.distributed` |
+| `SIDECAR_JOB_VIEW` | `0` stops the hooks from telling their sidecar where the job's coordinating sidecar is (`jobview.py`) |
 """
 
 from __future__ import annotations

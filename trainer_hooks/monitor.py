@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_hooks import environment, exits, stacks
+from trainer_hooks import environment, exits, jobview, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender, Tuning
@@ -114,6 +114,7 @@ class Monitor:
                 adopt_server_interval=interval is None,
                 tuning=Tuning(**overrides),
             )
+            self._sender.job_view_enabled = jobview.enabled(env)
             self._live = True
             _monitors.add(self)
             atexit.register(self._close_at_exit)

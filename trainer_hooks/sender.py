@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from trainer_hooks.environment import Endpoint, Identity
 from trainer_hooks.errors import warn
+from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
@@ -122,6 +123,11 @@ class Sender:
         self._close_reason = "finished"
         self._close_exit: dict | None = None  # the exception the rank dies of (exits.py)
         self.thread: threading.Thread | None = None
+        # Items the hooks' own helpers add (the job view's coordinator, jobview.py), sent first.
+        self.extra: deque[dict] = deque(maxlen=16)
+        self.job_view_enabled = True  # Monitor: SIDECAR_JOB_VIEW
+        self.job_view_offer: dict | None = None  # the sidecar's offer to coordinate the job (rank 0's)
+        self.job_view: CoordinatorExchange | None = None
 
     # ---------------------------------------------------------------- thread life
 
@@ -135,6 +141,8 @@ class Sender:
         self._close_reason = reason
         self._close_exit = exit_report
         self._close_deadline = time.monotonic() + budget
+        if self.job_view is not None:
+            self.job_view.stop()
         self._wake.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(budget + 0.2)
@@ -183,7 +191,7 @@ class Sender:
         if not self.buffer and not final and time.monotonic() - self._last_contact >= self.tuning.keepalive:
             self._send([], deadline)
             return
-        while self.buffer or self._held_back is not None:
+        while self.buffer or self._held_back is not None or self.extra:
             if deadline is not None and time.monotonic() >= deadline:
                 return
             items = self._take()
@@ -197,6 +205,8 @@ class Sender:
         rolled back): the sidecar refuses such a batch whole, while a batch that starts with
         the rollback only needs a re-registration."""
         items: list[dict] = []
+        while self.extra:
+            items.append(self.extra.popleft())
         last_step = None
         if self._held_back is not None:
             items.append(self._held_back)
@@ -344,7 +354,16 @@ class Sender:
         interval = reply.body.get("flush_interval_s")
         if self.adopt_server_interval and isinstance(interval, (int, float)) and not isinstance(interval, bool):
             self.flush_interval = min(_MAX_SERVER_INTERVAL, max(_MIN_SERVER_INTERVAL, float(interval)))
+        offer = reply.body.get("job_view")
+        if isinstance(offer, dict) and isinstance(offer.get("url"), str) and isinstance(offer.get("node"), str):
+            self.job_view_offer = {"url": offer["url"], "node": offer["node"]}
+        if self.job_view is None and self.job_view_enabled and self.ident.world_size > 1:
+            self.job_view = CoordinatorExchange(self.ident.rank, lambda: self.job_view_offer, self._add_item)
+            self.job_view.start()
         return True
+
+    def _add_item(self, item: dict) -> None:
+        self.extra.append({**item, "time": time.time()})  # goes out with the next flush
 
     def deregister(self, reason: str, deadline: float | None = None) -> None:
         body = {

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import re
 
-PROTOCOL_VERSION = 2  # 2: a registration's optional `launcher` (LAUNCHERS); version 1 registrations stay valid
+# 3: the `job_coordinator` event (the job view); 2: a registration's optional `launcher`
+# (LAUNCHERS). Registrations of versions 1 and 2 stay valid.
+PROTOCOL_VERSION = 3
 
 # ---------------------------------------------------------------- names
 
@@ -89,6 +91,7 @@ POD_LABEL_RULES: dict[str, tuple[re.Pattern, int, str]] = {
 EXIT_MAX_TYPES = 16  # the type and its bases, most derived first
 EXIT_MAX_FRAMES = 12  # the innermost frames of the traceback
 EXIT_MAX_TEXT = 512  # each text: type names, the message's first line, a frame, the thread name
+JOB_COORDINATOR_EVENT = "job_coordinator"  # fields url, node: where the job's coordinating sidecar is
 THREAD_EXCEPTION_EVENT = "thread_exception"  # the event an exception that ends another thread is sent as
 
 

@@ -2,8 +2,9 @@
 
 Environment: CYCLE_LOG (a file; one JSON line per record, appended), CYCLE_HANGS (attempts that
 hang: attempts 0..CYCLE_HANGS-1 do), CYCLE_HANG_STEP (the first step after which rank CYCLE_HANG_RANK
-hangs, once it trained CYCLE_HANG_AFTER_SECONDS), CYCLE_HANG_MODE (`stop`: the rank SIGSTOPs itself;
-`sleep`: it sleeps forever; `kill`: it SIGKILLs itself).
+hangs, once it trained CYCLE_HANG_AFTER_SECONDS; or, with CYCLE_HANG_LOCAL_RANK set, that local rank
+of each node whose agent has the variable), CYCLE_HANG_MODE (`stop`: the rank SIGSTOPs itself;
+`sleep`: it sleeps forever; `spin`: a Python busy loop; `kill`: it SIGKILLs itself).
 
 Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
 attempt, {"kind": "hang", ...} just before the hang, {"kind": "done", ...} at the end.
@@ -25,6 +26,9 @@ class Chaos:
         self.hangs = int(env.get("CYCLE_HANGS", "0"))
         self.hang_step = int(env.get("CYCLE_HANG_STEP", "8"))
         self.hang_rank = int(env.get("CYCLE_HANG_RANK", "1"))
+        local = env.get("CYCLE_HANG_LOCAL_RANK")
+        if local is not None:  # several nodes: the node's own agent says which of its ranks hangs
+            self.hang_rank = self.rank if int(env.get("LOCAL_RANK", "0")) == int(local) else -1
         self.mode = env.get("CYCLE_HANG_MODE", "stop")
         self.path = env.get("CYCLE_LOG")
         self.step_seconds = float(env.get("CYCLE_STEP_SECONDS", "0.05"))
@@ -59,6 +63,8 @@ class Chaos:
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            while self.mode == "spin":  # holds the GIL's share of a core, steps never advance
+                pass
             while True:
                 time.sleep(3600)
 

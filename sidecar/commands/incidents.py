@@ -4,7 +4,11 @@
 Which directory: `--diag-dir`; else the running daemon's, as its `/v1/status` names it (found as
 `sidecar status` finds it: `--socket`/`--url`, SIDECAR_SOCKET/SIDECAR_URL, the settings' socket,
 the default socket), so a daemon started with its own `diag_dir` is read where it writes; else,
-when no sidecar answers, the settings' `diag_dir` (said on stderr)."""
+when no sidecar answers, the settings' `diag_dir` (said on stderr).
+
+With `--job ID`: the job's story across its nodes, from the job's coordinator through this node's
+sidecar: the job incident every node's record shares, the culprit, each node's part, each rank's
+innermost frame, one timeline; this node's own records when the coordinator cannot be reached."""
 
 from __future__ import annotations
 
@@ -38,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print each incident's summary: ranks, timeline and the first lines of every stack dump",
     )
+    parser.add_argument(
+        "--job",
+        metavar="ID",
+        help="a job_id or a job incident id: the job's story across its nodes (latest job incident of a job_id)",
+    )
 
 
 def _row(record: dict[str, Any]) -> list[str]:
@@ -49,12 +58,17 @@ def _cells(record: dict[str, Any]) -> list[str]:
     blamed = record.get("blamed_rank")
     timeline = {e.get("event"): e.get("after_detection_seconds") for e in record.get("timeline", [])}
     exited = timeline.get("exit_observed")
+    recovery: dict[str, Any] = record["recovery"] if isinstance(record.get("recovery"), dict) else {}
+    again = recovery.get("hang_to_training_seconds")
+    node = record.get("blamed_node")
     return [
         when,
         str(record.get("job_id", "?")),
-        f"rank {blamed}" if blamed is not None else "-",
+        (f"rank {blamed}" if blamed is not None else f"node {node}" if node else "-")
+        + (f" on {node}" if node and blamed is not None else ""),
         str(record.get("outcome", "?")),
         f"+{exited:.1f}s" if exited is not None else "-",
+        f"{again:.1f}s" if isinstance(again, (int, float)) else "-",
         str(record.get("path", "")),
     ]
 
@@ -91,6 +105,8 @@ def main(args: argparse.Namespace) -> int:
     if args.last is not None and args.last < 1:
         print("sidecar incidents: --last must be >= 1", file=sys.stderr)
         return 2
+    if args.job:
+        return job_story(args, diag_dir)
     records = load_incidents(diag_dir, args.last)
     if args.json:
         print(json.dumps(records, indent=2))
@@ -107,6 +123,82 @@ def main(args: argparse.Namespace) -> int:
             except OSError:
                 print(f"(no summary at {summary})\n")
         return 0
-    header = ["detected (UTC)", "job", "blamed", "outcome", "exited", "record"]
+    header = ["detected (UTC)", "job", "blamed", "outcome", "exited", "training again", "record"]
     print(_table([header] + [_row(r) for r in records]))
     return 0
+
+
+# ---------------------------------------------------------------- --job
+
+
+def job_story(args: argparse.Namespace, diag_dir: str) -> int:
+    """The story of a job incident (by job incident id) or of a job's latest one (by job_id)."""
+    wanted = args.job
+    local = [r for r in load_incidents(diag_dir) if wanted in (r.get("job_id"), r.get("job_incident"))]
+    job_id = local[0]["job_id"] if local else wanted
+    job_incident = wanted if any(r.get("job_incident") == wanted for r in local) else None
+    story, why = _fetch_story(args, job_id, job_incident)
+    if job_incident is None and story is not None:
+        job_incident = story.get("verdict", {}).get("job_incident")
+    mine = [r for r in local if job_incident is None or r.get("job_incident") == job_incident]
+    if args.json:
+        print(json.dumps({"story": story, "local_records": mine}, indent=2))
+        return 0 if story is not None or mine else 1
+    if story is None and not mine:
+        print(f"sidecar incidents: no job incident of {wanted!r} here ({why})", file=sys.stderr)
+        return 1
+    print(render_story(story, mine, why))
+    return 0
+
+
+def _fetch_story(args: argparse.Namespace, job_id: str, job_incident: str | None) -> tuple[dict | None, str]:
+    from urllib.parse import quote
+
+    endpoint = resolve_endpoint(getattr(args, "socket", None), getattr(args, "url", None))
+    path = f"/v1/jobs/{quote(job_id, safe='')}/story" + (f"?incident={quote(job_incident)}" if job_incident else "")
+    try:
+        story = fetch_json(endpoint, path, timeout=15.0).get("story")
+    except StatusError as e:
+        return None, str(e)
+    return (story, "") if isinstance(story, dict) else (None, "the sidecar answered no story")
+
+
+def render_story(story: dict | None, records: list[dict[str, Any]], why: str) -> str:
+    lines: list[str] = []
+    if story is not None:
+        v = story.get("verdict", {})
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(v.get("opened", 0)))
+        lines += [f"Job incident {v.get('job_incident')}", f"  job       {v.get('job_id')}", f"  opened    {when}"]
+        c = v.get("culprit")
+        if isinstance(c, dict):
+            who = f"rank {c.get('rank')} on {c.get('node')}" if c.get("rank") is not None else f"node {c.get('node')}"
+            lines.append(f"  culprit   {who}, step {c.get('step')} ({c.get('reason')})")
+            if c.get("stack_top"):
+                lines.append(f"            at {c.get('stack_top')}")
+        else:
+            lines.append("  culprit   not named")
+        if v.get("lost_nodes"):
+            lines.append(f"  lost      {', '.join(v['lost_nodes'])}")
+        lines.append(f"  state     {'closed: the job trains again' if v.get('closed') else 'open'}")
+        lines += ["", "  node             outcome             record"]
+        for node, part in sorted(story.get("nodes", {}).items()):
+            p = part.get("part") or {}
+            lines.append(f"  {node:<16} {str(p.get('outcome', '-')):<19} {p.get('incident', '-')}")
+        lines += ["", "  rank  node             state        step     waits  innermost frame"]
+        for node, part in sorted(story.get("nodes", {}).items()):
+            for r in part.get("ranks", []):
+                waits = {True: "yes", False: "NO", None: "?"}[r.get("waiting")]
+                lines.append(
+                    f"  {r.get('rank')!s:<5} {node:<16} {r.get('state')!s:<12} {r.get('step')!s:<8} {waits:<6} "
+                    f"{r.get('stack_top') or '-'}"
+                )
+        lines += ["", "  timeline"]
+        start = v.get("opened", 0)
+        for e in story.get("timeline", []):
+            lines.append(f"    +{e.get('time', 0) - start:7.3f}s  {e.get('node')!s:<16} {e.get('event')}")
+    else:
+        lines.append(f"(no story from the job's coordinator: {why}; this node's records only)")
+    if records:
+        lines += ["", "  this node's records"]
+        lines += [f"    {r.get('id')}: {r.get('summary')}" for r in records]
+    return "\n".join(lines) + "\n"

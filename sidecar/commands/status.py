@@ -271,6 +271,31 @@ def _incident_rows(incidents: list[dict]) -> list[list[Cell]]:
     ]
 
 
+def _job_rows(jobs: dict) -> list[list[Cell]]:
+    rows = []
+    for job_id, view in sorted(jobs.items()):
+        if not isinstance(view, dict):
+            continue
+        verdict: dict = view["verdict"] if isinstance(view.get("verdict"), dict) else {}
+        culprit: dict | None = verdict["culprit"] if isinstance(verdict.get("culprit"), dict) else None
+        held = "-"
+        if culprit is not None:
+            who = f"rank {culprit.get('rank')} on " if culprit.get("rank") is not None else "node "
+            held = who + str(culprit.get("node"))
+        incident = verdict.get("job_incident") if verdict and not verdict.get("closed") else None
+        reachable = view.get("reachable")
+        rows.append(
+            [
+                _cell(job_id),
+                _cell(view.get("coordinator")),
+                Cell("yes", "green") if reachable else Cell("no", "red"),
+                _cell(incident),
+                _cell(held) if culprit is None or verdict.get("closed") else Cell(held, "bold red"),
+            ]
+        )
+    return rows
+
+
 def _last_exit(last: Any) -> str:
     if not isinstance(last, dict):
         return "-"
@@ -284,7 +309,7 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
     verdict = assess(status)
     node, watchdog = dict_at(status, "node"), dict_at(status, "watchdog")
     headline = [
-        Cell(f"node {fmt_text(node.get('hostname'))}", "bold"),
+        Cell(f"node {fmt_text(node.get('name') or node.get('hostname'))}", "bold"),
         Cell(f"sidecar {fmt_text(status.get('version'))}"),
         Cell(f"up {fmt_duration(status.get('uptime_seconds'))}"),
         Cell("HEALTHY", "bold green") if verdict.exit_code == EXIT_HEALTHY else Cell("DEGRADED", "bold red"),
@@ -339,6 +364,12 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
             ],
             _rank_rows(dicts_at(status, "ranks")),
             "none registered",
+        ),
+        Section(
+            "Jobs across nodes",
+            ["JOB", "COORDINATOR", "REACHABLE", "JOB INCIDENT", "HELD UP BY"],
+            _job_rows(dict_at(status, "jobs")),
+            "no multi-node job (or job_view.enabled off)",
         ),
         Section(
             "Collectors",

@@ -20,12 +20,15 @@ from prometheus_client.exposition import choose_encoder
 
 from sidecar import __version__
 from sidecar.collectors.base import CollectorRunner
-from sidecar.config import Settings
+from sidecar.config import NODE_NAME, Settings
 from sidecar.daemon import status_document
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import diagfiles, identity, procs, stackfiles
+from sidecar.jobview import auth
+from sidecar.jobview.coordinator import Coordinator
+from sidecar.jobview.reporter import Reporter
 from sidecar.metric import MetricSpec, spec
 from sidecar.ranks import protocol
 from sidecar.ranks.errors import RegistryError
@@ -33,6 +36,7 @@ from sidecar.ranks.model import Rank
 from sidecar.ranks.protocol import ProtocolError
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
+from trainer_hooks.wire import JOB_COORDINATOR_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,9 @@ class Daemon:
     started: float = field(default_factory=time.monotonic)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
     exits: ExitTracker | None = None  # why each rank process exited (sidecar/exits/tracker.py)
+    reporter: Reporter | None = None  # this node's side of the job view (sidecar/jobview/)
+    coordinator: Coordinator | None = None  # the job view of the jobs whose rank 0 runs here
+    peer_verifier: auth.Verifier | None = None  # checks other sidecars' signed requests (with a token)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     dump_files: stackfiles.DumpFiles | None = None  # the stack-dump files it created (host/stackfiles.py)
 
@@ -70,6 +77,14 @@ DAEMON = web.AppKey("daemon", Daemon)
 METRICS_ENDPOINT = web.AppKey("metrics_endpoint", MetricsEndpoint)
 
 BUILD_INFO = spec("daemon", "build_info", "gauge", "1, labelled with the sidecar's version.", ["version"])
+NODE_INFO = spec(
+    "daemon",
+    "node_info",
+    "gauge",
+    "1, labelled with this node's name (the node_name setting): what incidents and the job view call the node, "
+    "joined onto per-rank series by the JobHungOnRank rule.",
+    ["node"],
+)
 INGEST_RECORDS = spec(
     "daemon", "ingest_records", "counter", "Items accepted by the push API, by type (step, phase, event).", ["type"]
 )
@@ -97,6 +112,7 @@ EVENT_LOOP_LAG = spec(
 )
 METRICS: tuple[MetricSpec, ...] = (
     BUILD_INFO,
+    NODE_INFO,
     INGEST_RECORDS,
     INGEST_REJECTED,
     INGEST_REGISTRATIONS,
@@ -273,6 +289,13 @@ async def register(request: web.Request) -> web.Response:
                 {"path": rank.stack_file.path, "signal": rank.stack_signal} if rank.stack_file is not None else None
             ),
             "flush_interval_s": d.settings.hooks_flush_interval_seconds,
+            # Rank 0 names this sidecar as its job's coordinator (sidecar/jobview/); the others learn
+            # where it is through the job's own store.
+            "job_view": (
+                {"url": d.settings.peer_url, "node": d.settings.node_name}
+                if d.reporter is not None and reg.world_size > 1
+                else None
+            ),
         }
     )
 
@@ -324,6 +347,12 @@ async def push(request: web.Request) -> web.Response:
     check_session(request, rank, batch.session)
     check_sender(request, rank)
     accepted = d.registry.apply_push(batch, rank)
+    if d.reporter is not None and rank.peer_verified:
+        for item in batch.items:
+            if type(item) is protocol.EventItem and item.name == JOB_COORDINATOR_EVENT:
+                url, node = item.fields.get("url"), item.fields.get("node")
+                if isinstance(url, str) and isinstance(node, str) and NODE_NAME.fullmatch(node):
+                    d.reporter.set_coordinator(rank.job_id, url, node)
     records = d.stats.records
     for item in batch.items:
         records[_ITEM_TYPES[type(item)]] += 1
@@ -361,7 +390,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    body = status_document.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits)
+    body = status_document.build_status(
+        d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits, reporter=d.reporter
+    )
     return web.json_response(body)
 
 
@@ -380,6 +411,8 @@ async def metrics(request: web.Request) -> web.Response:
 def daemon_families(d: Daemon) -> Iterable[Metric]:
     build = BUILD_INFO.family()
     build.add_metric([__version__], 1)
+    node = NODE_INFO.family()
+    node.add_metric([d.settings.node_name], 1)
     records = INGEST_RECORDS.family()
     for kind in ("step", "phase", "event"):
         records.add_metric([kind], d.stats.records[kind])
@@ -390,7 +423,7 @@ def daemon_families(d: Daemon) -> Iterable[Metric]:
     registrations.add_metric([], d.registry.registrations_total)
     lag = EVENT_LOOP_LAG.family()
     lag.add_metric([], d.loop_lag.worst())
-    yield from (build, records, rejected, registrations, lag)
+    yield from (build, node, records, rejected, registrations, lag)
     try:
         cpu = d.process.cpu_times()
         cpu_family, rss, fds = DAEMON_CPU.family(), DAEMON_RSS.family(), DAEMON_FDS.family()

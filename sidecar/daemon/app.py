@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from sidecar import __version__
@@ -36,10 +37,13 @@ from sidecar.collectors import gpu_events
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.factory import build_collectors
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
-from sidecar.daemon import api
+from sidecar.daemon import api, peer_api
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import procs, stackfiles
+from sidecar.jobview import auth
+from sidecar.jobview.coordinator import Coordinator
+from sidecar.jobview.reporter import Reporter
 from sidecar.ranks import ownership, podlabels
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
@@ -50,6 +54,7 @@ log = logging.getLogger("sidecar")
 
 RESTART_BACKOFF_SECONDS = (1.0, 30.0)  # a crashed background task restarts after 1 s, doubling to 30 s
 SWEEP_INTERVAL_SECONDS = 30.0
+LISTEN_BACKLOG = 4096  # pending TCP connections (the kernel caps it at net.core.somaxconn)
 OWNERS_SAVE_SECONDS = 1.0  # how often the job owners are written while they change (ranks/ownership.py)
 LISTEN_RETRY_INTERVAL_SECONDS = 1.0
 STOP_SECONDS = 2.0  # after SIGTERM, how long in-flight requests may take (a half-sent body never holds the stop)
@@ -96,6 +101,8 @@ def build_app(settings: Settings) -> web.Application:
     events = gpu_events.build(settings, registry.live_pids)  # dcgm mode: XIDs without the gpu collector
     daemon.exits = exit_tracker(settings, daemon.watchdog, collectors, events)
     daemon.watchdog.on_remediating = daemon.exits.remediating
+    if settings.job_view.enabled:
+        attach_job_view(daemon)
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
     app[api.DAEMON] = daemon
     endpoint = MetricsEndpoint(
@@ -111,6 +118,7 @@ def build_app(settings: Settings) -> web.Application:
     app[api.METRICS_ENDPOINT] = endpoint
 
     api.add_routes(app)
+    peer_api.add_routes(app)
     app.cleanup_ctx.append(background_tasks)
     if events is not None:
         app.cleanup_ctx.append(refreshing(events, settings.collectors.interval_seconds))
@@ -129,6 +137,64 @@ def exit_tracker(
         xids=getattr(gpu, "last_xids", None),
         gpu_use=(lambda: gpu.rank_gpus) if gpu is not None else None,
     )
+
+
+def attach_job_view(daemon: api.Daemon) -> None:
+    """The job view (sidecar/jobview/): this node coordinates the jobs whose ranks it hosts and
+    asks, and reports its picture of every job whose coordinator a local rank names."""
+    settings, registry = daemon.settings, daemon.registry
+    jv = settings.job_view
+    daemon.coordinator = Coordinator(
+        hosts=lambda job_id: any(r.job_id == job_id for r in registry.ranks()),
+        lost_after=jv.lost_after_seconds,
+        verdict_wait=jv.verdict_wait_seconds,
+        max_nodes=jv.max_nodes,
+        probe=probe_peer,
+    )
+    daemon.reporter = Reporter(
+        settings.node_name,
+        settings.peer_url,
+        daemon.token,
+        jv.report_interval_seconds,
+        source=daemon.watchdog.node_report,
+        local=daemon.coordinator,
+    )
+    if daemon.token:
+        daemon.peer_verifier = auth.Verifier(daemon.token)
+    daemon.watchdog.job_view = daemon.reporter
+    if daemon.exits is not None:
+        daemon.exits.job_incident_of = exit_context(daemon.reporter, settings.node_name)
+        daemon.exits.job_view_wait = jv.verdict_wait_seconds + 2.0
+        daemon.watchdog.on_left_to_launcher = daemon.exits.left_to_launcher
+
+
+def exit_context(reporter: Reporter, node: str) -> Callable[[str, int], tuple[str | None, str | None, bool]]:
+    """For the exit tracker: whether a rank's exit is a consequence of its job's incident (the
+    verdict names another rank, or a lost node), and whether the job view may still tell."""
+
+    def of(job_id: str, rank: int) -> tuple[str | None, str | None, bool]:
+        if reporter.coordinator(job_id) is None:
+            return None, None, False
+        verdict = reporter.verdict(job_id)
+        if verdict is None or verdict.closed or verdict.culprit is None:
+            return None, None, reporter.reachable(job_id)
+        c = verdict.culprit
+        if c.rank == rank and c.node == node:
+            return None, None, False  # this rank is the cause
+        what = f"rank {c.rank} on {c.node}" if c.rank is not None else f"node {c.node} lost"
+        return verdict.job_incident, what, False
+
+    return of
+
+
+async def probe_peer(url: str) -> bool:
+    """Whether a sidecar answers `/healthz` at `url` within a second."""
+    timeout = aiohttp.ClientTimeout(total=1.0)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/healthz") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
 
 
 def refreshing(events: gpu_events.GpuEvents, interval: float) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -162,6 +228,8 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         jobs["exits"] = d.exits.run
     if d.settings.watchdog.enabled:
         jobs["watchdog"] = d.watchdog.run
+    if d.reporter is not None:
+        jobs["job_view"] = d.reporter.run
     jobs["owners"] = lambda: save_owners_forever(d.registry)
     jobs["loop_lag"] = d.loop_lag.run
     restore_owners(d.registry)
@@ -336,7 +404,9 @@ async def listen_tcp(runner: web.AppRunner, settings: Settings) -> None:
     attempt = 0
     while True:
         attempt += 1
-        site = web.TCPSite(runner, settings.listen_host, settings.listen_port)
+        # A job's coordinator hears from every node of the job at once when it hangs: a listen
+        # backlog of aiohttp's default 128 would drop connects (1 s SYN retries).
+        site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG)
         try:
             await site.start()
             if attempt > 1:

@@ -39,7 +39,7 @@ from sidecar.watchdog.machine import Watchdog
 log = logging.getLogger(__name__)
 
 PER_RANK_COLLECTORS = frozenset({"process"})  # their series are budgeted with the rank's
-WATCHDOG_SERIES_PER_RANK = 7  # rank_state (6 states) + watchdog_timeout_seconds
+WATCHDOG_SERIES_PER_RANK = 8  # rank_state (6 states) + watchdog_timeout_seconds + rank_waiting_in_collective
 
 SERIES_DROPPED = spec(
     "daemon",

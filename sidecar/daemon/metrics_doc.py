@@ -14,11 +14,13 @@ from sidecar.daemon import api, app, exposition
 from sidecar.exits import tracker
 from sidecar.metric import MetricSpec
 from sidecar.ranks import training_metrics as training
-from sidecar.watchdog import machine, remediation
+from sidecar.watchdog import goodput, machine, recovery, remediation
 
 # The daemon's own concerns, then every hardware collector of `config.COLLECTORS`: the order the
 # reference lists them. A catalogued module that does not exist fails the import, loudly.
-CORE_MODULES: tuple[ModuleType, ...] = (base, app, api, exposition, training, machine, tracker, remediation)
+CORE_MODULES: tuple[ModuleType, ...] = (
+    base, app, api, exposition, training, machine, goodput, recovery, tracker, remediation,
+)  # fmt: skip
 
 
 def modules() -> list[ModuleType]:
@@ -75,7 +77,28 @@ def reference_markdown(specs: list[MetricSpec] | None = None) -> str:
             labels = ", ".join(f"`{label}`" for label in s.labels)
             lines.append(f"| `{s.exposed_name}` | {s.type} | {labels} | {_cell(s.help)} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + GOODPUT.splitlines()) + "\n"
+
+
+GOODPUT = """## Goodput, across nodes
+
+`sidecar_job_seconds_total{job_id, state}` splits each job's wall time on a node into
+`productive`, `stalled`, `recovering` and `redone` (sidecar/watchdog/goodput.py). Every node of
+a job counts the same wall time, so the share is the same on each: compute it per node and
+average it by job; never add the seconds of several nodes. The recording rule
+`job_id:sidecar_goodput:ratio1h` does exactly that:
+
+```promql
+avg by (job_id) (
+  sum by (job_id, instance) (rate(sidecar_job_seconds_total{state="productive"}[1h]))
+  / sum by (job_id, instance) (rate(sidecar_job_seconds_total[1h]))
+)
+```
+
+Time is classified when the job next progresses (a step of its slowest local rank), so the
+counters lag the present by at most one step, or by one stall until training resumes.
+`sidecar_recovery_stage_seconds{stage}` says where the recoveries' time went; each stall
+incident's `recovery` section has its own stages (`sidecar incidents --full`)."""
 
 
 add_arguments = generated.add_write_argument

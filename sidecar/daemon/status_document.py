@@ -22,6 +22,7 @@ from sidecar import __version__
 from sidecar.collectors.base import CollectorRunner
 from sidecar.config import Settings
 from sidecar.exits.tracker import ExitTracker
+from sidecar.jobview.reporter import Reporter
 from sidecar.problems import Kind, Problem, merged
 from sidecar.ranks.model import Rank
 from sidecar.ranks.registry import Registry
@@ -96,6 +97,7 @@ def node_section(settings: Settings, s: Samples) -> dict:
     versions = s.all("sidecar_versions_info")
     labels = versions[0][0] if versions else {}
     return {
+        "name": settings.node_name,
         "hostname": socket.gethostname(),
         "kernel": labels.get("kernel") or platform.release(),
         "os": labels.get("os") or os_name(),
@@ -248,6 +250,7 @@ def build_status(
     watchdog: Watchdog,
     started: float,
     exits: ExitTracker | None = None,
+    reporter: Reporter | None = None,
 ) -> dict:
     now, now_wall = time.monotonic(), time.time()
     s = Samples(runner.families())
@@ -278,4 +281,6 @@ def build_status(
         "watchdog": watchdog.status(),
         "incidents": watchdog.incidents(INCIDENTS_SHOWN),
         "exits": exits.status() if exits is not None else None,
+        # The job view (sidecar/jobview/): per local multi-node job, its coordinator and verdict.
+        "jobs": reporter.status() if reporter is not None else {},
     }

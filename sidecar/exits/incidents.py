@@ -42,6 +42,8 @@ class ExitIncident(Incident):
             return f"job {self.job_id}: rank exit"
         first = self.exits[0]
         text = f"job {self.job_id}: rank {first['rank']} exited: {first['reason']}"
+        if first.get("consequence_of"):
+            text += f", a consequence of job incident {first.get('job_incident')} ({first['consequence_of']})"
         exc = first.get("exception")
         if exc:
             text += f" ({exc['type']}: {exc['message'][:120]})"
@@ -138,6 +140,8 @@ class ExitIncidents:
             self._open[key] = (now, incident)
         else:
             incident = current[1]
+        if entry.get("job_incident") and incident.job_incident is None:
+            incident.job_incident = entry["job_incident"]  # another node's hang or loss: part of that job incident
         if len(incident.exits) < MAX_INLINE_EXITS:
             incident.exits.append(entry)
             incident.event("rank_exit", at=entry["time"], rank=entry["rank"], reason=entry["reason"])

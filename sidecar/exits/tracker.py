@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 STATUS_WAIT_SECONDS = 5.0  # after the exit, how long to wait for the parent to reap it (the status)
 SETTLE_SECONDS = 1.0  # a job's exits are decided together once the youngest is this old
+JOB_VIEW_WAIT_SECONDS = 5.0  # the default wait for the job view (the daemon sets it from the settings)
 MAX_JOBS_COUNTED = 64  # jobs whose exit counts are kept (the oldest job's are dropped beyond)
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -47,16 +48,19 @@ METRICS: tuple[MetricSpec, ...] = (
         "Rank process exits by reason: finished, watchdog, oom_killed, gpu_error (a hardware XID), gpu_app_fault "
         "(another XID: the application's own fault), exception/cuda_oom, "
         "exception/collective_timeout, exception/communication, exception/nonfinite, exception/other, "
-        "signal, nonzero_exit, unknown.",
-        ["job_id", "reason"],
+        "signal, nonzero_exit, unknown. `role` is `consequence` when the exit followed a job incident "
+        "whose culprit is another rank or a lost node (the job view: a peer's hang or loss made it fail), "
+        "else `cause`.",
+        ["job_id", "reason", "role"],
     ),
     spec(
         "exits",
         "job_failures",
         "counter",
         "Failures of a job's worker group on this node, by the reason of the first rank to exit (the likely "
-        "cause: torchrun stops the other workers, which then exit with `signal`). Reasons as "
-        "sidecar_rank_exits_total, without finished.",
+        "cause: torchrun stops the other workers, which then exit with `signal`); failures that are the "
+        "consequences of another node's job incident are not counted. Reasons as sidecar_rank_exits_total, "
+        "without finished.",
         ["job_id", "reason"],
     ),
     spec(
@@ -71,6 +75,9 @@ METRICS: tuple[MetricSpec, ...] = (
 # --------------------------------------------------------------- the tracker
 
 DECIDE_CHUNK = 64  # exits decided between two returns to the event loop
+# (job_id, global rank) -> (the job incident the exit is a consequence of, what holds the job up,
+# whether the job view may still tell): the job view's answer (sidecar/jobview/), wired by the daemon.
+JobIncidentOf = Callable[[str, int], tuple[str | None, str | None, bool]]
 ROOT_UID = 0
 
 
@@ -105,6 +112,7 @@ class _Watch:
     deregistered: str | None = None
     report: ExitReport | None = None
     remediated_by: str | None = None
+    consequence_of: tuple[str, str] | None = None  # (job incident, culprit) when it was left to the launcher
     replaced: bool = False  # a later registration took its key
     exited_at: float | None = None  # monotonic, when the exit was noticed
     exited_wall: float | None = None
@@ -148,7 +156,9 @@ class ExitTracker:
         self._processes: dict[tuple[int, float | None], _Process] = {}
         self._retired: Counter = Counter()  # owner uid -> its retired watches
         self.dropped = 0  # retired watches dropped to stay within the bounds
-        self.counts: Counter = Counter()  # (job_id, reason)
+        self.counts: Counter = Counter()  # (job_id, reason, role)
+        self.job_incident_of: JobIncidentOf | None = None  # the job view's answer, when it is on
+        self.job_view_wait = JOB_VIEW_WAIT_SECONDS  # how long an exit may wait for the job view's verdict
         self.failures: Counter = Counter()  # (job_id, reason of the first exit)
         self._remediations_counted: list[str] = []  # watchdog incidents already counted as a failure
         self.last_time: dict[tuple[str, str], float] = {}
@@ -206,6 +216,29 @@ class ExitTracker:
         w = self._watches.get(id(rank))
         if w is not None:
             w.remediated_by = incident_id
+
+    def left_to_launcher(self, rank: Rank, job_incident: str, culprit: str) -> None:
+        """The watchdog left this rank to torchrun: its job's culprit is elsewhere, so however it
+        exits next, that is a consequence of the job incident."""
+        w = self._watches.get(id(rank))
+        if w is not None:
+            w.consequence_of = (job_incident, culprit)
+
+    def _consequence(self, w: _Watch) -> tuple[str, str] | None:
+        if w.consequence_of is not None:
+            return w.consequence_of
+        if self.job_incident_of is None:
+            return None
+        job_incident, culprit, _ = self.job_incident_of(w.rank.job_id, w.rank.rank)
+        return (job_incident, culprit or "another rank") if job_incident is not None else None
+
+    def _job_view_deciding(self, exits: list[_Watch], now: float) -> bool:
+        """The job view may still name what made these exits happen (bounded: job_view_wait)."""
+        if self.job_incident_of is None or any(w.consequence_of is not None for w in exits):
+            return False
+        if now - min(w.exited_at or now for w in exits) >= self.job_view_wait:
+            return False
+        return self.job_incident_of(exits[0].rank.job_id, exits[0].rank.rank)[2]
 
     def _retire(self, w: _Watch, replaced: bool) -> None:
         if w.retired:
@@ -292,7 +325,9 @@ class ExitTracker:
         ready = [
             exits
             for job_id, exits in waiting.items()
-            if job_id not in unsettled and now - latest[job_id] >= SETTLE_SECONDS
+            if job_id not in unsettled
+            and now - latest[job_id] >= SETTLE_SECONDS
+            and not self._job_view_deciding(exits, now)
         ]
         if not ready:
             return
@@ -315,7 +350,7 @@ class ExitTracker:
                 self._forget(w)
             decided.sort(key=lambda d: (d[1] in CONSEQUENCES, d[0].exited_at, d[0].rank.rank))
             for w, reason, lines, ev in decided:
-                self.record(w.rank, reason, lines, ev)
+                self.record(w.rank, reason, lines, ev, consequence=self._consequence(w))
         await self.incidents.flush()
 
     def _alive(self, p: _Process) -> bool:
@@ -420,7 +455,12 @@ class ExitTracker:
             self._processes.pop((p.pid, p.start_time), None)
             p.close()
 
-    def record(self, rank: Rank, reason: str, lines: list[str], ev: Evidence) -> dict[str, Any]:
+    def record(
+        self, rank: Rank, reason: str, lines: list[str], ev: Evidence, consequence: tuple[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Count, show and (unless clean) file one decided exit. `consequence`: (job incident,
+        culprit) when another node's hang or loss made this rank exit: counted with role
+        `consequence`, filed under the job incident, never a failure of this node's own."""
         now = time.time()
         entry = {
             "job_id": rank.job_id,
@@ -433,7 +473,10 @@ class ExitTracker:
             "loss": _finite(rank.metrics.get("loss")),
             "step_time_seconds": _finite(rank.metrics.get("step_time_seconds")),
             "restart_count": rank.restart_count,
+            "role": "consequence" if consequence is not None else "cause",
         }
+        if consequence is not None:
+            entry["job_incident"], entry["consequence_of"] = consequence
         if ev.report is not None:
             entry["exception"] = {
                 "type": ev.report.type,
@@ -445,12 +488,12 @@ class ExitTracker:
         if hint:
             entry["rollback"] = hint
         if (
-            (rank.job_id, reason) not in self.counts
-            and len({j for j, _ in self.counts}) >= MAX_JOBS_COUNTED
-            and rank.job_id not in {j for j, _ in self.counts}
+            (rank.job_id, reason, entry["role"]) not in self.counts
+            and len({k[0] for k in self.counts}) >= MAX_JOBS_COUNTED
+            and rank.job_id not in {k[0] for k in self.counts}
         ):
             self._drop_oldest_job()
-        self.counts[(rank.job_id, reason)] += 1
+        self.counts[(rank.job_id, reason, entry["role"])] += 1
         self.last_time[(rank.job_id, reason)] = now
         self.last = entry
         self.recent.append(entry)
@@ -460,12 +503,12 @@ class ExitTracker:
         log.log(level, "rank %s (pid %d) exit: %s; %s", rank.label, rank.pid, reason, "; ".join(lines) or "-")
         if reason == "watchdog":
             incident = ev.remediated_by  # decide() says "watchdog" only when it is set
-            if incident is not None and incident not in self._remediations_counted:
+            if incident is not None and incident not in self._remediations_counted and consequence is None:
                 self._remediations_counted = self._remediations_counted[-255:] + [incident]
                 self.failures[(rank.job_id, reason)] += 1
         elif reason != "finished":
             entry["incident"], first = self.incidents.add(entry)
-            if first:
+            if first and consequence is None:
                 self.failures[(rank.job_id, reason)] += 1
         return entry
 
@@ -473,7 +516,8 @@ class ExitTracker:
         oldest = min(self.last_time.items(), key=lambda kv: kv[1])[0][0]
         for key in [k for k in self.counts if k[0] == oldest]:
             del self.counts[key]
-            self.last_time.pop(key, None)
+        for key in [k for k in self.last_time if k[0] == oldest]:
+            del self.last_time[key]
         for key in [k for k in self.failures if k[0] == oldest]:
             del self.failures[key]
 
@@ -481,15 +525,16 @@ class ExitTracker:
 
     def families(self) -> Iterable[Metric]:
         exits, failures, last = (m.family() for m in METRICS)
-        for (job_id, reason), n in sorted(self.counts.items()):
-            exits.add_metric([job_id, reason], n)
-            last.add_metric([job_id, reason], self.last_time[(job_id, reason)])
+        for (job_id, reason, role), n in sorted(self.counts.items()):
+            exits.add_metric([job_id, reason, role], n)
+        for (job_id, reason), when in sorted(self.last_time.items()):
+            last.add_metric([job_id, reason], when)
         for (job_id, reason), n in sorted(self.failures.items()):
             failures.add_metric([job_id, reason], n)
         return [exits, failures, last]
 
     def status(self) -> dict[str, Any]:
-        brief = ("job_id", "rank", "pid", "restart_count", "reason", "time", "step", "incident")
+        brief = ("job_id", "rank", "pid", "restart_count", "reason", "role", "time", "step", "incident", "job_incident")
         return {
             "last": {k: self.last.get(k) for k in brief} | {"evidence": self.last["evidence"][:3]}
             if self.last

@@ -67,6 +67,13 @@ class Incident:
     notes: list[str] = field(default_factory=list)
     path: str = ""
     kind: str = "stall"  # "stall" (the watchdog's) or "exit" (sidecar/exits/incidents.py)
+    # The job view (sidecar/jobview/): the job incident every node's record of the same stall
+    # shares, the node of the blamed rank, and what the job's verdict said of the culprit.
+    job_incident: str | None = None
+    blamed_node: str | None = None
+    culprit: dict[str, Any] | None = None
+    # Where the recovery's time went, once the ranks are gone (sidecar/watchdog/recovery.py).
+    recovery: dict[str, Any] | None = None
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -79,10 +86,20 @@ class Incident:
         return next((e["time"] for e in self.timeline if e["event"] == name), None)
 
     @property
+    def blamed(self) -> str:
+        """Who is blamed, in words: "rank 2 on node-1", "node node-2 (lost)", "rank 0", "no local rank"."""
+        if self.blamed_rank is None:
+            return f"node {self.blamed_node}" if self.blamed_node else "no local rank"
+        return f"rank {self.blamed_rank}" + (f" on {self.blamed_node}" if self.blamed_node else "")
+
+    @property
     def summary(self) -> str:
-        who = f"rank {self.blamed_rank}" if self.blamed_rank is not None else "no local rank"
         timeout = f"{self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "?"
-        return f"job {self.job_id}: stall blamed on {who} ({self.blame_reason}); timeout {timeout}; {self.outcome}"
+        job_incident = f"; job incident {self.job_incident}" if self.job_incident else ""
+        return (
+            f"job {self.job_id}: stall blamed on {self.blamed} ({self.blame_reason}){job_incident}; "
+            f"timeout {timeout}; {self.outcome}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -96,7 +113,10 @@ class Incident:
             "time": self.time,
             "job_id": self.job_id,
             "blamed_rank": self.blamed_rank,
+            "blamed_node": self.blamed_node,
+            "job_incident": self.job_incident,
             "outcome": self.outcome,
+            "recovery": self.recovery,
             "summary": self.summary,
             "path": self.path,
         }
@@ -107,8 +127,12 @@ class Incident:
             f"Incident {self.id}",
             f"  detected  {when} on {self.node}",
             f"  job       {self.job_id}",
-            f"  blamed    {'rank ' + str(self.blamed_rank) if self.blamed_rank is not None else '-'}"
-            f" ({self.blame_reason})",
+            f"  blamed    {self.blamed} ({self.blame_reason})",
+            *(
+                [f"  job incident {self.job_incident} (every node's record of this stall shares it)"]
+                if self.job_incident
+                else []
+            ),
             f"  timeout   {self.timeout_seconds:.1f}s" if self.timeout_seconds is not None else "  timeout   -",
             f"  outcome   {self.outcome}" + ("  (observe-only mode)" if self.observe_only else ""),
             "",
@@ -124,6 +148,7 @@ class Incident:
         for e in self.timeline:
             extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
             lines.append(f"    +{e['after_detection_seconds']:7.3f}s  {e['event']}" + (f"  ({extra})" if extra else ""))
+        lines += recovery_lines(self.recovery)
         for r in self.ranks:
             if r.stack_file or r.py_spy:
                 lines += ["", f"  stacks of rank {r.rank} (pid {r.pid}): {r.stack_file or 'py-spy only'}"]
@@ -151,22 +176,25 @@ class IncidentStore:
     as `diagfiles` says (no symlink followed, no directory others may write), with
     `file_mode` (settings incident_file_mode, 0600 by default) and group `gid`."""
 
-    def __init__(self, diag_dir: Path | str, file_mode: int = 0o600, gid: int | None = None):
+    def __init__(self, diag_dir: Path | str, file_mode: int = 0o600, gid: int | None = None, node: str = ""):
         self.diag_dir = Path(diag_dir)
+        self.node = node or socket.gethostname()  # the node_name setting
         self.directory = self.diag_dir / INCIDENTS_SUBDIR
         self.file_mode, self.gid = file_mode, gid
         self.recent: list[Incident] = []
 
     @classmethod
     def for_settings(cls, settings: Settings) -> IncidentStore:
-        return cls(settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id())
+        return cls(
+            settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id(), settings.node_name
+        )
 
     def open(self, job_id: str, cls: type[Incident] = Incident, save: bool = True, **fields: Any) -> Incident:
         """A new incident, detected now; written at once unless `save` is False (the caller
         saves it later)."""
         now = time.time()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id, node=socket.gethostname(), **fields)
+        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id, node=self.node, **fields)
         incident.path = str(self.directory / f"{incident.id}.json")
         incident.event("detected", at=now)
         self.recent.append(incident)
@@ -215,3 +243,19 @@ def load_incidents(diag_dir: Path | str, last: int | None = None) -> list[dict[s
         if last is not None and len(records) >= last:
             break
     return records
+
+
+def recovery_lines(recovery: dict[str, Any] | None) -> list[str]:
+    """The incident's `recovery` section for people: seconds per stage, unknown ones as `?`."""
+    if not recovery:
+        return []
+    total = recovery.get("hang_to_training_seconds")
+    head = f"hang -> training again {total:.2f}s" if isinstance(total, (int, float)) else "not training again yet"
+    lines = ["", f"  recovery  {head}" + ("" if recovery.get("complete") else " (still following)")]
+    for stage, seconds in (recovery.get("stages_seconds") or {}).items():
+        shown = f"{seconds:8.3f}s" if isinstance(seconds, (int, float)) else "       ?"
+        lines.append(f"    {stage:<11}{shown}")
+    redone = recovery.get("steps_redone")
+    if redone is not None:
+        lines.append(f"    steps redone: {redone} (from checkpoint step {recovery.get('checkpoint_step')})")
+    return lines

@@ -59,6 +59,7 @@ class Rank:
     session: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     step: int | None = None  # the last step reported
     step_wall: float | None = None  # the rank's wall clock at that step
+    first_step_wall: float | None = None  # the rank's wall clock at its first step since registering
     last_progress: float = 0.0  # monotonic time the step last advanced (or registration)
     last_progress_wall: float = 0.0  # the same instant on the wall clock
     # Seconds between consecutive step reports, per step: the watchdog's adaptive timeout
@@ -134,6 +135,8 @@ class Rank:
             self.step_times.append(interval)
         self._phase_since_step = False
         self.step = item.step
+        if self.first_step_wall is None:
+            self.first_step_wall = item.time
         self.step_wall = item.time
         self.last_progress = max(self.last_progress, self._monotonic_of(item.time, now_mono, now_wall))
         self.last_progress_wall = item.time

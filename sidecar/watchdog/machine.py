@@ -11,6 +11,10 @@ remediation, which runs as its own task while the watchdog keeps ticking. Proces
 is a separate signal: a rank whose process is gone is GONE, never remediated (torchrun
 handles crashes).
 
+With the job view (sidecar/watchdog/coordination.py) a stall is the job's: a suspect rank's stacks
+are probed, the incident takes the job's verdict, and only the culprit's node kills; the others
+leave their waiting ranks to torchrun for job_view.launcher_grace_seconds.
+
     STARTING --first step--> HEALTHY <--progress--> SUSPECT --timeout--> STALLED
         any watched state --remediation starts--> REMEDIATING --process exits--> GONE
         any state --process gone / deregistered / replaced--> GONE
@@ -19,6 +23,7 @@ handles crashes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -32,19 +37,34 @@ from sidecar.config import Settings
 from sidecar.host.procs import is_running
 from sidecar.host.signals import Target
 from sidecar.incidents.store import Incident, IncidentStore, RankSnapshot
+from sidecar.jobview.report import NodeReport
 from sidecar.metric import MetricSpec, spec
 from sidecar.problems import Kind, Problem
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.attribution import blame, refine_blame
+from sidecar.watchdog.coordination import (
+    JobView,
+    Probe,
+    adopt,
+    everyone_dumped,
+    has_culprit,
+    local_culprit,
+    part_of,
+    rank_view,
+)
+from sidecar.watchdog.goodput import Goodput
+from sidecar.watchdog.recovery import Recoveries
 from sidecar.watchdog.remediation import Remediator
 from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no_restart_reasons
+from sidecar.watchdog.stackdumps import stack_top
 from sidecar.watchdog.stormcap import OwnerStormCaps
 from sidecar.watchdog.timeouts import Deadline, Timeouts
 
 log = logging.getLogger(__name__)
 
 
+ACCOUNT_EVERY_SECONDS = 1.0  # goodput and recoveries are read this often (not every tick)
 LIVENESS_CHECKS_PER_TICK = 64  # ranks whose process is checked per tick, in turn (bounds a tick's cost)
 
 
@@ -105,7 +125,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "Remediations by outcome: killed, suppressed (storm cap), observe_only, unverified (registered by "
         "unverified callers: never signalled), not_killed_no_restart (nothing would restart the ranks: no "
         "launcher, or torchrun's restarts used up; stacks dumped, no signal to end them; "
-        "remediation.kill_without_restart), failed.",
+        "remediation.kill_without_restart), left_to_launcher (the culprit was on another node: torchrun "
+        "stopped this node's waiting ranks), failed.",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -116,6 +137,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "Unix time of the latest incident (absent before the first).",
     ),
     spec("watchdog", "watchdog_observe_only", "gauge", "1 when the watchdog only detects and reports, never signals."),
+    spec(
+        "watchdog",
+        "rank_waiting_in_collective",
+        "gauge",
+        "1 when the rank's latest stack (probed once it turned suspect) shows its main thread waiting for its "
+        "peers in a collective, 0 when it runs its own code; absent while the rank is healthy or not probed. "
+        "With the rank's step, what names the rank that holds a job up (alerts: JobHungOnRank).",
+        ["job_id", "rank"],
+    ),
 )
 
 
@@ -125,6 +155,8 @@ class _Track:
     state: RankState
     since: float  # watchdog clock of the last transition
     episode: _Episode | None = None
+    probe: Probe | None = None  # its stack, looked at since it turned suspect (cleared on progress)
+    exited_wall: float | None = None  # wall clock: its process exited without a clean finish
 
 
 @dataclass
@@ -137,6 +169,7 @@ class _Episode:
     task: asyncio.Task | None = None
     outcome: str = "pending"
     suppressed: bool = False
+    stacks_done: bool = False  # this node's stacks of the stall are dumped (the job view waits for it)
 
 
 @dataclass
@@ -173,6 +206,18 @@ class Watchdog:
         # Told of each rank its remediation is about to signal (the exit tracker: its exit is then
         # the watchdog's doing, not a failure of its own).
         self.on_remediating: Callable[[Rank, str], None] | None = None
+        # Told of each rank left to its launcher because the job's culprit is elsewhere (the exit
+        # tracker: its exit is a consequence of that job incident).
+        self.on_left_to_launcher: Callable[[Rank, str, str], None] | None = None
+        self.job_view: JobView | None = None  # this node's reporter of the job view, when it is on
+        self.node = settings.node_name
+        self._probe_wanted: set[str] = set()  # jobs with a suspect or stalled rank not probed yet
+        self._probes: dict[str, asyncio.Task] = {}  # job_id -> its running stack probe
+        self._parts: dict[str, Incident] = {}
+        self.goodput = Goodput()  # each job's wall time by state (goodput.py)
+        self.recoveries = Recoveries(self._save_soon)  # where each recovery's time goes (recovery.py)
+        self._accounted_at = -1e9
+        self._saves: set[asyncio.Task] = set()  # job_id -> the incident of its last episode in a job incident
 
     # ------------------------------------------------------------ the loop
 
@@ -194,6 +239,7 @@ class Watchdog:
 
     async def close(self) -> None:
         tasks = [e.task for e in self._episodes.values() if e.task and not e.task.done()]
+        tasks += [t for t in self._probes.values() if not t.done()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -218,6 +264,12 @@ class Watchdog:
         for key in [k for k in self._tracks if k not in present]:
             del self._tracks[key]  # the registry forgot it (retention): so do we
             self.timeouts.forget(key)
+        self._start_probes()
+        if now - self._accounted_at >= ACCOUNT_EVERY_SECONDS:
+            self._accounted_at = now
+            jobs = self.registry.jobs()
+            self.goodput.tick(jobs)
+            self.recoveries.tick(jobs)
         self._open_episodes(now)
         self._close_episodes()
 
@@ -277,6 +329,14 @@ class Watchdog:
             raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
         track.state, track.since = new, now
         self.counters.transitions[(old.value, new.value)] += 1
+        if new in (RankState.SUSPECT, RankState.STALLED) and track.probe is None:
+            self._probe_wanted.add(track.rank.job_id)
+        elif new in (RankState.HEALTHY, RankState.STARTING):
+            track.probe = None  # progress again: what its stack showed no longer holds
+        elif new is RankState.GONE and reason in ("process exited", "exception"):
+            track.exited_wall = time.time()
+        if self.job_view is not None:
+            self.job_view.wake(track.rank.job_id)
         level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO
         log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid, old.value, new.value, reason)
 
@@ -323,6 +383,7 @@ class Watchdog:
             t.episode = episode
         self.counters.stalls[job_id] += 1
         self.counters.last_incident = incident.time
+        self.goodput.stalled(job_id, incident.time)
         targets = [target_of(t.rank) for t in members]
         if no_restart:
             incident.notes.append(no_restart_note(no_restart, killing=not spare))
@@ -359,14 +420,31 @@ class Watchdog:
                 self._observe(episode, targets), name=f"observe-{job_id}"
             )
             return
+        if self._coordinated(job_id):
+            log.error("job %s stalled: %s; asking the job's coordinator who holds it up", job_id, why)
+            episode.task = asyncio.get_running_loop().create_task(
+                self._coordinate(episode, targets), name=f"coordinate-{job_id}"
+            )
+            return
         log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, why, len(members))
-        for t in members:
-            self._transition(t, RankState.REMEDIATING, now, f"its job {job_id} stalled")
-            if self.on_remediating is not None:
-                self.on_remediating(t.rank, incident.id)
+        self._begin_kill(episode, now)
         episode.task = asyncio.get_running_loop().create_task(
             self._remediate(episode, targets), name=f"remediate-{job_id}"
         )
+
+    def _coordinated(self, job_id: str) -> bool:
+        """The job's coordinator is known and answers: the stall is handled as the job's."""
+        jv = self.job_view
+        return jv is not None and jv.coordinator(job_id) is not None and jv.reachable(job_id)
+
+    def _begin_kill(self, episode: _Episode, now: float) -> None:
+        for key in episode.keys:
+            t = self._tracks.get(key)
+            if t is None or t.episode is not episode or t.state not in WATCHING:
+                continue
+            self._transition(t, RankState.REMEDIATING, now, f"its job {episode.job_id} stalled")
+            if self.on_remediating is not None:
+                self.on_remediating(t.rank, episode.incident.id)
 
     def _snapshot(self, track: _Track, now: float) -> RankSnapshot:
         r = track.rank
@@ -386,19 +464,116 @@ class Watchdog:
     async def _remediate(self, episode: _Episode, targets: list[Target]) -> None:
         incident = episode.incident
         try:
+            await self._await_probe(episode.job_id)
             await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
-            self.store.save(incident)  # the stacks are on disk before any signal
-            term = await self.remediator.sigterm(incident, targets)
-            self.store.save(incident)
-            outcome = "failed" if term is None else await self.remediator.kill_survivors_after_grace(incident, term)
+            outcome = await self._kill(episode, targets)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # remediation bugs must not take the watchdog down
             log.exception("remediation of job %s failed", episode.job_id)
             episode.incident.notes.append(f"remediation error: {type(e).__name__}: {e}")
             outcome = "failed"
+        self._end_remediation(episode, outcome)
+
+    async def _kill(self, episode: _Episode, targets: list[Target]) -> str:
+        """SIGTERM, the grace, SIGKILL of the episode's ranks still being remediated."""
+        incident = episode.incident
+        self._begin_kill(episode, self.clock())
+        self.store.save(incident)  # the stacks are on disk before any signal
+        term = await self.remediator.sigterm(incident, targets)
+        self.store.save(incident)
+        return "failed" if term is None else await self.remediator.kill_survivors_after_grace(incident, term)
+
+    async def _coordinate(self, episode: _Episode, targets: list[Target]) -> None:
+        """A stall the job's other nodes share (module docstring of coordination.py): dump, take
+        the verdict, then kill if the culprit is here, else leave the ranks to torchrun."""
+        job_id, incident, jv = episode.job_id, episode.incident, self.job_view
+        assert jv is not None  # only coordinated episodes come here
+        wait = self.settings.job_view.verdict_wait_seconds
+        try:
+            await self._await_probe(job_id)
+            await self.remediator.collect_stacks(incident, targets)
+            refine_blame(incident)
+            self._probes_from(incident)
+            episode.stacks_done = True
+            self.store.save(incident)
+            jv.wake(job_id)
+            verdict = await jv.wait_for(job_id, has_culprit, wait)
+            adopt(incident, verdict, self.node)
+            here = local_culprit(verdict, self.node, {t.rank for t in targets})
+            if here is None:
+                running = [s.rank for s in incident.ranks if s.in_collective is False]
+                here = bool(running) or not jv.reachable(job_id)
+                incident.notes.append(
+                    f"no culprit from the job's coordinator within job_view.verdict_wait_seconds ({wait:g}s); "
+                    + (
+                        "this node's own stacks show a rank not waiting for its peers"
+                        if running
+                        else "the coordinator does not answer"
+                        if here
+                        else "every local rank waits in a collective"
+                    )  # fmt: skip
+                )
+            self.store.save(incident)
+            if here:
+                dumped = await jv.wait_for(job_id, everyone_dumped, wait)
+                if not everyone_dumped(dumped):
+                    missing = dumped.not_dumped if dumped is not None else []
+                    incident.notes.append(
+                        f"killing before every node had dumped its stacks (waited {wait:g}s"
+                        + (f"; missing: {', '.join(missing[:8])}" if missing else "")
+                        + ")"
+                    )
+                outcome = await self._kill(episode, targets)
+            else:
+                outcome = await self._leave_to_launcher(episode, targets)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # coordination bugs must not take the watchdog down
+            log.exception("remediation of job %s failed", job_id)
+            incident.notes.append(f"remediation error: {type(e).__name__}: {e}")
+            outcome = "failed"
+        self._end_remediation(episode, outcome)
+
+    async def _leave_to_launcher(self, episode: _Episode, targets: list[Target]) -> str:
+        """The culprit is on another node: its node kills its group, torchrun's agents then stop
+        the others for the re-rendezvous. Wait for that; kill here only past the grace."""
+        incident, grace = episode.incident, self.settings.job_view.launcher_grace_seconds
+        incident.event("left_to_launcher", grace_seconds=grace)
+        for key in episode.keys:
+            t = self._tracks.get(key)
+            if t is not None and self.on_left_to_launcher is not None:
+                self.on_left_to_launcher(t.rank, incident.job_incident or incident.id, incident.blamed)
+        self.store.save(incident)
+        deadline = self.clock() + grace
+        interval = self.settings.watchdog.check_interval_seconds
+        while True:
+            waiting = [
+                t for key in episode.keys if (t := self._tracks.get(key)) is not None and t.episode is episode
+                and t.state in (RankState.SUSPECT, RankState.STALLED)
+            ]  # fmt: skip
+            if not waiting:
+                incident.event("restarted_by_launcher")
+                return "left_to_launcher"
+            if self.clock() >= deadline:
+                break
+            await asyncio.sleep(interval)
+        left = {t.rank.rank for t in waiting}
+        incident.notes.append(
+            f"ranks {', '.join(map(str, sorted(left)))} still stalled {grace:g}s after the culprit's node was left to "
+            "act (job_view.launcher_grace_seconds): killed here"
+        )
+        return await self._kill(episode, [t for t in targets if t.rank in left])
+
+    def _end_remediation(self, episode: _Episode, outcome: str) -> None:
         self._finish(episode, outcome)
+        if outcome in ("killed", "left_to_launcher"):  # the ranks are gone: follow the next attempt
+            ranks = [t.rank for key in episode.keys if (t := self._tracks.get(key)) is not None]
+            steps = [s.step for s in episode.incident.ranks if s.step is not None]
+            times = sorted(x for r in ranks for x in r.step_times)
+            step_time = times[len(times) // 2] if times else None
+            self.recoveries.start(episode.incident, ranks, max(steps) if steps else None, step_time)
         if outcome != "killed":
             now = self.clock()
             for key in episode.keys:
@@ -407,13 +582,22 @@ class Watchdog:
                     self._transition(t, RankState.STALLED, now, f"remediation {outcome}")
 
     async def _observe(self, episode: _Episode, targets: list[Target]) -> None:
-        """Stalls left alive: stacks, the incident, the count; no signal that ends a process.
-        Observe-only and storm-capped stalls get py-spy's stacks only (it reads memory and never
-        signals); a stall nothing would restart also gets the ranks' own dump signal."""
+        """Stalls left alive: stacks, the incident (with the job's verdict, when the job view has one),
+        the count; no signal that ends a process. Observe-only and storm-capped stalls get py-spy's
+        stacks only (it reads memory and never signals); a stall nothing would restart also gets the
+        ranks' own dump signal."""
         try:
+            await self._await_probe(episode.job_id)
             spared = episode.outcome == NOT_KILLED_NO_RESTART
             await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=spared)
             refine_blame(episode.incident)
+            self._probes_from(episode.incident)
+            episode.stacks_done = True
+            if self._coordinated(episode.job_id):
+                assert self.job_view is not None
+                self.job_view.wake(episode.job_id)
+                wait = self.settings.job_view.verdict_wait_seconds
+                adopt(episode.incident, await self.job_view.wait_for(episode.job_id, has_culprit, wait), self.node)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -425,6 +609,116 @@ class Watchdog:
         episode.incident.outcome = outcome
         self.store.save(episode.incident)
         self.counters.remediations[(episode.job_id, outcome)] += 1
+        if episode.incident.job_incident is not None:
+            self._parts[episode.job_id] = episode.incident
+        if self.job_view is not None:
+            self.job_view.wake(episode.job_id)
+
+    def _save_soon(self, incident: Incident) -> None:
+        """Write an incident again off the event loop (a recovery's milestones)."""
+        task = asyncio.get_running_loop().create_task(self.store.save_async(incident))
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    # ------------------------------------------------------------ stack probes
+
+    def _start_probes(self) -> None:
+        """One probe per job at a time: the stacks of its suspect and stalled ranks not probed yet
+        and not being remediated (an episode dumps its own)."""
+        for job_id in sorted(self._probe_wanted):
+            running = self._probes.get(job_id)
+            if running is not None and not running.done():
+                continue
+            self._probe_wanted.discard(job_id)
+            tracks = [
+                t for t in self._tracks.values() if t.rank.job_id == job_id and t.probe is None
+                and t.state in (RankState.SUSPECT, RankState.STALLED) and t.episode is None
+            ]  # fmt: skip
+            if tracks:
+                self._probes[job_id] = asyncio.get_running_loop().create_task(
+                    self._probe(job_id, tracks), name=f"probe-{job_id}"
+                )
+
+    async def _probe(self, job_id: str, tracks: list[_Track]) -> None:
+        """Whether each suspect rank waits in a collective, and its innermost frame: the stack
+        dump the hooks write on their signal (no py-spy: a probe must be cheap). Not saved as an
+        incident; what it shows is exported and reported to the job's coordinator."""
+        now = self.clock()
+        scratch = Incident(
+            id="probe", time=time.time(), job_id=job_id, node=self.node, blamed_rank=None, blame_reason="",
+            timeout_seconds=None, observe_only=True, ranks=[self._snapshot(t, now) for t in tracks],
+        )  # fmt: skip
+        try:
+            # Observe-only never signals: py-spy's non-blocking read instead of the hooks' dump.
+            observe = self.settings.watchdog.observe_only
+            targets = [target_of(t.rank) for t in tracks]
+            await self.remediator.collect_stacks(scratch, targets, signal_ranks=not observe, use_py_spy=observe)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("probing the stacks of job %s failed", job_id)
+            return
+        self._probes_from(scratch, tracks)
+        if self.job_view is not None:
+            self.job_view.wake(job_id)
+
+    def _probes_from(self, incident: Incident, tracks: list[_Track] | None = None) -> None:
+        """What a dump of the incident's ranks showed, as each rank's probe."""
+        by_rank = {s.rank: s for s in incident.ranks}
+        now = self.clock()
+        for t in (
+            tracks if tracks is not None else [t for t in self._tracks.values() if t.rank.job_id == incident.job_id]
+        ):
+            snap = by_rank.get(t.rank.rank)
+            if snap is None or (snap.in_collective is None and t.probe is not None):
+                continue
+            text = "\n".join(snap.stack_head) if snap.stack_head else (snap.py_spy or "")
+            t.probe = Probe(snap.in_collective, stack_top(text), now)
+
+    async def _await_probe(self, job_id: str) -> None:
+        """An episode's own dumps wait for a probe of the same ranks still running."""
+        running = self._probes.get(job_id)
+        if running is not None and not running.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(running)
+
+    # ------------------------------------------------------------ the job view
+
+    def node_report(self, job_id: str) -> NodeReport | None:
+        """This node's picture of the job for its coordinator (None: no rank of it here)."""
+        tracks = [t for t in self._tracks.values() if t.rank.job_id == job_id]
+        if not tracks:
+            return None
+        now, wall = self.clock(), time.time()
+        recent = self.settings.job_view.lost_after_seconds
+        ranks = []
+        for t in sorted(tracks, key=lambda t: t.rank.rank):
+            r = t.rank
+            exited = t.exited_wall if t.exited_wall is not None and wall - t.exited_wall <= recent else None
+            if t.state is RankState.GONE and exited is None:
+                continue
+            age = now - r.last_progress
+            ranks.append(rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited))
+        verdict = self.job_view.verdict(job_id) if self.job_view is not None else None
+        current = verdict.job_incident if verdict is not None and not verdict.closed else None
+        episode = self._episodes.get(job_id)
+        report = NodeReport(
+            job_id=job_id, node=self.node, world_size=max(t.rank.world_size for t in tracks), time=wall,
+            ranks=ranks, job_incident=current,
+        )  # fmt: skip
+        if episode is not None and episode.stacks_done and current is not None:
+            report.dumped = current
+        recorded = episode.incident if episode is not None else self._parts.get(job_id)
+        if (
+            recorded is not None
+            and recorded.job_incident is not None
+            and (episode is not None or recorded.job_incident == current)
+        ):
+            report.job_incident = recorded.job_incident
+            report.part = part_of(recorded, recorded.outcome)
+            if episode is None:
+                report.dumped = recorded.job_incident
+        return report
 
     def _close_episodes(self) -> None:
         """An episode ends when its task is done and none of its ranks is stalled or being
@@ -448,7 +742,7 @@ class Watchdog:
 
     def families(self, only: Collection[RankKey] | None = None) -> Iterable[Metric]:
         """The watchdog's families; per-rank series only of the ranks in `only` (None: all)."""
-        state, timeout, stalls, remediations, transitions, last, observe = (m.family() for m in METRICS)
+        state, timeout, stalls, remediations, transitions, last, observe, waiting = (m.family() for m in METRICS)
         now = self.clock()
         tracks = list(self._tracks.values())
         if only is not None:
@@ -459,6 +753,8 @@ class Watchdog:
                 state.add_metric(labels + [s.value], 1.0 if s is t.state else 0.0)
             if t.state is not RankState.GONE:
                 timeout.add_metric(labels, self.deadline(t.rank, now).timeout)
+                if t.probe is not None and t.probe.waiting is not None:
+                    waiting.add_metric(labels, 1.0 if t.probe.waiting else 0.0)
         for job_id, n in sorted(self.counters.stalls.items()):
             stalls.add_metric([job_id], n)
         for (job_id, outcome), n in sorted(self.counters.remediations.items()):
@@ -468,7 +764,10 @@ class Watchdog:
         if self.counters.last_incident is not None:
             last.add_metric([], self.counters.last_incident)
         observe.add_metric([], 1.0 if self.settings.watchdog.observe_only else 0.0)
-        return [state, timeout, stalls, remediations, transitions, last, observe]
+        return [
+            state, timeout, stalls, remediations, transitions, last, observe, waiting,
+            *self.goodput.families(), *self.recoveries.families(),
+        ]  # fmt: skip
 
     def status(self) -> dict:
         rem = self.settings.remediation

@@ -57,7 +57,9 @@ class Remediator:
         self.settings = settings
         self._py_spy_slots = asyncio.Semaphore(PY_SPY_CONCURRENCY)
 
-    async def collect_stacks(self, incident: Incident, targets: list[Target], signal_ranks: bool = True) -> None:
+    async def collect_stacks(
+        self, incident: Incident, targets: list[Target], signal_ranks: bool = True, use_py_spy: bool = True
+    ) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
         file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
         soon as its dump file has grown and held still (at most STOPPED_RUN_MAX_SECONDS): a stopped
@@ -66,7 +68,8 @@ class Remediator:
         it train on, or even finish, before the SIGTERM. Without `signal_ranks` only py-spy's
         non-blocking mode runs: it never stops the process. py-spy runs only for ranks a
         verified caller registered (it reads, and in blocking mode pauses, the process with
-        root's authority), PY_SPY_CONCURRENCY at a time, within one shared deadline."""
+        root's authority), PY_SPY_CONCURRENCY at a time, within one shared deadline. Without
+        `use_py_spy` (a probe while a rank is only suspect) py-spy is not run."""
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
@@ -99,7 +102,7 @@ class Remediator:
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
         spied = [t for t in targets if t.verified]
-        if s.py_spy and py_spy_path() and spied:
+        if s.py_spy and use_py_spy and py_spy_path() and spied:
             timeout = max(5.0, s.dump_wait_seconds + 3.0)
             deadline = loop.time() + timeout
             spy = asyncio.gather(

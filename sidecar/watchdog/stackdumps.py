@@ -45,6 +45,24 @@ def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
     return [line.rstrip() for line in ordered.split("\n") if line.strip()][:lines]
 
 
+_FAULTHANDLER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
+_PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:()]+):(?P<line>\d+)\)", re.M)
+
+
+def stack_top(text: str) -> str | None:
+    """The innermost frame of the main thread, as `func (file:line)`; None without a dump. Both
+    faulthandler and py-spy list the most recent call first."""
+    if not text.strip():
+        return None
+    main = main_thread(text)
+    found = _FAULTHANDLER_FRAME.search(main) or _PY_SPY_FRAME.search(main)
+    if found is None:
+        return None
+    path = found["file"].replace("\\", "/")
+    short = "/".join(path.rsplit("/", 2)[-2:])
+    return f"{found['func']} ({short}:{found['line']})"[:240]
+
+
 def in_collective(text: str) -> bool | None:
     """Whether a stack dump shows the rank's main thread waiting for its peers (inside
     torch.distributed or DDP's backward); None without a dump."""

@@ -42,8 +42,10 @@ STATUS_KEYS = {
     "watchdog",
     "incidents",
     "exits",
+    "jobs",
 }
 NODE_KEYS = {
+    "name",
     "hostname",
     "kernel",
     "os",

@@ -106,7 +106,7 @@ def test_daemonset_probes_use_the_health_endpoints_on_the_configured_port():
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     port = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
     assert _configmap_settings().listen_port == port
-    assert {e["name"]: e["value"] for e in container["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert {e["name"]: e.get("value") for e in container["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert container["resources"]["requests"] and container["resources"]["limits"]
 
 

@@ -5,6 +5,7 @@ a missing or misspelled setting stops the build with a message naming it."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -97,12 +98,30 @@ def test_the_gpu_operator_overlay_reads_dcgm_exporter_instead_of_polling_nvml(tm
     pod = ds["spec"]["template"]["spec"]
     assert pod["runtimeClassName"] == "nvidia-cdi"
     sidecar = next(c for c in pod["containers"] if c["name"] == "sidecar")
-    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    env = pod_env(sidecar)
     assert env["SIDECAR_COLLECTORS_GPU_SOURCE"] == "dcgm" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
     from sidecar.config import load_settings
 
     settings = load_settings(environ={k: v for k, v in env.items() if k.startswith("SIDECAR_")})
     assert settings.collectors.gpu_source == "dcgm"
+    assert (settings.node_name, settings.peer_url) == ("gpu-node-7", "http://10.1.2.3:9402")
+
+
+# What the kubelet fills in for the downward API, for a pod on node gpu-node-7 with IP 10.1.2.3.
+DOWNWARD = {"spec.nodeName": "gpu-node-7", "status.podIP": "10.1.2.3"}
+
+
+def pod_env(container: dict) -> dict[str, str]:
+    """The container's environment as the kubelet gives it: downward-API fields filled in and
+    `$(VAR)` references to earlier variables expanded."""
+    env: dict[str, str] = {}
+    for e in container["env"]:
+        if "value" in e:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(e["value"]))
+        else:
+            value = DOWNWARD[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        env[e["name"]] = value
+    return env
 
 
 @pytest.mark.parametrize("overlay, key", [(o, k) for o in OVERLAYS for k in _settings(o)])

@@ -1,0 +1,207 @@
+"""Several simulated nodes on this machine: one sidecar and one `torchrun` agent per node, all
+agents in one c10d rendezvous, as the multi-node tests and `bench.bench_jobview` run them.
+
+Each node has its own `node_name`, socket, TCP port and diagnostics directory; its agent's
+workers find their node's sidecar through SIDECAR_SOCKET. A node can be hung in one rank
+(SIGSTOP from outside, or the script's own hang), or lost whole (its sidecar, agent and ranks
+SIGKILLed at once)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from demo.job import PYTHON, SidecarClient, SidecarSpec, wait_for
+from demo.processes import Processes, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    nproc: int = 1  # ranks on this node
+    env: dict[str, str] = field(default_factory=dict)  # for this node's agent only
+
+
+@dataclass
+class ClusterSpec:
+    nodes: Sequence[NodeSpec]
+    script: Path = ROOT / "bench" / "cycles" / "train_plain.py"
+    script_args: Sequence[str] = ()
+    job_id: str = "multi"
+    max_restarts: int = 3
+    min_nodes: int | None = None  # elastic: --nnodes MIN:MAX
+    sidecar: SidecarSpec = field(default_factory=SidecarSpec)
+    env: dict[str, str] = field(default_factory=dict)  # for every agent (and so every worker)
+    with_sidecars: bool = True
+
+
+@dataclass
+class Node:
+    spec: NodeSpec
+    workdir: Path
+    port: int
+    socket: str
+    sidecar: subprocess.Popen | None = None
+    agent: subprocess.Popen | None = None
+
+    @property
+    def client(self) -> SidecarClient:
+        return SidecarClient(self.port)
+
+    def status(self) -> dict:
+        return self.client.status() or {}
+
+    def ranks(self) -> list[dict]:
+        return self.status().get("ranks", [])
+
+    def incidents(self, kind: str | None = "stall") -> list[dict]:
+        """Incident records of this node's diagnostics directory, oldest first."""
+        directory = self.workdir / "diag" / "incidents"
+        records = []
+        for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError):
+                records.append(json.loads(path.read_text()))
+        return [r for r in records if kind is None or r.get("kind", "stall") == kind]
+
+
+class Cluster:
+    """Start with `with Cluster(spec, workdir) as cluster:`; every process is killed on exit."""
+
+    def __init__(self, spec: ClusterSpec, workdir: Path):
+        self.spec = spec
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs = Processes(self.workdir)
+        self.rdzv_port = free_port()
+        self.nodes = [
+            Node(n, self.workdir / n.name, free_port(), str(self.workdir / n.name / "sidecar.sock")) for n in spec.nodes
+        ]
+
+    # ------------------------------------------------------------ life cycle
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.procs.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.procs.close()
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.workdir.mkdir(parents=True, exist_ok=True)
+            if self.spec.with_sidecars:
+                node.sidecar = self.procs.start(f"{node.spec.name}-sidecar", self.sidecar_command(node))
+        for node in self.nodes if self.spec.with_sidecars else []:
+            if not wait_for(node.client.ready, 60):
+                raise RuntimeError(f"sidecar of {node.spec.name} did not start: see {self.log(node, 'sidecar')}")
+        for node in self.nodes:
+            env = {**self.spec.env, **node.spec.env, "PYTHONPATH": str(ROOT)}
+            if self.spec.with_sidecars:
+                env["SIDECAR_SOCKET"] = node.socket
+            else:
+                env["SIDECAR_HOOKS_DISABLED"] = "1"
+            node.agent = self.procs.start(f"{node.spec.name}-torchrun", self.agent_command(node), env=env)
+
+    def sidecar_command(self, node: Node) -> list[str]:
+        cmd = self.spec.sidecar.command(node.workdir, node.port, node.socket)
+        return cmd + ["--set", f"node_name={node.spec.name}"]
+
+    def agent_command(self, node: Node) -> list[str]:
+        n = len(self.nodes)
+        nnodes = f"{self.spec.min_nodes}:{n}" if self.spec.min_nodes else str(n)
+        return [
+            PYTHON, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(node.spec.nproc),
+            "--max-restarts", str(self.spec.max_restarts), "--rdzv-id", self.spec.job_id,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}",
+            *(["--rdzv-conf", "last_call_timeout=2"] if self.spec.min_nodes else []),
+            str(self.spec.script), *self.spec.script_args,
+        ]  # fmt: skip
+
+    def log(self, node: Node, what: str) -> Path:
+        return self.procs.log(f"{node.spec.name}-{what}")
+
+    # ------------------------------------------------------------ watching and hurting
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.spec.name == name)
+
+    def rank_pid(self, rank: int) -> int | None:
+        """The pid of a global rank, as its node's sidecar has it registered (live only)."""
+        for node in self.nodes:
+            for r in node.ranks():
+                if r.get("rank") == rank and r.get("state") != "gone":
+                    return r.get("pid")
+        return None
+
+    def wait_steps(self, step: int, timeout: float = 120.0) -> bool:
+        """Until every node's sidecar has every local rank past `step`."""
+
+        def reached() -> bool:
+            for node in self.nodes:
+                ranks = [r for r in node.ranks() if r.get("state") != "gone"]
+                if len(ranks) < node.spec.nproc or any((r.get("step") or 0) < step for r in ranks):
+                    return False
+            return True
+
+        return wait_for(reached, timeout, 0.2)
+
+    def rendezvous_host(self) -> str | None:
+        """The node whose agent serves the c10d rendezvous store (the agent that bound the
+        endpoint's port first): losing it ends the rendezvous for everyone."""
+        for node in self.nodes:
+            if node.agent is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                for p in [psutil.Process(node.agent.pid), *psutil.Process(node.agent.pid).children(recursive=True)]:
+                    for c in p.net_connections(kind="tcp"):
+                        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.rdzv_port:
+                            return node.spec.name
+        return None
+
+    def stop_rank(self, rank: int) -> int:
+        """SIGSTOP a rank from outside (a frozen process); returns its pid."""
+        pid = self.rank_pid(rank)
+        if pid is None:
+            raise RuntimeError(f"rank {rank} is not registered live on any node")
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def lose_node(self, name: str) -> None:
+        """The whole node goes at once: its sidecar, its agent and every rank, SIGKILLed."""
+        node = self.node(name)
+        victims = []
+        for proc in (node.agent, node.sidecar):
+            if proc is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                victims.append(psutil.Process(proc.pid))
+                victims += psutil.Process(proc.pid).children(recursive=True)
+        for p in victims:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(victims, timeout=10)
+
+    def wait_agents(self, timeout: float) -> list[int | None]:
+        """Wait until every live agent exits; their return codes (None: still running)."""
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            if node.agent is None:
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return [n.agent.poll() if n.agent is not None else None for n in self.nodes]

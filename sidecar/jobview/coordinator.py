@@ -1,0 +1,340 @@
+"""The job's coordinator: the sidecar on rank 0's node keeps every node's latest report of the
+job, opens one job incident when the first node reports trouble, judges the culprit (judge.py),
+and answers every report with the verdict, long-polled so that a node hears of a change at once
+and the coordinator serves one outstanding request per node, not a poll storm.
+
+A node that has not reported for `job_view.lost_after_seconds` (or, once an incident is open and a
+node stays silent for `job_view.verdict_wait_seconds`, whose sidecar does not answer a probe) is
+lost, and named when every rank that still reports waits in a collective. Bounded: reports only for
+jobs with a rank registered on this node (`hosts`), at most `job_view.max_nodes` nodes per job, and
+a few closed incidents kept per job for their story.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.jobview.judge import Summary, judge_summaries, summarize
+from sidecar.jobview.report import MAX_NOT_DUMPED, NodePart, NodeReport, Verdict
+
+log = logging.getLogger(__name__)
+
+JUDGE_EVERY_SECONDS = 0.05  # a job is judged at most this often, however many nodes report
+PROBE_SECONDS = 1.0  # how long a probe of a silent node's sidecar may take
+CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
+FORGET_AFTER_SECONDS = 600.0  # a node silent this long is no longer part of the job
+
+
+class CoordinatorError(Exception):
+    """A report the coordinator refuses; `status` and `code` map onto the API's error body."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class _Incident:
+    verdict: Verdict
+    parts: dict[str, NodePart] = field(default_factory=dict)
+    ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # node -> its ranks when troubled
+    opened_mono: float = 0.0  # monotonic, when it opened
+    node_set: set[str] = field(default_factory=set)  # the nodes that reported during it
+    order: list[str] = field(default_factory=list)  # the same, in the order they first reported
+    dumped_set: set[str] = field(default_factory=set)  # those whose stacks are dumped
+    untroubled_since: float | None = None  # monotonic: every report fine since
+
+
+@dataclass
+class _Job:
+    job_id: str
+    reports: dict[str, tuple[NodeReport, float]] = field(default_factory=dict)  # node -> (report, monotonic)
+    summaries: dict[str, Summary] = field(default_factory=dict)  # node -> its latest report, summarised
+    current: _Incident | None = None
+    closed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=CLOSED_KEPT))
+    unreachable: set[str] = field(default_factory=set)  # nodes whose sidecar did not answer a probe
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    version: int = 0
+    probing: asyncio.Task | None = None
+    troubled: set[str] = field(default_factory=set)  # nodes whose latest report is troubled
+    judged_at: float = -1e9  # monotonic, the last judgement
+    judge_pending: bool = False
+
+
+Probe = Callable[[str], Awaitable[bool]]  # url -> whether a sidecar answers there
+
+
+class Coordinator:
+    def __init__(
+        self,
+        hosts: Callable[[str], bool],
+        lost_after: float,
+        verdict_wait: float,
+        max_nodes: int,
+        probe: Probe | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.hosts, self.lost_after, self.verdict_wait = hosts, lost_after, verdict_wait
+        self.max_nodes, self.probe, self.clock, self.wall = max_nodes, probe, clock, wall
+        self._jobs: dict[str, _Job] = {}
+        self.reports_total = 0
+
+    # ------------------------------------------------------------ reports
+
+    def accept(self, report: NodeReport) -> Verdict | None:
+        """Take one node's report; returns the job's current verdict (None: no incident)."""
+        if not self.hosts(report.job_id):
+            raise CoordinatorError(
+                404, "not_coordinator", f"job_id: no rank of job {report.job_id!r} is registered on this node"
+            )
+        job = self._jobs.get(report.job_id)
+        if job is None:
+            job = self._jobs[report.job_id] = _Job(report.job_id)
+        now = self.clock()
+        if report.node not in job.reports and len(job.reports) >= self.max_nodes:
+            self._forget_silent(job, now)
+            if len(job.reports) >= self.max_nodes:
+                raise CoordinatorError(
+                    429, "limit_exceeded", f"job {report.job_id}: job_view.max_nodes ({self.max_nodes}) reached"
+                )
+        job.reports[report.node] = (report, now)
+        job.summaries[report.node] = summarize(report)
+        job.unreachable.discard(report.node)
+        self.reports_total += 1
+        self._update(job, report, now)
+        return job.current.verdict if job.current is not None else None
+
+    def _update(self, job: _Job, report: NodeReport, now: float) -> None:
+        """O(the report's ranks): the judgement, which reads every node, runs at most every
+        JUDGE_EVERY_SECONDS per job (tick). Long-polls wake only for what a node acts on: an
+        incident opened or closed, a culprit named, a node lost, every node's stacks dumped; a
+        node joining the incident or a part recorded does not wake a thousand waiters."""
+        changed = False
+        if report.troubled:
+            job.troubled.add(report.node)
+        else:
+            job.troubled.discard(report.node)
+        incident = job.current
+        if (incident is None or incident.verdict.closed) and report.troubled:
+            incident = job.current = self._open(job)
+            changed = True
+        if incident is None or incident.verdict.closed:
+            return
+        v = incident.verdict
+        dumped_before = v.all_dumped
+        if report.node not in incident.node_set:
+            incident.node_set.add(report.node)
+            incident.order.append(report.node)
+        if report.troubled:
+            incident.ranks[report.node] = [_rank_brief(r) for r in report.ranks]
+        if report.dumped == v.job_incident:
+            incident.dumped_set.add(report.node)
+        v.nodes, v.dumped = len(incident.node_set), len(incident.dumped_set)
+        if not v.all_dumped:
+            v.not_dumped = sorted(incident.node_set - incident.dumped_set)[:MAX_NOT_DUMPED]
+        if report.part is not None and report.job_incident == v.job_incident:
+            incident.parts[report.node] = report.part
+        changed |= v.all_dumped and not dumped_before
+        if changed:
+            self._bump(job)
+        self._judge_soon(job, now)
+
+    def _judge_soon(self, job: _Job, now: float) -> None:
+        wait = JUDGE_EVERY_SECONDS - (now - job.judged_at)
+        if wait <= 0:
+            self.tick(job.job_id)
+            return
+        if job.judge_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a direct call): judge now
+            self.tick(job.job_id)
+            return
+        job.judge_pending = True
+        loop.call_later(wait, self.tick, job.job_id)
+
+    def _open(self, job: _Job) -> _Incident:
+        if job.current is not None:
+            job.closed.append(job.current)
+        wall = self.wall()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.job_id)[:60] or "job"
+        incident = _Incident(
+            Verdict(job.job_id, f"{stamp}-{name}-{secrets.token_hex(3)}", 0, wall), opened_mono=self.clock()
+        )
+        log.warning("job %s: job incident %s opened", job.job_id, incident.verdict.job_incident)
+        self._start_probes(job)
+        return incident
+
+    def lost(self, job: _Job, now: float) -> list[str]:
+        """Nodes of the job gone silent past lost_after, or whose sidecar did not answer a probe."""
+        late = {node for node, (_, at) in job.reports.items() if now - at > self.lost_after}
+        return sorted(late | (job.unreachable & set(job.reports)))
+
+    def _judge(self, job: _Job, incident: _Incident, now: float) -> bool:
+        v = incident.verdict
+        lost = self.lost(job, now)
+        changed = lost != v.lost_nodes
+        v.lost_nodes = lost[:64]
+        if v.culprit is not None and (v.culprit.rank is not None or not lost):
+            return changed
+        gone = set(lost)
+        fresh = [s for node, s in job.summaries.items() if node not in gone]
+        probing = job.probing is not None and not job.probing.done()
+        force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS and not probing
+        silent = [node for node, (_, at) in job.reports.items() if at < incident.opened_mono]
+        culprit = judge_summaries(fresh, lost, force=force, silent=silent)
+        if culprit is not None and culprit != v.culprit:
+            v.culprit, v.decided = culprit, self.wall()
+            where = f"rank {culprit.rank} on {culprit.node}" if culprit.rank is not None else f"node {culprit.node}"
+            log.warning("job %s (%s): held up by %s: %s", job.job_id, v.job_incident, where, culprit.reason)
+            return True
+        return changed
+
+    def _maybe_close(self, job: _Job, incident: _Incident, now: float) -> bool:
+        """An incident closes once every fresh report is untroubled for a report round, with
+        progress after the incident opened (training again), or when no node reports ranks."""
+        if any(now - job.reports[node][1] <= self.lost_after for node in job.troubled if node in job.reports):
+            incident.untroubled_since = None
+            return False
+        if incident.untroubled_since is None:
+            incident.untroubled_since = now
+            return False
+        if now - incident.untroubled_since < 1.0:
+            return False
+        incident.verdict.closed = True
+        log.info("job %s: job incident %s closed", job.job_id, incident.verdict.job_incident)
+        return True
+
+    def _bump(self, job: _Job) -> None:
+        job.version += 1
+        if job.current is not None:
+            job.current.verdict.version = job.version
+        job.changed.set()
+        job.changed = asyncio.Event()
+
+    def _forget_silent(self, job: _Job, now: float) -> None:
+        for node in [n for n, (_, at) in job.reports.items() if now - at > FORGET_AFTER_SECONDS]:
+            del job.reports[node]
+            job.summaries.pop(node, None)
+            job.troubled.discard(node)
+
+    # ------------------------------------------------------------ waiting, probing
+
+    async def wait_change(self, job_id: str, known: int, timeout: float) -> Verdict | None:
+        """The job's verdict once its version differs from `known`, or after `timeout`."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        if job.version == known:
+            event = job.changed
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self.tick(job_id)
+        return job.current.verdict if job.current is not None else None
+
+    def tick(self, job_id: str) -> None:
+        """Judge the job from every node's latest report (after reports, or when time has passed:
+        a forced judgement, a lost node), and close its incident once it trains again."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        now = self.clock()
+        job.judged_at, job.judge_pending = now, False
+        if job.current is None or job.current.verdict.closed:
+            return
+        if self._judge(job, job.current, now) | self._maybe_close(job, job.current, now):
+            self._bump(job)
+
+    def _start_probes(self, job: _Job) -> None:
+        if self.probe is None or (job.probing is not None and not job.probing.done()):
+            return
+        try:
+            job.probing = asyncio.get_running_loop().create_task(self._probe_silent(job), name=f"probe-{job.job_id}")
+        except RuntimeError:  # no loop (tests calling accept() directly)
+            job.probing = None
+
+    async def _probe_silent(self, job: _Job) -> None:
+        """Once an incident is open: nodes that have not reported within verdict_wait are asked
+        whether their sidecar is there; one that does not answer is lost."""
+        await asyncio.sleep(self.verdict_wait)
+        incident = job.current
+        if incident is None or incident.verdict.closed or self.probe is None:
+            return
+        opened = incident.opened_mono
+        silent = [(node, r.url) for node, (r, at) in job.reports.items() if at < opened and r.url]
+        results = await asyncio.gather(*(self.probe(url) for _, url in silent[:64]), return_exceptions=True)
+        for (node, _), answered in zip(silent[:64], results, strict=True):
+            if answered is not True and job.reports.get(node, (None, 0.0))[1] < opened:
+                job.unreachable.add(node)
+        self.tick(job.job_id)
+
+    # ------------------------------------------------------------ reading
+
+    def verdict(self, job_id: str) -> Verdict | None:
+        job = self._jobs.get(job_id)
+        return job.current.verdict if job is not None and job.current is not None else None
+
+    def story(self, job_id: str, job_incident: str | None = None) -> dict[str, Any] | None:
+        """The job incident's story: the verdict, each node's part and its ranks' stack tops, one
+        timeline (every node's events, by time). The latest incident when none is named."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        incidents = [*job.closed, *([job.current] if job.current is not None else [])]
+        chosen = next(
+            (i for i in reversed(incidents) if job_incident in (None, i.verdict.job_incident)),
+            None,
+        )
+        if chosen is None:
+            return None
+        timeline = sorted(
+            ({**e, "node": node} for node, part in chosen.parts.items() for e in part.timeline),
+            key=lambda e: e["time"],
+        )
+        return {
+            "verdict": chosen.verdict.to_wire(),
+            "nodes": {
+                node: {
+                    "part": (
+                        {"incident": chosen.parts[node].incident, "outcome": chosen.parts[node].outcome}
+                        if node in chosen.parts
+                        else None
+                    ),
+                    "ranks": chosen.ranks.get(node, []),
+                }
+                for node in chosen.order
+            },
+            "timeline": timeline,
+        }
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def forget_job(self, job_id: str) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is not None and job.probing is not None:
+            job.probing.cancel()
+
+
+def _rank_brief(r: Any) -> dict[str, Any]:
+    return {
+        "rank": r.rank,
+        "state": r.state,
+        "step": r.step,
+        "phase": r.phase,
+        "waiting": r.waiting,
+        "stack_top": r.stack_top,
+    }

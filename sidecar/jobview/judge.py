@@ -1,0 +1,122 @@
+"""Who holds a job up, from every node's report: the rule of DESIGN.md's job view.
+
+When a rank hangs, every other rank of the job soon waits for it in a collective. The culprit is
+therefore the rank that is *not* waiting for its peers at the job's lowest step; a rank that waits
+in a collective is never blamed. When every rank that still reports waits, the rank holding the
+job up is on a node that stopped reporting (its sidecar and ranks gone, or cut off): that node is
+named. Until the stacks of the ranks at the lowest step are known the judgement waits, unless it
+is forced (the nodes cannot wait longer): then the rank with the oldest progress at the lowest
+step is named, and the reason says the stacks were not known.
+
+When ranks exit instead (a crash, a lost peer), the first to exit is the cause and the others'
+exits its consequences, unless a node went silent: its loss is what made the others fail.
+
+Each report is summarised once, when it arrives (`summarize`, linear in its ranks); a judgement
+reads the summaries (`judge_summaries`, linear in the nodes), so a coordinator of 1,000 nodes
+judges in well under a millisecond.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from sidecar.jobview.report import Culprit, NodeReport, RankView
+
+NO_STEP = -1
+
+
+@dataclass
+class Summary:
+    """What judging needs of one node's report."""
+
+    node: str
+    lowest: int | None = None  # the lowest step of its live ranks (NO_STEP: one has none yet)
+    behind: list[RankView] = field(default_factory=list)  # its live ranks at that step
+    waiting: int = 0  # its live ranks that wait in a collective
+    stalled: bool = False  # a live rank is suspect or stalled
+    first_exit: RankView | None = None  # its rank that exited first, recently
+
+
+def _step(r: RankView) -> int:
+    return NO_STEP if r.step is None else r.step
+
+
+def summarize(report: NodeReport) -> Summary:
+    s = Summary(report.node)
+    for r in report.ranks:
+        if r.exited_at is not None and (s.first_exit is None or r.exited_at < (s.first_exit.exited_at or 0.0)):
+            s.first_exit = r
+        if r.state == "gone":
+            continue
+        step = _step(r)
+        if s.lowest is None or step < s.lowest:
+            s.lowest, s.behind = step, [r]
+        elif step == s.lowest:
+            s.behind.append(r)
+        s.waiting += bool(r.waiting)
+        s.stalled = s.stalled or r.troubled
+    return s
+
+
+def judge(
+    reports: Iterable[NodeReport], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = ()
+) -> Culprit | None:
+    """The culprit of a troubled job, or None while it cannot be told (or nothing is wrong).
+    `lost`: nodes that stopped reporting (or whose sidecar no longer answers); `silent`: nodes
+    that have not reported since the incident opened (they may yet turn out lost)."""
+    return judge_summaries([summarize(r) for r in reports], lost, force, silent)
+
+
+def judge_summaries(
+    summaries: Iterable[Summary], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = ()
+) -> Culprit | None:
+    summaries = list(summaries)
+    live = [s for s in summaries if s.lowest is not None]
+    exits = [s for s in summaries if s.first_exit is not None]
+    if not any(s.stalled for s in live) and not exits and not lost:
+        return None
+    if any(s.stalled for s in live):
+        found = _hang(live, lost, force)
+        if found is not None or not exits:
+            return found
+    if lost:
+        return _lost(lost, "ranks of the job exit or wait")
+    if silent and not force:
+        return None  # a silent node may be the lost one: wait for it (or for its probe)
+    first = min(exits, key=lambda s: s.first_exit.exited_at or 0.0 if s.first_exit else 0.0)
+    assert first.first_exit is not None
+    return _culprit(first.node, first.first_exit, "the first rank of the job to exit")
+
+
+def _hang(live: list[Summary], lost: Collection[str], force: bool) -> Culprit | None:
+    lowest = min(s.lowest for s in live if s.lowest is not None)
+    where = "no step yet" if lowest < 0 else f"step {lowest}"
+    behind = [(s.node, r) for s in live if s.lowest == lowest for r in s.behind]
+    waiting = sum(s.waiting for s in live)
+    running = [(node, r) for node, r in behind if r.waiting is False and r.troubled]
+    if running:
+        node, r = max(running, key=lambda nr: nr[1].progress_age_seconds)
+        others = f"{waiting} rank{'s' if waiting != 1 else ''} wait" if waiting else "no rank waits"
+        why = f"not waiting for its peers at the job's lowest step ({where}), while {others} in a collective"
+        return _culprit(node, r, why)
+    unknown = [(node, r) for node, r in behind if r.waiting is None]
+    if lost and not unknown:
+        return _lost(lost, "every rank that reports waits in a collective")
+    if force and behind:
+        node, r = max(unknown or behind, key=lambda nr: nr[1].progress_age_seconds)
+        known = "its stack was not known" if r.waiting is None else "every rank waits in a collective"
+        return _culprit(node, r, f"oldest progress at the job's lowest step ({where}); {known}")
+    return None
+
+
+def _lost(lost: Collection[str], what: str) -> Culprit:
+    names = ", ".join(sorted(lost))
+    plural = "s" if len(lost) > 1 else ""
+    return Culprit(
+        None, sorted(lost)[0], reason=f"{what}; node{plural} {names} stopped reporting (sidecar unreachable)"
+    )
+
+
+def _culprit(node: str, r: RankView, reason: str) -> Culprit:
+    return Culprit(r.rank, node, r.step, r.phase, r.stack_top, reason)

@@ -1,0 +1,270 @@
+"""What a node tells the job's coordinator, and what the coordinator answers, on the wire.
+
+A report is one node's picture of one job: each local rank's global rank, watchdog state, step,
+phase, how long since its last progress, whether its main thread waits in a collective (from the
+latest stack probe) and its innermost frame; whether this node has dumped its ranks' stacks for
+the job incident; and, once it has one, its part of the incident (its own record's id, outcome and
+timeline). A verdict names the job incident and who holds the job up. Both are bounded: a node
+reports at most `limits.max_ranks_per_job` ranks, short texts only, and everything is validated
+like the hooks' own protocol (strict JSON, 4xx naming the field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sidecar.config import NODE_NAME, check_url
+from sidecar.ranks.protocol import CONTROL_RE, ProtocolError, _int, _job_id, _object, _text
+from trainer_hooks.wire import MAX_RANK
+
+MAX_TEXT = 240  # a stack frame, a reason, an outcome
+MAX_TIMELINE = 24  # events of one node's part
+MAX_LOST = 64  # lost nodes named in a verdict
+MAX_NOT_DUMPED = 8  # nodes still dumping named in a verdict
+MAX_TIME = 4e9
+STATES = ("starting", "healthy", "suspect", "stalled", "remediating", "gone")
+TROUBLED = frozenset({"suspect", "stalled", "remediating"})
+
+
+@dataclass
+class RankView:
+    rank: int  # the global rank
+    local_rank: int
+    state: str  # the watchdog's state of it
+    step: int | None
+    phase: str | None
+    progress_age_seconds: float  # at the report's time
+    waiting: bool | None = None  # its main thread waits in a collective (latest probe); None: not probed
+    stack_top: str | None = None  # the innermost frame of its main thread, when probed
+    exited_at: float | None = None  # wall clock: its process exited (not a clean finish), recently
+
+    @property
+    def troubled(self) -> bool:
+        return self.state in TROUBLED or self.exited_at is not None
+
+
+@dataclass
+class NodePart:
+    """One node's part of a job incident: its own incident record and what it did."""
+
+    incident: str
+    outcome: str
+    timeline: list[dict[str, Any]] = field(default_factory=list)  # {"event", "time"}
+
+
+@dataclass
+class NodeReport:
+    job_id: str
+    node: str
+    world_size: int
+    time: float  # the reporter's wall clock
+    ranks: list[RankView]
+    url: str = ""  # where the node's sidecar takes peer requests (for the coordinator's probes)
+    dumped: str | None = None  # the job incident whose stacks this node has dumped
+    part: NodePart | None = None  # set once the node has a record of the job incident
+    job_incident: str | None = None  # the job incident the node knows of (from an earlier verdict)
+    healthy: int = 0  # ranks left out because all is well (a heartbeat: no incident, nothing troubled)
+
+    @property
+    def troubled(self) -> bool:
+        return any(r.troubled for r in self.ranks)
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Culprit:
+    rank: int | None  # None: a whole node is gone
+    node: str
+    step: int | None = None
+    phase: str | None = None
+    stack_top: str | None = None
+    reason: str = ""
+
+
+@dataclass
+class Verdict:
+    job_id: str
+    job_incident: str
+    version: int  # grows with every change; a reporter long-polls for a newer one
+    opened: float  # wall clock of the first troubled report
+    culprit: Culprit | None = None
+    lost_nodes: list[str] = field(default_factory=list)
+    # Counts, not names: a verdict goes to every node, so its size must not grow with the job.
+    nodes: int = 0  # nodes that reported during the incident
+    dumped: int = 0  # of them, those whose stacks are dumped
+    not_dumped: list[str] = field(default_factory=list)  # a few of those still dumping (for the record)
+    decided: float | None = None  # wall clock of the culprit decision
+    closed: bool = False  # every rank progresses again (or the job is gone)
+
+    @property
+    def all_dumped(self) -> bool:
+        return self.nodes > 0 and self.dumped >= self.nodes
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _bool(obj: dict, key: str, where: str) -> bool | None:
+    value = obj.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ProtocolError(f"{where}: expected true, false or null")
+
+
+def _seconds(obj: dict, key: str, where: str) -> float:
+    value = obj.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < MAX_TIME:
+        raise ProtocolError(f"{where}: expected seconds >= 0")
+    return float(value)
+
+
+def _list(obj: dict, key: str, where: str, limit: int) -> list:
+    value = obj.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where}: expected an array")
+    if len(value) > limit:
+        raise ProtocolError(f"{where}: at most {limit} entries, got {len(value)}", code="too_large", status=413)
+    return value
+
+
+_STATES = frozenset(STATES)
+_MAX_STEP = (1 << 63) - 1
+
+
+def _seconds_value(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < MAX_TIME
+
+
+def _plain_text(value: Any) -> bool:
+    return value is None or (type(value) is str and 0 < len(value) <= MAX_TEXT and not CONTROL_RE.search(value))
+
+
+def _well_formed(obj: Any) -> RankView | None:
+    """The common case, checked in one pass (a coordinator reads a thousand reports at once);
+    None sends the entry through the checks that name the bad field."""
+    if type(obj) is not dict:
+        return None
+    rank, local, state, step = obj.get("rank"), obj.get("local_rank"), obj.get("state"), obj.get("step")
+    age, waiting, exited = obj.get("progress_age_seconds"), obj.get("waiting"), obj.get("exited_at")
+    phase, top = obj.get("phase"), obj.get("stack_top")
+    if not (
+        type(rank) is int and 0 <= rank <= MAX_RANK and type(local) is int and 0 <= local <= MAX_RANK
+        and state in _STATES and (step is None or (type(step) is int and 0 <= step <= _MAX_STEP))
+        and _seconds_value(age) and (waiting is None or type(waiting) is bool)
+        and (exited is None or _seconds_value(exited))
+        and _plain_text(phase) and _plain_text(top)
+    ):  # fmt: skip
+        return None
+    assert isinstance(age, (int, float))  # _seconds_value checked it
+    return RankView(
+        rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited)
+    )
+
+
+def _rank_view(obj: Any, where: str) -> RankView:
+    fast = _well_formed(obj)
+    if fast is not None:
+        return fast
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{where}: expected an object")
+    state = _text(obj, "state", f"{where}.state")
+    if state not in STATES:
+        raise ProtocolError(f"{where}.state: expected one of {', '.join(STATES)}")
+    return RankView(
+        rank=_int(obj, "rank", f"{where}.rank", 0, MAX_RANK),
+        local_rank=_int(obj, "local_rank", f"{where}.local_rank", 0, MAX_RANK),
+        state=state,
+        step=_int(obj, "step", f"{where}.step", 0, (1 << 63) - 1, nullable=True),
+        phase=_text(obj, "phase", f"{where}.phase", nullable=True, max_len=MAX_TEXT),
+        progress_age_seconds=_seconds(obj, "progress_age_seconds", f"{where}.progress_age_seconds"),
+        waiting=_bool(obj, "waiting", f"{where}.waiting"),
+        stack_top=_text(obj, "stack_top", f"{where}.stack_top", nullable=True, max_len=MAX_TEXT),
+        exited_at=None if obj.get("exited_at") is None else _seconds(obj, "exited_at", f"{where}.exited_at"),
+    )
+
+
+def _part(obj: dict, where: str) -> NodePart | None:
+    if obj.get("part") is None:
+        return None
+    raw = _object(obj, "part", where)
+    timeline = []
+    for i, e in enumerate(_list(raw, "timeline", f"{where}.timeline", MAX_TIMELINE)):
+        if not isinstance(e, dict):
+            raise ProtocolError(f"{where}.timeline[{i}]: expected an object")
+        event = _text(e, "event", f"{where}.timeline[{i}].event", max_len=64)
+        timeline.append({"event": event, "time": _seconds(e, "time", f"{where}.timeline[{i}].time")})
+    return NodePart(
+        incident=_text(raw, "incident", f"{where}.incident", max_len=MAX_TEXT),
+        outcome=_text(raw, "outcome", f"{where}.outcome", max_len=64),
+        timeline=timeline,
+    )
+
+
+def parse_report(data: dict, max_ranks: int) -> NodeReport:
+    """A node's report, validated; ProtocolError names the first bad field."""
+    node = _text(data, "node", "node", max_len=253)
+    if not NODE_NAME.fullmatch(node):
+        raise ProtocolError("node: expected letters, digits, '.', '_' or '-'")
+    url = data.get("url") or ""
+    if url and check_url(url) is not None:
+        raise ProtocolError(f"url: {check_url(url)}")
+    return NodeReport(
+        job_id=_job_id(data),
+        node=node,
+        world_size=_int(data, "world_size", "world_size", 1, MAX_RANK + 1),
+        time=_seconds(data, "time", "time"),
+        ranks=[_rank_view(r, f"ranks[{i}]") for i, r in enumerate(_list(data, "ranks", "ranks", max_ranks))],
+        url=url,
+        dumped=_text(data, "dumped", "dumped", nullable=True, default=None, max_len=MAX_TEXT),
+        part=_part(data, "part"),
+        job_incident=_text(data, "job_incident", "job_incident", nullable=True, default=None, max_len=MAX_TEXT),
+        healthy=_int(data, "healthy", "healthy", 0, max_ranks, default=0),
+    )
+
+
+def parse_verdict(data: Any) -> Verdict | None:
+    """The coordinator's answer (None: no incident); ProtocolError when it is malformed."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ProtocolError("verdict: expected an object or null")
+    culprit = None
+    if data.get("culprit") is not None:
+        raw = _object(data, "culprit", "verdict.culprit")
+        culprit = Culprit(
+            rank=_int(raw, "rank", "culprit.rank", 0, MAX_RANK, nullable=True),
+            node=_text(raw, "node", "culprit.node", max_len=253),
+            step=_int(raw, "step", "culprit.step", 0, (1 << 63) - 1, nullable=True),
+            phase=_text(raw, "phase", "culprit.phase", nullable=True, max_len=MAX_TEXT),
+            stack_top=_text(raw, "stack_top", "culprit.stack_top", nullable=True, max_len=MAX_TEXT),
+            reason=_text(raw, "reason", "culprit.reason", default="", max_len=4 * MAX_TEXT),
+        )
+
+    def names(key: str, limit: int) -> list[str]:
+        return [
+            _text({"n": n}, "n", f"verdict.{key}[{i}]", max_len=253)
+            for i, n in enumerate(_list(data, key, f"verdict.{key}", limit))
+        ]
+
+    decided = data.get("decided")
+    return Verdict(
+        job_id=_job_id(data),
+        job_incident=_text(data, "job_incident", "verdict.job_incident", max_len=MAX_TEXT),
+        version=_int(data, "version", "verdict.version", 0, (1 << 63) - 1),
+        opened=_seconds(data, "opened", "verdict.opened"),
+        culprit=culprit,
+        lost_nodes=names("lost_nodes", MAX_LOST),
+        nodes=_int(data, "nodes", "verdict.nodes", 0, 1 << 31, default=0),
+        dumped=_int(data, "dumped", "verdict.dumped", 0, 1 << 31, default=0),
+        not_dumped=names("not_dumped", MAX_NOT_DUMPED),
+        decided=None if decided is None else _seconds(data, "decided", "verdict.decided"),
+        closed=bool(_bool(data, "closed", "verdict.closed")),
+    )

@@ -1,0 +1,324 @@
+"""The reporting side of the job view: for every local job whose coordinator is known, this
+node's picture of the job (`source`, the watchdog's) goes to the coordinator every
+`job_view.report_interval_seconds`, at once when something changes (a rank turns suspect, a probe
+tells who waits, the stacks are dumped, an incident is recorded), and while the job is troubled a
+long-poll brings every new verdict as soon as the coordinator has it. When this node is the
+coordinator the calls stay in-process.
+
+What a peer may do with it: the coordinator's address is a rank's claim (rank 0's hooks put it in
+the job's store), so a report may reach a host a user chose. The report holds only that job's
+picture; with a token it is signed and the answer must be signed back (auth.py); without one it
+goes only to a loopback address. A verdict changes what this node *records* and how long it waits
+before killing its own ranks, never which processes it may signal (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from sidecar.config import check_url
+from sidecar.jobview import auth
+from sidecar.jobview.coordinator import Coordinator, CoordinatorError
+from sidecar.jobview.report import NodeReport, Verdict, parse_verdict
+from sidecar.ranks.protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+
+TROUBLED_POLL_SECONDS = 1.0  # a long-poll's wait while the job is troubled
+GONE_JOB_SECONDS = 120.0  # a job with no local rank for this long is no longer reported
+MAX_ANSWER_BYTES = 256 * 1024
+
+
+def is_loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class _Link:
+    """One local job's coordinator and what it last said."""
+
+    url: str
+    node: str
+    verdict: Verdict | None = None
+    last_ok: float | None = None  # monotonic, the last answered request
+    failures: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+    absent_since: float | None = None  # monotonic: no local rank of the job since
+
+
+class Reporter:
+    def __init__(
+        self,
+        node: str,
+        own_url: str,
+        token: str | None,
+        report_interval: float,
+        source: Callable[[str], NodeReport | None],
+        local: Coordinator | None = None,
+        request_timeout: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.node, self.own_url, self.token = node, own_url, token
+        self.report_interval, self.source, self.local = report_interval, source, local
+        self.request_timeout, self.clock = request_timeout, clock
+        self._links: dict[str, _Link] = {}
+        self._changed = asyncio.Event()
+        self._session: aiohttp.ClientSession | None = None
+        self._running = False
+        self.sent = 0  # reports sent (HTTP or in-process)
+        self.bytes_sent = 0  # their JSON bodies
+        self.refused_urls = 0  # coordinator addresses refused (check_url, no token off-host)
+
+    # ------------------------------------------------------------ inputs
+
+    def set_coordinator(self, job_id: str, url: str, node: str) -> bool:
+        """A local rank says where its job's coordinator is; False when the address is refused."""
+        why = check_url(url)
+        if why is None and self.token is None and not is_loopback(url) and node != self.node:
+            why = "no token to sign peer requests with, and the address is not loopback"
+        if why is not None:
+            self.refused_urls += 1
+            log.warning("job %s: coordinator address %r refused: %s", job_id, url[:80], why)
+            return False
+        url = url.rstrip("/")
+        link = self._links.get(job_id)
+        if link is not None and (link.url, link.node) == (url, node):
+            return True
+        if link is not None and link.task is not None:
+            link.task.cancel()
+        self._links[job_id] = _Link(url, node)
+        log.info("job %s: coordinator is %s (%s)", job_id, node, url)
+        if self._running:
+            self._start(job_id)
+        return True
+
+    def wake(self, job_id: str) -> None:
+        link = self._links.get(job_id)
+        if link is not None:
+            link.wake.set()
+
+    # ------------------------------------------------------------ reading
+
+    def verdict(self, job_id: str) -> Verdict | None:
+        link = self._links.get(job_id)
+        return link.verdict if link is not None else None
+
+    def coordinator(self, job_id: str) -> tuple[str, str] | None:
+        """(node, url) of the job's coordinator, when known."""
+        link = self._links.get(job_id)
+        return (link.node, link.url) if link is not None else None
+
+    def reachable(self, job_id: str) -> bool:
+        """The coordinator answered recently (in-process: always)."""
+        link = self._links.get(job_id)
+        if link is None:
+            return False
+        if self._is_local(link):
+            return True
+        return link.last_ok is not None and self.clock() - link.last_ok <= 2 * self.report_interval + 1.0
+
+    async def wait_for(self, job_id: str, ready: Callable[[Verdict | None], bool], timeout: float) -> Verdict | None:
+        """The job's verdict once `ready(verdict)`, or whatever it is after `timeout`."""
+        deadline = self.clock() + timeout
+        while True:
+            verdict = self.verdict(job_id)
+            left = deadline - self.clock()
+            if ready(verdict) or left <= 0:
+                return verdict
+            self.wake(job_id)
+            event = self._changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), min(left, 0.5))
+
+    def status(self) -> dict:
+        return {
+            job: {
+                "coordinator": link.node,
+                "url": link.url,
+                "reachable": self.reachable(job),
+                "verdict": link.verdict.to_wire() if link.verdict is not None else None,
+            }
+            for job, link in sorted(self._links.items())
+        }
+
+    # ------------------------------------------------------------ the loops
+
+    async def run(self) -> None:
+        self._running = True
+        try:
+            for job_id in list(self._links):
+                self._start(job_id)
+            while True:
+                await asyncio.sleep(self.report_interval)
+                for job_id, link in list(self._links.items()):
+                    if link.task is None or link.task.done():
+                        self._start(job_id)
+        finally:
+            self._running = False
+            tasks = [link.task for link in self._links.values() if link.task is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+    def _start(self, job_id: str) -> None:
+        link = self._links[job_id]
+        link.task = asyncio.get_running_loop().create_task(self._job_loop(job_id, link), name=f"report-{job_id}")
+
+    async def _job_loop(self, job_id: str, link: _Link) -> None:
+        while self._links.get(job_id) is link:
+            report = self.source(job_id)
+            now = self.clock()
+            if report is None:
+                link.absent_since = link.absent_since or now
+                if now - link.absent_since > GONE_JOB_SECONDS:
+                    del self._links[job_id]
+                    return
+                await self._sleep(link, self.report_interval)
+                continue
+            link.absent_since = None
+            report.node, report.url, report.time = self.node, self.own_url, time.time()
+            if not report.troubled and (link.verdict is None or link.verdict.closed):
+                report.healthy, report.ranks = len(report.ranks), []  # a heartbeat: the coordinator needs no more
+            link.wake.clear()
+            try:
+                self._take(link, await self._send(link, report))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                link.failures += 1
+                if link.failures in (1, 10) or link.failures % 100 == 0:
+                    log.warning("job %s: coordinator %s did not take the report: %s", job_id, link.node, e)
+                await self._sleep(link, min(self.report_interval, 1.0 * link.failures))
+                continue
+            troubled = report.troubled or (link.verdict is not None and not link.verdict.closed)
+            if troubled:
+                await self._long_poll(job_id, link)
+            else:
+                await self._sleep(link, self.report_interval)
+
+    async def _sleep(self, link: _Link, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(link.wake.wait(), seconds)
+
+    async def _long_poll(self, job_id: str, link: _Link) -> None:
+        """Until the verdict changes, this node has something new to say, or a short while."""
+        known = link.verdict.version if link.verdict is not None else -1
+        poll = asyncio.ensure_future(self._fetch_verdict(link, job_id, known, TROUBLED_POLL_SECONDS))
+        woken = asyncio.ensure_future(link.wake.wait())
+        try:
+            done, _ = await asyncio.wait({poll, woken}, timeout=TROUBLED_POLL_SECONDS + self.request_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if poll in done and poll.exception() is None:
+                self._take(link, poll.result())
+        finally:
+            for t in (poll, woken):
+                t.cancel()
+            await asyncio.gather(poll, woken, return_exceptions=True)
+
+    def _take(self, link: _Link, verdict: Verdict | None) -> None:
+        link.last_ok, link.failures = self.clock(), 0
+        if verdict is not None and (link.verdict is None or verdict.version != link.verdict.version
+                                    or verdict.job_incident != link.verdict.job_incident):  # fmt: skip
+            link.verdict = verdict
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def _is_local(self, link: _Link) -> bool:
+        return self.local is not None and link.node == self.node
+
+    # ------------------------------------------------------------ requests
+
+    async def _send(self, link: _Link, report: NodeReport) -> Verdict | None:
+        body = json.dumps(report.to_wire(), separators=(",", ":")).encode()
+        self.sent += 1
+        self.bytes_sent += len(body)
+        if self._is_local(link):
+            assert self.local is not None
+            try:
+                return self.local.accept(report)
+            except CoordinatorError as e:
+                raise RuntimeError(str(e)) from None
+        answer = await self._request(link, "POST", f"/v1/jobs/{_quote(report.job_id)}/report", body)
+        return parse_verdict(answer.get("verdict"))
+
+    async def _fetch_verdict(self, link: _Link, job_id: str, known: int, wait: float) -> Verdict | None:
+        if self._is_local(link):
+            assert self.local is not None
+            return await self.local.wait_change(job_id, known, wait)
+        path = f"/v1/jobs/{_quote(job_id)}/verdict?known={known}&wait={wait:g}"
+        answer = await self._request(link, "GET", path, b"", extra_timeout=wait)
+        return parse_verdict(answer.get("verdict"))
+
+    async def fetch_story(self, job_id: str, job_incident: str | None) -> dict | None:
+        """The job incident's story from the coordinator (None when it cannot be had)."""
+        link = self._links.get(job_id)
+        if link is None:
+            return None
+        if self._is_local(link):
+            assert self.local is not None
+            return self.local.story(job_id, job_incident)
+        query = f"?incident={urllib.parse.quote(job_incident)}" if job_incident else ""
+        try:
+            answer = await self._request(link, "GET", f"/v1/jobs/{_quote(job_id)}/story{query}", b"")
+        except Exception as e:
+            log.info("job %s: no story from %s: %s", job_id, link.node, e)
+            return None
+        story = answer.get("story")
+        return story if isinstance(story, dict) else None
+
+    async def _request(self, link: _Link, method: str, path: str, body: bytes, extra_timeout: float = 0.0) -> dict:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        headers = {"Content-Type": "application/json"}
+        nonce = None
+        if self.token:
+            headers[auth.REQUEST_HEADER], nonce = auth.sign_request(self.token, method, path, body)
+        timeout = aiohttp.ClientTimeout(
+            total=self.request_timeout + extra_timeout, connect=min(1.0, self.request_timeout)
+        )
+        async with self._session.request(method, link.url + path, data=body or None, headers=headers,
+                                         timeout=timeout, allow_redirects=False) as resp:  # fmt: skip
+            raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
+            if len(raw) > MAX_ANSWER_BYTES:
+                raise RuntimeError(f"{method} {path}: answer larger than {MAX_ANSWER_BYTES} bytes")
+            if self.token and not auth.reply_is_signed(
+                self.token, nonce or "", raw, resp.headers.get(auth.REPLY_HEADER)
+            ):
+                raise RuntimeError(f"{method} {path}: the answer is not signed with this cluster's token")
+            if resp.status != 200:
+                raise RuntimeError(f"{method} {path}: {resp.status} {raw[:200]!r}")
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise RuntimeError(f"{method} {path}: the answer is not JSON") from None
+        if not isinstance(answer, dict):
+            raise RuntimeError(f"{method} {path}: the answer is not a JSON object")
+        try:
+            parse_verdict(answer.get("verdict"))
+        except ProtocolError as e:
+            raise RuntimeError(f"{method} {path}: bad verdict: {e}") from None
+        return answer
+
+
+def _quote(job_id: str) -> str:
+    return urllib.parse.quote(job_id, safe="")

@@ -1,0 +1,124 @@
+"""The watchdog's side of the job view (sidecar/jobview/): what a stalled node knows of the
+job's other nodes, and what it does about a stall it shares with them.
+
+Every node of a hung job stalls at about the same time: the culprit stops, and every other rank
+soon waits for it in a collective. Judged alone, each node would blame one of its own ranks and
+kill it. With the job view:
+
+- at SUSPECT, each node probes its suspect ranks' stacks (`Probe`: whether the main thread waits
+  in a collective, and its innermost frame) and reports them, so the coordinator can name the
+  culprit before anyone's timeout runs out;
+- at STALLED, each node dumps its ranks' stacks, says so, and takes the job's verdict (waiting
+  at most `job_view.verdict_wait_seconds`) into its incident: the same culprit and job incident
+  on every node;
+- the culprit's node kills its group once every node has dumped (bounded by the same wait);
+- every other node leaves its waiting ranks to torchrun's re-rendezvous and kills them itself
+  only if they are still there after `job_view.launcher_grace_seconds`;
+- a node that cannot reach its coordinator acts alone, as without the job view.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar.incidents.store import Incident
+from sidecar.jobview.report import Culprit, NodePart, RankView, Verdict
+
+PART_EVENTS = frozenset(
+    {"detected", "dumps_requested", "dumps_received", "verdict", "sigterm", "sigkill", "exit_observed",
+     "left_to_launcher", "restarted_by_launcher", "still_running"}
+)  # fmt: skip
+
+
+@dataclass
+class Probe:
+    """A rank's stack, looked at while it was suspect or stalled."""
+
+    waiting: bool | None  # its main thread waits in a collective (None: no dump came)
+    stack_top: str | None  # its innermost frame
+    at: float  # watchdog clock
+
+
+class JobView(Protocol):
+    """What the watchdog asks of this node's reporter (sidecar/jobview/reporter.py)."""
+
+    def verdict(self, job_id: str) -> Verdict | None: ...
+
+    def coordinator(self, job_id: str) -> tuple[str, str] | None: ...
+
+    def reachable(self, job_id: str) -> bool: ...
+
+    def wake(self, job_id: str) -> None: ...
+
+    async def wait_for(
+        self, job_id: str, ready: Callable[[Verdict | None], bool], timeout: float
+    ) -> Verdict | None: ...
+
+
+def has_culprit(v: Verdict | None) -> bool:
+    return v is not None and not v.closed and v.culprit is not None
+
+
+def everyone_dumped(v: Verdict | None) -> bool:
+    return v is not None and (v.closed or v.all_dumped)
+
+
+def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
+    """Take the job's verdict into this node's incident: the job incident id and the culprit
+    every node names (this node's own first guess stays in the notes)."""
+    if verdict is None:
+        return
+    incident.job_incident = verdict.job_incident
+    incident.event("verdict", job_incident=verdict.job_incident)
+    c = verdict.culprit
+    if c is None:
+        return
+    local_guess = f"rank {incident.blamed_rank}" if incident.blamed_rank is not None else "no local rank"
+    if c.rank != incident.blamed_rank or c.node != node:
+        incident.notes.append(f"this node alone would have blamed {local_guess} ({incident.blame_reason})")
+    incident.blamed_rank, incident.blamed_node = c.rank, c.node
+    incident.blame_reason = c.reason
+    incident.culprit = {"rank": c.rank, "node": c.node, "step": c.step, "phase": c.phase, "stack_top": c.stack_top}
+    if verdict.lost_nodes:
+        incident.notes.append(f"nodes lost during the incident: {', '.join(verdict.lost_nodes)}")
+
+
+def local_culprit(verdict: Verdict | None, node: str, local_ranks: set[int]) -> bool | None:
+    """Whether the verdict puts the culprit on this node (None: no culprit in it)."""
+    if verdict is None or verdict.culprit is None:
+        return None
+    c: Culprit = verdict.culprit
+    return c.node == node and (c.rank is None or c.rank in local_ranks)
+
+
+def part_of(incident: Incident, outcome: str) -> NodePart:
+    """This node's part of the job incident, as the coordinator keeps it for the story."""
+    events = [{"event": e["event"], "time": e["time"]} for e in incident.timeline if e.get("event") in PART_EVENTS][
+        -24:
+    ]
+    return NodePart(incident=incident.id, outcome=outcome, timeline=events)
+
+
+def rank_view(
+    rank: int, local_rank: int, state: str, step: int | None, phase: str | None, age: float, probe: Probe | None,
+    exited_at: float | None = None,
+) -> RankView:  # fmt: skip
+    return RankView(
+        rank=rank,
+        local_rank=local_rank,
+        state=state,
+        step=step,
+        phase=phase,
+        progress_age_seconds=round(max(0.0, age), 3),
+        waiting=probe.waiting if probe is not None else None,
+        stack_top=probe.stack_top if probe is not None else None,
+        exited_at=exited_at,
+    )
+
+
+def wall_of(clock_value: float, clock: Callable[[], float]) -> float:
+    """The wall-clock time of a watchdog clock reading."""
+    return time.time() - (clock() - clock_value)

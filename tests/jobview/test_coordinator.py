@@ -1,0 +1,146 @@
+"""The coordinator (sidecar/jobview/coordinator.py): one job incident for every node's reports of
+the same stall, a verdict that every node gets (long-polled), lost nodes, bounds, the story."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sidecar.jobview.coordinator import Coordinator, CoordinatorError
+from sidecar.jobview.report import NodePart
+from tests.jobview.helpers import rank, report
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def coordinator(clock: Clock, hosts=lambda job: job == "j1", **kw) -> Coordinator:
+    args = {"lost_after": 15.0, "verdict_wait": 3.0, "max_nodes": 16, "probe": None, "clock": clock}
+    return Coordinator(hosts, **(args | kw))
+
+
+def test_every_node_of_a_stall_gets_the_same_job_incident_and_culprit():
+    c = coordinator(Clock())
+    assert c.accept(report("node-0", rank(0, state="healthy"))) is None
+    v0 = c.accept(report("node-0", rank(0)))
+    v1 = c.accept(report("node-1", rank(1, waiting=False)))
+    v2 = c.accept(report("node-2", rank(2)))
+    assert v0 is not None and v1 is not None and v2 is not None
+    assert v0.job_incident == v1.job_incident == v2.job_incident
+    assert v2.culprit is not None and (v2.culprit.rank, v2.culprit.node) == (1, "node-1")
+    assert (v2.nodes, v2.dumped) == (3, 0) and v2.not_dumped == ["node-0", "node-1", "node-2"]
+
+
+def test_a_job_without_a_rank_on_this_node_is_refused():
+    c = coordinator(Clock())
+    with pytest.raises(CoordinatorError) as e:
+        c.accept(report("node-0", rank(0), job="someone-elses"))
+    assert e.value.status == 404 and e.value.code == "not_coordinator"
+
+
+def test_nodes_beyond_max_nodes_are_refused_with_429():
+    c = coordinator(Clock(), max_nodes=2)
+    c.accept(report("node-0", rank(0, state="healthy")))
+    c.accept(report("node-1", rank(1, state="healthy")))
+    with pytest.raises(CoordinatorError) as e:
+        c.accept(report("node-2", rank(2, state="healthy")))
+    assert e.value.status == 429
+
+
+def test_a_node_silent_past_lost_after_is_named_when_the_others_wait():
+    clock = Clock()
+    c = coordinator(clock)
+    for node, r in (("node-0", 0), ("node-1", 1), ("node-2", 2)):
+        c.accept(report(node, rank(r, state="healthy")))
+    clock.now += 16.0  # node-2 goes silent
+    c.accept(report("node-0", rank(0)))
+    v = c.accept(report("node-1", rank(1)))
+    assert v is not None and v.lost_nodes == ["node-2"]
+    assert v.culprit is not None and v.culprit.rank is None and v.culprit.node == "node-2"
+
+
+def test_the_incident_closes_once_every_node_trains_again_and_a_new_stall_opens_another():
+    clock = Clock()
+    c = coordinator(clock)
+    first = c.accept(report("node-0", rank(0, waiting=False)))
+    assert first is not None and not first.closed
+    c.accept(report("node-0", rank(0, state="healthy")))
+    clock.now += 2.0
+    closed = c.accept(report("node-0", rank(0, state="healthy")))
+    assert closed is not None and closed.closed and closed.job_incident == first.job_incident
+    again = c.accept(report("node-0", rank(0, waiting=False)))
+    assert again is not None and again.job_incident != first.job_incident and not again.closed
+
+
+def test_every_node_has_dumped_once_each_says_so():
+    c = coordinator(Clock())
+    v = c.accept(report("node-0", rank(0)))
+    assert v is not None
+    c.accept(report("node-1", rank(1, waiting=False), dumped=v.job_incident))
+    assert not c.verdict("j1").all_dumped
+    c.accept(report("node-0", rank(0), dumped=v.job_incident))
+    assert c.verdict("j1").all_dumped
+
+
+async def test_a_long_poll_answers_as_soon_as_the_verdict_changes():
+    c = coordinator(Clock())
+    v = c.accept(report("node-0", rank(0)))
+    assert v is not None and v.culprit is None
+    waiter = asyncio.create_task(c.wait_change("j1", v.version, timeout=10.0))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    c.accept(report("node-1", rank(1, waiting=False)))
+    got = await asyncio.wait_for(waiter, 2.0)
+    assert got is not None and got.culprit is not None and got.culprit.rank == 1
+
+
+async def test_a_long_poll_without_change_returns_after_its_wait():
+    c = coordinator(Clock())
+    v = c.accept(report("node-0", rank(0)))
+    got = await asyncio.wait_for(c.wait_change("j1", v.version, timeout=0.1), 2.0)
+    assert got is not None and got.version == v.version
+
+
+async def test_a_node_whose_sidecar_does_not_answer_the_probe_is_lost():
+    clock = Clock()
+    answered = {"http://n0:1": True, "http://n2:1": False}
+
+    async def probe(url: str) -> bool:
+        return answered[url]
+
+    c = coordinator(clock, probe=probe, verdict_wait=0.05)
+    c.accept(report("node-2", rank(2, state="healthy"), url="http://n2:1"))
+    clock.now += 1.0
+    c.accept(report("node-0", rank(0, state="gone", exited_at=100.0), url="http://n0:1"))
+    await asyncio.sleep(0.3)
+    v = c.verdict("j1")
+    assert v is not None and v.lost_nodes == ["node-2"]
+    assert v.culprit is not None and v.culprit.node == "node-2" and v.culprit.rank is None
+
+
+def test_the_story_merges_every_node_part_into_one_timeline():
+    c = coordinator(Clock())
+    v = c.accept(report("node-0", rank(0)))
+    assert v is not None
+    part0 = NodePart(
+        "inc-0", "left_to_launcher", [{"event": "detected", "time": 10.0}, {"event": "left_to_launcher", "time": 12.0}]
+    )
+    part1 = NodePart("inc-1", "killed", [{"event": "detected", "time": 10.5}, {"event": "sigterm", "time": 11.0}])
+    c.accept(report("node-0", rank(0), part=part0, job_incident=v.job_incident))
+    c.accept(report("node-1", rank(1, waiting=False), part=part1, job_incident=v.job_incident))
+    story = c.story("j1")
+    assert story is not None and story["verdict"]["culprit"]["rank"] == 1
+    assert [(e["node"], e["event"]) for e in story["timeline"]] == [
+        ("node-0", "detected"),
+        ("node-1", "detected"),
+        ("node-1", "sigterm"),
+        ("node-0", "left_to_launcher"),
+    ]
+    assert story["nodes"]["node-1"]["part"] == {"incident": "inc-1", "outcome": "killed"}
+    assert story["nodes"]["node-1"]["ranks"][0]["stack_top"] == "train_step (train.py:14)"

@@ -1,0 +1,114 @@
+"""The job view on several simulated nodes (demo/cluster.py): three sidecars with their own
+node_name, socket, port and diagnostics directory, three torchrun agents in one c10d rendezvous,
+the middle node with two ranks; the user's own gloo loop with the hooks (bench/cycles/train_plain.py).
+
+A rank of the middle node hangs (SIGSTOP, or a Python busy loop): every node's record names that
+rank and node under one job incident, only the middle node sends SIGTERM, the others leave their
+waiting ranks to torchrun's re-rendezvous, and the job resumes and finishes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from demo.cluster import Cluster, ClusterSpec, NodeSpec
+from demo.job import SidecarSpec, wait_for
+from tests.support import PYTHON
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
+
+HANG_STEP = 12
+JOB_TIMEOUT = 200.0
+
+
+def sidecars() -> SidecarSpec:
+    return SidecarSpec(
+        floor_seconds=3.0,
+        grace_seconds=3.0,
+        dump_wait_seconds=1.0,
+        extra=["job_view.verdict_wait_seconds=2", "job_view.launcher_grace_seconds=30"],
+    )
+
+
+def hang_on_the_middle_node(mode: str, workdir) -> ClusterSpec:
+    hang = {"CYCLE_HANGS": "1", "CYCLE_HANG_LOCAL_RANK": "1", "CYCLE_HANG_MODE": mode}
+    nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1)]
+    env = {"CYCLE_HANG_STEP": str(HANG_STEP), "CYCLE_LOG": str(workdir / "cycle.jsonl")}
+    return ClusterSpec(nodes, job_id="jv", sidecar=sidecars(), env=env)
+
+
+def records(workdir) -> list[dict]:
+    path = workdir / "cycle.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def explain(cluster: Cluster) -> str:
+    out = []
+    for node in cluster.nodes:
+        for what in ("sidecar", "torchrun"):
+            log = cluster.log(node, what)
+            tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+            out.append(f"--- {node.spec.name} {what}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("mode", ["stop", "spin"])
+def test_a_hung_rank_on_the_middle_node_is_named_by_every_node_and_only_its_node_kills(tmp_path, mode):
+    with Cluster(hang_on_the_middle_node(mode, tmp_path), tmp_path) as cluster:
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+        assert codes == [0, 0, 0], explain(cluster)
+        hung = next(r["rank"] for r in records(tmp_path) if r["kind"] == "hang")
+        stalls = {node.spec.name: node.incidents() for node in cluster.nodes}
+        assert all(len(found) == 1 for found in stalls.values()), stalls
+        mine = {name: found[0] for name, found in stalls.items()}
+        for name, record in mine.items():
+            assert (record["blamed_rank"], record["blamed_node"]) == (hung, "node-1"), (name, record["summary"])
+            assert "not waiting for its peers" in record["blame_reason"], record["blame_reason"]
+        assert len({r["job_incident"] for r in mine.values()}) == 1 and mine["node-0"]["job_incident"]
+        sent = {
+            name: any(e["event"] == "sigterm" and e.get("ranks") for e in r["timeline"]) for name, r in mine.items()
+        }
+        assert sent == {"node-0": False, "node-1": True, "node-2": False}
+        assert mine["node-1"]["outcome"] == "killed"
+        assert mine["node-0"]["outcome"] == mine["node-2"]["outcome"] == "left_to_launcher"
+        story = subprocess.run(
+            [PYTHON, "-m", "sidecar", "incidents", "--job", "jv", "--socket", cluster.node("node-2").socket],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert story.returncode == 0, story.stderr
+        assert f"culprit   rank {hung} on node-1" in story.stdout, story.stdout
+        assert all(f"node-{i}" in story.stdout.split("timeline")[1] for i in range(3)), story.stdout
+
+
+def test_a_lost_node_is_named_by_the_survivors_and_the_job_comes_back_without_it(tmp_path):
+    """A whole node goes (its sidecar, agent and ranks SIGKILLed at once): the survivors' ranks
+    fail on the lost peer, their exits are recorded as consequences of one job incident that
+    names the lost node, and the elastic job (--nnodes 2:3) finishes on the two that are left."""
+    nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2), NodeSpec("node-2", 1)]
+    # No hang: 141 steps, long enough for every node to report before one is lost.
+    env = {"CYCLE_HANG_STEP": "100", "CYCLE_LOG": str(tmp_path / "cycle.jsonl")}
+    spec = ClusterSpec(nodes, job_id="jv", sidecar=sidecars(), env=env, min_nodes=2)
+    with Cluster(spec, tmp_path) as cluster:
+        assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
+        # every node reports to the job's coordinator (it learns the node before the node is lost)
+        assert wait_for(lambda: all(n.status().get("jobs", {}).get("jv", {}).get("reachable") for n in cluster.nodes),
+                        60), explain(cluster)  # fmt: skip
+        # Not the coordinator's node (rank 0's) nor the rendezvous store's host: torchrun cannot
+        # re-rendezvous without its store (that loss ends the job, with the same record).
+        spared = {n.spec.name for n in cluster.nodes if any(r["rank"] == 0 for r in n.ranks())}
+        spared.add(cluster.rendezvous_host() or "")
+        lost = next(n.spec.name for n in reversed(cluster.nodes) if n.spec.name not in spared)
+        cluster.lose_node(lost)
+        survivors = [n for n in cluster.nodes if n.spec.name != lost]
+        codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(JOB_TIMEOUT), strict=True)}
+        assert all(codes[n.spec.name] == 0 for n in survivors), (codes, explain(cluster))
+        exits = [r for n in survivors for r in n.incidents(kind="exit")]
+        assert exits, explain(cluster)
+        named = {e["exits"][0].get("consequence_of") for e in exits}
+        assert named == {f"node {lost} lost"}, [e["summary"] for e in exits]
+        assert len({e["job_incident"] for e in exits}) == 1
+        statuses = [n.status()["exits"]["recent"] for n in survivors]
+        failed = [r for recent in statuses for r in recent if r["job_id"] == "jv" and r["reason"] != "finished"]
+        assert failed and all(r["role"] == "consequence" for r in failed), failed

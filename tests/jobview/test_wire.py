@@ -1,0 +1,95 @@
+"""Reports and verdicts on the wire (sidecar/jobview/report.py) and how sidecars sign them
+(sidecar/jobview/auth.py): a peer's bad input is a 4xx naming the field, a forged or replayed
+request is refused, and an unsigned answer is not believed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sidecar.jobview import auth
+from sidecar.jobview.report import parse_report, parse_verdict
+from sidecar.ranks.protocol import ProtocolError
+from tests.jobview.helpers import rank, report
+
+
+def wire(**changes) -> dict:
+    data = json.loads(json.dumps(report("node-1", rank(2, waiting=False)).to_wire()))
+    data.update(changes)
+    return data
+
+
+def test_a_report_survives_the_round_trip():
+    parsed = parse_report(wire(), max_ranks=8)
+    assert parsed.node == "node-1" and parsed.ranks[0].rank == 2 and parsed.ranks[0].waiting is False
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"node": "bad name\n"}, "node"),
+        ({"job_id": ".hidden"}, "job_id"),
+        ({"ranks": [{"rank": -1}]}, "ranks[0]"),
+        ({"ranks": [{**wire()["ranks"][0], "state": "dancing"}]}, "ranks[0].state"),
+        ({"ranks": [{**wire()["ranks"][0], "waiting": "yes"}]}, "ranks[0].waiting"),
+        ({"time": "now"}, "time"),
+        (
+            {"part": {"incident": "x", "outcome": "killed", "timeline": [{"event": "e", "time": -1}]}},
+            "part.timeline[0]",
+        ),
+    ],
+)
+def test_a_bad_report_is_refused_naming_the_field(changes, field):
+    with pytest.raises(ProtocolError) as e:
+        parse_report(wire(**changes), max_ranks=8)
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_a_report_with_more_ranks_than_the_limit_is_too_large():
+    with pytest.raises(ProtocolError) as e:
+        parse_report(wire(ranks=[wire()["ranks"][0]] * 9), max_ranks=8)
+    assert e.value.status == 413
+
+
+def test_a_malformed_verdict_is_refused():
+    with pytest.raises(ProtocolError):
+        parse_verdict({"job_id": "j1", "job_incident": "x", "version": "one", "opened": 1.0})
+    assert parse_verdict(None) is None
+
+
+def test_a_signed_request_is_accepted_once():
+    verifier = auth.Verifier("secret")
+    header, nonce = auth.sign_request("secret", "POST", "/v1/jobs/j1/report", b"{}")
+    assert verifier.check("POST", "/v1/jobs/j1/report", b"{}", header) == nonce
+    assert verifier.check("POST", "/v1/jobs/j1/report", b"{}", header) is None  # a replay
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda h: ("POST", "/v1/jobs/j1/report", b'{"x":1}', h),  # another body
+        lambda h: ("POST", "/v1/jobs/j2/report", b"{}", h),  # another job
+        lambda h: ("GET", "/v1/jobs/j1/report", b"{}", h),  # another method
+        lambda h: ("POST", "/v1/jobs/j1/report", b"{}", None),  # unsigned
+        lambda h: ("POST", "/v1/jobs/j1/report", b"{}", "1:2"),  # malformed
+    ],
+)
+def test_a_forged_or_altered_request_is_refused(tamper):
+    header, _ = auth.sign_request("secret", "POST", "/v1/jobs/j1/report", b"{}")
+    assert auth.Verifier("secret").check(*tamper(header)) is None
+
+
+def test_a_request_signed_with_another_token_or_long_ago_is_refused():
+    header, _ = auth.sign_request("other", "POST", "/p", b"")
+    assert auth.Verifier("secret").check("POST", "/p", b"", header) is None
+    old, _ = auth.sign_request("secret", "POST", "/p", b"", now=1000.0)
+    assert auth.Verifier("secret").check("POST", "/p", b"", old) is None
+
+
+def test_an_answer_counts_only_when_signed_for_the_request():
+    signature = auth.sign_reply("secret", "nonce-1", b'{"ok":true}')
+    assert auth.reply_is_signed("secret", "nonce-1", b'{"ok":true}', signature)
+    assert not auth.reply_is_signed("secret", "nonce-2", b'{"ok":true}', signature)
+    assert not auth.reply_is_signed("secret", "nonce-1", b'{"ok":false}', signature)
+    assert not auth.reply_is_signed("secret", "nonce-1", b'{"ok":true}', None)
