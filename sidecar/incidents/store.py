@@ -55,11 +55,14 @@ class Incident:
     timeout_seconds: float | None
     observe_only: bool
     ranks: list[RankSnapshot]
-    outcome: str = "pending"  # killed | suppressed | observe_only | not_killed_no_restart | failed
+    outcome: str = "pending"  # killed | unkillable | suppressed | observe_only | not_killed_no_restart | failed
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: str = ""
     kind: str = "stall"  # "stall" (the watchdog's) or "exit" (sidecar/exits/incidents.py)
+    # Processes alive after SIGKILL (outcome unkillable): what the kernel said of each
+    # (sidecar/host/stuck.py), with `who` and `why`; sidecar/watchdog/unkillable.py fills it.
+    unkillable: list[dict[str, Any]] = field(default_factory=list)
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -117,6 +120,7 @@ class Incident:
         for e in self.timeline:
             extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
             lines.append(f"    +{e['after_detection_seconds']:7.3f}s  {e['event']}" + (f"  ({extra})" if extra else ""))
+        lines += unkillable_lines(self.unkillable)
         for r in self.ranks:
             if r.stack_file or r.py_spy:
                 lines += ["", f"  stacks of rank {r.rank} (pid {r.pid}): {r.stack_file or 'py-spy only'}"]
@@ -126,6 +130,24 @@ class Incident:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines) + "\n"
+
+
+def unkillable_lines(processes: list[dict[str, Any]]) -> list[str]:
+    """The summary's section on processes that outlived SIGKILL."""
+    if not processes:
+        return []
+    lines = ["", "  alive after SIGKILL (the node is unfit until they are gone)"]
+    for p in processes:
+        lines.append(f"    {p.get('who')} (pid {p.get('pid')}, {p.get('name') or '?'}): {p.get('why')}")
+        memory = p.get("gpu_memory_bytes") or {}
+        held = [*(p.get("gpu_files") or []), *(f"GPU {g}: {n} bytes" for g, n in sorted(memory.items()))]
+        if held:
+            lines.append(f"      holds {', '.join(held)}")
+        if p.get("kernel_stack"):
+            lines += [f"      {frame}" for frame in p["kernel_stack"][:STACK_HEAD_LINES]]
+        elif p.get("kernel_stack_error"):
+            lines.append(f"      kernel stack {p['kernel_stack_error']}")
+    return lines
 
 
 def _safe_name(text: str) -> str:

@@ -97,9 +97,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog",
         "watchdog_remediations",
         "counter",
-        "Remediations by outcome: killed, suppressed (storm cap), observe_only, not_killed_no_restart "
-        "(nothing would restart the ranks: no launcher, or torchrun's restarts used up; stacks dumped, "
-        "no signal to end them; remediation.kill_without_restart), failed.",
+        "Remediations by outcome: killed, unkillable (a process alive after SIGKILL and "
+        "remediation.kill_wait_seconds: the node is unfit until it goes), suppressed (storm cap), observe_only, "
+        "not_killed_no_restart (nothing would restart the ranks: no launcher, or torchrun's restarts used up; "
+        "stacks dumped, no signal to end them; remediation.kill_without_restart), failed (no rank could be "
+        "signalled, or remediation itself failed).",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -214,6 +216,7 @@ class Watchdog:
             self.timeouts.forget(key)
         self._open_episodes(now)
         self._close_episodes()
+        self.remediator.unkillable.check(self.store.save)  # processes that outlived SIGKILL: gone yet?
 
     def _track(self, rank: Rank, now: float) -> _Track:
         track = self._tracks.get(rank.key)

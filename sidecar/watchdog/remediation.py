@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -29,10 +30,10 @@ from sidecar.watchdog.stackdumps import (
     restop,
     stack_head,
 )
+from sidecar.watchdog.unkillable import Unkillable
 
 log = logging.getLogger(__name__)
 
-EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
 POLL_SECONDS = 0.1
 
 
@@ -50,6 +51,7 @@ class Termination:
 class Remediator:
     def __init__(self, settings: RemediationSettings):
         self.settings = settings
+        self.unkillable = Unkillable()  # what outlived SIGKILL, watched until it goes
 
     async def collect_stacks(self, incident: Incident, targets: list[Target], signal_ranks: bool = True) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
@@ -149,16 +151,24 @@ class Remediator:
         """After SIGTERM: wait grace_seconds, then SIGKILL every rank and every member of their
         groups still alive (not only ranks: a data-loader worker that ignores SIGTERM would hold
         the GPU). "killed" when every rank and member is seen gone, whether SIGTERM did it (the
-        timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
+        timeline then shows no `sigkill`) or SIGKILL; else, `kill_wait_seconds` after the
+        SIGKILL, "unkillable" (sidecar/watchdog/unkillable.py says why and watches them)."""
         loop = asyncio.get_running_loop()
         signalled, members = term.signalled, term.members
         left, members_left = await self._wait_exit(signalled, members, self.settings.grace_seconds)
         if left or members_left:
             await loop.run_in_executor(None, self._kill_left, incident, signalled, left, members_left)
-            left, members_left = await self._wait_exit(left, members_left, EXIT_WAIT_SECONDS)
+            left, members_left = await self._wait_exit(left, members_left, self.settings.kill_wait_seconds)
         if left or members_left:
             incident.event("still_running", ranks=[t.rank for t in left], pids=[p.pid for _, p in members_left])
-            outcome = "failed"
+            outcome = await self.unkillable.record(
+                incident,
+                [(t.pid, f"rank {t.rank}", t.is_running) for t in left]
+                + [
+                    (p.pid, f"pid {p.pid} of rank {t.rank}'s group", functools.partial(_alive, p))
+                    for t, p in members_left
+                ],
+            )
         else:
             incident.event("exit_observed", ranks=[t.rank for t in signalled])
             outcome = "killed"
