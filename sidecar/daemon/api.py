@@ -25,6 +25,7 @@ from sidecar.config import Settings
 from sidecar.daemon import status_document
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.exits.tracker import ExitTracker
+from sidecar.fitness import Finding, Fitness, judge
 from sidecar.host import diagfiles, identity, procs, stackfiles
 from sidecar.metric import MetricSpec, spec
 from sidecar.ranks import protocol
@@ -62,6 +63,18 @@ class Daemon:
     started: float = field(default_factory=time.monotonic)
     process: psutil.Process = field(default_factory=psutil.Process)  # the sidecar itself
     exits: ExitTracker | None = None  # why each rank process exited (sidecar/exits/tracker.py)
+    # What may make the node unfit: the watchdog's unkillable processes, the GPU checks (app.py wires them).
+    fitness_sources: list[Callable[[], Iterable[Finding]]] = field(default_factory=list)
+
+    def fitness(self) -> Fitness:
+        """The node verdict now (sidecar/fitness.py); a failing source is logged, never fatal."""
+        findings: list[Finding] = []
+        for source in self.fitness_sources:
+            try:
+                findings += source()
+            except Exception:
+                log.exception("node fitness source %s failed", getattr(source, "__qualname__", source))
+        return judge(findings)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
@@ -340,7 +353,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    body = status_document.build_status(d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits)
+    body = status_document.build_status(
+        d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits, fitness=d.fitness()
+    )
     return web.json_response(body)
 
 

@@ -63,9 +63,7 @@ def holding(pid: int, used: int = 3 << 30) -> dict:
     return {"gpu_count": 2, "gpus": {"1": {"processes": [{"pid": pid, "used_memory_bytes": used}]}}}
 
 
-def test_gpu_memory_held_by_a_worker_whose_rank_is_gone_is_gpu_held_naming_it(
-    fake_gpus, gpu_collector, rank_process
-):
+def test_gpu_memory_held_by_a_worker_whose_rank_is_gone_is_gpu_held_naming_it(fake_gpus, gpu_collector, rank_process):
     proc, child_pid = rank_process()
     try:
         fake_gpus(holding(child_pid))

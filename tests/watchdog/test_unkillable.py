@@ -98,7 +98,7 @@ async def test_a_frozen_worker_of_a_rank_that_died_is_unkillable_as_a_member_of_
             record = record_of(dog)
             assert record["outcome"] == "unkillable"
             (stuck,) = record["unkillable"]
-            assert (stuck["pid"], stuck["who"]) == (worker.pid, "pid %d of rank 0's group" % worker.pid)
+            assert (stuck["pid"], stuck["who"]) == (worker.pid, f"pid {worker.pid} of rank 0's group")
             assert stuck["freezer"].startswith("FROZEN")
             cg.thaw()
             wait_until(
