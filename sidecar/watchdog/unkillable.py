@@ -60,16 +60,22 @@ class Unkillable:
             described.append({"who": who, **facts.as_dict()})
         incident.unkillable = described
         incident.event("unkillable", pids=[pid for pid, _, _ in left])
-        first = described[0] if described else {"who": "?", "why": "?"}
+        first = described[0] if described else {"who": "?", "pid": "?", "why": "?"}
         pids = [pid for pid, _, _ in left]
         self._watches.append(
-            _Watch(incident, pids, list(left[:MAX_WATCHED]), time.time(), f"{first['who']}: {first['why']}")
+            _Watch(
+                incident,
+                pids,
+                list(left[:MAX_WATCHED]),
+                time.time(),
+                f"{first['who']} (pid {first['pid']}): {first['why']}",
+            )
         )
         log.error(
             "job %s: %d process(es) alive after SIGKILL, node unfit until they go: %s",
             incident.job_id,
             len(left),
-            "; ".join(f"{d['who']}: {d['why']}" for d in described[:3]),
+            "; ".join(f"{d['who']} (pid {d['pid']}): {d['why']}" for d in described[:3]),
         )
         return OUTCOME
 

@@ -6,6 +6,7 @@ says of it, keeps the node unfit while it lives, and records when it finally goe
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,20 +14,18 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from sidecar.fitness import Reason
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
 from tests import freezer
-from tests.support import make_settings, wait_until
+from tests.support import ROOT, make_settings, wait_until
 from tests.watchdog.helpers import WATCHDOG, register_hung
 from tests.watchdog.test_outcomes import GROUP_WITH_STUBBORN_WORKER, register
 from tests.watchdog.test_remediation import events, finish, stall
 
-pytestmark = [
-    pytest.mark.asyncio,
-    pytest.mark.skipif(not freezer.available(), reason="needs a writable cgroup v1 freezer hierarchy"),
-]
+needs_freezer = pytest.mark.skipif(not freezer.available(), reason="needs a writable cgroup v1 freezer hierarchy")
 
 QUICK = {
     "remediation.dump_wait_seconds": 0.2,
@@ -39,6 +38,8 @@ def record_of(dog: Watchdog) -> dict:
     return json.loads(Path(dog.incidents()[0]["path"]).read_text())
 
 
+@pytest.mark.asyncio
+@needs_freezer
 async def test_a_frozen_rank_is_unkillable_named_with_its_state_and_the_node_unfit_until_it_goes(
     tmp_path, clock, hung_rank
 ):
@@ -79,6 +80,8 @@ async def test_a_frozen_rank_is_unkillable_named_with_its_state_and_the_node_unf
         assert gone["gone_after_seconds"] >= 0 and record["outcome"] == "unkillable"
 
 
+@pytest.mark.asyncio
+@needs_freezer
 async def test_a_frozen_worker_of_a_rank_that_died_is_unkillable_as_a_member_of_its_group(tmp_path, clock):
     s = make_settings(tmp_path, WATCHDOG, QUICK)
     registry = Registry(s)
@@ -110,3 +113,30 @@ async def test_a_frozen_worker_of_a_rank_that_died_is_unkillable_as_a_member_of_
     finally:
         rank.kill()
         rank.wait()
+
+
+DESCRIBE = (
+    "import json, sys; from sidecar.host.stuck import describe; print(json.dumps(describe(int(sys.argv[1])).as_dict()))"
+)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_with_only_the_daemonset_s_capabilities_the_kernel_stack_is_unreadable_and_the_record_says_so(spawn):
+    """The DaemonSet's sidecar is root with KILL and SYS_PTRACE only: /proc/<pid>/stack needs
+    CAP_SYS_ADMIN, the rest (state, wait channel, descriptors) does not."""
+    daemonset = yaml.safe_load((ROOT / "deploy/kubernetes/base/daemonset.yaml").read_text())
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    caps = ",".join("+" + c.lower() for c in container["securityContext"]["capabilities"]["add"])
+    target = spawn(["sleep", "600"])
+    wait_until(lambda: psutil.Process(target.pid).name() == "sleep", 10)
+    out = subprocess.run(
+        ["setpriv", "--inh-caps=-all", f"--bounding-set=-all,{caps}", sys.executable, "-c", DESCRIBE, str(target.pid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout)
+    assert facts["kernel_stack"] == [] and "needs root with CAP_SYS_ADMIN" in facts["kernel_stack_error"]
+    assert facts["state"] == "S (sleeping)" and facts["wchan"] and facts["name"] == "sleep"
