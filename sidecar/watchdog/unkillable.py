@@ -58,10 +58,10 @@ class Unkillable:
             facts = await loop.run_in_executor(None, stuck.describe, pid)
             facts.gpu_memory_bytes = memory.get(pid, {})
             described.append({"who": who, **facts.as_dict()})
-        incident.unkillable = described
-        incident.event("unkillable", pids=[pid for pid, _, _ in left])
-        first = described[0] if described else {"who": "?", "pid": "?", "why": "?"}
         pids = [pid for pid, _, _ in left]
+        incident.unkillable = described
+        incident.event("unkillable", pids=pids)
+        first = described[0] if described else {"who": "?", "pid": "?", "why": "?"}
         self._watches.append(
             _Watch(
                 incident,
