@@ -156,20 +156,22 @@ def _kernel_stack(base: str) -> tuple[list[str], str | None]:
 
 
 def freezer_state(pid: int, procfs: str) -> str | None:
-    """ "FROZEN in <cgroup>" (or FREEZING, THAWED) for the freezer cgroup of `pid`, or None."""
+    """ "FROZEN in <cgroup>" (or FREEZING, THAWED) for the freezer cgroup of `pid`; None when it
+    has none (the root cgroup, which cannot be frozen, has no state file)."""
     found = cgroups.cgroup_of(pid, "freezer", procfs)
     if found is None:
         return None
     try:
         if found.version == 1:
-            state = (found.read("freezer.state") or "").strip()
+            text = found.read("freezer.state")
+            state = text.strip() if text is not None else None
         else:
-            events = dict(
-                line.split(" ", 1) for line in (found.read("cgroup.events") or "").splitlines() if " " in line
-            )
-            wanted = (found.read("cgroup.freeze") or "").strip()
-            state = "FROZEN" if events.get("frozen") == "1" else "FREEZING" if wanted == "1" else "THAWED"
-        return f"{printable(state) or 'unknown'} in {printable(found.path)}"
+            events = found.read("cgroup.events")
+            frozen = events is not None and "frozen 1" in events.splitlines()
+            state = None if events is None else "FROZEN" if frozen else "THAWED"
+            if state == "THAWED" and (found.read("cgroup.freeze") or "").strip() == "1":
+                state = "FREEZING"
+        return None if state is None else f"{printable(state) or 'unknown'} in {printable(found.path)}"
     finally:
         found.close()
 

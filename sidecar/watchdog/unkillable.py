@@ -103,6 +103,7 @@ class Unkillable:
             log.warning("job %s: the processes that outlived SIGKILL are gone", watch.incident.job_id)
 
     def findings(self) -> list[Finding]:
+        """What keeps the node unfit; read from other threads too (/metrics renders in its own)."""
         now = time.time()
         return [
             Finding(
@@ -111,7 +112,7 @@ class Unkillable:
                 f"({w.why}; incident {w.incident.id})",
                 tuple(pid for pid, _, _ in w.left),
             )
-            for w in self._watches
+            for w in list(self._watches)
         ]
 
 

@@ -1,7 +1,7 @@
 """A node that cannot recover, end to end with real kernel behaviour: a hooked rank frozen in a
 cgroup v1 freezer stalls, the watchdog's SIGKILL stays pending (a frozen process handles no
-signal until thawed), the incident says `unkillable` and names the process and its freezer
-state, the node turns unfit and SidecarNodeUnfit fires in a real Prometheus that evaluates the
+signal until thawed), the incident says `unkillable` and names the process, its freezer state
+and the GPU memory NVML (the fake library) lists for it, the node turns unfit and SidecarNodeUnfit fires in a real Prometheus that evaluates the
 shipped rules (only `for:` shortened). After the thaw the process dies, the incident records
 when, the node is fit again and the alert resolves."""
 
@@ -62,8 +62,17 @@ def test_a_frozen_rank_is_unkillable_fires_sidecar_node_unfit_and_the_node_recov
     rules = tmp_path / "rules"
     alerts_build.write(rules, for_override="1s")
     ready = tmp_path / "ready"
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text(json.dumps({"gpu_count": 2}))
     with contextlib.ExitStack() as stack:
-        sidecar = stack.enter_context(Sidecar(tmp_path / "sidecar", *SETTINGS))
+        sidecar = stack.enter_context(
+            Sidecar(
+                tmp_path / "sidecar",
+                *SETTINGS,
+                "collectors.nvml_module=sidecar.testing.fake_nvml_lib",
+                env={"SIDECAR_FAKE_NVML": str(nvml)},
+            )
+        )
         prom = stack.enter_context(
             Prometheus(
                 tmp_path / "prom", targets=[f"127.0.0.1:{sidecar.port}"], rule_files=sorted(rules.glob("*.rules.yml"))
@@ -75,6 +84,14 @@ def test_a_frozen_rank_is_unkillable_fires_sidecar_node_unfit_and_the_node_recov
         cg = stack.enter_context(freezer.frozen_cgroup())  # thawed and emptied before the rank is reaped
         wait_until(ready.exists, 30, what="the rank's steps")
         wait_until(lambda: [r["step"] for r in sidecar.status()["ranks"]] == [3], 30, what="step 3 at the sidecar")
+        # NVML lists the rank on GPU 1 (as CUDA would), and the GPU collector has seen it there.
+        gpu_1 = {"processes": [{"pid": rank.pid, "used_memory_bytes": 2 << 30}]}
+        nvml.write_text(json.dumps({"gpu_count": 2, "gpus": {"1": gpu_1}}))
+        wait_until(
+            lambda: 'sidecar_gpu_process_memory_bytes{gpu="1",job_id="frozen-job",rank="0"}' in sidecar.metrics(),
+            30,
+            what="the rank's GPU memory at the sidecar",
+        )
         cg.add(rank.pid)
         cg.freeze()
 
@@ -90,6 +107,7 @@ def test_a_frozen_rank_is_unkillable_fires_sidecar_node_unfit_and_the_node_recov
         (stuck,) = record["unkillable"]
         assert (stuck["pid"], stuck["who"]) == (rank.pid, "rank 0")
         assert stuck["freezer"] == f"FROZEN in {cg.path}" and "SIGKILL" in stuck["pending_signals"]
+        assert stuck["gpu_memory_bytes"] == {"1": 2 << 30}, "what it holds, from NVML's process list"
         check = run_cli("status", "--socket", sidecar.socket, "--check", "node")
         assert check.returncode == 1 and check.stdout.startswith("unfit (unkillable)"), check.stdout
         assert str(rank.pid) in check.stdout

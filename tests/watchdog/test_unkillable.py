@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from sidecar.fitness import Reason
+from sidecar.host import stuck
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
 from tests import freezer
@@ -140,3 +141,21 @@ def test_with_only_the_daemonset_s_capabilities_the_kernel_stack_is_unreadable_a
     facts = json.loads(out.stdout)
     assert facts["kernel_stack"] == [] and "needs root with CAP_SYS_ADMIN" in facts["kernel_stack_error"]
     assert facts["state"] == "S (sleeping)" and facts["wchan"] and facts["name"] == "sleep"
+    assert facts["freezer"] is None, "the root freezer cgroup (no freezer.state) freezes nothing"
+
+
+def test_the_facts_name_the_gpu_device_files_held_and_escape_the_process_s_own_name(tmp_path):
+    """Read from a procfs fixture tree (procfs_root is configurable, as node_exporter's)."""
+    proc = tmp_path / "4242"
+    (proc / "fd").mkdir(parents=True)
+    (proc / "stat").write_text("4242 (evil)\x1b[2J name) D 1 4242 4242 0 -1 4194560\n")
+    (proc / "status").write_text("Name:\tevil\nTracerPid:\t0\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000100\n")
+    (proc / "wchan").write_text("nv_wait_for_gpu")
+    for fd, target in {"0": "/dev/null", "3": "/dev/nvidia0", "4": "/dev/nvidiactl", "5": "socket:[77]"}.items():
+        (proc / "fd" / fd).symlink_to(target)
+    facts = stuck.describe(4242, procfs=str(tmp_path))
+    assert facts.gpu_files == ["/dev/nvidia0", "/dev/nvidiactl"]
+    assert facts.name == "evil)\\x1b[2J name" and facts.state == "D (uninterruptible sleep)" and facts.ppid == 1
+    assert facts.pending_signals == ["SIGKILL"] and facts.wchan == "nv_wait_for_gpu"
+    assert facts.kernel_stack == [] and facts.kernel_stack_error.startswith("unreadable")
+    assert facts.why() == "D (uninterruptible sleep), waiting in nv_wait_for_gpu, SIGKILL pending"
