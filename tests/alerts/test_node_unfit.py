@@ -1,9 +1,10 @@
 """A node that cannot recover, end to end with real kernel behaviour: a hooked rank frozen in a
 cgroup v1 freezer stalls, the watchdog's SIGKILL stays pending (a frozen process handles no
 signal until thawed), the incident says `unkillable` and names the process, its freezer state
-and the GPU memory NVML (the fake library) lists for it, the node turns unfit and SidecarNodeUnfit fires in a real Prometheus that evaluates the
-shipped rules (only `for:` shortened). After the thaw the process dies, the incident records
-when, the node is fit again and the alert resolves."""
+and the GPU memory NVML (the fake library) lists for it, the node turns unfit and
+SidecarNodeUnfit fires in a real Prometheus that evaluates the shipped rules (only `for:`
+shortened). After the thaw the process dies, the incident records when, the node is fit again
+and the alert resolves."""
 
 from __future__ import annotations
 
