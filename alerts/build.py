@@ -637,6 +637,17 @@ SELF = Group(
             for_="10m",
         ),
         Alert(
+            "SidecarNodeUnfit",
+            "max by (instance, reason) (sidecar_node_unfit_reason) == 1",
+            "critical",
+            "Node {{ $labels.instance }} cannot run a job ({{ $labels.reason }})",
+            "Something on this node outlives its jobs ({{ $labels.reason }}: processes alive after SIGKILL, GPU "
+            "memory held by processes of gone ranks, GPUs missing, or no usable NVML): a job or restart placed here "
+            "would fail or hang. Drain the node (kubectl cordon/drain, or scontrol update state=drain) and see "
+            "`sidecar status` on it.",
+            for_="1m",
+        ),
+        Alert(
             "SidecarWatchdogObserveOnly",
             "sidecar_watchdog_observe_only == 1",
             "info",

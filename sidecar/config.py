@@ -133,8 +133,40 @@ class CollectorSettings:
         ),
     )
 
+    expected_gpus: int = field(
+        default=0,
+        metadata=doc(
+            "GPUs this node has (0: no check). Fewer usable GPUs than this (one fell off the bus, a container "
+            "without `runtimeClassName` or NVIDIA_VISIBLE_DEVICES), or no usable NVML at all, makes the node "
+            "unfit (sidecar_node_fit 0) instead of a healthy node without GPUs. Needs the gpu collector (or, "
+            "with gpu_source `dcgm`, its NVML session). On Kubernetes set it per node from a node label: "
+            "docs/operator-guide.md#expected-gpus."
+        ),
+    )
+    gpu_held_budget_bytes: int = field(
+        default=0,
+        metadata=doc(
+            "GPU memory, over all GPUs, that processes left over from gone ranks (seen in a rank's process tree "
+            "holding GPU memory, still holding it after the rank is gone: a data-loader worker that outlived its "
+            "trainer) may hold before the node is unfit (`gpu_held`). Processes never seen in a rank's tree are "
+            "not judged."
+        ),
+    )
+    gpu_held_grace_seconds: float = field(
+        default=60.0,
+        metadata=doc(
+            "How long leftover processes may hold GPU memory beyond gpu_held_budget_bytes before the node is "
+            "unfit (a process that frees a large GPU context takes seconds to exit)."
+        ),
+    )
+
     def __post_init__(self) -> None:
         _positive("collectors.interval_seconds", self.interval_seconds)
+        _positive("collectors.expected_gpus", self.expected_gpus, allow_zero=True)
+        _positive("collectors.gpu_held_budget_bytes", self.gpu_held_budget_bytes, allow_zero=True)
+        _positive("collectors.gpu_held_grace_seconds", self.gpu_held_grace_seconds, allow_zero=True)
+        if self.expected_gpus and "gpu" not in self.enabled:
+            _fail("collectors.expected_gpus", "needs the gpu collector in collectors.enabled to count the GPUs")
         if self.gpu_source not in ("sidecar", "dcgm"):
             _fail("collectors.gpu_source", f"expected sidecar or dcgm, got {self.gpu_source!r}")
         known = set(COLLECTORS)
@@ -281,6 +313,14 @@ class RemediationSettings:
     py_spy: bool = field(default=True, metadata=doc("Also run `py-spy dump` on hung ranks when it is installed."))
     dump_wait_seconds: float = field(default=2.0, metadata=doc("How long to wait for stack dumps."))
     grace_seconds: float = field(default=10.0, metadata=doc("Wait between SIGTERM and SIGKILL."))
+    kill_wait_seconds: float = field(
+        default=10.0,
+        metadata=doc(
+            "After SIGKILL, how long to wait for the ranks and their group members to be gone. A process still "
+            "alive then is `unkillable` (uninterruptible sleep in a driver, frozen, ...): the incident says what "
+            "each one is doing, and the node is unfit (sidecar_node_fit 0) until they are gone."
+        ),
+    )
     max_per_window: int = field(
         default=3,
         metadata=doc(
@@ -310,6 +350,7 @@ class RemediationSettings:
     def __post_init__(self) -> None:
         _positive("remediation.dump_wait_seconds", self.dump_wait_seconds, allow_zero=True)
         _positive("remediation.grace_seconds", self.grace_seconds, allow_zero=True)
+        _positive("remediation.kill_wait_seconds", self.kill_wait_seconds, allow_zero=True)
         _positive("remediation.max_per_window", self.max_per_window, allow_zero=True)
         _positive("remediation.max_per_window_node", self.max_per_window_node, allow_zero=True)
         _positive("remediation.window_seconds", self.window_seconds)

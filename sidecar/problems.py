@@ -17,6 +17,7 @@ class Kind(enum.Enum):
     RANK = "rank"  # a rank suspect, stalled or being remediated
     STORM_CAP = "storm_cap"  # a job's remediation suppressed by the storm cap
     COLLECTOR = "collector"  # a collector failing
+    NODE = "node"  # the node is unfit (sidecar/fitness.py): what outlives a job
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,16 @@ from sidecar.collectors.ranktree import RanksFn
 from sidecar.config import COLLECTORS, Settings
 
 
-def build_collectors(settings: Settings, ranks: RanksFn, job_versions: JobVersionsFn) -> list[Collector]:
+def build_collectors(
+    settings: Settings, ranks: RanksFn, job_versions: JobVersionsFn, live_ranks: RanksFn | None = None
+) -> list[Collector]:
     """The collectors named in `settings.collectors.enabled`, in that order. A collector whose
-    `build` returns None is off (the GPU collector where dcgm-exporter is the GPU source)."""
+    `build` returns None is off (the GPU collector where dcgm-exporter is the GPU source).
+    `ranks`: the live ranks /metrics shows; `live_ranks`: all of them (default: `ranks`)."""
     cfg = settings.collectors
     if cfg.procfs_root.rstrip("/") not in ("", "/proc"):
         psutil.PROCFS_PATH = cfg.procfs_root  # psutil reads one procfs for the whole process
-    context = BuildContext(settings, ranks, job_versions)
+    context = BuildContext(settings, ranks, job_versions, live_ranks=live_ranks)
     wanted = set(cfg.enabled)
     for name, module in COLLECTORS.items():
         if name in wanted:

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 from sidecar.collectors.base import BuildContext, PartialFailure
-from sidecar.collectors.gpu_events import RankGpus, owners_of, rank_gpus, start_xid_watcher
+from sidecar.collectors.gpu_events import RankGpus, memory_by_pid, owners_of, rank_gpus, start_xid_watcher
+from sidecar.collectors.gpu_fitness import GpuFitness
 from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
 from sidecar.collectors.ranktree import RanksFn
 from sidecar.collectors.xid import XidWatcher
@@ -331,12 +332,26 @@ class GpuCollector:
     name = NAME
     metrics = METRICS
 
-    def __init__(self, nvml_module: str, ranks: RanksFn, xid_events: bool = True):
+    def __init__(
+        self,
+        nvml_module: str,
+        ranks: RanksFn,
+        xid_events: bool = True,
+        fitness: GpuFitness | None = None,
+        live_ranks: RanksFn | None = None,
+    ):
         self.session = NvmlSession(nvml_module)
-        self.ranks = ranks
+        self.ranks = ranks  # the ranks /metrics shows (their GPU memory series)
+        self.live_ranks = live_ranks or ranks  # every live rank (whose processes are not left over)
         self.xid_events = xid_events
         self.xid: XidWatcher | None = None
         self.rank_gpus: RankGpus = {}  # GPUs each rank's processes held, last round
+        self.fitness = fitness or GpuFitness()  # GPUs missing or held: the node verdict's GPU part
+        self._memory_by_pid: dict[int, dict[str, int]] = {}
+
+    def gpu_memory(self) -> dict[int, dict[str, int]]:
+        """pid -> {gpu: bytes} of every compute process NVML listed last round."""
+        return self._memory_by_pid
 
     def last_xids(self) -> dict[str, tuple[int, float]]:
         """gpu -> (latest XID, Unix time) since the sidecar started."""
@@ -353,6 +368,8 @@ class GpuCollector:
 
     def collect(self) -> Iterable[Metric]:
         if not self.session.start():
+            self.fitness.unavailable(self.session.broken or self.session.absent or "not initialized")
+            self._memory_by_pid = {}
             if self.session.broken:  # logged once by the session; the run fails until NVML works
                 raise PartialFailure(self.session.broken, [])
             return []
@@ -371,6 +388,9 @@ class GpuCollector:
             readings.append(reading)
         self.session.log_field_changes()
         families = self._families(readings, lost)
+        processes = [(r.gpu, r.processes) for r in readings]
+        self._memory_by_pid = memory_by_pid(processes)
+        self.fitness.observe(self.session.count, lost, processes, owners_of(processes, self.live_ranks))
         if problems:
             more = len(problems) - MAX_PROBLEMS_SHOWN
             raise PartialFailure(
@@ -494,4 +514,10 @@ def build(context: BuildContext) -> GpuCollector | None:
     cfg = context.settings.collectors
     if cfg.gpu_source != "sidecar":
         return None
-    return GpuCollector(cfg.nvml_module, context.ranks, xid_events=cfg.xid_events)
+    return GpuCollector(
+        cfg.nvml_module,
+        context.ranks,
+        xid_events=cfg.xid_events,
+        fitness=GpuFitness.for_settings(cfg),
+        live_ranks=context.live_ranks,
+    )

@@ -171,6 +171,7 @@ class NvmlSession:
         self.driver_version = ""
         self.cuda_version = ""
         self.broken: str | None = None  # why NVML is present but unusable, until an attempt succeeds
+        self.absent: str | None = None  # why there is no NVML (no library or driver), until an attempt succeeds
         self._next_attempt = 0.0
         self._absent_logged = False
         self._lock = threading.Lock()
@@ -208,7 +209,7 @@ class NvmlSession:
                 return self._broken(f"NVML initialized but cannot list GPUs: {e}")
             if self.broken:
                 log.info("NVML works again")
-            self.broken = None
+            self.broken = self.absent = None
             self.handles = [None] * count
             self.generations = call_generations(nv)
             self.nv = nv
@@ -216,6 +217,7 @@ class NvmlSession:
             return True
 
     def _absent(self, why: str) -> bool:
+        self.absent = why
         if not self._absent_logged:
             log.info("no NVIDIA GPUs: %s (GPU metrics off; retried every %.0fs)", why, RETRY_ABSENT_SECONDS)
             self._absent_logged = True

@@ -2,7 +2,10 @@
 
 The exit status is the verdict (`sidecar.commands.verdict`), so node checks and scripts need not parse
 anything: 0 healthy, 1 degraded (a rank suspect, stalled or remediating, a failing collector,
-any problem the daemon reports), 2 no answer or a broken one. On a terminal the screen is drawn
+an unfit node, any problem the daemon reports), 2 no answer or a broken one. `--check node` asks
+only whether the node is fit (sidecar/fitness.py) and answers in one line, with exit status 0
+fit, 1 unfit, 2 unknown: node-problem-detector's custom-plugin protocol, which turns it into a
+NodeCondition (deploy/kubernetes/components/node-problem-detector). On a terminal the screen is drawn
 with `rich`; piped, it is plain aligned text without escape codes. The daemon is reached with
 `sidecar.commands.client`.
 """
@@ -28,7 +31,15 @@ from sidecar.commands.client import (
     fetch_json,
     resolve_endpoint,
 )
-from sidecar.commands.verdict import EXIT_HEALTHY, EXIT_UNREACHABLE, Verdict, assess, dict_at, dicts_at
+from sidecar.commands.verdict import (
+    EXIT_DEGRADED,
+    EXIT_HEALTHY,
+    EXIT_UNREACHABLE,
+    Verdict,
+    assess,
+    dict_at,
+    dicts_at,
+)
 from sidecar.config import DEFAULT_SOCKET
 
 INCIDENTS_SHOWN = 5
@@ -308,11 +319,15 @@ def _last_exit(last: Any) -> str:
 def build_screen(status: Mapping[str, Any]) -> Screen:
     verdict = assess(status)
     node, watchdog = dict_at(status, "node"), dict_at(status, "watchdog")
+    if verdict.exit_code == EXIT_HEALTHY:
+        overall = Cell("HEALTHY", "bold green")
+    else:
+        overall = Cell("UNFIT" if verdict.unfit else "DEGRADED", "bold red")
     headline = [
         Cell(f"node {fmt_text(node.get('name') or node.get('hostname'))}", "bold"),
         Cell(f"sidecar {fmt_text(status.get('version'))}"),
         Cell(f"up {fmt_duration(status.get('uptime_seconds'))}"),
-        Cell("HEALTHY", "bold green") if verdict.exit_code == EXIT_HEALTHY else Cell("DEGRADED", "bold red"),
+        overall,
     ]
     mem_total, mem_avail = node.get("memory_total_bytes"), node.get("memory_available_bytes")
     facts = [
@@ -333,6 +348,10 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
             " remediations in window",
         ),
         ("last exit", _last_exit(dict_at(status, "exits").get("last"))),
+        (
+            "node fit",
+            "no: " + ", ".join(dict_at(status, "fitness").get("reasons") or ["?"]) if verdict.unfit else "yes",
+        ),
     ]
     sections = [
         Section(
@@ -455,7 +474,8 @@ def render_rich(screen: Screen):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "exit status: 0 healthy, 1 degraded (a rank suspect/stalled/remediating, a failing "
-        "collector, any problem), 2 no sidecar or a broken answer"
+        "collector, an unfit node, any problem), 2 no sidecar or a broken answer; "
+        "with --check node: 0 fit, 1 unfit, 2 unknown"
     )
     parser.add_argument("--socket", help=f"the sidecar's Unix socket (also SIDECAR_SOCKET; default {DEFAULT_SOCKET})")
     parser.add_argument("--url", help="the sidecar's HTTP address, e.g. http://127.0.0.1:9402 (also SIDECAR_URL)")
@@ -463,6 +483,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help="print {exit_code, problems, target, status} as JSON (status: the raw /v1/status)",
+    )
+    parser.add_argument(
+        "--check",
+        choices=["node"],
+        help="node: print one line saying whether this node can run a job (what outlives jobs: unkillable "
+        "processes, GPUs held or missing) and exit 0 fit, 1 unfit, 2 unknown (node-problem-detector's "
+        "custom-plugin protocol)",
     )
     parser.add_argument(
         "--watch",
@@ -563,8 +590,27 @@ def _watch(endpoint: Endpoint, args: argparse.Namespace, console) -> int:
             live.update(frame(), refresh=True)
 
 
+MAX_CHECK_LINE = 512  # node-problem-detector keeps max_output_length of it as the condition's message
+
+
+def node_check(reading: Reading) -> tuple[int, str]:
+    """`--check node`: (exit status, the one line), the reasons first (a cut line keeps them)."""
+    if reading.status is None:
+        return EXIT_UNREACHABLE, f"unknown: {reading.error}"
+    unfit = reading.verdict.unfit
+    if not unfit:
+        return EXIT_HEALTHY, "fit"
+    reasons = ", ".join(dict_at(reading.status, "fitness").get("reasons") or ["?"])
+    line = f"unfit ({reasons}): " + "; ".join(unfit)
+    return EXIT_DEGRADED, " ".join(line.split())[:MAX_CHECK_LINE]
+
+
 def main(args: argparse.Namespace) -> int:
     endpoint = resolve_endpoint(args.socket, args.url)
+    if args.check == "node":
+        code, line = node_check(read(endpoint, args.timeout))
+        print(line, flush=True)
+        return code
     console = None if args.json else _rich_console()
     if args.watch is not None:
         try:

@@ -1,5 +1,7 @@
 """The verdict on a `/v1/status` document: healthy (0) or degraded (1), with the problems
-that say why. It is `sidecar status`'s exit status and `sidecar preflight`'s sidecar check.
+that say why, and whether the node is unfit (sidecar/fitness.py: something outlives its jobs;
+an unfit node is degraded too). It is `sidecar status`'s exit status, `sidecar status --check
+node`'s answer and `sidecar preflight`'s sidecar check.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ def dict_at(doc: Mapping, key: str) -> dict:
 class Verdict:
     exit_code: int
     problems: list[str] = field(default_factory=list)
+    unfit: list[str] = field(default_factory=list)  # why the node is unfit ("reason: text"); empty: fit
+
+
+def unfit_reasons(status: Mapping[str, Any]) -> list[str]:
+    """Why the document says the node is unfit, one "reason: text" per finding; empty when fit
+    (or from a sidecar too old to judge fitness)."""
+    fitness = dict_at(status, "fitness")
+    found = [f"{f.get('reason')}: {f.get('text')}" for f in dicts_at(fitness, "findings")]
+    if fitness.get("fit") is False and not found:
+        found = [", ".join(str(r) for r in fitness.get("reasons") or []) or "unfit, no reason given"]
+    return found
 
 
 def assess(status: Mapping[str, Any]) -> Verdict:
@@ -40,7 +53,10 @@ def assess(status: Mapping[str, Any]) -> Verdict:
     for name, c in sorted(dict_at(status, "collectors").items()):
         if isinstance(c, dict) and c.get("success") is False:
             derived.append(f"collector {name} is failing" + (f": {c['error']}" if c.get("error") else ""))
+    unfit = unfit_reasons(status)
     problems = reported or derived
+    if unfit and not any(p.startswith("node unfit") for p in problems):
+        problems += [f"node unfit ({u})" for u in unfit]
     if status.get("health") not in (None, "healthy") and not problems:
         problems = [f"the sidecar reports health {status.get('health')!r}"]
-    return Verdict(EXIT_DEGRADED if problems else EXIT_HEALTHY, problems)
+    return Verdict(EXIT_DEGRADED if problems else EXIT_HEALTHY, problems, unfit)

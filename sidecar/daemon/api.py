@@ -25,6 +25,7 @@ from sidecar.daemon import status_document
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.tracker import ExitTracker
+from sidecar.fitness import Finding, Fitness, judge
 from sidecar.host import diagfiles, identity, procs, stackfiles
 from sidecar.jobview import auth
 from sidecar.jobview.coordinator import Coordinator
@@ -71,6 +72,18 @@ class Daemon:
     peer_verifier: auth.Verifier | None = None  # checks other sidecars' signed requests (with a token)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     dump_files: stackfiles.DumpFiles | None = None  # the stack-dump files it created (host/stackfiles.py)
+    # What may make the node unfit: the watchdog's unkillable processes, the GPU checks (app.py wires them).
+    fitness_sources: list[Callable[[], Iterable[Finding]]] = field(default_factory=list)
+
+    def fitness(self) -> Fitness:
+        """The node verdict now (sidecar/fitness.py); a failing source is logged, never fatal."""
+        findings: list[Finding] = []
+        for source in self.fitness_sources:
+            try:
+                findings += source()
+            except Exception:
+                log.exception("node fitness source %s failed", getattr(source, "__qualname__", source))
+        return judge(findings)
 
 
 DAEMON = web.AppKey("daemon", Daemon)
@@ -391,7 +404,14 @@ async def readyz(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     body = status_document.build_status(
-        d.settings, d.registry, d.runner, d.watchdog, started=d.started, exits=d.exits, reporter=d.reporter
+        d.settings,
+        d.registry,
+        d.runner,
+        d.watchdog,
+        started=d.started,
+        exits=d.exits,
+        reporter=d.reporter,
+        fitness=d.fitness(),
     )
     return web.json_response(body)
 

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from sidecar import __version__
+from sidecar import __version__, fitness
 from sidecar.collectors import gpu_events
 from sidecar.collectors.base import CollectorRunner
 from sidecar.collectors.factory import build_collectors
@@ -83,7 +83,9 @@ def build_app(settings: Settings) -> web.Application:
     # The per-rank collectors look only at the ranks /metrics has room for (exposition.py).
     endpoint: MetricsEndpoint
     watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
-    collectors = build_collectors(settings, ranks=watched, job_versions=registry.versions_by_job)
+    collectors = build_collectors(
+        settings, ranks=watched, job_versions=registry.versions_by_job, live_ranks=registry.live_pids
+    )
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
     runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
     daemon = api.Daemon(
@@ -101,6 +103,7 @@ def build_app(settings: Settings) -> web.Application:
     events = gpu_events.build(settings, registry.live_pids)  # dcgm mode: XIDs without the gpu collector
     daemon.exits = exit_tracker(settings, daemon.watchdog, collectors, events)
     daemon.watchdog.on_remediating = daemon.exits.remediating
+    wire_fitness(daemon, collectors, events)
     if settings.job_view.enabled:
         attach_job_view(daemon)
     app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=api.MIDDLEWARES)
@@ -110,7 +113,7 @@ def build_app(settings: Settings) -> web.Application:
         registry,
         TrainingCollector(registry),
         daemon.watchdog,
-        [daemon.exits.families, lambda: api.daemon_families(daemon)],
+        [daemon.exits.families, lambda: api.daemon_families(daemon), lambda: fitness.families(daemon.fitness())],
         settings.limits.max_series,
         relabel=lambda families: podlabels.attach(families, registry.pod_labels),
         reuse_seconds=settings.metrics_reuse_seconds,
@@ -195,6 +198,18 @@ async def probe_peer(url: str) -> bool:
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False
+
+
+def wire_fitness(daemon: api.Daemon, collectors: list, events: gpu_events.GpuEvents | None) -> None:
+    """The node verdict's sources: the watchdog's processes that outlived SIGKILL, and the GPU
+    checks of the gpu collector (or of the XID source that stands in for it with dcgm-exporter),
+    whose process lists also tell the watchdog the GPU memory of an unkillable process."""
+    unkillable = daemon.watchdog.remediator.unkillable
+    daemon.fitness_sources.append(unkillable.findings)
+    gpu = next((c for c in collectors if getattr(c, "name", None) == "gpu"), None) or events
+    if gpu is not None:
+        daemon.fitness_sources.append(gpu.fitness.findings)
+        unkillable.gpu_memory = gpu.gpu_memory
 
 
 def refreshing(events: gpu_events.GpuEvents, interval: float) -> Callable[[web.Application], AsyncIterator[None]]:

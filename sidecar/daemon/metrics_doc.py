@@ -7,6 +7,7 @@ import argparse
 import importlib
 from types import ModuleType
 
+from sidecar import fitness
 from sidecar.collectors import base
 from sidecar.commands import generated
 from sidecar.config import COLLECTORS
@@ -19,7 +20,7 @@ from sidecar.watchdog import goodput, machine, recovery, remediation
 # The daemon's own concerns, then every hardware collector of `config.COLLECTORS`: the order the
 # reference lists them. A catalogued module that does not exist fails the import, loudly.
 CORE_MODULES: tuple[ModuleType, ...] = (
-    base, app, api, exposition, training, machine, goodput, recovery, tracker, remediation,
+    base, app, api, exposition, training, machine, goodput, recovery, tracker, remediation, fitness,
 )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from sidecar import __version__
 from sidecar.collectors.base import CollectorRunner
 from sidecar.config import Settings
 from sidecar.exits.tracker import ExitTracker
+from sidecar.fitness import Fitness
 from sidecar.jobview.reporter import Reporter
 from sidecar.problems import Kind, Problem, merged
 from sidecar.ranks.model import Rank
@@ -251,6 +252,7 @@ def build_status(
     started: float,
     exits: ExitTracker | None = None,
     reporter: Reporter | None = None,
+    fitness: Fitness | None = None,
 ) -> dict:
     now, now_wall = time.monotonic(), time.time()
     s = Samples(runner.families())
@@ -265,6 +267,8 @@ def build_status(
         for name, c in collectors.items()
         if c["success"] is False
     ]
+    fitness = fitness or Fitness()
+    problems += [Problem(Kind.NODE, f"node unfit ({f.reason.value}): {f.text}") for f in fitness.findings]
 
     return {
         "version": __version__,
@@ -272,6 +276,7 @@ def build_status(
         "uptime_seconds": round(now - started, 3),
         "health": "degraded" if problems else "healthy",
         "problems": [p.text for p in problems],
+        "fitness": fitness.as_dict(),  # the node verdict (sidecar/fitness.py): fit, reasons, findings
         "node": node_section(settings, s),
         "gpus": gpus_section(s),
         "nics": nics_section(s),

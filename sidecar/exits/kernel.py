@@ -9,7 +9,7 @@ the kernel log's "Killed process" lines.
   the process is still an unreaped zombie; otherwise the status is unknown.
 - OOM kills. The memory cgroup the kernel reports for the process (/proc/<pid>/cgroup, read at
   registration) is opened as a directory descriptor, component by component with O_NOFOLLOW
-  under the cgroup mount, and kept: its `oom_kill` counter (cgroup v2 `memory.events`, v1
+  under the cgroup mount (sidecar/host/cgroups.py), and kept: its `oom_kill` counter (cgroup v2 `memory.events`, v1
   `memory.oom_control`) is read then and again after the exit.
 - The kernel log (/dev/kmsg, where readable): "Killed process <pid>" after the process started
   names the OOM killer's victim exactly.
@@ -17,28 +17,22 @@ the kernel log's "Killed process" lines.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
 import re
 import signal
 import struct
-import time
-from dataclasses import dataclass
 
-from sidecar.host import identity, procs
+from sidecar.host import cgroups, identity, procs
 from sidecar.host.identity import PidFd
 
 PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, struct pidfd_info) with the 64-byte first version
 PIDFD_INFO_EXIT = 1 << 3
 # mask, cgroupid, pid tgid ppid ruid rgid euid egid suid sgid fsuid fsgid, exit_code (64 bytes)
 _PIDFD_INFO = struct.Struct("QQ11Ii")
-MAX_CGROUP_DEPTH = 32
-MAX_PROCS_BYTES = 1 << 20  # cgroup.procs read to check membership
 MAX_KMSG_RECORDS = 100_000
 _KILLED = re.compile(r"Killed process (\d+) ")
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # ---------------------------------------------------------------- exit status
@@ -103,17 +97,11 @@ def signal_name(num: int) -> str:
 # ---------------------------------------------------------------- memory cgroup
 
 
-@dataclass
-class MemoryCgroup:
-    """An open memory cgroup directory: `path` is for people, `fd` is what is read."""
-
-    path: str
-    fd: int
-    version: int  # 1 or 2
+class MemoryCgroup(cgroups.CgroupDir):
+    """The open memory cgroup of a rank (sidecar/host/cgroups.py opened it)."""
 
     def oom_kills(self) -> int | None:
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        text = _read_at(self.fd, name, 4096)
+        text = self.read("memory.events" if self.version == 2 else "memory.oom_control")
         if text is None:
             return None
         for line in text.splitlines():
@@ -122,118 +110,19 @@ class MemoryCgroup:
                 return int(value)
         return None
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-
-def _read_at(dir_fd: int, name: str, limit: int) -> str | None:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, limit).decode(errors="replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-_mounts_cache: dict[str, tuple[float, dict[int, tuple[str, str]]]] = {}
-MOUNTS_MAX_AGE = 60.0  # seconds; mountinfo can be long on a busy node, and cgroup mounts rarely change
-
-
-def _memory_mounts(procfs: str) -> dict[int, tuple[str, str]]:
-    """{version: (mount point, mount root)} of the memory controller's hierarchies."""
-    now = time.monotonic()
-    cached = _mounts_cache.get(procfs)
-    if cached is not None and now - cached[0] < MOUNTS_MAX_AGE:
-        return cached[1]
-    _mounts_cache[procfs] = (now, _read_memory_mounts(procfs))
-    return _mounts_cache[procfs][1]
-
-
-def _read_memory_mounts(procfs: str) -> dict[int, tuple[str, str]]:
-    out: dict[int, tuple[str, str]] = {}
-    try:
-        with open(f"{procfs}/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        pre, sep, post = line.partition(" - ")
-        fields, rest = pre.split(), post.split()
-        if not sep or len(fields) < 5 or len(rest) < 3:
-            continue
-        root, point = _unescape(fields[3]), _unescape(fields[4])
-        if rest[0] == "cgroup2":
-            out.setdefault(2, (point, root))
-        elif rest[0] == "cgroup" and "memory" in rest[2].split(","):
-            out.setdefault(1, (point, root))
-    return out
-
-
-def _unescape(text: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
-
 
 def memory_cgroup_of(pid: int, start_time: float | None, procfs: str = "/proc") -> MemoryCgroup | None:
     """The memory cgroup the kernel reports for `pid`, opened, or None. Where cgroup v1's
     memory controller is mounted (as on hosts with the legacy layout) it holds the counter;
     otherwise the unified (v2) hierarchy. The process must be listed in the directory's
     cgroup.procs, and still be the registered process afterwards."""
-    try:
-        with open(f"{procfs}/{int(pid)}/cgroup") as f:
-            lines = f.read(65536).splitlines()
-    except (OSError, ValueError):
+    found = cgroups.cgroup_of(pid, "memory", procfs)
+    if found is None:
         return None
-    mounts = _memory_mounts(procfs)
-    wanted: dict[int, str] = {}
-    for line in lines:
-        hid, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hid == "0" and controllers == "":
-            wanted.setdefault(2, path)
-        elif "memory" in controllers.split(","):
-            wanted.setdefault(1, path)
-    for version in (1, 2):
-        if version in wanted and version in mounts:
-            found = _open_cgroup(mounts[version], wanted[version], version, pid)
-            if found is not None:
-                if procs.is_same_process(pid, start_time):
-                    return found
-                found.close()
-                return None
-    return None
-
-
-def _open_cgroup(mount: tuple[str, str], path: str, version: int, pid: int) -> MemoryCgroup | None:
-    point, root = mount
-    if root != "/":
-        if path != root and not path.startswith(root.rstrip("/") + "/"):
-            return None
-        path = path[len(root) :]
-    parts = [p for p in path.split("/") if p]
-    if len(parts) > MAX_CGROUP_DEPTH or any(p in (".", "..") for p in parts):
+    if not procs.is_same_process(pid, start_time):
+        found.close()
         return None
-    try:
-        fd = os.open(point, _O_DIR)
-    except OSError:
-        return None
-    try:
-        for part in parts:
-            nxt = os.open(part, _O_DIR, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    except OSError:
-        os.close(fd)
-        return None
-    members = _read_at(fd, "cgroup.procs", MAX_PROCS_BYTES) or ""
-    if str(pid) not in members.split():
-        os.close(fd)
-        return None
-    return MemoryCgroup(os.path.join(point, *parts), fd, version)
+    return MemoryCgroup(found.path, found.fd, found.version)
 
 
 # ---------------------------------------------------------------- kernel log

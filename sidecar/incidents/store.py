@@ -62,7 +62,9 @@ class Incident:
     timeout_seconds: float | None
     observe_only: bool
     ranks: list[RankSnapshot]
-    outcome: str = "pending"  # killed | suppressed | observe_only | unverified | not_killed_no_restart | failed
+    outcome: str = (
+        "pending"  # killed | unkillable | suppressed | observe_only | unverified | not_killed_no_restart | failed
+    )
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: str = ""
@@ -74,6 +76,9 @@ class Incident:
     culprit: dict[str, Any] | None = None
     # Where the recovery's time went, once the ranks are gone (sidecar/watchdog/recovery.py).
     recovery: dict[str, Any] | None = None
+    # Processes alive after SIGKILL (outcome unkillable): what the kernel said of each
+    # (sidecar/host/stuck.py), with `who` and `why`; sidecar/watchdog/unkillable.py fills it.
+    unkillable: list[dict[str, Any]] = field(default_factory=list)
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -149,6 +154,7 @@ class Incident:
             extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
             lines.append(f"    +{e['after_detection_seconds']:7.3f}s  {e['event']}" + (f"  ({extra})" if extra else ""))
         lines += recovery_lines(self.recovery)
+        lines += unkillable_lines(self.unkillable)
         for r in self.ranks:
             if r.stack_file or r.py_spy:
                 lines += ["", f"  stacks of rank {r.rank} (pid {r.pid}): {r.stack_file or 'py-spy only'}"]
@@ -164,6 +170,24 @@ def document(lines: list[str]) -> str:
     """A summary for people from its lines: each escaped whole (safetext.printable), so a line
     break or escape sequence inside one field shows as `\\x0a`, never as a line of its own."""
     return "".join(printable(line) + "\n" for line in lines)
+
+
+def unkillable_lines(processes: list[dict[str, Any]]) -> list[str]:
+    """The summary's section on processes that outlived SIGKILL."""
+    if not processes:
+        return []
+    lines = ["", "  alive after SIGKILL (the node is unfit until they are gone)"]
+    for p in processes:
+        lines.append(f"    {p.get('who')} (pid {p.get('pid')}, {p.get('name') or '?'}): {p.get('why')}")
+        memory = p.get("gpu_memory_bytes") or {}
+        held = [*(p.get("gpu_files") or []), *(f"GPU {g}: {n} bytes" for g, n in sorted(memory.items()))]
+        if held:
+            lines.append(f"      holds {', '.join(held)}")
+        if p.get("kernel_stack"):
+            lines += [f"      {frame}" for frame in p["kernel_stack"][:STACK_HEAD_LINES]]
+        elif p.get("kernel_stack_error"):
+            lines.append(f"      kernel stack {p['kernel_stack_error']}")
+    return lines
 
 
 def _safe_name(text: str) -> str:

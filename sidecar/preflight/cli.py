@@ -87,7 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "nic_exclude are used; also SIDECAR_CONFIG)",
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
-    parser.add_argument("--expect-gpus", type=int, metavar="N", help="fail unless exactly N GPUs are visible")
+    parser.add_argument(
+        "--expect-gpus",
+        type=int,
+        metavar="N",
+        help="fail unless exactly N GPUs are visible (default: the collectors.expected_gpus setting, when set)",
+    )
     parser.add_argument(
         "--python",
         default=sys.executable,

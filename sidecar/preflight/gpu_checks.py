@@ -35,7 +35,10 @@ def check_driver(ctx: Context) -> Iterable[Result]:
 
 
 def check_gpu_count(ctx: Context) -> Iterable[Result]:
+    """Against --expect-gpus, else the sidecar's collectors.expected_gpus when set."""
     nv, expected = ctx.nvml(), ctx.args.expect_gpus
+    if expected is None and ctx.settings.collectors.expected_gpus:
+        expected = ctx.settings.collectors.expected_gpus
     if nv.error:
         if expected:
             yield Result("gpu-count", FAIL, f"expected {expected} GPUs, NVML unusable", "see nvidia-driver")

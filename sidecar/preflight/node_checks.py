@@ -271,7 +271,15 @@ def check_sidecar(ctx: Context) -> Iterable[Result]:
         )
         return
     verdict = assess(status)
-    if verdict.exit_code == EXIT_HEALTHY:
+    if verdict.unfit:
+        yield Result(
+            "sidecar",
+            FAIL,
+            f"sidecar at {endpoint} finds this node unfit: {'; '.join(verdict.unfit)}",
+            "something outlived the last job here (docs/runbook.md#sidecarnodeunfit): drain the node and fix it "
+            "before starting a job on it",
+        )
+    elif verdict.exit_code == EXIT_HEALTHY:
         yield Result("sidecar", PASS, f"sidecar {status.get('version', '?')} at {endpoint} is healthy")
     else:
         yield Result(

@@ -122,11 +122,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog",
         "watchdog_remediations",
         "counter",
-        "Remediations by outcome: killed, suppressed (storm cap), observe_only, unverified (registered by "
-        "unverified callers: never signalled), not_killed_no_restart (nothing would restart the ranks: no "
-        "launcher, or torchrun's restarts used up; stacks dumped, no signal to end them; "
-        "remediation.kill_without_restart), left_to_launcher (the culprit was on another node: torchrun "
-        "stopped this node's waiting ranks), failed.",
+        "Remediations by outcome: killed, unkillable (a process alive after SIGKILL and "
+        "remediation.kill_wait_seconds: the node is unfit until it goes), suppressed (storm cap), observe_only, "
+        "unverified (registered by unverified callers: never signalled), not_killed_no_restart (nothing would "
+        "restart the ranks: no launcher, or torchrun's restarts used up; stacks dumped, no signal to end them; "
+        "remediation.kill_without_restart), left_to_launcher (the culprit was on another node: torchrun stopped "
+        "this node's waiting ranks), failed (no rank could be signalled, or remediation itself failed).",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -272,6 +273,7 @@ class Watchdog:
             self.recoveries.tick(jobs)
         self._open_episodes(now)
         self._close_episodes()
+        self.remediator.unkillable.check(self.store.save)  # processes that outlived SIGKILL: gone yet?
 
     def _track(self, rank: Rank, now: float) -> _Track:
         track = self._tracks.get(rank.key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -30,10 +31,10 @@ from sidecar.watchdog.stackdumps import (
     stop_again_after_dump,
     wait_until_written,
 )
+from sidecar.watchdog.unkillable import Unkillable
 
 log = logging.getLogger(__name__)
 
-EXIT_WAIT_SECONDS = 10.0  # after SIGKILL, how long to wait to see the processes gone
 POLL_SECONDS = 0.1
 DUMP_STILL_SECONDS = 0.3  # a dump file that held still this long is complete
 # py-spy runs at most this many at a time (each is a process, and on Python 3.11 a child-watcher
@@ -56,6 +57,7 @@ class Remediator:
     def __init__(self, settings: RemediationSettings):
         self.settings = settings
         self._py_spy_slots = asyncio.Semaphore(PY_SPY_CONCURRENCY)
+        self.unkillable = Unkillable()  # what outlived SIGKILL, watched until it goes
 
     async def collect_stacks(
         self, incident: Incident, targets: list[Target], signal_ranks: bool = True, use_py_spy: bool = True
@@ -162,16 +164,24 @@ class Remediator:
         """After SIGTERM: wait grace_seconds, then SIGKILL every rank and every member of their
         groups still alive (not only ranks: a data-loader worker that ignores SIGTERM would hold
         the GPU). "killed" when every rank and member is seen gone, whether SIGTERM did it (the
-        timeline then shows no `sigkill`) or SIGKILL; else "failed"."""
+        timeline then shows no `sigkill`) or SIGKILL; else, `kill_wait_seconds` after the
+        SIGKILL, "unkillable" (sidecar/watchdog/unkillable.py says why and watches them)."""
         loop = asyncio.get_running_loop()
         signalled, members = term.signalled, term.members
         left, members_left = await self._wait_exit(signalled, members, self.settings.grace_seconds)
         if left or members_left:
             await loop.run_in_executor(None, self._kill_left, incident, signalled, left, members_left)
-            left, members_left = await self._wait_exit(left, members_left, EXIT_WAIT_SECONDS)
+            left, members_left = await self._wait_exit(left, members_left, self.settings.kill_wait_seconds)
         if left or members_left:
             incident.event("still_running", ranks=[t.rank for t in left], pids=[p.pid for _, p in members_left])
-            outcome = "failed"
+            outcome = await self.unkillable.record(
+                incident,
+                [(t.pid, f"rank {t.rank}", t.is_running) for t in left]
+                + [
+                    (p.pid, f"pid {p.pid} of rank {t.rank}'s group", functools.partial(_alive, p))
+                    for t, p in members_left
+                ],
+            )
         else:
             incident.event("exit_observed", ranks=[t.rank for t in signalled])
             outcome = "killed"

@@ -43,6 +43,7 @@ STATUS_KEYS = {
     "incidents",
     "exits",
     "jobs",
+    "fitness",
 }
 NODE_KEYS = {
     "name",
@@ -199,6 +200,7 @@ def test_openmetrics_is_served_when_asked_for(daemon):
 def test_status_follows_the_contract(daemon, rank_process):
     s = daemon.status()
     assert set(s) == STATUS_KEYS
+    assert s["fitness"] == {"fit": True, "reasons": [], "findings": []}
     assert set(s["node"]) == NODE_KEYS and s["node"]["driver_version"] == "550.54.15"
     assert [set(g) for g in s["gpus"]] == [GPU_KEYS, GPU_KEYS]
     assert s["gpus"][1]["clock_events"] == ["sw_power_cap"] and s["gpus"][1]["ecc_uncorrected"] == 2
