@@ -5,6 +5,7 @@ A restarted rank's way from its launch to its first training step, in the order 
   process_started        the kernel started the process (read from /proc: before Python runs)
   imports_done           the interpreter, torch and the trainer are imported
   process_group_formed   the rendezvous is done: every rank of the attempt is connected
+  model_built            model, optimizer and dataset exist (torch.optim imports torch._dynamo here)
   checkpoint_loaded      the state to resume from is in place (fields: step, source memory|disk)
   first_step             the first optimizer step of this attempt finished
 
@@ -23,7 +24,14 @@ from typing import Any
 
 log = logging.getLogger("sidecar_trainer")
 
-MILESTONES = ("process_started", "imports_done", "process_group_formed", "checkpoint_loaded", "first_step")
+MILESTONES = (
+    "process_started",
+    "imports_done",
+    "process_group_formed",
+    "model_built",
+    "checkpoint_loaded",
+    "first_step",
+)
 
 
 def process_start_time(proc: str = "/proc") -> float | None:

@@ -110,6 +110,7 @@ class Trainer:
                 cfg.batch.micro_batch_size,
             )
         self.monitor.event("data_loaded")
+        self.startup.mark("model_built", self.monitor)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, self.world, cfg.parallel.strategy, cfg.train.seed, self.faults, self.monitor
         )

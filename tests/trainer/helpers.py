@@ -38,10 +38,16 @@ class Run:
 
 
 def torchrun_command(
-    workdir: Path, *settings: str, nproc: int = 2, max_restarts: int = 1, run_id: str | None = None
+    workdir: Path,
+    *settings: str,
+    nproc: int = 2,
+    max_restarts: int = 1,
+    run_id: str | None = None,
+    launcher: str = "torch.distributed.run",
 ) -> list[str]:
     """A torchrun job of the trainer with TINY settings plus `settings`: `--standalone` (a fresh run
-    id each time), or a one-node c10d rendezvous with `run_id` (the same job submitted again)."""
+    id each time), or a one-node c10d rendezvous with `run_id` (the same job submitted again).
+    `launcher="sidecar_trainer.launch"`: the trainer's own torchrun, workers forked from a warm server."""
     rendezvous = (
         ["--standalone"]
         if run_id is None
@@ -50,7 +56,7 @@ def torchrun_command(
     cmd = [
         PYTHON,
         "-m",
-        "torch.distributed.run",
+        launcher,
         *rendezvous,
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -74,11 +80,12 @@ def torchrun(
     timeout: float = 240,
     run_id: str | None = None,
     log_name: str = "torchrun.log",
+    launcher: str = "torch.distributed.run",
 ) -> Run:
     """Run `torchrun_command(...)` to its end."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / log_name
-    cmd = torchrun_command(workdir, *settings, nproc=nproc, max_restarts=max_restarts, run_id=run_id)
+    cmd = torchrun_command(workdir, *settings, nproc=nproc, max_restarts=max_restarts, run_id=run_id, launcher=launcher)
     with spawned(cmd, log) as proc:
         try:
             code = proc.wait(timeout=timeout)
