@@ -163,7 +163,8 @@ class Monitor:
 
     def event(self, name: str, /, **fields: Any) -> None:
         """Something happened: `checkpoint_saved` (step, path), `rendezvous_done`, `data_loaded`,
-        `checkpoint_loaded` (step), or any other name."""
+        `checkpoint_loaded` (step, source: memory or disk), the other start-up milestones of
+        `wire.WELL_KNOWN_EVENTS`, or any other name."""
         if self._live:
             try:
                 self._append((self._next_seq(), EVENT, _time(), name, fields))
