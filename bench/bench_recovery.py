@@ -12,11 +12,17 @@ blocks in the all-reduce. The sidecar runs with a 5 s step-time floor. Targets, 
 detection (hang -> STALLED) <= effective timeout + 1 s; the hung group gone <= grace + 1 s after
 STALLED. Without the sidecar, the hang lasts until gloo's collective timeout fails rank 0 (set
 here to --pg-timeout seconds; the trainer's default is 600 s, PyTorch's 30 minutes).
+
+Each recovery is also taken apart, stage by stage (`Anatomy`): hang -> detected -> SIGTERM sent
+(stack dumps) -> ranks gone (the sidecar's incident record) -> restarted process started ->
+imports done -> process group formed -> model built -> checkpoint loaded -> first step (the trainer's start-up
+milestones, sidecar_trainer/startup.py), and the steps trained again after the resume.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -28,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.job import JobSpec, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
+from demo.job import JobSpec, LogEvent, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
 from demo.processes import Processes, free_port
 
 FLOOR_SECONDS = 5.0
@@ -47,6 +53,7 @@ class Run:
     kill: float | None = None  # STALLED -> the hung group's processes gone
     recover: float | None = None  # hang -> first step after the resume
     total: float | None = None  # torchrun start -> torchrun exit
+    anatomy: Anatomy | None = None
 
     @property
     def passed(self) -> bool:
@@ -62,8 +69,125 @@ class Run:
         )
 
 
-def hang_job(pg_timeout: float | None = None) -> JobSpec:
+# The points in time of one recovery, in order; a stage is the time between two consecutive ones.
+POINTS = (
+    "hang",
+    "detected",
+    "sigterm",
+    "ranks_gone",
+    "process_started",
+    "imports_done",
+    "process_group_formed",
+    "model_built",
+    "checkpoint_loaded",
+    "first_step",
+)
+STAGES = {  # stage name (a table column) -> the point it ends at
+    "detect": "detected",
+    "dump": "sigterm",
+    "kill": "ranks_gone",
+    "restart": "process_started",
+    "imports": "imports_done",
+    "pg": "process_group_formed",
+    "build": "model_built",
+    "load": "checkpoint_loaded",
+    "1st step": "first_step",
+}
+
+
+@dataclass
+class Anatomy:
+    """Where one recovery's time went: the Unix time of each point (missing: not seen), the step
+    the job resumed from and where it came from, and the steps trained again after it."""
+
+    points: dict[str, float]
+    resumed_step: int | None = None
+    source: str | None = None
+    redone_steps: int | None = None
+
+    def stage(self, name: str) -> float | None:
+        end = STAGES[name]
+        start = POINTS[POINTS.index(end) - 1]
+        if start in self.points and end in self.points:
+            return self.points[end] - self.points[start]
+        return None
+
+    def span(self, start: str, end: str) -> float | None:
+        if start in self.points and end in self.points:
+            return self.points[end] - self.points[start]
+        return None
+
+
+def anatomy(hang: float, last_step: int | None, incident: dict | None, startup: list[LogEvent]) -> Anatomy:
+    """Put together one recovery: `hang` (when it began), the last step finished before it, the
+    sidecar's incident record of it and rank 0's start-up milestones logged after it."""
+    points = {"hang": hang}
+    if incident:
+        points["detected"] = incident["time"]
+        for point, event in (("sigterm", "sigterm"), ("ranks_gone", "exit_observed")):
+            when = event_time(incident, event)
+            if when is not None:
+                points[point] = when
+    out = Anatomy(points)
+    after = points.get("ranks_gone", hang)
+    for e in startup:
+        milestone, when = e.fields["milestone"], e.fields["t"]
+        if milestone in POINTS and milestone not in points and when >= after:
+            points[milestone] = when
+            if milestone == "checkpoint_loaded":
+                out.resumed_step, out.source = e.fields.get("step"), e.fields.get("source")
+    if out.resumed_step is not None and last_step is not None:
+        out.redone_steps = max(0, last_step - out.resumed_step)
+    return out
+
+
+def incidents_in(diag_dir: Path) -> list[dict]:
+    """Every incident record the sidecar wrote, oldest first."""
+    records = []
+    for path in sorted((diag_dir / "incidents").glob("*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: r["time"])
+
+
+def print_anatomies(rows: list[tuple[str, Anatomy]], step_seconds: float | None = None) -> None:
+    names = list(STAGES)
+    print(
+        f"\nwhere each recovery's time went (seconds; kill -> first step = ranks gone -> first step)\n"
+        f"{'':<16}" + "".join(f"{n:>9}" for n in names) + f"{'gone->1st':>10}{'total':>8}  resumed"
+    )
+    totals: dict[str, list[float]] = {n: [] for n in [*names, "gone->1st", "total"]}
+    for label, a in rows:
+        values = [a.stage(n) for n in names] + [a.span("ranks_gone", "first_step"), a.span("hang", "first_step")]
+        for n, v in zip([*names, "gone->1st", "total"], values, strict=True):
+            if v is not None:
+                totals[n].append(v)
+        redone = ""
+        if a.redone_steps is not None:
+            redone = f", {a.redone_steps} steps redone"
+            if step_seconds:
+                redone += f" ({a.redone_steps * step_seconds:.2f}s)"
+        resumed = f"step {a.resumed_step} from {a.source}{redone}" if a.resumed_step is not None else "-"
+        print(
+            f"{label:<16}"
+            + "".join(f"{fmt(v):>9}" for v in values[:-2])
+            + f"{fmt(values[-2]):>10}{fmt(values[-1]):>8}  {resumed}"
+        )
+    if len(rows) > 1:
+        med = [statistics.median(totals[n]) if totals[n] else None for n in [*names, "gone->1st", "total"]]
+        print(f"{'median':<16}" + "".join(f"{fmt(v):>9}" for v in med[:-2]) + f"{fmt(med[-2]):>10}{fmt(med[-1]):>8}")
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
+def hang_job(pg_timeout: float | None = None, launcher: str = "torchrun") -> JobSpec:
     return JobSpec(
+        launcher=launcher,
         steps=40,
         fault="sleep",
         fault_rank=1,
@@ -75,9 +199,14 @@ def hang_job(pg_timeout: float | None = None) -> JobSpec:
     )
 
 
-def follow(log: TrainerLog, into: dict[str, float]) -> None:
-    """Collect the milestones: hang time, resume time, first step after it."""
+def follow(log: TrainerLog, into: dict[str, float], startup: list[LogEvent] | None = None) -> None:
+    """Collect the milestones: hang time, resume time, first step after it (and the last step
+    before the hang, and the start-up milestones into `startup`)."""
     for e in log.poll():
+        if e.kind == "startup" and startup is not None:
+            startup.append(e)
+        if e.kind == "step" and "hang" not in into:
+            into["last_step"] = e.fields["step"]
         if e.kind == "fault":
             into.setdefault("hang", e.time)
         elif e.kind == "resumed" and "hang" in into:
@@ -88,16 +217,18 @@ def follow(log: TrainerLog, into: dict[str, float]) -> None:
             into["finished"] = e.time
 
 
-def follow_until_exit(log: TrainerLog, into: dict[str, float], train: subprocess.Popen) -> bool:
+def follow_until_exit(
+    log: TrainerLog, into: dict[str, float], train: subprocess.Popen, startup: list[LogEvent] | None = None
+) -> bool:
     """`follow`, then whether the job has exited (a `wait_for` condition)."""
-    follow(log, into)
+    follow(log, into, startup)
     return train.poll() is not None
 
 
 UNSHARE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
 
-def run_with_sidecar(workdir: Path, label: str, pid_namespace: bool = False) -> Run:
+def run_with_sidecar(workdir: Path, label: str, pid_namespace: bool = False, launcher: str = "torchrun") -> Run:
     """One hang under the sidecar; `pid_namespace`: torchrun and its ranks in a pid namespace
     of their own, the sidecar outside it (as root: unshare)."""
     workdir.mkdir(parents=True)
@@ -109,11 +240,11 @@ def run_with_sidecar(workdir: Path, label: str, pid_namespace: bool = False) -> 
         if not wait_for(client.ready, 60):
             return Run(label, False)
         started = time.time()
-        command = (UNSHARE if pid_namespace else []) + hang_job().command(workdir)
+        command = (UNSHARE if pid_namespace else []) + hang_job(launcher=launcher).command(workdir)
         train = procs.start("torchrun", command, env={"SIDECAR_SOCKET": sock})
-        log, seen = TrainerLog(procs.log("torchrun")), dict[str, float]()
-        wait_for(lambda: follow_until_exit(log, seen, train), JOB_TIMEOUT_SECONDS, 0.2)
-        follow(log, seen)
+        log, seen, startup = TrainerLog(procs.log("torchrun")), dict[str, float](), list[LogEvent]()
+        wait_for(lambda: follow_until_exit(log, seen, train, startup), JOB_TIMEOUT_SECONDS, 0.2)
+        follow(log, seen, startup)
         run = Run(label, train.poll() == 0 and "finished" in seen, total=time.time() - started)
         status = client.status() or {}
         briefs = status.get("incidents", [])
@@ -125,6 +256,9 @@ def run_with_sidecar(workdir: Path, label: str, pid_namespace: bool = False) -> 
             run.kill = gone - stalled if gone else None
         if hang and "first_step" in seen:
             run.recover = seen["first_step"] - hang
+        if hang:
+            last = seen.get("last_step")
+            run.anatomy = anatomy(hang, int(last) if last is not None else None, incident, startup)
         return run
 
 
@@ -148,18 +282,32 @@ def run_torchrun_alone(workdir: Path, pg_timeout: float) -> Run:
         return run
 
 
-def goodput_run(workdir: Path, minutes: int) -> tuple[float, int, float]:
+@dataclass
+class Goodput:
+    share: float  # steps x median healthy step time / wall time from the first step to the last
+    hangs: int
+    wall: float
+    step_seconds: float  # the median healthy step time
+    anatomies: list[Anatomy]
+
+
+def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
     """A job of about `minutes` minutes under the sidecar whose rank 1 is SIGSTOPped once a
-    minute (from outside: a frozen process, as a stuck driver call looks). Returns (goodput,
-    hangs injected, wall seconds): goodput = steps x median healthy step time / wall time
-    from the first step to the end."""
+    minute (from outside: a frozen process, as a stuck driver call looks)."""
     workdir.mkdir(parents=True)
     # One remediation a minute is the scenario, not a restart storm: lift the cap above it.
     sidecar = SidecarSpec(
         floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS, extra=[f"remediation.max_per_window={minutes + 2}"]
     )
     steps = int(minutes * 60 / 0.12)
-    job = JobSpec(steps=steps, fault="none", checkpoint_every=20, step_delay_seconds=0.1, max_restarts=minutes + 3)
+    job = JobSpec(
+        steps=steps,
+        fault="none",
+        checkpoint_every=20,
+        step_delay_seconds=0.1,
+        max_restarts=minutes + 3,
+        launcher=launcher,
+    )
     with Processes(workdir) as procs:
         port, sock = free_port(), str(workdir / "sidecar.sock")
         client = SidecarClient(port)
@@ -169,34 +317,45 @@ def goodput_run(workdir: Path, minutes: int) -> tuple[float, int, float]:
         train = procs.start("torchrun", job.command(workdir), env={"SIDECAR_SOCKET": sock})
         log = TrainerLog(procs.log("torchrun"))
         step_times: list[tuple[int, float]] = []
+        startup: list[LogEvent] = []
+        hang_times: list[float] = []
         first = next_hang = None
-        hangs = 0
         deadline = time.monotonic() + minutes * 60 * 3 + 120
-        while train.poll() is None and time.monotonic() < deadline:
+
+        def read_log() -> None:
             for e in log.poll():
                 if e.kind == "step":
                     step_times.append((e.fields["step"], e.time))
-                    first = first or e.time
+                elif e.kind == "startup":
+                    startup.append(e)
+
+        while train.poll() is None and time.monotonic() < deadline:
+            read_log()
+            first = first or (step_times[0][1] if step_times else None)
             now = time.time()
             if first and next_hang is None:
                 next_hang = first + 60
-            if next_hang and now >= next_hang and hangs < minutes:
+            if next_hang and now >= next_hang and len(hang_times) < minutes:
                 status = client.status() or {}
                 victims = [r for r in status.get("ranks", []) if r["rank"] == 1 and r["state"] == "healthy"]
                 if victims:
                     os.kill(victims[0]["pid"], signal.SIGSTOP)
-                    hangs += 1
+                    hang_times.append(now)
                     next_hang = now + 60
             time.sleep(0.2)
-        for e in log.poll():
-            if e.kind == "step":
-                step_times.append((e.fields["step"], e.time))
+        read_log()
         if train.poll() != 0:
             raise RuntimeError(f"the goodput job did not finish (exit {train.poll()}); see {workdir}")
     gaps = [b[1] - a[1] for a, b in zip(step_times, step_times[1:], strict=False) if b[0] == a[0] + 1]
     healthy = statistics.median(gaps)
     wall = step_times[-1][1] - step_times[0][1]
-    return steps * healthy / wall, hangs, wall
+    incidents = incidents_in(workdir / "diag")
+    anatomies = []
+    for hang in hang_times:
+        incident = next((i for i in incidents if i["time"] > hang), None)
+        last = max((step for step, t in step_times if t <= hang), default=None)
+        anatomies.append(anatomy(hang, last, incident, startup))
+    return Goodput(steps * healthy / wall, len(hang_times), wall, healthy, anatomies)
 
 
 def progress(run: Run) -> None:
@@ -221,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", action="store_true", help="also measure goodput under a hang every minute (5 min)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, incidents)")
     p.add_argument(
+        "--launcher",
+        choices=("warm", "torchrun"),
+        default="warm",
+        help="how the sidecar runs start the trainer: `warm` (python -m sidecar_trainer.launch: torchrun whose workers "
+        "are forked from a process that imported torch once; the default) or plain `torchrun -m sidecar_trainer`",
+    )
+    p.add_argument(
         "--pid-namespace",
         action="store_true",
         help="each run also with torchrun in its own pid namespace (needs root and unshare)",
@@ -233,15 +399,20 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         for i in range(args.runs):
-            runs.append(run_with_sidecar(root / f"sidecar-{i}", f"sidecar run {i + 1}"))
+            runs.append(run_with_sidecar(root / f"sidecar-{i}", f"sidecar run {i + 1}", launcher=args.launcher))
             progress(runs[-1])
             if args.pid_namespace:
-                runs.append(run_with_sidecar(root / f"sidecar-ns-{i}", f"sidecar run {i + 1}, own pid ns", True))
+                runs.append(
+                    run_with_sidecar(
+                        root / f"sidecar-ns-{i}", f"sidecar run {i + 1}, own pid ns", True, launcher=args.launcher
+                    )
+                )
                 progress(runs[-1])
         if not args.skip_alone:
             runs.append(run_torchrun_alone(root / "alone", args.pg_timeout))
             progress(runs[-1])
-        goodput = goodput_run(root / "goodput", 5) if args.long else None
+        load_before = load_average()
+        goodput = goodput_run(root / "goodput", 5, args.launcher) if args.long else None
     except KeyboardInterrupt:
         return 130
     finally:
@@ -269,11 +440,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif not args.skip_alone:
         print(f"\ntorchrun alone did not recover within {args.pg_timeout + JOB_TIMEOUT_SECONDS:.0f}s")
+    rows = [(r.label[:16], r.anatomy) for r in runs if r.anatomy is not None]
+    if rows:
+        print_anatomies(rows)
     if goodput is not None:
-        share, hangs, wall = goodput
+        print_anatomies([(f"hang {i + 1}", a) for i, a in enumerate(goodput.anatomies)], goodput.step_seconds)
         print(
-            f"goodput with a hang every minute: {share:.1%} of {wall:.0f}s wall time on useful steps "
-            f"({hangs} hangs, all recovered by the sidecar)"
+            f"goodput with a hang every minute ({args.launcher} launcher): {goodput.share:.1%} of {goodput.wall:.0f}s "
+            "wall time on useful steps "
+            f"({goodput.hangs} hangs, all recovered by the sidecar; healthy step {goodput.step_seconds:.3f}s); "
+            f"{load_before} before, {load_average()} after"
         )
     return 0 if all(r.passed for r in runs) and (runs or goodput is not None) else 1
 

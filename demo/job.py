@@ -61,6 +61,9 @@ class JobSpec:
     run_id: str = "demo"  # torchrun --rdzv-id: the job_id the sidecar shows
     checkpoint_dir: str = ""  # shared by every node; empty: <workdir>/ckpt
     extra: list[str] = field(default_factory=list)  # more trainer `--set section.field=value`
+    # "torchrun", or "warm": `python -m sidecar_trainer.launch`, torchrun whose workers are forked
+    # from a process that imported torch once (sidecar_trainer/launch.py)
+    launcher: str = "torchrun"
 
     def command(self, workdir: Path, rdzv_port: int | None = None) -> list[str]:
         sets = {
@@ -80,7 +83,7 @@ class JobSpec:
         cmd = [
             PYTHON,
             "-m",
-            "torch.distributed.run",
+            {"torchrun": "torch.distributed.run", "warm": "sidecar_trainer.launch"}[self.launcher],
             "--nnodes",
             str(self.nnodes),
             "--nproc-per-node",
@@ -129,7 +132,7 @@ class SidecarClient:
 
 @dataclass
 class LogEvent:
-    kind: str  # rendezvous | fault | step | resumed | checkpoint | finished
+    kind: str  # rendezvous | fault | step | resumed | checkpoint | finished | startup
     time: float  # Unix time of the log line
     fields: dict
 
@@ -142,6 +145,11 @@ _PATTERNS = [
     ("resumed", re.compile(r"resumed from step (?P<step>\d+)")),
     ("checkpoint", re.compile(r"checkpoint saved: step=(?P<step>\d+)")),
     ("finished", re.compile(r"training finished: step=(?P<step>\d+) params_sha256=(?P<sha256>\w+)")),
+    # sidecar_trainer/startup.py: a milestone of a (re)start, at Unix time t
+    (
+        "startup",
+        re.compile(r"startup: (?P<milestone>\w+) t=(?P<t>[\d.]+)(?: step=(?P<step>\d+))?(?: source=(?P<source>\w+))?"),
+    ),
 ]
 
 
@@ -172,7 +180,7 @@ class TrainerLog:
             for kind, pattern in _PATTERNS:
                 found = pattern.search(m.group(3))
                 if found:
-                    fields = {k: _number(v) for k, v in found.groupdict().items()}
+                    fields = {k: _number(v) for k, v in found.groupdict().items() if v is not None}
                     fields["from_rank"] = int(m.group(2))
                     events.append(LogEvent(kind, stamp, fields))
                     break

@@ -18,6 +18,7 @@ class Kind(enum.Enum):
     STORM_CAP = "storm_cap"  # a job's remediation suppressed by the storm cap
     COLLECTOR = "collector"  # a collector failing
     NODE = "node"  # the node is unfit (sidecar/fitness.py): what outlives a job
+    RESTART_TRAP = "restart_trap"  # a job whose process group would not come back after a torchrun restart
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,24 @@ def merged(first: Iterable[Problem], more: Iterable[Problem]) -> list[Problem]:
     seen = {p.subject for p in out}
     out += [p for p in more if p.subject not in seen]
     return out
+
+
+RESTART_TRAP_FIX = (
+    "import trainer_hooks before the script calls torch.distributed.init_process_group (or form the group "
+    "with trainer_hooks.distributed.init_process_group; and leave SIDECAR_ATTEMPT_STORE unset), or set "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"
+)
+
+
+def restart_trap(job_id: str, ranks: list[int]) -> Problem:
+    """The job's ranks that said their process group would not come back after a torchrun restart
+    (the registration's `restart_safe: false`, docs/architecture.md "Restarts and the agent's store")."""
+    ranks = sorted(ranks)
+    shown = ", ".join(str(r) for r in ranks[:4]) + (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
+    return Problem(
+        Kind.RESTART_TRAP,
+        f"job {job_id}: rank{'s' if len(ranks) > 1 else ''} {shown} would not come back after a torchrun restart "
+        f"(torchrun shares its store across attempts and the process group has no namespace of its own attempt, "
+        f"so a restarted attempt can die in init_process_group); fix: {RESTART_TRAP_FIX}",
+        job_id,
+    )

@@ -13,6 +13,7 @@ import os
 import sys
 
 from sidecar_trainer.config import ConfigError, help_text, load_config, parse_set, world_size_from_env
+from sidecar_trainer.startup import Startup
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2
     setup_logging()
+    startup = Startup(is_main=os.environ.get("RANK", "0") == "0")
     from sidecar_trainer.train import Trainer
 
-    trainer = Trainer(cfg, final_params=args.final_params)
+    startup.mark("imports_done")
+    trainer = Trainer(cfg, final_params=args.final_params, startup=startup)
     ok = False
     try:
         trainer.train()

@@ -323,18 +323,50 @@ class CheckpointConfig:
             "Directory of `step-N/` checkpoints, seen by all ranks (shared across nodes). Empty: no checkpoints."
         ),
     )
-    every_steps: int = field(default=50, metadata=doc("Save every this many steps (and always at the last step)."))
+    every_steps: int = field(
+        default=50,
+        metadata=doc(
+            "Copy to `dir` every this many steps (and always at the last step), in the background: training "
+            "waits only when the previous copy has not finished by the time the next is due."
+        ),
+    )
     keep_last: int = field(
         default=3, metadata=doc("Complete checkpoints to keep; older ones are deleted after a newer one is committed.")
     )
     resume: bool = field(
         default=True,
-        metadata=doc("Resume from the newest complete checkpoint in `dir` at start (torchrun restarts rely on it)."),
+        metadata=doc(
+            "Resume at start from the newest state every rank holds, a memory snapshot or the newest complete "
+            "checkpoint in `dir` (torchrun restarts rely on it)."
+        ),
+    )
+    memory_every_steps: int = field(
+        default=1,
+        metadata=doc(
+            "Snapshot each rank's state into host shared memory every this many steps (0: never), so that a "
+            "restart on the same node resumes there without redoing steps or reading `dir`. The training "
+            "thread copies the tensors (model and optimizer state); a background thread writes the file. "
+            "Needs `dir` (the snapshots belong to its job)."
+        ),
+    )
+    memory_dir: str = field(
+        default="/dev/shm",
+        metadata=doc(
+            "tmpfs directory of the memory snapshots (a 0700 subdirectory per user). Holds at most two "
+            "snapshots per rank, each the rank's model and optimizer state (its shard under FSDP); removed "
+            "when the job finishes."
+        ),
     )
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every_steps", self.every_steps, 1)
         _at_least("checkpoint.keep_last", self.keep_last, 1)
+        _at_least("checkpoint.memory_every_steps", self.memory_every_steps, 0)
+        _check(
+            "checkpoint.memory_dir",
+            bool(self.memory_dir),
+            "must name a directory (memory_every_steps=0 turns snapshots off)",
+        )
 
 
 @dataclass

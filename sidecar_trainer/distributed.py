@@ -23,6 +23,7 @@ class World:
     generation: int  # attempts of this job's worker group so far, agreed by all ranks (1: the first)
     backend: str
     device: torch.device
+    timeout: datetime.timedelta  # of collectives (parallel.timeout_seconds)
 
     @property
     def is_main(self) -> bool:
@@ -67,6 +68,7 @@ def init(device_choice: str, backend_choice: str, timeout_seconds: float) -> Wor
         generation=generation,
         backend=backend,
         device=device,
+        timeout=timeout,
     )
 
 

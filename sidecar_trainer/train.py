@@ -23,6 +23,7 @@ from sidecar_trainer.config import Config, import_factory
 from sidecar_trainer.data import DataPosition, StepBatches
 from sidecar_trainer.faults import FaultInjector
 from sidecar_trainer.monitoring import open_monitor
+from sidecar_trainer.startup import Startup
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -64,13 +65,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, final_params: str | None = None) -> None:
+    def __init__(self, cfg: Config, final_params: str | None = None, startup: Startup | None = None) -> None:
         self.cfg, self.final_params = cfg, final_params
+        self.startup = startup or Startup(is_main=os.environ.get("RANK", "0") == "0")
         if cfg.train.deterministic:  # cuBLAS reads it when its first handle is created
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        self.world = distributed.init(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_seconds)
-        self.accum = cfg.validate_for(self.world.size)
+        # Before the rendezvous, so that the sidecar hears when the process group is formed.
         self.monitor = open_monitor(cfg.monitor.enabled)
+        self.world = distributed.init(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_seconds)
+        self.startup.mark(
+            "process_group_formed",
+            self.monitor,
+            **{f"{name}_time": round(t, 3) for name, t in self.startup.times.items()},
+        )
+        self.accum = cfg.validate_for(self.world.size)
         if self.world.is_main:
             log.info(
                 "rendezvous done: world_size=%d backend=%s restart_count=%d generation=%d strategy=%s "
@@ -102,6 +110,7 @@ class Trainer:
                 cfg.batch.micro_batch_size,
             )
         self.monitor.event("data_loaded")
+        self.startup.mark("model_built", self.monitor)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, self.world, cfg.parallel.strategy, cfg.train.seed, self.faults, self.monitor
         )
@@ -111,14 +120,17 @@ class Trainer:
         resumed = self.checkpointer.load_latest(self.model, self.optimizer, self.scheduler)
         if resumed:
             self.step, position = resumed.step, resumed.position
+            self.startup.mark("checkpoint_loaded", self.monitor, step=resumed.step, source=resumed.source)
             if self.world.is_main:
                 log.info(
-                    "resumed from step %d (epoch %d, step %d of the epoch) at restart %d",
+                    "resumed from step %d (epoch %d, step %d of the epoch) at restart %d from %s",
                     self.step,
                     position.epoch,
                     position.step_in_epoch,
                     self.world.restart_count,
+                    resumed.source,
                 )
+            self.checkpointer.after_resume(resumed, self.model, self.optimizer, self.scheduler)
         self.data = StepBatches(
             self.dataset,
             seed=cfg.train.seed,
@@ -168,6 +180,7 @@ class Trainer:
         with sync:
             loss = self.wrapped(inputs, targets) / self.accum
             if last:
+                self.checkpointer.before_gradient_sync()
                 self.faults.before_allreduce(step)
                 loss = self.faults.poison(step, loss)
             loss.backward()
@@ -177,6 +190,7 @@ class Trainer:
         cfg, world = self.cfg, self.world
         last_step = cfg.train.steps
         self.wrapped.train()
+        self.first_step = self.step + 1
         window_start, window_steps = time.monotonic(), 0
         nonfinite_steps = 0
         while self.step < last_step:
@@ -204,6 +218,10 @@ class Trainer:
                 step_time_seconds=time.perf_counter() - started,
             )
             window_steps += 1
+            if step == self.first_step:
+                self.startup.mark("first_step", self.monitor, step=step)
+                if world.is_main:
+                    log.info("startup took %s", self.startup.summary())
             if cfg.train.nonfinite_loss_limit:
                 nonfinite_steps = 0 if bool(torch.isfinite(loss)) else nonfinite_steps + 1
                 if nonfinite_steps >= cfg.train.nonfinite_loss_limit:
@@ -226,8 +244,9 @@ class Trainer:
                 window_start, window_steps = time.monotonic(), 0
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
                 self.evaluate(step)
-            if self.checkpointer.due(step, last_step):
-                self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, position)
+            self.checkpointer.after_step(
+                step, last_step, self.model, self.optimizer, self.scheduler, position, grad_norm
+            )
 
     def _heldout_batches(self) -> list:
         """This rank's share of the first eval.batches x world_size micro-batches of a held-out copy."""
@@ -258,6 +277,7 @@ class Trainer:
         return loss
 
     def finish(self) -> str:
+        self.checkpointer.flush()  # the last step's disk copy is committed before the run says it ended
         digest, full = parameters_digest(self.model)
         if self.world.is_main:
             if self.final_params:
@@ -269,6 +289,11 @@ class Trainer:
         return digest
 
     def close(self, ok: bool) -> None:
+        try:
+            if ok:
+                self.checkpointer.close(finished=True)
+        except Exception as e:  # the run's end is on disk already: leftovers are not worth a failed exit
+            log.warning("checkpoint: could not remove the memory snapshots (%s: %s)", type(e).__name__, e)
         with contextlib.suppress(Exception):
             self.monitor.close(reason="finished" if ok else "failed")
         distributed.close()

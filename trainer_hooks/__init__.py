@@ -14,9 +14,15 @@ microsecond and never blocks or raises, whatever the sidecar does. `trainer_hook
 Accelerate integrations; `trainer_hooks.distributed` forms a process group that comes back after
 torchrun restarts; `python -m trainer_hooks.attach script.py` watches an unmodified script;
 `environment.py` lists the environment variables.
+
+Under torchrun, importing the hooks makes the process group that the script forms next come back
+after a restart (`trainer_hooks.distributed`; `SIDECAR_ATTEMPT_STORE=0` turns it off).
 """
 
+from trainer_hooks.distributed import install_when_torch_is_imported
 from trainer_hooks.monitor import Monitor, Phase
 from trainer_hooks.sender import HOOKS_VERSION as __version__
 
 __all__ = ["Monitor", "Phase", "__version__"]
+
+install_when_torch_is_imported()

@@ -25,11 +25,21 @@ every other rank acknowledges it with a fresh nonce: a rank accepts generation g
 gives each attempt a fresh store (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, NVIDIA's ft_launcher),
 nothing changes: a plain `init_process_group`. `SIDECAR_ATTEMPT_STORE=0` turns it off.
 Torch is imported only when one of these functions runs.
+
+Importing `trainer_hooks` (and creating a `Monitor`) calls `install_when_torch_is_imported()`,
+so a script that uses the hooks and a plain `torch.distributed.init_process_group` comes back
+after a restart too, with no torch import of its own: when torch is imported already (it imports
+torch.distributed.rendezvous, the handlers' module), it installs at once; otherwise a finder on
+`sys.meta_path` installs right after torch loads that module, and then leaves. Either way before
+any `init_process_group`. A group formed before the hooks were imported is not covered:
+`restart_safety()` says so, and the registration tells the sidecar, which names the fix.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import secrets
@@ -45,7 +55,10 @@ PREFIX = "trainer_hooks/attempt"
 SWITCH = "SIDECAR_ATTEMPT_STORE"
 _SCHEMES = ("env", "tcp")
 _MARK = "_trainer_hooks_attempt_store"
+_HANDLERS_MODULE = "torch.distributed.rendezvous"
 _generation: int | None = None
+_formed_here = False  # the default group of this process was formed through an installed handler
+_install_failed = False
 
 
 def needed(environ: Mapping[str, str] | None = None) -> bool:
@@ -94,7 +107,7 @@ def attempt_store(base: Any, rank: int, world_size: int, timeout: timedelta) -> 
 
 def _wrap(original: Any) -> Any:
     def handler(url: str, timeout: timedelta | None = None, **kwargs: Any):
-        global _generation
+        global _generation, _formed_here
         import torch.distributed as dist
 
         if timeout is None:
@@ -102,6 +115,7 @@ def _wrap(original: Any) -> Any:
         store, rank, world_size = next(original(url, timeout=timeout, **kwargs))
         if needed() and world_size > 0 and rank >= 0:
             store, _generation = attempt_store(store, rank, world_size, timeout)
+            _formed_here = True
         yield store, rank, world_size
         raise RuntimeError("trainer_hooks: re-rendezvous through the same handler is not supported")
 
@@ -113,6 +127,7 @@ def install() -> bool:
     """From now on, `init_process_group` over `env://` or `tcp://` in this process uses a store
     namespace of its own attempt when it runs under torchrun with the agent's store. Idempotent.
     Returns True when the per-attempt namespace will be used; never raises."""
+    global _install_failed
     try:
         if not needed():
             return False
@@ -123,8 +138,94 @@ def install() -> bool:
                 handlers[scheme] = _wrap(current)
         return True
     except Exception as e:  # a torch without the handler table: plain init, said once
+        _install_failed = True
         warn("attempt_store", "trainer_hooks: per-attempt store unavailable (%s: %s)", type(e).__name__, e)
         return False
+
+
+def installed() -> bool:
+    """Torch's `env://` handler in this process is the per-attempt one."""
+    module = sys.modules.get(_HANDLERS_MODULE)
+    handler = getattr(module, "_rendezvous_handlers", {}).get("env") if module else None
+    return handler is not None and hasattr(handler, _MARK)
+
+
+class _InstallAfterTorchLoads(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when torch's rendezvous module is imported, it wraps the loader that
+    the other finders found so that `install()` runs right after the module executes."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != _HANDLERS_MODULE:
+            return None
+        _remove_finder()  # once is enough, and the finders asked below must not include this one
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenInstall(spec.loader)
+        return spec
+
+
+class _ThenInstall(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        install()
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... of the real loader
+        return getattr(self._loader, name)
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _InstallAfterTorchLoads)]
+
+
+def install_when_torch_is_imported() -> None:
+    """`install()` now if torch is imported, else as soon as it is (see the module docstring).
+    Does nothing outside torchrun's shared store or with SIDECAR_ATTEMPT_STORE=0; never imports
+    torch; never raises."""
+    try:
+        if not needed():
+            return
+        if _HANDLERS_MODULE in sys.modules:
+            install()
+        elif not any(isinstance(f, _InstallAfterTorchLoads) for f in sys.meta_path):
+            sys.meta_path.insert(0, _InstallAfterTorchLoads())
+    except Exception as e:
+        warn("attempt_store", "trainer_hooks: per-attempt store unavailable (%s: %s)", type(e).__name__, e)
+
+
+def restart_safety(environ: Mapping[str, str] | None = None) -> bool | None:
+    """Whether this rank's next process group survives a torchrun restart: None outside torchrun;
+    True when torchrun gives each attempt a fresh store, or when the group is (or will be) formed
+    in a namespace of its own attempt; False when it shares the agent's store without one (the
+    remedy switched off, unavailable, or a group formed before the hooks were imported). Never raises."""
+    try:
+        return _restart_safety(os.environ if environ is None else environ)
+    except Exception:
+        return None
+
+
+def _restart_safety(env: Mapping[str, str]) -> bool | None:
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return True
+    if not needed(env) or _install_failed:
+        return False
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and getattr(dist, "is_available", lambda: False)() and dist.is_initialized():
+        return _formed_here
+    return installed() or any(isinstance(f, _InstallAfterTorchLoads) for f in sys.meta_path)
 
 
 def _handlers() -> dict:
@@ -152,8 +253,8 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> int | None:
     when no per-attempt namespace was used)."""
     import torch.distributed as dist
 
-    global _generation
-    _generation = None
+    global _generation, _formed_here
+    _generation, _formed_here = None, False
     if kwargs.get("store") is None:
         install()
     dist.init_process_group(backend, **kwargs)

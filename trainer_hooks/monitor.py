@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_hooks import environment, exits, jobview, stacks
+from trainer_hooks import distributed, environment, exits, jobview, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender, Tuning
@@ -92,6 +92,9 @@ class Monitor:
         self._stack_dump: stacks.StackDump | None = None
         self.identity: environment.Identity | None = None
         try:
+            # A worker forked from a process that imported the hooks before torchrun's environment
+            # existed (sidecar_trainer.launch) installs here, when that environment is set.
+            distributed.install_when_torch_is_imported()
             env = os.environ if environ is None else environ
             if not enabled or environment.disabled(env):
                 return
@@ -161,7 +164,8 @@ class Monitor:
 
     def event(self, name: str, /, **fields: Any) -> None:
         """Something happened: `checkpoint_saved` (step, path), `rendezvous_done`, `data_loaded`,
-        `checkpoint_loaded` (step), or any other name."""
+        `checkpoint_loaded` (step, source: memory or disk), the other start-up milestones of
+        `wire.WELL_KNOWN_EVENTS`, or any other name."""
         if self._live:
             try:
                 self._append((self._next_seq(), EVENT, _time(), name, fields))

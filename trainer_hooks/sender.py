@@ -31,12 +31,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from trainer_hooks import distributed
 from trainer_hooks.environment import Endpoint, Identity
 from trainer_hooks.errors import warn
 from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
+from trainer_hooks.wire import RESTART_SAFE
 
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
@@ -327,6 +329,7 @@ class Sender:
             "stack_dump": self.stack_dump.as_wire() if self.stack_dump else None,
             "hooks_version": HOOKS_VERSION,
             "launcher": self.ident.launcher.as_wire(),
+            RESTART_SAFE: distributed.restart_safety(),
         }
         if self.ident.kubernetes:
             body["kubernetes"] = dict(self.ident.kubernetes)

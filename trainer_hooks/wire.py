@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import re
 
-# 3: the `job_coordinator` event (the job view); 2: a registration's optional `launcher`
-# (LAUNCHERS). Registrations of versions 1 and 2 stay valid.
-PROTOCOL_VERSION = 3
+# 4: a registration's optional `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and
+# CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the job view); 2: a registration's optional
+# `launcher` (LAUNCHERS). Registrations of earlier versions stay valid.
+PROTOCOL_VERSION = 4
 
 # ---------------------------------------------------------------- names
 
@@ -45,6 +46,23 @@ WELL_KNOWN_METRICS = frozenset(
 )
 # Phase names that never count against a job's phase-name limit.
 WELL_KNOWN_PHASES = frozenset({"startup", "checkpoint_save", "checkpoint_load", "eval", "compile", "data_load"})
+# Event names whose fields mean something to the sidecar: `checkpoint_saved` (step, path) for the
+# rollback hint; the milestones of a (re)start (sidecar_trainer/startup.py) for where recovery
+# time goes: `process_group_formed` (the process's start and imports as `process_started_time`,
+# `imports_done_time`), `model_built`, `checkpoint_loaded` (step, source: CHECKPOINT_SOURCES),
+# `first_step` (step); and `rendezvous_done`, `data_loaded`.
+WELL_KNOWN_EVENTS = frozenset(
+    {
+        "checkpoint_saved",
+        "checkpoint_loaded",
+        "rendezvous_done",
+        "data_loaded",
+        "process_group_formed",
+        "model_built",
+        "first_step",
+    }
+)
+CHECKPOINT_SOURCES = ("memory", "disk")  # where `checkpoint_loaded` read the state from
 
 # ---------------------------------------------------------------- limits
 
@@ -71,6 +89,12 @@ RESERVED_JOB_IDS = frozenset({"incidents"})  # names of the diag directory's own
 # --max-restarts, TORCHELASTIC_MAX_RESTARTS) against the top-level `restart_count`; "none": no
 # launcher (no TORCHELASTIC_RUN_ID), nothing restarts it. Absent (hooks of protocol 1): unknown.
 LAUNCHERS = ("torchrun", "none")
+# A registration's optional `restart_safe` (trainer_hooks.distributed.restart_safety): true when the
+# rank's process group comes back after a torchrun restart; false when torchrun shares its store
+# across attempts (TORCHELASTIC_USE_AGENT_STORE=True) and no per-attempt namespace covers the group,
+# so a restarted attempt may die in init_process_group; null or absent: no torchrun, or hooks of
+# protocol 1 or 2.
+RESTART_SAFE = "restart_safe"
 
 # ---------------------------------------------------------------- pod labels
 

@@ -24,7 +24,8 @@ from demo.job import SidecarClient, SidecarSpec, wait_for
 from demo.processes import Processes, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = {name: ROOT / "bench" / "cycles" / f"train_{name}.py" for name in ("plain", "hf", "lightning", "unmodified")}
+NAMES = ("plain", "readme", "hf", "lightning", "unmodified")
+SCRIPTS = {name: ROOT / "bench" / "cycles" / f"train_{name}.py" for name in NAMES}
 ATTACHED = {"unmodified"}  # run through `-m trainer_hooks.attach` (zero-code attach)
 
 

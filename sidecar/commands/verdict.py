@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.problems import restart_trap
+
 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 2
 DEGRADED_RANK_STATES = frozenset({"suspect", "stalled", "remediating"})
 
@@ -53,6 +55,12 @@ def assess(status: Mapping[str, Any]) -> Verdict:
     for name, c in sorted(dict_at(status, "collectors").items()):
         if isinstance(c, dict) and c.get("success") is False:
             derived.append(f"collector {name} is failing" + (f": {c['error']}" if c.get("error") else ""))
+    unsafe: dict[str, list[int]] = {}
+    for r in dicts_at(status, "ranks"):
+        rank = r.get("rank")
+        if r.get("restart_safe") is False and isinstance(rank, int):
+            unsafe.setdefault(str(r.get("job_id")), []).append(rank)
+    derived += [restart_trap(job_id, ranks).text for job_id, ranks in sorted(unsafe.items())]
     unfit = unfit_reasons(status)
     problems = reported or derived
     if unfit and not any(p.startswith("node unfit") for p in problems):

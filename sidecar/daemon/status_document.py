@@ -24,7 +24,7 @@ from sidecar.config import Settings
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Fitness
 from sidecar.jobview.reporter import Reporter
-from sidecar.problems import Kind, Problem, merged
+from sidecar.problems import Kind, Problem, merged, restart_trap
 from sidecar.ranks.model import Rank
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
@@ -213,6 +213,7 @@ def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
         "restart_count": r.restart_count,
         "dropped": r.dropped,
         "exit_reason": r.exit_reason,
+        "restart_safe": r.restart_safe,
     }
 
 
@@ -226,6 +227,15 @@ def rank_problem(entry: dict) -> Problem:
         entry["job_id"],
         entry["rank"],
     )
+
+
+def restart_trap_problems(ranks: list[dict]) -> list[Problem]:
+    """One problem per job with a rank whose process group would not come back after a restart."""
+    unsafe: dict[str, list[int]] = defaultdict(list)
+    for e in ranks:
+        if e["restart_safe"] is False:
+            unsafe[e["job_id"]].append(e["rank"])
+    return [restart_trap(job_id, job_ranks) for job_id, job_ranks in sorted(unsafe.items())]
 
 
 def collectors_section(runner: CollectorRunner, now_wall: float) -> dict:
@@ -269,6 +279,7 @@ def build_status(
     ]
     fitness = fitness or Fitness()
     problems += [Problem(Kind.NODE, f"node unfit ({f.reason.value}): {f.text}") for f in fitness.findings]
+    problems += restart_trap_problems(ranks)
 
     return {
         "version": __version__,

@@ -51,6 +51,9 @@ class Rank:
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # its pod's namespace, pod, container labels
     launcher: Launcher | None = None  # what restarts it once killed, as it said (None: hooks that do not say)
+    # Whether its process group comes back after a torchrun restart, as it said (wire.RESTART_SAFE);
+    # None: no torchrun, or hooks that do not say.
+    restart_safe: bool | None = None
     claimed_pid: int | None = None  # the pid the rank calls itself (its own pid namespace's); None: `pid`
     owner_uid: int | None = None  # the uid its process runs as (None: unknown, an unverified TCP caller)
     pidfd: PidFd | None = field(default=None, repr=False)  # of the process, where the kernel has pidfds

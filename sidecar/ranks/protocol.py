@@ -34,6 +34,7 @@ from trainer_hooks.wire import (
     NONFINITE_VALUES,
     PHASE_ACTIONS,
     RESERVED_JOB_IDS,
+    RESTART_SAFE,
     STACK_SIGNAL_RANGE,
 )
 
@@ -75,6 +76,7 @@ class Registration:
     hooks_version: str | None = None
     kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/ranks/podlabels.py)
     launcher: Launcher | None = None  # None: not said (hooks of protocol 1)
+    restart_safe: bool | None = None  # None: not said (no torchrun, or hooks of protocol 1 and 2)
 
 
 @dataclass(slots=True)
@@ -322,6 +324,13 @@ def _launcher(data: dict) -> Launcher | None:
     return Launcher(name, max_restarts if name == "torchrun" else None)
 
 
+def _restart_safe(data: dict) -> bool | None:
+    value = data.get(RESTART_SAFE)
+    if value is not None and type(value) is not bool:
+        raise ProtocolError(f"{RESTART_SAFE}: expected true, false or null, got {_kind(value)}")
+    return value
+
+
 def parse_registration(data: dict) -> Registration:
     job_id, rank, pid = _identity(data)
     world_size = _int(data, "world_size", "world_size", 1, MAX_RANK)
@@ -361,6 +370,7 @@ def parse_registration(data: dict) -> Registration:
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
         kubernetes=kubernetes,
         launcher=_launcher(data),
+        restart_safe=_restart_safe(data),
     )
 
 

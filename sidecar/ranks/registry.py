@@ -119,6 +119,7 @@ class Registry:
             hooks_version=reg.hooks_version,
             kubernetes=dict(reg.kubernetes),
             launcher=reg.launcher,
+            restart_safe=reg.restart_safe,
             step_times=collections.deque(maxlen=self.settings.watchdog.window),
         )
         # A rank re-registering after a sidecar restart resumes where it was, inside the phase

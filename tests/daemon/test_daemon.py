@@ -93,6 +93,7 @@ RANK_KEYS = {
     "restart_count",
     "dropped",
     "exit_reason",
+    "restart_safe",
 }
 COLLECTOR_KEYS = {"success", "duration_seconds", "age_seconds", "error"}
 

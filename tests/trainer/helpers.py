@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import PYTHON, ROOT, spawned, tail
+from tests.support import PYTHON, ROOT, free_port, spawned, tail
 
 # Small enough for seconds per run on a busy 2-core machine, long enough to checkpoint 6 times.
 TINY = [
@@ -37,32 +37,61 @@ class Run:
         return found[-1]
 
 
-def torchrun(workdir: Path, *settings: str, nproc: int = 2, max_restarts: int = 1, timeout: float = 240) -> Run:
-    """One `torchrun --standalone` job of the trainer with TINY settings plus `settings`."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    log, final = workdir / "torchrun.log", workdir / "final.pt"
+def torchrun_command(
+    workdir: Path,
+    *settings: str,
+    nproc: int = 2,
+    max_restarts: int = 1,
+    run_id: str | None = None,
+    launcher: str = "torch.distributed.run",
+) -> list[str]:
+    """A torchrun job of the trainer with TINY settings plus `settings`: `--standalone` (a fresh run
+    id each time), or a one-node c10d rendezvous with `run_id` (the same job submitted again).
+    `launcher="sidecar_trainer.launch"`: the trainer's own torchrun, workers forked from a warm server."""
+    rendezvous = (
+        ["--standalone"]
+        if run_id is None
+        else ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={run_id}"]
+    )
     cmd = [
         PYTHON,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
+        launcher,
+        *rendezvous,
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "-m",
         "sidecar_trainer",
         "--final-params",
-        str(final),
+        str(workdir / "final.pt"),
         "--set",
         f"checkpoint.dir={workdir / 'ckpt'}",
     ]
     for s in (*TINY, *settings):
         cmd += ["--set", s]
+    return cmd
+
+
+def torchrun(
+    workdir: Path,
+    *settings: str,
+    nproc: int = 2,
+    max_restarts: int = 1,
+    timeout: float = 240,
+    run_id: str | None = None,
+    log_name: str = "torchrun.log",
+    launcher: str = "torch.distributed.run",
+) -> Run:
+    """Run `torchrun_command(...)` to its end."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / log_name
+    cmd = torchrun_command(workdir, *settings, nproc=nproc, max_restarts=max_restarts, run_id=run_id, launcher=launcher)
     with spawned(cmd, log) as proc:
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"torchrun still running after {timeout}s:\n{tail(log)}")
-    return Run(code, log.read_text(errors="replace"), final)
+    return Run(code, log.read_text(errors="replace"), workdir / "final.pt")
 
 
 def trainer_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,0 +1,12 @@
+"""The bundled trainer in a worker of `python -m sidecar_trainer.launch`: torchrun's agent runs
+this file as a function (`--run-path`) in a process forked from the launcher's warm server, so it
+returns (or raises SystemExit with a failure's status) instead of leaving the process itself:
+the agent collects each worker's result before the process exits."""
+
+import sys
+
+from sidecar_trainer.__main__ import main
+
+code = main(sys.argv[1:])
+if code:
+    raise SystemExit(code)
