@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import re
 import shutil
 import signal
@@ -18,10 +19,15 @@ from sidecar.host.signals import Target, send
 from sidecar.host.stackfiles import MAX_STACK_BYTES, StackFile
 from sidecar.incidents.store import STACK_HEAD_LINES
 
-# Frames of a rank that waits for its peers: anything inside torch.distributed (faulthandler:
+# Frames of a rank that waits for its peers: inside torch.distributed (faulthandler:
 # `File ".../torch/distributed/x.py"`, py-spy: `all_reduce (torch/distributed/x.py:12)`), and
-# autograd's backward, where DDP waits for its gradient all-reduce.
+# autograd's backward, where DDP waits for its gradient all-reduce. Only the innermost run of
+# torch's own frames counts (what the rank is blocked in): torchrun's launcher and elastic's
+# `@record` wrapper sit at the bottom of every rank's stack (a worker forked by
+# `sidecar_trainer.launch` runs the script from torch/distributed/run.py), and say nothing.
 COLLECTIVE_FRAME = re.compile(r"torch[/\\]distributed[/\\]|_engine_run_backward")
+LAUNCHER_FRAME = re.compile(r"torch[/\\]distributed[/\\](elastic[/\\]|run\.py|launch\.py)")
+TORCH_FRAME = re.compile(r"(^|[/\\])torch[/\\]")
 
 _THREAD_START = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+|^Thread \d+ ", re.M)
 _MAIN_THREAD = re.compile(r'^Current thread 0x|^Thread \d+ .*"MainThread"', re.M)
@@ -49,6 +55,12 @@ _FAULTHANDLER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+
 _PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:()]+):(?P<line>\d+)\)", re.M)
 
 
+def frames(text: str) -> list[str]:
+    """Each frame of a dump (faulthandler's or py-spy's) as `file func`, innermost first."""
+    found = (_FAULTHANDLER_FRAME.match(line) or _PY_SPY_FRAME.match(line) for line in text.split("\n"))
+    return [f"{m['file']} {m['func']}" for m in found if m is not None]
+
+
 def stack_top(text: str) -> str | None:
     """The innermost frame of the main thread, as `func (file:line)`; None without a dump. Both
     faulthandler and py-spy list the most recent call first."""
@@ -68,7 +80,12 @@ def in_collective(text: str) -> bool | None:
     torch.distributed or DDP's backward); None without a dump."""
     if not text.strip():
         return None
-    return bool(COLLECTIVE_FRAME.search(main_thread(text)))
+    main = main_thread(text)
+    listed = frames(main)
+    if not listed:  # a format without frames we can read: anything torch.distributed's
+        return bool(COLLECTIVE_FRAME.search(main))
+    innermost = itertools.takewhile(TORCH_FRAME.search, listed)
+    return any(COLLECTIVE_FRAME.search(f) and not LAUNCHER_FRAME.search(f) for f in innermost)
 
 
 def file_size(stack_file: StackFile | None) -> int:
