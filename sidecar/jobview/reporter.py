@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import ipaddress
 import json
 import logging
@@ -254,8 +255,8 @@ class Reporter:
         self.bytes_sent += len(body)
         if self._is_local(link):
             assert self.local is not None
-            try:
-                return self.local.accept(report)
+            try:  # a copy: the link must hold what it was told, not the coordinator's live object
+                return copy.deepcopy(self.local.accept(report))
             except CoordinatorError as e:
                 raise RuntimeError(str(e)) from None
         answer = await self._request(link, "POST", f"/v1/jobs/{_quote(report.job_id)}/report", body)
@@ -264,7 +265,7 @@ class Reporter:
     async def _fetch_verdict(self, link: _Link, job_id: str, known: int, wait: float) -> Verdict | None:
         if self._is_local(link):
             assert self.local is not None
-            return await self.local.wait_change(job_id, known, wait)
+            return copy.deepcopy(await self.local.wait_change(job_id, known, wait))
         path = f"/v1/jobs/{_quote(job_id)}/verdict?known={known}&wait={wait:g}"
         answer = await self._request(link, "GET", path, b"", extra_timeout=wait)
         return parse_verdict(answer.get("verdict"))

@@ -35,8 +35,9 @@ from sidecar.watchdog.unkillable import Unkillable
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.1
-DUMP_STILL_SECONDS = 0.3  # a dump file that held still this long is complete
+POLL_SECONDS = 0.05
+# A dump file that held still this long is complete: faulthandler writes it from one handler call.
+DUMP_STILL_SECONDS = 0.15
 # py-spy runs at most this many at a time (each is a process, and on Python 3.11 a child-watcher
 # thread, started from the event loop): a stall of a thousand ranks must not start a thousand.
 PY_SPY_CONCURRENCY = 4

@@ -144,3 +144,41 @@ def test_the_story_merges_every_node_part_into_one_timeline():
     ]
     assert story["nodes"]["node-1"]["part"] == {"incident": "inc-1", "outcome": "killed"}
     assert story["nodes"]["node-1"]["ranks"][0]["stack_top"] == "train_step (train.py:14)"
+
+
+def test_a_node_hosting_the_coordinator_sees_its_own_dump_counted_at_once():
+    """The in-process link must hold a copy of the verdict: holding the coordinator's own object,
+    it never saw a version change, and `wait_for(everyone_dumped)` slept its 0.5 s poll (measured:
+    0.53 s between the verdict and the SIGTERM of every single-node hang in bench_recovery)."""
+    from sidecar.jobview.reporter import Reporter
+    from sidecar.watchdog.coordination import everyone_dumped
+
+    async def scenario() -> tuple[float, bool]:
+        c = Coordinator(lambda job: job == "j1", lost_after=15.0, verdict_wait=3.0, max_nodes=16, probe=None)
+        state = {"dumped": False}
+
+        def source(job_id: str):
+            r = report("node-0", rank(0), rank(1, waiting=False), world=2)
+            verdict = reporter.verdict(job_id)
+            if state["dumped"] and verdict is not None:
+                r.dumped = verdict.job_incident
+            return r
+
+        reporter = Reporter("node-0", "http://127.0.0.1:1", None, 5.0, source, local=c)
+        reporter.set_coordinator("j1", "http://127.0.0.1:1", "node-0")
+        task = asyncio.get_running_loop().create_task(reporter.run())
+        try:
+            first = await reporter.wait_for("j1", lambda v: v is not None and v.culprit is not None, 3.0)
+            assert first is not None and not first.all_dumped
+            state["dumped"] = True
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            got = await reporter.wait_for("j1", everyone_dumped, 3.0)
+            return loop.time() - start, everyone_dumped(got)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    took, dumped = asyncio.run(scenario())
+    assert dumped
+    assert took < 0.4, f"the node's own dump reached its verdict after {took:.2f}s"
