@@ -654,7 +654,9 @@ class Watchdog:
             # Observe-only never signals: py-spy's non-blocking read instead of the hooks' dump.
             observe = self.settings.watchdog.observe_only
             targets = [target_of(t.rank) for t in tracks]
-            await self.remediator.collect_stacks(scratch, targets, signal_ranks=not observe, use_py_spy=observe)
+            await self.remediator.collect_stacks(
+                scratch, targets, signal_ranks=not observe, use_py_spy=observe, continue_stopped=False
+            )
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -61,7 +61,12 @@ class Remediator:
         self.unkillable = Unkillable()  # what outlived SIGKILL, watched until it goes
 
     async def collect_stacks(
-        self, incident: Incident, targets: list[Target], signal_ranks: bool = True, use_py_spy: bool = True
+        self,
+        incident: Incident,
+        targets: list[Target],
+        signal_ranks: bool = True,
+        use_py_spy: bool = True,
+        continue_stopped: bool = True,
     ) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
         file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
@@ -72,13 +77,21 @@ class Remediator:
         non-blocking mode runs: it never stops the process. py-spy runs only for ranks a
         verified caller registered (it reads, and in blocking mode pauses, the process with
         root's authority), PY_SPY_CONCURRENCY at a time, within one shared deadline. Without
-        `use_py_spy` (a probe while a rank is only suspect) py-spy is not run."""
+        `use_py_spy` (a probe while a rank is only suspect) py-spy is not run. Without
+        `continue_stopped` (a probe) a stopped rank is left stopped and undumped: it runs nothing,
+        so it waits for no peer; continued, it could finish its step and look healthy again."""
         s = self.settings
         loop = asyncio.get_running_loop()
         by_pid = {r.pid: r for r in incident.ranks}
         sizes = dict(zip([t.pid for t in targets], await loop.run_in_executor(None, file_sizes, targets), strict=True))
         asked = []
         stopped = set(await loop.run_in_executor(None, stopped_pids, targets))
+        if not continue_stopped:
+            for t in [t for t in targets if t.pid in stopped]:
+                snap = by_pid.get(t.pid)
+                if snap is not None:
+                    snap.in_collective = False
+            targets = [t for t in targets if t.pid not in stopped]
         for t in targets:
             if t.pid in stopped:
                 incident.notes.append(

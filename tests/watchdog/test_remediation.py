@@ -140,3 +140,30 @@ async def test_the_whole_local_group_of_the_stalled_job_is_remediated(tmp_path, 
     assert p0.wait(timeout=10) and p1.wait(timeout=10)
     record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
     assert record["blamed_rank"] == 1 and "lowest step" in record["blame_reason"]
+
+
+async def test_a_probe_leaves_a_stopped_rank_stopped_and_names_it_not_waiting(tmp_path, clock, hung_rank):
+    """A suspect rank's probe must not continue a stopped rank: continued for its dump, the rank
+    of bench_recovery's goodput job finished its step, turned healthy again and restarted its
+    timeout (three times, then it crashed in the dump)."""
+    s = make_settings(tmp_path, WATCHDOG)
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    proc, stacks = hung_rank()
+    r = register_hung(registry, proc, stacks)
+    os.kill(proc.pid, signal.SIGSTOP)
+    wait_until(lambda: procs.is_stopped(proc.pid), 10, what="the rank to be stopped")
+    step(registry, r, 1, clock)
+    dog.tick()
+    clock.advance(6)  # past suspect_ratio x the 10 s floor, short of the timeout
+    dog.tick()
+    assert dog.rank_state(r) == "suspect"
+    probes = list(dog._probes.values())
+    assert probes, "a suspect rank is probed"
+    for task in probes:
+        await task
+    assert procs.is_stopped(proc.pid), "the probe left the rank stopped"
+    assert stacks.stat().st_size == 0, "the stopped rank was not continued to dump"
+    (track,) = [t for t in dog._tracks.values() if t.rank.rank == r.rank]
+    assert track.probe is not None and track.probe.waiting is False
+    os.kill(proc.pid, signal.SIGKILL)
