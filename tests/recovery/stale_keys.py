@@ -4,7 +4,8 @@ Attempt 0 forms a gloo group and rank 1 exits with an error (torchrun restarts t
 Attempt 1 looks, before forming its own group, for the address keys gloo wrote in attempt 0,
 then forms its group. Each rank writes what it saw to OUT_DIR/attempt<a>-rank<r>.json, again
 (with `formed`) once its group works.
-USE_HELPER=1 forms the group through trainer_hooks.distributed."""
+USE_HELPER=1 forms the group through trainer_hooks.distributed; the test runs USE_HELPER=0 with
+SIDECAR_ATTEMPT_STORE=0, since importing trainer_hooks installs the remedy by itself."""
 
 import json
 import os
