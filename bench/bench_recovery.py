@@ -36,6 +36,7 @@ from pathlib import Path
 
 from demo.job import JobSpec, LogEvent, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
 from demo.processes import Processes, free_port
+from sidecar_trainer.startup import MILESTONES
 
 FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0
@@ -70,18 +71,8 @@ class Run:
 
 
 # The points in time of one recovery, in order; a stage is the time between two consecutive ones.
-POINTS = (
-    "hang",
-    "detected",
-    "sigterm",
-    "ranks_gone",
-    "process_started",
-    "imports_done",
-    "process_group_formed",
-    "model_built",
-    "checkpoint_loaded",
-    "first_step",
-)
+# The sidecar's points (its incident record), then the trainer's start-up milestones.
+POINTS = ("hang", "detected", "sigterm", "ranks_gone", *MILESTONES)
 STAGES = {  # stage name (a table column) -> the point it ends at
     "detect": "detected",
     "dump": "sigterm",

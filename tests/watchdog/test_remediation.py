@@ -35,6 +35,13 @@ async def finish(dog) -> None:
     dog.tick()
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP a rank and wait until it is stopped: the stop takes effect when the kernel next
+    schedules the process, which on a loaded machine can be after the watchdog looks."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: procs.is_stopped(pid), 10, what="the rank to be stopped")
+
+
 def events(incident: dict) -> list[str]:
     return [e["event"] for e in incident["timeline"]]
 
@@ -81,10 +88,7 @@ async def test_a_stopped_rank_dumps_its_stacks_and_dies(tmp_path, clock, hung_ra
     dog = Watchdog(s, registry, clock=clock)
     proc, stacks = hung_rank()
     r = register_hung(registry, proc, stacks)
-    os.kill(proc.pid, signal.SIGSTOP)
-    # The stop takes effect when the kernel next schedules the process: on a loaded machine
-    # that can be after the watchdog looks, and the rank would then not count as stopped.
-    wait_until(lambda: procs.is_stopped(proc.pid), 10, what="the rank to be stopped")
+    stop(proc.pid)
     await stall(dog, registry, clock, [r])
     await finish(dog)
     assert proc.wait(timeout=10) in (-signal.SIGTERM, -signal.SIGKILL)
@@ -151,8 +155,7 @@ async def test_a_probe_leaves_a_stopped_rank_stopped_and_names_it_not_waiting(tm
     dog = Watchdog(s, registry, clock=clock)
     proc, stacks = hung_rank()
     r = register_hung(registry, proc, stacks)
-    os.kill(proc.pid, signal.SIGSTOP)
-    wait_until(lambda: procs.is_stopped(proc.pid), 10, what="the rank to be stopped")
+    stop(proc.pid)
     step(registry, r, 1, clock)
     dog.tick()
     clock.advance(6)  # past suspect_ratio x the 10 s floor, short of the timeout
