@@ -3,12 +3,14 @@ subprocess, stdout piped), and registering ranks on a live sidecar over its Unix
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 
 from sidecar.commands.client import UnixHTTPConnection
+from sidecar.preflight import cli
 from tests.support import ROOT, Sidecar, wait_until
 
 CLI_TIMEOUT = 180  # generous: only catches hangs on a loaded machine
@@ -108,3 +110,13 @@ def rank_state(sidecar: Sidecar, rank: int) -> str | None:
 
 def wait_for_state(sidecar: Sidecar, rank: int, state: str, timeout: float = 60.0) -> None:
     wait_until(lambda: rank_state(sidecar, rank) == state, timeout, interval=0.2, what=f"rank {rank} to be {state}")
+
+
+def preflight_args(**over) -> argparse.Namespace:
+    """The namespace `sidecar preflight` would parse, with overrides."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in over.items():
+        setattr(args, key, value)
+    return args

@@ -7,7 +7,6 @@ Before, such a node was HEALTHY and its exit status 0."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -19,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import load_settings
-from sidecar.preflight import cli, gpu_checks, node_checks
+from sidecar.preflight import gpu_checks, node_checks
 from sidecar.preflight.results import Context
 from sidecar.testing import fake_nvml, fake_nvml_lib
-from tests.ops.helpers import post, run_cli
+from tests.ops.helpers import post, preflight_args, run_cli
 from tests.support import Sidecar, wait_until
 
 FAKE = "collectors.nvml_module=sidecar.testing.fake_nvml_lib"
@@ -148,19 +147,10 @@ def test_gpu_memory_held_by_a_worker_of_a_gone_rank_makes_the_node_unfit_until_t
             os.kill(worker, signal.SIGKILL)
 
 
-def _args(**over) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args([])
-    for key, value in over.items():
-        setattr(args, key, value)
-    return args
-
-
 def test_preflight_fails_on_a_node_its_sidecar_finds_unfit(tmp_path):
     with Sidecar(tmp_path, FAKE, "collectors.expected_gpus=4", env=gpus(tmp_path, 2)) as sidecar:
         wait_until(lambda: unfit(sidecar, "gpu_missing"), 30)
-        (result,) = node_checks.check_sidecar(Context(_args(socket=sidecar.socket), load_settings(environ={})))
+        (result,) = node_checks.check_sidecar(Context(preflight_args(socket=sidecar.socket), load_settings(environ={})))
         assert result.outcome == "FAIL" and "finds this node unfit: gpu_missing: 2 of 4" in result.detail
         assert "runbook.md#sidecarnodeunfit" in result.hint
 
@@ -179,5 +169,5 @@ def test_preflight_counts_gpus_against_the_expected_gpus_setting_when_no_flag_is
         overrides={"collectors.nvml_module": "sidecar.testing.fake_nvml_lib", "collectors.expected_gpus": 4},
         environ={},
     )
-    (result,) = gpu_checks.check_gpu_count(Context(_args(), settings))
+    (result,) = gpu_checks.check_gpu_count(Context(preflight_args(), settings))
     assert result.outcome == "FAIL" and result.detail == "2 GPUs visible, expected 4"

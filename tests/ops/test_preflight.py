@@ -4,17 +4,16 @@ rendezvous, strictness) on controlled inputs."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 
 import pytest
 
 from sidecar.config import load_settings
-from sidecar.preflight import cli, gpu_checks, node_checks, peers
+from sidecar.preflight import gpu_checks, node_checks, peers
 from sidecar.preflight.results import Context, Result, exit_code
 from sidecar.testing import fake_nvml, fake_nvml_lib
-from tests.ops.helpers import Rank, run_cli
+from tests.ops.helpers import Rank, preflight_args, run_cli
 from tests.support import Sidecar, free_port, wait_until
 
 CHECKS = [
@@ -34,18 +33,8 @@ CHECKS = [
 ]
 
 
-def _args(**over) -> argparse.Namespace:
-    """The namespace `sidecar preflight` would parse, with overrides."""
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args([])
-    for key, value in over.items():
-        setattr(args, key, value)
-    return args
-
-
 def _run(check, settings=None, **over) -> list[Result]:
-    return list(check(Context(_args(**over), settings or load_settings(environ={}))))
+    return list(check(Context(preflight_args(**over), settings or load_settings(environ={}))))
 
 
 def test_every_check_runs_and_reports_without_a_gpu(tmp_path):
