@@ -120,13 +120,17 @@ def anatomy(hang: float, last_step: int | None, incident: dict | None, startup: 
             if when is not None:
                 points[point] = when
     out = Anatomy(points)
-    after = points.get("ranks_gone", hang)
+    # The restarted attempt starts after the SIGTERM; the sidecar sees the ranks gone at its next
+    # look (every 0.05 s), sometimes after torchrun has started their successors.
+    after = points.get("sigterm", hang)
     for e in startup:
         milestone, when = e.fields["milestone"], e.fields["t"]
         if milestone in POINTS and milestone not in points and when >= after:
             points[milestone] = when
             if milestone == "checkpoint_loaded":
                 out.resumed_step, out.source = e.fields.get("step"), e.fields.get("source")
+    if "ranks_gone" in points and points.get("process_started", points["ranks_gone"]) < points["ranks_gone"]:
+        points["ranks_gone"] = points["process_started"]  # they were gone by then
     if out.resumed_step is not None and last_step is not None:
         out.redone_steps = max(0, last_step - out.resumed_step)
     return out
@@ -280,6 +284,44 @@ class Goodput:
     wall: float
     step_seconds: float  # the median healthy step time
     anatomies: list[Anatomy]
+    hang_seconds: float  # wall time of the hung steps and the first step after each resume, beyond a healthy step
+    slow_seconds: float  # wall time of every other step beyond the median (a slower machine, the snapshot writer)
+    steal: float | None  # share of the CPUs' time the hypervisor took during the run (/proc/stat)
+    live: dict[str, float]  # the sidecar's own sidecar_job_seconds_total{state} for the job at its end
+
+
+def cpu_times() -> list[int] | None:
+    """The `cpu` line of /proc/stat (user nice system idle iowait irq softirq steal ...), in ticks."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    if not before or not after or len(before) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=False)]
+    total = sum(spent[:8])  # guest time is already counted in user
+    return spent[7] / total if total > 0 else None
+
+
+def live_goodput(client: SidecarClient) -> dict[str, float]:
+    """sidecar_job_seconds_total{state} from the sidecar's /metrics for the one job it saw (a
+    --standalone torchrun names its job with a fresh id): the goodput the product reports, next
+    to the benchmark's own measure."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    code, body = client.get("/metrics", timeout=10)
+    if code != 200:
+        return {}
+    jobs: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == "sidecar_job_seconds_total":
+                jobs.setdefault(sample.labels["job_id"], {})[sample.labels["state"]] = sample.value
+    return max(jobs.values(), key=lambda states: sum(states.values()), default={})
 
 
 def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
@@ -320,6 +362,7 @@ def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
                 elif e.kind == "startup":
                     startup.append(e)
 
+        cpu_before = cpu_times()
         while train.poll() is None and time.monotonic() < deadline:
             read_log()
             first = first or (step_times[0][1] if step_times else None)
@@ -335,18 +378,28 @@ def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
                     next_hang = now + 60
             time.sleep(0.2)
         read_log()
+        steal = steal_share(cpu_before, cpu_times())
         if train.poll() != 0:
             raise RuntimeError(f"the goodput job did not finish (exit {train.poll()}); see {workdir}")
-    gaps = [b[1] - a[1] for a, b in zip(step_times, step_times[1:], strict=False) if b[0] == a[0] + 1]
+        live = live_goodput(client)
+    pairs = [(b[0], b[1] - a[1]) for a, b in zip(step_times, step_times[1:], strict=False) if b[0] == a[0] + 1]
+    gaps = [gap for _, gap in pairs]
     healthy = statistics.median(gaps)
     wall = step_times[-1][1] - step_times[0][1]
+    # The steps a hang delays: the hung one, and the first after the resume (which waited for the restart).
+    hung = {step for step, gap in pairs if gap > 1.0}
+    hung |= {step + 1 for step in hung}
+    hang_seconds = sum(gap - healthy for step, gap in pairs if step in hung)
+    slow_seconds = sum(gap - healthy for step, gap in pairs if step not in hung and gap > healthy)
     incidents = incidents_in(workdir / "diag")
     anatomies = []
     for hang in hang_times:
         incident = next((i for i in incidents if i["time"] > hang), None)
         last = max((step for step, t in step_times if t <= hang), default=None)
         anatomies.append(anatomy(hang, last, incident, startup))
-    return Goodput(steps * healthy / wall, len(hang_times), wall, healthy, anatomies)
+    return Goodput(
+        steps * healthy / wall, len(hang_times), wall, healthy, anatomies, hang_seconds, slow_seconds, steal, live
+    )
 
 
 def progress(run: Run) -> None:
@@ -442,6 +495,20 @@ def main(argv: list[str] | None = None) -> int:
             f"({goodput.hangs} hangs, all recovered by the sidecar; healthy step {goodput.step_seconds:.3f}s); "
             f"{load_before} before, {load_average()} after"
         )
+        steal = "unknown" if goodput.steal is None else f"{goodput.steal:.1%}"
+        print(
+            f"  the {goodput.wall:.0f}s: useful steps {goodput.wall * goodput.share:.1f}s, hangs and their recoveries "
+            f"{goodput.hang_seconds:.1f}s, steps slower than the median {goodput.slow_seconds:.1f}s "
+            f"(CPU time taken by the hypervisor meanwhile: {steal})"
+        )
+        live = goodput.live
+        if live and sum(live.values()) > 0:
+            print(
+                f"  the sidecar's own goodput for the job (sidecar_job_seconds_total): "
+                f"{live.get('productive', 0.0) / sum(live.values()):.1%} productive of {sum(live.values()):.0f}s ("
+                + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(live.items()))
+                + ")"
+            )
     return 0 if all(r.passed for r in runs) and (runs or goodput is not None) else 1
 
 

@@ -16,6 +16,8 @@ modules once, when the first attempt starts (`set_forkserver_preload`); every at
 are forks of it, torch already in memory. Forking before any CUDA call is safe (the server never
 touches a device). The server is a child of torchrun's agent and lives as long as it; workers are
 not process group leaders, so the sidecar signals each rank with its descendants.
+
+It also takes half a second off every rendezvous of the agent (`fast_rendezvous_event_names`).
 """
 
 from __future__ import annotations
@@ -27,17 +29,48 @@ import threading
 from pathlib import Path
 
 # What the server imports once for all attempts: torch, what the first optimizer step and DDP
-# would import (torch._dynamo), FSDP2 and DTensor, the trainer and the hooks.
+# would import (torch._dynamo), FSDP2 and DTensor, the trainer (its entry point and the demo model too:
+# where no bytecode is written, PYTHONDONTWRITEBYTECODE, each worker would compile them) and the hooks.
 PRELOAD = [
     "torch",
     "torch._dynamo",
     "torch.nn.parallel",
     "torch.distributed.fsdp",
     "sidecar_trainer.train",
+    "sidecar_trainer.__main__",
+    "sidecar_trainer.demo",
     "trainer_hooks",
 ]
 TRAINER = "sidecar_trainer"
 WORKER = Path(__file__).with_name("forked_worker.py")
+
+
+def _frame_function_name(depth: int = 2) -> str:
+    """What torch's `dynamic_rendezvous.get_method_name(depth)` returns, read from the frame
+    itself: the name of the function `depth` frames up from this one."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # the stack is not that deep
+        return "no_method_name"
+
+
+def fast_rendezvous_event_names() -> bool:
+    """Make the agent's rendezvous name its events without `inspect.stack()`.
+
+    torch's dynamic rendezvous (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py) names
+    each event it records after the calling method, with `inspect.stack()[depth].function`, twice
+    per event and whether or not anything listens; `inspect.stack()` reads the source context of
+    every frame on the stack: 0.1-0.15 s a call in the agent, about 0.5 s of every rendezvous, so
+    of every restart (bench_recovery's `restart` stage). The name is the same when read from the
+    frame. False, changing nothing, when this torch has no such function."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:
+        return False
+    if not callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        return False
+    dynamic_rendezvous.get_method_name = _frame_function_name  # type: ignore[attr-defined]
+    return True
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:
@@ -63,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
     forwarded = torchrun_argv(list(sys.argv[1:] if argv is None else argv))
     multiprocessing.set_forkserver_preload(PRELOAD)
+    fast_rendezvous_event_names()
     # The agent reports a function worker's failure with its traceback, and torch's log formatter
     # imports torch._dynamo for that (2-3 s here, at the first restart); import it while the
     # first attempt starts instead.

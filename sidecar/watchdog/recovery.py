@@ -118,7 +118,13 @@ class Recoveries:
             changed = False
             if new:
                 formed = _event_time(new, "rendezvous_done")
-                changed |= self._set(f, "started", min(self._started(r) for r in new))
+                started = min(self._started(r) for r in new)
+                changed |= self._set(f, "started", started)
+                gone, sent = f.milestones.get("ranks_gone"), f.milestones.get("kill_sent")
+                if gone is not None and started < gone and (sent is None or started >= sent):
+                    # Seen gone only at the next look (every 0.05 s), after the launcher had already
+                    # started their successors: they were gone by then.
+                    f.milestones["ranks_gone"] = started
                 changed |= self._set(f, "group_formed", formed)
                 loaded = _event(new, "checkpoint_loaded")
                 if loaded is not None:

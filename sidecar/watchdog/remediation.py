@@ -23,6 +23,7 @@ from sidecar.host.signals import Refused, Target, descendants_of, send, send_mem
 from sidecar.incidents.store import Incident
 from sidecar.watchdog.stackdumps import (
     ask_for_stacks,
+    at_rest,
     file_sizes,
     in_collective,
     py_spy_dump,
@@ -37,7 +38,10 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
 # A dump file that held still this long is complete: faulthandler writes it from one handler call.
+# Sooner, at one poll of DUMP_POLL_SECONDS, when no thread of the ranks asked runs (`at_rest`):
+# a rank blocked in a collective or stopped goes back to sleep as soon as its handler returns.
 DUMP_STILL_SECONDS = 0.15
+DUMP_POLL_SECONDS = 0.02
 # py-spy runs at most this many at a time (each is a process, and on Python 3.11 a child-watcher
 # thread, started from the event loop): a stall of a thousand ranks must not start a thousand.
 PY_SPY_CONCURRENCY = 4
@@ -130,7 +134,8 @@ class Remediator:
                 [sizes[t.pid] for t in asked],
                 still_for=DUMP_STILL_SECONDS,
                 at_most=s.dump_wait_seconds,
-                poll=POLL_SECONDS,
+                poll=DUMP_POLL_SECONDS,
+                writers_at_rest=functools.partial(at_rest, [t.pid for t in asked]),
             )
         got = []
         for t in asked:

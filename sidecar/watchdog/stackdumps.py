@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import re
 import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sidecar.host.signals import Target, send
@@ -135,22 +136,56 @@ def ask_for_stacks(target: Target, stack_signal: int, stopped: bool) -> None:
         send(target, signal.SIGCONT, "process")
 
 
+def at_rest(pids: Sequence[int], proc: str = "/proc") -> bool:
+    """Whether no thread of these processes is running, runnable (R) or in a disk wait (D). A
+    signal handler at work, faulthandler writing a dump into a file, is one or the other; once
+    every thread sleeps (S), is stopped (T) or is gone, no handler is writing. False when a
+    process cannot be read: the caller then relies on the file holding still."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"{proc}/{pid}/task")
+        except OSError:
+            return False
+        for tid in tids:
+            try:
+                with open(f"{proc}/{pid}/task/{tid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # the thread ended meanwhile
+            if state in (b"R", b"D"):
+                return False
+    return True
+
+
 async def wait_until_written(
-    files: Sequence[StackFile | None], sizes_before: Sequence[int], *, still_for: float, at_most: float, poll: float
+    files: Sequence[StackFile | None],
+    sizes_before: Sequence[int],
+    *,
+    still_for: float,
+    at_most: float,
+    poll: float,
+    writers_at_rest: Callable[[], bool] | None = None,
 ) -> bool:
     """Wait until every file has grown past its size before and then kept one size for
-    `still_for` seconds (its writer is done), or `at_most` seconds. True when they settled."""
+    `still_for` seconds (its writer is done), or `at_most` seconds. With `writers_at_rest`,
+    one poll of the same size is enough when it says the writers are idle (`at_rest`): no
+    handler is still writing. True when they settled."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + at_most
     last: list[int] | None = None
     still_since: float | None = None
+
+    def look() -> tuple[list[int], bool]:  # one executor hop for the sizes and the writers
+        sizes = [file_size(f) for f in files]
+        return sizes, writers_at_rest is not None and sizes == last and writers_at_rest()
+
     while loop.time() < deadline:
-        sizes = await loop.run_in_executor(None, lambda: [file_size(f) for f in files])  # one executor hop
+        sizes, resting = await loop.run_in_executor(None, look)
         grown = all(size > before for size, before in zip(sizes, sizes_before, strict=True))
         if grown and sizes == last:
             if still_since is None:
                 still_since = loop.time()
-            if loop.time() - still_since >= still_for:
+            if resting or loop.time() - still_since >= still_for:
                 return True
         else:
             still_since = None

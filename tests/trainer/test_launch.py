@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from sidecar_trainer.launch import WORKER, torchrun_argv
+from sidecar_trainer.launch import WORKER, _frame_function_name, fast_rendezvous_event_names, torchrun_argv
 from tests.support import PYTHON, ROOT
 from tests.trainer.helpers import torchrun
 
@@ -28,6 +28,27 @@ def test_the_launcher_passes_torchruns_options_on_and_runs_the_trainer_as_a_fork
         "--set",
         "a.b=1",
     ]
+
+
+def test_the_launchers_rendezvous_names_its_events_as_torch_does_without_inspect_stack(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torchs = dynamic_rendezvous.get_method_name
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs)  # undone after the test
+
+    def record(depth: int) -> tuple[str, str]:  # where torch calls it: a method recording an event
+        return torchs(depth), _frame_function_name(depth)
+
+    def the_callers_method(depth: int) -> tuple[str, str]:
+        return record(depth)
+
+    for depth in (1, 2, 3, 10_000):  # 0 is the function itself; 10_000 is past the stack's end
+        assert record(depth)[0] == record(depth)[1]
+    assert the_callers_method(2) == ("the_callers_method", "the_callers_method")
+    assert record(10_000) == ("no_method_name", "no_method_name")
+
+    assert fast_rendezvous_event_names()
+    assert dynamic_rendezvous.get_method_name is _frame_function_name
 
 
 def test_the_launcher_refuses_any_other_script_and_says_what_to_use():

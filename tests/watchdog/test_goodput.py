@@ -81,3 +81,17 @@ def test_a_recovery_is_followed_stage_by_stage_and_unknown_stages_stay_unknown()
     assert r["hang_to_training_seconds"] == 12.0 and r["steps_redone"] == 50 and r["complete"]
     assert rec.histograms["detect"][2] == 1 and "rendezvous" not in rec.histograms
     assert "recovery  hang -> training again 12.00s" in inc.text()
+
+
+def test_ranks_seen_gone_after_their_successors_started_count_as_gone_when_those_started():
+    saved = []
+    rec = Recoveries(saved.append, wall=lambda: 1020.0, boot_time=1000.0)
+    inc = incident()  # SIGTERM at 1006.0, the exit seen at 1006.2
+    rec.start(inc, [], hang_step=200, step_time=0.1)
+    new = rank(0, None, 0.0, registered=1006.3)
+    new.pid_start_time = 6.1  # the launcher restarted it at 1006.1, before the sidecar looked again
+    rec.tick({"j1": [new]})
+    assert inc.recovery is not None
+    assert inc.recovery["milestones"]["ranks_gone"] == 1006.1
+    stages = inc.recovery["stages_seconds"]
+    assert (stages["kill"], stages["restart"]) == (0.1, 0.0)  # known, not left unknown as a negative span
