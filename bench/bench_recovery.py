@@ -3,7 +3,7 @@ next to torchrun on its own.
 
     python -m bench.bench_recovery            # 3 runs with the sidecar + 1 with torchrun alone (~3 min)
     python -m bench.bench_recovery --runs 5   # more runs
-    python -m bench.bench_recovery --long     # also: goodput of a 5-minute job hit by a hang every minute
+    python -m bench.bench_recovery --long     # also: goodput of a ~5.5-minute job hit by a hang every minute (5 hangs)
     python -m bench.bench_recovery --pid-namespace   # as root: each run also with torchrun in its own
                                                      # pid namespace (a pod without hostPID)
 
@@ -284,6 +284,7 @@ class Goodput:
     wall: float
     step_seconds: float  # the median healthy step time
     anatomies: list[Anatomy]
+    per_minute: float | None  # goodput from the first hang to the last: whole minutes with one hang each
     hang_seconds: float  # wall time of the hung steps and the first step after each resume, beyond a healthy step
     slow_seconds: float  # wall time of every other step beyond the median (a slower machine, the snapshot writer)
     steal: float | None  # share of the CPUs' time the hypervisor took during the run (/proc/stat)
@@ -332,7 +333,9 @@ def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
     sidecar = SidecarSpec(
         floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS, extra=[f"remediation.max_per_window={minutes + 2}"]
     )
-    steps = int(minutes * 60 / 0.12)
+    # Long enough that the last hang (at `minutes` minutes) always comes: a faster recovery must not
+    # mean one hang fewer. About `minutes` minutes of steps at this machine's ~0.108 s a step.
+    steps = int(minutes * 60 / 0.105)
     job = JobSpec(
         steps=steps,
         fault="none",
@@ -397,8 +400,21 @@ def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
         incident = next((i for i in incidents if i["time"] > hang), None)
         last = max((step for step, t in step_times if t <= hang), default=None)
         anatomies.append(anatomy(hang, last, incident, startup))
+    per_minute = None
+    if len(hang_times) > 1:  # the steps finished between the first hang and the last
+        inside = sum(1 for _, t in step_times if hang_times[0] <= t < hang_times[-1])
+        per_minute = inside * healthy / (hang_times[-1] - hang_times[0])
     return Goodput(
-        steps * healthy / wall, len(hang_times), wall, healthy, anatomies, hang_seconds, slow_seconds, steal, live
+        steps * healthy / wall,
+        len(hang_times),
+        wall,
+        healthy,
+        anatomies,
+        per_minute,
+        hang_seconds,
+        slow_seconds,
+        steal,
+        live,
     )
 
 
@@ -495,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
             f"({goodput.hangs} hangs, all recovered by the sidecar; healthy step {goodput.step_seconds:.3f}s); "
             f"{load_before} before, {load_average()} after"
         )
+        if goodput.per_minute is not None:
+            print(
+                f"  steady state, from the first hang to the last ({goodput.hangs - 1} whole minutes, each with its "
+                f"hang): {goodput.per_minute:.1%}"
+            )
         steal = "unknown" if goodput.steal is None else f"{goodput.steal:.1%}"
         print(
             f"  the {goodput.wall:.0f}s: useful steps {goodput.wall * goodput.share:.1f}s, hangs and their recoveries "

@@ -246,7 +246,13 @@ class WatchdogSettings:
     observe_only: bool = field(
         default=False, metadata=doc("Detect, record and alert on stalls but never signal a process.")
     )
-    check_interval_seconds: float = field(default=0.5, metadata=doc("How often rank states are evaluated."))
+    check_interval_seconds: float = field(
+        default=0.5,
+        metadata=doc(
+            "How often rank states are evaluated; a rank about to reach its suspect threshold or its timeout "
+            "is evaluated when it does, not up to an interval later."
+        ),
+    )
     startup_timeout_seconds: float = field(
         default=900.0,
         metadata=doc("Budget from registration to the first step (imports, rendezvous, data loading, first compile)."),

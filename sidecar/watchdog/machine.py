@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
@@ -66,6 +67,9 @@ log = logging.getLogger(__name__)
 
 ACCOUNT_EVERY_SECONDS = 1.0  # goodput and recoveries are read this often (not every tick)
 LIVENESS_CHECKS_PER_TICK = 64  # ranks whose process is checked per tick, in turn (bounds a tick's cost)
+MIN_TICK_SECONDS = 0.01  # the shortest sleep between two ticks
+DUE_SLACK_SECONDS = 0.002  # a tick woken for a threshold lands just past it, not a hair before
+EARLY_TICK_COST_RATIO = 10.0  # an early tick comes no sooner than 10x the last tick's cost: <= 10% of the loop
 
 
 class RankState(enum.Enum):
@@ -204,6 +208,7 @@ class Watchdog:
         self._episodes: dict[str, _Episode] = {}
         self.timeouts = Timeouts(settings.watchdog)
         self._liveness_cursor = 0
+        self._next_due = math.inf  # clock time at which a watched rank next crosses a threshold
         # Told of each rank its remediation is about to signal (the exit tracker: its exit is then
         # the watchdog's doing, not a failure of its own).
         self.on_remediating: Callable[[Rank, str], None] | None = None
@@ -230,13 +235,24 @@ class Watchdog:
         interval = self.settings.watchdog.check_interval_seconds
         try:
             while True:
+                started = time.perf_counter()
                 try:
                     self.tick()
                 except Exception:
                     log.exception("watchdog tick failed")
-                await asyncio.sleep(interval)
+                await asyncio.sleep(self.next_tick_in(interval, time.perf_counter() - started))
         finally:
             await self.close()
+
+    def next_tick_in(self, interval: float, tick_seconds: float = 0.0) -> float:
+        """Seconds to the next tick: `interval`, or sooner when a rank's timeout (or its suspect
+        threshold) runs out before then, so that a stall is seen when it is one and not up to an
+        interval later. Only a rank about to cross one wakes the loop early; one that keeps
+        stepping is far from both. An early tick waits at least EARLY_TICK_COST_RATIO times
+        what the last tick took (`tick_seconds`): ranks whose thresholds fall one after another
+        (many ranks, or a user registering them on purpose) cannot make ticks take the loop."""
+        due = self._next_due - self.clock() + DUE_SLACK_SECONDS
+        return min(interval, max(MIN_TICK_SECONDS, EARLY_TICK_COST_RATIO * tick_seconds, due))
 
     async def close(self) -> None:
         tasks = [e.task for e in self._episodes.values() if e.task and not e.task.done()]
@@ -251,6 +267,7 @@ class Watchdog:
         LIVENESS_CHECKS_PER_TICK ranks in turn, plus every rank about to change to a worse state
         and every rank being remediated."""
         now = self.clock()
+        self._next_due = math.inf
         present = set()
         ranks = self.registry.ranks()
         n, per_tick = len(ranks), LIVENESS_CHECKS_PER_TICK
@@ -301,12 +318,15 @@ class Watchdog:
         if track.state is RankState.REMEDIATING:
             return
         d = self.deadline(rank, now)
+        suspect_at = self.settings.watchdog.suspect_ratio * d.timeout
         if d.age >= d.timeout:
             wanted = RankState.STALLED
-        elif d.age >= self.settings.watchdog.suspect_ratio * d.timeout:
+        elif d.age >= suspect_at:
             wanted = RankState.SUSPECT
+            self._next_due = min(self._next_due, now + d.timeout - d.age)
         else:
             wanted = RankState.STARTING if rank.step is None else RankState.HEALTHY
+            self._next_due = min(self._next_due, now + suspect_at - d.age)
         if wanted is RankState.STARTING and track.state is RankState.HEALTHY:
             wanted = RankState.HEALTHY  # a started rank never goes back to starting
         if wanted in (RankState.SUSPECT, RankState.STALLED) and wanted is not track.state and not check_liveness:

@@ -216,3 +216,50 @@ async def test_rank_state_metric_has_one_series_per_state(world, clock):
     fam = next(f for f in dog.families() if f.name == "sidecar_rank_state")
     current = {s.labels["state"]: s.value for s in fam.samples}
     assert current == {"starting": 1, "healthy": 0, "suspect": 0, "stalled": 0, "remediating": 0, "gone": 0}
+
+
+async def test_the_next_tick_comes_when_a_rank_crosses_a_threshold_not_an_interval_later(world, clock):
+    _, registry, dog, pid = world  # floor 10 s, suspect at half
+    interval = 1.0
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    assert dog.next_tick_in(interval) == interval  # 5 s to go before suspect: a plain interval
+
+    clock.advance(4.7)
+    dog.tick()
+    wait = dog.next_tick_in(interval)
+    assert 0.3 <= wait < 0.31  # woken as the rank turns suspect (at 5.0 s), not at 5.7 s
+    clock.advance(wait)
+    dog.tick()
+    assert state(dog, r) == "suspect"
+
+    clock.advance(4.6)  # 9.6 s without progress
+    dog.tick()
+    wait = dog.next_tick_in(interval)
+    assert 0.4 <= wait < 0.41
+    clock.advance(wait)
+    dog.tick()
+    assert state(dog, r) == "stalled"  # at 10.0 s, the timeout itself
+
+
+async def test_a_stepping_rank_never_shortens_the_interval(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    for n in range(1, 30):
+        step(registry, r, n, clock)
+        dog.tick()
+        assert dog.next_tick_in(0.5) == 0.5
+        clock.advance(0.3)
+
+
+async def test_early_ticks_are_spaced_by_what_a_tick_costs(world, clock):
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    clock.advance(4.99)  # the suspect threshold 10 ms away
+    dog.tick()
+    assert dog.next_tick_in(1.0, tick_seconds=0.0001) < 0.02
+    assert dog.next_tick_in(1.0, tick_seconds=0.03) == pytest.approx(0.3)  # ten times the tick's cost
+    assert dog.next_tick_in(1.0, tick_seconds=0.5) == 1.0  # never past the interval
