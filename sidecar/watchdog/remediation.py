@@ -73,7 +73,8 @@ class Remediator:
         continue_stopped: bool = True,
     ) -> None:
         """Ask each rank for its Python stacks, run py-spy alongside, and keep what each dump
-        file gained. A stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
+        file gained. A stopped rank that py-spy may read (verified, py-spy on) is read by py-spy
+        alone, still stopped. Any other stopped rank gets the dump signal and SIGCONT, and SIGSTOP again as
         soon as its dump file has grown and held still (at most STOPPED_RUN_MAX_SECONDS): a stopped
         process runs no signal handler, and sending SIGSTOP at once would stop it again before
         the handler's first instruction, while continuing it for the whole dump wait would let
@@ -96,15 +97,25 @@ class Remediator:
                 if snap is not None:
                     snap.in_collective = False
             targets = [t for t in targets if t.pid not in stopped]
+        spying = bool(s.py_spy and use_py_spy and py_spy_path())
+        # A stopped rank py-spy may read is read where it stands, never continued: continued for
+        # faulthandler, all its threads run again while the handler walks their frames, and a rank
+        # stopped inside Python code crashed so (SIGSEGV, bench_recovery's goodput job, 1 hang in 5).
+        spied_in_place = {t.pid for t in targets if t.pid in stopped and spying and t.verified}
         for t in targets:
-            if t.pid in stopped:
+            if t.pid in spied_in_place:
+                incident.notes.append(
+                    f"rank {t.rank} (pid {t.pid}) was stopped (SIGSTOP or a tracer); its stacks read by py-spy "
+                    "where it stands, without continuing it"
+                )
+            elif t.pid in stopped:
                 incident.notes.append(
                     f"rank {t.rank} (pid {t.pid}) was stopped (SIGSTOP or a tracer); "
                     "continued only to dump its stacks, then stopped again"
                 )
         if signal_ranks and s.dump_stacks:
             for t in targets:
-                if not (t.stack_signal and t.stack_file):
+                if not (t.stack_signal and t.stack_file) or t.pid in spied_in_place:
                     continue
                 try:
                     await loop.run_in_executor(None, ask_for_stacks, t, t.stack_signal, t.pid in stopped)
@@ -122,7 +133,7 @@ class Remediator:
             incident.event("dumps_requested", ranks=[t.rank for t in asked])
         spy = None
         spied = [t for t in targets if t.verified]
-        if s.py_spy and use_py_spy and py_spy_path() and spied:
+        if spying and spied:
             timeout = max(5.0, s.dump_wait_seconds + 3.0)
             deadline = loop.time() + timeout
             spy = asyncio.gather(
@@ -155,6 +166,8 @@ class Remediator:
                     snap.py_spy = text
                     if snap.in_collective is None and not text.startswith("py-spy "):
                         snap.in_collective = in_collective(text)
+                        if not snap.stack_head:  # no faulthandler dump (a stopped rank read in place)
+                            snap.stack_head = stack_head(text)
             incident.event("py_spy_done")
 
     async def _py_spy(self, pid: int, deadline: float, nonblocking: bool) -> str:

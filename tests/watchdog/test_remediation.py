@@ -14,7 +14,8 @@ from sidecar.host import procs
 from sidecar.problems import Kind
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
-from tests.support import make_settings, wait_until
+from sidecar.watchdog.stackdumps import py_spy_path
+from tests.support import PYTHON, make_settings, wait_until
 from tests.watchdog.helpers import WATCHDOG, register_hung, step
 
 pytestmark = pytest.mark.asyncio
@@ -40,6 +41,22 @@ def stop(pid: int) -> None:
     schedules the process, which on a loaded machine can be after the watchdog looks."""
     os.kill(pid, signal.SIGSTOP)
     wait_until(lambda: procs.is_stopped(pid), 10, what="the rank to be stopped")
+
+
+# A rank stopped in the middle of Python code: it writes a byte per loop to `beats`.
+SPINNING_RANK = r"""
+import faulthandler, signal, sys
+dump = open(sys.argv[1], "a")
+faulthandler.register(signal.SIGUSR2, file=dump, all_threads=True)
+beats = open(sys.argv[2], "a", buffering=1)
+def spin_in_python():
+    n = 0
+    while True:
+        n += 1
+        if n % 100000 == 0:
+            beats.write("x\n")
+spin_in_python()
+"""
 
 
 def events(incident: dict) -> list[str]:
@@ -94,6 +111,30 @@ async def test_a_stopped_rank_dumps_its_stacks_and_dies(tmp_path, clock, hung_ra
     assert proc.wait(timeout=10) in (-signal.SIGTERM, -signal.SIGKILL)
     record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
     assert record["ranks"][0]["stack_head"], "the stopped rank dumped its stacks"
+
+
+@pytest.mark.skipif(py_spy_path() is None, reason="needs py-spy (installed with the dev extras)")
+async def test_a_stopped_rank_is_read_by_py_spy_where_it_stands_and_never_runs_again(tmp_path, clock, spawn):
+    """Continued for faulthandler, a rank stopped inside Python code ran again while the handler
+    walked its threads' frames, and crashed (SIGSEGV) in bench_recovery's goodput job."""
+    s = make_settings(tmp_path, WATCHDOG, **{"remediation.py_spy": True})
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    stacks, beats = tmp_path / "rank.stacks", tmp_path / "beats"
+    proc = spawn([PYTHON, "-c", SPINNING_RANK, str(stacks), str(beats)])
+    wait_until(lambda: beats.exists() and beats.stat().st_size > 0, 30, what="the rank spinning")
+    r = register_hung(registry, proc, stacks)
+    stop(proc.pid)
+    beaten = beats.stat().st_size
+    await stall(dog, registry, clock, [r])
+    await finish(dog)
+    assert proc.wait(timeout=10) in (-signal.SIGTERM, -signal.SIGKILL)
+    assert beats.stat().st_size == beaten, "the stopped rank ran again before its kill"
+    assert stacks.stat().st_size == 0, "no faulthandler dump was asked of it"
+    record = json.loads(Path(dog.incidents()[0]["path"]).read_text())
+    (rank,) = record["ranks"]
+    assert "spin_in_python" in rank["py_spy"] and any("spin_in_python" in line for line in rank["stack_head"])
+    assert any("read by py-spy where it stands" in note for note in record["notes"])
 
 
 async def test_observe_only_records_and_counts_but_never_signals(tmp_path, clock, hung_rank):
