@@ -69,7 +69,7 @@ def fast_rendezvous_event_names() -> bool:
         return False
     if not callable(getattr(dynamic_rendezvous, "get_method_name", None)):
         return False
-    dynamic_rendezvous.get_method_name = _frame_function_name  # type: ignore[attr-defined]
+    dynamic_rendezvous.get_method_name = _frame_function_name
     return True
 
 
