@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sidecar.commands.client import resolve_endpoint
+from sidecar.watchdog.stackdumps import py_spy_path
 from tests.ops.helpers import Rank, run_cli, wait_for_state
 from tests.support import ROOT, Sidecar, free_port, wait_until
 
@@ -184,10 +185,25 @@ def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
                 break
         assert frames == 2
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        # Keep reading while it exits: a watcher that wrote on into a pipe nobody empties would
+        # block in its last flush, and the test would wait for a hang of its own making.
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after Ctrl-C; where it is:\n{stacks_of(proc.pid)}")
+        assert proc.returncode == 0, err
     finally:
         proc.kill()
         proc.wait()
+
+
+def stacks_of(pid: int) -> str:
+    """py-spy's dump of a process that did not exit (for the failure message)."""
+    spy = py_spy_path()
+    if spy is None:
+        return "(py-spy not installed)"
+    done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+    return done.stdout + done.stderr
 
 
 class _Terminal:
@@ -213,6 +229,20 @@ class _Terminal:
                     break
         return self.output
 
+    def wait_reading(self, timeout: float) -> int:
+        """Wait for the process to exit, reading what it writes meanwhile (a full terminal
+        would block its last writes, and with them its exit)."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                pytest.fail(f"still running {timeout:g} s later; where it is:\n{stacks_of(self.proc.pid)}")
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.output += os.read(self.master, 65536)
+                except OSError:  # EIO: the process closed the terminal and is leaving
+                    time.sleep(0.05)
+        return self.proc.returncode
+
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
@@ -237,6 +267,6 @@ def test_on_a_terminal_watch_redraws_on_the_alternate_screen_until_ctrl_c(health
         out = term.read_until(b"Problems", count=2)
         assert out.count(b"Problems") >= 2 and b"\x1b[?1049h" in out
         term.proc.send_signal(signal.SIGINT)
-        assert term.proc.wait(timeout=60) == 0
+        assert term.wait_reading(60) == 0
     finally:
         term.close()
