@@ -437,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         "--pg-timeout", type=float, default=30.0, help="collective timeout for the torchrun-alone run (default 30 s)"
     )
     p.add_argument("--skip-alone", action="store_true", help="skip the torchrun-alone run")
-    p.add_argument("--long", action="store_true", help="also measure goodput under a hang every minute (5 min)")
+    p.add_argument(
+        "--long", action="store_true", help="also measure goodput under a hang every minute (five hangs, about 6 min)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, incidents)")
     p.add_argument(
         "--launcher",
