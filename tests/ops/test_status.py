@@ -176,6 +176,7 @@ def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
         text=True,
         env=env,
         cwd=ROOT,
+        preexec_fn=ctrl_c_as_on_a_terminal,
     )
     try:
         frames = 0
@@ -197,13 +198,27 @@ def test_watch_redraws_until_ctrl_c_then_exits_0(healthy):
         proc.wait()
 
 
+def ctrl_c_as_on_a_terminal() -> None:
+    """In the child before it runs: SIGINT at its default and not blocked, as a shell gives it.
+    Both are inherited, and late in a full run the test worker's SIGINT was found ignored or
+    blocked (by something else in that process): its children then slept through Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def stacks_of(pid: int) -> str:
-    """py-spy's dump of a process that did not exit (for the failure message)."""
+    """Where a process that did not exit is (py-spy) and what it does with signals (for the
+    failure message)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = "".join(line for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        masks = f"(/proc/{pid}/status: {e})\n"
     spy = py_spy_path()
     if spy is None:
-        return "(py-spy not installed)"
+        return masks + "(py-spy not installed)"
     done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-    return done.stdout + done.stderr
+    return masks + done.stdout + done.stderr
 
 
 class _Terminal:
@@ -214,7 +229,13 @@ class _Terminal:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
         env.update(COLUMNS="160", LINES="60", TERM="xterm-256color")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", *args], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT
+            [sys.executable, "-m", "sidecar", *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=ROOT,
+            preexec_fn=ctrl_c_as_on_a_terminal,
         )
         os.close(slave)
         self.master, self.output = master, b""
@@ -256,7 +277,7 @@ def test_on_a_terminal_the_screen_has_colours(healthy):
         code = term.proc.wait(timeout=60)
     finally:
         term.close()
-    assert b"\x1b[" in out and out.count(b"run-42") == 2
+    assert b"\x1b[" in out and out.count(b"run-42") >= 2  # a degraded screen names the job again
     # Its exit status is the verdict it shows (on a loaded machine the rank may turn suspect).
     assert (code, b"HEALTHY" in out) in ((0, True), (1, False)), (code, out[-2000:])
 
