@@ -59,14 +59,19 @@ spin_in_python()
 """
 
 
+def watchdog(tmp_path, clock, **settings) -> tuple[Registry, Watchdog]:
+    """A registry and its watchdog with the tests' settings (WATCHDOG), and `settings` on top."""
+    s = make_settings(tmp_path, WATCHDOG, **settings)
+    registry = Registry(s)
+    return registry, Watchdog(s, registry, clock=clock)
+
+
 def events(incident: dict) -> list[str]:
     return [e["event"] for e in incident["timeline"]]
 
 
 async def test_a_hung_rank_is_dumped_terminated_and_recorded(tmp_path, clock, hung_rank):
-    s = make_settings(tmp_path, WATCHDOG)
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock)
     proc, stacks = hung_rank()
     r = register_hung(registry, proc, stacks)
     await stall(dog, registry, clock, [r])
@@ -87,9 +92,7 @@ async def test_a_hung_rank_is_dumped_terminated_and_recorded(tmp_path, clock, hu
 
 
 async def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, clock, hung_rank):
-    s = make_settings(tmp_path, WATCHDOG, **{"remediation.grace_seconds": 0.5})
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock, **{"remediation.grace_seconds": 0.5})
     proc, stacks = hung_rank("ignore-term")
     r = register_hung(registry, proc, stacks)
     await stall(dog, registry, clock, [r])
@@ -100,9 +103,7 @@ async def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path
 
 
 async def test_a_stopped_rank_dumps_its_stacks_and_dies(tmp_path, clock, hung_rank):
-    s = make_settings(tmp_path, WATCHDOG)
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock)
     proc, stacks = hung_rank()
     r = register_hung(registry, proc, stacks)
     stop(proc.pid)
@@ -117,9 +118,7 @@ async def test_a_stopped_rank_dumps_its_stacks_and_dies(tmp_path, clock, hung_ra
 async def test_a_stopped_rank_is_read_by_py_spy_where_it_stands_and_never_runs_again(tmp_path, clock, spawn):
     """Continued for faulthandler, a rank stopped inside Python code ran again while the handler
     walked its threads' frames, and crashed (SIGSEGV) in bench_recovery's goodput job."""
-    s = make_settings(tmp_path, WATCHDOG, **{"remediation.py_spy": True})
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock, **{"remediation.py_spy": True})
     stacks, beats = tmp_path / "rank.stacks", tmp_path / "beats"
     proc = spawn([PYTHON, "-c", SPINNING_RANK, str(stacks), str(beats)])
     wait_until(lambda: beats.exists() and beats.stat().st_size > 0, 30, what="the rank spinning")
@@ -138,9 +137,7 @@ async def test_a_stopped_rank_is_read_by_py_spy_where_it_stands_and_never_runs_a
 
 
 async def test_observe_only_records_and_counts_but_never_signals(tmp_path, clock, hung_rank):
-    s = make_settings(tmp_path, WATCHDOG, **{"watchdog.observe_only": True})
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock, **{"watchdog.observe_only": True})
     proc, stacks = hung_rank()
     r = register_hung(registry, proc, stacks)
     await stall(dog, registry, clock, [r])
@@ -156,9 +153,7 @@ async def test_observe_only_records_and_counts_but_never_signals(tmp_path, clock
 
 
 async def test_the_storm_cap_suppresses_remediation_past_its_limit(tmp_path, clock, hung_rank):
-    s = make_settings(tmp_path, WATCHDOG, **{"remediation.max_per_window": 1})
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock, **{"remediation.max_per_window": 1})
     (p1, f1), (p2, f2) = hung_rank(), hung_rank()
     r1 = register_hung(registry, p1, f1, job="first")
     await stall(dog, registry, clock, [r1])
@@ -174,9 +169,7 @@ async def test_the_storm_cap_suppresses_remediation_past_its_limit(tmp_path, clo
 
 async def test_the_whole_local_group_of_the_stalled_job_is_remediated(tmp_path, clock, hung_rank):
     """The healthy-looking rank of a hung job waits for its peer: both are restarted together."""
-    s = make_settings(tmp_path, WATCHDOG)
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock)
     (p0, f0), (p1, f1) = hung_rank(), hung_rank()
     r0 = register_hung(registry, p0, f0, rank=0)
     r1 = register_hung(registry, p1, f1, rank=1)
@@ -191,9 +184,7 @@ async def test_a_probe_leaves_a_stopped_rank_stopped_and_names_it_not_waiting(tm
     """A suspect rank's probe must not continue a stopped rank: continued for its dump, the rank
     of bench_recovery's goodput job finished its step, turned healthy again and restarted its
     timeout (three times, then it crashed in the dump)."""
-    s = make_settings(tmp_path, WATCHDOG)
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
+    registry, dog = watchdog(tmp_path, clock)
     proc, stacks = hung_rank()
     r = register_hung(registry, proc, stacks)
     stop(proc.pid)
