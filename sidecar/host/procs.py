@@ -1,6 +1,6 @@
 """Process facts the sidecar trusts before it records or signals a process: start times (a
 pid plus its start time names one process, pid reuse cannot fool it), whether a process still
-runs, is a zombie or is stopped, ancestry, and the process behind a local TCP connection.
+runs, is a zombie or is stopped, whether its threads rest, ancestry, and the process behind a local TCP connection.
 Callers and pidfds: sidecar/host/identity.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ipaddress
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import psutil
 
@@ -55,6 +55,29 @@ def is_stopped(pid: int) -> bool:
         return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
     except psutil.Error:
         return False
+
+
+def at_rest(pids: Iterable[int]) -> bool:
+    """No thread of these processes is running, runnable (R) or in a disk wait (D): each
+    sleeps (S), is stopped (T) or is gone. A signal handler at work (faulthandler writing a
+    dump) is one or the other. False when a process cannot be read (gone, or not visible from
+    here): the caller cannot tell, so it must not conclude."""
+    for pid in pids:
+        task = f"{psutil.PROCFS_PATH}/{int(pid)}/task"
+        try:
+            tids = os.listdir(task)
+        except OSError:
+            return False
+        for tid in tids:
+            try:
+                with open(f"{task}/{tid}/stat", "rb") as f:
+                    data = f.read()
+                state = data[data.rindex(b")") + 2 :].split()[0]
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended meanwhile
+            if state in (b"R", b"D"):
+                return False
+    return True
 
 
 def ancestors(pid: int) -> list[int]:

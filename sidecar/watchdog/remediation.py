@@ -23,7 +23,6 @@ from sidecar.host.signals import Refused, Target, descendants_of, send, send_mem
 from sidecar.incidents.store import Incident
 from sidecar.watchdog.stackdumps import (
     ask_for_stacks,
-    at_rest,
     file_sizes,
     in_collective,
     py_spy_dump,
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
 # A dump file that held still this long is complete: faulthandler writes it from one handler call.
-# Sooner, at one poll of DUMP_POLL_SECONDS, when no thread of the ranks asked runs (`at_rest`):
+# Sooner, at one poll of DUMP_POLL_SECONDS, when no thread of the ranks asked runs (`procs.at_rest`):
 # a rank blocked in a collective or stopped goes back to sleep as soon as its handler returns.
 DUMP_STILL_SECONDS = 0.15
 DUMP_POLL_SECONDS = 0.02
@@ -146,7 +145,7 @@ class Remediator:
                 still_for=DUMP_STILL_SECONDS,
                 at_most=s.dump_wait_seconds,
                 poll=DUMP_POLL_SECONDS,
-                writers_at_rest=functools.partial(at_rest, [t.pid for t in asked]),
+                writers_at_rest=functools.partial(procs.at_rest, [t.pid for t in asked]),
             )
         got = []
         for t in asked:

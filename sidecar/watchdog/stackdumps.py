@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import re
 import shutil
 import signal
@@ -136,27 +135,6 @@ def ask_for_stacks(target: Target, stack_signal: int, stopped: bool) -> None:
         send(target, signal.SIGCONT, "process")
 
 
-def at_rest(pids: Sequence[int], proc: str = "/proc") -> bool:
-    """Whether no thread of these processes is running, runnable (R) or in a disk wait (D). A
-    signal handler at work, faulthandler writing a dump into a file, is one or the other; once
-    every thread sleeps (S), is stopped (T) or is gone, no handler is writing. False when a
-    process cannot be read: the caller then relies on the file holding still."""
-    for pid in pids:
-        try:
-            tids = os.listdir(f"{proc}/{pid}/task")
-        except OSError:
-            return False
-        for tid in tids:
-            try:
-                with open(f"{proc}/{pid}/task/{tid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue  # the thread ended meanwhile
-            if state in (b"R", b"D"):
-                return False
-    return True
-
-
 async def wait_until_written(
     files: Sequence[StackFile | None],
     sizes_before: Sequence[int],
@@ -168,7 +146,7 @@ async def wait_until_written(
 ) -> bool:
     """Wait until every file has grown past its size before and then kept one size for
     `still_for` seconds (its writer is done), or `at_most` seconds. With `writers_at_rest`,
-    one poll of the same size is enough when it says the writers are idle (`at_rest`): no
+    one poll of the same size is enough when it says the writers are idle (`procs.at_rest`): no
     handler is still writing. True when they settled."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + at_most

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.host.procs import at_rest
 from sidecar.host.stackfiles import StackFile
-from sidecar.watchdog.stackdumps import at_rest, wait_until_written
+from sidecar.watchdog.stackdumps import wait_until_written
 from tests.support import PYTHON, wait_until
 
 # A rank as the hooks set it up: faulthandler dumps every thread into its file on SIGUSR1.
