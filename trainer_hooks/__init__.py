@@ -16,9 +16,13 @@ torchrun restarts; `python -m trainer_hooks.attach script.py` watches an unmodif
 `environment.py` lists the environment variables.
 
 Under torchrun, importing the hooks makes the process group that the script forms next come back
-after a restart (`trainer_hooks.distributed`; `SIDECAR_ATTEMPT_STORE=0` turns it off).
+after a restart (`trainer_hooks.distributed`; `SIDECAR_ATTEMPT_STORE=0` turns it off), and turns
+PyTorch's Flight Recorder on (`trainer_hooks.collectives`; `SIDECAR_COLLECTIVES=0` leaves it off).
 """
 
+import os as _os
+
+from trainer_hooks import collectives as _collectives
 from trainer_hooks.distributed import install_when_torch_is_imported
 from trainer_hooks.monitor import Monitor, Phase
 from trainer_hooks.sender import HOOKS_VERSION as __version__
@@ -26,3 +30,5 @@ from trainer_hooks.sender import HOOKS_VERSION as __version__
 __all__ = ["Monitor", "Phase", "__version__"]
 
 install_when_torch_is_imported()
+if _os.environ.get("TORCHELASTIC_RUN_ID") and _os.environ.get("SIDECAR_HOOKS_DISABLED", "") in ("", "0"):
+    _collectives.enable()  # the Flight Recorder on before the group forms (the user's own setting wins)

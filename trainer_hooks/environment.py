@@ -20,6 +20,8 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_ATTACH` | `1` with `autoattach/` on PYTHONPATH attaches every torchrun worker (`attach.py`) |
 | `SIDECAR_ATTACHED_PID` | set by the attach switch in the attached process; its children do not attach again |
 | `SIDECAR_ATTEMPT_STORE` | `0` turns off the per-attempt store namespace of `trainer_hooks.distributed` |
+| `SIDECAR_COLLECTIVES` | `0` leaves PyTorch's Flight Recorder off and sends no collective record (`collectives.py`); otherwise the hooks set `TORCH_FR_BUFFER_SIZE=64` before the process group forms, unless it is set already |
+| `TORCH_FR_BUFFER_SIZE` | torch's own: the Flight Recorder's ring size; the user's value wins (`0` turns the recorder and the collective record off) |
 | `SIDECAR_JOB_VIEW` | `0` stops the hooks from telling their sidecar where the job's coordinating sidecar is (`jobview.py`) |
 """
 

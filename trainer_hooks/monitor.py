@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_hooks import distributed, environment, exits, jobview, stacks
+from trainer_hooks import collectives, distributed, environment, exits, jobview, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender, Tuning
@@ -98,6 +98,7 @@ class Monitor:
             env = os.environ if environ is None else environ
             if not enabled or environment.disabled(env):
                 return
+            collectives.enable()  # the Flight Recorder, before the process group forms (if it has not)
             self.identity = environment.identity(
                 env, job_id, rank, local_rank, world_size, local_world_size, restart_count
             )
@@ -118,6 +119,7 @@ class Monitor:
                 tuning=Tuning(**overrides),
             )
             self._sender.job_view_enabled = jobview.enabled(env)
+            self._sender.collectives_enabled = collectives.enabled(env)
             self._live = True
             _monitors.add(self)
             atexit.register(self._close_at_exit)

@@ -31,14 +31,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trainer_hooks import distributed
+from trainer_hooks import collectives, distributed
 from trainer_hooks.environment import Endpoint, Identity
 from trainer_hooks.errors import warn
 from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
-from trainer_hooks.wire import RESTART_SAFE
+from trainer_hooks.wire import RESTART_SAFE, WANTS
 
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
@@ -130,6 +130,12 @@ class Sender:
         self.job_view_enabled = True  # Monitor: SIDECAR_JOB_VIEW
         self.job_view_offer: dict | None = None  # the sidecar's offer to coordinate the job (rank 0's)
         self.job_view: CoordinatorExchange | None = None
+        # The rank's Flight Recorder summary (collectives.py) goes with a push at most every
+        # READ_EVERY_SECONDS, and with the next push at once when the sidecar's answer asks.
+        self.collectives_enabled = True  # Monitor: SIDECAR_COLLECTIVES
+        self.collectives_read_at = -1e9  # monotonic
+        self.collectives_cpu_seconds = 0.0  # this thread's CPU time in reading the record
+        self.wants: set[str] = set()  # what the sidecar's last answer asked for (wire.WANTS)
 
     # ---------------------------------------------------------------- thread life
 
@@ -152,6 +158,7 @@ class Sender:
     def _run(self) -> None:
         while True:
             self._wake.wait(self.flush_interval)
+            self._wake.clear()  # a close sets it again after setting its deadline, read below
             if os.getpid() != self.pid:  # a forked child never speaks for the rank
                 return
             self._cpu_mark = time.thread_time()
@@ -190,7 +197,8 @@ class Sender:
         if not self.registered and not self.register(deadline):
             self._failed()
             return
-        if not self.buffer and not final and time.monotonic() - self._last_contact >= self.tuning.keepalive:
+        quiet = time.monotonic() - self._last_contact >= self.tuning.keepalive
+        if not self.buffer and not final and (quiet or self.wants) and not self.extra and self._held_back is None:
             self._send([], deadline)
             return
         while self.buffer or self._held_back is not None or self.extra:
@@ -264,6 +272,7 @@ class Sender:
         self._last_contact = time.monotonic()
         if reply.status == 200:
             self._acknowledge(items)
+            self._take_wants(reply.body.get("want"))
             return True
         warn(
             f"push:{reply.status}:{reply.code}",
@@ -276,16 +285,49 @@ class Sender:
         return True
 
     def _push_body(self, items: list[dict]) -> bytes:
-        return _dumps(
-            {
-                "job_id": self.ident.job_id,
-                "rank": self.ident.rank,
-                "pid": self.pid,
-                "dropped": self.dropped(),
-                "items": items,
-                "session": self.session,
-            }
-        )
+        body = {
+            "job_id": self.ident.job_id,
+            "rank": self.ident.rank,
+            "pid": self.pid,
+            "dropped": self.dropped(),
+            "items": items,
+            "session": self.session,
+        }
+        if self.collectives_enabled:
+            self._add_collectives(body)
+        return _dumps(body)
+
+    def _add_collectives(self, body: dict) -> None:
+        """The rank's collective record (and its whole Flight Recorder dump when asked) with this
+        push. A torch without the recorder, or any error reading it, costs this push nothing."""
+        wants, self.wants = self.wants, set()
+        now = time.monotonic()
+        if "collectives" not in wants and now - self.collectives_read_at < collectives.READ_EVERY_SECONDS:
+            return
+        mark = time.thread_time()
+        try:
+            record = collectives.read()
+            if record is not None:
+                body["collectives"] = record
+                self.collectives_read_at = now
+            if "fr_dump" in wants:
+                trace = collectives.dump_json()
+                if trace is not None:
+                    body["fr_dump"] = trace
+        except Exception as e:
+            warn("collectives", "trainer_hooks: cannot read the Flight Recorder (%s: %s)", type(e).__name__, e)
+            self.collectives_read_at = now
+        finally:
+            self.collectives_cpu_seconds += time.thread_time() - mark
+
+    def _take_wants(self, want: object) -> None:
+        """The sidecar asks for a fresh collective record (a rank of this job turned suspect) or
+        the whole Flight Recorder dump (an incident): sent with the next push, at once."""
+        if isinstance(want, list):
+            asked = {w for w in want if isinstance(w, str) and w in WANTS}
+            if asked and self.collectives_enabled:
+                self.wants |= asked
+                self._wake.set()
 
     def _lose(self, items: list[dict]) -> None:
         self.lost += len(items)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import re
 
-# 4: a registration's optional `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and
+# 5: a push's optional `collectives` (the rank's Flight Recorder summary, COLLECTIVES_*) and a push
+# answer's optional `want` (WANTS); 4: a registration's optional `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and
 # CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the job view); 2: a registration's optional
 # `launcher` (LAUNCHERS). Registrations of earlier versions stay valid.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # ---------------------------------------------------------------- names
 
@@ -95,6 +96,20 @@ LAUNCHERS = ("torchrun", "none")
 # so a restarted attempt may die in init_process_group; null or absent: no torchrun, or hooks of
 # protocol 1 or 2.
 RESTART_SAFE = "restart_safe"
+
+# A push's optional `collectives` (trainer_hooks/collectives.py): {"time": the rank's wall clock when
+# it read its Flight Recorder, "groups": [{"pg", "desc", "size", "ranks", "enqueued", "started",
+# "completed", "pending": [{"seq", "op", "sizes", "created", "state"}]}]}: per process group the last
+# collective sequence enqueued, started and completed, its members (global ranks) when at most
+# COLLECTIVES_MAX_GROUP_RANKS, and its oldest collectives still in flight.
+COLLECTIVES_MAX_GROUPS = 16
+COLLECTIVES_MAX_PENDING = 4
+COLLECTIVES_MAX_SIZES = 4  # input shapes of one collective (each at most 8 dimensions)
+COLLECTIVES_MAX_GROUP_RANKS = 64
+# What a push answer's `want` may ask of the rank's hooks at once (the sidecar's side of a suspect
+# rank): "collectives", a fresh record with the next push; "fr_dump", its whole Flight Recorder
+# record written to the rank's dump file (an incident keeps it).
+WANTS = ("collectives", "fr_dump")
 
 # ---------------------------------------------------------------- pod labels
 

@@ -32,6 +32,7 @@ from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
 from sidecar.metric import MetricSpec, spec
 from sidecar.ranks import protocol
+from sidecar.ranks.collectives import parse_collectives, parse_fr_dump
 from sidecar.ranks.errors import RegistryError
 from sidecar.ranks.model import Rank
 from sidecar.ranks.protocol import ProtocolError
@@ -355,11 +356,14 @@ def check_sender(request: web.Request, rank) -> None:
 
 async def push(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    batch = protocol.parse_push(await read_json(request), d.settings.limits.max_items_per_push)
+    data = await read_json(request)
+    batch = protocol.parse_push(data, d.settings.limits.max_items_per_push)
+    record, fr_dump = parse_collectives(data.get("collectives")), parse_fr_dump(data.get("fr_dump"))
     rank = d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
     check_session(request, rank, batch.session)
     check_sender(request, rank)
     accepted = d.registry.apply_push(batch, rank)
+    rank.take_collectives(record, fr_dump, time.monotonic())
     if d.reporter is not None and rank.peer_verified:
         for item in batch.items:
             if type(item) is protocol.EventItem and item.name == JOB_COORDINATOR_EVENT:
@@ -369,7 +373,10 @@ async def push(request: web.Request) -> web.Response:
     records = d.stats.records
     for item in batch.items:
         records[_ITEM_TYPES[type(item)]] += 1
-    return web.json_response({"ok": True, "accepted": accepted})
+    answer: dict = {"ok": True, "accepted": accepted}
+    if rank.wants:
+        answer["want"], rank.wants = sorted(rank.wants), set()
+    return web.json_response(answer)
 
 
 _ITEM_TYPES = {protocol.StepItem: "step", protocol.PhaseItem: "phase", protocol.EventItem: "event"}

@@ -153,6 +153,8 @@ def attach_job_view(daemon: api.Daemon) -> None:
         verdict_wait=jv.verdict_wait_seconds,
         max_nodes=jv.max_nodes,
         probe=probe_peer,
+        # a rank's hooks send their collective record with every push (at least every flush interval)
+        stale_after=2 * settings.hooks_flush_interval_seconds + 1.0,
     )
     daemon.reporter = Reporter(
         settings.node_name,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import pickle
 import re
 import socket
 import time
@@ -49,6 +50,9 @@ class RankSnapshot:
     stack_bytes: int = 0
     py_spy: str | None = None
     in_collective: bool | None = None
+    # Its collective record at the incident (Flight Recorder summary): per group, the collective
+    # it is in or last completed ("pg 0 (default_pg): in all_reduce[1000] #5; completed #4").
+    collectives: str | None = None
 
 
 @dataclass
@@ -74,6 +78,13 @@ class Incident:
     job_incident: str | None = None
     blamed_node: str | None = None
     culprit: dict[str, Any] | None = None
+    # What kind of hang it was and what judged it (sidecar/jobview/report.py KINDS, EVIDENCE), and
+    # the collective it was judged from (group, op, sequence, late ranks, nodes).
+    hang_kind: str | None = None
+    evidence: str | None = None
+    collective: dict[str, Any] | None = None
+    # The ranks' Flight Recorder dumps in torch's format (`fr_trace` reads the directory as it is).
+    fr_dumps: str | None = None
     # Where the recovery's time went, once the ranks are gone (sidecar/watchdog/recovery.py).
     recovery: dict[str, Any] | None = None
     # Processes alive after SIGKILL (outcome unkillable): what the kernel said of each
@@ -92,7 +103,10 @@ class Incident:
 
     @property
     def blamed(self) -> str:
-        """Who is blamed, in words: "rank 2 on node-1", "node node-2 (lost)", "rank 0", "no local rank"."""
+        """Who is blamed, in words: "rank 2 on node-1", "node node-2 (lost)", "rank 0", "no local rank",
+        "no rank (collective_stuck)"."""
+        if self.hang_kind in ("collective_stuck", "collective_mismatch"):
+            return f"no rank ({self.hang_kind})"
         if self.blamed_rank is None:
             return f"node {self.blamed_node}" if self.blamed_node else "no local rank"
         return f"rank {self.blamed_rank}" + (f" on {self.blamed_node}" if self.blamed_node else "")
@@ -133,6 +147,7 @@ class Incident:
             f"  detected  {when} on {self.node}",
             f"  job       {self.job_id}",
             f"  blamed    {self.blamed} ({self.blame_reason})",
+            *([f"  kind      {self.hang_kind} (judged from {self.evidence})"] if self.hang_kind else []),
             *(
                 [f"  job incident {self.job_incident} (every node's record of this stall shares it)"]
                 if self.job_incident
@@ -149,6 +164,10 @@ class Incident:
                 f"  {r.rank:<5} {r.pid:<9} {r.state:<12} {str(r.step if r.step is not None else '-'):<8} "
                 f"{str(r.phase or '-'):<16} {age}"
             )
+        recorded = [r for r in self.ranks if r.collectives]
+        if recorded:
+            lines += ["", "  collectives (Flight Recorder)" + (f": {self.fr_dumps}" if self.fr_dumps else "")]
+            lines += [f"    rank {r.rank}: {r.collectives}" for r in recorded]
         lines += ["", "  timeline"]
         for e in self.timeline:
             extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time", "after_detection_seconds"))
@@ -229,6 +248,24 @@ class IncidentStore:
 
     def save(self, incident: Incident) -> None:
         self._write(self._render(incident))
+
+    def save_fr_dumps(self, incident: Incident, dumps: dict[int, bytes]) -> None:
+        """The ranks' Flight Recorder dumps (each the JSON a rank sent, checked for shape and size)
+        as `<incident>.fr/rank_<N>` in torch's pickle format, so that
+        `python -m torch.distributed.flight_recorder.fr_trace <incident>.fr` reads them. The
+        pickles are written here from parsed JSON: plain values only, whatever a rank sent."""
+        if not dumps:
+            return
+        name = Path(incident.path).stem + ".fr"
+        try:
+            with diagfiles.opened(self.diag_dir, INCIDENTS_SUBDIR, name) as dir_fd:
+                for rank, raw in sorted(dumps.items()):
+                    data = pickle.dumps(json.loads(raw), protocol=4)
+                    diagfiles.write_atomic(dir_fd, f"rank_{rank}", data, self.file_mode, self.gid)
+        except (OSError, ValueError) as e:
+            log.error("cannot write the Flight Recorder dumps of incident %s: %s", incident.id, e)
+            return
+        incident.fr_dumps = str(self.directory / name)
 
     async def save_async(self, incident: Incident) -> None:
         """`save`, with the files written in the executor: rendered now (later changes to the

@@ -22,8 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.judge import Summary, judge_summaries, summarize
-from sidecar.jobview.report import MAX_NOT_DUMPED, NodePart, NodeReport, Verdict
+from sidecar.jobview.report import MAX_NOT_DUMPED, Culprit, NodePart, NodeReport, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,9 @@ class Coordinator:
         probe: Probe | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        stale_after: float = STALE_AFTER_SECONDS,
     ):
+        self.stale_after = stale_after  # a collective record this old says its rank's process stopped
         self.hosts, self.lost_after, self.verdict_wait = hosts, lost_after, verdict_wait
         self.max_nodes, self.probe, self.clock, self.wall = max_nodes, probe, clock, wall
         self._jobs: dict[str, _Job] = {}
@@ -193,8 +196,10 @@ class Coordinator:
         probing = job.probing is not None and not job.probing.done()
         force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS and not probing
         silent = [node for node, (_, at) in job.reports.items() if at < incident.opened_mono]
-        culprit = judge_summaries(fresh, lost, force=force, silent=silent)
+        culprit = judge_summaries(fresh, lost, force=force, silent=silent, stale_after=self.stale_after)
         if culprit is not None and culprit != v.culprit:
+            if culprit.kind == "collective_mismatch" and culprit.collective is not None:
+                culprit.collective["repeat"] = _repeats(job, culprit)
             v.culprit, v.decided = culprit, self.wall()
             where = f"rank {culprit.rank} on {culprit.node}" if culprit.rank is not None else f"node {culprit.node}"
             log.warning("job %s (%s): held up by %s: %s", job.job_id, v.job_incident, where, culprit.reason)
@@ -329,6 +334,19 @@ class Coordinator:
             job.probing.cancel()
 
 
+def _repeats(job: _Job, culprit: Culprit) -> bool:
+    """A desync the job's previous incident already ran into: the same group and the same
+    collectives at odds (sequence numbers restart with the process group)."""
+    assert culprit.collective is not None
+    mine = (culprit.collective.get("pg"), sorted(culprit.collective.get("ops") or {}))
+    for past in job.closed:
+        c = past.verdict.culprit
+        if c is not None and c.kind == "collective_mismatch" and c.collective is not None:
+            if (c.collective.get("pg"), sorted(c.collective.get("ops") or {})) == mine:
+                return True
+    return False
+
+
 def _rank_brief(r: Any) -> dict[str, Any]:
     return {
         "rank": r.rank,
@@ -337,4 +355,5 @@ def _rank_brief(r: Any) -> dict[str, Any]:
         "phase": r.phase,
         "waiting": r.waiting,
         "stack_top": r.stack_top,
+        "collectives": r.collectives.brief() if r.collectives is not None else None,
     }

@@ -8,6 +8,11 @@ named. Until the stacks of the ranks at the lowest step are known the judgement 
 is forced (the nodes cannot wait longer): then the rank with the oldest progress at the lowest
 step is named, and the reason says the stacks were not known.
 
+The backend's own record comes first (collectives.py): where the ranks' Flight Recorder summaries
+decide it, the late rank, a stuck collective or a desync is the verdict, whatever the stacks
+show; the stack rule above judges only where they do not (no record: an older torch, the recorder
+off). Every culprit says which evidence judged it (`evidence`: collectives, stacks, progress).
+
 When ranks exit instead (a crash, a lost peer), the first to exit is the cause and the others'
 exits its consequences, unless a node went silent: its loss is what made the others fail.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from sidecar.jobview import collectives
 from sidecar.jobview.report import Culprit, NodeReport, RankView
 
 NO_STEP = -1
@@ -36,6 +42,7 @@ class Summary:
     waiting: int = 0  # its live ranks that wait in a collective
     stalled: bool = False  # a live rank is suspect or stalled
     first_exit: RankView | None = None  # its rank that exited first, recently
+    recorded: list[RankView] = field(default_factory=list)  # its live ranks with a collective record
 
 
 def _step(r: RankView) -> int:
@@ -56,27 +63,35 @@ def summarize(report: NodeReport) -> Summary:
             s.behind.append(r)
         s.waiting += bool(r.waiting)
         s.stalled = s.stalled or r.troubled
+        if r.collectives is not None:
+            s.recorded.append(r)
     return s
 
 
 def judge(
-    reports: Iterable[NodeReport], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = ()
-) -> Culprit | None:
+    reports: Iterable[NodeReport], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = (),
+    stale_after: float = collectives.STALE_AFTER_SECONDS,
+) -> Culprit | None:  # fmt: skip
     """The culprit of a troubled job, or None while it cannot be told (or nothing is wrong).
     `lost`: nodes that stopped reporting (or whose sidecar no longer answers); `silent`: nodes
-    that have not reported since the incident opened (they may yet turn out lost)."""
-    return judge_summaries([summarize(r) for r in reports], lost, force, silent)
+    that have not reported since the incident opened (they may yet turn out lost); `stale_after`:
+    a collective record older than this says its rank's process stopped."""
+    return judge_summaries([summarize(r) for r in reports], lost, force, silent, stale_after)
 
 
 def judge_summaries(
-    summaries: Iterable[Summary], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = ()
-) -> Culprit | None:
+    summaries: Iterable[Summary], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = (),
+    stale_after: float = collectives.STALE_AFTER_SECONDS,
+) -> Culprit | None:  # fmt: skip
     summaries = list(summaries)
     live = [s for s in summaries if s.lowest is not None]
     exits = [s for s in summaries if s.first_exit is not None]
     if not any(s.stalled for s in live) and not exits and not lost:
         return None
     if any(s.stalled for s in live):
+        finding = collectives.judge(((s.node, r) for s in live for r in s.recorded), stale_after)
+        if finding is not None:
+            return finding.to_culprit()
         found = _hang(live, lost, force)
         if found is not None or not exits:
             return found
@@ -86,7 +101,7 @@ def judge_summaries(
         return None  # a silent node may be the lost one: wait for it (or for its probe)
     first = min(exits, key=lambda s: s.first_exit.exited_at or 0.0 if s.first_exit else 0.0)
     assert first.first_exit is not None
-    return _culprit(first.node, first.first_exit, "the first rank of the job to exit")
+    return _culprit(first.node, first.first_exit, "the first rank of the job to exit", "first_exit", "progress")
 
 
 def _hang(live: list[Summary], lost: Collection[str], force: bool) -> Culprit | None:
@@ -99,14 +114,15 @@ def _hang(live: list[Summary], lost: Collection[str], force: bool) -> Culprit | 
         node, r = max(running, key=lambda nr: nr[1].progress_age_seconds)
         others = f"{waiting} rank{'s' if waiting != 1 else ''} wait" if waiting else "no rank waits"
         why = f"not waiting for its peers at the job's lowest step ({where}), while {others} in a collective"
-        return _culprit(node, r, why)
+        return _culprit(node, r, why, "rank_running", "stacks")
     unknown = [(node, r) for node, r in behind if r.waiting is None]
     if lost and not unknown:
         return _lost(lost, "every rank that reports waits in a collective")
     if force and behind:
         node, r = max(unknown or behind, key=lambda nr: nr[1].progress_age_seconds)
         known = "its stack was not known" if r.waiting is None else "every rank waits in a collective"
-        return _culprit(node, r, f"oldest progress at the job's lowest step ({where}); {known}")
+        return _culprit(node, r, f"oldest progress at the job's lowest step ({where}); {known}", "oldest_progress",
+                        "progress")  # fmt: skip
     return None
 
 
@@ -114,9 +130,10 @@ def _lost(lost: Collection[str], what: str) -> Culprit:
     names = ", ".join(sorted(lost))
     plural = "s" if len(lost) > 1 else ""
     return Culprit(
-        None, sorted(lost)[0], reason=f"{what}; node{plural} {names} stopped reporting (sidecar unreachable)"
-    )
+        None, sorted(lost)[0], reason=f"{what}; node{plural} {names} stopped reporting (sidecar unreachable)",
+        kind="node_lost", evidence="progress",
+    )  # fmt: skip
 
 
-def _culprit(node: str, r: RankView, reason: str) -> Culprit:
-    return Culprit(r.rank, node, r.step, r.phase, r.stack_top, reason)
+def _culprit(node: str, r: RankView, reason: str, kind: str, evidence: str) -> Culprit:
+    return Culprit(r.rank, node, r.step, r.phase, r.stack_top, reason, kind, evidence)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sidecar.config import NODE_NAME, check_url
+from sidecar.ranks.collectives import Collectives, parse_collectives
 from sidecar.ranks.protocol import CONTROL_RE, ProtocolError, _int, _job_id, _object, _text
 from trainer_hooks.wire import MAX_RANK
 
@@ -38,10 +39,17 @@ class RankView:
     waiting: bool | None = None  # its main thread waits in a collective (latest probe); None: not probed
     stack_top: str | None = None  # the innermost frame of its main thread, when probed
     exited_at: float | None = None  # wall clock: its process exited (not a clean finish), recently
+    collectives: Collectives | None = None  # its Flight Recorder summary (sidecar/ranks/collectives.py)
+    collectives_age: float | None = None  # seconds since its node received that record, at the report's time
 
     @property
     def troubled(self) -> bool:
         return self.state in TROUBLED or self.exited_at is not None
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "collectives"}
+        out["collectives"] = self.collectives.to_wire() if self.collectives is not None else None
+        return out
 
 
 @dataclass
@@ -71,17 +79,38 @@ class NodeReport:
         return any(r.troubled for r in self.ranks)
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["ranks"] = [r.to_wire() for r in self.ranks]
+        return out
+
+
+# What held the job up (a verdict's `kind`), and what judged it (`evidence`): the backend's own
+# record first (collectives), then the ranks' Python stacks, then progress and exits alone.
+KINDS = (
+    "rank_late",  # a rank never entered the collective its peers wait in (collectives)
+    "collective_stuck",  # every member entered, none completed: the backend's or the network's
+    "collective_mismatch",  # members at one sequence with different ops or sizes: a desync
+    "rank_running",  # a rank not waiting in a collective while its peers wait (stacks)
+    "oldest_progress",  # no better evidence in time: the oldest progress at the lowest step
+    "node_lost",  # a node stopped reporting
+    "first_exit",  # ranks exited: the first one
+)
+EVIDENCE = ("collectives", "stacks", "progress")
+NO_RANK_KINDS = frozenset({"collective_stuck", "collective_mismatch"})  # every node acts on its own ranks
 
 
 @dataclass
 class Culprit:
-    rank: int | None  # None: a whole node is gone
+    rank: int | None  # None: a whole node is gone, or the collective's (kind in NO_RANK_KINDS)
     node: str
     step: int | None = None
     phase: str | None = None
     stack_top: str | None = None
     reason: str = ""
+    kind: str = "rank_running"
+    evidence: str = "stacks"
+    # kind rank_late/collective_*: {"pg", "desc", "seq", "op", "sizes", "nodes", "ranks", "ops", "repeat"}
+    collective: dict[str, Any] | None = None
 
 
 @dataclass
@@ -164,9 +193,13 @@ def _well_formed(obj: Any) -> RankView | None:
     ):  # fmt: skip
         return None
     assert isinstance(age, (int, float))  # _seconds_value checked it
+    coll_age = obj.get("collectives_age")
+    if coll_age is not None and not _seconds_value(coll_age):
+        return None
     return RankView(
-        rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited)
-    )
+        rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited),
+        parse_collectives(obj.get("collectives")), None if coll_age is None else float(coll_age),
+    )  # fmt: skip
 
 
 def _rank_view(obj: Any, where: str) -> RankView:
@@ -188,7 +221,12 @@ def _rank_view(obj: Any, where: str) -> RankView:
         waiting=_bool(obj, "waiting", f"{where}.waiting"),
         stack_top=_text(obj, "stack_top", f"{where}.stack_top", nullable=True, max_len=MAX_TEXT),
         exited_at=None if obj.get("exited_at") is None else _seconds(obj, "exited_at", f"{where}.exited_at"),
-    )
+        collectives=parse_collectives(obj.get("collectives"), f"{where}.collectives"),
+        collectives_age=(
+            None if obj.get("collectives_age") is None
+            else _seconds(obj, "collectives_age", f"{where}.collectives_age")
+        ),
+    )  # fmt: skip
 
 
 def _part(obj: dict, where: str) -> NodePart | None:
@@ -230,6 +268,50 @@ def parse_report(data: dict, max_ranks: int) -> NodeReport:
     )
 
 
+def _choice(obj: dict, key: str, where: str, choices: tuple[str, ...], default: str) -> str:
+    value = obj.get(key, default)
+    if value not in choices:
+        raise ProtocolError(f"{where}: expected one of {', '.join(choices)}")
+    return value
+
+
+MAX_COLLECTIVE_NAMES = 64  # nodes or ranks named in a verdict's collective
+
+
+def _collective(raw: Any) -> dict[str, Any] | None:
+    """A verdict's collective, checked field by field; unknown keys dropped."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ProtocolError("culprit.collective: expected an object or null")
+    where = "culprit.collective"
+    out: dict[str, Any] = {
+        "pg": _text(raw, "pg", f"{where}.pg", max_len=64),
+        "desc": _text(raw, "desc", f"{where}.desc", nullable=True, default=None, max_len=64),
+        "seq": _int(raw, "seq", f"{where}.seq", 0, (1 << 62) - 1),
+        "op": _text(raw, "op", f"{where}.op", nullable=True, default=None, max_len=MAX_TEXT),
+        "repeat": bool(_bool(raw, "repeat", f"{where}.repeat")),
+        "waiting": _int(raw, "waiting", f"{where}.waiting", 0, MAX_RANK + 1, default=0),
+    }
+    for key, limit in (("nodes", MAX_COLLECTIVE_NAMES), ("late", MAX_COLLECTIVE_NAMES)):
+        values = _list(raw, key, f"{where}.{key}", limit)
+        if key == "nodes":
+            out[key] = [_text({"n": n}, "n", f"{where}.nodes[{i}]", max_len=253) for i, n in enumerate(values)]
+        else:
+            out[key] = [_int({"r": r}, "r", f"{where}.late[{i}]", 0, MAX_RANK) for i, r in enumerate(values)]
+    ops = raw.get("ops") or {}
+    if not isinstance(ops, dict) or len(ops) > 8:
+        raise ProtocolError(f"{where}.ops: expected an object of at most 8 signatures")
+    out["ops"] = {
+        _text({"s": sig}, "s", f"{where}.ops", max_len=MAX_TEXT): [
+            _int({"r": r}, "r", f"{where}.ops[{sig!r}]", 0, MAX_RANK)
+            for r in _list(ops, sig, f"{where}.ops", MAX_COLLECTIVE_NAMES)
+        ]
+        for sig in ops
+    }
+    return out
+
+
 def parse_verdict(data: Any) -> Verdict | None:
     """The coordinator's answer (None: no incident); ProtocolError when it is malformed."""
     if data is None:
@@ -246,6 +328,9 @@ def parse_verdict(data: Any) -> Verdict | None:
             phase=_text(raw, "phase", "culprit.phase", nullable=True, max_len=MAX_TEXT),
             stack_top=_text(raw, "stack_top", "culprit.stack_top", nullable=True, max_len=MAX_TEXT),
             reason=_text(raw, "reason", "culprit.reason", default="", max_len=4 * MAX_TEXT),
+            kind=_choice(raw, "kind", "culprit.kind", KINDS, "rank_running"),
+            evidence=_choice(raw, "evidence", "culprit.evidence", EVIDENCE, "stacks"),
+            collective=_collective(raw.get("collective")),
         )
 
     def names(key: str, limit: int) -> list[str]:

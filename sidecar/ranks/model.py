@@ -14,6 +14,7 @@ from typing import Any
 
 from sidecar.host.identity import PidFd
 from sidecar.host.stackfiles import StackFile
+from sidecar.ranks.collectives import Collectives
 from sidecar.ranks.protocol import EventItem, Launcher, PhaseItem, StepItem
 from sidecar.ranks.stepcounters import StepCounters
 from trainer_hooks.wire import MAX_FIELD_CHARS, MAX_NAME, WELL_KNOWN_METRICS
@@ -84,6 +85,14 @@ class Rank:
     nonfinite: collections.Counter = field(default_factory=collections.Counter)  # by metric key
     counters: StepCounters = field(default_factory=StepCounters)  # steps/samples/tokens, step-time histogram
     records: int = 0  # items accepted since registration
+    # Its collective record (the Flight Recorder's summary, sidecar/ranks/collectives.py), when the
+    # sidecar received it (monotonic), and its whole dump as JSON when an incident asked for one.
+    collectives: Collectives | None = None
+    collectives_at: float | None = None
+    fr_dump: bytes | None = field(default=None, repr=False)
+    fr_dump_at: float | None = None  # monotonic
+    # What the next push answer asks of its hooks (trainer_hooks.wire.WANTS), once.
+    wants: set[str] = field(default_factory=set)
     # Recent events as (time, name, fields as compact JSON text), newest last (`compact_fields`).
     events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=EVENTS_MAX))
     events_bytes: int = 0
@@ -101,6 +110,16 @@ class Rank:
             self.last_progress = self.registered_at
         if not self.last_progress_wall:
             self.last_progress_wall = self.registered_wall
+
+    def take_collectives(self, record: Collectives | None, fr_dump: bytes | None, now: float) -> None:
+        if record is not None:
+            self.collectives, self.collectives_at = record, now
+        if fr_dump is not None:
+            self.fr_dump, self.fr_dump_at = fr_dump, now
+
+    def collectives_age(self, now: float) -> float | None:
+        """Seconds since its record arrived (None: it never sent one)."""
+        return None if self.collectives_at is None else max(0.0, now - self.collectives_at)
 
     @property
     def stack_path(self) -> str | None:

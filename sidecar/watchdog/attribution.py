@@ -1,11 +1,14 @@
 """Who holds a stalled job up: the watchdog's first guess from the registry (`blame`), refined
-once the stack dumps are in (`refine_blame`)."""
+once the stack dumps are in (`refine_blame`), then by the ranks' collective records where they
+decide it (`judge_collectives`: the backend's own record before the stacks)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from sidecar.incidents.store import Incident
+from sidecar.jobview import collectives
+from sidecar.jobview.report import RankView
 from sidecar.ranks.model import Rank, RankKey
 
 
@@ -53,3 +56,37 @@ def refine_blame(incident: Incident) -> None:
         others = f"rank {waiting[0]} waits" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} wait"
         incident.blamed_rank = chosen.rank
         incident.blame_reason = f"not waiting for its peers, while {others} for it in a collective"
+
+
+def judge_collectives(
+    incident: Incident, ranks: Iterable[Rank], node: str, now: float, stale_after: float
+) -> collectives.Finding | None:
+    """This node's ranks' collective records into the incident (each rank's, for the record), and
+    the judgement they give of the node's own ranks (a job whose ranks are all here, or a node
+    judging alone); the job's verdict, where there is one, replaces it (coordination.adopt)."""
+    ranks = list(ranks)
+    by_rank = {r.rank: r for r in ranks}
+    for snap in incident.ranks:
+        r = by_rank.get(snap.rank)
+        if r is not None and r.collectives is not None:
+            snap.collectives = r.collectives.brief()
+    views = []
+    for r in ranks:
+        if r.collectives is None:
+            continue
+        state = next((s.state for s in incident.ranks if s.rank == r.rank), "stalled")
+        views.append((node, RankView(r.rank, r.local_rank, state, r.step, r.phase, 0.0,
+                                     collectives=r.collectives, collectives_age=r.collectives_age(now))))  # fmt: skip
+    incident.evidence = "stacks" if any(s.in_collective is not None for s in incident.ranks) else "progress"
+    finding = collectives.judge(views, stale_after)
+    if finding is None:
+        return None
+    c = finding.to_culprit()
+    world = max((r.world_size for r in ranks), default=0)
+    if c.rank is None and finding.kind == "collective_stuck" and len(ranks) < world:
+        return None  # a collective of ranks elsewhere too: the job's verdict says whose it is
+    incident.hang_kind, incident.evidence, incident.collective = c.kind, c.evidence, c.collective
+    if c.rank is not None:
+        incident.blamed_rank = c.rank
+    incident.blame_reason = c.reason
+    return finding

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.incidents.store import Incident
-from sidecar.jobview.report import Culprit, NodePart, RankView, Verdict
+from sidecar.jobview.report import NO_RANK_KINDS, Culprit, NodePart, RankView, Verdict
 
 PART_EVENTS = frozenset(
     {"detected", "dumps_requested", "dumps_received", "verdict", "sigterm", "sigkill", "exit_observed",
@@ -81,7 +81,13 @@ def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
         incident.notes.append(f"this node alone would have blamed {local_guess} ({incident.blame_reason})")
     incident.blamed_rank, incident.blamed_node = c.rank, c.node
     incident.blame_reason = c.reason
-    incident.culprit = {"rank": c.rank, "node": c.node, "step": c.step, "phase": c.phase, "stack_top": c.stack_top}
+    incident.hang_kind, incident.evidence, incident.collective = c.kind, c.evidence, c.collective
+    incident.culprit = {
+        "rank": c.rank, "node": c.node, "step": c.step, "phase": c.phase, "stack_top": c.stack_top, "kind": c.kind,
+        "evidence": c.evidence,
+    }  # fmt: skip
+    if c.kind == "collective_mismatch" and c.collective and c.collective.get("repeat"):
+        incident.notes.append("the same collective mismatch as the job's previous incident: a restart repeats it")
     if verdict.lost_nodes:
         incident.notes.append(f"nodes lost during the incident: {', '.join(verdict.lost_nodes)}")
 
@@ -91,6 +97,8 @@ def local_culprit(verdict: Verdict | None, node: str, local_ranks: set[int]) -> 
     if verdict is None or verdict.culprit is None:
         return None
     c: Culprit = verdict.culprit
+    if c.kind in NO_RANK_KINDS:
+        return True  # no rank to blame: every node of the job acts on its own ranks
     return c.node == node and (c.rank is None or c.rank in local_ranks)
 
 

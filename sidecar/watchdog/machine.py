@@ -38,12 +38,13 @@ from sidecar.config import Settings
 from sidecar.host.procs import is_running
 from sidecar.host.signals import Target
 from sidecar.incidents.store import Incident, IncidentStore, RankSnapshot
+from sidecar.jobview.collectives import Finding
 from sidecar.jobview.report import NodeReport
 from sidecar.metric import MetricSpec, spec
 from sidecar.problems import Kind, Problem
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.registry import Registry
-from sidecar.watchdog.attribution import blame, refine_blame
+from sidecar.watchdog.attribution import blame, judge_collectives, refine_blame
 from sidecar.watchdog.coordination import (
     JobView,
     Probe,
@@ -151,6 +152,41 @@ METRICS: tuple[MetricSpec, ...] = (
         "With the rank's step, what names the rank that holds a job up (alerts: JobHungOnRank).",
         ["job_id", "rank"],
     ),
+    spec(
+        "watchdog",
+        "rank_collective_enqueued_seq",
+        "gauge",
+        "The sequence number of the last collective the rank enqueued on the process group, from its Flight "
+        "Recorder (sent by the hooks at least every flush interval). A member below its group's highest is late to "
+        "the collective the others wait in (alerts: JobHungOnRank).",
+        ["job_id", "rank", "pg"],
+    ),
+    spec(
+        "watchdog",
+        "rank_collective_completed_seq",
+        "gauge",
+        "The sequence number of the last collective the rank saw complete on the process group (Flight Recorder). "
+        "Below enqueued: the rank waits in a collective.",
+        ["job_id", "rank", "pg"],
+    ),
+    spec(
+        "watchdog",
+        "rank_collective_record_age_seconds",
+        "gauge",
+        "Seconds since the rank's collective record last arrived; a live rank's hooks send it at least every "
+        "flush interval, so a record that keeps ageing says its process stopped.",
+        ["job_id", "rank"],
+    ),
+    spec(
+        "watchdog",
+        "stall_verdicts",
+        "counter",
+        "Stalls by what held the job up (kind: rank_late, collective_stuck, collective_mismatch, rank_running, "
+        "oldest_progress, node_lost, first_exit) and the evidence that judged it (collectives: the Flight "
+        "Recorder; stacks: the ranks' Python stacks; progress: steps and exits alone). A collective_mismatch is a "
+        "desync in the program that a restart repeats.",
+        ["job_id", "kind", "evidence"],
+    ),
 )
 
 
@@ -182,6 +218,7 @@ class _Counters:
     transitions: Counter = field(default_factory=Counter)  # (from, to)
     stalls: Counter = field(default_factory=Counter)  # job_id
     remediations: Counter = field(default_factory=Counter)  # (job_id, outcome)
+    verdicts: Counter = field(default_factory=Counter)  # (job_id, kind, evidence)
     last_incident: float | None = None
 
 
@@ -351,6 +388,8 @@ class Watchdog:
             raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
         track.state, track.since = new, now
         self.counters.transitions[(old.value, new.value)] += 1
+        if new in (RankState.SUSPECT, RankState.STALLED):
+            self._want_collectives(track.rank.job_id)
         if new in (RankState.SUSPECT, RankState.STALLED) and track.probe is None:
             self._probe_wanted.add(track.rank.job_id)
         elif new in (RankState.HEALTHY, RankState.STARTING):
@@ -361,6 +400,14 @@ class Watchdog:
             self.job_view.wake(track.rank.job_id)
         level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO
         log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid, old.value, new.value, reason)
+
+    def _want_collectives(self, job_id: str) -> None:
+        """A rank of the job turned suspect or stalled: every local rank of the job sends a fresh
+        collective record, and its whole Flight Recorder dump for the incident, with its next push
+        (asked in the push's answer; a stopped rank cannot answer, which is evidence too)."""
+        for t in self._tracks.values():
+            if t.rank.job_id == job_id and t.state is not RankState.GONE:
+                t.rank.wants.update(("collectives", "fr_dump"))
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
         return self.timeouts.deadline(rank, self.clock() if now is None else now)
@@ -489,6 +536,7 @@ class Watchdog:
             await self._await_probe(episode.job_id)
             await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
+            self._collectives(episode)
             outcome = await self._kill(episode, targets)
         except asyncio.CancelledError:
             raise
@@ -497,6 +545,20 @@ class Watchdog:
             episode.incident.notes.append(f"remediation error: {type(e).__name__}: {e}")
             outcome = "failed"
         self._end_remediation(episode, outcome)
+
+    def _collectives(self, episode: _Episode) -> Finding | None:
+        """The episode's ranks' collective records into its incident, with the local judgement
+        they give, and the Flight Recorder dumps the ranks sent since they stopped progressing."""
+        incident, now = episode.incident, self.clock()
+        ranks = [t.rank for key in episode.keys if (t := self._tracks.get(key)) is not None]
+        stale_after = 2 * self.settings.hooks_flush_interval_seconds + 1.0
+        finding = judge_collectives(incident, ranks, self.node, now, stale_after)
+        dumps = {
+            r.rank: r.fr_dump for r in ranks
+            if r.fr_dump is not None and r.fr_dump_at is not None and r.fr_dump_at >= r.last_progress
+        }  # fmt: skip
+        self.store.save_fr_dumps(incident, dumps)
+        return finding
 
     async def _kill(self, episode: _Episode, targets: list[Target]) -> str:
         """SIGTERM, the grace, SIGKILL of the episode's ranks still being remediated."""
@@ -517,6 +579,7 @@ class Watchdog:
             await self._await_probe(job_id)
             await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
+            finding = self._collectives(episode)
             self._probes_from(incident)
             episode.stacks_done = True
             self.store.save(incident)
@@ -525,12 +588,15 @@ class Watchdog:
             adopt(incident, verdict, self.node)
             here = local_culprit(verdict, self.node, {t.rank for t in targets})
             if here is None:
+                late_here = finding is not None and finding.culprit is not None
                 running = [s.rank for s in incident.ranks if s.in_collective is False]
-                here = bool(running) or not jv.reachable(job_id)
+                here = late_here or bool(running) or not jv.reachable(job_id)
                 incident.notes.append(
                     f"no culprit from the job's coordinator within job_view.verdict_wait_seconds ({wait:g}s); "
                     + (
-                        "this node's own stacks show a rank not waiting for its peers"
+                        "this node's collective records show a local rank late to its peers' collective"
+                        if late_here
+                        else "this node's own stacks show a rank not waiting for its peers"
                         if running
                         else "the coordinator does not answer"
                         if here
@@ -613,6 +679,7 @@ class Watchdog:
             spared = episode.outcome == NOT_KILLED_NO_RESTART
             await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=spared)
             refine_blame(episode.incident)
+            self._collectives(episode)
             self._probes_from(episode.incident)
             episode.stacks_done = True
             if self._coordinated(episode.job_id):
@@ -631,6 +698,9 @@ class Watchdog:
         episode.incident.outcome = outcome
         self.store.save(episode.incident)
         self.counters.remediations[(episode.job_id, outcome)] += 1
+        incident = episode.incident
+        kind = incident.hang_kind or ("rank_running" if incident.evidence == "stacks" else "oldest_progress")
+        self.counters.verdicts[(episode.job_id, kind, incident.evidence or "progress")] += 1
         if episode.incident.job_incident is not None:
             self._parts[episode.job_id] = episode.incident
         if self.job_view is not None:
@@ -722,7 +792,10 @@ class Watchdog:
             if t.state is RankState.GONE and exited is None:
                 continue
             age = now - r.last_progress
-            ranks.append(rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited))
+            view = rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited)
+            if r.collectives is not None and t.state is not RankState.GONE:
+                view.collectives, view.collectives_age = r.collectives, round(r.collectives_age(now) or 0.0, 3)
+            ranks.append(view)
         verdict = self.job_view.verdict(job_id) if self.job_view is not None else None
         current = verdict.job_incident if verdict is not None and not verdict.closed else None
         episode = self._episodes.get(job_id)
@@ -766,7 +839,9 @@ class Watchdog:
 
     def families(self, only: Collection[RankKey] | None = None) -> Iterable[Metric]:
         """The watchdog's families; per-rank series only of the ranks in `only` (None: all)."""
-        state, timeout, stalls, remediations, transitions, last, observe, waiting = (m.family() for m in METRICS)
+        state, timeout, stalls, remediations, transitions, last, observe, waiting, enq, done, age, verdicts = (
+            m.family() for m in METRICS
+        )
         now = self.clock()
         tracks = list(self._tracks.values())
         if only is not None:
@@ -779,17 +854,25 @@ class Watchdog:
                 timeout.add_metric(labels, self.deadline(t.rank, now).timeout)
                 if t.probe is not None and t.probe.waiting is not None:
                     waiting.add_metric(labels, 1.0 if t.probe.waiting else 0.0)
+                record = t.rank.collectives
+                if record is not None:
+                    age.add_metric(labels, t.rank.collectives_age(now) or 0.0)
+                    for g in record.groups:
+                        enq.add_metric(labels + [g.pg], g.enqueued)
+                        done.add_metric(labels + [g.pg], g.completed)
         for job_id, n in sorted(self.counters.stalls.items()):
             stalls.add_metric([job_id], n)
         for (job_id, outcome), n in sorted(self.counters.remediations.items()):
             remediations.add_metric([job_id, outcome], n)
+        for (job_id, kind, evidence), n in sorted(self.counters.verdicts.items()):
+            verdicts.add_metric([job_id, kind, evidence], n)
         for (old, new), n in sorted(self.counters.transitions.items()):
             transitions.add_metric([old, new], n)
         if self.counters.last_incident is not None:
             last.add_metric([], self.counters.last_incident)
         observe.add_metric([], 1.0 if self.settings.watchdog.observe_only else 0.0)
         return [
-            state, timeout, stalls, remediations, transitions, last, observe, waiting,
+            state, timeout, stalls, remediations, transitions, last, observe, waiting, enq, done, age, verdicts,
             *self.goodput.families(), *self.recoveries.families(),
         ]  # fmt: skip
 

@@ -12,7 +12,13 @@ from trainer_hooks import wire
 
 # protocol version -> the fingerprint of the contract it names. A change to wire.py's constants
 # changes the fingerprint: bump wire.PROTOCOL_VERSION and add the new pair here.
-PINNED = {1: "95e2a8ad6b11b67f", 2: "e7d1122c50241be7", 3: "603d52117a16c850", 4: "37705c1f6281d32b"}
+PINNED = {
+    1: "95e2a8ad6b11b67f",
+    2: "e7d1122c50241be7",
+    3: "603d52117a16c850",
+    4: "37705c1f6281d32b",
+    5: "bf14963b54e1d4a6",
+}
 
 
 def fingerprint() -> str:

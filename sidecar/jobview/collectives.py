@@ -1,0 +1,220 @@
+"""Who holds a job up, from the backend's own record: every rank's collective record (PyTorch's
+Flight Recorder, summarised by the hooks; sidecar/ranks/collectives.py). The first evidence the
+judge reads (judge.py); the ranks' Python stacks come second, progress alone last.
+
+Per process group, across every node of the job, the collective in flight is the highest
+sequence any member enqueued that not every member completed. Then:
+
+- `collective_mismatch`: members hold different collectives (op or input shapes) at one
+  sequence: a desync, a program bug that a restart repeats. No single rank is named.
+- `rank_late`: members never entered the collective the others wait in. The culprit is the late
+  rank that does not itself wait in another group (with several groups, data x tensor parallel,
+  a rank late in one group because it waits in another is a victim, and the chain ends at the one
+  rank that holds everyone up), or whose record stopped coming (its process no longer runs: the
+  hooks' thread reads the record at least every few seconds while it lives). Its Python stack
+  does not matter: a CUDA job's waiting rank sits at its next sync point, not in a collective.
+- `collective_stuck`: every member entered and none completed, every member's record fresh (their
+  processes live and still wait): the backend's or the network's; no rank is to blame.
+
+Nothing is claimed while a member whose record would decide it is unknown (a node not heard
+from, a group's members not all seen): the judge then waits, or falls back to the stacks.
+Linear in the ranks' groups; a job is judged at most every JUDGE_EVERY_SECONDS (coordinator.py).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from sidecar.jobview.report import MAX_COLLECTIVE_NAMES, Culprit, RankView
+from sidecar.ranks.collectives import Group, Pending
+
+STALE_AFTER_SECONDS = 5.0  # a record older than this (hooks flush every 2 s by default) has stopped
+# Collectives whose members must all pass the same input shapes; others (all_to_all with uneven
+# splits, gather, scatter, all_gather of uneven tensors) are compared by op alone.
+SAME_SHAPES = frozenset(
+    {"all_reduce", "allreduce", "all_reduce_coalesced", "allreduce_coalesced", "broadcast", "reduce", "barrier"}
+)
+
+
+def _signature(p: Pending) -> str:
+    return p.signature if p.op in SAME_SHAPES else p.op
+
+
+@dataclass
+class _Member:
+    node: str
+    view: RankView
+    group: Group
+
+    @property
+    def rank(self) -> int:
+        return self.view.rank
+
+
+@dataclass
+class Finding:
+    kind: str  # rank_late | collective_stuck | collective_mismatch
+    pg: str
+    desc: str
+    seq: int
+    op: str | None
+    culprit: tuple[str, RankView] | None = None
+    late: list[int] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    waiting: int = 0
+    ops: dict[str, list[int]] = field(default_factory=dict)
+    reason: str = ""
+
+    def collective(self) -> dict:
+        return {
+            "pg": self.pg, "desc": self.desc or None, "seq": self.seq, "op": self.op, "nodes": self.nodes,
+            "late": self.late, "waiting": self.waiting, "ops": self.ops, "repeat": False,
+        }  # fmt: skip
+
+    def to_culprit(self) -> Culprit:
+        collective = self.collective()
+        if self.culprit is not None:
+            node, r = self.culprit
+            return Culprit(r.rank, node, r.step, r.phase, r.stack_top, self.reason, self.kind, "collectives",
+                           collective)  # fmt: skip
+        return Culprit(None, self.nodes[0] if self.nodes else "", None, None, None, self.reason, self.kind,
+                       "collectives", collective)  # fmt: skip
+
+
+def stale(view: RankView, stale_after: float) -> bool:
+    return view.collectives_age is not None and view.collectives_age > stale_after
+
+
+def _label(g: Group) -> str:
+    return f"process group {g.pg}" + (f" ({g.desc})" if g.desc else "")
+
+
+def judge(ranks: Iterable[tuple[str, RankView]], stale_after: float = STALE_AFTER_SECONDS) -> Finding | None:
+    """The finding from every live rank's record (`(node, view)` pairs), or None when the records
+    do not decide it (none in flight, a member unknown, no record at all)."""
+    groups: dict[str, list[_Member]] = defaultdict(list)
+    waits: dict[int, bool] = {}  # rank -> waits in some group's collective, with a fresh record
+    stopped: set[int] = set()
+    for node, view in ranks:
+        if view.collectives is None or view.state == "gone":
+            continue
+        if stale(view, stale_after):
+            stopped.add(view.rank)
+        for g in view.collectives.groups:
+            groups[g.pg].append(_Member(node, view, g))
+            if g.waiting:
+                waits[view.rank] = True
+    late_findings: list[tuple[Finding, list[_Member]]] = []
+    stuck: list[Finding] = []
+    for pg in sorted(groups, key=_pg_order):
+        members = groups[pg]
+        top = max(m.group.enqueued for m in members)
+        if all(m.group.completed >= top for m in members):
+            continue  # nothing in flight in this group
+        mismatch = _mismatch(members)
+        if mismatch is not None:
+            return mismatch
+        entered = [m for m in members if m.group.enqueued >= top and m.group.completed < top]
+        late = [m for m in members if m.group.enqueued < top]
+        desc = members[0].group.desc
+        op = _op_at(entered, top)
+        size = max((m.group.size or 0) for m in members)
+        nodes = sorted({m.node for m in members})[:MAX_COLLECTIVE_NAMES]
+        base = Finding("rank_late", pg, desc, top, op, nodes=nodes, waiting=len(entered))
+        if late:
+            base.late = sorted(m.rank for m in late)[:MAX_COLLECTIVE_NAMES]
+            late_findings.append((base, late))
+            continue
+        if len(members) < size:
+            continue  # members not heard from may be the late ones
+        halted = [m for m in members if m.rank in stopped]
+        if halted:  # in the collective, but the process stopped answering
+            base.late = sorted(m.rank for m in halted)[:MAX_COLLECTIVE_NAMES]
+            late_findings.append((base, halted))
+            continue
+        base.kind = "collective_stuck"
+        base.reason = (
+            f"every member of {_label(members[0].group)} ({len(members)} ranks on {len({m.node for m in members})} "
+            f"node{'s' if len(nodes) != 1 else ''}) entered {op or 'collective'} #{top} and none completed it: "
+            "the backend or the network between them, no rank to blame"
+        )
+        stuck.append(base)
+    culprit = _culprit(late_findings, waits, stopped)
+    if culprit is not None:
+        return culprit
+    return stuck[0] if stuck else None
+
+
+def _pg_order(pg: str) -> tuple[int, str]:
+    return (int(pg), "") if pg.isdigit() else (1 << 30, pg)
+
+
+def _op_at(members: list[_Member], seq: int) -> str | None:
+    for m in members:
+        for p in m.group.pending:
+            if p.seq == seq:
+                return p.signature
+    return None
+
+
+def _mismatch(members: list[_Member]) -> Finding | None:
+    """Members holding different collectives at one sequence."""
+    by_seq: dict[int, dict[str, list[_Member]]] = defaultdict(lambda: defaultdict(list))
+    for m in members:
+        for p in m.group.pending:
+            by_seq[p.seq][_signature(p)].append(m)
+    for seq in sorted(by_seq):
+        sigs = by_seq[seq]
+        if len(sigs) < 2:
+            continue
+        g = members[0].group
+        ops = {sig: sorted(m.rank for m in ms)[:MAX_COLLECTIVE_NAMES] for sig, ms in sorted(sigs.items())[:8]}
+        said = "; ".join(f"{sig} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:8]))}"
+                         for sig, r in ops.items())  # fmt: skip
+        return Finding(
+            "collective_mismatch", g.pg, g.desc, seq, None,
+            nodes=sorted({m.node for ms in sigs.values() for m in ms})[:MAX_COLLECTIVE_NAMES],
+            waiting=sum(len(ms) for ms in sigs.values()), ops=ops,
+            reason=f"members of {_label(g)} called different collectives at sequence #{seq} ({said}): "
+            "a desync in the program; a restart runs into it again",
+        )  # fmt: skip
+    return None
+
+
+def _culprit(
+    findings: list[tuple[Finding, list[_Member]]], waits: dict[int, bool], stopped: set[int]
+) -> Finding | None:
+    """The one late rank every group's wait leads to: late somewhere and waiting nowhere (or
+    stopped). None when every late rank waits in another group (the chain ends at a rank whose
+    record is not known, or at a stuck collective)."""
+    best: tuple[tuple, Finding, _Member] | None = None
+    for finding, late in findings:
+        for m in late:
+            halted = m.rank in stopped
+            if waits.get(m.rank) and not halted:
+                continue  # a victim: it waits in another group
+            behind = finding.seq - m.group.enqueued
+            key = (not halted, -behind, m.rank)
+            if best is None or key < best[0]:
+                best = (key, finding, m)
+    if best is None:
+        return None
+    _, finding, m = best
+    g = m.group
+    where = f"{_label(g)}'s {finding.op or 'collective'} #{finding.seq}"
+    others = f"{finding.waiting} rank{'s' if finding.waiting != 1 else ''} wait{'s' if finding.waiting == 1 else ''}"
+    if m.rank in stopped:
+        age = m.view.collectives_age or 0.0
+        how = (
+            f"its collective record stopped {age:.1f}s ago (its process no longer runs) "
+            + ("inside" if g.enqueued >= finding.seq else "before entering")
+            + f" {where}, in which {others}"
+        )
+    else:
+        how = f"it never entered {where} (its last: #{g.enqueued}), in which {others}, and waits in no collective"
+    finding.culprit = (m.node, m.view)
+    finding.kind = "rank_late"
+    finding.reason = how
+    return finding

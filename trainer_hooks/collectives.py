@@ -1,0 +1,205 @@
+"""The rank's collective progress, from PyTorch's Flight Recorder (the backend's own record).
+
+torch keeps, per process, a ring of the collectives it enqueued on every process group (gloo and
+NCCL alike, `TORCH_FR_BUFFER_SIZE` entries; none by default) and, per group, the sequence number
+of the last collective enqueued, started and completed. That record says which collective a rank
+waits in, whatever its Python stack shows: a CUDA job's waiting rank blocks at its next sync point,
+not in torch.distributed's frames. The sidecar judges a hang from it (sidecar/jobview/collectives.py):
+a rank that never entered the collective its peers wait in is the culprit; a collective every
+member entered and none finished is the network's; members at one sequence with different ops are
+a desync.
+
+- `enable()` turns the recorder on (a small ring) before the process group forms, unless the user
+  set `TORCH_FR_BUFFER_SIZE` (their setting wins) or `SIDECAR_COLLECTIVES=0`. Importing
+  `trainer_hooks` under torchrun, creating a `Monitor` and `-m trainer_hooks.attach` call it.
+- `read()` runs on the hooks' sender thread, never on the training thread: one
+  `_dump_fr_trace_json` call (0.3-3 ms for a ring of tens of entries), summarised by `summarize()`
+  into what the sidecar needs: per group the last enqueued / started / completed sequence and the
+  oldest collectives still in flight (op, sizes, when each was created). Bounded by the wire's limits.
+- `dump_json()` is the whole record (torch's JSON form), sent when the sidecar asks for it: the
+  incident keeps it in torch's own pickle format, which `fr_trace` reads.
+
+Standard library only at import; torch is used only where the process already imported it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from trainer_hooks.wire import (
+    COLLECTIVES_MAX_GROUP_RANKS,
+    COLLECTIVES_MAX_GROUPS,
+    COLLECTIVES_MAX_PENDING,
+    COLLECTIVES_MAX_SIZES,
+)
+
+SWITCH = "SIDECAR_COLLECTIVES"
+BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+DEFAULT_BUFFER = 64  # entries: a few steps of a DDP job; the ring's memory is a few tens of KiB
+FR_DUMP_MAX_ENTRIES = 256  # of a whole dump sent for an incident (wire: under the push body limit)
+READ_EVERY_SECONDS = 1.0  # while healthy, the record is read at most this often (with a push)
+
+
+def enabled(environ: Mapping[str, str]) -> bool:
+    return environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def enable(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Turn the Flight Recorder on for the process groups formed from now on; True when it is on
+    (the user's own buffer size counts). torch reads the variable when it creates its recorder."""
+    env = os.environ if environ is None else environ
+    try:
+        if not enabled(env):
+            return False
+        current = env.get(BUFFER_ENV)
+        if current is not None:
+            return current.strip() not in ("", "0")
+        env[BUFFER_ENV] = str(DEFAULT_BUFFER)
+        return True
+    except Exception:  # an environment mapping that refuses writes: nothing to do
+        return False
+
+
+def _c10d() -> Any:
+    """torch's c10d bindings when the process imported torch and formed a group, else None."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return sys.modules.get("torch._C._distributed_c10d") or getattr(
+        getattr(torch, "_C", None), "_distributed_c10d", None
+    )
+
+
+def _members() -> dict[str, tuple[str, list[int]]]:
+    """Each process group of this process by its recorder name: (description, global ranks)."""
+    dist = sys.modules["torch"].distributed
+    world = dist.distributed_c10d._world
+    out: dict[str, tuple[str, list[int]]] = {}
+    for pg, name in list(world.pg_names.items()):
+        ranks = world.pg_group_ranks.get(pg)
+        out[str(name)] = (str(getattr(pg, "group_desc", "") or ""), sorted(ranks) if ranks else [])
+    return out
+
+
+def read(now: float | None = None) -> dict | None:
+    """This rank's collective record for the sidecar, or None (no torch, no group, no recorder)."""
+    c10d = _c10d()
+    if c10d is None or not hasattr(c10d, "_dump_fr_trace_json"):
+        return None
+    raw = c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+    try:
+        members = _members()
+    except Exception:  # a torch whose private world moved: membership from the record alone
+        members = {}
+    return summarize(json.loads(raw), members, time.time() if now is None else now)
+
+
+def dump_json(max_entries: int = FR_DUMP_MAX_ENTRIES) -> dict | None:
+    """The whole record as torch gives it in JSON (entries, pg_config, pg_status, version; the
+    newest `max_entries` entries), or None. The sidecar keeps it with the incident in torch's own
+    pickle format, which `python -m torch.distributed.flight_recorder.fr_trace` reads."""
+    c10d = _c10d()
+    if c10d is None or not hasattr(c10d, "_dump_fr_trace_json"):
+        return None
+    trace = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+    if not isinstance(trace, dict):
+        return None
+    if isinstance(trace.get("entries"), list):
+        trace["entries"] = trace["entries"][-max_entries:]
+    config = trace.get("pg_config")
+    if not isinstance(config, dict) or not any(name for name in config):
+        # gloo's record leaves the groups' members out; fr_trace needs them
+        descs = {str(e["process_group"][0]): str(e["process_group"][1]) for e in trace.get("entries") or []
+                 if isinstance(e, dict) and len(e.get("process_group") or ()) > 1}  # fmt: skip
+        trace["pg_config"] = {
+            name: {"name": name, "desc": desc or descs.get(name, ""), "ranks": json.dumps(ranks)}
+            for name, (desc, ranks) in _members().items()
+        }
+    return trace
+
+
+def _op(entry: Mapping[str, Any]) -> str:
+    name = str(entry.get("profiling_name") or "?")
+    return name.split(":", 1)[-1][:64]  # "nccl:all_reduce", "gloo:all_reduce" -> "all_reduce"
+
+
+def _sizes(entry: Mapping[str, Any]) -> list[list[int]]:
+    sizes = entry.get("input_sizes") or []
+    out = []
+    for shape in sizes[:COLLECTIVES_MAX_SIZES]:
+        out.append([int(d) for d in shape[:8]] if isinstance(shape, list) else [])
+    return out
+
+
+def _seq(status: Mapping[str, Any], key: str) -> int:
+    try:
+        return int(status.get(key, -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+def _in_flight_first(group: dict[str, Any]) -> tuple[bool, str]:
+    return (not group["pending"] and group["enqueued"] <= group["completed"], str(group["pg"]))
+
+
+def summarize(trace: Mapping[str, Any], members: Mapping[str, tuple[str, list[int]]], now: float) -> dict:
+    """The record the hooks send: per process group (by the recorder's name), the last enqueued,
+    started and completed collective sequence, the group's size and members (global ranks, when
+    few enough), and its oldest collectives still in flight. `trace`: what `_dump_fr_trace_json`
+    returns (gloo's and NCCL's alike); `members`: name -> (description, global ranks)."""
+    status = trace.get("pg_status") or {}
+    config = trace.get("pg_config") or {}
+    pending: dict[str, list[Mapping[str, Any]]] = {}
+    descs: dict[str, str] = {}
+    completed = {str(name): _seq(s, "last_completed_collective") for name, s in status.items()}
+    for entry in trace.get("entries") or []:
+        if entry.get("is_p2p"):
+            continue
+        group = entry.get("process_group") or ["", ""]
+        name = str(group[0])
+        if len(group) > 1 and group[1]:
+            descs.setdefault(name, str(group[1]))
+        seq = entry.get("collective_seq_id")
+        if not isinstance(seq, int) or seq <= completed.get(name, -1) or entry.get("state") == "completed":
+            continue
+        pending.setdefault(name, []).append(entry)
+    groups: list[dict[str, Any]] = []
+    for name, s in status.items():
+        name = str(name)
+        desc, ranks = members.get(name, ("", []))
+        if not ranks:  # NCCL's record names each group's ranks; gloo's does not
+            try:
+                ranks = sorted(int(r) for r in json.loads((config.get(name) or {}).get("ranks") or "[]"))
+            except (TypeError, ValueError):
+                ranks = []
+        inflight = sorted(pending.get(name, []), key=lambda e: e["collective_seq_id"])[:COLLECTIVES_MAX_PENDING]
+        groups.append(
+            {
+                "pg": name[:64],
+                "desc": (desc or descs.get(name) or (config.get(name) or {}).get("desc") or "")[:64],
+                "size": len(ranks) if ranks else None,
+                "ranks": ranks if 0 < len(ranks) <= COLLECTIVES_MAX_GROUP_RANKS else None,
+                "enqueued": _seq(s, "last_enqueued_collective"),
+                "started": _seq(s, "last_started_collective"),
+                "completed": _seq(s, "last_completed_collective"),
+                "pending": [
+                    {
+                        "seq": int(e["collective_seq_id"]),
+                        "op": _op(e),
+                        "sizes": _sizes(e),
+                        "created": round(int(e.get("time_created_ns") or 0) / 1e9, 6),
+                        "state": str(e.get("state") or "scheduled")[:16],
+                    }
+                    for e in inflight
+                ],
+            }
+        )
+    # Groups with something in flight first: they are what a hang is judged from.
+    groups.sort(key=_in_flight_first)
+    return {"time": round(now, 6), "groups": groups[:COLLECTIVES_MAX_GROUPS]}
