@@ -31,6 +31,7 @@ from sidecar.jobview.report import MAX_COLLECTIVE_NAMES, Culprit, RankView
 from sidecar.ranks.collectives import Group, Pending
 
 STALE_AFTER_SECONDS = 5.0  # a record older than this (hooks flush every 2 s by default) has stopped
+WAIT_SECONDS = 1.0  # inside a collective this long when the record was read: the rank waits in it
 # Collectives whose members must all pass the same input shapes; others (all_to_all with uneven
 # splits, gather, scatter, all_gather of uneven tensors) are compared by op alone.
 SAME_SHAPES = frozenset(
@@ -91,9 +92,51 @@ def _label(g: Group) -> str:
     return f"process group {g.pg}" + (f" ({g.desc})" if g.desc else "")
 
 
-def judge(ranks: Iterable[tuple[str, RankView]], stale_after: float = STALE_AFTER_SECONDS) -> Finding | None:
+def _inside_for(m: _Member, seq: int) -> float | None:
+    """How long the member had been inside collective `seq` when it read its record."""
+    assert m.view.collectives is not None
+    p = next((p for p in m.group.pending if p.seq == seq), None)
+    return None if p is None else max(0.0, m.view.collectives.time - p.created)
+
+
+def _waits(m: _Member) -> bool:
+    """The member waits in its group's collective: in flight for WAIT_SECONDS when it read its
+    record (a healthy collective passes in milliseconds; a record read during one says nothing)."""
+    if not m.group.waiting:
+        return False
+    if not m.group.pending:
+        return True
+    inside = _inside_for(m, m.group.pending[0].seq)
+    return inside is None or inside >= WAIT_SECONDS
+
+
+def _entered_ago(m: _Member, seq: int) -> float | None:
+    """Seconds since the member entered collective `seq`, at its report's time (its own clock)."""
+    assert m.view.collectives is not None
+    for p in m.group.pending:
+        if p.seq == seq:
+            return max(0.0, m.view.collectives.time - p.created) + (m.view.collectives_age or 0.0)
+    return None
+
+
+def _established(m: _Member, members: list[_Member], stale_after: float) -> bool:
+    """Whether the member's lateness is a fact, not an old record: its record stopped coming, or it
+    was read WAIT_SECONDS or more after a peer had entered the collective it has not entered (a
+    rank that has its own work between two collectives enters a little after its peers)."""
+    if stale(m.view, stale_after):
+        return True
+    missed = m.group.enqueued + 1
+    ago = [a for p in members if p is not m and (a := _entered_ago(p, missed)) is not None]
+    return bool(ago) and (m.view.collectives_age or 0.0) + WAIT_SECONDS <= max(ago)
+
+
+def judge(
+    ranks: Iterable[tuple[str, RankView]], stale_after: float = STALE_AFTER_SECONDS, force: bool = False
+) -> Finding | None:
     """The finding from every live rank's record (`(node, view)` pairs), or None when the records
-    do not decide it (none in flight, a member unknown, no record at all)."""
+    do not decide it (none in flight, a member unknown, no record at all, a late rank's record older
+    than its peers' entry into the collective and not yet stale). `force`: the nodes cannot wait
+    longer; a late rank whose lateness is not yet established is named all the same."""
     groups: dict[str, list[_Member]] = defaultdict(list)
     waits: dict[int, bool] = {}  # rank -> waits in some group's collective, with a fresh record
     stopped: set[int] = set()
@@ -103,8 +146,9 @@ def judge(ranks: Iterable[tuple[str, RankView]], stale_after: float = STALE_AFTE
         if stale(view, stale_after):
             stopped.add(view.rank)
         for g in view.collectives.groups:
-            groups[g.pg].append(_Member(node, view, g))
-            if g.waiting:
+            member = _Member(node, view, g)
+            groups[g.pg].append(member)
+            if _waits(member):
                 waits[view.rank] = True
     late_findings: list[tuple[Finding, list[_Member]]] = []
     stuck: list[Finding] = []
@@ -125,7 +169,9 @@ def judge(ranks: Iterable[tuple[str, RankView]], stale_after: float = STALE_AFTE
         base = Finding("rank_late", pg, desc, top, op, nodes=nodes, waiting=len(entered))
         if late:
             base.late = sorted(m.rank for m in late)[:MAX_COLLECTIVE_NAMES]
-            late_findings.append((base, late))
+            known = [m for m in late if force or _established(m, members, stale_after)]
+            if known:
+                late_findings.append((base, known))
             continue
         if len(members) < size:
             continue  # members not heard from may be the late ones
@@ -134,6 +180,9 @@ def judge(ranks: Iterable[tuple[str, RankView]], stale_after: float = STALE_AFTE
             base.late = sorted(m.rank for m in halted)[:MAX_COLLECTIVE_NAMES]
             late_findings.append((base, halted))
             continue
+        inside = [_inside_for(m, top) for m in members]
+        if not all(t is not None and t >= stale_after for t in inside):
+            continue  # some member's record was read moments after it entered: not yet a stuck collective
         base.kind = "collective_stuck"
         base.reason = (
             f"every member of {_label(members[0].group)} ({len(members)} ranks on {len({m.node for m in members})} "

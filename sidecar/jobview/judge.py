@@ -89,10 +89,12 @@ def judge_summaries(
     if not any(s.stalled for s in live) and not exits and not lost:
         return None
     if any(s.stalled for s in live):
-        finding = collectives.judge(((s.node, r) for s in live for r in s.recorded), stale_after)
+        finding = collectives.judge(((s.node, r) for s in live for r in s.recorded), stale_after, force)
         if finding is not None:
             return finding.to_culprit()
-        found = _hang(live, lost, force)
+        # Records that do not decide it yet (a fresh one is on its way): the stacks only when forced.
+        undecided = not force and not lost and any(s.recorded for s in live)
+        found = None if undecided else _hang(live, lost, force)
         if found is not None or not exits:
             return found
     if lost:

@@ -44,7 +44,7 @@ class Pending:
     @property
     def signature(self) -> str:
         shapes = ",".join("x".join(map(str, s)) or "scalar" for s in self.sizes)
-        return f"{self.op}[{shapes}]"
+        return f"{self.op}[{shapes}]" if self.sizes else self.op
 
 
 @dataclass(slots=True)

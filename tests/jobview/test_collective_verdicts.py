@@ -1,0 +1,109 @@
+"""The job view judging from the backend's own record (the Flight Recorder, on gloo as on NCCL),
+on three simulated nodes (demo/cluster.py: three sidecars, three torchrun agents in one c10d
+rendezvous, the middle node with two ranks) running the user's own loop with the hooks
+(bench/cycles/train_faults.py), in the shapes the field's hangs come in:
+
+- a rank SIGSTOPped, with synchronous all-reduces and with async ones waited in the user's own
+  function (as a CUDA job waits: the waiting ranks are not in torch.distributed's frames);
+- a rank in a Python busy loop outside any collective;
+- a rank that calls a barrier where its peers all-reduce (a desync);
+- 2 x 2 data x tensor parallel (two kinds of subgroup), one rank SIGSTOPped.
+
+Each gives one job incident on every node with the verdict's kind and evidence `collectives`; where
+a rank is to blame it is named on every node and only its node kills; a desync names no rank and
+every node acts on its own ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from demo.cluster import Cluster, ClusterSpec, NodeSpec
+from tests.jobview.test_multinode import JOB_TIMEOUT, explain, sidecars
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
+
+HANG_STEP = 12
+SCRIPT = "train_faults.py"
+
+
+def spec(workdir, shape: str, mode: str, nodes: list[NodeSpec]) -> ClusterSpec:
+    env = {"CYCLE_HANG_STEP": str(HANG_STEP), "CYCLE_LOG": str(workdir / "cycle.jsonl"), "FAULT_SHAPE": shape,
+           "CYCLE_HANGS": "1", "CYCLE_HANG_MODE": mode}  # fmt: skip
+    base = ClusterSpec(nodes, job_id="jv", sidecar=sidecars(), env=env)
+    base.script = base.script.parent / SCRIPT
+    return base
+
+
+def hang_record(workdir) -> dict:
+    path = workdir / "cycle.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return next(r for r in lines if r["kind"] == "hang")
+
+
+def incidents(cluster: Cluster) -> dict[str, dict]:
+    found = {node.spec.name: node.incidents() for node in cluster.nodes}
+    assert all(len(f) == 1 for f in found.values()), {k: [i["summary"] for i in v] for k, v in found.items()}
+    return {name: f[0] for name, f in found.items()}
+
+
+def signalled(record: dict) -> bool:
+    return any(e["event"] == "sigterm" and e.get("ranks") for e in record["timeline"])
+
+
+def check_rank_late(cluster: Cluster, workdir, hung_node: str) -> dict[str, dict]:
+    codes = cluster.wait_agents(JOB_TIMEOUT)
+    assert codes == [0] * len(cluster.nodes), explain(cluster)
+    hung = hang_record(workdir)["rank"]
+    mine = incidents(cluster)
+    for name, record in mine.items():
+        assert (record["blamed_rank"], record["blamed_node"]) == (hung, hung_node), (name, record["summary"])
+        assert (record["hang_kind"], record["evidence"]) == ("rank_late", "collectives"), (name, record["summary"])
+    assert len({r["job_incident"] for r in mine.values()}) == 1
+    assert {name: signalled(r) for name, r in mine.items()} == {n.spec.name: n.spec.name == hung_node
+                                                                 for n in cluster.nodes}  # fmt: skip
+    return mine
+
+
+def three_nodes(env: dict[str, str] | None = None) -> list[NodeSpec]:
+    hang = {"CYCLE_HANG_LOCAL_RANK": "1", **(env or {})}
+    return [NodeSpec("node-0", 1), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1)]
+
+
+@pytest.mark.parametrize("shape", ["sync", "async"])
+def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_their_own_code(tmp_path, shape):
+    with Cluster(spec(tmp_path, shape, "stop", three_nodes()), tmp_path) as cluster:
+        mine = check_rank_late(cluster, tmp_path, "node-1")
+        reason = mine["node-0"]["blame_reason"]
+        assert "never entered" in reason or "stopped" in reason, reason
+        # the incident keeps the ranks' Flight Recorder dumps, readable by torch's own fr_trace
+        assert mine["node-0"]["fr_dumps"], mine["node-0"]
+
+
+def test_a_rank_spinning_outside_any_collective_is_the_late_one(tmp_path):
+    with Cluster(spec(tmp_path, "sync", "spin", three_nodes()), tmp_path) as cluster:
+        mine = check_rank_late(cluster, tmp_path, "node-1")
+        assert "never entered" in mine["node-2"]["blame_reason"], mine["node-2"]["blame_reason"]
+
+
+def test_a_desync_is_a_collective_mismatch_and_no_rank_is_blamed(tmp_path):
+    with Cluster(spec(tmp_path, "sync", "desync", three_nodes()), tmp_path) as cluster:
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+        assert codes == [0, 0, 0], explain(cluster)
+        mine = incidents(cluster)
+        for name, record in mine.items():
+            assert (record["hang_kind"], record["evidence"]) == ("collective_mismatch", "collectives"), (
+                name, record["summary"])  # fmt: skip
+            assert record["blamed_rank"] is None, record["summary"]
+            ops = record["collective"]["ops"]
+            assert "barrier" in ops and "all_reduce[256]" in ops and len(ops) == 2, ops
+            assert ops["barrier"] == [hang_record(tmp_path)["rank"]], ops
+        assert len({r["job_incident"] for r in mine.values()}) == 1
+        assert all(signalled(r) for r in mine.values())  # no culprit: every node acts on its own ranks
+
+
+def test_with_data_and_tensor_parallel_groups_the_one_stopped_rank_is_named(tmp_path):
+    nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2, {"CYCLE_HANG_LOCAL_RANK": "0"}), NodeSpec("node-2", 1)]
+    with Cluster(spec(tmp_path, "tp", "stop", nodes), tmp_path) as cluster:
+        check_rank_late(cluster, tmp_path, "node-1")
