@@ -175,6 +175,17 @@ def render_story(story: dict | None, records: list[dict[str, Any]], why: str) ->
             lines.append(f"  culprit   {who}, step {c.get('step')} ({c.get('reason')})")
             if c.get("stack_top"):
                 lines.append(f"            at {c.get('stack_top')}")
+            lines.append(f"  kind      {c.get('kind')} (judged from {c.get('evidence')})")
+            coll = c.get("collective")
+            if isinstance(coll, dict):
+                ops = coll.get("ops") or {}
+                what = "; ".join(f"{sig} on ranks {', '.join(map(str, r))}" for sig, r in ops.items()) or coll.get("op")
+                nodes = ", ".join(coll.get("nodes") or [])
+                lines.append(
+                    f"  collective pg {coll.get('pg')} #{coll.get('seq')} {what or ''} on {nodes}"
+                    + (f"; late: {', '.join(map(str, coll.get('late') or []))}" if coll.get("late") else "")
+                    + ("; the same desync as the previous incident" if coll.get("repeat") else "")
+                )
         else:
             lines.append("  culprit   not named")
         if v.get("lost_nodes"):
@@ -192,6 +203,8 @@ def render_story(story: dict | None, records: list[dict[str, Any]], why: str) ->
                     f"  {r.get('rank')!s:<5} {node:<16} {r.get('state')!s:<12} {r.get('step')!s:<8} {waits:<6} "
                     f"{r.get('stack_top') or '-'}"
                 )
+                if r.get("collectives"):
+                    lines.append(f"        collectives: {r.get('collectives')}")
         lines += ["", "  timeline"]
         start = v.get("opened", 0)
         for e in story.get("timeline", []):
@@ -201,4 +214,5 @@ def render_story(story: dict | None, records: list[dict[str, Any]], why: str) ->
     if records:
         lines += ["", "  this node's records"]
         lines += [f"    {r.get('id')}: {r.get('summary')}" for r in records]
-    return "\n".join(lines) + "\n"
+    # A story carries text ranks and peers wrote (frames, op names): each line escaped whole.
+    return "".join(printable(line) + "\n" for line in lines)

@@ -16,11 +16,15 @@ every node acts on its own ranks."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from tests.jobview.test_multinode import JOB_TIMEOUT, explain, sidecars
+from tests.support import PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
 
@@ -77,8 +81,15 @@ def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_th
         mine = check_rank_late(cluster, tmp_path, "node-1")
         reason = mine["node-0"]["blame_reason"]
         assert "never entered" in reason or "stopped" in reason, reason
-        # the incident keeps the ranks' Flight Recorder dumps, readable by torch's own fr_trace
+        # the incident keeps the ranks' Flight Recorder dumps; its summary shows each rank's collective
         assert mine["node-0"]["fr_dumps"], mine["node-0"]
+        node_1 = cluster.node("node-1").socket
+        full = subprocess.run([PYTHON, "-m", "sidecar", "incidents", "--full", "--socket", node_1],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert "collectives (Flight Recorder)" in full.stdout and "all_reduce[256]" in full.stdout, full.stdout
+        story = subprocess.run([PYTHON, "-m", "sidecar", "incidents", "--job", "jv", "--socket",
+                                cluster.node("node-2").socket], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert "kind      rank_late (judged from collectives)" in story.stdout, story.stdout
 
 
 def test_a_rank_spinning_outside_any_collective_is_the_late_one(tmp_path):
@@ -101,6 +112,16 @@ def test_a_desync_is_a_collective_mismatch_and_no_rank_is_blamed(tmp_path):
             assert ops["barrier"] == [hang_record(tmp_path)["rank"]], ops
         assert len({r["job_incident"] for r in mine.values()}) == 1
         assert all(signalled(r) for r in mine.values())  # no culprit: every node acts on its own ranks
+        # every rank's Flight Recorder dump, gathered from the nodes' incidents, reads in torch's fr_trace
+        gathered = tmp_path / "fr"
+        gathered.mkdir()
+        for record in mine.values():
+            for dump in Path(record["fr_dumps"]).iterdir():
+                shutil.copy(dump, gathered / dump.name)
+        assert sorted(p.name for p in gathered.iterdir()) == [f"rank_{r}" for r in range(4)]
+        trace = subprocess.run([PYTHON, "-m", "torch.distributed.flight_recorder.fr_trace", str(gathered)],
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert "COLLECTIVE_TYPE_MISMATCH" in trace.stdout + trace.stderr, trace.stdout + trace.stderr
 
 
 def test_with_data_and_tensor_parallel_groups_the_one_stopped_rank_is_named(tmp_path):
