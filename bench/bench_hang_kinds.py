@@ -95,7 +95,8 @@ def run(fault: str, evidence: str, workdir: Path, extra: list[str]) -> Run:
             out.recover = min(after) - hang["time"] if after else None
         for node in cluster.nodes:
             for r in node.incidents():
-                verdict = next((e["time"] for e in r.get("timeline", []) if e["event"] == "verdict"), None)
+                event = next((e for e in r.get("timeline", []) if e["event"] == "verdict"), {})
+                verdict = event.get("decided") or event.get("time")  # when the job's coordinator decided
                 out.nodes.append({
                     "node": node.spec.name, "kind": r.get("hang_kind"), "evidence": r.get("evidence"),
                     "blamed_rank": r.get("blamed_rank"), "blamed_node": r.get("blamed_node"),
@@ -117,6 +118,8 @@ def show(r: Run) -> None:
         took = f"{n['to_verdict']:.2f} s" if n["to_verdict"] is not None else "no verdict"
         print(f"  {n['node']:<7} {str(n['kind']):<20} {str(n['evidence']):<12} {blamed:<18} hang -> verdict {took:<11}"
               f" {n['outcome']}{', SIGTERM' if n['sigterm'] else ''}")  # fmt: skip
+    if r.nodes and not r.right:
+        print(f"          {r.nodes[0]['reason']}")
     if not r.nodes:
         print("  no stall incident on any node")
 

@@ -110,7 +110,7 @@ class Coordinator:
                     429, "limit_exceeded", f"job {report.job_id}: job_view.max_nodes ({self.max_nodes}) reached"
                 )
         job.reports[report.node] = (report, now)
-        job.summaries[report.node] = summarize(report)
+        job.summaries[report.node] = summarize(report, received=now)
         job.unreachable.discard(report.node)
         self.reports_total += 1
         self._update(job, report, now)
@@ -196,7 +196,7 @@ class Coordinator:
         probing = job.probing is not None and not job.probing.done()
         force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS and not probing
         silent = [node for node, (_, at) in job.reports.items() if at < incident.opened_mono]
-        culprit = judge_summaries(fresh, lost, force=force, silent=silent, stale_after=self.stale_after)
+        culprit = judge_summaries(fresh, lost, force=force, silent=silent, stale_after=self.stale_after, now=now)
         if culprit is not None and culprit != v.culprit:
             if culprit.kind == "collective_mismatch" and culprit.collective is not None:
                 culprit.collective["repeat"] = _repeats(job, culprit)

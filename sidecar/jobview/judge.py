@@ -24,7 +24,7 @@ judges in well under a millisecond.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sidecar.jobview import collectives
 from sidecar.jobview.report import Culprit, NodeReport, RankView
@@ -43,14 +43,15 @@ class Summary:
     stalled: bool = False  # a live rank is suspect or stalled
     first_exit: RankView | None = None  # its rank that exited first, recently
     recorded: list[RankView] = field(default_factory=list)  # its live ranks with a collective record
+    received: float | None = None  # the judge's clock when the report arrived (records' ages are as of then)
 
 
 def _step(r: RankView) -> int:
     return NO_STEP if r.step is None else r.step
 
 
-def summarize(report: NodeReport) -> Summary:
-    s = Summary(report.node)
+def summarize(report: NodeReport, received: float | None = None) -> Summary:
+    s = Summary(report.node, received=received)
     for r in report.ranks:
         if r.exited_at is not None and (s.first_exit is None or r.exited_at < (s.first_exit.exited_at or 0.0)):
             s.first_exit = r
@@ -81,15 +82,17 @@ def judge(
 
 def judge_summaries(
     summaries: Iterable[Summary], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = (),
-    stale_after: float = collectives.STALE_AFTER_SECONDS,
+    stale_after: float = collectives.STALE_AFTER_SECONDS, now: float | None = None,
 ) -> Culprit | None:  # fmt: skip
+    """`now`: the clock the summaries' `received` times are on; each record's age is brought to it
+    (nodes report at different moments: their ages must be compared as of one instant)."""
     summaries = list(summaries)
     live = [s for s in summaries if s.lowest is not None]
     exits = [s for s in summaries if s.first_exit is not None]
     if not any(s.stalled for s in live) and not exits and not lost:
         return None
     if any(s.stalled for s in live):
-        finding = collectives.judge(((s.node, r) for s in live for r in s.recorded), stale_after, force)
+        finding = collectives.judge(_records_now(live, now), stale_after, force)
         if finding is not None:
             return finding.to_culprit()
         # Records that do not decide it yet (a fresh one is on its way): the stacks only when forced.
@@ -104,6 +107,17 @@ def judge_summaries(
     first = min(exits, key=lambda s: s.first_exit.exited_at or 0.0 if s.first_exit else 0.0)
     assert first.first_exit is not None
     return _culprit(first.node, first.first_exit, "the first rank of the job to exit", "first_exit", "progress")
+
+
+def _records_now(live: list[Summary], now: float | None) -> list[tuple[str, RankView]]:
+    out = []
+    for s in live:
+        shift = max(0.0, now - s.received) if now is not None and s.received is not None else 0.0
+        for r in s.recorded:
+            if shift and r.collectives_age is not None:
+                r = replace(r, collectives_age=r.collectives_age + shift)
+            out.append((s.node, r))
+    return out
 
 
 def _hang(live: list[Summary], lost: Collection[str], force: bool) -> Culprit | None:

@@ -72,7 +72,7 @@ def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
     if verdict is None:
         return
     incident.job_incident = verdict.job_incident
-    incident.event("verdict", job_incident=verdict.job_incident)
+    incident.event("verdict", job_incident=verdict.job_incident, decided=verdict.decided)
     c = verdict.culprit
     if c is None:
         return

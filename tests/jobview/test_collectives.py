@@ -226,3 +226,21 @@ def test_a_good_record_parses_and_a_dump_is_bounded():
         parse_fr_dump({"entries": [{"x": "y" * 1024}] * 256 * 3, "version": "2.10"})
     with pytest.raises(ProtocolError):
         parse_fr_dump({"entries": [{"pad": "y" * 4096}] * 200, "version": "2.10"})
+
+
+def test_records_from_reports_received_at_different_moments_are_compared_as_of_one_instant():
+    """Node-1's report came 2 s before node-0's: its rank's record, read just before rank 0 entered
+    #6, is 2 s older than its report says by the time rank 0's report shows rank 0 inside #6 for
+    1.5 s. Compared as reported (0.3 s old against 1.5 s), rank 1 would look late; it is not."""
+    clock = [1000.0]
+    c = Coordinator(lambda job: True, 15.0, 3.0, 16, clock=lambda: clock[0])
+    stopped = view(2, group(enqueued=5, completed=5), age=0.3)
+    c.accept(report("node-1", view(1, group(enqueued=5, completed=5), age=0.3), stopped, world=3))
+    clock[0] += 2.0
+    verdict = c.accept(report("node-0", view(0, group(enqueued=6, completed=5, inside=1.4), age=0.1), world=3))
+    c.tick("j1")
+    assert verdict is None or verdict.culprit is None  # nothing established yet: rank 1's record is old
+    clock[0] += 3.0  # no fresher record from node-1: both its ranks' records stopped (stale)
+    c.tick("j1")
+    v = c.verdict("j1")
+    assert v is not None and v.culprit is not None and v.culprit.kind == "rank_late"
