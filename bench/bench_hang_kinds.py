@@ -95,7 +95,7 @@ def run(fault: str, evidence: str, workdir: Path, extra: list[str]) -> Run:
             out.recover = min(after) - hang["time"] if after else None
         for node in cluster.nodes:
             for r in node.incidents():
-                event = next((e for e in r.get("timeline", []) if e["event"] == "verdict"), {})
+                event: dict = next((e for e in r.get("timeline", []) if e["event"] == "verdict"), {})
                 verdict = event.get("decided") or event.get("time")  # when the job's coordinator decided
                 out.nodes.append({
                     "node": node.spec.name, "kind": r.get("hang_kind"), "evidence": r.get("evidence"),

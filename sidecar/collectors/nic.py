@@ -181,6 +181,23 @@ class NicCollector:
         return [info, up, *(f for f, _ in fields)]
 
 
+def link_facts(collector: NicCollector) -> dict[str, list[dict]]:
+    """What a stuck collective's incident attaches of this node's links (sidecar/watchdog): each
+    NIC's state, carrier changes, errors and drops, each InfiniBand/RoCE port's state, link-downed,
+    symbol and receive errors and transmit waits, as read now (counters since boot)."""
+    nics = [sysfs.read_net_device(collector.sysfs_root, d) for d in collector.devices()]
+    ports = [
+        sysfs.read_infiniband_port(collector.sysfs_root, d, p)
+        for d, p in sysfs.list_infiniband_ports(collector.sysfs_root)[: collector.max_nics]
+    ]
+    keep = ("operstate", "carrier_changes", "rx_errors", "tx_errors", "rx_dropped", "tx_dropped")
+    ib_keep = ("state", "physical_state", "link_downed", "symbol_error", "rcv_errors", "xmit_wait")
+    return {
+        "nics": [{"device": n.device, **{k: getattr(n, k) for k in keep}} for n in nics],
+        "ib_ports": [{"device": p.device, "port": p.port, **{k: getattr(p, k) for k in ib_keep}} for p in ports],
+    }
+
+
 def build(context: BuildContext) -> NicCollector:
     cfg = context.settings.collectors
     return NicCollector(cfg.sysfs_root, cfg.nic_exclude, cfg.max_nics)

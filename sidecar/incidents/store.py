@@ -83,6 +83,9 @@ class Incident:
     hang_kind: str | None = None
     evidence: str | None = None
     collective: dict[str, Any] | None = None
+    # A stuck collective (the network's or the backend's): this node's links as read then
+    # (sidecar/collectors/nic.py link_facts: NIC and InfiniBand state, errors, drops, waits).
+    links: dict[str, Any] | None = None
     # The ranks' Flight Recorder dumps in torch's format (`fr_trace` reads the directory as it is).
     fr_dumps: str | None = None
     # Where the recovery's time went, once the ranks are gone (sidecar/watchdog/recovery.py).
@@ -164,6 +167,12 @@ class Incident:
                 f"  {r.rank:<5} {r.pid:<9} {r.state:<12} {str(r.step if r.step is not None else '-'):<8} "
                 f"{str(r.phase or '-'):<16} {age}"
             )
+        if self.links:
+            lines += ["", "  this node's links (counters since boot)"]
+            for n in self.links.get("nics", []):
+                lines.append("    " + " ".join(f"{k}={v}" for k, v in n.items() if v is not None))
+            for port in self.links.get("ib_ports", []):
+                lines.append("    " + " ".join(f"{k}={v}" for k, v in port.items() if v is not None))
         recorded = [r for r in self.ranks if r.collectives]
         if recorded:
             lines += ["", "  collectives (Flight Recorder)" + (f": {self.fr_dumps}" if self.fr_dumps else "")]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import Metric
 
+from sidecar.collectors.nic import NicCollector, link_facts
 from sidecar.config import Settings
 from sidecar.host.procs import is_running
 from sidecar.host.signals import Target
@@ -537,6 +538,7 @@ class Watchdog:
             await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
             self._collectives(episode)
+            await self._attach_links(incident)
             outcome = await self._kill(episode, targets)
         except asyncio.CancelledError:
             raise
@@ -559,6 +561,20 @@ class Watchdog:
         }  # fmt: skip
         self.store.save_fr_dumps(incident, dumps)
         return finding
+
+    async def _attach_links(self, incident: Incident) -> None:
+        """A stuck collective is the network's or the backend's: the incident keeps what this node's
+        NICs and InfiniBand ports say (read off the event loop)."""
+        if incident.hang_kind != "collective_stuck":
+            return
+        try:
+            collector = NicCollector(
+                self.settings.collectors.sysfs_root, self.settings.collectors.nic_exclude,
+                self.settings.collectors.max_nics,
+            )  # fmt: skip
+            incident.links = await asyncio.get_running_loop().run_in_executor(None, link_facts, collector)
+        except Exception as e:  # a missing sysfs: the record says so, the remediation goes on
+            incident.notes.append(f"this node's links could not be read: {type(e).__name__}: {e}")
 
     async def _kill(self, episode: _Episode, targets: list[Target]) -> str:
         """SIGTERM, the grace, SIGKILL of the episode's ranks still being remediated."""
@@ -586,6 +602,7 @@ class Watchdog:
             jv.wake(job_id)
             verdict = await jv.wait_for(job_id, has_culprit, wait)
             adopt(incident, verdict, self.node)
+            await self._attach_links(incident)
             here = local_culprit(verdict, self.node, {t.rank for t in targets})
             if here is None:
                 late_here = finding is not None and finding.culprit is not None

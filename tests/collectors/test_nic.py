@@ -135,3 +135,14 @@ def test_the_exposition_matches_the_golden_file():
     if os.environ.get("SIDECAR_UPDATE_GOLDEN"):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), "the NIC exposition changed; see this test's docstring"
+
+
+def test_a_stuck_collectives_record_gets_the_links_errors_and_waits():
+    from sidecar.collectors.nic import link_facts
+
+    facts = link_facts(NicCollector(FIXTURE_SYSFS, DEFAULT_EXCLUDE, 64))
+    eth0 = next(n for n in facts["nics"] if n["device"] == "eth0")
+    assert (eth0["operstate"], eth0["rx_errors"], eth0["tx_dropped"]) == ("up", 4, 7)
+    assert {n["device"] for n in facts["nics"]} == {"eth0", "eth1", "ens1f0np0", "ib0"}
+    port = next(p for p in facts["ib_ports"] if p["device"] == "mlx5_0")
+    assert port["port"] == "1" and "xmit_wait" in port and "link_downed" in port
