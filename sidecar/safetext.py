@@ -30,3 +30,8 @@ def printable(text: str, keep_newlines: bool = False) -> str:
     """`text` with every control character escaped (`\\x1b`); `keep_newlines` leaves `\\n`
     alone, for a whole document whose fields were escaped when it was put together."""
     return (_UNSAFE_BUT_NEWLINE if keep_newlines else _UNSAFE).sub(_escape, text)
+
+
+def unsafe(text: str) -> bool:
+    """Whether `text` holds a character `printable` would escape (input checks refuse such text)."""
+    return _UNSAFE.search(text) is not None

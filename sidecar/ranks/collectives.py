@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.ranks.protocol import CONTROL_RE, ProtocolError
+from sidecar.ranks.protocol import ProtocolError
+from sidecar.safetext import unsafe
 from trainer_hooks.wire import (
     COLLECTIVES_MAX_GROUP_RANKS,
     COLLECTIVES_MAX_GROUPS,
@@ -123,8 +124,8 @@ def _str(obj: dict, key: str, where: str, empty: bool = True) -> str:
     value = obj.get(key, "" if empty else None)
     if value is None and empty:
         value = ""
-    if type(value) is not str or len(value) > MAX_TEXT or CONTROL_RE.search(value) or (not value and not empty):
-        raise ProtocolError(f"{where}.{key}: expected at most {MAX_TEXT} printable characters")
+    if type(value) is not str or len(value) > MAX_TEXT or unsafe(value) or (not value and not empty):
+        raise ProtocolError(f"{where}.{key}: expected at most {MAX_TEXT} characters, no control or bidi characters")
     return value
 
 

@@ -244,3 +244,11 @@ def test_records_from_reports_received_at_different_moments_are_compared_as_of_o
     c.tick("j1")
     v = c.verdict("j1")
     assert v is not None and v.culprit is not None and v.culprit.kind == "rank_late"
+
+
+@pytest.mark.parametrize("text", ["all\x1b[2J", "all\x9breduce", "all\u202ereduce", "all\x00"])
+def test_control_c1_and_bidi_characters_in_a_record_are_refused(text):
+    data = json.loads(json.dumps(GOOD))
+    data["groups"][0]["pending"][0]["op"] = text
+    with pytest.raises(ProtocolError):
+        parse_collectives(data)
