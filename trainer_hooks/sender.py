@@ -38,15 +38,14 @@ from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
-from trainer_hooks.wire import RESTART_SAFE, WANTS
+from trainer_hooks.wire import KEEPALIVE_SECONDS, RESTART_SAFE, WANTS
 
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
 MAX_BACKOFF_SECONDS = 5.0  # a restarted sidecar hears from every rank within this long
-# With nothing to send for this long, an empty push asks the sidecar whether it still knows
-# the rank: a rank that hangs (or sits in a long phase) sends nothing, and must still be
-# re-registered with a restarted sidecar so that its watchdog can see the hang.
-KEEPALIVE_SECONDS = 2.0
+# KEEPALIVE_SECONDS (wire.py): with nothing to send for this long, an empty push asks the sidecar
+# whether it still knows the rank: a rank that hangs (or sits in a long phase) sends nothing, and
+# must still be re-registered with a restarted sidecar so that its watchdog can see the hang.
 # Encoding is Python code holding the GIL; a hook call arriving meanwhile would wait for it
 # (up to the 5 ms switch interval). Yielding every few records keeps that wait short.
 YIELD_EVERY = 64

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import re
 
-# 5: a push's optional `collectives` (the rank's Flight Recorder summary, COLLECTIVES_*) and a push
-# answer's optional `want` (WANTS); 4: a registration's optional `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and
-# CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the job view); 2: a registration's optional
-# `launcher` (LAUNCHERS). Registrations of earlier versions stay valid.
+# 5: a push's optional `collectives` and `fr_dump` (the rank's Flight Recorder, COLLECTIVES_*), a
+# push answer's optional `want` (WANTS), KEEPALIVE_SECONDS; 4: a registration's optional
+# `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator`
+# event (the job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of
+# earlier versions stay valid.
 PROTOCOL_VERSION = 5
 
 # ---------------------------------------------------------------- names
@@ -106,6 +107,10 @@ COLLECTIVES_MAX_GROUPS = 16
 COLLECTIVES_MAX_PENDING = 4
 COLLECTIVES_MAX_SIZES = 4  # input shapes of one collective (each at most 8 dimensions)
 COLLECTIVES_MAX_GROUP_RANKS = 64
+# With nothing to send for this long, the hooks push an empty batch (a hung or waiting rank still
+# re-registers with a restarted sidecar, and still sends its collective record): a live rank is
+# heard from at least every max(flush interval, KEEPALIVE_SECONDS).
+KEEPALIVE_SECONDS = 2.0
 # What a push answer's `want` may ask of the rank's hooks at once (the sidecar's side of a suspect
 # rank): "collectives", a fresh record with the next push; "fr_dump", its whole Flight Recorder
 # record written to the rank's dump file (an incident keeps it).

@@ -41,7 +41,7 @@ from sidecar.daemon import api, peer_api
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import procs, stackfiles
-from sidecar.jobview import auth
+from sidecar.jobview import auth, collectives
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
 from sidecar.ranks import ownership, podlabels
@@ -154,7 +154,7 @@ def attach_job_view(daemon: api.Daemon) -> None:
         max_nodes=jv.max_nodes,
         probe=probe_peer,
         # a rank's hooks send their collective record with every push (at least every flush interval)
-        stale_after=2 * settings.hooks_flush_interval_seconds + 1.0,
+        stale_after=collectives.stale_after(settings.hooks_flush_interval_seconds),
     )
     daemon.reporter = Reporter(
         settings.node_name,

@@ -29,8 +29,17 @@ from dataclasses import dataclass, field
 
 from sidecar.jobview.report import MAX_COLLECTIVE_NAMES, Culprit, RankView
 from sidecar.ranks.collectives import Group, Pending
+from trainer_hooks.wire import KEEPALIVE_SECONDS
 
 STALE_AFTER_SECONDS = 5.0  # a record older than this (hooks flush every 2 s by default) has stopped
+
+
+def stale_after(flush_interval: float) -> float:
+    """How old a rank's record may be while its process lives: its hooks push at least every
+    max(flush interval, the keepalive), with a record each time; twice that and a second more."""
+    return 2 * max(flush_interval, KEEPALIVE_SECONDS) + 1.0
+
+
 WAIT_SECONDS = 1.0  # inside a collective this long when the record was read: the rank waits in it
 # Collectives whose members must all pass the same input shapes; others (all_to_all with uneven
 # splits, gather, scatter, all_gather of uneven tensors) are compared by op alone.
@@ -125,7 +134,7 @@ def _established(m: _Member, members: list[_Member], stale_after: float) -> bool
     rank that has its own work between two collectives enters a little after its peers)."""
     if stale(m.view, stale_after):
         return True
-    missed = m.group.enqueued + 1
+    missed = max(m.group.enqueued, max(p.group.completed for p in members)) + 1
     ago = [a for p in members if p is not m and (a := _entered_ago(p, missed)) is not None]
     return bool(ago) and (m.view.collectives_age or 0.0) + WAIT_SECONDS <= max(ago)
 
@@ -160,8 +169,12 @@ def judge(
         mismatch = _mismatch(members)
         if mismatch is not None:
             return mismatch
+        # A collective a member completed, every member entered: a record below that is old, not late.
+        floor = max(m.group.completed for m in members)
         entered = [m for m in members if m.group.enqueued >= top and m.group.completed < top]
-        late = [m for m in members if m.group.enqueued < top]
+        if not entered:
+            continue  # whoever enqueued the newest completed it: only old records lag behind
+        late = [m for m in members if max(m.group.enqueued, floor) < top]
         desc = members[0].group.desc
         op = _op_at(entered, top)
         size = max((m.group.size or 0) for m in members)

@@ -40,6 +40,7 @@ from sidecar.host.procs import is_running
 from sidecar.host.signals import Target
 from sidecar.incidents.store import Incident, IncidentStore, RankSnapshot
 from sidecar.jobview.collectives import Finding
+from sidecar.jobview.collectives import stale_after as collectives_stale_after
 from sidecar.jobview.report import NodeReport
 from sidecar.metric import MetricSpec, spec
 from sidecar.problems import Kind, Problem
@@ -553,7 +554,7 @@ class Watchdog:
         they give, and the Flight Recorder dumps the ranks sent since they stopped progressing."""
         incident, now = episode.incident, self.clock()
         ranks = [t.rank for key in episode.keys if (t := self._tracks.get(key)) is not None]
-        stale_after = 2 * self.settings.hooks_flush_interval_seconds + 1.0
+        stale_after = collectives_stale_after(self.settings.hooks_flush_interval_seconds)
         finding = judge_collectives(incident, ranks, self.node, now, stale_after)
         dumps = {
             r.rank: r.fr_dump for r in ranks

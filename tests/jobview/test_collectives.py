@@ -252,3 +252,18 @@ def test_control_c1_and_bidi_characters_in_a_record_are_refused(text):
     data["groups"][0]["pending"][0]["op"] = text
     with pytest.raises(ProtocolError):
         parse_collectives(data)
+
+
+def test_a_record_behind_a_collective_its_peer_completed_is_old_not_late():
+    """Rank 0 completed #31 of their group, so rank 1 entered it too: rank 1's record (#30, read
+    before) is old, whatever its age; rank 1 is not late to #31, and no verdict comes of it."""
+    r0 = view(0, group("1", 31, 31, size=2))
+    r1 = view(1, group("1", 30, 30, size=2), age=9.0)
+    assert collectives.judge(pairs(r0, r1), stale_after=5.0) is None
+
+
+def test_the_stale_bound_covers_the_hooks_keepalive():
+    # a waiting rank has nothing to push but its keepalive (2 s): a short flush interval must not
+    # make its record look stopped
+    assert collectives.stale_after(0.5) == collectives.stale_after(2.0) == 5.0
+    assert collectives.stale_after(5.0) == 11.0
