@@ -4,13 +4,20 @@ agents in one c10d rendezvous, as the multi-node tests and `bench.bench_jobview`
 Each node has its own `node_name`, socket, TCP port and diagnostics directory; its agent's
 workers find their node's sidecar through SIDECAR_SOCKET. A node can be hung in one rank
 (SIGSTOP from outside, or the script's own hang), or lost whole (its sidecar, agent and ranks
-SIGKILLed at once)."""
+SIGKILLed at once).
+
+With `ClusterSpec(netns=True)` every node is a host of its own (demo/netns.py): its sidecar, its
+agent and its ranks run in the node's network namespace, which has a management link (the sidecar
+listens there, with the cluster's token; the c10d rendezvous and the workers' store; the job view's
+peer requests) and a training link (gloo, pinned with GLOO_SOCKET_IFNAME). `cut_link(node)` drops
+every packet on a node's training link, `restore_link(node)` ends that."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -20,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from demo import netns
 from demo.job import PYTHON, SidecarClient, SidecarSpec, wait_for
 from demo.processes import Processes, free_port
 
@@ -44,6 +52,8 @@ class ClusterSpec:
     sidecar: SidecarSpec = field(default_factory=SidecarSpec)
     env: dict[str, str] = field(default_factory=dict)  # for every agent (and so every worker)
     with_sidecars: bool = True
+    # a network namespace per node, with a management and a training link (demo/netns.py; root)
+    netns: bool = False
 
 
 @dataclass
@@ -54,10 +64,14 @@ class Node:
     socket: str
     sidecar: subprocess.Popen | None = None
     agent: subprocess.Popen | None = None
+    host: str = "127.0.0.1"  # where its sidecar listens (its management address, with netns)
+    index: int = 0
 
     @property
     def client(self) -> SidecarClient:
-        return SidecarClient(self.port)
+        client = SidecarClient(self.port)
+        client.url = f"http://{self.host}:{self.port}"
+        return client
 
     def status(self) -> dict:
         return self.client.status() or {}
@@ -85,8 +99,11 @@ class Cluster:
         self.procs = Processes(self.workdir)
         self.rdzv_port = free_port()
         self.nodes = [
-            Node(n, self.workdir / n.name, free_port(), str(self.workdir / n.name / "sidecar.sock")) for n in spec.nodes
+            Node(n, self.workdir / n.name, free_port(), str(self.workdir / n.name / "sidecar.sock"), index=i)
+            for i, n in enumerate(spec.nodes)
         ]
+        self.network = netns.Network(len(self.nodes)) if spec.netns else None
+        self.token = secrets.token_hex(16) if spec.netns else None  # peers beyond loopback sign with it
 
     # ------------------------------------------------------------ life cycle
 
@@ -94,23 +111,38 @@ class Cluster:
         try:
             self.start()
         except BaseException:
-            self.procs.close()
+            self.close()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.procs.close()
+        self.close()
+
+    def close(self) -> None:
+        """Every process killed, then the namespaces and links removed."""
+        try:
+            self.procs.close()
+        finally:
+            if self.network is not None:
+                self.network.close()
 
     def start(self) -> None:
+        if self.network is not None:
+            self.network.create()
+            for node in self.nodes:
+                node.host = self.network.mgmt_addr(node.index)
         for node in self.nodes:
             node.workdir.mkdir(parents=True, exist_ok=True)
             if self.spec.with_sidecars:
-                node.sidecar = self.procs.start(f"{node.spec.name}-sidecar", self.sidecar_command(node))
+                env = {"SIDECAR_TOKEN": self.token} if self.token else None
+                node.sidecar = self.procs.start(f"{node.spec.name}-sidecar", self.sidecar_command(node), env=env)
         for node in self.nodes if self.spec.with_sidecars else []:
             if not wait_for(node.client.ready, 60):
                 raise RuntimeError(f"sidecar of {node.spec.name} did not start: see {self.log(node, 'sidecar')}")
         for node in self.nodes:
             env = {**self.spec.env, **node.spec.env, "PYTHONPATH": str(ROOT)}
+            if self.network is not None:
+                env["GLOO_SOCKET_IFNAME"] = netns.TRAIN_IF
             if self.spec.with_sidecars:
                 env["SIDECAR_SOCKET"] = node.socket
             else:
@@ -119,16 +151,31 @@ class Cluster:
 
     def sidecar_command(self, node: Node) -> list[str]:
         cmd = self.spec.sidecar.command(node.workdir, node.port, node.socket)
-        return cmd + ["--set", f"node_name={node.spec.name}"]
+        cmd[cmd.index("--listen") + 1] = f"{node.host}:{node.port}"
+        if self.network is not None:  # its NIC metrics and incidents' `links`: the node's own links
+            cmd += ["--set", f"collectors.sysfs_root={self.network.sysfs_root(node.index)}"]
+        return self.enter(node) + cmd + ["--set", f"node_name={node.spec.name}"]
+
+    def enter(self, node: Node) -> list[str]:
+        """The prefix of a command that runs on the node's own network (nothing without netns)."""
+        return self.network.enter(node.index) if self.network is not None else []
 
     def agent_command(self, node: Node) -> list[str]:
         n = len(self.nodes)
         nnodes = f"{self.spec.min_nodes}:{n}" if self.spec.min_nodes else str(n)
-        return [
+        conf = ["last_call_timeout=2"] if self.spec.min_nodes else []
+        hosts: list[str] = []
+        if self.network is not None:
+            # the first node serves the rendezvous on its management address; each agent names its
+            # own, which rank 0's agent hands the workers as MASTER_ADDR (the store stays off the
+            # training link)
+            conf.append(f"is_host={int(node.index == 0)}")
+            hosts = ["--local-addr", node.host]
+        return self.enter(node) + [
             PYTHON, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(node.spec.nproc),
             "--max-restarts", str(self.spec.max_restarts), "--rdzv-id", self.spec.job_id,
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}",
-            *(["--rdzv-conf", "last_call_timeout=2"] if self.spec.min_nodes else []),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.nodes[0].host}:{self.rdzv_port}",
+            *(["--rdzv-conf", ",".join(conf)] if conf else []), *hosts,
             str(self.spec.script), *self.spec.script_args,
         ]  # fmt: skip
 
@@ -163,6 +210,8 @@ class Cluster:
     def rendezvous_host(self) -> str | None:
         """The node whose agent serves the c10d rendezvous store (the agent that bound the
         endpoint's port first): losing it ends the rendezvous for everyone."""
+        if self.network is not None:
+            return self.nodes[0].spec.name  # is_host: the first node's agent serves it
         for node in self.nodes:
             if node.agent is None:
                 continue
@@ -180,6 +229,18 @@ class Cluster:
             raise RuntimeError(f"rank {rank} is not registered live on any node")
         os.kill(pid, signal.SIGSTOP)
         return pid
+
+    def cut_link(self, name: str) -> None:
+        """Every packet sent on the node's training link is dropped, at both ends (netns only):
+        its gloo traffic stops, its management link (sidecar, store) still works."""
+        if self.network is None:
+            raise RuntimeError("cut_link needs ClusterSpec(netns=True)")
+        self.network.cut_link(self.node(name).index)
+
+    def restore_link(self, name: str) -> None:
+        if self.network is None:
+            raise RuntimeError("restore_link needs ClusterSpec(netns=True)")
+        self.network.restore_link(self.node(name).index)
 
     def lose_node(self, name: str) -> None:
         """The whole node goes at once: its sidecar, its agent and every rank, SIGKILLed."""

@@ -32,6 +32,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from trainer_hooks.wire import (
+    COLLECTIVES_EVERY_SECONDS,
     COLLECTIVES_MAX_GROUP_RANKS,
     COLLECTIVES_MAX_GROUPS,
     COLLECTIVES_MAX_PENDING,
@@ -42,7 +43,7 @@ SWITCH = "SIDECAR_COLLECTIVES"
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_BUFFER = 64  # entries: a few steps of a DDP job; the ring's memory is a few tens of KiB
 FR_DUMP_MAX_ENTRIES = 256  # of a whole dump sent for an incident (wire: under the push body limit)
-READ_EVERY_SECONDS = 1.0  # while healthy, the record is read at most this often (with a push)
+READ_EVERY_SECONDS = COLLECTIVES_EVERY_SECONDS  # the record is read this often, with a push (one of its own if idle)
 
 
 def enabled(environ: Mapping[str, str]) -> bool:

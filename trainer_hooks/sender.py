@@ -133,6 +133,7 @@ class Sender:
         # READ_EVERY_SECONDS, and with the next push at once when the sidecar's answer asks.
         self.collectives_enabled = True  # Monitor: SIDECAR_COLLECTIVES
         self.collectives_read_at = -1e9  # monotonic
+        self.collectives_live = False  # the last read gave a record (a group with the recorder exists)
         self.collectives_cpu_seconds = 0.0  # this thread's CPU time in reading the record
         self.wants: set[str] = set()  # what the sidecar's last answer asked for (wire.WANTS)
 
@@ -197,7 +198,11 @@ class Sender:
             self._failed()
             return
         quiet = time.monotonic() - self._last_contact >= self.tuning.keepalive
-        if not self.buffer and not final and (quiet or self.wants) and not self.extra and self._held_back is None:
+        # A rank waiting in a collective has nothing else to send: its record goes alone, so that the
+        # sidecar sees it enter a collective within a second and knows it still lives.
+        due = self.collectives_live and time.monotonic() - self.collectives_read_at >= collectives.READ_EVERY_SECONDS
+        idle = not self.buffer and not final and not self.extra and self._held_back is None
+        if idle and (quiet or self.wants or due):
             self._send([], deadline)
             return
         while self.buffer or self._held_back is not None or self.extra:
@@ -306,16 +311,16 @@ class Sender:
         mark = time.thread_time()
         try:
             record = collectives.read()
+            self.collectives_read_at, self.collectives_live = now, record is not None
             if record is not None:
                 body["collectives"] = record
-                self.collectives_read_at = now
             if "fr_dump" in wants:
                 trace = collectives.dump_json()
                 if trace is not None:
                     body["fr_dump"] = trace
         except Exception as e:
             warn("collectives", "trainer_hooks: cannot read the Flight Recorder (%s: %s)", type(e).__name__, e)
-            self.collectives_read_at = now
+            self.collectives_read_at, self.collectives_live = now, False
         finally:
             self.collectives_cpu_seconds += time.thread_time() - mark
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 # 5: a push's optional `collectives` and `fr_dump` (the rank's Flight Recorder, COLLECTIVES_*), a
-# push answer's optional `want` (WANTS), KEEPALIVE_SECONDS; 4: a registration's optional
+# push answer's optional `want` (WANTS), KEEPALIVE_SECONDS, COLLECTIVES_EVERY_SECONDS; 4: a registration's optional
 # `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator`
 # event (the job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of
 # earlier versions stay valid.
@@ -111,6 +111,10 @@ COLLECTIVES_MAX_GROUP_RANKS = 64
 # re-registers with a restarted sidecar, and still sends its collective record): a live rank is
 # heard from at least every max(flush interval, KEEPALIVE_SECONDS).
 KEEPALIVE_SECONDS = 2.0
+# A rank's collective record goes with a push at most this often while healthy; a rank with nothing
+# else to send (waiting in a collective, hung) pushes for it alone this often: a live rank's record
+# is at most max(flush interval, COLLECTIVES_EVERY_SECONDS) old when the sidecar reads it.
+COLLECTIVES_EVERY_SECONDS = 1.0
 # What a push answer's `want` may ask of the rank's hooks at once (the sidecar's side of a suspect
 # rank): "collectives", a fresh record with the next push; "fr_dump", its whole Flight Recorder
 # record written to the rank's dump file (an incident keeps it).

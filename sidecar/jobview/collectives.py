@@ -29,15 +29,16 @@ from dataclasses import dataclass, field
 
 from sidecar.jobview.report import MAX_COLLECTIVE_NAMES, Culprit, RankView
 from sidecar.ranks.collectives import Group, Pending
-from trainer_hooks.wire import KEEPALIVE_SECONDS
+from trainer_hooks.wire import COLLECTIVES_EVERY_SECONDS
 
 STALE_AFTER_SECONDS = 5.0  # a record older than this (hooks flush every 2 s by default) has stopped
 
 
 def stale_after(flush_interval: float) -> float:
-    """How old a rank's record may be while its process lives: its hooks push at least every
-    max(flush interval, the keepalive), with a record each time; twice that and a second more."""
-    return 2 * max(flush_interval, KEEPALIVE_SECONDS) + 1.0
+    """How old a rank's record may be while its process lives: its hooks send one at least every
+    max(flush interval, COLLECTIVES_EVERY_SECONDS), alone when they have nothing else to send;
+    twice that and a second more."""
+    return 2 * max(flush_interval, COLLECTIVES_EVERY_SECONDS) + 1.0
 
 
 WAIT_SECONDS = 1.0  # inside a collective this long when the record was read: the rank waits in it
@@ -194,7 +195,8 @@ def judge(
             late_findings.append((base, halted))
             continue
         inside = [_inside_for(m, top) for m in members]
-        if not all(t is not None and t >= stale_after for t in inside):
+        need = WAIT_SECONDS if force else stale_after  # forced: every member waits in it, fresh
+        if not all(t is not None and t >= need for t in inside):
             continue  # some member's record was read moments after it entered: not yet a stuck collective
         base.kind = "collective_stuck"
         base.reason = (

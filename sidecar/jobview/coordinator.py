@@ -24,7 +24,7 @@ from typing import Any
 
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.judge import Summary, judge_summaries, summarize
-from sidecar.jobview.report import MAX_NOT_DUMPED, Culprit, NodePart, NodeReport, Verdict
+from sidecar.jobview.report import MAX_NOT_DUMPED, NO_RANK_KINDS, Culprit, NodePart, NodeReport, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,10 @@ class Coordinator:
             if culprit.kind == "collective_mismatch" and culprit.collective is not None:
                 culprit.collective["repeat"] = _repeats(job, culprit)
             v.culprit, v.decided = culprit, self.wall()
-            where = f"rank {culprit.rank} on {culprit.node}" if culprit.rank is not None else f"node {culprit.node}"
+            where = (
+                f"rank {culprit.rank} on {culprit.node}" if culprit.rank is not None
+                else f"no rank ({culprit.kind})" if culprit.kind in NO_RANK_KINDS else f"node {culprit.node}"
+            )  # fmt: skip
             log.warning("job %s (%s): held up by %s: %s", job.job_id, v.job_incident, where, culprit.reason)
             return True
         return changed

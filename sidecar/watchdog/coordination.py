@@ -79,7 +79,8 @@ def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
     local_guess = f"rank {incident.blamed_rank}" if incident.blamed_rank is not None else "no local rank"
     if c.rank != incident.blamed_rank or c.node != node:
         incident.notes.append(f"this node alone would have blamed {local_guess} ({incident.blame_reason})")
-    incident.blamed_rank, incident.blamed_node = c.rank, c.node
+    incident.blamed_rank = c.rank
+    incident.blamed_node = None if c.kind in NO_RANK_KINDS else c.node  # no rank, no node to blame
     incident.blame_reason = c.reason
     incident.hang_kind, incident.evidence, incident.collective = c.kind, c.evidence, c.collective
     incident.culprit = {

@@ -262,8 +262,14 @@ def test_a_record_behind_a_collective_its_peer_completed_is_old_not_late():
     assert collectives.judge(pairs(r0, r1), stale_after=5.0) is None
 
 
-def test_the_stale_bound_covers_the_hooks_keepalive():
-    # a waiting rank has nothing to push but its keepalive (2 s): a short flush interval must not
-    # make its record look stopped
-    assert collectives.stale_after(0.5) == collectives.stale_after(2.0) == 5.0
+def test_the_stale_bound_covers_how_often_a_waiting_rank_sends_its_record():
+    # a waiting rank's hooks send the record alone every second (or every flush interval, if longer)
+    assert collectives.stale_after(0.5) == 3.0 and collectives.stale_after(2.0) == 5.0
     assert collectives.stale_after(5.0) == 11.0
+
+
+def test_forced_every_member_fresh_inside_a_while_is_a_stuck_collective_not_a_guess():
+    members = [view(r, group(enqueued=6, completed=5, inside=1.5)) for r in range(4)]
+    assert collectives.judge(pairs(*members), stale_after=5.0) is None
+    forced = collectives.judge(pairs(*members), stale_after=5.0, force=True)
+    assert forced is not None and forced.kind == "collective_stuck"
