@@ -8,7 +8,9 @@ own gloo loop with the hooks (bench/cycles/train_faults.py):
 Faults: `sync-stop` (a rank SIGSTOPs itself between two blocking all-reduces), `async-stop` (the
 same with the all-reduce launched async and waited in the user's own function, as a CUDA job
 waits), `spin` (a Python busy loop outside any collective), `desync` (a barrier where its peers
-all-reduce), `tp-stop` (2 x 2 data x tensor parallel groups, one rank SIGSTOPped). `--evidence
+all-reduce), `tp-stop` (2 x 2 data x tensor parallel groups, one rank SIGSTOPped), `link-cut`
+(each node a host of its own, demo/cluster.py `netns`; node-1's training link cut after 20 steps
+and restored once every node has its verdict: no rank to blame, `collective_stuck`). `--evidence
 stacks` runs the same with SIDECAR_COLLECTIVES=0 in the ranks: no record, the stack rule alone.
 
 Printed per run and node: the verdict (kind, evidence, blamed rank), the time from the hang to the
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
+from demo.job import SidecarSpec, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SECONDS = 5.0
@@ -43,6 +45,7 @@ FAULTS = {  # name -> (FAULT_SHAPE, CYCLE_HANG_MODE, the hanging node's local ra
     "spin": ("sync", "spin", "1"),
     "desync": ("sync", "desync", "1"),
     "tp-stop": ("tp", "stop", "0"),
+    "link-cut": ("sync", "none", ""),  # every node its own network namespace; node-1's training link cut
 }
 
 
@@ -65,30 +68,39 @@ class Run:
             return False
         if self.fault == "desync":
             return all(n["kind"] == "collective_mismatch" and n["blamed_rank"] is None for n in self.nodes)
+        if self.fault == "link-cut":
+            return all(n["kind"] == "collective_stuck" and n["blamed_rank"] is None for n in self.nodes)
         return all(n["blamed_rank"] == self.hung_rank and n["blamed_node"] == "node-1" for n in self.nodes)
 
 
 def spec(fault: str, evidence: str, log: Path, extra: list[str]) -> ClusterSpec:
     shape, mode, local = FAULTS[fault]
-    hang = {"CYCLE_HANGS": "1", "CYCLE_HANG_LOCAL_RANK": local, "CYCLE_HANG_MODE": mode}
+    hang = {"CYCLE_HANGS": "1", "CYCLE_HANG_LOCAL_RANK": local, "CYCLE_HANG_MODE": mode} if local else {}
     nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1)]
     env = {"CYCLE_HANG_STEP": str(HANG_STEP), "CYCLE_LOG": str(log), "FAULT_SHAPE": shape}
     if evidence == "stacks":
         env["SIDECAR_COLLECTIVES"] = "0"
     sidecar = SidecarSpec(floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS, extra=list(extra))
     return ClusterSpec(nodes, script=ROOT / "bench" / "cycles" / "train_faults.py", job_id="kinds",
-                       sidecar=sidecar, env=env)  # fmt: skip
+                       sidecar=sidecar, env=env, netns=fault == "link-cut")  # fmt: skip
 
 
 def run(fault: str, evidence: str, workdir: Path, extra: list[str]) -> Run:
     log = workdir / "cycle.jsonl"
     out = Run(fault, evidence)
     with Cluster(spec(fault, evidence, log, extra), workdir) as cluster:
+        cut: dict | None = None
+        if fault == "link-cut":
+            cluster.wait_steps(HANG_STEP, JOB_TIMEOUT)
+            cut = {"kind": "hang", "rank": None, "time": time.time()}
+            cluster.cut_link("node-1")
+            wait_for(lambda: all(_judged(n) for n in cluster.nodes), 120)
+            cluster.restore_link("node-1")
         codes = cluster.wait_agents(JOB_TIMEOUT)
         out.finished = all(c == 0 for c in codes)
         time.sleep(1.0)  # the last incident writes
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-        hang = next((r for r in records if r["kind"] == "hang"), None)
+        hang = cut or next((r for r in records if r["kind"] == "hang"), None)
         if hang is not None:
             out.hung_rank = hang["rank"]
             after = [r["time"] for r in records if r["kind"] == "first_step" and r["time"] > hang["time"]]
@@ -106,6 +118,10 @@ def run(fault: str, evidence: str, workdir: Path, extra: list[str]) -> Run:
                     "reason": r.get("blame_reason"),
                 })  # fmt: skip
     return out
+
+
+def _judged(node) -> bool:
+    return any(any(e["event"] == "verdict" for e in r.get("timeline", [])) for r in node.incidents())
 
 
 def show(r: Run) -> None:
