@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping, MutableMapping
@@ -88,17 +89,45 @@ def _members() -> dict[str, tuple[str, list[int]]]:
     return out
 
 
+def _traces(c10d: Any) -> list[dict]:
+    """Every recorder's dump: the generic one (gloo, CPU) and, on a CUDA build, NCCL's own."""
+    out = []
+    for call in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d, call, None)
+        if dump is None:
+            continue
+        try:
+            trace = json.loads(dump(includeCollectives=True, onlyActive=False))
+        except RuntimeError:  # NCCL's recorder absent from this build or process
+            continue
+        if isinstance(trace, dict):
+            out.append(trace)
+    return out
+
+
 def read(now: float | None = None) -> dict | None:
     """This rank's collective record for the sidecar, or None (no torch, no group, no recorder)."""
     c10d = _c10d()
-    if c10d is None or not hasattr(c10d, "_dump_fr_trace_json"):
+    if c10d is None:
         return None
-    raw = c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+    traces = _traces(c10d)
+    if not traces:
+        return None
     try:
         members = _members()
     except Exception:  # a torch whose private world moved: membership from the record alone
         members = {}
-    return summarize(json.loads(raw), members, time.time() if now is None else now)
+    when = time.time() if now is None else now
+    records = [summarize(t, members, when) for t in traces]
+    if len(records) == 1:
+        return records[0]
+    merged: dict[str, dict] = {}  # a group both recorders know (a CPU and a CUDA backend): the busier
+    for record in records:
+        for g in record["groups"]:
+            if g["pg"] not in merged or g["enqueued"] > merged[g["pg"]]["enqueued"]:
+                merged[g["pg"]] = g
+    groups = sorted(merged.values(), key=_in_flight_first)[:COLLECTIVES_MAX_GROUPS]
+    return {"time": round(when, 6), "groups": groups}
 
 
 def dump_json(max_entries: int = FR_DUMP_MAX_ENTRIES) -> dict | None:
@@ -106,11 +135,12 @@ def dump_json(max_entries: int = FR_DUMP_MAX_ENTRIES) -> dict | None:
     newest `max_entries` entries), or None. The sidecar keeps it with the incident in torch's own
     pickle format, which `python -m torch.distributed.flight_recorder.fr_trace` reads."""
     c10d = _c10d()
-    if c10d is None or not hasattr(c10d, "_dump_fr_trace_json"):
+    if c10d is None:
         return None
-    trace = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False))
-    if not isinstance(trace, dict):
+    traces = _traces(c10d)
+    if not traces:
         return None
+    trace = max(traces, key=lambda t: len(t.get("entries") or []))  # NCCL's, in a CUDA job
     if isinstance(trace.get("entries"), list):
         trace["entries"] = trace["entries"][-max_entries:]
     config = trace.get("pg_config")
@@ -125,9 +155,18 @@ def dump_json(max_entries: int = FR_DUMP_MAX_ENTRIES) -> dict | None:
     return trace
 
 
+# What the sidecar refuses in a record's names (control, C1, bidi, separators, lone surrogates):
+# replaced here, so that an odd group description never costs the push its steps.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _clean(text: object, default: str = "") -> str:
+    return _UNSAFE.sub("?", str(text))[:64] or default
+
+
 def _op(entry: Mapping[str, Any]) -> str:
     name = str(entry.get("profiling_name") or "?")
-    return name.split(":", 1)[-1][:64]  # "nccl:all_reduce", "gloo:all_reduce" -> "all_reduce"
+    return _clean(name.split(":", 1)[-1], "?")  # "nccl:all_reduce", "gloo:all_reduce" -> "all_reduce"
 
 
 def _sizes(entry: Mapping[str, Any]) -> list[list[int]]:
@@ -149,53 +188,90 @@ def _in_flight_first(group: dict[str, Any]) -> tuple[bool, str]:
     return (not group["pending"] and group["enqueued"] <= group["completed"], str(group["pg"]))
 
 
+def _done(entry: Mapping[str, Any]) -> bool:
+    """The collective finished: gloo retires its work (`retired`), NCCL also says `completed`."""
+    return entry.get("retired") is True or entry.get("state") == "completed"
+
+
+def _sequences(status: Mapping[str, Any], coll: list[Mapping[str, Any]], p2p: bool) -> tuple[int, int, int]:
+    """(enqueued, started, completed) of one group. pg_status is the backend's own word, but on NCCL
+    it counts point-to-point work too (a send's sequence is written there), and gloo's two worker
+    threads can leave its `completed` behind an op retired since: the group's collective entries
+    correct both (completed: the highest sequence up to which every entry is done)."""
+    enqueued = -1 if p2p else _seq(status, "last_enqueued_collective")
+    started = -1 if p2p else _seq(status, "last_started_collective")
+    completed = -1 if p2p else _seq(status, "last_completed_collective")
+    by_seq: dict[int, list[Mapping[str, Any]]] = {}
+    for e in coll:
+        by_seq.setdefault(int(e["collective_seq_id"]), []).append(e)
+    for seq in sorted(by_seq):
+        enqueued = max(enqueued, seq)
+        if any(e.get("state") in ("started", "completed") for e in by_seq[seq]):
+            started = max(started, seq)
+        if seq > completed and all(_done(e) for e in by_seq[seq]):
+            completed = seq
+    return enqueued, started, completed
+
+
 def summarize(trace: Mapping[str, Any], members: Mapping[str, tuple[str, list[int]]], now: float) -> dict:
-    """The record the hooks send: per process group (by the recorder's name), the last enqueued,
-    started and completed collective sequence, the group's size and members (global ranks, when
-    few enough), and its oldest collectives still in flight. `trace`: what `_dump_fr_trace_json`
-    returns (gloo's and NCCL's alike); `members`: name -> (description, global ranks)."""
+    """The record the hooks send: per process group (by its name, the same on every rank), the last
+    enqueued, started and completed collective sequence, the group's size and members (global ranks,
+    when few enough), and its oldest collectives still in flight. `trace`: what `_dump_fr_trace_json`
+    or `_dump_nccl_trace_json` returns; `members`: name -> (description, global ranks).
+
+    pg_status is keyed by the backend's process-local id, not the group's name (a rank creates only
+    the groups it is in; a group may be named by a hash): the entries map one to the other. A group
+    with no entry left in the ring is left out (nothing of it is in flight, and its name is not known)."""
     status = trace.get("pg_status") or {}
     config = trace.get("pg_config") or {}
-    pending: dict[str, list[Mapping[str, Any]]] = {}
+    names: dict[str, str] = {}  # the recorder's pg_id -> the group's name
     descs: dict[str, str] = {}
-    completed = {str(name): _seq(s, "last_completed_collective") for name, s in status.items()}
-    for entry in trace.get("entries") or []:
-        if entry.get("is_p2p"):
+    entries: dict[str, list[Mapping[str, Any]]] = {}
+    for e in trace.get("entries") or []:
+        if not isinstance(e, dict) or not isinstance(e.get("collective_seq_id"), int):
             continue
-        group = entry.get("process_group") or ["", ""]
+        group = e.get("process_group") or ["", ""]
         name = str(group[0])
+        if "pg_id" in e:
+            names.setdefault(str(e["pg_id"]), name)
         if len(group) > 1 and group[1]:
             descs.setdefault(name, str(group[1]))
-        seq = entry.get("collective_seq_id")
-        if not isinstance(seq, int) or seq <= completed.get(name, -1) or entry.get("state") == "completed":
-            continue
-        pending.setdefault(name, []).append(entry)
+        entries.setdefault(name, []).append(e)
     groups: list[dict[str, Any]] = []
-    for name, s in status.items():
-        name = str(name)
+    for key, s in status.items():
+        found = names.get(str(key))
+        if found is None:
+            continue
+        name = found
+        mine = entries.get(name, [])
+        coll = [e for e in mine if not e.get("is_p2p")]
+        enqueued, started, completed = _sequences(s, coll, any(e.get("is_p2p") for e in mine))
         desc, ranks = members.get(name, ("", []))
         if not ranks:  # NCCL's record names each group's ranks; gloo's does not
             try:
                 ranks = sorted(int(r) for r in json.loads((config.get(name) or {}).get("ranks") or "[]"))
             except (TypeError, ValueError):
                 ranks = []
-        inflight = sorted(pending.get(name, []), key=lambda e: e["collective_seq_id"])[:COLLECTIVES_MAX_PENDING]
+        inflight = sorted(
+            (e for e in coll if e["collective_seq_id"] > completed and not _done(e)),
+            key=lambda e: e["collective_seq_id"],
+        )[:COLLECTIVES_MAX_PENDING]
         groups.append(
             {
-                "pg": name[:64],
-                "desc": (desc or descs.get(name) or (config.get(name) or {}).get("desc") or "")[:64],
+                "pg": _clean(name, "?"),
+                "desc": _clean(desc or descs.get(name) or (config.get(name) or {}).get("desc") or ""),
                 "size": len(ranks) if ranks else None,
                 "ranks": ranks if 0 < len(ranks) <= COLLECTIVES_MAX_GROUP_RANKS else None,
-                "enqueued": _seq(s, "last_enqueued_collective"),
-                "started": _seq(s, "last_started_collective"),
-                "completed": _seq(s, "last_completed_collective"),
+                "enqueued": enqueued,
+                "started": started,
+                "completed": completed,
                 "pending": [
                     {
                         "seq": int(e["collective_seq_id"]),
                         "op": _op(e),
                         "sizes": _sizes(e),
                         "created": round(int(e.get("time_created_ns") or 0) / 1e9, 6),
-                        "state": str(e.get("state") or "scheduled")[:16],
+                        "state": _clean(e.get("state") or "scheduled")[:16],
                     }
                     for e in inflight
                 ],

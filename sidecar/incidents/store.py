@@ -256,7 +256,12 @@ class IncidentStore:
         return incident
 
     def save(self, incident: Incident) -> None:
-        self._write(self._render(incident))
+        try:
+            rendered = self._render(incident)
+        except Exception as e:  # writing never raises: remediation goes on
+            log.error("cannot render incident %s: %s: %s", incident.id, type(e).__name__, e)
+            return
+        self._write(rendered)
 
     def save_fr_dumps(self, incident: Incident, dumps: dict[int, bytes]) -> None:
         """The ranks' Flight Recorder dumps (each the JSON a rank sent, checked for shape and size)
@@ -271,7 +276,7 @@ class IncidentStore:
                 for rank, raw in sorted(dumps.items()):
                     data = pickle.dumps(json.loads(raw), protocol=4)
                     diagfiles.write_atomic(dir_fd, f"rank_{rank}", data, self.file_mode, self.gid)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             log.error("cannot write the Flight Recorder dumps of incident %s: %s", incident.id, e)
             return
         incident.fr_dumps = str(self.directory / name)
@@ -283,8 +288,9 @@ class IncidentStore:
         await asyncio.get_running_loop().run_in_executor(None, self._write, rendered)
 
     def _render(self, incident: Incident) -> tuple[str, str, bytes, bytes]:
-        record = (json.dumps(incident.to_dict(), indent=2) + "\n").encode()
-        return incident.path, Path(incident.path).stem, record, incident.text().encode()
+        # backslashreplace: a lone surrogate that got into a record must not stop its writing
+        record = (json.dumps(incident.to_dict(), indent=2) + "\n").encode("utf-8", "backslashreplace")
+        return incident.path, Path(incident.path).stem, record, incident.text().encode("utf-8", "backslashreplace")
 
     def _write(self, rendered: tuple[str, str, bytes, bytes]) -> None:
         path, name, record, summary = rendered

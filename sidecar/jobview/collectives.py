@@ -225,10 +225,15 @@ def _op_at(members: list[_Member], seq: int) -> str | None:
 
 def _mismatch(members: list[_Member]) -> Finding | None:
     """Members holding different collectives at one sequence."""
-    by_seq: dict[int, dict[str, list[_Member]]] = defaultdict(lambda: defaultdict(list))
+    # each member's whole claim at a sequence: a coalesced group is several entries at one sequence
+    claims: dict[tuple[int, int], list[str]] = defaultdict(list)
     for m in members:
         for p in m.group.pending:
-            by_seq[p.seq][_signature(p)].append(m)
+            claims[(p.seq, id(m))].append(_signature(p))
+    by_seq: dict[int, dict[str, list[_Member]]] = defaultdict(lambda: defaultdict(list))
+    for m in members:
+        for seq in sorted({p.seq for p in m.group.pending}):
+            by_seq[seq][" + ".join(sorted(claims[(seq, id(m))]))].append(m)
     for seq in sorted(by_seq):
         sigs = by_seq[seq]
         if len(sigs) < 2:

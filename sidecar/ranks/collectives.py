@@ -30,6 +30,20 @@ MAX_DIMS = 8
 MAX_TEXT = 64
 FR_DUMP_MAX_BYTES = 512 * 1024  # a whole Flight Recorder dump, as JSON
 FR_DUMP_MAX_ENTRIES = 256
+FR_DUMP_MAX_DEPTH = 32  # torch's dump nests about 5 levels; pickling a deep one would recurse past Python's limit
+
+
+def _depth(obj: Any) -> int:
+    """How deep `obj` nests (iteratively: a deep value must not recurse here either)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, level)
+            if level > FR_DUMP_MAX_DEPTH:
+                return level
+            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +226,8 @@ def parse_fr_dump(obj: Any, where: str = "fr_dump") -> bytes | None:
         raise ProtocolError(f"{where}.entries: expected at most {FR_DUMP_MAX_ENTRIES} objects")
     if type(obj.get("pg_config", {})) is not dict or type(obj.get("version", "")) is not str:
         raise ProtocolError(f"{where}: expected torch's dump (pg_config an object, version a string)")
+    if _depth(obj) > FR_DUMP_MAX_DEPTH:
+        raise ProtocolError(f"{where}: nested deeper than {FR_DUMP_MAX_DEPTH} levels")
     raw = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
     if len(raw) > FR_DUMP_MAX_BYTES:
         raise ProtocolError(f"{where}: at most {FR_DUMP_MAX_BYTES} bytes", code="too_large", status=413)

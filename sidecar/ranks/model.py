@@ -91,6 +91,7 @@ class Rank:
     collectives_at: float | None = None
     fr_dump: bytes | None = field(default=None, repr=False)
     fr_dump_at: float | None = None  # monotonic
+    fr_dump_asked: bool = False  # a dump was asked for (a suspect rank of its job) and not yet received
     # What the next push answer asks of its hooks (trainer_hooks.wire.WANTS), once.
     wants: set[str] = field(default_factory=set)
     # Recent events as (time, name, fields as compact JSON text), newest last (`compact_fields`).
@@ -112,10 +113,15 @@ class Rank:
             self.last_progress_wall = self.registered_wall
 
     def take_collectives(self, record: Collectives | None, fr_dump: bytes | None, now: float) -> None:
+        """A dump is kept only when the sidecar asked for it (an incident of its job), once."""
         if record is not None:
             self.collectives, self.collectives_at = record, now
-        if fr_dump is not None:
-            self.fr_dump, self.fr_dump_at = fr_dump, now
+        if fr_dump is not None and self.fr_dump_asked:
+            self.fr_dump, self.fr_dump_at, self.fr_dump_asked = fr_dump, now, False
+
+    def drop_fr_dump(self) -> None:
+        self.fr_dump = self.fr_dump_at = None
+        self.fr_dump_asked = False
 
     def collectives_age(self, now: float) -> float | None:
         """Seconds since its record arrived (None: it never sent one)."""

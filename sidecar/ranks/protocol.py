@@ -39,7 +39,7 @@ from trainer_hooks.wire import (
 )
 
 NONFINITE = {text: float(text) for text in NONFINITE_VALUES}
-CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_RE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")  # controls, and lone surrogates (unprintable)
 
 
 class ProtocolError(ValueError):

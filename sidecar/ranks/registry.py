@@ -216,6 +216,7 @@ class Registry:
         if r is not None and not r.gone:
             r.gone, r.gone_reason, r.gone_at = True, reason, time.monotonic()
             r.pidfd = None  # a gone rank is never signalled again: its descriptor goes now, not at retention
+            r.drop_fr_dump()  # its dump went into its incident, if it had one
             if not any(o.job_id == r.job_id and not o.gone for o in self._ranks.values()):
                 self.owners.released(r.job_id, r.owner_uid)  # its owner keeps the job_id a while
 

@@ -396,6 +396,7 @@ class Watchdog:
             self._probe_wanted.add(track.rank.job_id)
         elif new in (RankState.HEALTHY, RankState.STARTING):
             track.probe = None  # progress again: what its stack showed no longer holds
+            track.rank.drop_fr_dump()
         elif new is RankState.GONE and reason in ("process exited", "exception"):
             track.exited_wall = time.time()
         if self.job_view is not None:
@@ -410,6 +411,7 @@ class Watchdog:
         for t in self._tracks.values():
             if t.rank.job_id == job_id and t.state is not RankState.GONE:
                 t.rank.wants.update(("collectives", "fr_dump"))
+                t.rank.fr_dump_asked = True
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
         return self.timeouts.deadline(rank, self.clock() if now is None else now)
@@ -538,7 +540,7 @@ class Watchdog:
             await self._await_probe(episode.job_id)
             await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
-            self._collectives(episode)
+            await self._collectives(episode)
             await self._attach_links(incident)
             outcome = await self._kill(episode, targets)
         except asyncio.CancelledError:
@@ -549,7 +551,7 @@ class Watchdog:
             outcome = "failed"
         self._end_remediation(episode, outcome)
 
-    def _collectives(self, episode: _Episode) -> Finding | None:
+    async def _collectives(self, episode: _Episode) -> Finding | None:
         """The episode's ranks' collective records into its incident, with the local judgement
         they give, and the Flight Recorder dumps the ranks sent since they stopped progressing."""
         incident, now = episode.incident, self.clock()
@@ -560,7 +562,8 @@ class Watchdog:
             r.rank: r.fr_dump for r in ranks
             if r.fr_dump is not None and r.fr_dump_at is not None and r.fr_dump_at >= r.last_progress
         }  # fmt: skip
-        self.store.save_fr_dumps(incident, dumps)
+        if dumps:  # up to a few MiB of pickles: written off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self.store.save_fr_dumps, incident, dumps)
         return finding
 
     async def _attach_links(self, incident: Incident) -> None:
@@ -596,7 +599,7 @@ class Watchdog:
             await self._await_probe(job_id)
             await self.remediator.collect_stacks(incident, targets)
             refine_blame(incident)
-            finding = self._collectives(episode)
+            finding = await self._collectives(episode)
             self._probes_from(incident)
             episode.stacks_done = True
             self.store.save(incident)
@@ -697,7 +700,7 @@ class Watchdog:
             spared = episode.outcome == NOT_KILLED_NO_RESTART
             await self.remediator.collect_stacks(episode.incident, targets, signal_ranks=spared)
             refine_blame(episode.incident)
-            self._collectives(episode)
+            await self._collectives(episode)
             self._probes_from(episode.incident)
             episode.stacks_done = True
             if self._coordinated(episode.job_id):
