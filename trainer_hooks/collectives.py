@@ -197,7 +197,7 @@ def _sequences(status: Mapping[str, Any], coll: list[Mapping[str, Any]], p2p: bo
     """(enqueued, started, completed) of one group. pg_status is the backend's own word, but on NCCL
     it counts point-to-point work too (a send's sequence is written there), and gloo's two worker
     threads can leave its `completed` behind an op retired since: the group's collective entries
-    correct both (completed: the highest sequence up to which every entry is done)."""
+    correct both (completed: the highest sequence up to which each sequence has a finished entry)."""
     enqueued = -1 if p2p else _seq(status, "last_enqueued_collective")
     started = -1 if p2p else _seq(status, "last_started_collective")
     completed = -1 if p2p else _seq(status, "last_completed_collective")
@@ -208,7 +208,8 @@ def _sequences(status: Mapping[str, Any], coll: list[Mapping[str, Any]], p2p: bo
         enqueued = max(enqueued, seq)
         if any(e.get("state") in ("started", "completed") for e in by_seq[seq]):
             started = max(started, seq)
-        if seq > completed and all(_done(e) for e in by_seq[seq]):
+        # a coalesced group's per-op entries are never retired: its 'coalesced' work entry is
+        if seq > completed and any(_done(e) for e in by_seq[seq]):
             completed = seq
     return enqueued, started, completed
 

@@ -644,6 +644,24 @@ def test_an_nccl_jobs_record_comes_from_the_nccl_recorder(monkeypatch):
     assert whole is not None and len(whole.get("entries", [])) == len(rank.entries)
 
 
+def test_nccl_a_finished_coalesced_group_beside_point_to_point_traffic_is_not_in_flight():
+    """Two pipeline stages on "pp": a send/recv, then broadcasts coalesced on "pp" (startCoalescing /
+    endCoalescing), all finished 13 s before the read."""
+    ranks = [NcclRank(r) for r in range(2)]
+    for rank in ranks:
+        rank.group("0", "default_pg", [0, 1])
+        pp = rank.group("1", "pp", [0, 1])
+        t = HANG - 1.0
+        run(pp.p2p("send" if rank.rank == 0 else "recv", 1 - rank.rank, t, [[16, 256]]), t, t + 0.0005)
+        run(pp.coalesced([("broadcast", GRAD), ("broadcast", SMALL)], t + 0.01), t + 0.011, t + 0.012)
+        rank.watchdog(t + 0.05)
+    recs = {rank.rank: record(rank) for rank in ranks}
+    for rec in recs.values():
+        pp = group_of(rec, "1")
+        assert (pp["enqueued"], pp["completed"], pp["pending"]) == (1, 1, [])
+    assert verdict(recs) is None and verdict(recs, force=True) is None
+
+
 def test_the_record_parses_as_the_sidecar_keeps_it():
     """Sanity for the helpers above: a record round-trips through the sidecar's own type."""
     [rank, *_] = trained()
