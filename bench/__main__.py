@@ -21,6 +21,7 @@ ORDER = [
     "bench_cycles",
     "bench_jobview",
     "bench_jobview_scale",
+    "bench_hang_kinds",
 ]
 
 

@@ -299,9 +299,9 @@ def fr_training_worker(label: str, socket_path: str, steps: int) -> int:
     reads = [0]
     read = collectives.read
 
-    def counted(now: float | None = None) -> dict | None:
+    def counted(now: float | None = None, whole: bool = False) -> dict | None:
         reads[0] += 1
-        return read(now)
+        return read(now, whole)
 
     collectives.read = counted  # the sender thread calls it through the module
     with tempfile.TemporaryDirectory(prefix="bench-fr-") as tmp:

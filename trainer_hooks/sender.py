@@ -310,7 +310,7 @@ class Sender:
             return
         mark = time.thread_time()
         try:
-            record = collectives.read()
+            record = collectives.read(whole="collectives" in wants)
             self.collectives_read_at, self.collectives_live = now, record is not None
             if record is not None:
                 body["collectives"] = record

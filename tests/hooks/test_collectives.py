@@ -95,3 +95,51 @@ def test_a_real_ranks_record_reaches_the_sidecars_metrics(sidecar, tmp_path):
     assert done == value  # nothing in flight once the loop is done
     status = json.dumps(sidecar.status())
     assert "coll-job" in status
+
+
+class FakeC10d:
+    """torch's dump call on a CPU build: pg_status always, the entries only when asked for them
+    (what holds the GIL); counts the reads of entries."""
+
+    def __init__(self) -> None:
+        self.enqueued, self.completed, self.entry_reads = 4, 4, 0
+
+    def _dump_fr_trace_json(self, includeCollectives: bool = True, onlyActive: bool = False) -> bytes:
+        status = {
+            "0": {
+                "last_enqueued_collective": str(self.enqueued),
+                "last_completed_collective": str(self.completed),
+                "last_started_collective": "-1",
+            }
+        }
+        trace: dict = {"version": "2.10", "pg_config": {}, "pg_status": status}
+        if includeCollectives:
+            self.entry_reads += 1
+            trace["entries"] = [
+                {"collective_seq_id": s, "pg_id": 0, "process_group": ["0", "default_pg"], "is_p2p": False,
+                 "profiling_name": "gloo:all_reduce", "input_sizes": [[8]], "retired": s <= self.completed,
+                 "state": "scheduled", "time_created_ns": int(1e18) + s}
+                for s in range(max(1, self.enqueued - 3), self.enqueued + 1)
+            ]  # fmt: skip
+        return json.dumps(trace).encode()
+
+
+def test_the_entries_are_read_only_when_they_matter(monkeypatch):
+    fake = FakeC10d()
+    monkeypatch.setattr(collectives, "_c10d", lambda: fake)
+    monkeypatch.setattr(collectives, "_members", lambda: {"0": ("default_pg", [0, 1])})
+    monkeypatch.setattr(collectives, "_cache", collectives._Cache())
+    first = collectives.read(now=1.0)
+    assert first is not None and fake.entry_reads == 1  # the first read learns the groups' names
+    for step in range(5):  # a healthy rank: the group moves between reads
+        fake.enqueued = fake.completed = 5 + step
+        record = collectives.read(now=2.0 + step)
+        assert record is not None and record["groups"][0]["completed"] == 5 + step
+    assert fake.entry_reads == 1  # pg_status alone (no GIL held for the ring)
+    fake.enqueued = 10  # #10 in flight ...
+    assert collectives.read(now=8.0)["groups"][0]["pending"] == []  # type: ignore[index]
+    waiting = collectives.read(now=9.0)  # ... and still in flight at the next read: a wait
+    assert fake.entry_reads == 2 and waiting is not None
+    assert [p["seq"] for p in waiting["groups"][0]["pending"]] == [10]
+    collectives.read(now=10.0, whole=True)  # the sidecar asked
+    assert fake.entry_reads == 3
