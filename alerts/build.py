@@ -48,6 +48,10 @@ THRESHOLDS: dict[str, float | str] = {
     "storm_killed_per_hour": 3,  # watchdog kills of one job per hour that count as a storm
     "restarts_per_hour": 3,  # worker-group restarts of one job per hour (any cause)
     "exit_window": "15m",  # a rank exit of a given reason keeps its alert this long
+    # --- collectives (the ranks' Flight Recorder records, from the recording rules)
+    "collective_still_for": "2m",  # no member of a process group enqueued or completed a collective this long: a hang
+    "collective_record_stale_seconds": 30,  # a rank's record this old stopped coming (hooks send one every few seconds)
+    "verdict_window": "1h",  # a stall verdict (sidecar_stall_verdicts_total) keeps its alert this long
     # --- training signals (job level, from the recording rules)
     "grad_norm_factor": 10,  # grad norm above this multiple of its median over the last hour
     "lr_jump_factor": 2,  # learning rate above this multiple of its maximum over the last hour
@@ -139,6 +143,11 @@ def _clean(expr: str) -> str:
     return "\n".join(line.rstrip() for line in expr.strip().splitlines())
 
 
+def _indent(expr: str, spaces: int) -> str:
+    """A multi-line expression inside parentheses: its lines after the first indented."""
+    return ("\n" + " " * spaces).join(expr.splitlines())
+
+
 def increased(selector: str, window: str, by: str) -> str:
     """A counter went up within `window`. `increase` alone misses a series that first appears
     already at 1 (an XID the collector has never seen before), so a series that is new and
@@ -155,6 +164,19 @@ RESTARTS = (
     f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}"
 )
 LABELS_GPU = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
+
+# The ranks' collective records (PyTorch's Flight Recorder, per rank and process group `pg`).
+ENQUEUED = "sidecar_rank_collective_enqueued_seq"
+COMPLETED = "sidecar_rank_collective_completed_seq"
+# Some member of the (job_id, pg) group enqueued or completed a collective within the window: the
+# group moves, whatever a single scrape shows in flight.
+GROUP_MOVED = (
+    f"changes({ENQUEUED}[{T['collective_still_for']}]) > 0\nor changes({COMPLETED}[{T['collective_still_for']}]) > 0"
+)
+# Some rank of the job advanced its step within the window.
+JOB_STEPPED = f"changes(sidecar_training_step[{T['collective_still_for']}]) > 0"
+NOT_PROGRESSING = 'sidecar_rank_state{state=~"suspect|stalled|remediating"} == 1'
+NODE = "max by (instance, node) (sidecar_node_info)"
 
 # ------------------------------------------------------------------ recording rules
 
@@ -220,16 +242,79 @@ RECORDING = Group(
             "  / sum by (job_id, instance) (rate(sidecar_job_seconds_total[1h]))\n"
             ")",
         ),
+        # From the backend's own record first (PyTorch's Flight Recorder, docs/architecture.md): per
+        # job and process group, how many collectives a rank's last enqueued one is below the
+        # group's highest, kept only while some member waits in one (enqueued > completed). A rank
+        # behind while its peers wait is late to the collective they wait in.
+        Record(
+            "job_id_pg_rank:sidecar_rank_collective_behind:seq",
+            "(\n"
+            f"  max by (job_id, pg) ({ENQUEUED})\n"
+            f"  - on (job_id, pg) group_right max by (job_id, pg, rank, instance) ({ENQUEUED})\n"
+            ") > 0\n"
+            f"and on (job_id, pg) ({ENQUEUED} > {COMPLETED})",
+        ),
+        # The late rank that holds its job up: behind in a group where nothing moved for the window,
+        # waiting in no other group itself (a rank late in one group because it waits in another is
+        # a victim; the chain ends at the culprit) unless its record stopped coming (its process no
+        # longer runs), not progressing by its watchdog (which knows declared phases: a checkpoint
+        # save on one rank while the others wait in a barrier is no hang), and no rank of the job
+        # stepped within the window.
+        Record(
+            "job_id_rank:sidecar_rank_late_to_collective",
+            "max by (job_id, rank, instance) (\n"
+            "  job_id_pg_rank:sidecar_rank_collective_behind:seq\n"
+            "  unless on (job_id, pg) (\n"
+            f"    {_indent(GROUP_MOVED, 4)}\n"
+            "  )\n"
+            "  unless on (job_id, rank, instance) (\n"
+            f"    {ENQUEUED} > {COMPLETED}\n"
+            "    unless on (job_id, rank, instance)\n"
+            f"    (sidecar_rank_collective_record_age_seconds > {T['collective_record_stale_seconds']})\n"
+            "  )\n"
+            f"  and on (job_id, rank, instance) ({NOT_PROGRESSING})\n"
+            f"  unless on (job_id) ({JOB_STEPPED})\n"
+            ") * 0 + 1",
+        ),
+        # A collective every member of a process group entered and none completed: every member
+        # waits at one sequence (the value), nothing in the group moved for the window, every rank
+        # of the job sends a fresh record (their processes live; none is missing: a gone rank or a
+        # lost node is not the backend's fault) and no rank of the job stepped. No rank is to blame.
+        Record(
+            "job_id_pg:sidecar_collective_stuck:seq",
+            f"(max by (job_id, pg) ({ENQUEUED}) == min by (job_id, pg) ({ENQUEUED}))\n"
+            "and on (job_id, pg) (\n"
+            f"  count by (job_id, pg) ({ENQUEUED} > {COMPLETED})\n"
+            f"  == count by (job_id, pg) ({ENQUEUED})\n"
+            ")\n"
+            "unless on (job_id, pg) (\n"
+            f"  {_indent(GROUP_MOVED, 2)}\n"
+            ")\n"
+            "and on (job_id) (\n"
+            "  count by (job_id) (sidecar_rank_collective_record_age_seconds"
+            f" < {T['collective_record_stale_seconds']})\n"
+            "  >= max by (job_id) (sidecar_training_world_size)\n"
+            ")\n"
+            f"unless on (job_id) ({JOB_STEPPED})",
+        ),
+        # The rank holding its job up, with the evidence that named it: its collective record
+        # first; where the job's ranks name none that way (no record: an older torch, the recorder
+        # off), the rank at the job's lowest step, not progressing, whose latest stack does not wait.
         Record(
             "job_id_rank:sidecar_rank_holding_job_up",
             "(\n"
-            "  max by (job_id, rank, instance) (\n"
-            "    (sidecar_training_step == on (job_id) group_left job_id:sidecar_training_step:min)\n"
-            "    and on (job_id, rank, instance) (sidecar_rank_waiting_in_collective == 0)\n"
-            '    and on (job_id, rank, instance) (sidecar_rank_state{state=~"suspect|stalled|remediating"} == 1)\n'
-            "  ) * 0 + 1\n"
+            '  label_replace(job_id_rank:sidecar_rank_late_to_collective, "evidence", "collectives", "", "")\n'
+            "  or on (job_id)\n"
+            "  label_replace(\n"
+            "    max by (job_id, rank, instance) (\n"
+            "      (sidecar_training_step == on (job_id) group_left job_id:sidecar_training_step:min)\n"
+            "      and on (job_id, rank, instance) (sidecar_rank_waiting_in_collective == 0)\n"
+            f"      and on (job_id, rank, instance) ({NOT_PROGRESSING})\n"
+            "    ) * 0 + 1,\n"
+            '    "evidence", "stacks", "", ""\n'
+            "  )\n"
             ")\n"
-            "* on (instance) group_left (node) max by (instance, node) (sidecar_node_info)",
+            f"* on (instance) group_left (node) {NODE}",
         ),
         # GPU metrics (gpu:*, from either GPU source, alerts/gpu_source.py) carry no job label: a node belongs to the jobs that have ranks registered on it.
         Record(
@@ -258,11 +343,41 @@ TRAINING = Group(
             "max by (job_id, rank, node) (job_id_rank:sidecar_rank_holding_job_up) == 1",
             "critical",
             "Job {{ $labels.job_id }} is held up by rank {{ $labels.rank }} on {{ $labels.node }}",
-            "Rank {{ $labels.rank }} of job {{ $labels.job_id }} (node {{ $labels.node }}) is at the job's lowest step, "
-            "has not progressed, and its stack shows it running its own code while its peers wait for it in a "
-            "collective. The sidecars kill its node's worker group unless remediation is off or capped; `sidecar "
-            "incidents --job {{ $labels.job_id }}` on any node of the job tells the story.",
+            "Rank {{ $labels.rank }} of job {{ $labels.job_id }} (node {{ $labels.node }}) has not progressed and its "
+            "peers wait for it in a collective: by the ranks' Flight Recorders it has not entered the collective they "
+            f"wait in and nothing in the group moved for {window('collective_still_for')}, or, where the ranks send no "
+            "collective record, it is at the job's lowest step and its stack shows it running its own code. The "
+            "sidecars kill its node's worker group unless remediation is off or capped; `sidecar incidents --job "
+            "{{ $labels.job_id }}` on any node of the job tells the story.",
             for_=window("job_hung_for"),
+        ),
+        Alert(
+            "SidecarCollectiveStuck",
+            "max by (job_id, pg, node) (\n"
+            f"  ({ENQUEUED} and on (job_id, pg) job_id_pg:sidecar_collective_stuck:seq)\n"
+            f"  * on (instance) group_left (node) {NODE}\n"
+            ")",
+            "critical",
+            'Collective #{{ $value | printf "%.0f" }} of process group {{ $labels.pg }} is stuck in job '
+            "{{ $labels.job_id }} on {{ $labels.node }}",
+            "Every rank of process group {{ $labels.pg }} of job {{ $labels.job_id }} entered collective "
+            '#{{ $value | printf "%.0f" }} and none completed it; the ranks live (their Flight Recorder records '
+            f"keep coming), nothing in the group moved for {window('collective_still_for')} and the job does not step. "
+            "No rank is late: the backend or the network between the nodes (this alert fires once per node of the "
+            "group; {{ $labels.node }} is one) holds the job. Check the nodes' NICs and InfiniBand ports and NCCL's "
+            "transport; `sidecar incidents --job {{ $labels.job_id }}` shows each rank's record, `sidecar incidents "
+            "--full` on a node the incident's Flight Recorder dumps (`.fr`).",
+            for_=window("job_hung_for"),
+        ),
+        Alert(
+            "SidecarCollectiveMismatch",
+            increased('sidecar_stall_verdicts_total{kind="collective_mismatch"}', window("verdict_window"), "job_id"),
+            "critical",
+            "Collective desync in job {{ $labels.job_id }}",
+            "The ranks of job {{ $labels.job_id }} hung in different collectives at one sequence of a process group "
+            "(another op, or other input shapes): a desync, a bug in the program that a restart repeats. No rank "
+            "is to blame and restarting does not help: `sidecar incidents --job {{ $labels.job_id }}` names the "
+            "group, the sequence and each rank's collective; fix the code path that issues them.",
         ),
         Alert(
             "SidecarJobGoodputLow",

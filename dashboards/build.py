@@ -427,7 +427,8 @@ def training_job() -> dict:
             "Rank holding the job up",
             f"job_id_rank:sidecar_rank_holding_job_up{{{JOB}}}",
             "The rank at the job's lowest step that does not wait for its peers while they wait for it in a "
-            "collective, with its node (the JobHungOnRank rule, from every node's per-rank step and stack).",
+            "collective, with its node (the JobHungOnRank rule: from every rank's Flight Recorder sequences "
+            "where they decide it, else from its step and stack; see the evidence column).",
         ),
         table(
             "Ranks not healthy",
