@@ -10,7 +10,8 @@ same with the all-reduce launched async and waited in the user's own function, a
 waits), `spin` (a Python busy loop outside any collective), `desync` (a barrier where its peers
 all-reduce), `tp-stop` (2 x 2 data x tensor parallel groups, one rank SIGSTOPped), `link-cut`
 (each node a host of its own, demo/cluster.py `netns`; node-1's training link cut after 20 steps
-and restored once every node has its verdict: no rank to blame, `collective_stuck`). `--evidence
+and restored once every node has its verdict: no rank to blame, `collective_stuck`), `healthy` (no
+fault: the 2x2 job trains about a minute; right when no node records a stall). `--evidence
 stacks` runs the same with SIDECAR_COLLECTIVES=0 in the ranks: no record, the stack rule alone.
 
 Printed per run and node: the verdict (kind, evidence, blamed rank), the time from the hang to the
@@ -40,6 +41,7 @@ FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0
 HANG_STEP = 20
 JOB_TIMEOUT = 240.0
+HEALTHY_STEPS = 1200  # a healthy job of about a minute (0.05 s a step): judged as often as a hung one
 FAULTS = {  # name -> (FAULT_SHAPE, CYCLE_HANG_MODE, the hanging node's local rank)
     "sync-stop": ("sync", "stop", "1"),
     "async-stop": ("async", "stop", "1"),
@@ -47,6 +49,7 @@ FAULTS = {  # name -> (FAULT_SHAPE, CYCLE_HANG_MODE, the hanging node's local ra
     "desync": ("sync", "desync", "1"),
     "tp-stop": ("tp", "stop", "0"),
     "link-cut": ("sync", "none", ""),  # every node its own network namespace; node-1's training link cut
+    "healthy": ("tp", "none", ""),  # no fault: 2x2 groups, HEALTHY_STEPS steps; right = no stall anywhere
 }
 
 
@@ -61,6 +64,8 @@ class Run:
 
     @property
     def right(self) -> bool:
+        if self.fault == "healthy":
+            return self.finished and not self.nodes
         if (
             len(self.nodes) != 3
             or len({n["job_incident"] for n in self.nodes}) != 1
@@ -78,7 +83,8 @@ def spec(fault: str, evidence: str, log: Path, extra: list[str]) -> ClusterSpec:
     shape, mode, local = FAULTS[fault]
     hang = {"CYCLE_HANGS": "1", "CYCLE_HANG_LOCAL_RANK": local, "CYCLE_HANG_MODE": mode} if local else {}
     nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1)]
-    env = {"CYCLE_HANG_STEP": str(HANG_STEP), "CYCLE_LOG": str(log), "FAULT_SHAPE": shape}
+    steps = HEALTHY_STEPS if fault == "healthy" else HANG_STEP
+    env = {"CYCLE_HANG_STEP": str(steps), "CYCLE_LOG": str(log), "FAULT_SHAPE": shape}
     if evidence == "stacks":
         env["SIDECAR_COLLECTIVES"] = "0"
     sidecar = SidecarSpec(floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS, extra=list(extra))

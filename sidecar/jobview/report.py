@@ -11,7 +11,7 @@ like the hooks' own protocol (strict JSON, 4xx naming the field).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sidecar.config import NODE_NAME, check_url
@@ -47,7 +47,8 @@ class RankView:
         return self.state in TROUBLED or self.exited_at is not None
 
     def to_wire(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "collectives"}
+        # every other field is a plain value: no deep copy of the record only to replace it
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["collectives"] = self.collectives.to_wire() if self.collectives is not None else None
         return out
 
@@ -79,8 +80,9 @@ class NodeReport:
         return any(r.troubled for r in self.ranks)
 
     def to_wire(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ranks"] = [r.to_wire() for r in self.ranks]
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "part")}
+        out["ranks"] = [r.to_wire() for r in self.ranks]  # each once, not converted twice
+        out["part"] = asdict(self.part) if self.part is not None else None
         return out
 
 
