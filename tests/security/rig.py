@@ -122,10 +122,21 @@ def ranks_of(sidecar: Sidecar, job: str) -> dict[int, dict]:
 def start_as(user: User, sidecar: Sidecar, code: str, timeout: float = 60.0):
     """Start `code` (after CLIENT) as `user` in the background; returns (process, the dict it
     reported first). The caller stops the process (tests.support.kill_tree)."""
+    proc = run_as_user_background(user, sidecar, code)
+    try:
+        return proc, next_result(proc, timeout)
+    except AssertionError:
+        proc.kill()
+        raise
+
+
+def next_result(proc, timeout: float) -> dict:
+    """The next dict a background script reported (a `RESULT {...}` line), or AssertionError with
+    what it wrote instead."""
     import select
     import time
 
-    proc = run_as_user_background(user, sidecar, code)
+    assert proc.stdout is not None and proc.stderr is not None
     deadline = time.monotonic() + timeout
     buffered = ""
     while time.monotonic() < deadline:
@@ -136,11 +147,11 @@ def start_as(user: User, sidecar: Sidecar, code: str, timeout: float = 60.0):
                 break
             buffered += line
             if line.startswith("RESULT "):
-                return proc, json.loads(line[len("RESULT ") :])
+                return json.loads(line[len("RESULT ") :])
         elif proc.poll() is not None:
             break
-    proc.kill()
-    raise AssertionError(f"no result from the background script:\n{buffered}{proc.stderr.read()}")
+    stderr = proc.stderr.read() if proc.poll() is not None else ""
+    raise AssertionError(f"no result from the background script:\n{buffered}{stderr}")
 
 
 def run_as_user_background(user: User, sidecar: Sidecar, code: str) -> subprocess.Popen:
