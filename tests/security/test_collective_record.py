@@ -876,7 +876,8 @@ def test_a_forged_desync_report_cannot_keep_a_real_hang_from_being_remediated(us
                 started = time.monotonic()
                 killed = True
                 try:
-                    wait_until(lambda: not alive(info["pid"]), 45, what="alice's hung rank killed")  # floor 3 + verdict 1 + grace 6, generously
+                    # floor 3 + verdict 1 + grace 6, generously (a loaded machine)
+                    wait_until(lambda: not alive(info["pid"]), 45, what="alice's hung rank killed")
                 except TimeoutError:
                     killed = False
             finally:
