@@ -433,11 +433,27 @@ class JobViewSettings:
         ),
     )
     max_nodes: int = field(default=4096, metadata=doc("Most nodes of one job a coordinator keeps (429 beyond)."))
+    forget_after_seconds: float = field(
+        default=120.0,
+        metadata=doc(
+            "A job no rank of which has been registered on this node for this long is forgotten by its "
+            "coordinator here: its reports, incidents and key (a restart's gap is far shorter)."
+        ),
+    )
+    max_ranks: int = field(
+        default=16384,
+        metadata=doc(
+            "Most ranks a coordinator keeps in the reports of every job it coordinates together (429 beyond); "
+            "each job's own are bounded by its world size. About 2 KiB each: 16384 is ~32 MiB."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("report_interval_seconds", "verdict_wait_seconds", "launcher_grace_seconds"):
             _positive(f"job_view.{name}", getattr(self, name), allow_zero=name != "report_interval_seconds")
         _positive("job_view.max_nodes", self.max_nodes)
+        _positive("job_view.max_ranks", self.max_ranks)
+        _positive("job_view.forget_after_seconds", self.forget_after_seconds)
         if self.lost_after_seconds < 2 * self.report_interval_seconds:
             _fail(
                 "job_view.lost_after_seconds",

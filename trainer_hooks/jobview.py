@@ -4,6 +4,8 @@ The sidecars of a multi-node job need one of them to gather the job's picture du
 (docs/architecture.md, "The job view"). Rank 0's sidecar offers itself at rank 0's registration;
 rank 0's hooks write that offer under one key of the store the process group was formed with
 (`torch.distributed`'s default store), and every rank's hooks read it and tell their own sidecar.
+The offer holds the job's own key (wire protocol 6): the job's sidecars sign what they tell each
+other with it, so no other job's ranks, and no node without a rank of the job, can speak for it.
 One small key per job, written once and read once per attempt by a thread of the hooks' own:
 never on the training thread, never in the sender's way (a store that does not answer blocks only
 this thread). Without torch, or before `init_process_group`, nothing happens. SIDECAR_JOB_VIEW=0
@@ -25,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainer_hooks.errors import warn
-from trainer_hooks.wire import JOB_COORDINATOR_EVENT
+from trainer_hooks.wire import JOB_COORDINATOR_EVENT, JOB_KEY_CHARS
 
 KEY = "trainer_hooks/job_view/coordinator"
 SWITCH = "SIDECAR_JOB_VIEW"
@@ -99,7 +101,10 @@ class CoordinatorExchange:
             or not isinstance(value.get("node"), str)
         ):
             return False
+        key = value.get("key")
         value = {"url": value["url"][:240], "node": value["node"][:253]}
+        if isinstance(key, str) and len(key) == JOB_KEY_CHARS:
+            value["key"] = key  # the job's key: its sidecars sign their reports with it (sidecar/jobview/auth.py)
         if value != self.known:
             self.known = value
             self.deliver({"type": "event", "name": JOB_COORDINATOR_EVENT, "fields": value})

@@ -38,7 +38,7 @@ from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
-from trainer_hooks.wire import KEEPALIVE_SECONDS, RESTART_SAFE, WANTS
+from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, RESTART_SAFE, WANTS
 
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
@@ -406,6 +406,9 @@ class Sender:
         offer = reply.body.get("job_view")
         if isinstance(offer, dict) and isinstance(offer.get("url"), str) and isinstance(offer.get("node"), str):
             self.job_view_offer = {"url": offer["url"], "node": offer["node"]}
+            key = offer.get("key")
+            if isinstance(key, str) and len(key) == JOB_KEY_CHARS:
+                self.job_view_offer["key"] = key  # the job's key, published with the offer (protocol 6)
         if self.job_view is None and self.job_view_enabled and self.ident.world_size > 1:
             self.job_view = CoordinatorExchange(self.ident.rank, lambda: self.job_view_offer, self._add_item)
             self.job_view.start()

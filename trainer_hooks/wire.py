@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import re
 
-# 5: a push's optional `collectives` and `fr_dump` (the rank's Flight Recorder, COLLECTIVES_*), a
+# 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
+# job's own key, sidecar/jobview/auth.py); 5: a push's optional `collectives` and `fr_dump` (the rank's Flight Recorder, COLLECTIVES_*), a
 # push answer's optional `want` (WANTS), KEEPALIVE_SECONDS, COLLECTIVES_EVERY_SECONDS; 4: a registration's optional
 # `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator`
 # event (the job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of
 # earlier versions stay valid.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # ---------------------------------------------------------------- names
 
@@ -139,7 +140,8 @@ POD_LABEL_RULES: dict[str, tuple[re.Pattern, int, str]] = {
 EXIT_MAX_TYPES = 16  # the type and its bases, most derived first
 EXIT_MAX_FRAMES = 12  # the innermost frames of the traceback
 EXIT_MAX_TEXT = 512  # each text: type names, the message's first line, a frame, the thread name
-JOB_COORDINATOR_EVENT = "job_coordinator"  # fields url, node: where the job's coordinating sidecar is
+JOB_COORDINATOR_EVENT = "job_coordinator"  # fields url, node: where the job's coordinating sidecar is; key
+JOB_KEY_CHARS = 64  # the job's key (`key` of the offer and the event), lowercase hex
 THREAD_EXCEPTION_EVENT = "thread_exception"  # the event an exception that ends another thread is sent as
 
 

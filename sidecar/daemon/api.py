@@ -70,7 +70,6 @@ class Daemon:
     exits: ExitTracker | None = None  # why each rank process exited (sidecar/exits/tracker.py)
     reporter: Reporter | None = None  # this node's side of the job view (sidecar/jobview/)
     coordinator: Coordinator | None = None  # the job view of the jobs whose rank 0 runs here
-    peer_verifier: auth.Verifier | None = None  # checks other sidecars' signed requests (with a token)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     dump_files: stackfiles.DumpFiles | None = None  # the stack-dump files it created (host/stackfiles.py)
     # What may make the node unfit: the watchdog's unkillable processes, the GPU checks (app.py wires them).
@@ -305,13 +304,21 @@ async def register(request: web.Request) -> web.Response:
             "flush_interval_s": d.settings.hooks_flush_interval_seconds,
             # Rank 0 names this sidecar as its job's coordinator (sidecar/jobview/); the others learn
             # where it is through the job's own store.
-            "job_view": (
-                {"url": d.settings.peer_url, "node": d.settings.node_name}
-                if d.reporter is not None and reg.world_size > 1
-                else None
-            ),
+            "job_view": job_view_offer(d, rank, verified=peer is not None),
         }
     )
+
+
+def job_view_offer(d: Daemon, rank: Rank, verified: bool) -> dict | None:
+    """Rank 0 names this sidecar as its job's coordinator (sidecar/jobview/), with the job's key
+    (auth.py); the others learn both through the job's own store. A caller not verified as the
+    process gets no key: it could sign reports for a job whose ranks it does not run."""
+    if d.reporter is None or d.coordinator is None or rank.world_size <= 1:
+        return None
+    offer = {"url": d.settings.peer_url, "node": d.settings.node_name}
+    if verified:
+        offer["key"] = d.coordinator.key_for(rank.job_id, rank.owner_uid)
+    return offer
 
 
 def stack_file_for(d: Daemon, rank: Rank, previous: Rank | None, verified: bool) -> stackfiles.StackFile | None:
@@ -362,14 +369,12 @@ async def push(request: web.Request) -> web.Response:
     rank = d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
     check_session(request, rank, batch.session)
     check_sender(request, rank)
+    coordinators = _coordinators(batch)  # before the events are kept: the job's key is not one to keep
     accepted = d.registry.apply_push(batch, rank)
     rank.take_collectives(record, fr_dump, time.monotonic())
-    if d.reporter is not None and rank.peer_verified:
-        for item in batch.items:
-            if type(item) is protocol.EventItem and item.name == JOB_COORDINATOR_EVENT:
-                url, node = item.fields.get("url"), item.fields.get("node")
-                if isinstance(url, str) and isinstance(node, str) and NODE_NAME.fullmatch(node):
-                    d.reporter.set_coordinator(rank.job_id, url, node)
+    for url, node, key in coordinators:
+        if d.reporter is not None and rank.peer_verified:
+            d.reporter.set_coordinator(rank.job_id, url, node, key)
     records = d.stats.records
     for item in batch.items:
         records[_ITEM_TYPES[type(item)]] += 1
@@ -377,6 +382,17 @@ async def push(request: web.Request) -> web.Response:
     if rank.wants:
         answer["want"], rank.wants = sorted(rank.wants), set()
     return web.json_response(answer)
+
+
+def _coordinators(batch: protocol.Push) -> list[tuple[str, str, str | None]]:
+    """(url, node, key) of each `job_coordinator` event, its key taken out of the event."""
+    found = []
+    for item in batch.items:
+        if type(item) is protocol.EventItem and item.name == JOB_COORDINATOR_EVENT:
+            url, node, key = item.fields.get("url"), item.fields.get("node"), item.fields.pop("key", None)
+            if isinstance(url, str) and isinstance(node, str) and NODE_NAME.fullmatch(node):
+                found.append((url, node, key if auth.valid_key(key) else None))
+    return found
 
 
 _ITEM_TYPES = {protocol.StepItem: "step", protocol.PhaseItem: "phase", protocol.EventItem: "event"}

@@ -25,6 +25,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from sidecar.daemon import api, peer_api
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import procs, stackfiles
-from sidecar.jobview import auth, collectives
+from sidecar.jobview import collectives
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
 from sidecar.ranks import ownership, podlabels
@@ -83,8 +84,9 @@ def build_app(settings: Settings) -> web.Application:
     # The per-rank collectors look only at the ranks /metrics has room for (exposition.py).
     endpoint: MetricsEndpoint
     watched = lambda: endpoint.watched_pids(registry.live_pids)()  # noqa: E731 - endpoint comes below
+    # GPU ownership (the node verdict's gpu_held, per-rank GPU memory) only from verified ranks.
     collectors = build_collectors(
-        settings, ranks=watched, job_versions=registry.versions_by_job, live_ranks=registry.live_pids
+        settings, ranks=watched, job_versions=registry.versions_by_job, live_ranks=registry.verified_live_pids
     )
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
     runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
@@ -100,7 +102,7 @@ def build_app(settings: Settings) -> web.Application:
     daemon.dump_files = stackfiles.DumpFiles(
         settings.diagnostics_dir, limits.max_ranks_per_user + stackfiles.KEPT_PER_UID, 2 * limits.max_ranks
     )
-    events = gpu_events.build(settings, registry.live_pids)  # dcgm mode: XIDs without the gpu collector
+    events = gpu_events.build(settings, registry.verified_live_pids)  # dcgm mode: XIDs without the gpu collector
     daemon.exits = exit_tracker(settings, daemon.watchdog, collectors, events)
     daemon.watchdog.on_remediating = daemon.exits.remediating
     wire_fitness(daemon, collectors, events)
@@ -148,29 +150,43 @@ def attach_job_view(daemon: api.Daemon) -> None:
     settings, registry = daemon.settings, daemon.registry
     jv = settings.job_view
     daemon.coordinator = Coordinator(
-        hosts=lambda job_id: any(r.job_id == job_id for r in registry.ranks()),
+        hosts=lambda job_id: _hosted_world_size(registry, job_id, jv.forget_after_seconds),
         lost_after=jv.lost_after_seconds,
         verdict_wait=jv.verdict_wait_seconds,
         max_nodes=jv.max_nodes,
         probe=probe_peer,
         # a rank's hooks send their collective record with every push (at least every flush interval)
         stale_after=collectives.stale_after(settings.hooks_flush_interval_seconds),
+        max_ranks=jv.max_ranks,
+        node=settings.node_name,
     )
     daemon.reporter = Reporter(
         settings.node_name,
         settings.peer_url,
-        daemon.token,
         jv.report_interval_seconds,
         source=daemon.watchdog.node_report,
         local=daemon.coordinator,
     )
-    if daemon.token:
-        daemon.peer_verifier = auth.Verifier(daemon.token)
     daemon.watchdog.job_view = daemon.reporter
     if daemon.exits is not None:
         daemon.exits.job_incident_of = exit_context(daemon.reporter, settings.node_name)
         daemon.exits.job_view_wait = jv.verdict_wait_seconds + 2.0
         daemon.watchdog.on_left_to_launcher = daemon.exits.left_to_launcher
+
+
+def _hosted_world_size(registry: Registry, job_id: str, forget_after: float) -> int:
+    """The job's world size as its verified ranks here registered it, while one lives or went
+    less than `forget_after` seconds ago (its exit is still judged, its restart may come); 0: the
+    job is not (or no longer) hosted here."""
+    now = time.monotonic()
+    return max(
+        (
+            r.world_size
+            for r in registry.ranks()
+            if r.job_id == job_id and r.peer_verified and (not r.gone or now - (r.gone_at or now) < forget_after)
+        ),
+        default=0,
+    )
 
 
 def exit_context(reporter: Reporter, node: str) -> Callable[[str, int], tuple[str | None, str | None, bool]]:

@@ -3,10 +3,10 @@ this one. `POST /v1/jobs/{job_id}/report` (a node's picture of the job; answers 
 `GET /v1/jobs/{job_id}/verdict?known=V&wait=S` (long-polled: answers once the verdict's version is
 not V, or after S seconds), `GET /v1/jobs/{job_id}/story[?incident=ID]` (the job incident's story).
 
-Who may ask: with a token configured (always when listening beyond loopback) every request over
-TCP must be signed with it (sidecar/jobview/auth.py) and every answer is signed back; without one
-only loopback clients and the Unix socket are answered (one host). The story quotes stack frames,
-so over the Unix socket it is told to root only, like the incident files.
+Who may ask (docs/security.md, "The job view"): over TCP, loopback included, every request must
+be signed with the job's own key for this node (sidecar/jobview/auth.py), and every answer is
+signed back; over the Unix socket, root only (`sidecar incidents --job`): an unprivileged local
+user's report used to be taken unsigned, for any job (round 3, rows 1, 7 and 10).
 """
 
 from __future__ import annotations
@@ -24,34 +24,38 @@ from sidecar.jobview.report import parse_report
 from sidecar.ranks.protocol import ProtocolError
 
 MAX_WAIT_SECONDS = 30.0
-LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
-async def _authorize(request: web.Request, body: bytes) -> str | None:
-    """The request's nonce when it is signed (None when no token is configured); ApiError when the
-    caller may not ask."""
-    d = request.app[DAEMON]
+def _root_on_socket(request: web.Request) -> None:
+    """Over the Unix socket, root only (ApiError otherwise); over TCP the signature decides."""
+    if not _is_tcp(request):
+        caller = identity.unix_peer(_socket(request), want_pidfd=False)
+        if caller is None or caller.uid != 0:
+            raise ApiError(403, "forbidden", "the job view answers other sidecars (signed, over TCP) and root only")
+
+
+async def _authorize(request: web.Request, body: bytes) -> tuple[str, str] | None:
+    """(the job's key, the request's nonce) when it came signed over TCP, None for root on the Unix
+    socket; ApiError when the caller may not ask."""
+    _root_on_socket(request)
     if not _is_tcp(request):
         return None
-    if d.peer_verifier is not None:
-        nonce = d.peer_verifier.check(request.method, request.path_qs, body, request.headers.get(auth.REQUEST_HEADER))
-        if nonce is None:
-            raise ApiError(
-                401, "unauthorized", f"peer requests must be signed with the cluster's token ({auth.REQUEST_HEADER})"
-            )
-        return nonce
-    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
-    if not (isinstance(peer, tuple) and peer[0] in LOOPBACK):
-        raise ApiError(403, "forbidden", "without a token the job view answers loopback clients only")
-    return None
+    job_id = request.match_info["job_id"]
+    verifier = _coordinator(request.app[DAEMON]).verifier(job_id)
+    if verifier is None:
+        raise ApiError(404, "not_coordinator", f"job_id: no verified rank of job {job_id!r} registered on this node")
+    nonce = verifier.check(request.method, request.path_qs, body, request.headers.get(auth.REQUEST_HEADER))
+    if nonce is None:
+        raise ApiError(401, "unauthorized", f"peer requests must be signed with the job's key ({auth.REQUEST_HEADER})")
+    return verifier.key, nonce
 
 
-def _answer(d: Daemon, payload: dict, nonce: str | None) -> web.Response:
+def _answer(payload: dict, signed: tuple[str, str] | None) -> web.Response:
     body = json.dumps(payload, separators=(",", ":")).encode()
     headers = {"Content-Type": "application/json"}
-    token = d.token
-    if nonce is not None and token:
-        headers[auth.REPLY_HEADER] = auth.sign_reply(token, nonce, body)
+    if signed is not None:
+        key, nonce = signed
+        headers[auth.REPLY_HEADER] = auth.sign_reply(key, nonce, body)
     return web.Response(body=body, headers=headers)
 
 
@@ -63,8 +67,9 @@ def _coordinator(d: Daemon):
 
 async def report(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
+    _root_on_socket(request)
     data = await read_json(request)  # bounded and timed like every push
-    nonce = await _authorize(request, await request.read())  # the same bytes, read once
+    signed = await _authorize(request, await request.read())  # the same bytes, read once
     coordinator = _coordinator(d)
     parsed = parse_report(data, d.settings.limits.max_ranks_per_job)
     if parsed.job_id != request.match_info["job_id"]:
@@ -73,12 +78,12 @@ async def report(request: web.Request) -> web.Response:
         verdict = coordinator.accept(parsed)
     except CoordinatorError as e:
         raise ApiError(e.status, e.code, str(e)) from None
-    return _answer(d, {"ok": True, "verdict": verdict.to_wire() if verdict else None}, nonce)
+    return _answer({"ok": True, "verdict": verdict.to_wire() if verdict else None}, signed)
 
 
 async def verdict(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    nonce = await _authorize(request, b"")
+    signed = await _authorize(request, b"")
     coordinator = _coordinator(d)
     job_id = request.match_info["job_id"]
     try:
@@ -89,25 +94,21 @@ async def verdict(request: web.Request) -> web.Response:
     if not coordinator.hosts(job_id):
         raise ApiError(404, "not_coordinator", f"job_id: no rank of job {job_id!r} is registered on this node")
     v = await coordinator.wait_change(job_id, known, wait) if wait else coordinator.verdict(job_id)
-    return _answer(d, {"ok": True, "verdict": v.to_wire() if v else None}, nonce)
+    return _answer({"ok": True, "verdict": v.to_wire() if v else None}, signed)
 
 
 async def story(request: web.Request) -> web.Response:
     """The story from this node's coordinator, or (asked over the Unix socket of a node that is not
     the job's coordinator) fetched from the job's coordinator."""
     d = request.app[DAEMON]
-    nonce = await _authorize(request, b"")
+    signed = await _authorize(request, b"")  # the story quotes stack frames: root or the job's peers
     job_id, wanted = request.match_info["job_id"], request.query.get("incident") or None
-    if not _is_tcp(request):
-        caller = identity.unix_peer(_socket(request), want_pidfd=False)
-        if caller is None or caller.uid != 0:
-            raise ApiError(403, "forbidden", "the job's story quotes stack frames: root only")
     found = d.coordinator.story(job_id, wanted) if d.coordinator is not None else None
     if found is None and not _is_tcp(request) and d.reporter is not None:
         found = await asyncio.wait_for(d.reporter.fetch_story(job_id, wanted), 10.0)
     if found is None:
         raise ApiError(404, "not_found", f"no job incident of job {job_id!r} is known here")
-    return _answer(d, {"ok": True, "story": found}, nonce)
+    return _answer({"ok": True, "story": found}, signed)
 
 
 def add_routes(app: web.Application) -> None:

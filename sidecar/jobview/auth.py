@@ -1,58 +1,90 @@
-"""How sidecars prove themselves to each other: an HMAC with the push token (the cluster's shared
-bearer token, `SIDECAR_TOKEN` or `token_file`), which itself never travels. The coordinator's
-address comes from a rank (through the job's c10d store), so a report may be sent to a host a
-user chose: the token must not go with it, and an answer is trusted only when it is signed too.
+"""How the sidecars of one job prove themselves to each other: an HMAC with the job's own key.
 
-A request carries `X-Sidecar-Peer: <unix time>:<nonce>:<hex>` over the method, path, time, nonce
-and the body's digest; the answer carries `X-Sidecar-Peer-Reply: <hex>` over the nonce and its
-body's digest. Requests older or newer than MAX_SKEW_SECONDS, or whose nonce was seen, are refused.
-Without a token (a sidecar that listens on loopback only: one host), nothing is signed.
+The key belongs to the job, not to the cluster. The sidecar on rank 0's node (the job's
+coordinator) makes it when a verified rank of the job first registers there and answers it with
+the registration's job view offer; rank 0's hooks publish the offer in the job's own c10d store
+(trainer_hooks/jobview.py), and every rank hands it to its own sidecar in its `job_coordinator`
+event. So a node can sign reports only for a job one of whose verified ranks runs there, and a
+report signed with one job's key is worth nothing for another job. The push token handed to
+hooks, and any other secret of the node, never signs a peer request (round 3, row 6).
+
+Who learns a job's key: its ranks (the job's owner), their sidecars, and whoever can read the
+job's c10d store, which holds the job's rendezvous already (anyone who can read or write it can
+break or join the job itself). The key itself never travels to the coordinator, so a report sent
+to a host a user chose leaks nothing that host could use against another job.
+
+A request carries `X-Sidecar-Peer: <unix time>:<nonce>:<hex>`, a MAC over the method, the path,
+the destination node's name (a request signed for one node is refused by every other), the
+time, the nonce and the body's digest; the answer carries `X-Sidecar-Peer-Reply: <hex>` over the
+nonce and its body's digest. Requests older or newer than MAX_SKEW_SECONDS are refused, and a
+nonce is remembered for that whole window (row 11: nonces were kept by count, and one replayed
+after 4,096 others was accepted), at most MAX_NONCES per job: past that the job's peers are
+refused until the window moves on (only holders of the job's key can spend them).
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
+import heapq
 import hmac
+import re
 import secrets
 import time
+from collections.abc import Callable
+
+from trainer_hooks.wire import JOB_KEY_CHARS
 
 REQUEST_HEADER = "X-Sidecar-Peer"
 REPLY_HEADER = "X-Sidecar-Peer-Reply"
 MAX_SKEW_SECONDS = 300.0
-NONCES_KEPT = 4096
+MAX_NONCES = 65536  # per job within the window: ~220 requests a second, for 5 minutes
+KEY_RE = re.compile(rf"[0-9a-f]{{{JOB_KEY_CHARS}}}")
 
 
-def _mac(token: str, *parts: bytes) -> str:
-    return hmac.new(token.encode(), b"\n".join(parts), hashlib.sha256).hexdigest()
+def new_key() -> str:
+    return secrets.token_hex(JOB_KEY_CHARS // 2)
 
 
-def sign_request(token: str, method: str, path: str, body: bytes, now: float | None = None) -> tuple[str, str]:
-    """(header value, nonce) for one request."""
+def valid_key(value: object) -> bool:
+    return isinstance(value, str) and KEY_RE.fullmatch(value) is not None
+
+
+def _mac(key: str, *parts: bytes) -> str:
+    return hmac.new(key.encode(), b"\n".join(parts), hashlib.sha256).hexdigest()
+
+
+def _request_mac(key: str, method: str, path: str, dest: str, stamp: str, nonce: str, body: bytes) -> str:
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return _mac(key, method.upper().encode(), path.encode(), dest.encode(), stamp.encode(), nonce.encode(), digest)
+
+
+def sign_request(key: str, method: str, path: str, body: bytes, dest: str, now: float | None = None) -> tuple[str, str]:
+    """(header value, nonce) for one request to the node named `dest`."""
     stamp = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(12)
-    digest = hashlib.sha256(body).hexdigest().encode()
-    mac = _mac(token, method.upper().encode(), path.encode(), stamp.encode(), nonce.encode(), digest)
-    return f"{stamp}:{nonce}:{mac}", nonce
+    return f"{stamp}:{nonce}:{_request_mac(key, method, path, dest, stamp, nonce, body)}", nonce
 
 
-def sign_reply(token: str, nonce: str, body: bytes) -> str:
-    return _mac(token, b"reply", nonce.encode(), hashlib.sha256(body).hexdigest().encode())
+def sign_reply(key: str, nonce: str, body: bytes) -> str:
+    return _mac(key, b"reply", nonce.encode(), hashlib.sha256(body).hexdigest().encode())
 
 
-def reply_is_signed(token: str, nonce: str, body: bytes, header: str | None) -> bool:
-    return header is not None and hmac.compare_digest(header.encode(), sign_reply(token, nonce, body).encode())
+def reply_is_signed(key: str, nonce: str, body: bytes, header: str | None) -> bool:
+    return header is not None and hmac.compare_digest(header.encode(), sign_reply(key, nonce, body).encode())
 
 
 class Verifier:
-    """The receiving side: checks a request's signature, its age and that its nonce is new."""
+    """The receiving side, for one job on the node named `node`: checks a request's signature,
+    its age, and that its nonce was not seen within the window."""
 
-    def __init__(self, token: str, clock=time.time):
-        self.token, self.clock = token, clock
-        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+    def __init__(self, key: str, node: str, clock: Callable[[], float] = time.time):
+        self.key, self.node, self.clock = key, node, clock
+        self._seen: dict[str, float] = {}  # nonce -> when it leaves the window
+        self._order: list[tuple[float, str]] = []  # a heap of (until, nonce)
+        self.refused_full = 0
 
     def check(self, method: str, path: str, body: bytes, header: str | None) -> str | None:
-        """The request's nonce when it is signed and fresh, else None."""
+        """The request's nonce when it is signed for this node and fresh, else None."""
         if not header or header.count(":") != 2:
             return None
         stamp, nonce, mac = header.split(":")
@@ -60,13 +92,27 @@ class Verifier:
             when = float(stamp)
         except ValueError:
             return None
-        if abs(self.clock() - when) > MAX_SKEW_SECONDS or len(nonce) > 64 or nonce in self._seen:
+        now = self.clock()
+        if not abs(now - when) <= MAX_SKEW_SECONDS or not 0 < len(nonce) <= 64:
             return None
-        digest = hashlib.sha256(body).hexdigest().encode()
-        want = _mac(self.token, method.upper().encode(), path.encode(), stamp.encode(), nonce.encode(), digest)
+        want = _request_mac(self.key, method, path, self.node, stamp, nonce, body)
         if not hmac.compare_digest(mac.encode(), want.encode()):
             return None
-        self._seen[nonce] = when
-        while len(self._seen) > NONCES_KEPT:
-            self._seen.popitem(last=False)
+        self._expire(now)
+        if nonce in self._seen:
+            return None
+        if len(self._seen) >= MAX_NONCES:
+            self.refused_full += 1
+            return None
+        until = when + MAX_SKEW_SECONDS  # refused as too old from then on
+        self._seen[nonce] = until
+        heapq.heappush(self._order, (until, nonce))
         return nonce
+
+    def _expire(self, now: float) -> None:
+        while self._order and self._order[0][0] < now:
+            _, nonce = heapq.heappop(self._order)
+            self._seen.pop(nonce, None)
+
+    def __len__(self) -> int:
+        return len(self._seen)

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.jobview import auth
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.judge import Summary, judge_summaries, summarize
 from sidecar.jobview.report import MAX_NOT_DUMPED, NO_RANK_KINDS, Culprit, NodePart, NodeReport, Verdict
@@ -29,6 +30,7 @@ from sidecar.jobview.report import MAX_NOT_DUMPED, NO_RANK_KINDS, Culprit, NodeP
 log = logging.getLogger(__name__)
 
 JUDGE_EVERY_SECONDS = 0.05  # a job is judged at most this often, however many nodes report
+JUDGE_SHARE = 10  # ... and no sooner than this many times what its last judgement took
 PROBE_SECONDS = 1.0  # how long a probe of a silent node's sidecar may take
 CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
 FORGET_AFTER_SECONDS = 600.0  # a node silent this long is no longer part of the job
@@ -67,16 +69,34 @@ class _Job:
     probing: asyncio.Task | None = None
     troubled: set[str] = field(default_factory=set)  # nodes whose latest report is troubled
     judged_at: float = -1e9  # monotonic, the last judgement
+    judge_cost: float = 0.0  # seconds the last judgement took
     judge_pending: bool = False
+    ranks_held: int = 0  # ranks in its nodes' latest reports
+
+    def held_by(self, node: str) -> int:
+        got = self.reports.get(node)
+        return len(got[0].ranks) if got is not None else 0
+
+
+@dataclass
+class _Key:
+    """A job's key (auth.py): made for the uid whose verified rank first registered the job here."""
+
+    owner: int | None
+    verifier: auth.Verifier
 
 
 Probe = Callable[[str], Awaitable[bool]]  # url -> whether a sidecar answers there
 
 
 class Coordinator:
+    """`hosts(job_id)`: the job's world size as its ranks registered here said (0: no rank of it
+    here; True: hosted, size unknown). `max_ranks`: the ranks of every job's reports together
+    (job_view.max_ranks); a job's own are bounded by its world size."""
+
     def __init__(
         self,
-        hosts: Callable[[str], bool],
+        hosts: Callable[[str], int | bool],
         lost_after: float,
         verdict_wait: float,
         max_nodes: int,
@@ -84,37 +104,99 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         stale_after: float = STALE_AFTER_SECONDS,
+        max_ranks: int = 16384,
+        node: str = "",
     ):
         self.stale_after = stale_after  # a collective record this old says its rank's process stopped
         self.hosts, self.lost_after, self.verdict_wait = hosts, lost_after, verdict_wait
         self.max_nodes, self.probe, self.clock, self.wall = max_nodes, probe, clock, wall
+        self.max_ranks, self.node = max_ranks, node
         self._jobs: dict[str, _Job] = {}
+        self._keys: dict[str, _Key] = {}
         self.reports_total = 0
+        self.ranks_held = 0  # ranks in every job's latest reports
+        self.forgotten = 0  # jobs forgotten (no rank of them registered here any more)
+
+    # ------------------------------------------------------------ keys
+
+    def key_for(self, job_id: str, owner: int | None) -> str:
+        """The job's key, for the job view offer of its verified rank registering here: made once
+        per job and owner (a job_id that passed to another uid gets a new one)."""
+        entry = self._keys.get(job_id)
+        if entry is None or entry.owner != owner:
+            entry = self._keys[job_id] = _Key(owner, auth.Verifier(auth.new_key(), self.node))
+        return entry.verifier.key
+
+    def verifier(self, job_id: str) -> auth.Verifier | None:
+        """Checks the job's peer requests; None when no verified rank of it registered here."""
+        entry = self._keys.get(job_id)
+        return entry.verifier if entry is not None else None
+
+    def sweep(self) -> None:
+        """Forget every job this node no longer hosts (`hosts`: no rank of it here for a while):
+        its reports, incidents and key (round 3, row 2: a job's state used to stay for ever)."""
+        for job_id in list(self._keys.keys() | self._jobs.keys()):
+            if self.hosts(job_id):
+                continue
+            self._keys.pop(job_id, None)
+            if job_id in self._jobs:
+                self.forget_job(job_id)
+                self.forgotten += 1
+                log.info("job %s: forgotten (no rank of it registered here any more)", job_id)
 
     # ------------------------------------------------------------ reports
 
     def accept(self, report: NodeReport) -> Verdict | None:
         """Take one node's report; returns the job's current verdict (None: no incident)."""
-        if not self.hosts(report.job_id):
+        world = self.hosts(report.job_id)
+        if not world:
             raise CoordinatorError(
                 404, "not_coordinator", f"job_id: no rank of job {report.job_id!r} is registered on this node"
             )
+        size = None if world is True else int(world)
         job = self._jobs.get(report.job_id)
         if job is None:
             job = self._jobs[report.job_id] = _Job(report.job_id)
         now = self.clock()
-        if report.node not in job.reports and len(job.reports) >= self.max_nodes:
-            self._forget_silent(job, now)
-            if len(job.reports) >= self.max_nodes:
-                raise CoordinatorError(
-                    429, "limit_exceeded", f"job {report.job_id}: job_view.max_nodes ({self.max_nodes}) reached"
-                )
+        self._bound(job, report, size, now)
+        held = len(report.ranks) - job.held_by(report.node)
+        job.ranks_held += held
+        self.ranks_held += held
         job.reports[report.node] = (report, now)
         job.summaries[report.node] = summarize(report, received=now)
         job.unreachable.discard(report.node)
         self.reports_total += 1
         self._update(job, report, now)
         return job.current.verdict if job.current is not None else None
+
+    def _bound(self, job: _Job, report: NodeReport, size: int | None, now: float) -> None:
+        """Refuse a report past the job's world size or the coordinator's bounds (round 3, rows 1
+        and 13: invented nodes of 1,024 ranks each grew one sidecar until the OOM killer came)."""
+        name = f"job {report.job_id}"
+        if size is not None and any(r.rank >= size for r in report.ranks):
+            raise CoordinatorError(400, "bad_field", f"ranks: {name} has {size} ranks (its world size here)")
+        nodes = self.max_nodes if size is None else min(self.max_nodes, size)
+        more = len(report.ranks) - job.held_by(report.node)
+        within = (
+            (report.node in job.reports or len(job.reports) < nodes)
+            and (size is None or job.ranks_held + more <= size)
+            and self.ranks_held + more <= self.max_ranks
+        )
+        if within:
+            return
+        self._forget_silent(job, now)
+        more = len(report.ranks) - job.held_by(report.node)
+        if report.node not in job.reports and len(job.reports) >= nodes:
+            why = f"job_view.max_nodes ({self.max_nodes})" if nodes == self.max_nodes else f"its world size ({size})"
+            raise CoordinatorError(429, "limit_exceeded", f"{name}: {nodes} nodes reported already, {why}")
+        if size is not None and job.ranks_held + more > size:
+            raise CoordinatorError(
+                429, "limit_exceeded", f"{name}: its nodes' reports would hold more ranks than its world size ({size})"
+            )
+        if self.ranks_held + more > self.max_ranks:
+            raise CoordinatorError(
+                429, "limit_exceeded", f"job_view.max_ranks ({self.max_ranks}): the ranks of every job reported here"
+            )
 
     def _update(self, job: _Job, report: NodeReport, now: float) -> None:
         """O(the report's ranks): the judgement, which reads every node, runs at most every
@@ -152,7 +234,7 @@ class Coordinator:
         self._judge_soon(job, now)
 
     def _judge_soon(self, job: _Job, now: float) -> None:
-        wait = JUDGE_EVERY_SECONDS - (now - job.judged_at)
+        wait = max(JUDGE_EVERY_SECONDS, JUDGE_SHARE * job.judge_cost) - (now - job.judged_at)
         if wait <= 0:
             self.tick(job.job_id)
             return
@@ -206,6 +288,8 @@ class Coordinator:
                 else f"no rank ({culprit.kind})" if culprit.kind in NO_RANK_KINDS else f"node {culprit.node}"
             )  # fmt: skip
             log.warning("job %s (%s): held up by %s: %s", job.job_id, v.job_incident, where, culprit.reason)
+            if culprit.evidence != "collectives" and any(s.recorded for s in fresh):
+                log.info("job %s: the collective records did not decide it: %s", job.job_id, _records_said(fresh, now))
             return True
         return changed
 
@@ -233,6 +317,9 @@ class Coordinator:
 
     def _forget_silent(self, job: _Job, now: float) -> None:
         for node in [n for n, (_, at) in job.reports.items() if now - at > FORGET_AFTER_SECONDS]:
+            held = job.held_by(node)
+            job.ranks_held -= held
+            self.ranks_held -= held
             del job.reports[node]
             job.summaries.pop(node, None)
             job.troubled.discard(node)
@@ -263,8 +350,10 @@ class Coordinator:
         job.judged_at, job.judge_pending = now, False
         if job.current is None or job.current.verdict.closed:
             return
+        started = time.perf_counter()
         if self._judge(job, job.current, now) | self._maybe_close(job, job.current, now):
             self._bump(job)
+        job.judge_cost = time.perf_counter() - started
 
     def _start_probes(self, job: _Job) -> None:
         if self.probe is None or (job.probing is not None and not job.probing.done()):
@@ -333,8 +422,12 @@ class Coordinator:
 
     def forget_job(self, job_id: str) -> None:
         job = self._jobs.pop(job_id, None)
-        if job is not None and job.probing is not None:
+        if job is None:
+            return
+        self.ranks_held -= job.ranks_held
+        if job.probing is not None:
             job.probing.cancel()
+        job.changed.set()  # long-polls of it answer now
 
 
 def _repeats(job: _Job, culprit: Culprit) -> bool:
@@ -360,3 +453,19 @@ def _rank_brief(r: Any) -> dict[str, Any]:
         "stack_top": r.stack_top,
         "collectives": r.collectives.brief() if r.collectives is not None else None,
     }
+
+
+def _records_said(summaries: list[Summary], now: float) -> str:
+    """Each rank's record in a line's worth, for the log when the records did not decide a verdict."""
+    said = []
+    for s in summaries:
+        shift = max(0.0, now - s.received) if s.received is not None else 0.0
+        for r in s.recorded[:8]:
+            assert r.collectives is not None
+            groups = ", ".join(
+                f"pg {g.pg} enq {g.enqueued} done {g.completed}"
+                + (f" in #{g.pending[0].seq} {r.collectives.time - g.pending[0].created:.1f}s" if g.pending else "")
+                for g in r.collectives.groups[:4]
+            )
+            said.append(f"{s.node} rank {r.rank} ({(r.collectives_age or 0.0) + shift:.1f}s old): {groups}")
+    return "; ".join(said[:32])

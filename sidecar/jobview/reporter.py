@@ -6,10 +6,11 @@ long-poll brings every new verdict as soon as the coordinator has it. When this 
 coordinator the calls stay in-process.
 
 What a peer may do with it: the coordinator's address is a rank's claim (rank 0's hooks put it in
-the job's store), so a report may reach a host a user chose. The report holds only that job's
-picture; with a token it is signed and the answer must be signed back (auth.py); without one it
-goes only to a loopback address. A verdict changes what this node *records* and how long it waits
-before killing its own ranks, never which processes it may signal (docs/security.md).
+the job's store, with the job's key), so a report may reach a host a user chose. The report holds
+only that job's picture, signed with that job's key, and the answer must be signed back with it
+(auth.py); the key is the job's own, so a host the job's owner chose learns nothing it could use
+for another job. A verdict changes what this node *records* and how long it waits before killing
+its own ranks, never which processes it may signal (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import ipaddress
 import json
 import logging
 import time
@@ -40,22 +40,13 @@ GONE_JOB_SECONDS = 120.0  # a job with no local rank for this long is no longer 
 MAX_ANSWER_BYTES = 256 * 1024
 
 
-def is_loopback(url: str) -> bool:
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @dataclass
 class _Link:
     """One local job's coordinator and what it last said."""
 
     url: str
     node: str
+    key: str | None  # the job's key (auth.py); None only for this node's own coordinator
     verdict: Verdict | None = None
     last_ok: float | None = None  # monotonic, the last answered request
     failures: int = 0
@@ -69,14 +60,13 @@ class Reporter:
         self,
         node: str,
         own_url: str,
-        token: str | None,
         report_interval: float,
         source: Callable[[str], NodeReport | None],
         local: Coordinator | None = None,
         request_timeout: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.node, self.own_url, self.token = node, own_url, token
+        self.node, self.own_url = node, own_url
         self.report_interval, self.source, self.local = report_interval, source, local
         self.request_timeout, self.clock = request_timeout, clock
         self._links: dict[str, _Link] = {}
@@ -85,26 +75,28 @@ class Reporter:
         self._running = False
         self.sent = 0  # reports sent (HTTP or in-process)
         self.bytes_sent = 0  # their JSON bodies
-        self.refused_urls = 0  # coordinator addresses refused (check_url, no token off-host)
+        self.refused_urls = 0  # coordinator addresses refused (check_url, no job key)
 
     # ------------------------------------------------------------ inputs
 
-    def set_coordinator(self, job_id: str, url: str, node: str) -> bool:
-        """A local rank says where its job's coordinator is; False when the address is refused."""
+    def set_coordinator(self, job_id: str, url: str, node: str, key: str | None) -> bool:
+        """A local rank says where its job's coordinator is, with the job's key; False when the
+        address is refused (or another node's coordinator comes without a key: hooks older than
+        wire protocol 6)."""
         why = check_url(url)
-        if why is None and self.token is None and not is_loopback(url) and node != self.node:
-            why = "no token to sign peer requests with, and the address is not loopback"
+        if why is None and node != self.node and not auth.valid_key(key):
+            why = "no job key to sign reports with (the job's hooks predate wire protocol 6)"
         if why is not None:
             self.refused_urls += 1
             log.warning("job %s: coordinator address %r refused: %s", job_id, url[:80], why)
             return False
         url = url.rstrip("/")
         link = self._links.get(job_id)
-        if link is not None and (link.url, link.node) == (url, node):
+        if link is not None and (link.url, link.node, link.key) == (url, node, key):
             return True
         if link is not None and link.task is not None:
             link.task.cancel()
-        self._links[job_id] = _Link(url, node)
+        self._links[job_id] = _Link(url, node, key)
         log.info("job %s: coordinator is %s (%s)", job_id, node, url)
         if self._running:
             self._start(job_id)
@@ -168,6 +160,8 @@ class Reporter:
                 self._start(job_id)
             while True:
                 await asyncio.sleep(self.report_interval)
+                if self.local is not None:
+                    self.local.sweep()
                 for job_id, link in list(self._links.items()):
                     if link.task is None or link.task.done():
                         self._start(job_id)
@@ -291,9 +285,9 @@ class Reporter:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         headers = {"Content-Type": "application/json"}
-        nonce = None
-        if self.token:
-            headers[auth.REQUEST_HEADER], nonce = auth.sign_request(self.token, method, path, body)
+        if link.key is None:
+            raise RuntimeError("no job key to sign with")
+        headers[auth.REQUEST_HEADER], nonce = auth.sign_request(link.key, method, path, body, link.node)
         timeout = aiohttp.ClientTimeout(
             total=self.request_timeout + extra_timeout, connect=min(1.0, self.request_timeout)
         )
@@ -302,10 +296,8 @@ class Reporter:
             raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
             if len(raw) > MAX_ANSWER_BYTES:
                 raise RuntimeError(f"{method} {path}: answer larger than {MAX_ANSWER_BYTES} bytes")
-            if self.token and not auth.reply_is_signed(
-                self.token, nonce or "", raw, resp.headers.get(auth.REPLY_HEADER)
-            ):
-                raise RuntimeError(f"{method} {path}: the answer is not signed with this cluster's token")
+            if not auth.reply_is_signed(link.key, nonce, raw, resp.headers.get(auth.REPLY_HEADER)):
+                raise RuntimeError(f"{method} {path}: {resp.status}, the answer is not signed with the job's key")
             if resp.status != 200:
                 raise RuntimeError(f"{method} {path}: {resp.status} {raw[:200]!r}")
         try:

@@ -164,8 +164,8 @@ def test_a_node_hosting_the_coordinator_sees_its_own_dump_counted_at_once():
                 r.dumped = verdict.job_incident
             return r
 
-        reporter = Reporter("node-0", "http://127.0.0.1:1", None, 5.0, source, local=c)
-        reporter.set_coordinator("j1", "http://127.0.0.1:1", "node-0")
+        reporter = Reporter("node-0", "http://127.0.0.1:1", 5.0, source, local=c)
+        reporter.set_coordinator("j1", "http://127.0.0.1:1", "node-0", None)
         task = asyncio.get_running_loop().create_task(reporter.run())
         try:
             first = await reporter.wait_for("j1", lambda v: v is not None and v.culprit is not None, 3.0)
@@ -182,3 +182,44 @@ def test_a_node_hosting_the_coordinator_sees_its_own_dump_counted_at_once():
     took, dumped = asyncio.run(scenario())
     assert dumped
     assert took < 0.4, f"the node's own dump reached its verdict after {took:.2f}s"
+
+
+def test_a_jobs_reports_are_bounded_by_its_world_size_and_every_jobs_by_max_ranks():
+    """Round 3, row 1: invented nodes of 1,024 ranks each, reported for one's own job, grew the
+    coordinator until the OOM killer came (4,096 nodes x 1,024 ranks per job, no overall bound)."""
+    sizes = {"j1": 4, "j2": 64}
+    c = coordinator(Clock(), hosts=lambda job: sizes.get(job, 0), max_ranks=6)
+    c.accept(report("node-0", rank(0, state="healthy"), rank(1, state="healthy")))
+    c.accept(report("node-1", rank(2, state="healthy"), rank(3, state="healthy")))
+    with pytest.raises(CoordinatorError) as e:  # a fifth rank of a 4-rank job
+        c.accept(report("node-2", rank(3, state="healthy")))
+    assert (e.value.status, e.value.code) == (429, "limit_exceeded") and "world size (4)" in str(e.value)
+    with pytest.raises(CoordinatorError) as e:  # a rank number the job cannot have
+        c.accept(report("node-1", rank(2, state="healthy"), rank(9, state="healthy")))
+    assert e.value.status == 400
+    c.accept(report("node-1", rank(2, state="healthy")))  # a node's new report replaces its old one
+    c.accept(report("node-2", rank(3, state="healthy")))
+    assert c.ranks_held == 4
+    c.accept(report("node-0", *(rank(r, state="healthy") for r in range(2)), job="j2"))
+    with pytest.raises(CoordinatorError) as e:  # every job's reports together: max_ranks
+        c.accept(report("node-1", rank(2, state="healthy"), job="j2"))
+    assert e.value.status == 429 and "job_view.max_ranks" in str(e.value)
+
+
+def test_a_job_with_no_rank_here_is_forgotten_with_its_key():
+    """Round 3, row 2: a job was never forgotten (RSS stayed at 224 MB with no rank left)."""
+    clock, hosted = Clock(), {"j1": 2}
+    c = coordinator(clock, hosts=lambda job: hosted.get(job, 0))
+    key = c.key_for("j1", 1000)
+    assert c.key_for("j1", 1000) == key and c.key_for("j1", 1001) != key  # per owner: a new owner, a new key
+    key = c.key_for("j1", 1000)
+    c.accept(report("node-0", rank(0)))
+    c.accept(report("node-1", rank(1, waiting=False)))
+    assert c.jobs() == ["j1"] and c.ranks_held == 2
+    c.sweep()
+    assert c.jobs() == ["j1"]  # still hosted
+    del hosted["j1"]  # no rank of it here any more (the daemon's `hosts` allows a restart's gap)
+    c.sweep()
+    assert c.jobs() == [] and c.verifier("j1") is None and c.ranks_held == 0 and c.forgotten == 1
+    hosted["j1"] = 2
+    assert c.key_for("j1", 1000) != key  # a job seen again gets a new key

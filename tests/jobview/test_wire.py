@@ -58,9 +58,12 @@ def test_a_malformed_verdict_is_refused():
     assert parse_verdict(None) is None
 
 
+KEY = "a" * 64
+
+
 def test_a_signed_request_is_accepted_once():
-    verifier = auth.Verifier("secret")
-    header, nonce = auth.sign_request("secret", "POST", "/v1/jobs/j1/report", b"{}")
+    verifier = auth.Verifier(KEY, "node-0")
+    header, nonce = auth.sign_request(KEY, "POST", "/v1/jobs/j1/report", b"{}", "node-0")
     assert verifier.check("POST", "/v1/jobs/j1/report", b"{}", header) == nonce
     assert verifier.check("POST", "/v1/jobs/j1/report", b"{}", header) is None  # a replay
 
@@ -73,23 +76,54 @@ def test_a_signed_request_is_accepted_once():
         lambda h: ("GET", "/v1/jobs/j1/report", b"{}", h),  # another method
         lambda h: ("POST", "/v1/jobs/j1/report", b"{}", None),  # unsigned
         lambda h: ("POST", "/v1/jobs/j1/report", b"{}", "1:2"),  # malformed
+        lambda h: ("POST", "/v1/jobs/j1/report", b"{}", "nan:n:" + h.split(":")[2]),  # no time
     ],
 )
 def test_a_forged_or_altered_request_is_refused(tamper):
-    header, _ = auth.sign_request("secret", "POST", "/v1/jobs/j1/report", b"{}")
-    assert auth.Verifier("secret").check(*tamper(header)) is None
+    header, _ = auth.sign_request(KEY, "POST", "/v1/jobs/j1/report", b"{}", "node-0")
+    assert auth.Verifier(KEY, "node-0").check(*tamper(header)) is None
 
 
-def test_a_request_signed_with_another_token_or_long_ago_is_refused():
-    header, _ = auth.sign_request("other", "POST", "/p", b"")
-    assert auth.Verifier("secret").check("POST", "/p", b"", header) is None
-    old, _ = auth.sign_request("secret", "POST", "/p", b"", now=1000.0)
-    assert auth.Verifier("secret").check("POST", "/p", b"", old) is None
+def test_a_request_signed_with_another_key_for_another_node_or_long_ago_is_refused():
+    header, _ = auth.sign_request("b" * 64, "POST", "/p", b"", "node-0")
+    assert auth.Verifier(KEY, "node-0").check("POST", "/p", b"", header) is None
+    elsewhere, _ = auth.sign_request(KEY, "POST", "/p", b"", "node-1")  # round 3, row 11
+    assert auth.Verifier(KEY, "node-0").check("POST", "/p", b"", elsewhere) is None
+    assert auth.Verifier(KEY, "node-1").check("POST", "/p", b"", elsewhere) is not None
+    old, _ = auth.sign_request(KEY, "POST", "/p", b"", "node-0", now=1000.0)
+    assert auth.Verifier(KEY, "node-0").check("POST", "/p", b"", old) is None
+
+
+def test_a_nonce_is_remembered_for_the_whole_window_and_forgotten_after_it():
+    """Round 3, row 11: nonces were kept by count (4,096): one replayed after 4,096 other requests,
+    2.1 s later, was accepted. Now for the window, however many requests come between."""
+    clock = [10_000.0]
+    verifier = auth.Verifier(KEY, "node-0", clock=lambda: clock[0])
+    first, _ = auth.sign_request(KEY, "POST", "/p", b"", "node-0", now=clock[0])
+    assert verifier.check("POST", "/p", b"", first) is not None
+    for _ in range(5000):
+        clock[0] += 0.01
+        header, _ = auth.sign_request(KEY, "POST", "/p", b"", "node-0", now=clock[0])
+        assert verifier.check("POST", "/p", b"", header) is not None
+    assert verifier.check("POST", "/p", b"", first) is None  # 50 s later: still remembered
+    clock[0] += auth.MAX_SKEW_SECONDS
+    assert verifier.check("POST", "/p", b"", first) is None  # too old now
+    fresh, _ = auth.sign_request(KEY, "POST", "/p", b"", "node-0", now=clock[0])
+    assert verifier.check("POST", "/p", b"", fresh) is not None
+    assert len(verifier) <= 5000  # the first requests' nonces left with their window
+
+
+def test_past_its_bound_a_jobs_nonces_refuse_rather_than_forget(monkeypatch):
+    monkeypatch.setattr(auth, "MAX_NONCES", 3)
+    verifier = auth.Verifier(KEY, "node-0")
+    headers = [auth.sign_request(KEY, "POST", "/p", b"", "node-0")[0] for _ in range(4)]
+    assert [verifier.check("POST", "/p", b"", h) is not None for h in headers] == [True, True, True, False]
+    assert verifier.check("POST", "/p", b"", headers[0]) is None and verifier.refused_full == 1
 
 
 def test_an_answer_counts_only_when_signed_for_the_request():
-    signature = auth.sign_reply("secret", "nonce-1", b'{"ok":true}')
-    assert auth.reply_is_signed("secret", "nonce-1", b'{"ok":true}', signature)
-    assert not auth.reply_is_signed("secret", "nonce-2", b'{"ok":true}', signature)
-    assert not auth.reply_is_signed("secret", "nonce-1", b'{"ok":false}', signature)
-    assert not auth.reply_is_signed("secret", "nonce-1", b'{"ok":true}', None)
+    signature = auth.sign_reply(KEY, "nonce-1", b'{"ok":true}')
+    assert auth.reply_is_signed(KEY, "nonce-1", b'{"ok":true}', signature)
+    assert not auth.reply_is_signed(KEY, "nonce-2", b'{"ok":true}', signature)
+    assert not auth.reply_is_signed(KEY, "nonce-1", b'{"ok":false}', signature)
+    assert not auth.reply_is_signed(KEY, "nonce-1", b'{"ok":true}', None)

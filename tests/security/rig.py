@@ -66,6 +66,38 @@ CLIENT = textwrap.dedent(r'''
 
     def report(**values):
         print("RESULT " + json.dumps(values), flush=True)
+
+    def sign(key, method, path, body, dest, stamp=None):
+        """The job view's request signature (sidecar/jobview/auth.py), written out again here."""
+        import hashlib, hmac, secrets
+        stamp = f"{time.time() if stamp is None else stamp:.3f}"
+        nonce = secrets.token_hex(12)
+        parts = [method.encode(), path.encode(), dest.encode(), stamp.encode(), nonce.encode(),
+                 hashlib.sha256(body).hexdigest().encode()]
+        return f"{stamp}:{nonce}:" + hmac.new(key.encode(), b"\n".join(parts), hashlib.sha256).hexdigest()
+
+    def sign_reply(key, nonce, body):
+        import hashlib, hmac
+        parts = [b"reply", nonce.encode(), hashlib.sha256(body).hexdigest().encode()]
+        return hmac.new(key.encode(), b"\n".join(parts), hashlib.sha256).hexdigest()
+
+    def tcp(port, method, path, body=None, headers=None, conn=None):
+        """One request over TCP to 127.0.0.1:port; (status, parsed body). `body`: bytes or a dict."""
+        import http.client
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        own = conn is None
+        conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            if own:
+                conn.close()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw.decode(errors="replace")
 ''')
 
 

@@ -735,8 +735,9 @@ ALICE_HEALTHY = """
         time.sleep(0.3)
 """
 
-# Mallory, against alice's job: join it, push her ranks' record, and (no token: loopback peers
-# may) report a fake node of it whose ranks hold a desync and a stuck collective, for 5 s.
+# Mallory, against alice's job: join it, push her ranks' record, and report a fake node of it
+# whose ranks hold a desync and a stuck collective, for 5 s (refused: the peer routes answer root
+# on the socket and the job's key over TCP).
 FORGE_FOR_ALICE = """
     now = time.time()
     def forged_record(op, enqueued=7):
@@ -777,9 +778,9 @@ def collective_series(sidecar: Sidecar, job: str) -> list[str]:
 
 
 def test_another_user_cannot_push_a_record_for_a_job_she_does_not_own(users):
-    """Mallory cannot join alice's job (403 job_owned), nor push her ranks' record (403), and a
-    forged peer report that claims a desync in alice's job (accepted: no token, loopback) signals
-    nothing: alice's ranks make progress, are never taken for stalled, keep their own record."""
+    """Mallory cannot join alice's job (403 job_owned), nor push her ranks' record (403), nor report
+    a fake node of it claiming a desync (403): alice's ranks make progress, are never taken for
+    stalled, keep their own record, and nothing is signalled."""
     alice, mallory = users
     with open_sidecar(*STALLS) as sidecar:
         victim, info = start_as(alice, sidecar, ALICE_HEALTHY)
@@ -790,6 +791,7 @@ def test_another_user_cannot_push_a_record_for_a_job_she_does_not_own(users):
             assert out["take alice's rank 1"][0] in (403, 409), out["take alice's rank 1"]
             assert out["push as alice's rank"][0] == 403, out["push as alice's rank"]
             assert out["push as alice's rank, own pid"][0] in (403, 409), out["push as alice's rank, own pid"]
+            assert out["peer report"][0] == 403, out["peer report"]
             time.sleep(1)
             assert all(alive(pid) for pid in info["pids"]), "alice's process was signalled"
             mine = ranks_of(sidecar, "alice-job")
@@ -835,58 +837,75 @@ def test_a_collective_verdict_from_ones_own_job_signals_only_that_job(users, kin
             kill_tree(victim)
 
 
-# Alice's rank hangs (test_job_view.HANGING_RANK: coordinated by this node); mallory keeps
-# reporting a fake node of alice's job whose two ranks disagree at sequence #7, one op being OP.
-FORGED_DESYNC = """
-    def view(rank, op):
+# Alice's rank hangs (test_job_view.HANGING_RANK: coordinated by this node); a fake node of alice's
+# job keeps reporting that its two ranks disagree at sequence #7, one op being `op`.
+def forged_desync(op: str) -> bytes:
+    def view(rank: int) -> dict:
         now = time.time()
         return {"rank": rank, "local_rank": rank - 1, "state": "stalled", "step": 3, "phase": None,
                 "progress_age_seconds": 9.0, "waiting": True, "stack_top": None, "collectives_age": 0.1,
                 "collectives": {"time": now, "groups": [{"pg": "0", "desc": "default_pg", "size": 3,
                     "ranks": [0, 1, 2], "enqueued": 7, "started": 7, "completed": 6,
-                    "pending": [{"seq": 7, "op": op, "sizes": [[4]], "created": now - 30}]}]}}
-    def forged():
-        return {"job_id": "victim", "node": "evil", "world_size": 3, "time": time.time(),
-                "ranks": [view(1, OP), view(2, "barrier")]}
-    report(first=request("/v1/jobs/victim/report", forged()))
-    while True:
-        request("/v1/jobs/victim/report", forged())
-        time.sleep(0.5)
-"""
+                    "pending": [{"seq": 7, "op": op if rank == 1 else "barrier", "sizes": [[4]],
+                                 "created": now - 30}]}]}}  # fmt: skip
+
+    body = {"job_id": "victim", "node": "evil", "world_size": 3, "time": time.time(), "ranks": [view(1), view(2)]}
+    return json.dumps(body).encode()
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "\ud800"], ids=["plain op", "lone surrogate op"])
 def test_a_forged_desync_report_cannot_keep_a_real_hang_from_being_remediated(users, op):
-    """Without a token any local user may report for a job hosted here (docs/security.md): a lie
-    may mislabel the record or delay the kill by the launcher grace, never stop it. A forged
-    desync makes alice's node kill her hung rank at once (no culprit: every node acts on its own
-    ranks). A lone surrogate in one op name (accepted by parse_collectives: not a control
-    character) went into the verdict's reason, then alice's incident; rendering it raised
-    UnicodeEncodeError in IncidentStore.save: her remediation failed, the episode stayed open, and
-    her hung rank was never killed."""
-    from tests.security.test_job_view import FAST, start_job
+    """A peer of the job (it holds the job's key: a node of alice's own job, or whoever reads the
+    job's store) reports a desync: a lie may mislabel the record or delay the kill by the launcher
+    grace, never stop it. A forged desync makes alice's node kill her hung rank at once (no
+    culprit: every node acts on its own ranks). A lone surrogate in one op name (accepted by
+    parse_collectives: not a control character) went into the verdict's reason, then alice's
+    incident; rendering it raised UnicodeEncodeError in IncidentStore.save: her remediation
+    failed, the episode stayed open, and her hung rank was never killed. Mallory, who holds no key
+    of alice's job, is refused on the socket and over TCP alike."""
+    import threading
+
+    from sidecar.jobview import auth
+    from tests.security.test_job_view import FAST, post, start_job
 
     alice, mallory = users
     with open_sidecar(*FAST) as sidecar:
         victim, info = start_job(alice, sidecar, "victim")
+        path, stop = "/v1/jobs/victim/report", threading.Event()
+        first: list[int] = []
+
+        def forge() -> None:
+            while not stop.is_set():
+                body = forged_desync(op)
+                header, _ = auth.sign_request(info["offer"]["key"], "POST", path, body, "n1")
+                first.append(post(sidecar.port, path, body, {auth.REQUEST_HEADER: header})[0])
+                stop.wait(0.5)
+
+        forger = threading.Thread(target=forge, daemon=True)
         try:
-            forger, first = start_as(mallory, sidecar, f"OP = {op!r}\n" + dedent(FORGED_DESYNC))
+            out = attack(mallory, sidecar, f"""
+                body = {forged_desync(op)!r}
+                report(socket=request("{path}", json.loads(body))[0],
+                       tcp=tcp({sidecar.port}, "POST", "{path}", body)[0])
+            """)  # fmt: skip
+            assert (out["socket"], out["tcp"]) == (403, 401), out
+            forger.start()
+            started = time.monotonic()
+            killed = True
             try:
-                assert first["first"][0] in (200, 400), first  # loopback, no token: accepted, or the op refused
-                started = time.monotonic()
-                killed = True
-                try:
-                    # floor 3 + verdict 1 + grace 6, generously (a loaded machine)
-                    wait_until(lambda: not alive(info["pid"]), 45, what="alice's hung rank killed")
-                except TimeoutError:
-                    killed = False
-            finally:
-                kill_tree(forger)
+                # floor 3 + verdict 1 + grace 6, generously (a loaded machine)
+                wait_until(lambda: not alive(info["pid"]), 45, what="alice's hung rank killed")
+            except TimeoutError:
+                killed = False
+            stop.set()
+            forger.join(10)
+            assert first and first[0] in (200, 400), first  # signed: accepted, or the op refused
             record = next(i for i in sidecar.status()["incidents"] if i["job_id"] == "victim")
             print(f"{time.monotonic() - started:.1f}s: {record['outcome']}: {record['summary']!r}")
             assert killed, f"alice's hung rank was never killed: {record['outcome']}: {record['summary']!r}"
             assert record["outcome"] == "killed", record
         finally:
+            stop.set()
             kill_tree(victim)
 
 
