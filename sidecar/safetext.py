@@ -1,8 +1,9 @@
 """Text that a rank controls, made safe to print: the one escaping function for everything the
-sidecar writes for people (incident summaries, `sidecar incidents`, log lines).
+sidecar writes for people (incident summaries, `sidecar incidents`, `sidecar status`, log lines).
 
 A rank writes its own stack-dump file, names its own cgroup, reports its own exceptions and
-event fields. Printed raw to an operator's terminal, such text can clear the screen, write the
+event fields; a job's coordinator, which a rank names (a host its owner may run), answers its
+verdict and story. Printed raw to an operator's terminal, such text can clear the screen, write the
 clipboard (OSC 52), retitle the window, or move the cursor to overwrite a line ("evidence:
 none"); a newline or carriage return inside one field can fake a line of the record. So every
 control character (C0, DEL, C1) and the invisible bidirectional overrides (which reorder what a

@@ -8,7 +8,12 @@ when no sidecar answers, the settings' `diag_dir` (said on stderr).
 
 With `--job ID`: the job's story across its nodes, from the job's coordinator through this node's
 sidecar: the job incident every node's record shares, the culprit, each node's part, each rank's
-innermost frame, one timeline; this node's own records when the coordinator cannot be reached."""
+innermost frame, one timeline; this node's own records when the coordinator cannot be reached.
+
+Everything printed is escaped (`safetext.printable`) line by line: records and summaries quote
+what ranks wrote, and a story is what the job's coordinator answered, a host the job's owner
+chose, which nothing parses (issue 28, rows 8 and 9): it may hold escape sequences, C1 controls
+and bidi overrides anywhere, or have any shape at all, and is printed escaped either way."""
 
 from __future__ import annotations
 
@@ -95,13 +100,13 @@ def main(args: argparse.Namespace) -> int:
         try:
             settings = settings_from_args(args)
         except ConfigError as e:
-            print(f"sidecar incidents: {e}", file=sys.stderr)
+            print(printable(f"sidecar incidents: {e}"), file=sys.stderr)
             return 2
         try:
             diag_dir = daemon_diag_dir(settings, args.socket, args.url)
         except StatusError as e:
             diag_dir = str(settings.diagnostics_dir)
-            print(f"sidecar incidents: {e}; reading the settings' diag dir {diag_dir}", file=sys.stderr)
+            print(printable(f"sidecar incidents: {e}; reading the settings' diag dir {diag_dir}"), file=sys.stderr)
     if args.last is not None and args.last < 1:
         print("sidecar incidents: --last must be >= 1", file=sys.stderr)
         return 2
@@ -112,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(records, indent=2))
         return 0
     if not records:
-        print(f"no incidents in {Path(diag_dir) / INCIDENTS_SUBDIR}")
+        print(printable(f"no incidents in {Path(diag_dir) / INCIDENTS_SUBDIR}"))
         return 0
     if args.full:
         for record in records:
@@ -121,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
                 # The sidecar escaped what ranks wrote into it; a file from an older version may not be.
                 print(printable(summary.read_text(errors="replace"), keep_newlines=True))
             except OSError:
-                print(f"(no summary at {summary})\n")
+                print(printable(f"(no summary at {summary})") + "\n")
         return 0
     header = ["detected (UTC)", "job", "blamed", "outcome", "exited", "training again", "record"]
     print(_table([header] + [_row(r) for r in records]))
@@ -139,13 +144,13 @@ def job_story(args: argparse.Namespace, diag_dir: str) -> int:
     job_incident = wanted if any(r.get("job_incident") == wanted for r in local) else None
     story, why = _fetch_story(args, job_id, job_incident)
     if job_incident is None and story is not None:
-        job_incident = story.get("verdict", {}).get("job_incident")
+        job_incident = _obj(story.get("verdict")).get("job_incident")
     mine = [r for r in local if job_incident is None or r.get("job_incident") == job_incident]
     if args.json:
-        print(json.dumps({"story": story, "local_records": mine}, indent=2))
+        print(json.dumps({"story": story, "local_records": mine}, indent=2))  # ensure_ascii: escaped
         return 0 if story is not None or mine else 1
     if story is None and not mine:
-        print(f"sidecar incidents: no job incident of {wanted!r} here ({why})", file=sys.stderr)
+        print(printable(f"sidecar incidents: no job incident of {wanted!r} here ({why})"), file=sys.stderr)
         return 1
     print(render_story(story, mine, why))
     return 0
@@ -163,12 +168,33 @@ def _fetch_story(args: argparse.Namespace, job_id: str, job_incident: str | None
     return (story, "") if isinstance(story, dict) else (None, "the sidecar answered no story")
 
 
+def _obj(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _seq(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _seconds(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _when(value: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_seconds(value)))
+    except (OverflowError, OSError, ValueError):
+        return f"? ({value!r})"
+
+
 def render_story(story: dict | None, records: list[dict[str, Any]], why: str) -> str:
+    """The story for people. A story of any shape prints (what does not fit shows as `?` or
+    `-`), and each line is escaped whole (safetext.printable)."""
     lines: list[str] = []
     if story is not None:
-        v = story.get("verdict", {})
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(v.get("opened", 0)))
-        lines += [f"Job incident {v.get('job_incident')}", f"  job       {v.get('job_id')}", f"  opened    {when}"]
+        v = _obj(story.get("verdict"))
+        lines += [f"Job incident {v.get('job_incident')}", f"  job       {v.get('job_id')}"]
+        lines.append(f"  opened    {_when(v.get('opened', 0))}")
         c = v.get("culprit")
         if isinstance(c, dict):
             who = f"rank {c.get('rank')} on {c.get('node')}" if c.get("rank") is not None else f"node {c.get('node')}"
@@ -178,27 +204,33 @@ def render_story(story: dict | None, records: list[dict[str, Any]], why: str) ->
             lines.append(f"  kind      {c.get('kind')} (judged from {c.get('evidence')})")
             coll = c.get("collective")
             if isinstance(coll, dict):
-                ops = coll.get("ops") or {}
-                what = "; ".join(f"{sig} on ranks {', '.join(map(str, r))}" for sig, r in ops.items()) or coll.get("op")
-                nodes = ", ".join(coll.get("nodes") or [])
+                ops = _obj(coll.get("ops"))
+                what = "; ".join(
+                    f"{sig} on ranks {', '.join(map(str, _seq(r)))}" for sig, r in ops.items()
+                ) or coll.get("op")  # fmt: skip
+                where = ", ".join(map(str, _seq(coll.get("nodes"))))
+                late = _seq(coll.get("late"))
                 lines.append(
-                    f"  collective pg {coll.get('pg')} #{coll.get('seq')} {what or ''} on {nodes}"
-                    + (f"; late: {', '.join(map(str, coll.get('late') or []))}" if coll.get("late") else "")
+                    f"  collective pg {coll.get('pg')} #{coll.get('seq')} {what or ''} on {where}"
+                    + (f"; late: {', '.join(map(str, late))}" if late else "")
                     + ("; the same desync as the previous incident" if coll.get("repeat") else "")
                 )
         else:
             lines.append("  culprit   not named")
-        if v.get("lost_nodes"):
-            lines.append(f"  lost      {', '.join(v['lost_nodes'])}")
+        if _seq(v.get("lost_nodes")):
+            lines.append(f"  lost      {', '.join(map(str, _seq(v.get('lost_nodes'))))}")
         lines.append(f"  state     {'closed: the job trains again' if v.get('closed') else 'open'}")
+        nodes = sorted(_obj(story.get("nodes")).items())
         lines += ["", "  node             outcome             record"]
-        for node, part in sorted(story.get("nodes", {}).items()):
-            p = part.get("part") or {}
+        for node, part in nodes:
+            p = _obj(_obj(part).get("part"))
             lines.append(f"  {node:<16} {str(p.get('outcome', '-')):<19} {p.get('incident', '-')}")
         lines += ["", "  rank  node             state        step     waits  innermost frame"]
-        for node, part in sorted(story.get("nodes", {}).items()):
-            for r in part.get("ranks", []):
-                waits = {True: "yes", False: "NO", None: "?"}[r.get("waiting")]
+        for node, part in nodes:
+            for r in _seq(_obj(part).get("ranks")):
+                r = _obj(r)
+                waiting = r.get("waiting")
+                waits = "yes" if waiting is True else "NO" if waiting is False else "?"
                 lines.append(
                     f"  {r.get('rank')!s:<5} {node:<16} {r.get('state')!s:<12} {r.get('step')!s:<8} {waits:<6} "
                     f"{r.get('stack_top') or '-'}"
@@ -206,9 +238,10 @@ def render_story(story: dict | None, records: list[dict[str, Any]], why: str) ->
                 if r.get("collectives"):
                     lines.append(f"        collectives: {r.get('collectives')}")
         lines += ["", "  timeline"]
-        start = v.get("opened", 0)
-        for e in story.get("timeline", []):
-            lines.append(f"    +{e.get('time', 0) - start:7.3f}s  {e.get('node')!s:<16} {e.get('event')}")
+        start = _seconds(v.get("opened", 0))
+        for e in _seq(story.get("timeline")):
+            e = _obj(e)
+            lines.append(f"    +{_seconds(e.get('time', 0)) - start:7.3f}s  {e.get('node')!s:<16} {e.get('event')}")
     else:
         lines.append(f"(no story from the job's coordinator: {why}; this node's records only)")
     if records:

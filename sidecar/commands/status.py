@@ -8,6 +8,14 @@ fit, 1 unfit, 2 unknown: node-problem-detector's custom-plugin protocol, which t
 NodeCondition (deploy/kubernetes/components/node-problem-detector). On a terminal the screen is drawn
 with `rich`; piped, it is plain aligned text without escape codes. The daemon is reached with
 `sidecar.commands.client`.
+
+Much of the document is text that ranks and peers wrote (job ids, phases, a coordinator's verdict:
+its job incident id, the culprit's node, reasons; incident summaries quoting them): every string
+printed, in every mode, goes through `safetext.printable`, so no escape sequence, C1 control or
+bidirectional override reaches the terminal raw (issue 28, row 8). `--json` needs nothing:
+`json.dumps` escapes every control and non-ASCII character. The culprit's stack frame is not in
+`/v1/status` (every local user reads it); the screen names the culprit and points to
+`sidecar incidents --job`, root's, for the frame.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from sidecar.commands.verdict import (
     dicts_at,
 )
 from sidecar.config import DEFAULT_SOCKET
+from sidecar.safetext import printable
 
 INCIDENTS_SHOWN = 5
 # Clock events that slow a GPU down; `gpu_idle` and friends are normal and not shown.
@@ -143,6 +152,7 @@ class Section:
     columns: list[str]
     rows: list[list[Cell]]
     empty: str = "none"
+    notes: list[str] = field(default_factory=list)  # lines under the table
 
 
 @dataclass
@@ -282,17 +292,38 @@ def _incident_rows(incidents: list[dict]) -> list[list[Cell]]:
     ]
 
 
+def _culprit(verdict: dict) -> dict | None:
+    return verdict["culprit"] if isinstance(verdict.get("culprit"), dict) else None
+
+
+def _held_up_by(culprit: dict) -> str:
+    """The culprit in words: its rank and node, step and kind (its frame is root's, by `sidecar
+    incidents --job`: /v1/status does not carry it)."""
+    who = f"rank {culprit.get('rank')} on " if culprit.get("rank") is not None else "node "
+    held = who + str(culprit.get("node"))
+    if culprit.get("step") is not None:
+        held += f", step {culprit.get('step')}"
+    return held + (f" ({culprit.get('kind')})" if culprit.get("kind") else "")
+
+
+def _job_views(jobs: dict) -> list[tuple[str, dict]]:
+    return [(str(job_id), view) for job_id, view in sorted(jobs.items()) if isinstance(view, dict)]
+
+
+def _job_notes(jobs: dict) -> list[str]:
+    """Where root reads what the table leaves out: the culprit's innermost frame, the story."""
+    named = [job_id for job_id, view in _job_views(jobs) if _culprit(dict_at(view, "verdict")) is not None]
+    return [
+        f"the culprit's stack frame and the job's story: sidecar incidents --job {job_id} (root)" for job_id in named
+    ]
+
+
 def _job_rows(jobs: dict) -> list[list[Cell]]:
     rows = []
-    for job_id, view in sorted(jobs.items()):
-        if not isinstance(view, dict):
-            continue
-        verdict: dict = view["verdict"] if isinstance(view.get("verdict"), dict) else {}
-        culprit: dict | None = verdict["culprit"] if isinstance(verdict.get("culprit"), dict) else None
-        held = "-"
-        if culprit is not None:
-            who = f"rank {culprit.get('rank')} on " if culprit.get("rank") is not None else "node "
-            held = who + str(culprit.get("node"))
+    for job_id, view in _job_views(jobs):
+        verdict = dict_at(view, "verdict")
+        culprit = _culprit(verdict)
+        held = "-" if culprit is None else _held_up_by(culprit)
         incident = verdict.get("job_incident") if verdict and not verdict.get("closed") else None
         reachable = view.get("reachable")
         rows.append(
@@ -389,6 +420,7 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
             ["JOB", "COORDINATOR", "REACHABLE", "JOB INCIDENT", "HELD UP BY"],
             _job_rows(dict_at(status, "jobs")),
             "no multi-node job (or job_view.enabled off)",
+            _job_notes(dict_at(status, "jobs")),
         ),
         Section(
             "Collectors",
@@ -407,8 +439,30 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
 # ---------------------------------------------------------------- rendering
 
 
+def safe(screen: Screen) -> Screen:
+    """The screen with every text escaped (safetext.printable): what ranks and peers wrote, and
+    the rest alike, so that no field is ever printed raw; before widths are measured."""
+    return Screen(
+        [Cell(printable(c.text), c.style) for c in screen.headline],
+        [(printable(k), printable(v)) for k, v in screen.facts],
+        [
+            Section(
+                printable(s.title),
+                [printable(c) for c in s.columns],
+                [[Cell(printable(c.text), c.style) for c in row] for row in s.rows],
+                printable(s.empty),
+                [printable(n) for n in s.notes],
+            )
+            for s in screen.sections
+        ],
+        [printable(p) for p in screen.problems],
+        screen.exit_code,
+    )
+
+
 def render_plain(screen: Screen) -> str:
     """Aligned text without escape codes, for pipes, logs and grep."""
+    screen = safe(screen)
     out = ["  ".join(c.text for c in screen.headline)]
     out.append("  ".join(f"{k}: {v}" for k, v in screen.facts))
     if screen.problems:
@@ -426,6 +480,7 @@ def render_plain(screen: Screen) -> str:
         widths = [max(len(row[i]) for row in table) for i in range(len(s.columns))]
         for row in table:
             out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        out.extend(f"  {n}" for n in s.notes)
     return "\n".join(out) + "\n"
 
 
@@ -436,6 +491,7 @@ def render_rich(screen: Screen):
     from rich.table import Table
     from rich.text import Text
 
+    screen = safe(screen)  # rich strips a few C0 controls itself, never ESC, C1 or bidi
     parts: list[Any] = []
     headline = Text()
     for i, c in enumerate(screen.headline):
@@ -458,13 +514,18 @@ def render_rich(screen: Screen):
             parts.append(Text.assemble((f"\n{s.title}: ", "bold"), (s.empty, "dim")))
             continue
         table = Table(
-            title=s.title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, expand=False
+            title=Text(s.title, style="bold"),  # a Text: a str title would be read as rich markup
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            expand=False,
         )
         for col in s.columns:
-            table.add_column(col, overflow="fold")
+            table.add_column(Text(col), overflow="fold")
         for row in s.rows:
             table.add_row(*(Text(c.text, style=c.style) for c in row))
         parts.append(table)
+        parts.extend(Text(f"  {n}", style="dim") for n in s.notes)
     return Group(*parts)
 
 
@@ -544,9 +605,9 @@ def read(endpoint: Endpoint, timeout: float) -> Reading:
 
 def _show(reading: Reading, args: argparse.Namespace, console) -> None:
     if args.json:
-        print(json.dumps(reading.as_json()), flush=True)
+        print(json.dumps(reading.as_json()), flush=True)  # ensure_ascii: every control escaped
     elif reading.error or reading.status is None:
-        print(f"sidecar status: {reading.error}", file=sys.stderr, flush=True)
+        print(printable(f"sidecar status: {reading.error}"), file=sys.stderr, flush=True)
     elif console is not None:
         console.print(render_rich(build_screen(reading.status)))
     else:
@@ -579,7 +640,7 @@ def _watch(endpoint: Endpoint, args: argparse.Namespace, console) -> int:
         reading = read(endpoint, args.timeout)
         stamp = Text(f"every {interval:g}s, {datetime.datetime.now():%H:%M:%S}; Ctrl-C to quit", style="dim")
         if reading.status is None:
-            return Text.assemble(stamp, "\n", (f"sidecar status: {reading.error}", "bold red"))
+            return Text.assemble(stamp, "\n", (printable(f"sidecar status: {reading.error}"), "bold red"))
         return Group(stamp, render_rich(build_screen(reading.status)))
 
     # The alternate screen, like watch(1): a frame taller than the terminal is cropped at the
@@ -594,14 +655,15 @@ MAX_CHECK_LINE = 512  # node-problem-detector keeps max_output_length of it as t
 
 
 def node_check(reading: Reading) -> tuple[int, str]:
-    """`--check node`: (exit status, the one line), the reasons first (a cut line keeps them)."""
+    """`--check node`: (exit status, the one line), the reasons first (a cut line keeps them);
+    escaped (safetext.printable): findings quote process and cgroup names."""
     if reading.status is None:
-        return EXIT_UNREACHABLE, f"unknown: {reading.error}"
+        return EXIT_UNREACHABLE, printable(" ".join(f"unknown: {reading.error}".split()))
     unfit = reading.verdict.unfit
     if not unfit:
         return EXIT_HEALTHY, "fit"
-    reasons = ", ".join(dict_at(reading.status, "fitness").get("reasons") or ["?"])
-    line = f"unfit ({reasons}): " + "; ".join(unfit)
+    reasons = ", ".join(str(r) for r in dict_at(reading.status, "fitness").get("reasons") or ["?"])
+    line = printable(f"unfit ({reasons}): " + "; ".join(unfit))
     return EXIT_DEGRADED, " ".join(line.split())[:MAX_CHECK_LINE]
 
 

@@ -238,6 +238,25 @@ def restart_trap_problems(ranks: list[dict]) -> list[Problem]:
     return [restart_trap(job_id, job_ranks) for job_id, job_ranks in sorted(unsafe.items())]
 
 
+# What a verdict's culprit says that is a stack frame: another user's innermost frame (the code it
+# runs, its paths), which `/v1/status` must not carry, being every local user's to read, over the
+# socket and loopback TCP alike (issue 28, row 7). Root reads it with `sidecar incidents --job`.
+FRAME_KEYS = frozenset({"stack_top", "frames", "stack", "stack_head"})
+
+
+def jobs_section(reporter: Reporter | None) -> dict:
+    """Per local multi-node job, its coordinator and verdict (sidecar/jobview/), the culprit
+    without its stack frame: rank, node, step, phase, kind, reason and the collective only."""
+    if reporter is None:
+        return {}
+    jobs = reporter.status()
+    for view in jobs.values():
+        verdict = view.get("verdict") if isinstance(view, dict) else None
+        if isinstance(verdict, dict) and isinstance(verdict.get("culprit"), dict):
+            verdict["culprit"] = {k: v for k, v in verdict["culprit"].items() if k not in FRAME_KEYS}
+    return jobs
+
+
 def collectors_section(runner: CollectorRunner, now_wall: float) -> dict:
     out = {}
     for name, r in runner.snapshot().items():
@@ -298,5 +317,5 @@ def build_status(
         "incidents": watchdog.incidents(INCIDENTS_SHOWN),
         "exits": exits.status() if exits is not None else None,
         # The job view (sidecar/jobview/): per local multi-node job, its coordinator and verdict.
-        "jobs": reporter.status() if reporter is not None else {},
+        "jobs": jobs_section(reporter),
     }
