@@ -20,8 +20,13 @@ all-reduce, for the previous memory snapshot: no rank can then complete a step w
 still lacks the snapshot before it, so the ranks' newest snapshots differ by one at most and a
 common one always exists (snapshot_store.py keeps two). At a step due on disk, for the previous
 disk copy (inside a `checkpoint_save` phase, so the sidecar's watchdog knows): one at a time, in
-the same order on every rank. A failed disk copy raises there, as a failed save always did;
-a failed memory snapshot is logged and training goes on (the disk still has its copies).
+the same order on every rank. A failed disk copy raises there, as a failed save always did.
+A failed memory snapshot never stops training, whatever it raised (a full tmpfs gives ENOSPC, or
+a RuntimeError out of torch.save after a short write: issue 28, row 4, where a user who filled
+/dev/shm stopped every attempt of the job): the store removes what it wrote, the first failure is
+logged with the room left, the step is not snapshotted, and after `MEMORY_FAILURES_OFF` failures
+in a row this process writes no more snapshots (a warning says so). Disk copies go on, and a
+restart resumes from the newest step every rank still holds intact, else from the disk.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -51,6 +57,7 @@ from sidecar_trainer.snapshot_store import SnapshotStore, job_key
 log = logging.getLogger("sidecar_trainer")
 
 _LOCAL = "dtensor_local"  # how a DTensor shard travels in a memory snapshot: {_LOCAL: local tensor}
+MEMORY_FAILURES_OFF = 3  # failed memory snapshots in a row after which a process writes no more
 
 
 @dataclass
@@ -122,11 +129,19 @@ class Checkpointer:
         self.memory: SnapshotStore | None = None
         if self.enabled and cfg.memory_every_steps:
             key = job_key(os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.dir)
+            # Each node's local rank 0 finds or makes the user's directory first; the node's other
+            # ranks then find that one instead of each making its own (snapshot_store.py).
+            if world.local_rank != 0:
+                dist.barrier()
             self.memory = SnapshotStore.open(cfg.memory_dir, key, world.rank)
+            if world.local_rank == 0:
+                dist.barrier()
         self._memory_lane = Lane("memory-snapshot")
         self._disk_lane = Lane("checkpoint-persist")
         self._group: Any = None  # the disk lane's process group, formed at its first use
-        self._memory_failures = 0
+        self._memory_failures = 0  # in all
+        self._memory_failed_in_a_row = 0
+        self._memory_off = False  # set by the memory lane after MEMORY_FAILURES_OFF failures in a row
         self.disk_step: int | None = None  # the newest complete checkpoint on disk at start
 
     @property
@@ -138,7 +153,7 @@ class Checkpointer:
         return self.enabled and (step % self.cfg.every_steps == 0 or step == last_step)
 
     def memory_due(self, step: int) -> bool:
-        return self.memory is not None and step % self.cfg.memory_every_steps == 0
+        return self.memory is not None and not self._memory_off and step % self.cfg.memory_every_steps == 0
 
     # ------------------------------------------------------------ the training thread
 
@@ -219,10 +234,38 @@ class Checkpointer:
         meta = {"world_size": self.world.size, "strategy": self.strategy}
         try:
             self.memory.write(state.step, partial(torch.save, payload), meta)
-        except OSError as e:  # a full tmpfs, say: the disk copies still protect the run
-            self._memory_failures += 1
-            if self._memory_failures in (1, 10, 100):
-                log.warning("memory snapshot of step %d failed (%s); %d so far", state.step, e, self._memory_failures)
+        except Exception as e:  # a full tmpfs, say: the disk copies still protect the run
+            self._memory_failed(state.step, e)
+        else:
+            self._memory_failed_in_a_row = 0
+
+    def _memory_failed(self, step: int, error: Exception) -> None:
+        assert self.memory is not None
+        self._memory_failures += 1
+        self._memory_failed_in_a_row += 1
+        try:
+            room = f"{shutil.disk_usage(self.memory.dir).free / 2**20:.1f} MiB free in {self.memory.dir.parent.parent}"
+        except OSError:
+            room = f"{self.memory.dir} unreadable"
+        why = f"{type(error).__name__}: {error}"
+        if self._memory_failures == 1:
+            log.warning(
+                "memory snapshot of step %d failed (%s; %s): not taken, its partial file removed; training goes "
+                "on and the disk checkpoints are unaffected",
+                step,
+                why,
+                room,
+            )
+        if self._memory_failed_in_a_row >= MEMORY_FAILURES_OFF:
+            self._memory_off = True
+            log.warning(
+                "memory snapshots off for this process: %d failed in a row (the last of step %d: %s; %s); "
+                "a restart resumes from the newest intact snapshot every rank holds, else from the disk",
+                self._memory_failed_in_a_row,
+                step,
+                why,
+                room,
+            )
 
     # ------------------------------------------------------------ disk (its lane, collective on its group)
 

@@ -352,9 +352,11 @@ class CheckpointConfig:
     memory_dir: str = field(
         default="/dev/shm",
         metadata=doc(
-            "tmpfs directory of the memory snapshots (a 0700 subdirectory per user). Holds at most two "
-            "snapshots per rank, each the rank's model and optimizer state (its shard under FSDP); removed "
-            "when the job finishes."
+            "tmpfs directory of the memory snapshots, in a 0700 subdirectory of the user's own under a random "
+            "name (`sidecar-trainer-<uid>.<random>`). Must be root's or the user's, and sticky if others may "
+            "write it, as /dev/shm is. Holds at most two snapshots per rank, each the rank's model and optimizer "
+            "state (its shard under FSDP); removed when the job finishes. A snapshot that does not fit is "
+            "skipped (three in a row: no more for the process); training and disk checkpoints go on."
         ),
     )
 

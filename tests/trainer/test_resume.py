@@ -80,17 +80,21 @@ def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
 def stopped_job(tmp_path: Path, run_id: str, memory: Path, *settings: str, memory_step: int) -> Path:
     """A job whose rank 1 hangs in step 13, stopped from outside (no restart) once step 10 is on
     disk and every rank sealed its memory snapshot of `memory_step`; returns the snapshots' directory."""
-    snapshots = memory / f"sidecar-trainer-{os.geteuid()}" / job_key(run_id, str(tmp_path / "ckpt"))
+    key = job_key(run_id, str(tmp_path / "ckpt"))
     hang = ("faults.kind=sleep", "faults.rank=1", "faults.at_step=13")
     cmd = torchrun_command(tmp_path, f"checkpoint.memory_dir={memory}", *settings, *hang, max_restarts=0, run_id=run_id)
     log = tmp_path / "stopped.log"
 
     def ready() -> bool:
-        sealed = all((snapshots / f"rank-{r}.step-{memory_step}.json").exists() for r in (0, 1))
+        # The user's directory has a random name: sidecar-trainer-<uid>.<16 hex digits>
+        sealed = all(
+            any(memory.glob(f"sidecar-trainer-{os.geteuid()}.*/{key}/rank-{r}.step-{memory_step}.json")) for r in (0, 1)
+        )
         return sealed and "checkpoint saved: step=10 " in log.read_text(errors="replace")
 
     with spawned(cmd, log):
         wait_until(ready, 180, 0.2, what=f"step 10 on disk and step {memory_step} in memory:\n{tail(log)}")
+    (snapshots,) = memory.glob(f"sidecar-trainer-{os.geteuid()}.*/{key}")
     return snapshots
 
 
