@@ -14,7 +14,9 @@ sequence any member enqueued that not every member completed. Then:
   hooks' thread reads the record at least every few seconds while it lives). Its Python stack
   does not matter: a CUDA job's waiting rank sits at its next sync point, not in a collective.
 - `collective_stuck`: every member entered and none completed, every member's record fresh (their
-  processes live and still wait): the backend's or the network's; no rank is to blame.
+  processes live and still wait): the backend's or the network's; no rank is to blame. Also when
+  some members completed it and wait in the next one while the others still wait inside it (a
+  link cut in the middle of a ring: some got every chunk they needed, the others never will).
 
 Nothing is claimed while a member whose record would decide it is unknown (a node not heard
 from, a group's members not all seen): the judge then waits, or falls back to the stacks.
@@ -181,6 +183,14 @@ def judge(
         size = max((m.group.size or 0) for m in members)
         nodes = sorted({m.node for m in members})[:MAX_COLLECTIVE_NAMES]
         base = Finding("rank_late", pg, desc, top, op, nodes=nodes, waiting=len(entered))
+        # Members behind `top` that are inside the collective a peer completed (a link cut in its
+        # middle: some members got every chunk they needed and went on, the others wait for chunks
+        # that never come) arrived; they are not late.
+        inside_done = [m for m in late if m.group.completed < m.group.enqueued >= floor and m.rank not in stopped]
+        if late and len(inside_done) == len(late):
+            if len(members) >= size and _partly_stuck(base, members, entered, late, top, force, stale_after):
+                stuck.append(base)
+            continue  # stuck, or not yet inside long enough to tell
         if late:
             base.late = sorted(m.rank for m in late)[:MAX_COLLECTIVE_NAMES]
             known = [m for m in late if force or _established(m, members, stale_after)]
@@ -209,6 +219,28 @@ def judge(
     if culprit is not None:
         return culprit
     return stuck[0] if stuck else None
+
+
+def _partly_stuck(
+    base: Finding, members: list[_Member], entered: list[_Member], behind: list[_Member], top: int, force: bool,
+    stale_after: float,
+) -> bool:  # fmt: skip
+    """Every member inside a collective for a while, those behind in the one their peers completed:
+    `base` becomes the stuck collective (the oldest not every member completed), True."""
+    need = WAIT_SECONDS if force else stale_after
+    times = [_inside_for(m, top) for m in entered] + [_inside_for(m, m.group.enqueued) for m in behind]
+    if not all(t is not None and t >= need for t in times):
+        return False
+    seq = min(m.group.enqueued for m in behind)
+    op = _op_at(behind, seq) or "collective"
+    done = sorted(m.rank for m in members if m.group.completed >= seq)[:8]
+    base.kind, base.seq, base.op, base.waiting = "collective_stuck", seq, _op_at(behind, seq), len(members)
+    base.reason = (
+        f"every member of {_label(members[0].group)} ({len(members)} ranks on {len({m.node for m in members})} "
+        f"nodes) entered {op} #{seq}; ranks {', '.join(map(str, done))} completed it and wait in #{top}, the "
+        "others wait for it still: the backend or the network between them, no rank to blame"
+    )
+    return True
 
 
 def _pg_order(pg: str) -> tuple[int, str]:

@@ -273,3 +273,30 @@ def test_forced_every_member_fresh_inside_a_while_is_a_stuck_collective_not_a_gu
     assert collectives.judge(pairs(*members), stale_after=5.0) is None
     forced = collectives.judge(pairs(*members), stale_after=5.0, force=True)
     assert forced is not None and forced.kind == "collective_stuck"
+
+
+def test_a_cut_link_that_left_some_members_past_the_collective_is_still_a_stuck_collective():
+    """Measured (tests/jobview/test_link_cut.py, once in a CI run): a training link cut in the middle
+    of all-reduce #108; ranks 0 and 3 got every chunk they needed, completed #108 and wait in
+    #109; ranks 1 and 2 wait in #108 for chunks that never come. Nobody is late to anything: every
+    member entered the oldest collective not everyone completed, and waits. The judge named
+    nobody, and the forced fallback blamed rank 1 by 'oldest progress'."""
+    ahead = [view(r, group(enqueued=109, completed=108, inside=12.0)) for r in (0, 3)]
+    behind = [view(r, group(enqueued=108, completed=107, inside=12.3)) for r in (1, 2)]
+    nodes = {0: "node-0", 1: "node-1", 2: "node-1", 3: "node-2"}
+    for force in (False, True):
+        found = collectives.judge(pairs(*ahead, *behind, nodes=nodes), stale_after=5.0, force=force)
+        assert found is not None and found.kind == "collective_stuck", found
+        culprit = found.to_culprit()
+        assert culprit.rank is None and culprit.collective is not None
+        assert (culprit.collective["seq"], culprit.collective["late"], culprit.collective["waiting"]) == (108, [], 4)
+        assert culprit.collective["nodes"] == ["node-0", "node-1", "node-2"]
+        assert "ranks 0, 3 completed it" in culprit.reason, culprit.reason
+    # moments inside prove nothing yet
+    fresh = [view(r, group(enqueued=108, completed=107, inside=0.3)) for r in (1, 2)]
+    assert collectives.judge(pairs(*ahead, *fresh, nodes=nodes), stale_after=5.0) is None
+    # one of those behind is not inside #108 at all: it never entered, it is late
+    outside = view(2, group(enqueued=107, completed=107), age=6.0)
+    found = collectives.judge(pairs(*ahead, behind[0], outside, nodes=nodes), stale_after=5.0)
+    assert found is not None and found.kind == "rank_late" and found.culprit is not None
+    assert found.culprit[1].rank == 2
