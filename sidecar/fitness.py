@@ -10,7 +10,10 @@ makes the verdict, which returns to fit as soon as no source reports a finding. 
 check all read this one verdict, so they never disagree.
 
 A stalled or slow rank does not make a node unfit (the watchdog and its alerts handle jobs);
-only what outlives the job does.
+only what outlives the job does. A finding names a process only from what the sidecar verified:
+remediation signals verified ranks only, and GPU ownership comes from verified ranks only, so an
+unverified TCP registration (which names any pid it likes) can never make a node unfit nor get
+another user's process named as what holds it.
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ from __future__ import annotations
 import re
 
 # 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
-# job's own key, sidecar/jobview/auth.py); 5: a push's optional `collectives` and `fr_dump` (the rank's Flight Recorder, COLLECTIVES_*), a
-# push answer's optional `want` (WANTS), KEEPALIVE_SECONDS, COLLECTIVES_EVERY_SECONDS; 4: a registration's optional
-# `restart_safe` (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator`
-# event (the job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of
-# earlier versions stay valid.
+# job's own key, sidecar/jobview/auth.py); 5: a push's optional `collectives` and `fr_dump` (the
+# rank's Flight Recorder, COLLECTIVES_*), a push answer's optional `want` (WANTS),
+# KEEPALIVE_SECONDS, COLLECTIVES_EVERY_SECONDS; 4: a registration's optional `restart_safe`
+# (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the
+# job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of earlier
+# versions stay valid.
 PROTOCOL_VERSION = 6
 
 # ---------------------------------------------------------------- names

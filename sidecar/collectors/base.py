@@ -229,10 +229,10 @@ class CollectorRunner:
 @dataclass
 class BuildContext:
     """What a collector's `build` may use. `ranks()` returns (job_id, rank, pid) of the live
-    registered ranks whose series /metrics has room for, `live_ranks()` of every live rank
-    (default: `ranks`); `job_versions()` {job_id: {"torch": ..., "cuda": ..., "nccl": ...}} as
-    the ranks reported them; all are called from executor threads. `built`: the collectors
-    built so far, by name."""
+    registered ranks whose series /metrics has room for, `live_ranks()` of every live verified
+    rank (what GPU memory is owned by; default: `ranks`); `job_versions()` {job_id: {"torch":
+    ..., "cuda": ..., "nccl": ...}} as the ranks reported them; all are called from executor
+    threads. `built`: the collectors built so far, by name."""
 
     settings: Settings
     ranks: Callable[[], list[tuple[str, int, int]]]

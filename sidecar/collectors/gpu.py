@@ -1,6 +1,7 @@
 """GPU metrics from NVML: utilization, memory, temperature, power and energy, clocks and why they
 are held down, memory errors (ECC, retired pages, remapped rows), PCIe and NVLink health, XID
-events, and the GPU memory each registered rank holds.
+events, and the GPU memory each registered rank holds (verified ranks only: an unverified TCP
+registration names whatever pid it likes, so it is attributed no GPU memory).
 
 No NVIDIA library or driver means no GPU series and a successful collector: absent hardware is
 not a failure. NVML present but broken (nvmlInit fails otherwise) is a failed run, logged once.
@@ -20,7 +21,7 @@ from sidecar.collectors.base import BuildContext, PartialFailure
 from sidecar.collectors.gpu_events import RankGpus, memory_by_pid, owners_of, rank_gpus, start_xid_watcher
 from sidecar.collectors.gpu_fitness import GpuFitness
 from sidecar.collectors.nvml import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuLost, GpuReading, NvmlSession
-from sidecar.collectors.ranktree import RanksFn
+from sidecar.collectors.ranktree import RankRef, RanksFn
 from sidecar.collectors.xid import XidWatcher
 from sidecar.metric import spec
 
@@ -342,7 +343,9 @@ class GpuCollector:
     ):
         self.session = NvmlSession(nvml_module)
         self.ranks = ranks  # the ranks /metrics shows (their GPU memory series)
-        self.live_ranks = live_ranks or ranks  # every live rank (whose processes are not left over)
+        # Every live verified rank: whose processes are not left over, and the only ranks GPU
+        # memory is attributed to (an unverified registration's pid may be anyone's process).
+        self.live_ranks = live_ranks or ranks
         self.xid_events = xid_events
         self.xid: XidWatcher | None = None
         self.rank_gpus: RankGpus = {}  # GPUs each rank's processes held, last round
@@ -493,10 +496,15 @@ class GpuCollector:
                 last_time.add_metric([gpu], when)
         return [errors, last, last_time]
 
+    def _attributed(self) -> list[RankRef]:
+        """The ranks /metrics shows that are verified: what GPU memory is attributed to."""
+        verified = set(self.live_ranks())
+        return [entry for entry in self.ranks() if entry in verified]
+
     def _process_memory(self, readings: list[GpuReading]) -> Metric:
         family = PROCESS_MEMORY.family()
         processes = [(r.gpu, r.processes) for r in readings]
-        owners = owners_of(processes, self.ranks)
+        owners = owners_of(processes, self._attributed)
         self.rank_gpus = rank_gpus(processes, owners)
         for r in readings:
             per_rank: dict[tuple[str, int], int] = {}

@@ -7,7 +7,9 @@ processes per GPU, no metrics (dcgm-exporter exports those; docs/dcgm.md says wh
 XID gauge instead).
 
 `rank_gpus` (below) maps processes to ranks for both, so the two modes attribute GPUs alike, and
-both feed the GPU side of the node verdict (`gpu_fitness.py`) from the same process lists."""
+both feed the GPU side of the node verdict (`gpu_fitness.py`) from the same process lists. The
+ranks handed to both are the verified ones (the daemon passes registry.verified_live_pids): an
+unverified registration's pid is only a claim and stands for no GPU use."""
 
 from __future__ import annotations
 

@@ -10,6 +10,12 @@ outlived its rank.
   is `gpu_held`, naming the pids. A process is known by its pid and start time (a reused pid is
   another process); processes never seen in a rank's tree (another workload, an unhooked job,
   anything before the sidecar started) are not judged.
+- "Rank" here is a *verified* rank only (registry.verified_live_pids: the Unix socket's peer, or
+  the process found holding its TCP connection). An unverified TCP registration names whatever
+  pid it likes: were its pid taken, any local user could name another user's GPU process, then
+  re-register the slot, and have the node drained for that process's memory, blaming its owner
+  (security issue 28). So an unverified rank neither makes a process a member nor keeps a left-over
+  one covered; its owners are not even handed to `observe`.
 
 The GPU collector (or, where dcgm-exporter is the GPU source, `gpu_events.GpuEvents`) calls
 `unavailable` or `observe` once a round from its executor thread; `findings` is what the last
@@ -86,7 +92,8 @@ class GpuFitness:
 
     def observe(self, count: int, lost: list[str], processes: Processes, owners: dict[int, tuple[str, int]]) -> None:
         """One round: `count` GPUs listed by NVML, `lost` of them unusable, each GPU's compute
-        processes, and the live ranks' process trees (pid -> (job_id, rank))."""
+        processes, and the verified live ranks' process trees (pid -> (job_id, rank)); never an
+        unverified rank's (its pid is only a claim)."""
         found = [self._missing(count, lost)] if self.expected else []
         found += self._held(processes, owners)
         self._findings = tuple(f for f in found if f is not None)

@@ -523,6 +523,10 @@ class PrintableFormatter(logging.Formatter):
         record.message = printable(record.message)
         return super().formatMessage(record)
 
+    def format(self, record: logging.LogRecord) -> str:
+        # a traceback's lines may quote what a rank sent (an exception's message): escaped too
+        return printable(super().format(record), keep_newlines=True)
+
 
 def setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)

@@ -80,6 +80,13 @@ class Registry:
         """(job_id, rank, pid) of every rank not gone: what the process collector watches."""
         return [(r.job_id, r.rank, r.pid) for r in self.ranks() if not r.gone]
 
+    def verified_live_pids(self) -> list[tuple[str, int, int]]:
+        """(job_id, rank, pid) of every rank not gone whose process the sidecar verified (the
+        Unix socket's peer, or the process found holding its TCP connection): the only ranks
+        whose pid may stand for facts about the node (which processes hold its GPUs, the node
+        verdict). An unverified registration names whatever pid it likes (docs/security.md)."""
+        return [(r.job_id, r.rank, r.pid) for r in self.ranks() if not r.gone and r.peer_verified]
+
     # ------------------------------------------------------------ writing
 
     def register(

@@ -18,6 +18,7 @@ from pathlib import Path
 from sidecar.host.signals import Target, send
 from sidecar.host.stackfiles import MAX_STACK_BYTES, StackFile
 from sidecar.incidents.store import STACK_HEAD_LINES
+from sidecar.safetext import printable
 
 # Frames of a rank that waits for its peers: inside torch.distributed (faulthandler:
 # `File ".../torch/distributed/x.py"`, py-spy: `all_reduce (torch/distributed/x.py:12)`), and
@@ -72,7 +73,8 @@ def stack_top(text: str) -> str | None:
         return None
     path = found["file"].replace("\\", "/")
     short = "/".join(path.rsplit("/", 2)[-2:])
-    return f"{found['func']} ({short}:{found['line']})"[:240]
+    # escaped before it is cut: a rank writes its own dump, and the frame reaches reports and screens
+    return printable(f"{found['func']} ({short}:{found['line']})")[:240]
 
 
 def in_collective(text: str) -> bool | None:

@@ -1,5 +1,6 @@
 """The training-pod examples run without `hostPID` (the sidecar maps pod pids to host pids),
-and keep the one thing the socket needs: the /run/sidecar hostPath."""
+and keep the one thing the socket needs: the /run/sidecar hostPath, read-only, with only the
+sidecar's diag_dir inside it writable (tests/security/test_socket_mount.py mounts them for real)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _pod_specs(node):
             yield from _pod_specs(value)
 
 
-@pytest.mark.parametrize("name", ["pytorchjob.yaml", "jobset.yaml"])
+@pytest.mark.parametrize("name", ["pytorchjob.yaml", "jobset.yaml", "trainjob.yaml"])
 def test_training_pods_need_no_host_pid_namespace(name):
     docs = [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
     pods = [p for d in docs for p in _pod_specs(d)]
@@ -30,6 +31,6 @@ def test_training_pods_need_no_host_pid_namespace(name):
     for pod in pods:
         assert "hostPID" not in pod and "hostNetwork" not in pod and "hostIPC" not in pod
         host_paths = [v["hostPath"]["path"] for v in pod.get("volumes", []) if "hostPath" in v]
-        assert host_paths == ["/run/sidecar"], host_paths
+        assert host_paths == ["/run/sidecar", "/run/sidecar/diag"], host_paths
         for c in pod["containers"]:
             assert not (c.get("securityContext") or {}).get("privileged")
