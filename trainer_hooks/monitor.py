@@ -20,19 +20,25 @@ import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainer_hooks import collectives, distributed, environment, exits, jobview, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender, Tuning
-from trainer_hooks.wire import THREAD_EXCEPTION_EVENT
+from trainer_hooks.wire import STEP_GAP_SEND_SECONDS, THREAD_EXCEPTION_EVENT
 
 DEFAULT_BUFFER_SIZE = 10_000
 CLOSE_BUDGET_SECONDS = 0.8
 _FROM_ENV: Any = object()
 _time = time.time
+
+
+def _nothing() -> None:
+    pass
+
+
 _monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
 
@@ -89,6 +95,8 @@ class Monitor:
         self._append = self._buffer.append
         self._next_seq = itertools.count().__next__
         self._sender: Sender | None = None
+        self._last_step_time = 0.0  # _time() of the last step: a step long after it is sent at once
+        self._wake: Callable[[], None] = _nothing
         self._stack_dump: stacks.StackDump | None = None
         self.identity: environment.Identity | None = None
         try:
@@ -118,6 +126,7 @@ class Monitor:
                 adopt_server_interval=interval is None,
                 tuning=Tuning(**overrides),
             )
+            self._wake = self._sender.wake
             self._sender.job_view_enabled = jobview.enabled(env)
             self._sender.collectives_enabled = collectives.enabled(env)
             self._live = True
@@ -140,7 +149,11 @@ class Monitor:
         afterwards (`loss.detach()`, not a running accumulator that is reset)."""
         if self._live:
             try:
-                self._append((self._next_seq(), STEP, _time(), step, metrics))
+                now = _time()
+                self._append((self._next_seq(), STEP, now, step, metrics))
+                if now - self._last_step_time >= STEP_GAP_SEND_SECONDS:
+                    self._wake()  # the first step after a pause goes at once: the pause has ended
+                self._last_step_time = now
             except Exception:
                 pass
 
@@ -149,13 +162,17 @@ class Monitor:
         if self._live:
             try:
                 self._append((self._next_seq(), PHASE_START, _time(), name, timeout))
+                self._wake()  # the sidecar judges the phase by its own budget from now on
             except Exception:
                 pass
 
     def phase_end(self, name: str) -> None:
         if self._live:
             try:
-                self._append((self._next_seq(), PHASE_END, _time(), name, None))
+                now = _time()
+                self._append((self._next_seq(), PHASE_END, now, name, None))
+                self._last_step_time = now  # the end of a phase is progress, like a step
+                self._wake()
             except Exception:
                 pass
 

@@ -38,7 +38,7 @@ from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
-from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, RESTART_SAFE, WANTS
+from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, PROTOCOL_VERSION, RESTART_SAFE, WANTS
 
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
@@ -55,7 +55,7 @@ _MIN_SERVER_INTERVAL, _MAX_SERVER_INTERVAL = 0.05, 60.0
 def versions() -> dict:
     """Versions worth knowing when debugging a job. torch/cuda/nccl only when the training
     process imported torch itself: the hooks never import it."""
-    out = {"python": platform.python_version()}
+    out = {"python": platform.python_version(), "hooks_protocol": str(PROTOCOL_VERSION)}
     torch = sys.modules.get("torch")
     if torch is None:
         return out
@@ -154,6 +154,10 @@ class Sender:
         self._wake.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(budget + 0.2)
+
+    def wake(self) -> None:
+        """Send what is buffered now, not at the next flush (from any thread; an Event.set)."""
+        self._wake.set()
 
     def _run(self) -> None:
         while True:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 # 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
-# job's own key, sidecar/jobview/auth.py); 5: a push's optional `collectives` and `fr_dump` (the
+# job's own key, sidecar/jobview/auth.py), STEP_GAP_SEND_SECONDS; 5: a push's optional `collectives` and `fr_dump` (the
 # rank's Flight Recorder, COLLECTIVES_*), a push answer's optional `want` (WANTS),
 # KEEPALIVE_SECONDS, COLLECTIVES_EVERY_SECONDS; 4: a registration's optional `restart_safe`
 # (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the
@@ -113,6 +113,10 @@ COLLECTIVES_MAX_GROUP_RANKS = 64
 # re-registers with a restarted sidecar, and still sends its collective record): a live rank is
 # heard from at least every max(flush interval, KEEPALIVE_SECONDS).
 KEEPALIVE_SECONDS = 2.0
+# A step this long after the previous one (the first step after a pause), and every phase start and
+# end, is sent at once, not at the next flush: the sidecar measures a pause from the rank's own
+# last progress, and must see a pause end as soon as it ends (sidecar/watchdog/timeouts.py).
+STEP_GAP_SEND_SECONDS = 1.0
 # A rank's collective record goes with a push at most this often while healthy; a rank with nothing
 # else to send (waiting in a collective, hung) pushes for it alone this often: a live rank's record
 # is at most max(flush interval, COLLECTIVES_EVERY_SECONDS) old when the sidecar reads it.

@@ -66,6 +66,8 @@ class Rank:
     first_step_wall: float | None = None  # the rank's wall clock at its first step since registering
     last_progress: float = 0.0  # monotonic time the step last advanced (or registration)
     last_progress_wall: float = 0.0  # the same instant on the wall clock
+    contact_at: float | None = None  # monotonic, the last push accepted from it (hooks that promise pushes)
+    pushes_promised: bool = False  # its hooks (protocol 6+) push regularly and send a pause's end at once
     # Seconds between consecutive step reports, per step: the watchdog's adaptive timeout
     # follows these. An interval that overlapped a declared phase is not recorded.
     step_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))

@@ -123,6 +123,7 @@ class Registry:
             peer_verified=peer_verified,
             stack_signal=reg.stack_signal,
             versions=dict(reg.versions),
+            pushes_promised=_promises_pushes(reg.versions),
             hooks_version=reg.hooks_version,
             kubernetes=dict(reg.kubernetes),
             launcher=reg.launcher,
@@ -177,6 +178,8 @@ class Registry:
         now_mono = time.monotonic() if now_mono is None else now_mono
         now_wall = time.time() if now_wall is None else now_wall
         r.dropped = max(r.dropped, push.dropped)
+        if r.pushes_promised:
+            r.contact_at = now_mono  # every push carries every step its hooks recorded before it
         for item in push.items:
             if type(item) is StepItem:
                 r.apply_step(item, now_mono, now_wall)
@@ -256,3 +259,10 @@ class Registry:
         jobs = self.job_ids()
         for job in [j for j in self._names if j not in jobs]:
             del self._names[job]
+
+
+def _promises_pushes(versions: dict[str, str]) -> bool:
+    """Hooks of wire protocol 6 or later push at least every max(flush interval, KEEPALIVE_SECONDS)
+    and send the first step after a pause at once (the watchdog's progress horizon relies on it)."""
+    said = versions.get("hooks_protocol", "")
+    return said.isdigit() and int(said) >= 6

@@ -64,6 +64,7 @@ from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no
 from sidecar.watchdog.stackdumps import stack_top
 from sidecar.watchdog.stormcap import OwnerStormCaps
 from sidecar.watchdog.timeouts import Deadline, Timeouts
+from trainer_hooks.wire import KEEPALIVE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,8 @@ class Watchdog:
         self.counters = _Counters()
         self._tracks: dict[RankKey, _Track] = {}
         self._episodes: dict[str, _Episode] = {}
-        self.timeouts = Timeouts(settings.watchdog)
+        # the hooks push at least every max(flush interval, KEEPALIVE_SECONDS); half a second for the way
+        self.timeouts = Timeouts(settings.watchdog, max(settings.hooks_flush_interval_seconds, KEEPALIVE_SECONDS) + 0.5)
         self._liveness_cursor = 0
         self._next_due = math.inf  # clock time at which a watched rank next crosses a threshold
         # Told of each rank its remediation is about to signal (the exit tracker: its exit is then

@@ -4,6 +4,15 @@ start-up (no step yet)      watchdog.startup_timeout_seconds
 a declared phase            the rank's own budget, else watchdog.phase_timeouts[name],
                             else watchdog.default_phase_timeout_seconds
 training steps              multiplier x quantile(recent step times), in [floor, ceiling]
+
+Each is measured from the rank's own last progress (the time its hooks stamped on its latest step
+or phase end), not from when the sidecar received it, and never from earlier than the rank's
+progress could have been: the hooks send the first step after a pause at once
+(wire.STEP_GAP_SEND_SECONDS) and every push carries every step recorded before it, so while a rank
+pushes, its latest step is known; a rank that has not pushed for `push_gap` (its hooks push at
+least every max(flush interval, KEEPALIVE_SECONDS)) may have stepped after its last push and
+frozen with those steps unsent, so its progress is taken to have lasted until its last push plus
+`push_gap` (a frozen rank is declared at most `push_gap` after the floor, never before).
 """
 
 from __future__ import annotations
@@ -37,21 +46,30 @@ class Timeouts:
     """Deadlines by the settings of `watchdog.*`; the step timeout of each rank is kept until
     its next step (the quantile sorts up to `window` step times: once per step, not per tick)."""
 
-    def __init__(self, settings: WatchdogSettings):
-        self.settings = settings
+    def __init__(self, settings: WatchdogSettings, push_gap: float = 2.5):
+        self.settings, self.push_gap = settings, push_gap
         self._cache: dict[RankKey, tuple] = {}  # (rank, (step, step time), step timeout)
 
     def forget(self, key: RankKey) -> None:
         self._cache.pop(key, None)
 
+    def progress_horizon(self, rank: Rank, now: float) -> float:
+        """The latest the rank's own progress may have been (monotonic): its last known progress,
+        or, when its hooks have not pushed for `push_gap`, its last push plus `push_gap`."""
+        horizon = rank.last_progress
+        if rank.contact_at is not None and now - rank.contact_at > self.push_gap:
+            horizon = max(horizon, rank.contact_at + self.push_gap)
+        return horizon
+
     def deadline(self, rank: Rank, now: float) -> Deadline:
         wd = self.settings
+        progress = self.progress_horizon(rank, now)
         if rank.phase is not None:
             budget = rank.phase_timeout or wd.phase_timeouts.get(rank.phase) or wd.default_phase_timeout_seconds
-            started = rank.phase_started if rank.phase_started is not None else rank.last_progress
-            return Deadline(float(budget), now - max(started, rank.last_progress), f"phase:{rank.phase}")
+            started = rank.phase_started if rank.phase_started is not None else progress
+            return Deadline(float(budget), now - max(started, progress), f"phase:{rank.phase}")
         if rank.step is None:
-            return Deadline(wd.startup_timeout_seconds, now - rank.last_progress, "startup")
+            return Deadline(wd.startup_timeout_seconds, now - progress, "startup")
         basis = (rank.step, rank.metrics.get("step_time_seconds"))
         cached = self._cache.get(rank.key)
         if cached is not None and cached[0] is rank and cached[1] == basis:
@@ -59,7 +77,7 @@ class Timeouts:
         else:
             timeout = self.step_timeout(rank.step_times, basis[1])
             self._cache[rank.key] = (rank, basis, timeout)
-        return Deadline(timeout, now - rank.last_progress, "steps")
+        return Deadline(timeout, now - progress, "steps")
 
     def step_timeout(self, step_times: Iterable[float], last_step_time: float | None = None) -> float:
         """multiplier x quantile of the recent step times, clamped to [floor, ceiling]. Before

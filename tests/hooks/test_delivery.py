@@ -135,7 +135,8 @@ def test_tcp_push_works_with_the_token_and_is_refused_without(sidecar, tmp_path:
 
 def test_rejected_batch_is_dropped_and_later_batches_arrive(sidecar, tmp_path: Path):
     # Steps 1-5 carry two custom metrics, one more than the sidecar allows (429 limit_exceeded);
-    # after a pause, steps 6-10 carry none.
+    # after a pause, steps 6-10 carry none. The pause outlasts the 2 s flush, so steps 2-5 go out
+    # before it ends (step 1, the first, and step 6, the first after the pause, go out at once).
     result = run_rank(
         tmp_path,
         rank_env(sidecar, "delivery-rejected"),
@@ -146,7 +147,7 @@ def test_rejected_batch_is_dropped_and_later_batches_arrive(sidecar, tmp_path: P
         "--pause-after",
         "5",
         "--pause-seconds",
-        "1.5",
+        "2.5",
     )
     assert result["dropped"] == 5 and result["sent"] == 5
     seen = rank_status(sidecar, "delivery-rejected")

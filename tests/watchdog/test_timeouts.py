@@ -69,3 +69,22 @@ def test_a_slow_first_step_does_not_stall_the_second(tmp_path, clock, spawn):
     step(registry, r, 1, clock, step_time=5.0)
     clock.advance(12.0)
     assert d.deadline(r).timeout == 40 and d.deadline(r).age == pytest.approx(12)
+
+
+def test_the_age_runs_from_the_ranks_own_progress_or_from_when_it_could_last_have_stepped(tmp_path):
+    """Issue 29, item 0. Hooks of protocol 6 push at least every push gap and send a pause's end at
+    once: while they push, the rank's own last step is its progress; once they stop (a frozen
+    process), steps it made after its last push may never have been sent, so its progress is taken
+    to have lasted until its last push plus the gap: declared at most a gap late, never early.
+    Hooks that promise nothing (older ones) keep the plain age."""
+    from sidecar.ranks.model import Rank
+
+    t = Timeouts(make_settings(tmp_path, WATCHDOG).watchdog, push_gap=2.5)
+    r = Rank("j", 0, 0, 1, 1, pid=1, pid_start_time=None, pushes_promised=True)
+    r.last_progress, r.contact_at, r.step = 100.0, 101.9, 5  # its last step at 100, a push at 101.9
+    assert t.progress_horizon(r, 104.0) == 100.0  # it pushed 2.1 s ago: no step since 100
+    assert t.deadline(r, 104.0).age == pytest.approx(4.0)
+    assert t.progress_horizon(r, 105.0) == pytest.approx(104.4)  # silent past the gap: it may have stepped
+    assert t.deadline(r, 110.0).age == pytest.approx(5.6)
+    r.pushes_promised, r.contact_at = False, None  # older hooks: nothing is known of their pushes
+    assert t.deadline(r, 110.0).age == pytest.approx(10.0)
