@@ -116,6 +116,7 @@ def test_another_users_reports_for_a_job_are_refused_and_its_hang_is_killed_on_t
                 took = time.monotonic() - started
             finally:
                 kill_tree(forger)
+            print(f"row 1/10: forged reports {first['codes']}; alice's hang killed {took:.1f}s after the watch began")
             assert first["codes"] == [403, 401, 401], first
             full = killed_record(sidecar, "victim")
             assert full["outcome"] == "killed" and (full["blamed_rank"], full["blamed_node"]) == (0, "n1"), full
@@ -158,6 +159,7 @@ def test_a_node_without_the_jobs_key_cannot_report_for_it(users):
             finally:
                 kill_tree(forger)
             full = killed_record(n1, "victim")
+            print(f"row 5: alice's hang killed {took:.1f}s after the watch began, blamed on rank {full['blamed_rank']}")
             assert (full["blamed_rank"], full["blamed_node"]) == (0, "n1"), full
             assert not any("launcher_grace" in n for n in full["notes"]), full["notes"]
             assert took < 3 + 1 + 20, took
@@ -294,6 +296,7 @@ def test_invented_nodes_of_ones_own_job_are_bounded_and_the_job_forgotten(users)
                 timeout=300,
             )
         grown = (psutil.Process(sidecar.proc.pid).memory_info().rss - rss) / 2**20
+        print(f"rows 1/2/13: {out['codes']}; RSS +{grown:.1f} MiB; /healthz waited at most {probe.worst:.3f}s")
         assert out["codes"] == {"200": 8, "429": 56}, out  # 8 x 1,024 = job_view.max_ranks
         assert probe.worst < 2.0, probe.worst  # the loop kept answering /healthz
         assert grown < 120, f"RSS grew {grown:.0f} MiB"
