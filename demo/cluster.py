@@ -8,7 +8,7 @@ SIGKILLed at once).
 
 With `ClusterSpec(netns=True)` every node is a host of its own (demo/netns.py): its sidecar, its
 agent and its ranks run in the node's network namespace, which has a management link (the sidecar
-listens there, with the cluster's token; the c10d rendezvous and the workers' store; the job view's
+listens there, with a push token of its own; the c10d rendezvous and the workers' store; the job view's
 peer requests) and a training link (gloo, pinned with GLOO_SOCKET_IFNAME). `cut_link(node)` drops
 every packet on a node's training link, `restore_link(node)` ends that."""
 
@@ -103,7 +103,10 @@ class Cluster:
             for i, n in enumerate(spec.nodes)
         ]
         self.network = netns.Network(len(self.nodes)) if spec.netns else None
-        self.token = secrets.token_hex(16) if spec.netns else None  # peers beyond loopback sign with it
+        # Beyond loopback a sidecar needs a push token; each node makes up its own, as each pod of the
+        # DaemonSet does without the optional Secret: the job view needs none shared (its keys are the
+        # jobs' own, sidecar/jobview/auth.py).
+        self.tokens = {n.spec.name: secrets.token_hex(16) for n in self.nodes} if spec.netns else {}
 
     # ------------------------------------------------------------ life cycle
 
@@ -134,7 +137,8 @@ class Cluster:
         for node in self.nodes:
             node.workdir.mkdir(parents=True, exist_ok=True)
             if self.spec.with_sidecars:
-                env = {"SIDECAR_TOKEN": self.token} if self.token else None
+                token = self.tokens.get(node.spec.name)
+                env = {"SIDECAR_TOKEN": token} if token else None
                 node.sidecar = self.procs.start(f"{node.spec.name}-sidecar", self.sidecar_command(node), env=env)
         for node in self.nodes if self.spec.with_sidecars else []:
             if not wait_for(node.client.ready, 60):

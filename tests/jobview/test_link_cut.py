@@ -78,7 +78,9 @@ def test_a_job_trains_across_the_namespaces_with_gloo_on_the_training_links(tmp_
         assert len(set(hosts.values())) == 3 and all(h.startswith("10.213.") for h in hosts.values()), hosts
         assert cluster.wait_agents(JOB_TIMEOUT) == [0, 0, 0], explain(cluster)
         assert sorted(r["rank"] for r in records(tmp_path, "done")) == [0, 1, 2, 3]
-        # the job view spans the namespaces: every node reached the coordinator over its management link
+        # the job view spans the namespaces: every node reached the coordinator over its management link,
+        # each sidecar with a push token of its own (issue 31: no shared Secret), signing with the job's key
+        assert len(set(cluster.tokens.values())) == 3
         assert all(n.status()["jobs"]["jv"]["coordinator"] == "node-0" for n in cluster.nodes), explain(cluster)
         # gloo went over the training links (48 all-reduces with 4 ranks: thousands of bytes each way)
         for node in cluster.nodes:
