@@ -3,6 +3,7 @@
     python -m bench.bench_hooks               # hook call latency, sidecar live and absent
     python -m bench.bench_hooks --training    # also: 2-rank CPU training, hooks on vs off
     python -m bench.bench_hooks --collectives [--steps 3000 --rounds 3]   # only: the Flight Recorder's cost
+    python -m bench.bench_hooks --pauses      # only: the inferred phases' wrappers (also in the default run)
 
 Hook call: `mon.step` with 6 scalar metrics, timed one call at a time with perf_counter_ns
 (which itself costs a few tens of ns, included), with 10 us of busy "work" between calls so
@@ -11,6 +12,11 @@ measurement runs in its own process (the sidecar refuses registrations from its 
 Targets: median <= 2 us, p99 <= 20 us, judged with the sidecar live and absent. Lines for
 hooks disabled and for a paced loop (1000 calls/s, cold caches) are for comparison. Each
 line also gives the sender thread's CPU use: what the hooks cost beyond the calls themselves.
+
+Inferred phases (--pauses; trainer_hooks/pauses.py): what the flag-writing wrappers add per call, in
+one process: a DataLoader iterator's `__next__` (judged: <= 1 us per batch, the wrapper around the
+cheapest `__next__`), a real DataLoader batch, `.eval()` + `.train()` on 1 and 101 modules, a small
+torch.save; bare against wrapped, the fastest of 7 timeit runs.
 
 Training (--training): mean step time of 2-rank `torchrun -m sidecar_trainer` on the CPU with the
 monitor on (against a real sidecar) and off, in alternating runs, and their ratio.
@@ -136,6 +142,92 @@ def bench_hook_calls(calls: int, gap_us: float, workdir: Path) -> bool:
     ok &= measure("sidecar absent", str(workdir / "absent.sock"))
     measure("disabled", None, judged=False)
     measure("disabled, 1k/s", None, calls=5000, gap_us=1000, judged=False)
+    return ok
+
+
+PAUSE_TARGET_NS = 1000.0  # what the data loader wrapper may add to a batch
+
+
+def _per_call_ns(fn, number: int) -> float:
+    """The fastest of 7 runs of `number` calls, per call, in ns."""
+    import timeit
+
+    return min(timeit.repeat(fn, number=number, repeat=7)) / number * 1e9
+
+
+def bench_pauses(reps: int) -> bool:
+    """What the wrappers of the inferred phases (trainer_hooks/pauses.py) add on the training
+    thread, in this process (no sidecar needed: they only write flags): a DataLoader iterator's
+    `__next__` around the cheapest `__next__` there is (the wrapper alone) and around a real batch,
+    `Module.train` / `.eval()` on a model of 1 and of 101 modules, and torch.save of a small dict."""
+    import io
+
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    from trainer_hooks import pauses
+
+    class Bare:
+        def __next__(self) -> int:
+            return 1
+
+    bare = Bare()
+    plain = _per_call_ns(lambda: next(bare), reps)
+    Bare.__next__ = pauses._wrap_next(Bare.__next__)  # type: ignore[method-assign]
+    wrapped = _per_call_ns(lambda: next(bare), reps)
+    ok = wrapped - plain <= PAUSE_TARGET_NS
+    print(
+        f"pause wrapper, __next__ alone      bare {plain:6.0f} ns  wrapped {wrapped:6.0f} ns  "
+        f"+{wrapped - plain:4.0f} ns per batch  {'PASS' if ok else 'FAIL'} (<= {PAUSE_TARGET_NS:.0f} ns)",
+        flush=True,
+    )
+
+    def cost(label: str, make, number: int) -> None:
+        pauses.uninstall()
+        before = _per_call_ns(make(), number)
+        pauses.install()
+        after = _per_call_ns(make(), number)
+        pauses.uninstall()
+        print(
+            f"pause wrapper, {label:<20} bare {before / 1000:6.2f} us  wrapped {after / 1000:6.2f} us  "
+            f"{after - before:+5.0f} ns per call (for information)",
+            flush=True,
+        )
+
+    class Numbers(Dataset):
+        def __len__(self) -> int:
+            return 10**9
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    def batches():
+        it = iter(DataLoader(Numbers(), batch_size=1))
+        return lambda: next(it)
+
+    def switch(model: nn.Module):
+        def both() -> None:
+            model.eval()
+            model.train()
+
+        return both
+
+    cost("DataLoader batch", batches, max(1, reps // 20))
+    one, many = nn.Linear(8, 8), nn.Sequential(*[nn.Linear(8, 8) for _ in range(100)])
+    for label, model in (("eval()+train(), 1", one), ("eval()+train(), 101", many)):
+        pauses.uninstall()
+        before = _per_call_ns(switch(model), max(1, reps // 200))
+        pauses.install()
+        after = _per_call_ns(switch(model), max(1, reps // 200))
+        pauses.uninstall()
+        print(
+            f"pause wrapper, {label:<20} bare {before / 2000:6.2f} us  wrapped {after / 2000:6.2f} us  "
+            f"{(after - before) / 2:+5.0f} ns per call (for information)",
+            flush=True,
+        )
+    state = {"w": torch.zeros(4)}
+    cost("torch.save, small", lambda: lambda: torch.save(state, io.BytesIO()), max(1, reps // 200))
     return ok
 
 
@@ -450,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         "--collectives", action="store_true", help="only the Flight Recorder's cost: reads, step time FR on vs off"
     )
     parser.add_argument("--fr-worker", metavar="KIND", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--pauses", action="store_true", help="only the inferred phases' wrappers: DataLoader, Module.train, torch.save"
+    )
     args = parser.parse_args(argv)
     if args.fr_worker == "read":
         return fr_read_worker(args.calls)
@@ -461,11 +556,16 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 4 if args.collectives else 2
     if args.worker:
         return worker(args.worker, args.socket, args.calls, args.gap_us, judged=not args.informational)
+    if args.pauses:
+        return 0 if bench_pauses(args.calls) else 1
     with tempfile.TemporaryDirectory(prefix="bench-hooks-") as tmp:
         workdir = Path(tmp)
         if args.collectives:
             return 0 if bench_collectives(workdir, args.steps, args.rounds) else 1
         ok = bench_hook_calls(args.calls, args.gap_us, workdir)
+        ok &= (
+            subprocess.call([PYTHON, "-m", "bench.bench_hooks", "--pauses", "--calls", str(args.calls)], cwd=ROOT) == 0
+        )
         if args.training:
             ok &= bench_training(workdir, args.steps, args.rounds)
     return 0 if ok else 1

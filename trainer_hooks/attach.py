@@ -14,7 +14,10 @@ rank is watched with no code change:
   group's learning rate;
 - `torch.save` / `torch.load` and `torch.distributed.checkpoint.save` / `load` run inside the
   `checkpoint_save` / `checkpoint_load` phases (judged by their own budgets, not the step timeout),
-  and a finished save sends `checkpoint_saved` with the step;
+  and a finished save sends `checkpoint_saved` with the step (these wrappers replace the Monitor's
+  own, which infer a checkpoint phase only for a save or load of a second or more: `pauses.py`);
+- evaluation (`model.eval()` until `model.train()` or the next step), data loader waits and
+  compilation of a second or more are inferred phases, as for any Monitor (`pauses.py`);
 - the process group is restart-safe (`trainer_hooks.distributed.install()`).
 
 Without touching the command line: `SIDECAR_ATTACH=1` and the directory that
@@ -35,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer_hooks import distributed, environment
+from trainer_hooks import distributed, environment, pauses
 from trainer_hooks.errors import warn
 from trainer_hooks.monitor import Monitor
 
@@ -110,13 +113,15 @@ class Attachment:
         return wrapper
 
     def _patch(self, owner: Any, name: str, phase: str, saved_event: bool = False) -> None:
-        original = getattr(owner, name, None)
-        if original is None or hasattr(original, "_trainer_hooks_phase"):
+        current = getattr(owner, name, None)
+        if current is None or hasattr(current, "_trainer_hooks_phase"):
             return
+        # The Monitor's own wrapper (pauses.py: a phase only for a long save) gives way to this one.
+        original = current.__wrapped__ if getattr(current, pauses.MARK, False) else current
         wrapper = self._phased(original, phase, saved_event)
         wrapper._trainer_hooks_phase = phase  # type: ignore[attr-defined]
         setattr(owner, name, wrapper)
-        self._undo.append(lambda: setattr(owner, name, original))
+        self._undo.append(lambda: setattr(owner, name, current))
 
     # ---------------------------------------------------------------- life cycle
 

@@ -22,7 +22,9 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_ATTEMPT_STORE` | `0` turns off the per-attempt store namespace of `trainer_hooks.distributed` |
 | `SIDECAR_COLLECTIVES` | `0` leaves PyTorch's Flight Recorder off and sends no collective record (`collectives.py`); otherwise the hooks set `TORCH_FR_BUFFER_SIZE=64` before the process group forms, unless it is set already |
 | `TORCH_FR_BUFFER_SIZE` | torch's own: the Flight Recorder's ring size; the user's value wins (`0` turns the recorder and the collective record off) |
+| `SIDECAR_INFER_PHASES` | `0` stops the hooks from inferring phases nobody declared: evaluation after `model.eval()`, data loader waits, torch.save/load, compile (`pauses.py`) |
 | `SIDECAR_JOB_VIEW` | `0` stops the hooks from telling their sidecar where the job's coordinating sidecar is (`jobview.py`) |
+| `SIDECAR_OBSERVE_ONLY` | `1` asks the sidecar to detect, count and report this job's stalls but never kill its ranks (registration `observe_only`; the sidecar honours it unless its `watchdog.allow_job_observe_only` is off); `Monitor(observe_only=...)` wins |
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Identity:
     restart_count: int
     kubernetes: tuple[tuple[str, str], ...] = ()  # (label, value) of the rank's pod, from the downward API
     launcher: Launcher = NO_LAUNCHER
+    observe_only: bool = False  # ask that the job's stalls be observed, never killed (wire.OBSERVE_ONLY)
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,10 @@ def identity(
     world_size: int | None = None,
     local_world_size: int | None = None,
     restart_count: int | None = None,
+    observe_only: bool | None = None,
 ) -> Identity:
-    """Explicit arguments win; otherwise torchrun's variables; otherwise a single-process job."""
+    """Explicit arguments win; otherwise torchrun's variables (and SIDECAR_OBSERVE_ONLY); otherwise
+    a single-process job."""
     rank = _int(environ, "RANK", 0) if rank is None else int(rank)
     world_size = _int(environ, "WORLD_SIZE", 1) if world_size is None else int(world_size)
     return Identity(
@@ -125,6 +130,11 @@ def identity(
         restart_count=(_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if restart_count is None else int(restart_count)),
         kubernetes=kubernetes(environ),
         launcher=launcher(environ),
+        observe_only=(
+            environ.get("SIDECAR_OBSERVE_ONLY", "").strip().lower() in _TRUE
+            if observe_only is None
+            else bool(observe_only)
+        ),
     )
 
 

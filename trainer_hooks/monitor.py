@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainer_hooks import collectives, distributed, environment, exits, jobview, stacks
+from trainer_hooks import collectives, distributed, environment, exits, jobview, pauses, stacks
 from trainer_hooks.errors import warn
 from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
 from trainer_hooks.sender import Sender, Tuning
@@ -48,7 +48,9 @@ class Monitor:
     Identity defaults come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID); the sidecar's address
     and the switches from `SIDECAR_*` variables (see `environment.py`). Explicit arguments win.
-    Create it after importing torch: the registration then reports torch, CUDA and NCCL versions.
+    Create it after importing torch: the registration then reports torch, CUDA and NCCL versions,
+    and the pauses nobody declares become phases at once (evaluation after `model.eval()`, data
+    loader waits, torch.save/load, compile: `pauses.py`; SIDECAR_INFER_PHASES=0 turns that off).
 
     Args:
         job_id, rank, local_rank, world_size, local_world_size, restart_count: the rank's identity.
@@ -64,6 +66,9 @@ class Monitor:
             SIDECAR_STACK_SIGNAL, else SIGUSR2).
         environ: the environment to read (default `os.environ`).
         connect_timeout, read_timeout, max_backoff: transport tuning, in seconds.
+        observe_only: ask the sidecar to detect, count and report this job's stalls but never kill
+            its ranks (default SIDECAR_OBSERVE_ONLY; the sidecar's `watchdog.allow_job_observe_only`
+            may refuse it).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class Monitor:
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
         max_backoff: float | None = None,
+        observe_only: bool | None = None,
     ):
         self._live = False
         self._closed = False
@@ -97,6 +103,8 @@ class Monitor:
         self._sender: Sender | None = None
         self._last_step_time = 0.0  # _time() of the last step: a step long after it is sent at once
         self._wake: Callable[[], None] = _nothing
+        self._declared: dict[str, int] = {}  # declared phases open, by name (pauses.py infers no such phase)
+        self._pauses: pauses.Inference | None = None
         self._stack_dump: stacks.StackDump | None = None
         self.identity: environment.Identity | None = None
         try:
@@ -108,7 +116,7 @@ class Monitor:
                 return
             collectives.enable()  # the Flight Recorder, before the process group forms (if it has not)
             self.identity = environment.identity(
-                env, job_id, rank, local_rank, world_size, local_world_size, restart_count
+                env, job_id, rank, local_rank, world_size, local_world_size, restart_count, observe_only
             )
             endpoint = environment.endpoint(env, socket, url, token)
             signum = environment.stack_signal(env) if stack_signal is _FROM_ENV else stack_signal
@@ -129,6 +137,10 @@ class Monitor:
             self._wake = self._sender.wake
             self._sender.job_view_enabled = jobview.enabled(env)
             self._sender.collectives_enabled = collectives.enabled(env)
+            if pauses.enabled(env):  # eval, data waits, checkpoints, compile: phases nobody declared
+                self._pauses = pauses.Inference(self)
+                self._pauses.start(self._sender.wake)
+                self._sender.pauses = self._pauses
             self._live = True
             _monitors.add(self)
             atexit.register(self._close_at_exit)
@@ -161,6 +173,7 @@ class Monitor:
         """A declared phase (checkpoint_save, eval, ...) begins; `timeout` is its budget in seconds."""
         if self._live:
             try:
+                self._declared[name] = self._declared.get(name, 0) + 1  # before the record: pauses.py
                 self._append((self._next_seq(), PHASE_START, _time(), name, timeout))
                 self._wake()  # the sidecar judges the phase by its own budget from now on
             except Exception:
@@ -171,6 +184,8 @@ class Monitor:
             try:
                 now = _time()
                 self._append((self._next_seq(), PHASE_END, now, name, None))
+                if self._declared.get(name):
+                    self._declared[name] -= 1
                 self._last_step_time = now  # the end of a phase is progress, like a step
                 self._wake()
             except Exception:
@@ -212,6 +227,8 @@ class Monitor:
             return
         try:
             atexit.unregister(self._close_at_exit)
+            if self._pauses is not None:
+                self._pauses.stop()
             if self._sender is not None:
                 self._sender.stop(timeout, reason, exit_report)
         except Exception as e:
@@ -230,6 +247,10 @@ class Monitor:
         except Exception:
             pass
         self.close(reason="exception" if uncaught else "exit", exit_report=uncaught)
+
+    def _declared_open(self, name: str) -> int:
+        """How many phases called `name` the trainer declared and has not ended (pauses.py)."""
+        return self._declared.get(name, 0)
 
     def _forget_after_fork(self) -> None:
         self._live = False

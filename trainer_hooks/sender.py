@@ -35,10 +35,11 @@ from trainer_hooks import collectives, distributed
 from trainer_hooks.environment import Endpoint, Identity
 from trainer_hooks.errors import warn
 from trainer_hooks.jobview import CoordinatorExchange
+from trainer_hooks.pauses import CHECK_SECONDS, Inference
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
-from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, PROTOCOL_VERSION, RESTART_SAFE, WANTS
+from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, OBSERVE_ONLY, PROTOCOL_VERSION, RESTART_SAFE, WANTS
 
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
@@ -136,6 +137,9 @@ class Sender:
         self.collectives_live = False  # the last read gave a record (a group with the recorder exists)
         self.collectives_cpu_seconds = 0.0  # this thread's CPU time in reading the record
         self.wants: set[str] = set()  # what the sidecar's last answer asked for (wire.WANTS)
+        # The phases the hooks infer (pauses.py): polled every cycle, and the thread wakes when a
+        # pause becomes one, so that its start reaches the sidecar within a second or so.
+        self.pauses: Inference | None = None
 
     # ---------------------------------------------------------------- thread life
 
@@ -159,9 +163,23 @@ class Sender:
         """Send what is buffered now, not at the next flush (from any thread; an Event.set)."""
         self._wake.set()
 
+    def _sleep(self) -> None:
+        """Until woken or the flush interval has passed. With phases to infer (pauses.py) it looks at
+        their flags every CHECK_SECONDS, and again at the moment a pause becomes a phase, whose start
+        then goes at once: about INFER_AFTER_SECONDS into the pause, whatever the flush interval."""
+        pauses = self.pauses
+        if pauses is None:
+            self._wake.wait(self.flush_interval)
+            return
+        deadline = time.monotonic() + self.flush_interval
+        while (left := deadline - time.monotonic()) > 0:
+            due = pauses.due_in()
+            if self._wake.wait(min(left, CHECK_SECONDS if due is None else due)) or pauses.poll(install=False):
+                return
+
     def _run(self) -> None:
         while True:
-            self._wake.wait(self.flush_interval)
+            self._sleep()
             self._wake.clear()  # a close sets it again after setting its deadline, read below
             if os.getpid() != self.pid:  # a forked child never speaks for the rank
                 return
@@ -172,6 +190,8 @@ class Sender:
                     if self.registered:
                         self.deregister(self._close_reason, self._close_deadline)
                     return
+                if self.pauses is not None:
+                    self.pauses.poll()
                 self.cycle()
             except Exception as e:  # the thread must outlive any bug of its own
                 warn("sender_error", "trainer_hooks: sender error (%s: %s); continuing", type(e).__name__, e)
@@ -383,6 +403,8 @@ class Sender:
         }
         if self.ident.kubernetes:
             body["kubernetes"] = dict(self.ident.kubernetes)
+        if self.ident.observe_only:
+            body[OBSERVE_ONLY] = True  # protocol 6: never kill this job's ranks, only report their stalls
         reply = self._post("/v1/register", _dumps(body), deadline)
         if reply is None:
             return False

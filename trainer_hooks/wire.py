@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 
 # 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
-# job's own key, sidecar/jobview/auth.py), STEP_GAP_SEND_SECONDS; 5: a push's optional `collectives` and `fr_dump` (the
+# job's own key, sidecar/jobview/auth.py), STEP_GAP_SEND_SECONDS, a registration's optional
+# `observe_only` (OBSERVE_ONLY); 5: a push's optional `collectives` and `fr_dump` (the
 # rank's Flight Recorder, COLLECTIVES_*), a push answer's optional `want` (WANTS),
 # KEEPALIVE_SECONDS, COLLECTIVES_EVERY_SECONDS; 4: a registration's optional `restart_safe`
 # (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the
@@ -99,6 +100,11 @@ LAUNCHERS = ("torchrun", "none")
 # so a restarted attempt may die in init_process_group; null or absent: no torchrun, or hooks of
 # protocol 1 or 2.
 RESTART_SAFE = "restart_safe"
+# A registration's optional `observe_only` (protocol 6; the hooks' SIDECAR_OBSERVE_ONLY): true asks that
+# the job's stalls be detected, counted and reported, never killed (the sidecar honours it while its
+# `watchdog.allow_job_observe_only`, and answers what it did in the registration's `observe_only`);
+# false, null or absent: the sidecar's own mode.
+OBSERVE_ONLY = "observe_only"
 
 # A push's optional `collectives` (trainer_hooks/collectives.py): {"time": the rank's wall clock when
 # it read its Flight Recorder, "groups": [{"pg", "desc", "size", "ranks", "enqueued", "started",

@@ -18,7 +18,7 @@ PINNED = {
     3: "603d52117a16c850",
     4: "37705c1f6281d32b",
     5: "d4120c123f532cd8",
-    6: "f93239735add5650",  # (6 had not landed when STEP_GAP_SEND_SECONDS joined it)
+    6: "ea85157531a62a1e",  # (6 had not landed when STEP_GAP_SEND_SECONDS, then OBSERVE_ONLY joined it)
 }
 
 
