@@ -285,6 +285,25 @@ class WatchdogSettings:
     default_phase_timeout_seconds: float = field(
         default=1800.0, metadata=doc("Budget of a declared phase that names no timeout and is not in phase_timeouts.")
     )
+    busy_is_alive: bool = field(
+        default=True,
+        metadata=doc(
+            "Before a rank past its timeout is declared stalled, look for evidence of life: its process's CPU time "
+            "grew by at least 20% of one core since it turned suspect AND its main thread's Python stack moved "
+            "(a second stack probe at the deadline differs from the first by more than a line of the same "
+            "innermost function). Such a rank is busy, not hung: it stays suspect, is checked again every "
+            "floor_seconds, and is stalled anyway once ceiling_seconds have passed since its progress. Only ranks "
+            "a verified caller registered are read. A hang without CPU (SIGSTOP, a lock, a collective) or with a "
+            "still stack (a busy loop) is stalled at its timeout as before."
+        ),
+    )
+    allow_job_observe_only: bool = field(
+        default=True,
+        metadata=doc(
+            "Honour a job's own request (`observe_only: true` at registration, the hooks' SIDECAR_OBSERVE_ONLY) to "
+            "have its stalls detected, counted and reported but never killed. Off: the request is ignored (logged)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in (

@@ -338,6 +338,34 @@ def _job_rows(jobs: dict) -> list[list[Cell]]:
     return rows
 
 
+def _shadow_rows(shadow: dict) -> list[list[Cell]]:
+    """Per job: the kills an observe-only watchdog would have made, the stalls that ended by
+    themselves, the longest of those per phase, and the floor that would have killed none of them
+    (sidecar/watchdog/shadow.py)."""
+    rows = []
+    for job_id, figures in sorted(shadow.items()):
+        if not isinstance(figures, dict):
+            continue
+        phases = dict_at(figures, "phases")
+        longest = ", ".join(
+            f"{phase} {fmt_duration(dict_at(phases, phase).get('longest_pause_seconds'))}" for phase in sorted(phases)
+        )
+        learned = dict_at(figures, "learned_budgets_seconds")
+        would, alarms = _number(figures.get("would_kill")), _number(figures.get("false_alarms"))
+        rows.append(
+            [
+                _cell(str(job_id)),
+                _cell("observe-only" if figures.get("observe_only") else "enforcing"),
+                Cell(fmt_float(would), "yellow" if would else ""),
+                Cell(fmt_float(alarms), "yellow" if alarms else ""),
+                _cell(longest or "-"),
+                _cell(fmt_duration(figures.get("floor_killing_none_seconds"))),
+                _cell(", ".join(f"{k} {fmt_duration(v)}" for k, v in sorted(learned.items())) or "-"),
+            ]
+        )
+    return rows
+
+
 def _last_exit(last: Any) -> str:
     if not isinstance(last, dict):
         return "-"
@@ -421,6 +449,12 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
             _job_rows(dict_at(status, "jobs")),
             "no multi-node job (or job_view.enabled off)",
             _job_notes(dict_at(status, "jobs")),
+        ),
+        Section(
+            "Would-be kills and false alarms",
+            ["JOB", "MODE", "WOULD KILL", "FALSE ALARMS", "LONGEST PAUSE (PHASE)", "FLOOR KILLING NONE", "LEARNED"],
+            _shadow_rows(dict_at(watchdog, "shadow")),
+            "none (no stall yet)",
         ),
         Section(
             "Collectors",

@@ -292,6 +292,12 @@ async def register(request: web.Request) -> web.Response:
         rank.restart_count,
         "" if peer is not None else ", unverified peer",
     )
+    if reg.observe_only:
+        log.info(
+            "rank %s asks for observe-only (its job's stalls reported, never killed): %s",
+            rank.label,
+            "honoured" if rank.observe_only else "ignored (watchdog.allow_job_observe_only is off)",
+        )
     return web.json_response(
         {
             "ok": True,
@@ -302,6 +308,9 @@ async def register(request: web.Request) -> web.Response:
                 {"path": rank.stack_file.path, "signal": rank.stack_signal} if rank.stack_file is not None else None
             ),
             "flush_interval_s": d.settings.hooks_flush_interval_seconds,
+            # Whether this job's stalls are only observed, never killed (the node's mode, or the job's
+            # own `observe_only`, honoured while watchdog.allow_job_observe_only).
+            "observe_only": rank.observe_only or d.settings.watchdog.observe_only,
             # Rank 0 names this sidecar as its job's coordinator (sidecar/jobview/); the others learn
             # where it is through the job's own store.
             "job_view": job_view_offer(d, rank, verified=peer is not None),

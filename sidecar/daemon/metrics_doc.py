@@ -15,12 +15,12 @@ from sidecar.daemon import api, app, exposition
 from sidecar.exits import tracker
 from sidecar.metric import MetricSpec
 from sidecar.ranks import training_metrics as training
-from sidecar.watchdog import goodput, machine, recovery, remediation
+from sidecar.watchdog import goodput, machine, recovery, remediation, shadow
 
 # The daemon's own concerns, then every hardware collector of `config.COLLECTORS`: the order the
 # reference lists them. A catalogued module that does not exist fails the import, loudly.
 CORE_MODULES: tuple[ModuleType, ...] = (
-    base, app, api, exposition, training, machine, goodput, recovery, tracker, remediation, fitness,
+    base, app, api, exposition, training, machine, shadow, goodput, recovery, tracker, remediation, fitness,
 )  # fmt: skip
 
 

@@ -214,6 +214,7 @@ def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
         "dropped": r.dropped,
         "exit_reason": r.exit_reason,
         "restart_safe": r.restart_safe,
+        "observe_only": r.observe_only,  # its job asked that its stalls be observed, never killed (honoured)
     }
 
 

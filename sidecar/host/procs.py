@@ -30,6 +30,24 @@ def start_time(pid: int) -> float | None:
         return None
 
 
+def cpu_seconds(pid: int, started: float | None) -> float | None:
+    """The CPU time the process has used, all its threads, user and system (utime + stime, fields
+    14 and 15 of /proc/<pid>/stat), when it is still the process that started at `started`
+    (checked in the same read: pid reuse cannot lend it another's time); None otherwise, or when
+    it cannot be read. Its children's time is not in it."""
+    if started is None:
+        return None
+    try:
+        with open(f"{psutil.PROCFS_PATH}/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2 :].split()
+        if int(fields[19]) / _CLOCK_TICKS != started:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def is_same_process(pid: int, started: float | None) -> bool:
     """True when `pid` still runs and is the process that had that start time."""
     if started is None:

@@ -55,6 +55,9 @@ class Rank:
     # Whether its process group comes back after a torchrun restart, as it said (wire.RESTART_SAFE);
     # None: no torchrun, or hooks that do not say.
     restart_safe: bool | None = None
+    # Its job asked that its stalls be observed, never killed (wire.OBSERVE_ONLY), and the sidecar
+    # honours it (watchdog.allow_job_observe_only).
+    observe_only: bool = False
     claimed_pid: int | None = None  # the pid the rank calls itself (its own pid namespace's); None: `pid`
     owner_uid: int | None = None  # the uid its process runs as (None: unknown, an unverified TCP caller)
     pidfd: PidFd | None = field(default=None, repr=False)  # of the process, where the kernel has pidfds

@@ -32,6 +32,7 @@ from trainer_hooks.wire import (
     MAX_VERSIONS,
     NAME_RE,
     NONFINITE_VALUES,
+    OBSERVE_ONLY,
     PHASE_ACTIONS,
     RESERVED_JOB_IDS,
     RESTART_SAFE,
@@ -77,6 +78,7 @@ class Registration:
     kubernetes: dict[str, str] = field(default_factory=dict)  # namespace, pod, container (sidecar/ranks/podlabels.py)
     launcher: Launcher | None = None  # None: not said (hooks of protocol 1)
     restart_safe: bool | None = None  # None: not said (no torchrun, or hooks of protocol 1 and 2)
+    observe_only: bool = False  # the job asks that its stalls be observed, never killed (wire.OBSERVE_ONLY)
 
 
 @dataclass(slots=True)
@@ -331,6 +333,13 @@ def _restart_safe(data: dict) -> bool | None:
     return value
 
 
+def _observe_only(data: dict) -> bool:
+    value = data.get(OBSERVE_ONLY)
+    if value is not None and type(value) is not bool:
+        raise ProtocolError(f"{OBSERVE_ONLY}: expected true, false or null, got {_kind(value)}")
+    return bool(value)
+
+
 def parse_registration(data: dict) -> Registration:
     job_id, rank, pid = _identity(data)
     world_size = _int(data, "world_size", "world_size", 1, MAX_RANK)
@@ -371,6 +380,7 @@ def parse_registration(data: dict) -> Registration:
         kubernetes=kubernetes,
         launcher=_launcher(data),
         restart_safe=_restart_safe(data),
+        observe_only=_observe_only(data),
     )
 
 

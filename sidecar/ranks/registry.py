@@ -128,6 +128,7 @@ class Registry:
             kubernetes=dict(reg.kubernetes),
             launcher=reg.launcher,
             restart_safe=reg.restart_safe,
+            observe_only=reg.observe_only and self.settings.watchdog.allow_job_observe_only,
             step_times=collections.deque(maxlen=self.settings.watchdog.window),
         )
         # A rank re-registering after a sidecar restart resumes where it was, inside the phase

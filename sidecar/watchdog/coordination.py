@@ -40,6 +40,7 @@ class Probe:
     waiting: bool | None  # its main thread waits in a collective (None: no dump came)
     stack_top: str | None  # its innermost frame
     at: float  # watchdog clock
+    frames: tuple[tuple[str, str, int], ...] = ()  # its main thread's (file, function, line), innermost first
 
 
 class JobView(Protocol):

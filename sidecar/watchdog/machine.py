@@ -58,10 +58,12 @@ from sidecar.watchdog.coordination import (
     rank_view,
 )
 from sidecar.watchdog.goodput import Goodput
+from sidecar.watchdog.liveness import Liveness
 from sidecar.watchdog.recovery import Recoveries
 from sidecar.watchdog.remediation import Remediator
 from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no_restart_reasons
-from sidecar.watchdog.stackdumps import stack_top
+from sidecar.watchdog.shadow import Shadow
+from sidecar.watchdog.stackdumps import main_frames, stack_top
 from sidecar.watchdog.stormcap import OwnerStormCaps
 from sidecar.watchdog.timeouts import Deadline, Timeouts
 from trainer_hooks.wire import KEEPALIVE_SECONDS
@@ -260,6 +262,8 @@ class Watchdog:
         self.node = settings.node_name
         self._probe_wanted: set[str] = set()  # jobs with a suspect or stalled rank not probed yet
         self._probes: dict[str, asyncio.Task] = {}  # job_id -> its running stack probe
+        self.liveness = Liveness(settings, self._probe_wanted.add)  # busy, not hung (liveness.py)
+        self.shadow = Shadow(settings, self.timeouts)  # would-be kills, false alarms, learning (shadow.py)
         self._parts: dict[str, Incident] = {}
         self.goodput = Goodput()  # each job's wall time by state (goodput.py)
         self.recoveries = Recoveries(self._save_soon)  # where each recovery's time goes (recovery.py)
@@ -320,9 +324,12 @@ class Watchdog:
                 self._evaluate(self._track(rank, now), now, n <= per_tick or (i - start) % n < per_tick)
             except Exception:  # one rank's bad data must not blind the watchdog to the others
                 log.exception("evaluating rank %s failed", rank.label)
-        for key in [k for k in self._tracks if k not in present]:
+        for key in (forgotten := [k for k in self._tracks if k not in present]):
             del self._tracks[key]  # the registry forgot it (retention): so do we
             self.timeouts.forget(key)
+            self.liveness.forget(key)
+        if forgotten:
+            self.timeouts.keep_jobs({job_id for job_id, _ in present})
         self._start_probes()
         if now - self._accounted_at >= ACCOUNT_EVERY_SECONDS:
             self._accounted_at = now
@@ -368,6 +375,8 @@ class Watchdog:
         else:
             wanted = RankState.STARTING if rank.step is None else RankState.HEALTHY
             self._next_due = min(self._next_due, now + suspect_at - d.age)
+        if (held := self.liveness.hold(rank, track.probe, d, suspect_at, now)) is not None:  # busy, not hung
+            wanted, self._next_due = RankState.SUSPECT, min(self._next_due, held)
         if wanted is RankState.STARTING and track.state is RankState.HEALTHY:
             wanted = RankState.HEALTHY  # a started rank never goes back to starting
         if wanted in (RankState.SUSPECT, RankState.STALLED) and wanted is not track.state and not check_liveness:
@@ -392,6 +401,10 @@ class Watchdog:
             raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
         track.state, track.since = new, now
         self.counters.transitions[(old.value, new.value)] += 1
+        if new is RankState.STALLED:
+            self.shadow.stalled(track.rank)
+        elif (old is RankState.STALLED and new is not RankState.REMEDIATING) or new is RankState.GONE:
+            self._resumed(track, new)
         if new in (RankState.SUSPECT, RankState.STALLED):
             self._want_collectives(track.rank.job_id)
         if new in (RankState.SUSPECT, RankState.STALLED) and track.probe is None:
@@ -405,6 +418,19 @@ class Watchdog:
             self.job_view.wake(track.rank.job_id)
         level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO
         log.log(level, "rank %s (pid %d): %s -> %s: %s", track.rank.label, track.rank.pid, old.value, new.value, reason)
+
+    def _resumed(self, track: _Track, new: RankState) -> None:
+        """A rank left STALLED, or went: gone, or (its progress back, not being killed) a false alarm."""
+        if new is RankState.GONE:
+            self.shadow.forget(track.rank.key)
+            self.liveness.forget(track.rank.key)
+            return
+        episode = track.episode or self._episodes.get(track.rank.job_id)
+        note = self.shadow.resumed(track.rank, killing=episode is not None and episode.outcome == "pending")
+        if note is not None and episode is not None:
+            episode.incident.notes.append(note)
+            if episode.task is None or episode.task.done():
+                self._save_soon(episode.incident)
 
     def _want_collectives(self, job_id: str) -> None:
         """A rank of the job turned suspect or stalled: every local rank of the job sends a fresh
@@ -434,7 +460,7 @@ class Watchdog:
         members.sort(key=lambda t: t.rank.rank)
         blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is RankState.STALLED})
         stalled_deadline = self.deadline(blamed, now) if blamed is not None else None
-        observe_only = self.settings.watchdog.observe_only
+        observe_only = self.shadow.observing(t.rank for t in members)  # the node's mode, or the job's own
         # A kill that nothing restarts turns the hang into a failed job: by default, don't.
         no_restart = [] if observe_only else no_restart_reasons(t.rank for t in members)
         spare = bool(no_restart) and not self.settings.remediation.kill_without_restart
@@ -452,6 +478,7 @@ class Watchdog:
             observe_only=observe_only,
             ranks=[self._snapshot(t, now) for t in members],
         )
+        self.liveness.annotate(incident, [t.rank for t in members])  # the checks that found a rank busy
         episode = _Episode(job_id, incident, [t.rank.key for t in members], suppressed=suppressed)
         self._episodes[job_id] = episode
         for t in members:
@@ -462,6 +489,8 @@ class Watchdog:
         targets = [target_of(t.rank) for t in members]
         if no_restart:
             incident.notes.append(no_restart_note(no_restart, killing=not spare))
+        if observe_only and self.shadow.observed(job_id, [t.rank for t in members], verified):
+            incident.notes.append("observe-only: a would-be kill (sidecar_watchdog_would_kill_total)")
         if observe_only or suppressed or not verified or spare:
             episode.outcome = (
                 "observe_only"
@@ -746,7 +775,8 @@ class Watchdog:
                 continue
             self._probe_wanted.discard(job_id)
             tracks = [
-                t for t in self._tracks.values() if t.rank.job_id == job_id and t.probe is None
+                t for t in self._tracks.values() if t.rank.job_id == job_id
+                and (t.probe is None or self.liveness.wants_probe(t.rank.key))
                 and t.state in (RankState.SUSPECT, RankState.STALLED) and t.episode is None
             ]  # fmt: skip
             if tracks:
@@ -765,7 +795,7 @@ class Watchdog:
         )  # fmt: skip
         try:
             # Observe-only never signals: py-spy's non-blocking read instead of the hooks' dump.
-            observe = self.settings.watchdog.observe_only
+            observe = self.shadow.observing(t.rank for t in tracks)
             targets = [target_of(t.rank) for t in tracks]
             await self.remediator.collect_stacks(
                 scratch, targets, signal_ranks=not observe, use_py_spy=observe, continue_stopped=False
@@ -790,7 +820,7 @@ class Watchdog:
             if snap is None or (snap.in_collective is None and t.probe is not None):
                 continue
             text = "\n".join(snap.stack_head) if snap.stack_head else (snap.py_spy or "")
-            t.probe = Probe(snap.in_collective, stack_top(text), now)
+            t.probe = Probe(snap.in_collective, stack_top(text), now, main_frames(text))
 
     async def _await_probe(self, job_id: str) -> None:
         """An episode's own dumps wait for a probe of the same ranks still running."""
@@ -896,7 +926,7 @@ class Watchdog:
         observe.add_metric([], 1.0 if self.settings.watchdog.observe_only else 0.0)
         return [
             state, timeout, stalls, remediations, transitions, last, observe, waiting, enq, done, age, verdicts,
-            *self.goodput.families(), *self.recoveries.families(),
+            *self.goodput.families(), *self.recoveries.families(), *self.shadow.families(),
         ]  # fmt: skip
 
     def status(self) -> dict:
@@ -910,6 +940,7 @@ class Watchdog:
             "active": [
                 {"job_id": e.job_id, "incident": e.incident.id, "outcome": e.outcome} for e in self._episodes.values()
             ],
+            "shadow": self.shadow.status(),  # per job: would-be kills, false alarms, what they taught (shadow.py)
         }
 
     def rank_state(self, rank: Rank) -> str:

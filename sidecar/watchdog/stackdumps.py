@@ -62,6 +62,17 @@ def frames(text: str) -> list[str]:
     return [f"{m['file']} {m['func']}" for m in found if m is not None]
 
 
+def main_frames(text: str) -> tuple[tuple[str, str, int], ...]:
+    """The main thread's frames of a dump as (file, function, line), innermost first (empty
+    without a dump or frames): what tells whether a rank's stack moved between two looks
+    (liveness.py)."""
+    if not text.strip():
+        return ()
+    lines = main_thread(text).split("\n")
+    found = (_FAULTHANDLER_FRAME.match(line) or _PY_SPY_FRAME.match(line) for line in lines)
+    return tuple((m["file"], m["func"], int(m["line"])) for m in found if m is not None)
+
+
 def stack_top(text: str) -> str | None:
     """The innermost frame of the main thread, as `func (file:line)`; None without a dump. Both
     faulthandler and py-spy list the most recent call first."""

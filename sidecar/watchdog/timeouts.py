@@ -13,16 +13,22 @@ pushes, its latest step is known; a rank that has not pushed for `push_gap` (its
 least every max(flush interval, KEEPALIVE_SECONDS)) may have stepped after its last push and
 frozen with those steps unsent, so its progress is taken to have lasted until its last push plus
 `push_gap` (a frozen rank is declared at most `push_gap` after the floor, never before).
+
+A job's own pauses teach it (sidecar/watchdog/shadow.py): a stall that ended by itself after D
+seconds in a phase (or in steps, or before the first step) raises that job's budget there to at
+least LEARN_FACTOR x D, never above `ceiling_seconds`, for as long as the job is known (`keep_jobs`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from sidecar.config import WatchdogSettings
 from sidecar.ranks.model import Rank, RankKey
+
+LEARN_FACTOR = 1.5  # a job's budget after a pause of D seconds that ended by itself: at least this x D
 
 
 @dataclass
@@ -49,9 +55,31 @@ class Timeouts:
     def __init__(self, settings: WatchdogSettings, push_gap: float = 2.5):
         self.settings, self.push_gap = settings, push_gap
         self._cache: dict[RankKey, tuple] = {}  # (rank, (step, step time), step timeout)
+        # job_id -> (its owner's uid, {phase name, "steps" or "startup": the least budget its own
+        # pauses taught it}); a job_id that passes to another uid learns anew
+        self._learned: dict[str, tuple[int | None, dict[str, float]]] = {}
 
     def forget(self, key: RankKey) -> None:
         self._cache.pop(key, None)
+
+    def learn(self, job_id: str, phase: str, seconds: float, owner_uid: int | None = None) -> float:
+        """A pause of the job's of `seconds` in `phase` ("steps", "startup" or a declared phase)
+        ended by itself: from now on the job's budget there is at least LEARN_FACTOR x it, never
+        above the ceiling. Returns the least budget the job now has there."""
+        known = self._learned.get(job_id)
+        table = known[1] if known is not None and known[0] == owner_uid else {}
+        self._learned[job_id] = (owner_uid, table)
+        table[phase] = max(table.get(phase, 0.0), min(self.settings.ceiling_seconds, LEARN_FACTOR * seconds))
+        return table[phase]
+
+    def learned(self, job_id: str) -> dict[str, float]:
+        known = self._learned.get(job_id)
+        return dict(known[1]) if known is not None else {}
+
+    def keep_jobs(self, jobs: Collection[str]) -> None:
+        """Forget what the jobs no longer known (no rank in the registry) had learned."""
+        for job_id in [j for j in self._learned if j not in jobs]:
+            del self._learned[job_id]
 
     def progress_horizon(self, rank: Rank, now: float) -> float:
         """The latest the rank's own progress may have been (monotonic): its last known progress,
@@ -64,12 +92,19 @@ class Timeouts:
     def deadline(self, rank: Rank, now: float) -> Deadline:
         wd = self.settings
         progress = self.progress_horizon(rank, now)
+        known = self._learned.get(rank.job_id) if self._learned else None
+        learned = known[1] if known is not None and known[0] == rank.owner_uid else None
         if rank.phase is not None:
             budget = rank.phase_timeout or wd.phase_timeouts.get(rank.phase) or wd.default_phase_timeout_seconds
+            if learned:
+                budget = max(budget, learned.get(rank.phase, 0.0))
             started = rank.phase_started if rank.phase_started is not None else progress
             return Deadline(float(budget), now - max(started, progress), f"phase:{rank.phase}")
         if rank.step is None:
-            return Deadline(wd.startup_timeout_seconds, now - progress, "startup")
+            budget = (
+                max(wd.startup_timeout_seconds, learned.get("startup", 0.0)) if learned else wd.startup_timeout_seconds
+            )
+            return Deadline(budget, now - progress, "startup")
         basis = (rank.step, rank.metrics.get("step_time_seconds"))
         cached = self._cache.get(rank.key)
         if cached is not None and cached[0] is rank and cached[1] == basis:
@@ -77,6 +112,8 @@ class Timeouts:
         else:
             timeout = self.step_timeout(rank.step_times, basis[1])
             self._cache[rank.key] = (rank, basis, timeout)
+        if learned:
+            timeout = max(timeout, learned.get("steps", 0.0))
         return Deadline(timeout, now - progress, "steps")
 
     def step_timeout(self, step_times: Iterable[float], last_step_time: float | None = None) -> float:

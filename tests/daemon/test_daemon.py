@@ -94,6 +94,7 @@ RANK_KEYS = {
     "dropped",
     "exit_reason",
     "restart_safe",
+    "observe_only",
 }
 COLLECTOR_KEYS = {"success", "duration_seconds", "age_seconds", "error"}
 

@@ -376,6 +376,10 @@ def hostile_status() -> dict:
         "gpus": [{"gpu": "0", "name": f"g{e}", "clock_events": [f"c{e}"]}],
         "nics": [{"device": f"d{e}", "up": True}],
         "infiniband": [{"device": f"m{e}", "port": f"1{e}", "state": f"s{e}", "up": False}],
+        "watchdog": {"observe_only": False, "shadow": {f"w{e}": {
+            "observe_only": True, "would_kill": 1, "false_alarms": 1, "floor_killing_none_seconds": 7.5,
+            "phases": {f"q{e}": {"false_alarms": 1, "longest_pause_seconds": 7.25}},
+            "learned_budgets_seconds": {f"l{e}": 10.9}}}},
     }  # fmt: skip
 
 
@@ -403,7 +407,7 @@ def test_sidecar_status_escapes_every_field_in_the_table_the_terminal_and_the_no
     ):
         assert not raw_controls(text), f"{where}: {raw_controls(text)} raw in\n{text!r}"
         assert "\\x1b]52;c;ZXZpbA==\\x07" in text, f"{where}: the text is not there, escaped:\n{text}"
-    for field in ("n1", "j", "p", "x", "c", "i", "e", "s", "/p", "g", "d", "r", "t"):  # each shows, escaped
+    for field in ("n1", "j", "p", "x", "c", "i", "e", "s", "/p", "g", "d", "r", "t", "w", "q", "l"):  # each, escaped
         assert f"{field}\\x1b]52;c;ZXZpbA==" in plain, field
     assert "rank 0 on n\\x1b]52" in plain and "sidecar incidents --job j\\x1b]52" in plain, plain
 

@@ -65,11 +65,11 @@ def start_rank(sidecar: Sidecar, log, pause: float, pauses: int) -> subprocess.P
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
-def stalled_at(sidecar: Sidecar) -> list[float]:
+def stalled_at(sidecar: Sidecar, who: str = "rank floor/0") -> list[float]:
     """Wall times of the sidecar's "-> stalled" transitions of the job's rank (its log's stamps)."""
     found = []
     for line in sidecar.log.read_text(errors="replace").splitlines():
-        if "rank floor/0" in line and "-> stalled" in line:
+        if who in line and "-> stalled" in line:
             stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", line)
             assert stamp is not None, line
             found.append(datetime.datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S,%f").timestamp())

@@ -1,0 +1,206 @@
+"""Busy, not hung: evidence of life before a rank is declared stalled (`watchdog.busy_is_alive`).
+
+A rank that stops stepping is not always hung: it may compute in Python for longer than its
+timeout (an evaluation it did not declare, a slow first batch, a long host-side preparation).
+Before the watchdog declares a rank past its deadline STALLED, it asks for two signs of life, and
+needs both:
+
+- CPU: its process's CPU time (utime + stime of /proc/<pid>/stat, `procs.cpu_seconds`) grew by at
+  least BUSY_CPU_SHARE of one core since it turned suspect (or since the previous check);
+- a moving stack: a second look at its main thread's Python stack (the watchdog's stack probe: the
+  hooks' faulthandler dump, py-spy's in observe-only mode), taken at the deadline, differs from the
+  one taken when it turned suspect (or at the previous check). A stack that is identical, or differs
+  only in the line of the same innermost function, has not moved.
+
+A hang shows at most one: a stopped process (SIGSTOP) and a rank blocked on a lock or waiting in a
+collective use no CPU, and are declared at the deadline from one /proc read, as before; a busy
+loop (`while True: x += 1`) uses CPU but its stack stays, and is declared as soon as the second
+probe is read (tens of milliseconds). A busy rank stays SUSPECT, is logged once ("busy, not hung"),
+is checked again every `watchdog.floor_seconds` against its previous check, and is declared anyway
+once `watchdog.ceiling_seconds` have passed since its progress; its incident's timeline then lists
+each check that found it busy. Only ranks a verified caller registered are read (their pid is
+theirs, with its start time); a rank whose stack cannot be read (no dump signal, no py-spy) has no
+evidence, and is declared at its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sidecar.config import Settings
+from sidecar.host import procs
+from sidecar.incidents.store import Incident
+from sidecar.ranks.model import Rank, RankKey
+from sidecar.safetext import printable
+from sidecar.watchdog.coordination import Probe
+from sidecar.watchdog.timeouts import Deadline
+
+log = logging.getLogger(__name__)
+
+BUSY_CPU_SHARE = 0.2  # of one core: the least CPU a busy rank uses between two checks
+PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
+Frames = tuple[tuple[str, str, int], ...]
+
+
+def moved(before: Frames, after: Frames) -> bool:
+    """Whether a main thread's stack moved between two looks: it did unless the two are the same
+    frames, but for the line inside the same innermost function. No frames on either side: no
+    evidence, not moved."""
+    if not before or not after:
+        return False
+    return before[0][:2] != after[0][:2] or before[1:] != after[1:]
+
+
+def describe(frames: Frames) -> str:
+    """The innermost frame for a log line and an incident: `func (file:line)`, the file cut to its
+    last two parts; escaped before it is cut (the rank wrote its own dump)."""
+    if not frames:
+        return "?"
+    file, func, line = frames[0]
+    return printable(f"{func} ({'/'.join(file.replace(chr(92), '/').rsplit('/', 2)[-2:])}:{line})")[:240]
+
+
+@dataclass
+class _Watch:
+    """One suspect rank's evidence, from the moment it turned suspect until it progresses."""
+
+    rank: Rank
+    cpu: float  # its CPU seconds at `at`
+    at: float  # watchdog clock
+    before: Probe | None = None  # the stack the next look is compared with
+    asked: float | None = None  # a fresh probe asked for at this clock time, not read yet
+    gain: float = 0.0  # CPU seconds gained over the interval being checked
+    cpu_now: float = 0.0  # its CPU seconds when the check began
+    until: float | None = None  # busy: not checked again before this clock time
+    declared: bool = False  # judged hung (or out of time): no more checks until it progresses
+    busy: list[dict] = field(default_factory=list)  # each check that found it busy (its incident's timeline)
+
+
+class Liveness:
+    """`hold()` is asked, for each evaluation of a rank, whether a rank past its deadline is busy
+    rather than hung; `want_probe(job_id)` asks the watchdog for a fresh stack probe of the job's
+    ranks in `reprobe`; `cpu(pid, start_time)` reads a process's CPU seconds."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        want_probe: Callable[[str], None],
+        cpu: Callable[[int, float | None], float | None] = procs.cpu_seconds,
+    ):
+        self.wd = settings.watchdog
+        self.want_probe, self.cpu = want_probe, cpu
+        # a probe is bounded by the dump wait (the hooks' dump) or py-spy's own timeout (observe-only)
+        dump_wait = settings.remediation.dump_wait_seconds
+        self.probe_wait = max(5.0, dump_wait + 3.0) + 1.0
+        self.reprobe: set[RankKey] = set()
+        self._watch: dict[RankKey, _Watch] = {}
+
+    def wants_probe(self, key: RankKey) -> bool:
+        return key in self.reprobe
+
+    def forget(self, key: RankKey) -> None:
+        self._watch.pop(key, None)
+        self.reprobe.discard(key)
+
+    def hold(self, rank: Rank, probe: Probe | None, d: Deadline, suspect_at: float, now: float) -> float | None:
+        """None: judge the rank by its deadline alone. A clock time: it is past its deadline but
+        keeps SUSPECT until then at the latest, busy, or while its second stack look is on its
+        way (the watchdog evaluates it again by then)."""
+        if not self.wd.busy_is_alive:
+            return None
+        if d.age < suspect_at:  # progressing: nothing to keep
+            if self._watch and rank.key in self._watch:
+                self.forget(rank.key)
+            return None
+        key = rank.key
+        w = self._watch.get(key)
+        if w is None or w.rank is not rank:
+            if not rank.peer_verified or rank.pid_start_time is None:
+                return None  # an unverified caller's pid may not be its own: never read
+            cpu = self.cpu(rank.pid, rank.pid_start_time)
+            if cpu is None:
+                return None
+            w = self._watch[key] = _Watch(rank, cpu, now)
+        if w.before is None and probe is not None:
+            w.before = probe  # the probe taken when it turned suspect
+        if d.age < d.timeout or w.declared:
+            return None
+        if d.age >= self.wd.ceiling_seconds:
+            ceiling = self.wd.ceiling_seconds
+            return self._declare(w, f"watchdog.ceiling_seconds ({ceiling:g}s) passed since its progress", quiet=True)
+        if w.until is not None and now < w.until:
+            return w.until
+        if w.asked is None:
+            return self._check(w, now)
+        if probe is not None and probe.at >= w.asked and probe is not w.before:
+            return self._compare(w, probe, d, now)
+        if now - w.asked < self.probe_wait:
+            return now + PROBE_POLL_SECONDS
+        return self._declare(w, f"no second look at its stack within {self.probe_wait:g}s")
+
+    def _check(self, w: _Watch, now: float) -> float | None:
+        """A check begins: the CPU first (a hang without CPU is declared now, without waiting for
+        a stack), then a fresh stack is asked for."""
+        r = w.rank
+        cpu = self.cpu(r.pid, r.pid_start_time)
+        elapsed = now - w.at
+        gain = (cpu - w.cpu) if cpu is not None else 0.0
+        if cpu is None or elapsed <= 0 or gain < BUSY_CPU_SHARE * elapsed:
+            return self._declare(w, f"cpu +{max(0.0, gain):.2f}s in {max(0.0, elapsed):.1f}s", quiet=True)
+        if w.before is None or not w.before.frames:
+            return self._declare(w, "its stack could not be read (no dump signal or py-spy)")
+        w.gain, w.cpu_now, w.asked = gain, cpu, now
+        self.reprobe.add(r.key)
+        self.want_probe(r.job_id)
+        return now + PROBE_POLL_SECONDS
+
+    def _compare(self, w: _Watch, probe: Probe, d: Deadline, now: float) -> float | None:
+        r, before, interval = w.rank, w.before, (w.asked or now) - w.at
+        assert before is not None and w.asked is not None  # a probe is asked for only with a stack to compare
+        self.reprobe.discard(r.key)
+        if not moved(before.frames, probe.frames):
+            return self._declare(
+                w, f"cpu +{w.gain:.2f}s in {interval:.1f}s but its stack did not move ({describe(probe.frames)})"
+            )
+        ceiling_in = self.wd.ceiling_seconds - d.age
+        w.until = now + min(self.wd.floor_seconds, ceiling_in)
+        w.busy.append(
+            {"at": time.time(), "cpu_seconds": round(w.gain, 3), "interval_seconds": round(interval, 3),
+             "stack_was": describe(before.frames), "stack_is": describe(probe.frames)}
+        )  # fmt: skip
+        (log.warning if len(w.busy) == 1 else log.debug)(
+            "rank %s (pid %d): busy, not hung: cpu +%.1fs in %.1fs, stack moved (%s -> %s); %.1fs without progress "
+            "(timeout %.1fs, %s): checked again in %.1fs, stalled anyway at watchdog.ceiling_seconds (%gs)",
+            r.label, r.pid, w.gain, interval, describe(before.frames), describe(probe.frames), d.age, d.timeout,
+            d.basis, w.until - now, self.wd.ceiling_seconds,
+        )  # fmt: skip
+        w.before, w.cpu, w.at, w.asked = probe, w.cpu_now, w.asked, None
+        return w.until
+
+    def _declare(self, w: _Watch, why: str, quiet: bool = False) -> float | None:
+        """No evidence of life (or no more time for it): the rank is judged by its deadline."""
+        w.declared, w.asked = True, None
+        self.reprobe.discard(w.rank.key)
+        if w.busy or not quiet:
+            log.info("rank %s (pid %d): not busy enough to spare: %s", w.rank.label, w.rank.pid, why)
+        if w.busy:
+            w.busy[-1]["stalled_because"] = why
+        return None
+
+    def annotate(self, incident: Incident, ranks: list[Rank]) -> None:
+        """A stall's incident: the checks that found its ranks busy before they were declared."""
+        for r in ranks:
+            w = self._watch.get(r.key)
+            if w is None or w.rank is not r or not w.busy:
+                continue
+            for check in w.busy:
+                incident.event("busy_not_hung", at=check["at"], rank=r.rank,
+                               **{k: v for k, v in check.items() if k != "at"})  # fmt: skip
+            total = sum(c["cpu_seconds"] for c in w.busy)
+            incident.notes.append(
+                f"rank {r.rank} was busy, not hung, at {len(w.busy)} check(s) (cpu +{total:.1f}s, its stack moving); "
+                f"declared when {w.busy[-1].get('stalled_because', 'its evidence ran out')}"
+            )
