@@ -22,6 +22,9 @@ WATCHDOG = {
 }
 
 
+CURRENT_CLOCK: FakeClock | None = None  # set by the `clock` fixture while its test runs
+
+
 class FakeClock:
     """Monotonic time that only moves when the test says so (starts at the real monotonic
     time, so the registry's own timestamps line up with it)."""
@@ -56,7 +59,10 @@ def register(
         restart_count=restart_count,
     )
     started = procs.start_time(pid) if start_time is ... else start_time
-    return registry.register(reg, pid_start_time=started, peer_verified=True)
+    rank = registry.register(reg, pid_start_time=started, peer_verified=True)
+    if CURRENT_CLOCK is not None:  # the test's fake clock (the `clock` fixture): registered at its now
+        rank.registered_at = rank.last_progress = CURRENT_CLOCK.now
+    return rank
 
 
 def step(registry: Registry, r, n: int, clock: FakeClock, step_time: float | None = None) -> None:
