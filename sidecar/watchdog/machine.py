@@ -203,6 +203,9 @@ class _Track:
     episode: _Episode | None = None
     probe: Probe | None = None  # its stack, looked at since it turned suspect (cleared on progress)
     exited_wall: float | None = None  # wall clock: its process exited without a clean finish
+    # (its own last progress, its phase, its timeout) when it turned stalled: its progress horizon
+    # moving alone (its hooks fell silent: it may have stepped unseen) does not bring it back
+    stalled_on: tuple[float, str | None, float] | None = None
 
 
 @dataclass
@@ -379,6 +382,8 @@ class Watchdog:
             wanted, self._next_due = RankState.SUSPECT, min(self._next_due, held)
         if wanted is RankState.STARTING and track.state is RankState.HEALTHY:
             wanted = RankState.HEALTHY  # a started rank never goes back to starting
+        if track.state is RankState.STALLED and track.stalled_on == (rank.last_progress, rank.phase, d.timeout):
+            wanted = RankState.STALLED  # nothing new from it, nor a new budget: still stalled
         if wanted in (RankState.SUSPECT, RankState.STALLED) and wanted is not track.state and not check_liveness:
             if self._exited(track, now):  # a dead process is never taken for a hung one
                 return
@@ -400,6 +405,10 @@ class Watchdog:
         if new not in ALLOWED[old]:
             raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
         track.state, track.since = new, now
+        track.stalled_on = None
+        if new is RankState.STALLED:
+            r = track.rank
+            track.stalled_on = (r.last_progress, r.phase, self.deadline(r, now).timeout)
         self.counters.transitions[(old.value, new.value)] += 1
         if new is RankState.STALLED:
             self.shadow.stalled(track.rank)
