@@ -48,6 +48,10 @@ THRESHOLDS: dict[str, float | str] = {
     "storm_killed_per_hour": 3,  # watchdog kills of one job per hour that count as a storm
     "restarts_per_hour": 3,  # worker-group restarts of one job per hour (any cause)
     "exit_window": "15m",  # a rank exit of a given reason keeps its alert this long
+    # --- kills a healthy job did not need (issue 29)
+    "false_alarms_per_hour": 3,  # stalls of one job that ended by themselves within the hour: its floor is too low
+    "false_alarm_window": "1h",
+    "would_kill_window": "10m",  # a stall the observe-only watchdog would have killed keeps its alert this long
     # --- collectives (the ranks' Flight Recorder records, from the recording rules)
     "collective_still_for": "2m",  # no member of a process group enqueued or completed a collective this long: a hang
     "collective_record_stale_seconds": 30,  # a rank's record this old stopped coming (hooks send one every few seconds)
@@ -158,6 +162,16 @@ def increased(selector: str, window: str, by: str) -> str:
     )
 
 
+def counted(selector: str, window: str) -> str:
+    """How much each series of a counter grew within `window`, one result per series: `increase`
+    for a series that existed `window` ago, its highest value for one that is newer (a counter
+    created at its first event, 1, grew by 1: `increase` alone would miss that first event)."""
+    return (
+        f"(\n  increase({selector}[{window}]) and {selector} offset {window}\n"
+        f"  or max_over_time({selector}[{window}])\n)"
+    )
+
+
 LABELS_RANK = "{{ $labels.job_id }} rank {{ $labels.rank }} on {{ $labels.instance }}"
 RESTARTS = (
     "max by (job_id) (sidecar_training_restarts)\n"
@@ -175,6 +189,21 @@ GROUP_MOVED = (
 )
 # Some rank of the job advanced its step within the window.
 JOB_STEPPED = f"changes(sidecar_training_step[{T['collective_still_for']}]) > 0"
+# Stalls that ended by themselves (a pause the watchdog took for a hang). The counter counts ranks: one
+# pause of a job is a false alarm of each of its ranks on every node. Counted instead: the moments a
+# node's count for the job rose (the ranks of one pause resume together), on the node that saw the
+# most; the job's registered ranks stand for 0 on a node before its first false alarm there.
+FALSE_ALARMS = "sidecar_watchdog_false_alarms_total"
+FALSE_ALARM_MOMENTS = (
+    "max by (job_id) (\n"
+    "  changes(\n"
+    "    (\n"
+    f"      sum by (job_id, instance) ({FALSE_ALARMS})\n"
+    "      or 0 * sum by (job_id, instance) (sidecar_training_ranks_registered)\n"
+    f"    )[{T['false_alarm_window']}:]\n"
+    "  )\n"
+    ")"
+)
 NOT_PROGRESSING = 'sidecar_rank_state{state=~"suspect|stalled|remediating"} == 1'
 NODE = "max by (instance, node) (sidecar_node_info)"
 
@@ -417,6 +446,40 @@ TRAINING = Group(
             "Remediation storm in job {{ $labels.job_id }}",
             "The watchdog keeps killing this job's workers, or its storm cap suppressed a remediation: "
             "restarting does not fix the cause.",
+        ),
+        Alert(
+            "SidecarJobFalseAlarms",
+            "histogram_quantile(\n"
+            "  1,\n"
+            "  sum by (job_id, le) "
+            f"{_indent(counted('sidecar_watchdog_false_alarm_duration_seconds_bucket', window('false_alarm_window')), 2)}\n"
+            ")\n"
+            "* on (job_id) group_left (phase) (\n"
+            "  0 * topk by (job_id) (\n"
+            f"    1, sum by (job_id, phase) {_indent(counted(FALSE_ALARMS, window('false_alarm_window')), 4)}\n"
+            "  ) + 1\n"
+            ")\n"
+            f"and on (job_id) (\n  {_indent(FALSE_ALARM_MOMENTS, 2)} >= {T['false_alarms_per_hour']}\n)",
+            "warning",
+            "The watchdog keeps taking pauses of job {{ $labels.job_id }} for hangs ({{ $labels.phase }})",
+            f"Stalls of job {{{{ $labels.job_id }}}} ended by themselves at {T['false_alarms_per_hour']} or more moments "
+            f"within {window('false_alarm_window')} (sidecar_watchdog_false_alarms_total; the ranks of one pause count "
+            "once; most in phase {{ $labels.phase }}): the job pauses longer than its watchdog timeout and resumes on "
+            "its own. The longest lasted up to {{ $value | humanizeDuration }} (the upper bound of its bucket of "
+            "sidecar_watchdog_false_alarm_duration_seconds). Where the watchdog kills, such a pause is a kill the job "
+            'did not need: raise watchdog.floor_seconds above it, or declare the phase (`with mon.phase("eval"): '
+            "...`, the integrations' callbacks) so that its own budget (watchdog.phase_timeouts) judges it.",
+        ),
+        Alert(
+            "SidecarWouldHaveKilled",
+            increased("sidecar_watchdog_would_kill_total", window("would_kill_window"), "job_id"),
+            "warning",
+            "The observe-only watchdog would have killed job {{ $labels.job_id }}",
+            "The watchdog in observe-only (shadow) mode held a stall of job {{ $labels.job_id }} long enough to kill "
+            f"its worker group within the last {window('would_kill_window')} (sidecar_watchdog_would_kill_total), and "
+            "signalled nothing. Either the job hung (SidecarRankStalled follows while it stays so) or it paused and "
+            "resumes by itself (then SidecarJobFalseAlarms counts it): a kill it did not need. `sidecar incidents "
+            "--job {{ $labels.job_id }}` has the stall's stacks and phase; decide which before turning kills on.",
         ),
         Alert(
             "SidecarJobRestartLoop",

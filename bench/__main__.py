@@ -22,6 +22,7 @@ ORDER = [
     "bench_jobview",
     "bench_jobview_scale",
     "bench_hang_kinds",
+    "bench_field_pauses",
 ]
 
 

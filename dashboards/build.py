@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from alerts.build import number
+from alerts.build import counted, number, window
 from sidecar.commands import generated
 
 HERE = Path(__file__).resolve().parent
@@ -307,6 +307,50 @@ def dashboard(
 # ------------------------------------------------------------------ the dashboards
 
 
+def unneeded_kills_panel() -> dict:
+    """Stalls of the job that were (or would have been) kills it did not need: would-have-killed
+    counts of the observe-only watchdog, stalls that ended by themselves by phase, and the longest
+    of those over the last hour (seconds, right axis)."""
+    hour = window("false_alarm_window")
+    panel = timeseries(
+        "Kills a healthy job did not need",
+        [
+            (f"sum(increase(sidecar_watchdog_would_kill_total{{{JOB}}}[$__rate_interval]))", "would have killed"),
+            (
+                f"sum by (phase) (increase(sidecar_watchdog_false_alarms_total{{{JOB}}}[$__rate_interval]))",
+                "false alarm: {{phase}}",
+            ),
+            (
+                "histogram_quantile(1, sum by (le) "
+                f"{counted(f'sidecar_watchdog_false_alarm_duration_seconds_bucket{{{JOB}}}', hour)})",
+                f"longest false alarm ({hour})",
+            ),
+        ],
+        "short",
+        "Would have killed: stalls the watchdog held long enough to kill the worker group while observe-only "
+        "(shadow mode) kept it from signalling (SidecarWouldHaveKilled). False alarm: ranks whose stall ended by "
+        "itself, by the phase the rank was in (steps: none declared; one pause of the job counts each of its "
+        "ranks); the job paused longer than its timeout and was healthy (evaluation, a slow checkpoint, a data "
+        f"wait, one rank alone at work). Longest (right axis): the longest false alarm of the last {hour}, the "
+        f"upper bound of its histogram bucket. False alarms at {int(number('false_alarms_per_hour'))} or more "
+        f"moments within {hour} fire SidecarJobFalseAlarms: declare the phase or raise watchdog.floor_seconds "
+        "above the longest (docs/runbook.md).",
+        bars=True,
+        min_=0,
+    )
+    panel["fieldConfig"]["overrides"].append(
+        {
+            "matcher": {"id": "byFrameRefID", "options": "C"},
+            "properties": [
+                {"id": "unit", "value": "s"},
+                {"id": "custom.axisPlacement", "value": "right"},
+                {"id": "custom.drawStyle", "value": "line"},
+            ],
+        }
+    )
+    return panel
+
+
 def training_job() -> dict:
     ckpt_age = number("checkpoint_max_age_seconds")
     straggler = number("straggler_ratio")
@@ -399,6 +443,7 @@ def training_job() -> dict:
             bars=True,
             min_=0,
         ),
+        unneeded_kills_panel(),
         timeseries(
             "Goodput",
             [(f"job_id:sidecar_goodput:ratio1h{{{JOB}}}", "productive share, 1h")],
