@@ -34,11 +34,12 @@ def _root_on_socket(request: web.Request) -> None:
             raise ApiError(403, "forbidden", "the job view answers other sidecars (signed, over TCP) and root only")
 
 
-async def _authorize(request: web.Request, body: bytes) -> tuple[str, str] | None:
+async def _authorize(request: web.Request, body: bytes, socket_checked: bool = False) -> tuple[str, str] | None:
     """(the job's key, the request's nonce) when it came signed over TCP, None for root on the Unix
     socket; ApiError when the caller may not ask."""
-    _root_on_socket(request)
     if not _is_tcp(request):
+        if not socket_checked:
+            _root_on_socket(request)
         return None
     job_id = request.match_info["job_id"]
     verifier = _coordinator(request.app[DAEMON]).verifier(job_id)
@@ -69,7 +70,7 @@ async def report(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     _root_on_socket(request)
     data = await read_json(request)  # bounded and timed like every push
-    signed = await _authorize(request, await request.read())  # the same bytes, read once
+    signed = await _authorize(request, await request.read(), socket_checked=True)  # the same bytes, read once
     coordinator = _coordinator(d)
     parsed = parse_report(data, d.settings.limits.max_ranks_per_job)
     if parsed.job_id != request.match_info["job_id"]:

@@ -404,14 +404,12 @@ class Watchdog:
             return
         if new not in ALLOWED[old]:
             raise IllegalTransition(f"rank {track.rank.label}: {old.value} -> {new.value} ({reason})")
-        track.state, track.since = new, now
-        track.stalled_on = None
+        track.state, track.since, track.stalled_on = new, now, None
+        self.counters.transitions[(old.value, new.value)] += 1
         if new is RankState.STALLED:
             r = track.rank
             track.stalled_on = (r.last_progress, r.phase, self.deadline(r, now).timeout)
-        self.counters.transitions[(old.value, new.value)] += 1
-        if new is RankState.STALLED:
-            self.shadow.stalled(track.rank)
+            self.shadow.stalled(r)
         elif (old is RankState.STALLED and new is not RankState.REMEDIATING) or new is RankState.GONE:
             self._resumed(track, new)
         if new in (RankState.SUSPECT, RankState.STALLED):
