@@ -4,7 +4,9 @@ Environment: CYCLE_LOG (a file; one JSON line per record, appended), CYCLE_HANGS
 hang: attempts 0..CYCLE_HANGS-1 do), CYCLE_HANG_STEP (the first step after which rank CYCLE_HANG_RANK
 hangs, once it trained CYCLE_HANG_AFTER_SECONDS; or, with CYCLE_HANG_LOCAL_RANK set, that local rank
 of each node whose agent has the variable), CYCLE_HANG_MODE (`stop`: the rank SIGSTOPs itself;
-`sleep`: it sleeps forever; `spin`: a Python busy loop; `kill`: it SIGKILLs itself).
+`sleep`: it sleeps forever; `spin`: a Python busy loop; `kill`: it SIGKILLs itself; `work`: not a hang
+but a pause, the rank computes in Python alone for CYCLE_WORK_SECONDS (default 10) while its peers
+wait in their next collective, then trains on).
 
 Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
 attempt, {"kind": "hang", ...} just before the hang, {"kind": "done", ...} at the end.
@@ -59,6 +61,11 @@ class Chaos:
             and self.attempt < self.hangs
         ):
             self.record("hang", step=step)
+            if self.mode == "work":
+                self.hangs = 0  # once
+                _work(float(os.environ.get("CYCLE_WORK_SECONDS", "10")))
+                self.record("worked", step=step)
+                return
             if self.mode == "kill":  # a crash instead of a hang: torchrun alone restarts the group
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "stop":
@@ -70,3 +77,13 @@ class Chaos:
 
     def done(self) -> None:
         self.record("done")
+
+
+def _work(seconds: float) -> int:
+    """Work a rank does alone (preparing the next shard, an evaluation on rank 0): Python, in
+    several functions, its CPU time growing."""
+    end, total = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        words = [str(i * 7919 % 10007) for i in range(2000)]
+        total += len(sorted(words)) + sum(map(len, words)) + len(json.dumps(words))
+    return total

@@ -272,13 +272,15 @@ class Coordinator:
         changed = lost != v.lost_nodes
         v.lost_nodes = lost[:64]
         if v.culprit is not None and (v.culprit.rank is not None or not lost):
-            return changed
+            return self._busy_changed(job, v.culprit) or changed
         gone = set(lost)
         fresh = [s for node, s in job.summaries.items() if node not in gone]
         probing = job.probing is not None and not job.probing.done()
         force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS and not probing
         silent = [node for node, (_, at) in job.reports.items() if at < incident.opened_mono]
         culprit = judge_summaries(fresh, lost, force=force, silent=silent, stale_after=self.stale_after, now=now)
+        if culprit is not None:
+            culprit.busy = _busy(job, culprit)
         if culprit is not None and culprit != v.culprit:
             if culprit.kind == "collective_mismatch" and culprit.collective is not None:
                 culprit.collective["repeat"] = _repeats(job, culprit)
@@ -292,6 +294,20 @@ class Coordinator:
                 log.info("job %s: the collective records did not decide it: %s", job.job_id, _records_said(fresh, now))
             return True
         return changed
+
+    def _busy_changed(self, job: _Job, culprit: Culprit) -> bool:
+        """The named rank's node finds it busy, not hung (or no longer): every node is told, and
+        none kills while it is so (its node judges it again every check, up to the ceiling)."""
+        busy = _busy(job, culprit)
+        if busy == culprit.busy:
+            return False
+        culprit.busy = busy
+        log.warning(
+            "job %s: rank %s on %s is %s", job.job_id, culprit.rank, culprit.node,
+            "busy, not hung (its CPU time grows, its stack moves): no node kills while it is so" if busy
+            else "no longer busy",
+        )  # fmt: skip
+        return True
 
     def _maybe_close(self, job: _Job, incident: _Incident, now: float) -> bool:
         """An incident closes once every fresh report is untroubled for a report round, with
@@ -428,6 +444,11 @@ class Coordinator:
         if job.probing is not None:
             job.probing.cancel()
         job.changed.set()  # long-polls of it answer now
+
+
+def _busy(job: _Job, culprit: Culprit) -> bool:
+    s = job.summaries.get(culprit.node)
+    return s is not None and culprit.rank is not None and culprit.rank in s.busy
 
 
 def _repeats(job: _Job, culprit: Culprit) -> bool:

@@ -44,6 +44,7 @@ class Summary:
     first_exit: RankView | None = None  # its rank that exited first, recently
     recorded: list[RankView] = field(default_factory=list)  # its live ranks with a collective record
     received: float | None = None  # the judge's clock when the report arrived (records' ages are as of then)
+    busy: list[int] = field(default_factory=list)  # its ranks busy, not hung (RankView.busy)
 
 
 def _step(r: RankView) -> int:
@@ -64,6 +65,8 @@ def summarize(report: NodeReport, received: float | None = None) -> Summary:
             s.behind.append(r)
         s.waiting += bool(r.waiting)
         s.stalled = s.stalled or r.troubled
+        if r.busy:
+            s.busy.append(r.rank)
         if r.collectives is not None:
             s.recorded.append(r)
     return s

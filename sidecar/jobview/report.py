@@ -41,6 +41,7 @@ class RankView:
     exited_at: float | None = None  # wall clock: its process exited (not a clean finish), recently
     collectives: Collectives | None = None  # its Flight Recorder summary (sidecar/ranks/collectives.py)
     collectives_age: float | None = None  # seconds since its node received that record, at the report's time
+    busy: bool = False  # past its deadline, but its CPU time grows and its stack moves (watchdog/liveness.py)
 
     @property
     def troubled(self) -> bool:
@@ -113,6 +114,7 @@ class Culprit:
     evidence: str = "stacks"
     # kind rank_late/collective_*: {"pg", "desc", "seq", "op", "sizes", "nodes", "ranks", "ops", "repeat"}
     collective: dict[str, Any] | None = None
+    busy: bool = False  # its node finds it busy, not hung: no node kills while it is so (machine._hold_while_alive)
 
 
 @dataclass
@@ -185,13 +187,13 @@ def _well_formed(obj: Any) -> RankView | None:
         return None
     rank, local, state, step = obj.get("rank"), obj.get("local_rank"), obj.get("state"), obj.get("step")
     age, waiting, exited = obj.get("progress_age_seconds"), obj.get("waiting"), obj.get("exited_at")
-    phase, top = obj.get("phase"), obj.get("stack_top")
+    phase, top, busy = obj.get("phase"), obj.get("stack_top"), obj.get("busy", False)
     if not (
         type(rank) is int and 0 <= rank <= MAX_RANK and type(local) is int and 0 <= local <= MAX_RANK
         and state in _STATES and (step is None or (type(step) is int and 0 <= step <= _MAX_STEP))
         and _seconds_value(age) and (waiting is None or type(waiting) is bool)
         and (exited is None or _seconds_value(exited))
-        and _plain_text(phase) and _plain_text(top)
+        and _plain_text(phase) and _plain_text(top) and type(busy) is bool
     ):  # fmt: skip
         return None
     assert isinstance(age, (int, float))  # _seconds_value checked it
@@ -200,7 +202,7 @@ def _well_formed(obj: Any) -> RankView | None:
         return None
     return RankView(
         rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited),
-        parse_collectives(obj.get("collectives")), None if coll_age is None else float(coll_age),
+        parse_collectives(obj.get("collectives")), None if coll_age is None else float(coll_age), busy,
     )  # fmt: skip
 
 
@@ -228,6 +230,7 @@ def _rank_view(obj: Any, where: str) -> RankView:
             None if obj.get("collectives_age") is None
             else _seconds(obj, "collectives_age", f"{where}.collectives_age")
         ),
+        busy=bool(_bool(obj, "busy", f"{where}.busy")),
     )  # fmt: skip
 
 
@@ -333,6 +336,7 @@ def parse_verdict(data: Any) -> Verdict | None:
             kind=_choice(raw, "kind", "culprit.kind", KINDS, "rank_running"),
             evidence=_choice(raw, "evidence", "culprit.evidence", EVIDENCE, "stacks"),
             collective=_collective(raw.get("collective")),
+            busy=bool(_bool(raw, "busy", "culprit.busy")),
         )
 
     def names(key: str, limit: int) -> list[str]:

@@ -29,7 +29,7 @@ from sidecar.jobview.report import NO_RANK_KINDS, Culprit, NodePart, RankView, V
 
 PART_EVENTS = frozenset(
     {"detected", "dumps_requested", "dumps_received", "verdict", "sigterm", "sigkill", "exit_observed",
-     "left_to_launcher", "restarted_by_launcher", "still_running"}
+     "left_to_launcher", "restarted_by_launcher", "still_running", "held_busy", "resumed_by_itself"}
 )  # fmt: skip
 
 
@@ -114,7 +114,7 @@ def part_of(incident: Incident, outcome: str) -> NodePart:
 
 def rank_view(
     rank: int, local_rank: int, state: str, step: int | None, phase: str | None, age: float, probe: Probe | None,
-    exited_at: float | None = None,
+    exited_at: float | None = None, busy: bool = False,
 ) -> RankView:  # fmt: skip
     return RankView(
         rank=rank,
@@ -126,6 +126,7 @@ def rank_view(
         waiting=probe.waiting if probe is not None else None,
         stack_top=probe.stack_top if probe is not None else None,
         exited_at=exited_at,
+        busy=busy,
     )
 
 

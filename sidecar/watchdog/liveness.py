@@ -7,10 +7,13 @@ needs both:
 
 - CPU: its process's CPU time (utime + stime of /proc/<pid>/stat, `procs.cpu_seconds`) grew by at
   least BUSY_CPU_SHARE of one core since it turned suspect (or since the previous check);
-- a moving stack: a second look at its main thread's Python stack (the watchdog's stack probe: the
-  hooks' faulthandler dump, py-spy's in observe-only mode), taken at the deadline, differs from the
-  one taken when it turned suspect (or at the previous check). A stack that is identical, or differs
-  only in the line of the same innermost function, has not moved.
+- a moving stack: a look at its main thread's Python stack (the watchdog's stack probe: the hooks'
+  faulthandler dump, py-spy's in observe-only mode) taken at the deadline, or one of the
+  INTERIM_LOOKS taken between suspect and deadline while its CPU time grew, differs from the one
+  taken when it turned suspect (or at the previous check). A stack that is identical, or differs
+  only in the line of the same innermost function, has not moved. Two looks alone miss real work
+  that spends most of its time in one function's C calls (a tokenizer loop that builds tensors):
+  the looks in between sample its Python callees too, without delaying the verdict on a hang.
 
 A hang shows at most one: a stopped process (SIGSTOP) and a rank blocked on a lock or waiting in a
 collective use no CPU, and are declared at the deadline from one /proc read, as before; a busy
@@ -41,6 +44,8 @@ from sidecar.watchdog.timeouts import Deadline
 log = logging.getLogger(__name__)
 
 BUSY_CPU_SHARE = 0.2  # of one core: the least CPU a busy rank uses between two checks
+INTERIM_LOOKS = 6  # stack looks between two checks of a rank whose CPU time grows (before its deadline too)
+MIN_LOOKS = 4  # a still stack is trusted after this many looks (more are taken past the deadline if need be)
 PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
 Frames = tuple[tuple[str, str, int], ...]
 
@@ -77,6 +82,9 @@ class _Watch:
     until: float | None = None  # busy: not checked again before this clock time
     declared: bool = False  # judged hung (or out of time): no more checks until it progresses
     busy: list[dict] = field(default_factory=list)  # each check that found it busy (its incident's timeline)
+    seen: list[Probe] = field(default_factory=list)  # looks taken since `before` (INTERIM_LOOKS)
+    next_look: float = 0.0  # watchdog clock: the next look in between, if its CPU time still grows
+    checked_at: float | None = None  # the check's start (w.asked moves on with looks past the deadline)
 
 
 class Liveness:
@@ -126,20 +134,57 @@ class Liveness:
             w = self._watch[key] = _Watch(rank, cpu, now)
         if w.before is None and probe is not None:
             w.before = probe  # the probe taken when it turned suspect
-        if d.age < d.timeout or w.declared:
+        elif probe is not None and w.asked is None and w.before is not None and probe.at > w.before.at:
+            if all(probe is not p for p in w.seen):  # a look in between (a check's own are taken by _compare)
+                w.seen = [*w.seen[-(INTERIM_LOOKS - 1) :], probe]
+        if w.declared:
+            return None
+        if d.age < d.timeout:
+            self._look_between(w, now, w.at + (d.timeout - suspect_at))
             return None
         if d.age >= self.wd.ceiling_seconds:
             ceiling = self.wd.ceiling_seconds
             return self._declare(w, f"watchdog.ceiling_seconds ({ceiling:g}s) passed since its progress", quiet=True)
         if w.until is not None and now < w.until:
+            self._look_between(w, now, w.until)
             return w.until
         if w.asked is None:
             return self._check(w, now)
-        if probe is not None and probe.at >= w.asked and probe is not w.before:
+        if probe is not None and probe.at >= w.asked and probe is not w.before and all(probe is not p for p in w.seen):
             return self._compare(w, probe, d, now)
         if now - w.asked < self.probe_wait:
+            self.want_probe(w.rank.job_id)  # again, if a probe came back without its dump (one runs at a time)
             return now + PROBE_POLL_SECONDS
         return self._declare(w, f"no second look at its stack within {self.probe_wait:g}s")
+
+    def _look_between(self, w: _Watch, now: float, check_at: float) -> None:
+        """While its CPU time grows, ask for INTERIM_LOOKS looks at its stack, evenly spread up to
+        the next check (a stopped or waiting rank, without CPU, costs no look)."""
+        if w.before is None or not w.before.frames or now < w.next_look or w.asked is not None:
+            return
+        if len(w.seen) >= INTERIM_LOOKS:
+            return
+        span = max(0.0, check_at - w.at)
+        w.next_look = now + span / (INTERIM_LOOKS + 1)
+        cpu = self.cpu(w.rank.pid, w.rank.pid_start_time)
+        elapsed = now - w.at
+        if cpu is None or elapsed <= 0 or (cpu - w.cpu) < BUSY_CPU_SHARE * elapsed:
+            return
+        self.reprobe.add(w.rank.key)
+        self.want_probe(w.rank.job_id)
+
+    def alive(self, key: RankKey, now: float) -> bool:
+        """Whether a suspect rank shows life the watchdog has not finished judging: found busy at
+        its last check, being checked, or its CPU time growing since it turned suspect. A stall of
+        its job is not acted on meanwhile (its peers may only be waiting for it)."""
+        w = self._watch.get(key)
+        if w is None or w.declared or not self.wd.busy_is_alive:
+            return False
+        if w.busy or w.asked is not None:
+            return True
+        cpu = self.cpu(w.rank.pid, w.rank.pid_start_time)
+        elapsed = now - w.at
+        return cpu is not None and elapsed > 0 and (cpu - w.cpu) >= BUSY_CPU_SHARE * elapsed
 
     def _check(self, w: _Watch, now: float) -> float | None:
         """A check begins: the CPU first (a hang without CPU is declared now, without waiting for
@@ -158,26 +203,47 @@ class Liveness:
         return now + PROBE_POLL_SECONDS
 
     def _compare(self, w: _Watch, probe: Probe, d: Deadline, now: float) -> float | None:
-        r, before, interval = w.rank, w.before, (w.asked or now) - w.at
+        r, before = w.rank, w.before
+        if w.checked_at is None:
+            w.checked_at = w.asked
+        interval = (w.checked_at or now) - w.at
         assert before is not None and w.asked is not None  # a probe is asked for only with a stack to compare
         self.reprobe.discard(r.key)
-        if not moved(before.frames, probe.frames):
+        shown = next((p for p in (*w.seen, probe) if moved(before.frames, p.frames)), None)
+        if shown is None and len(w.seen) + 1 < MIN_LOOKS:  # too few looks to trust a still stack (a loaded node)
+            w.seen.append(probe)
+            w.asked = now
+            self.reprobe.add(r.key)
+            self.want_probe(r.job_id)
+            return now + PROBE_POLL_SECONDS
+        if shown is None:
+            looks = f"{len(w.seen) + 1} looks" if w.seen else "one look"
             return self._declare(
-                w, f"cpu +{w.gain:.2f}s in {interval:.1f}s but its stack did not move ({describe(probe.frames)})"
-            )
+                w, f"cpu +{w.gain:.2f}s in {interval:.1f}s but its stack did not move in {looks} "
+                f"({describe(probe.frames)})",
+            )  # fmt: skip
         ceiling_in = self.wd.ceiling_seconds - d.age
         w.until = now + min(self.wd.floor_seconds, ceiling_in)
         w.busy.append(
             {"at": time.time(), "cpu_seconds": round(w.gain, 3), "interval_seconds": round(interval, 3),
-             "stack_was": describe(before.frames), "stack_is": describe(probe.frames)}
+             "stack_was": describe(before.frames), "stack_is": describe(shown.frames)}
         )  # fmt: skip
         (log.warning if len(w.busy) == 1 else log.debug)(
             "rank %s (pid %d): busy, not hung: cpu +%.1fs in %.1fs, stack moved (%s -> %s); %.1fs without progress "
             "(timeout %.1fs, %s): checked again in %.1fs, stalled anyway at watchdog.ceiling_seconds (%gs)",
-            r.label, r.pid, w.gain, interval, describe(before.frames), describe(probe.frames), d.age, d.timeout,
+            r.label, r.pid, w.gain, interval, describe(before.frames), describe(shown.frames), d.age, d.timeout,
             d.basis, w.until - now, self.wd.ceiling_seconds,
         )  # fmt: skip
-        w.before, w.cpu, w.at, w.asked = probe, w.cpu_now, w.asked, None
+        checked = w.checked_at if w.checked_at is not None else now
+        w.before, w.cpu, w.at, w.asked, w.seen, w.next_look, w.checked_at = (
+            probe,
+            w.cpu_now,
+            checked,
+            None,
+            [],
+            0.0,
+            None,
+        )
         return w.until
 
     def _declare(self, w: _Watch, why: str, quiet: bool = False) -> float | None:

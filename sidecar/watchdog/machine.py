@@ -137,7 +137,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "unverified (registered by unverified callers: never signalled), not_killed_no_restart (nothing would "
         "restart the ranks: no launcher, or torchrun's restarts used up; stacks dumped, no signal to end them; "
         "remediation.kill_without_restart), left_to_launcher (the culprit was on another node: torchrun stopped "
-        "this node's waiting ranks), failed (no rank could be signalled, or remediation itself failed).",
+        "this node's waiting ranks), resumed (a rank of the job was busy, not hung: the stall was held and the "
+        "job progressed again, nothing killed), failed (no rank could be signalled, or remediation itself failed).",
         ["job_id", "outcome"],
     ),
     spec("watchdog", "watchdog_transitions", "counter", "Rank state transitions.", ["from_state", "to_state"]),
@@ -219,6 +220,7 @@ class _Episode:
     outcome: str = "pending"
     suppressed: bool = False
     stacks_done: bool = False  # this node's stacks of the stall are dumped (the job view waits for it)
+    holding: bool = False  # a rank of the job here is busy, not hung: no kill while it is judged
 
 
 @dataclass
@@ -433,7 +435,8 @@ class Watchdog:
             self.liveness.forget(track.rank.key)
             return
         episode = track.episode or self._episodes.get(track.rank.job_id)
-        note = self.shadow.resumed(track.rank, killing=episode is not None and episode.outcome == "pending")
+        killing = episode is not None and episode.outcome == "pending" and not episode.holding
+        note = self.shadow.resumed(track.rank, killing=killing)
         if note is not None and episode is not None:
             episode.incident.notes.append(note)
             if episode.task is None or episode.task.done():
@@ -538,7 +541,8 @@ class Watchdog:
             )
             return
         log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, why, len(members))
-        self._begin_kill(episode, now)
+        if not any(self.liveness.alive(t.rank.key, now) for t in members):
+            self._begin_kill(episode, now)  # else the task holds first (_hold_while_alive)
         episode.task = asyncio.get_running_loop().create_task(
             self._remediate(episode, targets), name=f"remediate-{job_id}"
         )
@@ -580,7 +584,7 @@ class Watchdog:
             refine_blame(incident)
             await self._collectives(episode)
             await self._attach_links(incident)
-            outcome = await self._kill(episode, targets)
+            outcome = "resumed" if await self._hold_while_alive(episode) else await self._kill(episode, targets)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # remediation bugs must not take the watchdog down
@@ -663,7 +667,9 @@ class Watchdog:
                     )  # fmt: skip
                 )
             self.store.save(incident)
-            if here:
+            if here and await self._hold_while_alive(episode):
+                outcome = "resumed"
+            elif here:
                 dumped = await jv.wait_for(job_id, everyone_dumped, wait)
                 if not everyone_dumped(dumped):
                     missing = dumped.not_dumped if dumped is not None else []
@@ -683,6 +689,48 @@ class Watchdog:
             outcome = "failed"
         self._end_remediation(episode, outcome)
 
+    async def _hold_while_alive(self, episode: _Episode) -> bool:
+        """Before a kill: while a rank of the job here shows life the watchdog has not finished
+        judging (`Liveness.alive`: busy at its last check, being checked, or its CPU time growing),
+        the stalled ranks may only be waiting for it (a barrier while rank 0 works alone). Hold until
+        it is judged hung (at the latest watchdog.ceiling_seconds after its progress) or the job
+        progresses again. True: the stall ended by itself, nothing is killed."""
+        incident, interval = episode.incident, self.settings.watchdog.check_interval_seconds
+        held_at: float | None = None
+        while True:
+            now = self.clock()
+            mine = [t for key in episode.keys if (t := self._tracks.get(key)) is not None and t.episode is episode]
+            if not any(t.state in (RankState.STALLED, RankState.REMEDIATING) for t in mine):
+                if held_at is not None:
+                    incident.event("resumed_by_itself", held_seconds=round(now - held_at, 3))
+                    incident.notes.append(
+                        f"not killed: the job progressed again {now - held_at:.1f}s into the hold for its busy rank(s)"
+                    )
+                    log.warning("job %s: progressing again after %.1fs; not killed", episode.job_id, now - held_at)
+                return True
+            alive = [t for t in mine if t.state is RankState.SUSPECT and self.liveness.alive(t.rank.key, now)]
+            if not alive:
+                episode.holding = False
+                if held_at is not None:
+                    incident.event("hold_ended", held_seconds=round(now - held_at, 3))
+                return False
+            if held_at is None:
+                held_at, episode.holding = now, True
+                busy = ", ".join(str(t.rank.rank) for t in alive)
+                waiting = ", ".join(str(t.rank.rank) for t in mine if t.state is RankState.STALLED)
+                incident.event("held_busy", busy_ranks=[t.rank.rank for t in alive])
+                incident.notes.append(
+                    f"held: rank(s) {busy} busy (CPU time growing, stack moving) while rank(s) {waiting} waited; "
+                    f"judged again every check, stalled anyway at watchdog.ceiling_seconds"
+                )
+                self.store.save(incident)
+                log.warning(
+                    "job %s: rank(s) %s stalled, rank(s) %s busy, not hung: no kill while the busy rank(s) are "
+                    "judged (stalled anyway at watchdog.ceiling_seconds, %gs)",
+                    episode.job_id, waiting, busy, self.settings.watchdog.ceiling_seconds,
+                )  # fmt: skip
+            await asyncio.sleep(interval)
+
     async def _leave_to_launcher(self, episode: _Episode, targets: list[Target]) -> str:
         """The culprit is on another node: its node kills its group, torchrun's agents then stop
         the others for the re-rendezvous. Wait for that; kill here only past the grace."""
@@ -701,9 +749,24 @@ class Watchdog:
                 and t.state in (RankState.SUSPECT, RankState.STALLED)
             ]  # fmt: skip
             if not waiting:
+                mine = [t for key in episode.keys if (t := self._tracks.get(key)) is not None and t.episode is episode]
+                if episode.holding and mine and all(t.state is RankState.HEALTHY for t in mine):
+                    incident.event("resumed_by_itself")
+                    incident.notes.append("not killed: the job progressed again once its busy rank was done")
+                    return "resumed"
                 incident.event("restarted_by_launcher")
                 return "left_to_launcher"
-            if self.clock() >= deadline:
+            verdict = self.job_view.verdict(episode.job_id) if self.job_view is not None else None
+            # bounded by the ceiling since this node's own ranks progressed: the word of another node
+            # (whoever holds the job's key) may delay its own job's recovery, never forever
+            below_ceiling = max(self.deadline(t.rank).age for t in waiting) < self.settings.watchdog.ceiling_seconds
+            if verdict is not None and verdict.culprit is not None and verdict.culprit.busy and below_ceiling:
+                if not episode.holding:
+                    episode.holding = True  # its node holds it (and so does this one): a pause, not a hang
+                    incident.event("held_busy", busy_ranks=[verdict.culprit.rank])
+                    self.store.save(incident)
+                deadline = self.clock() + grace  # the grace counts from when it is no longer busy
+            elif self.clock() >= deadline:
                 break
             await asyncio.sleep(interval)
         left = {t.rank.rank for t in waiting}
@@ -775,7 +838,8 @@ class Watchdog:
 
     def _start_probes(self) -> None:
         """One probe per job at a time: the stacks of its suspect and stalled ranks not probed yet
-        and not being remediated (an episode dumps its own)."""
+        and not being remediated (an episode dumps its own), and of those the liveness check wants
+        another look at (also while their job's episode holds for them)."""
         for job_id in sorted(self._probe_wanted):
             running = self._probes.get(job_id)
             if running is not None and not running.done():
@@ -784,7 +848,8 @@ class Watchdog:
             tracks = [
                 t for t in self._tracks.values() if t.rank.job_id == job_id
                 and (t.probe is None or self.liveness.wants_probe(t.rank.key))
-                and t.state in (RankState.SUSPECT, RankState.STALLED) and t.episode is None
+                and t.state in (RankState.SUSPECT, RankState.STALLED)
+                and (t.episode is None or self.liveness.wants_probe(t.rank.key))
             ]  # fmt: skip
             if tracks:
                 self._probes[job_id] = asyncio.get_running_loop().create_task(
@@ -852,7 +917,8 @@ class Watchdog:
             if t.state is RankState.GONE and exited is None:
                 continue
             age = now - r.last_progress
-            view = rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited)
+            busy = t.state is RankState.SUSPECT and self.liveness.alive(r.key, now)
+            view = rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited, busy)
             if r.collectives is not None and t.state is not RankState.GONE:
                 view.collectives, view.collectives_age = r.collectives, round(r.collectives_age(now) or 0.0, 3)
             ranks.append(view)

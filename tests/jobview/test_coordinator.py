@@ -37,6 +37,26 @@ def test_every_node_of_a_stall_gets_the_same_job_incident_and_culprit():
     assert (v2.nodes, v2.dumped) == (3, 0) and v2.not_dumped == ["node-0", "node-1", "node-2"]
 
 
+def test_a_culprit_its_node_finds_busy_is_marked_so_for_every_node_and_unmarked_when_it_is_not():
+    """Issue 29: a rank named (here by its stack: not waiting while its peers wait) whose node
+    finds it busy, not hung: the verdict says so, and changes (a new version) when it no longer is."""
+    clock = Clock()
+    c = coordinator(clock)
+    c.accept(report("node-0", rank(0)))
+    v = c.accept(report("node-1", rank(1, waiting=False)))
+    assert v is not None and v.culprit is not None and v.culprit.rank == 1 and not v.culprit.busy
+    version = v.version
+    clock.now += 1.0
+    busy = rank(1, waiting=False)
+    busy.busy = True
+    v = c.accept(report("node-1", busy))
+    assert v is not None and v.culprit is not None and v.culprit.busy and v.culprit.rank == 1
+    assert v.version > version
+    clock.now += 1.0
+    v = c.accept(report("node-1", rank(1, waiting=False)))
+    assert v is not None and v.culprit is not None and not v.culprit.busy
+
+
 def test_a_job_without_a_rank_on_this_node_is_refused():
     c = coordinator(Clock())
     with pytest.raises(CoordinatorError) as e:

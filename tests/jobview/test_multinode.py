@@ -113,3 +113,24 @@ def test_a_lost_node_is_named_by_the_survivors_and_the_job_comes_back_without_it
         statuses = [n.status()["exits"]["recent"] for n in survivors]
         failed = [r for recent in statuses for r in recent if r["job_id"] == "jv" and r["reason"] != "finished"]
         assert failed and all(r["role"] == "consequence" for r in failed), failed
+
+
+def test_a_rank_working_alone_on_one_node_while_the_others_wait_is_held_on_every_node(tmp_path):
+    """Not a hang (issue 29): node-1's local rank 1 computes in Python for 10 s at step 12 while
+    the other ranks wait in their all-reduce past the 3 s floor. Its node finds it busy, the
+    coordinator's verdict says so, and no node kills: node-1 holds its stall, the others do not
+    take their ranks back after job_view.launcher_grace_seconds (2 s here, so that before, node-0
+    and node-2 killed their waiting ranks 2 s after the verdict). One attempt, and the job ends."""
+    spec = hang_on_the_middle_node("work", tmp_path)
+    spec.sidecar.extra = ["job_view.verdict_wait_seconds=2", "job_view.launcher_grace_seconds=2"]
+    with Cluster(spec, tmp_path) as cluster:
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+        recs = records(tmp_path)
+        assert codes == [0, 0, 0], explain(cluster)
+        assert [r for r in recs if r["kind"] == "worked"], recs  # the pause did happen
+        assert {r["attempt"] for r in recs} == {0}, explain(cluster)  # nothing was restarted
+        logs = {n.spec.name: cluster.log(n, "sidecar").read_text(errors="replace") for n in cluster.nodes}
+        assert not any("SIGTERM" in text for text in logs.values()), explain(cluster)
+        assert "busy, not hung" in logs["node-1"], explain(cluster)
+        stalled_elsewhere = [n for n in ("node-0", "node-2") if "-> stalled" in logs[n]]
+        assert stalled_elsewhere, explain(cluster)  # their ranks did wait past the floor

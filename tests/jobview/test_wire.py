@@ -33,6 +33,7 @@ def test_a_report_survives_the_round_trip():
         ({"ranks": [{"rank": -1}]}, "ranks[0]"),
         ({"ranks": [{**wire()["ranks"][0], "state": "dancing"}]}, "ranks[0].state"),
         ({"ranks": [{**wire()["ranks"][0], "waiting": "yes"}]}, "ranks[0].waiting"),
+        ({"ranks": [{**wire()["ranks"][0], "busy": 1}]}, "ranks[0].busy"),
         ({"time": "now"}, "time"),
         (
             {"part": {"incident": "x", "outcome": "killed", "timeline": [{"event": "e", "time": -1}]}},
@@ -44,6 +45,34 @@ def test_a_bad_report_is_refused_naming_the_field(changes, field):
     with pytest.raises(ProtocolError) as e:
         parse_report(wire(**changes), max_ranks=8)
     assert str(e.value).startswith(field), str(e.value)
+
+
+def test_a_busy_rank_and_a_busy_culprit_survive_the_round_trip_and_default_to_not_busy():
+    busy = wire(ranks=[{**wire()["ranks"][0], "busy": True}])
+    assert parse_report(busy, max_ranks=8).ranks[0].busy is True
+    older = wire(ranks=[{k: v for k, v in wire()["ranks"][0].items() if k != "busy"}])  # a peer before issue 29
+    assert parse_report(older, max_ranks=8).ranks[0].busy is False
+    verdict = {
+        "job_id": "j1",
+        "job_incident": "x",
+        "version": 1,
+        "opened": 1.0,
+        "culprit": {
+            "rank": 0,
+            "node": "node-0",
+            "step": 3,
+            "phase": None,
+            "stack_top": None,
+            "kind": "rank_late",
+            "evidence": "collectives",
+            "busy": True,
+        },
+    }
+    parsed = parse_verdict(verdict)
+    assert parsed is not None and parsed.culprit is not None and parsed.culprit.busy is True
+    with pytest.raises(ProtocolError) as e:
+        parse_verdict({**verdict, "culprit": {**verdict["culprit"], "busy": "yes"}})
+    assert "culprit.busy" in str(e.value)
 
 
 def test_a_report_with_more_ranks_than_the_limit_is_too_large():

@@ -9,7 +9,7 @@ import pytest
 
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.coordination import Probe
-from sidecar.watchdog.liveness import Liveness, moved
+from sidecar.watchdog.liveness import MIN_LOOKS, Liveness, moved
 from sidecar.watchdog.machine import Watchdog
 from sidecar.watchdog.stackdumps import main_frames
 from sidecar.watchdog.timeouts import Deadline
@@ -109,22 +109,56 @@ def test_the_ceiling_since_its_progress_ends_the_reprieve(world):
 
 
 def test_a_hang_without_cpu_is_declared_at_its_deadline_without_a_second_look(world):
-    """SIGSTOP, a lock, a collective: no CPU. One /proc read, no probe, no delay."""
+    """SIGSTOP, a lock, a collective: no CPU. One /proc read, no probe (none in between either), no delay."""
     w = world()
     suspect = Probe(False, None, 5.0, A)
     w.hold(5.0, 5.0, suspect)
-    w.cpu_seconds += 0.5  # 10% of a core: the hooks' thread, the probe's own dump
+    w.cpu_seconds += 0.2
+    assert w.hold(7.5, 7.5, suspect) is None  # between suspect and deadline: no CPU to speak of, no look
+    w.cpu_seconds += 0.3  # 10% of a core: the hooks' thread, the probe's own dump
     assert w.hold(10.0, 10.0, suspect) is None
     assert w.asked == []
+    assert not w.live.alive(w.rank.key, 10.0)
 
 
-def test_a_busy_loop_is_declared_when_its_second_look_shows_the_same_function(world):
+def test_a_busy_loop_is_declared_once_enough_looks_show_the_same_function(world, caplog):
+    """CPU, and a stack that holds still at every look: `while True: x += 1`. One look is not
+    enough to trust (a tokenizer loop's C calls look the same at most looks): MIN_LOOKS are."""
+    caplog.set_level("INFO")
     w = world()
     suspect = Probe(False, None, 5.0, A)
     w.hold(5.0, 5.0, suspect)
     w.cpu_seconds += 5.0
     assert w.hold(10.0, 10.0, suspect) is not None
-    assert w.hold(10.1, 10.1, Probe(False, None, 10.05, A_NEXT_LINE)) is None
+    now = 10.0
+    for _ in range(MIN_LOOKS - 1):  # too few looks yet: another is asked for each time
+        now += 0.1
+        assert w.hold(now, now, Probe(False, None, now - 0.05, A_NEXT_LINE)) == pytest.approx(now + 0.05)
+        assert w.live.alive(w.rank.key, now)  # being checked: its job's stall waits for the verdict
+    now += 0.1
+    assert w.hold(now, now, Probe(False, None, now - 0.05, A_NEXT_LINE)) is None
+    assert f"its stack did not move in {MIN_LOOKS} looks" in caplog.text
+    assert not w.live.alive(w.rank.key, now)
+
+
+def test_a_look_in_between_that_moved_spares_work_spent_mostly_in_one_function(world, caplog):
+    """A rank whose CPU time grows while suspect is looked at in between too: one of those looks
+    in another function is enough, though every look at the deadline lands on the same line
+    (bench_field_pauses' barrier pause: a shard prepared in one function, mostly in C calls)."""
+    w = world()
+    suspect = Probe(False, None, 5.0, A)
+    assert w.hold(5.0, 5.0, None) is None
+    assert w.hold(5.2, 5.2, suspect) is None  # its first probe: no CPU gained yet, no look
+    assert w.asked == []
+    w.cpu_seconds += 0.5
+    assert w.hold(6.0, 6.0, suspect) is None and w.asked == ["job"]  # CPU grows: a look in between
+    assert w.live.alive(w.rank.key, 6.0)  # CPU growing while suspect: alive, not judged yet
+    assert w.hold(6.2, 6.2, Probe(False, None, 6.1, B)) is None  # that look: another function
+    w.cpu_seconds += 3.5
+    assert w.hold(10.0, 10.0, Probe(False, None, 6.1, B)) is not None  # the check at the deadline
+    assert w.hold(10.1, 10.1, Probe(False, None, 10.05, A_NEXT_LINE)) == pytest.approx(20.1)  # busy
+    assert "stack moved (evaluate (train.py:40) -> score (train.py:12))" in caplog.text
+    assert w.live.alive(w.rank.key, 10.1)
 
 
 def test_a_rank_whose_stack_cannot_be_read_has_no_evidence(world):
