@@ -8,8 +8,11 @@
 
 On the training thread a call appends one tuple to a bounded deque and returns: no lock, no
 copy, no I/O, no formatting, no tensor access (a tensor is stored as a reference and read by
-the sender thread). Everything else happens on the sender thread (`sender.py`). Every call
-swallows its own errors: the hooks never raise into training.
+the sender thread). A step with a CUDA tensor also records a CUDA event on that tensor's stream
+(about 10 us on an H200 host, no synchronisation): the sender reads the values once the event
+says the GPU has computed them, never waiting behind the work queued on the GPU. Everything
+else happens on the sender thread (`sender.py`). Every call swallows its own errors: the hooks
+never raise into training.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import sys
 import time
 import weakref
 from collections import deque
@@ -25,7 +29,7 @@ from typing import Any
 
 from trainer_hooks import collectives, distributed, environment, exits, jobview, pauses, stacks
 from trainer_hooks.errors import warn
-from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, STEP
+from trainer_hooks.records import EVENT, PHASE_END, PHASE_START, PLAIN_TYPES, STEP, gpu_device
 from trainer_hooks.sender import Sender, Tuning
 from trainer_hooks.wire import STEP_GAP_SEND_SECONDS, THREAD_EXCEPTION_EVENT
 
@@ -33,6 +37,9 @@ DEFAULT_BUFFER_SIZE = 10_000
 CLOSE_BUDGET_SECONDS = 0.8
 _FROM_ENV: Any = object()
 _time = time.time
+# A step whose metrics are all of these types costs one `in` per metric beyond the append; any
+# other type (a tensor, a numpy number) is looked at for a CUDA tensor (_mark_gpu).
+_PLAIN = PLAIN_TYPES
 
 
 def _nothing() -> None:
@@ -158,11 +165,20 @@ class Monitor:
         iterations_per_second, samples_per_second, tokens_per_second; others are custom metrics.
 
         A tensor is read later, on the sender thread: pass one that is not changed in place
-        afterwards (`loss.detach()`, not a running accumulator that is reset)."""
+        afterwards (`loss.detach()`, not a running accumulator that is reset). A step with a CUDA
+        tensor goes once the GPU has computed it (a CUDA event marks it): never a wait for the GPU."""
         if self._live:
             try:
                 now = _time()
-                self._append((self._next_seq(), STEP, now, step, metrics))
+                record = (self._next_seq(), STEP, now, step, metrics)
+                if type(step) is not int:
+                    record = _mark_gpu(record)
+                else:
+                    for value in metrics.values():
+                        if type(value) not in _PLAIN:  # a tensor perhaps
+                            record = _mark_gpu(record)
+                            break
+                self._append(record)
                 if now - self._last_step_time >= STEP_GAP_SEND_SECONDS:
                     self._wake()  # the first step after a pause goes at once: the pause has ended
                 self._last_step_time = now
@@ -299,6 +315,27 @@ class Monitor:
         """The dump file the sidecar created for this rank (None before the registration
         answer, or when the sidecar gave none)."""
         return self._stack_dump.path if self._stack_dump else None
+
+
+def _gpu_marker(device: Any) -> Any:
+    """A CUDA event recorded now on `device`'s current stream: done (`query()`) once the GPU has
+    run the work queued there so far, the step's values among it. No synchronisation."""
+    torch = sys.modules["torch"]  # a CUDA tensor came from it: the hooks never import it
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _mark_gpu(record: tuple) -> tuple:
+    """A step record with its readiness marker as a 6th element when its step or a metric is a
+    CUDA tensor (one marker for the record, on the first such tensor's device), else `record`.
+    When no marker can be made the record stays as it is: the sender reads it when it comes to it."""
+    try:
+        device = gpu_device(record[3], record[4])
+        return record if device is None else (*record, _gpu_marker(device))
+    except Exception as e:
+        warn("gpu_marker", "trainer_hooks: cannot mark a step's GPU values (%s: %s)", type(e).__name__, e)
+        return record
 
 
 class Phase:

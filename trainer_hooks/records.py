@@ -6,6 +6,11 @@ the bounded buffer dropped (gaps in the sequence). Only the sender thread turns 
 protocol items, and that is where tensors are read (`.detach()`, then a Python number):
 the training thread never forces a device sync.
 
+A `STEP` record whose step or metrics hold a CUDA tensor has a sixth element, a marker: an
+event the training thread recorded on that tensor's stream (monitor.py). The sender reads the
+record only once `marker.query()` is true, when the GPU has computed the values (sender.py):
+read earlier, `.item()` would wait for all the work queued on the GPU so far.
+
 | kind | subject | payload |
 | --- | --- | --- |
 | `STEP` | the step number | dict of metrics |
@@ -29,6 +34,9 @@ from trainer_hooks.wire import (
     NAME_RE,
     WELL_KNOWN_METRICS,
 )
+
+# Types that are never a tensor: a value of one is sent as it is (`number`), never looked at for a GPU.
+PLAIN_TYPES = frozenset({float, int, bool, type(None), str})
 
 STEP = "step"
 PHASE_START = "phase_start"
@@ -73,6 +81,23 @@ def number(value: Any) -> int | float | str:
     return out if math.isfinite(out) else _nonfinite(out)
 
 
+def gpu_device(step: Any, metrics: dict) -> Any:
+    """The device of the first CUDA tensor among a step record's step and metrics, or None."""
+    for value in (step, *metrics.values()):
+        if type(value) not in PLAIN_TYPES and getattr(value, "is_cuda", False) is True:
+            return value.device
+    return None
+
+
+def without_gpu_values(record: tuple) -> tuple | None:
+    """A step record without its CUDA tensors or marker (a close that cannot wait for the GPU sends
+    the step without them), or None when the step itself is one."""
+    _seq, kind, when, step, metrics = record[:5]
+    if getattr(step, "is_cuda", False) is True:
+        return None
+    return (_seq, kind, when, step, {k: v for k, v in metrics.items() if getattr(v, "is_cuda", False) is not True})
+
+
 def _nonfinite(value: float) -> str:
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
@@ -107,8 +132,9 @@ class Encoder:
         self._custom: set[str] = set()
 
     def item(self, record: tuple) -> dict | None:
-        """The protocol item of one record, or None when nothing of it can be sent."""
-        _seq, kind, when, subject, payload = record
+        """The protocol item of one record (5 elements, or 6 with a GPU marker: it is not read
+        here), or None when nothing of it can be sent."""
+        kind, when, subject, payload = record[1], record[2], record[3], record[4]
         if kind == STEP:
             return self._step(when, subject, payload)
         if kind == PHASE_START:

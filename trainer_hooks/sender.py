@@ -13,6 +13,11 @@ Failure handling, in one place:
 - 5xx: drop the batch and back off, as if unreachable.
 - nothing to send for a while: an empty push, so that a rank that went silent (hung, or in
   a long phase) is still re-registered with a sidecar that restarted meanwhile.
+- a step whose CUDA values the GPU has not computed yet (its marker, records.py): the batch
+  ends before it and it stays first in the buffer; while nothing else can go the thread looks
+  again every GPU_POLL_SECONDS and keeps up its empty pushes. Its values are then read on a side
+  stream, not behind the work the training thread queued since. A close waits for them a while
+  (half its budget at most), then sends the step without them.
 
 A re-registration carries the last step and phase the sidecar acknowledged, so a restarted
 sidecar resumes watching the rank instead of giving it a fresh start-up budget; the batches
@@ -21,6 +26,7 @@ that follow bring it up to date in order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -30,13 +36,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer_hooks import collectives, distributed
 from trainer_hooks.environment import Endpoint, Identity
 from trainer_hooks.errors import warn
 from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.pauses import CHECK_SECONDS, Inference
-from trainer_hooks.records import Encoder
+from trainer_hooks.records import Encoder, gpu_device, without_gpu_values
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
 from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, OBSERVE_ONLY, PROTOCOL_VERSION, RESTART_SAFE, WANTS
@@ -50,6 +57,10 @@ MAX_BACKOFF_SECONDS = 5.0  # a restarted sidecar hears from every rank within th
 # Encoding is Python code holding the GIL; a hook call arriving meanwhile would wait for it
 # (up to the 5 ms switch interval). Yielding every few records keeps that wait short.
 YIELD_EVERY = 64
+# While the oldest record waits for the GPU to compute its values, the thread looks again this often
+# (a cudaEventQuery each time), not at the flush interval.
+GPU_POLL_SECONDS = 0.02
+CLOSE_GPU_SHARE = 0.5  # of what is left of a close's budget, the most spent waiting for GPU values
 _MIN_SERVER_INTERVAL, _MAX_SERVER_INTERVAL = 0.05, 60.0
 
 
@@ -70,6 +81,35 @@ def versions() -> dict:
     except Exception:  # a partial import or a build without NCCL: report what we have
         pass
     return out
+
+
+def _computed(marker: Any) -> bool:
+    """Whether the GPU has computed the values `marker` covers; one that cannot tell (it raises)
+    counts as done: the values are then read as they would be without it."""
+    try:
+        return bool(marker.query())
+    except Exception:
+        return True
+
+
+def _side_stream(device: Any) -> Any:
+    """A CUDA stream of `device` to read computed GPU values on; None when not now, False when never
+    (no torch, not a CUDA device, an error): values are then read on this thread's current stream.
+
+    `.item()` on the current stream, the default one, waits for all the work queued there since the
+    value was computed (1 s behind a 1 s kernel, on an H200). torch's pool streams are non-blocking:
+    a read there waits for nothing. But the first pool stream of a process waits for the GPU to
+    finish its queued work, holding the GIL (the training thread stood still 1 s on an H200), so it
+    is only asked for when the default stream is idle. Jobs with NCCL made the pool long before."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(device, "type", None) != "cuda":
+        return False
+    try:
+        if not torch.cuda.default_stream(device).query():
+            return None
+        return torch.cuda.Stream(device=device)
+    except Exception:
+        return False
 
 
 def _dumps(body: dict) -> bytes:
@@ -140,6 +180,10 @@ class Sender:
         # The phases the hooks infer (pauses.py): polled every cycle, and the thread wakes when a
         # pause becomes one, so that its start reaches the sidecar within a second or so.
         self.pauses: Inference | None = None
+        self._gpu_wait = False  # the last _take stopped before a record whose GPU values are not computed
+        self._gpu_poll = False  # ... and nothing could go: _sleep looks again after GPU_POLL_SECONDS
+        self._gpu_deadline = 0.0  # monotonic: in a close, the GPU values not computed by then are left out
+        self._read_streams: dict[Any, Any] = {}  # device -> its side stream for reads (False: none)
 
     # ---------------------------------------------------------------- thread life
 
@@ -164,14 +208,17 @@ class Sender:
         self._wake.set()
 
     def _sleep(self) -> None:
-        """Until woken or the flush interval has passed. With phases to infer (pauses.py) it looks at
-        their flags every CHECK_SECONDS, and again at the moment a pause becomes a phase, whose start
-        then goes at once: about INFER_AFTER_SECONDS into the pause, whatever the flush interval."""
+        """Until woken or the flush interval has passed (GPU_POLL_SECONDS while the oldest record
+        waits for its GPU values and nothing else could go). With phases to infer (pauses.py) it
+        looks at their flags every CHECK_SECONDS, and again at the moment a pause becomes a phase,
+        whose start then goes at once: about INFER_AFTER_SECONDS into the pause, whatever the
+        flush interval."""
+        interval = GPU_POLL_SECONDS if self._gpu_poll else self.flush_interval
         pauses = self.pauses
         if pauses is None:
-            self._wake.wait(self.flush_interval)
+            self._wake.wait(interval)
             return
-        deadline = time.monotonic() + self.flush_interval
+        deadline = time.monotonic() + interval
         while (left := deadline - time.monotonic()) > 0:
             due = pauses.due_in()
             if self._wake.wait(min(left, CHECK_SECONDS if due is None else due)) or pauses.poll(install=False):
@@ -215,7 +262,9 @@ class Sender:
         return self.lost + max(0, oldest - self._expected_seq)
 
     def cycle(self, deadline: float | None = None, final: bool = False) -> None:
-        """Register if needed, then send everything buffered, a batch at a time."""
+        """Register if needed, then send everything buffered, a batch at a time, up to a step whose
+        GPU values are not computed yet (it goes with a later cycle; a close reads it anyway)."""
+        self._gpu_poll = False
         if not final and time.monotonic() < self._retry_at:
             return
         if not self.registered and not self.register(deadline):
@@ -229,19 +278,34 @@ class Sender:
         if idle and (quiet or self.wants or due):
             self._send([], deadline)
             return
+        if final and deadline is not None:
+            self._gpu_deadline = time.monotonic() + max(0.0, deadline - time.monotonic()) * CLOSE_GPU_SHARE
+        sent = False
         while self.buffer or self._held_back is not None or self.extra:
             if deadline is not None and time.monotonic() >= deadline:
                 return
-            items = self._take()
-            if items and not self._send(items, deadline):
-                return
+            self._gpu_wait = False
+            items = self._take(final)
+            if items:
+                if not self._send(items, deadline):
+                    return
+                sent = True
             self._account_cpu()
+            if self._gpu_wait:
+                # When some records went, the one waiting goes with the next flush, like those behind
+                # it. When none could, look again soon, and let the sidecar hear from the rank meanwhile.
+                if not sent:
+                    self._gpu_poll = True
+                    if quiet or self.wants or due:
+                        self._send([], deadline)
+                break
         self._backoff = 0.0
 
-    def _take(self) -> list[dict]:
+    def _take(self, final: bool = False) -> list[dict]:
         """The next batch. A batch ends before a step that does not increase (the trainer
         rolled back): the sidecar refuses such a batch whole, while a batch that starts with
-        the rollback only needs a re-registration."""
+        the rollback only needs a re-registration. It also ends before a step whose GPU values
+        are not computed yet (`_gpu_wait`), except in a close (`final`)."""
         items: list[dict] = []
         while self.extra:
             items.append(self.extra.popleft())
@@ -253,7 +317,10 @@ class Sender:
         while buffer and len(items) < batch_items:
             if len(items) % YIELD_EVERY == YIELD_EVERY - 1:
                 time.sleep(0)  # let the training thread have the GIL
-            record = buffer.popleft()
+            record = self._pop_ready(final)
+            if record is None:
+                self._gpu_wait = True
+                break
             seq = record[0]
             if seq >= self._expected_seq:
                 self.lost += seq - self._expected_seq  # the buffer dropped the ones in between
@@ -261,7 +328,7 @@ class Sender:
             else:  # two threads appended out of numbering order: counted lost above, it is not
                 self.lost -= 1
             try:
-                item = encode(record)
+                item = encode(record) if len(record) < 6 else self._encode_gpu(record, final)
             except Exception as e:
                 warn(
                     f"encode:{type(e).__name__}",
@@ -281,6 +348,52 @@ class Sender:
                 last_step = item["step"]
             items.append(item)
         return items
+
+    def _pop_ready(self, final: bool) -> tuple | None:
+        """The oldest record, taken from the buffer; None, leaving it first there, while its GPU
+        values are not computed (in a close it is taken anyway: `_encode_gpu`)."""
+        buffer = self.buffer
+        head = buffer[0]
+        if len(head) > 5 and not final and not _computed(head[5]):
+            return None
+        record = buffer.popleft()
+        if record is not head and len(record) > 5 and not final and not _computed(record[5]):
+            buffer.appendleft(record)  # a full buffer dropped `head` meanwhile; this one waits in its place
+            return None
+        return record
+
+    def _encode_gpu(self, record: tuple, final: bool) -> dict | None:
+        """The item of a step with computed GPU values, read on a side stream of their device when it
+        has one (`_side_stream`), else on the current one. In a close, values still not computed at
+        `_gpu_deadline` are left out: a GPU that hangs must not keep the push and the deregistration
+        from the sidecar."""
+        if final:
+            while not _computed(record[5]):
+                if time.monotonic() >= self._gpu_deadline:
+                    warn(
+                        "gpu_close",
+                        "trainer_hooks: closing; a step's GPU values were not computed in time, sent without them",
+                    )
+                    stripped = without_gpu_values(record)
+                    return None if stripped is None else self.encoder.item(stripped)
+                time.sleep(0.002)
+        with self._reading(record):
+            return self.encoder.item(record)
+
+    def _reading(self, record: tuple) -> contextlib.AbstractContextManager:
+        """The side stream to read `record`'s GPU values on, made current for this thread alone."""
+        try:
+            device = gpu_device(record[3], record[4])
+            stream = self._read_streams.get(device)
+            if stream is None:
+                stream = _side_stream(device)
+                if stream is not None:
+                    self._read_streams[device] = stream
+            if stream is not None and stream is not False:
+                return sys.modules["torch"].cuda.stream(stream)
+        except Exception:
+            pass
+        return contextlib.nullcontext()
 
     def _send(self, items: list[dict], deadline: float | None) -> bool:
         """Push one batch; False when the round should stop (sidecar unreachable)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hooks.test_gpu_metrics import FakeSidecar
 from tests.support import wait_until
 from trainer_hooks import Monitor, environment
 from trainer_hooks.records import Encoder, number
@@ -201,22 +202,135 @@ def test_application_signal_handler_is_left_alone(tmp_path: Path):
         signal.signal(signal.SIGUSR1, previous)
 
 
-@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
-def test_cuda_tensor_is_not_synchronised_on_the_training_thread(tmp_path: Path):
+def cuda_or_skip():
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("needs an NVIDIA GPU")
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available")
-    mon = quiet_monitor(tmp_path)
-    x = torch.ones((), device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead
-    loss = x * 2  # not computed until the sleep is done
-    start = time.perf_counter()
-    mon.step(1, loss=loss, grad_norm=loss)
-    elapsed = time.perf_counter() - start
-    still_busy = not torch.cuda.current_stream().query()
-    mon.close()
-    assert still_busy and elapsed < 0.1
+    return torch
+
+
+def sender_frames(mon: Monitor) -> list[str]:
+    """The functions the monitor's sender thread is in now, innermost last."""
+    assert mon._sender is not None and mon._sender.thread is not None
+    frame = sys._current_frames().get(mon._sender.thread.ident or -1)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names[::-1]
+
+
+def test_cuda_tensor_is_not_synchronised_on_the_training_thread(tmp_path: Path):
+    torch = cuda_or_skip()
+    fake = FakeSidecar(tmp_path / "sidecar.sock")
+    mon = quiet_monitor(tmp_path, socket=fake.path, flush_interval=0.05, stack_signal=None)
+    try:
+        wait_until(lambda: mon.registered, 10, interval=0.01, what="registration")
+        x = torch.ones((), device="cuda")
+        (x * 2).item()  # load the kernel first: a first launch may wait for the GPU (CUDA lazy loading)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead
+        loss = x * 2  # not computed until the sleep is done
+        start = time.perf_counter()
+        mon.step(1, loss=loss, grad_norm=loss)  # the first step: it wakes the sender at once
+        elapsed = time.perf_counter() - start
+        still_busy = not torch.cuda.current_stream().query()
+        assert elapsed < 0.1, f"step() took {elapsed:.3f} s (GPU still busy after it: {still_busy})"
+        assert still_busy, f"the GPU's ~1 s of queued work was done when step() returned ({elapsed * 1e3:.1f} ms)"
+        time.sleep(0.2)  # the sender has had its turns meanwhile
+        frames = sender_frames(mon)
+        still_busy = not torch.cuda.current_stream().query()
+        assert still_busy, "the GPU's ~1 s of queued work was done 0.2 s after step(): something waited for it"
+        assert "number" not in frames, f"the sender thread waits for the GPU to read a value: {frames}"
+        assert fake.steps() == [], "the step went before the GPU had computed its values"
+        torch.cuda.synchronize()
+        sent = wait_until(fake.steps, 5, interval=0.01, what="the step once the GPU computed its values")
+        assert [(s["step"], s["metrics"]) for s in sent] == [(1, {"loss": 2.0, "grad_norm": 2.0})]
+    finally:
+        mon.close()
+        fake.close()
+
+
+def test_a_computed_cuda_value_is_read_without_waiting_for_the_work_queued_after_it(tmp_path: Path):
+    torch = cuda_or_skip()
+    fake = FakeSidecar(tmp_path / "sidecar.sock")
+    mon = quiet_monitor(tmp_path, socket=fake.path, flush_interval=0.05, stack_signal=None)
+    try:
+        wait_until(lambda: mon.registered, 10, interval=0.01, what="registration")
+        x = torch.ones((), device="cuda")
+        torch.cuda._sleep(1000)  # load the kernel first (CUDA lazy loading)
+        mon.step(0, loss=x * 3)  # read while the GPU is idle: the sender gets its side stream
+        wait_until(fake.steps, 5, interval=0.005, what="step 0")
+        loss = x * 3
+        mon.step(1, loss=loss)
+        start = time.monotonic()
+        torch.cuda._sleep(2_000_000_000)  # about a second of training work queued behind the loss
+        sent = wait_until(lambda: len(fake.steps()) == 2 and fake.steps(), 5, interval=0.005, what="step 1")
+        took = time.monotonic() - start
+        still_busy = not torch.cuda.current_stream().query()
+        assert [(s["step"], s["metrics"]) for s in sent] == [(0, {"loss": 3.0}), (1, {"loss": 3.0})]
+        assert still_busy and took < 0.5, (
+            f"the loss went {took:.2f} s after the step, GPU still busy: {still_busy}: "
+            "its read waited for the work queued after it"
+        )
+    finally:
+        torch.cuda.synchronize()
+        mon.close()
+        fake.close()
+
+
+FIRST_READ_WHILE_BUSY = """
+import json, sys, tempfile, time
+import torch
+from tests.hooks.test_gpu_metrics import FakeSidecar
+from trainer_hooks import Monitor
+d = tempfile.mkdtemp()
+fake = FakeSidecar(d + "/sidecar.sock")
+mon = Monitor(job_id="unit", rank=0, world_size=1, environ={}, socket=fake.path, flush_interval=0.05, stack_signal=None)
+while not mon.registered:
+    time.sleep(0.01)
+x = torch.ones((), device="cuda")
+torch.cuda._sleep(1000)
+(x * 3).item()
+torch.cuda.synchronize()
+mon.step(1, loss=x * 3)  # computed at once: the sender reads it while the work below is queued
+torch.cuda._sleep(2_000_000_000)
+gaps, last, start = [], time.perf_counter(), time.perf_counter()
+while time.perf_counter() - start < 0.6:  # the training thread's Python keeps running
+    time.sleep(0.001)
+    now = time.perf_counter()
+    gaps.append(now - last)
+    last = now
+busy = not torch.cuda.current_stream().query()
+torch.cuda.synchronize()
+deadline = time.monotonic() + 5
+while not fake.steps() and time.monotonic() < deadline:
+    time.sleep(0.01)
+mon.close()
+print(json.dumps({"max_gap": max(gaps), "busy": busy, "steps": fake.steps()}))
+"""
+
+
+def test_the_first_read_while_the_gpu_is_busy_does_not_hold_up_the_training_thread():
+    """In a fresh process (no CUDA stream pool yet): the sender must not make its first pool stream
+    while work is queued, which holds the GIL until the GPU is done with it."""
+    cuda_or_skip()
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_READ_WHILE_BUSY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["busy"], f"the GPU's ~1 s of queued work was done within 0.6 s: {result}"
+    assert result["max_gap"] < 0.2, f"the training thread stood still {result['max_gap']:.2f} s"
+    assert [(s["step"], s["metrics"]) for s in result["steps"]] == [(1, {"loss": 3.0})]
 
 
 def test_identity_comes_from_torchrun_environment():
