@@ -13,11 +13,9 @@ Failure handling, in one place:
 - 5xx: drop the batch and back off, as if unreachable.
 - nothing to send for a while: an empty push, so that a rank that went silent (hung, or in
   a long phase) is still re-registered with a sidecar that restarted meanwhile.
-- a step whose CUDA values the GPU has not computed yet (its marker, records.py): the batch
-  ends before it and it stays first in the buffer; while nothing else can go the thread looks
-  again every GPU_POLL_SECONDS and keeps up its empty pushes. Its values are then read on a side
-  stream, not behind the work the training thread queued since. A close waits for them a while
-  (half its budget at most), then sends the step without them.
+- a step whose CUDA values the GPU has not computed yet: the batch ends before it, it stays
+  first in the buffer, the thread looks again every GPU_POLL_SECONDS (empty pushes go on);
+  gpu_values.py reads it once computed.
 
 A re-registration carries the last step and phase the sidecar acknowledged, so a restarted
 sidecar resumes watching the rank instead of giving it a fresh start-up budget; the batches
@@ -26,7 +24,6 @@ that follow bring it up to date in order.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -36,14 +33,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from trainer_hooks import collectives, distributed
 from trainer_hooks.environment import Endpoint, Identity
 from trainer_hooks.errors import warn
+from trainer_hooks.gpu_values import GpuReader, pop_ready
 from trainer_hooks.jobview import CoordinatorExchange
 from trainer_hooks.pauses import CHECK_SECONDS, Inference
-from trainer_hooks.records import Encoder, gpu_device, without_gpu_values
+from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
 from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, OBSERVE_ONLY, PROTOCOL_VERSION, RESTART_SAFE, WANTS
@@ -83,35 +80,6 @@ def versions() -> dict:
     return out
 
 
-def _computed(marker: Any) -> bool:
-    """Whether the GPU has computed the values `marker` covers; one that cannot tell (it raises)
-    counts as done: the values are then read as they would be without it."""
-    try:
-        return bool(marker.query())
-    except Exception:
-        return True
-
-
-def _side_stream(device: Any) -> Any:
-    """A CUDA stream of `device` to read computed GPU values on; None when not now, False when never
-    (no torch, not a CUDA device, an error): values are then read on this thread's current stream.
-
-    `.item()` on the current stream, the default one, waits for all the work queued there since the
-    value was computed (1 s behind a 1 s kernel, on an H200). torch's pool streams are non-blocking:
-    a read there waits for nothing. But the first pool stream of a process waits for the GPU to
-    finish its queued work, holding the GIL (the training thread stood still 1 s on an H200), so it
-    is only asked for when the default stream is idle. Jobs with NCCL made the pool long before."""
-    torch = sys.modules.get("torch")
-    if torch is None or getattr(device, "type", None) != "cuda":
-        return False
-    try:
-        if not torch.cuda.default_stream(device).query():
-            return None
-        return torch.cuda.Stream(device=device)
-    except Exception:
-        return False
-
-
 def _dumps(body: dict) -> bytes:
     # allow_nan=False: the records module already turned non-finite numbers into strings;
     # this makes sure nothing non-strict ever reaches the wire.
@@ -146,6 +114,7 @@ class Sender:
 
     def __post_init__(self) -> None:
         self.encoder = Encoder()
+        self.gpu = GpuReader(self.encoder)  # steps with CUDA values (gpu_values.py)
         self.registered = False
         self.registrations = 0
         self.sent = 0  # items the sidecar accepted
@@ -182,8 +151,6 @@ class Sender:
         self.pauses: Inference | None = None
         self._gpu_wait = False  # the last _take stopped before a record whose GPU values are not computed
         self._gpu_poll = False  # ... and nothing could go: _sleep looks again after GPU_POLL_SECONDS
-        self._gpu_deadline = 0.0  # monotonic: in a close, the GPU values not computed by then are left out
-        self._read_streams: dict[Any, Any] = {}  # device -> its side stream for reads (False: none)
 
     # ---------------------------------------------------------------- thread life
 
@@ -279,7 +246,7 @@ class Sender:
             self._send([], deadline)
             return
         if final and deadline is not None:
-            self._gpu_deadline = time.monotonic() + max(0.0, deadline - time.monotonic()) * CLOSE_GPU_SHARE
+            self.gpu.deadline = time.monotonic() + max(0.0, deadline - time.monotonic()) * CLOSE_GPU_SHARE
         sent = False
         while self.buffer or self._held_back is not None or self.extra:
             if deadline is not None and time.monotonic() >= deadline:
@@ -317,7 +284,7 @@ class Sender:
         while buffer and len(items) < batch_items:
             if len(items) % YIELD_EVERY == YIELD_EVERY - 1:
                 time.sleep(0)  # let the training thread have the GIL
-            record = self._pop_ready(final)
+            record = pop_ready(self.buffer, final)
             if record is None:
                 self._gpu_wait = True
                 break
@@ -328,7 +295,7 @@ class Sender:
             else:  # two threads appended out of numbering order: counted lost above, it is not
                 self.lost -= 1
             try:
-                item = encode(record) if len(record) < 6 else self._encode_gpu(record, final)
+                item = encode(record) if len(record) < 6 else self.gpu.item(record, final)
             except Exception as e:
                 warn(
                     f"encode:{type(e).__name__}",
@@ -348,52 +315,6 @@ class Sender:
                 last_step = item["step"]
             items.append(item)
         return items
-
-    def _pop_ready(self, final: bool) -> tuple | None:
-        """The oldest record, taken from the buffer; None, leaving it first there, while its GPU
-        values are not computed (in a close it is taken anyway: `_encode_gpu`)."""
-        buffer = self.buffer
-        head = buffer[0]
-        if len(head) > 5 and not final and not _computed(head[5]):
-            return None
-        record = buffer.popleft()
-        if record is not head and len(record) > 5 and not final and not _computed(record[5]):
-            buffer.appendleft(record)  # a full buffer dropped `head` meanwhile; this one waits in its place
-            return None
-        return record
-
-    def _encode_gpu(self, record: tuple, final: bool) -> dict | None:
-        """The item of a step with computed GPU values, read on a side stream of their device when it
-        has one (`_side_stream`), else on the current one. In a close, values still not computed at
-        `_gpu_deadline` are left out: a GPU that hangs must not keep the push and the deregistration
-        from the sidecar."""
-        if final:
-            while not _computed(record[5]):
-                if time.monotonic() >= self._gpu_deadline:
-                    warn(
-                        "gpu_close",
-                        "trainer_hooks: closing; a step's GPU values were not computed in time, sent without them",
-                    )
-                    stripped = without_gpu_values(record)
-                    return None if stripped is None else self.encoder.item(stripped)
-                time.sleep(0.002)
-        with self._reading(record):
-            return self.encoder.item(record)
-
-    def _reading(self, record: tuple) -> contextlib.AbstractContextManager:
-        """The side stream to read `record`'s GPU values on, made current for this thread alone."""
-        try:
-            device = gpu_device(record[3], record[4])
-            stream = self._read_streams.get(device)
-            if stream is None:
-                stream = _side_stream(device)
-                if stream is not None:
-                    self._read_streams[device] = stream
-            if stream is not None and stream is not False:
-                return sys.modules["torch"].cuda.stream(stream)
-        except Exception:
-            pass
-        return contextlib.nullcontext()
 
     def _send(self, items: list[dict], deadline: float | None) -> bool:
         """Push one batch; False when the round should stop (sidecar unreachable)."""
