@@ -13,6 +13,16 @@ Label conventions: `job_id` is the training job, `rank` the rank, `gpu` the GPU 
 `device`/`port` a NIC or InfiniBand port; `instance` (from the scrape target) is the node.
 Alerts aggregate `by` the labels that name what is broken, so they do not depend on the
 scrape job's name or extra target labels.
+
+Tenant and cluster: job ids repeat across namespaces and clusters, so every rule about a job
+aggregates and joins by `namespace, cluster, job_id`, and every rule about a node or its
+hardware by `cluster, instance` (a node belongs to the platform, not to a tenant).
+`by` keeps a label only where the series carry it: `cluster` where a multi-cluster setup adds
+it (Thanos/Mimir external labels, a ruler that sees it), `namespace` on the rank series in
+Kubernetes (docs/operator-guide.md#pod-labels). The sidecar's job-level series (no `rank`:
+`sidecar_training_world_size`, `sidecar_job_failures_total`, ...) carry no `namespace`: a join
+of a rank series with one of them matches `on (cluster, job_id)` and keeps the rank side's
+labels, and alerts built on them alone carry `cluster` but no `namespace`.
 """
 
 from __future__ import annotations
@@ -174,8 +184,8 @@ def counted(selector: str, window: str) -> str:
 
 LABELS_RANK = "{{ $labels.job_id }} rank {{ $labels.rank }} on {{ $labels.instance }}"
 RESTARTS = (
-    "max by (job_id) (sidecar_training_restarts)\n"
-    f"- min by (job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}"
+    "max by (namespace, cluster, job_id) (sidecar_training_restarts)\n"
+    f"- min by (namespace, cluster, job_id) (min_over_time(sidecar_training_restarts[1h])) >= {T['restarts_per_hour']}"
 )
 LABELS_GPU = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
 
@@ -195,80 +205,103 @@ JOB_STEPPED = f"changes(sidecar_training_step[{T['collective_still_for']}]) > 0"
 # most; the job's registered ranks stand for 0 on a node before its first false alarm there.
 FALSE_ALARMS = "sidecar_watchdog_false_alarms_total"
 FALSE_ALARM_MOMENTS = (
-    "max by (job_id) (\n"
+    "max by (namespace, cluster, job_id) (\n"
     "  changes(\n"
     "    (\n"
-    f"      sum by (job_id, instance) ({FALSE_ALARMS})\n"
-    "      or 0 * sum by (job_id, instance) (sidecar_training_ranks_registered)\n"
+    f"      sum by (namespace, cluster, job_id, instance) ({FALSE_ALARMS})\n"
+    "      or 0 * sum by (namespace, cluster, job_id, instance) (sidecar_training_ranks_registered)\n"
     f"    )[{T['false_alarm_window']}:]\n"
     "  )\n"
     ")"
 )
 NOT_PROGRESSING = 'sidecar_rank_state{state=~"suspect|stalled|remediating"} == 1'
-NODE = "max by (instance, node) (sidecar_node_info)"
+NODE = "max by (cluster, instance, node) (sidecar_node_info)"
 
 # ------------------------------------------------------------------ recording rules
 
 RECORDING = Group(
     "sidecar-recording",
     [
-        Record("job_id_instance:sidecar_training_step:max", "max by (job_id, instance) (sidecar_training_step)"),
-        Record("job_id:sidecar_training_step:max", "max by (job_id) (job_id_instance:sidecar_training_step:max)"),
+        Record(
+            "job_id_instance:sidecar_training_step:max",
+            "max by (namespace, cluster, job_id, instance) (sidecar_training_step)",
+        ),
+        Record(
+            "job_id:sidecar_training_step:max",
+            "max by (namespace, cluster, job_id) (job_id_instance:sidecar_training_step:max)",
+        ),
         # Throughput and step time from the counters and the histogram (rate() over 5m), not the
         # last-value gauges: nothing between two scrapes is lost. Ranks step together, so the job's
         # steps per second is the mean over its ranks; samples and tokens add up.
         Record(
             "job_id_instance:sidecar_training_steps:rate5m",
-            "avg by (job_id, instance) (rate(sidecar_training_steps_total[5m]))",
+            "avg by (namespace, cluster, job_id, instance) (rate(sidecar_training_steps_total[5m]))",
         ),
-        Record("job_id:sidecar_training_steps:rate5m", "avg by (job_id) (rate(sidecar_training_steps_total[5m]))"),
-        Record("job_id:sidecar_training_samples:rate5m", "sum by (job_id) (rate(sidecar_training_samples_total[5m]))"),
-        Record("job_id:sidecar_training_tokens:rate5m", "sum by (job_id) (rate(sidecar_training_tokens_total[5m]))"),
+        Record(
+            "job_id:sidecar_training_steps:rate5m",
+            "avg by (namespace, cluster, job_id) (rate(sidecar_training_steps_total[5m]))",
+        ),
+        Record(
+            "job_id:sidecar_training_samples:rate5m",
+            "sum by (namespace, cluster, job_id) (rate(sidecar_training_samples_total[5m]))",
+        ),
+        Record(
+            "job_id:sidecar_training_tokens:rate5m",
+            "sum by (namespace, cluster, job_id) (rate(sidecar_training_tokens_total[5m]))",
+        ),
         # Each rank's mean step time over 5m, from the histogram's sum and count.
         Record(
             "job_id_rank:sidecar_training_step_duration_seconds:mean5m",
-            "sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_sum[5m]))\n"
-            "/ sum by (job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m]))",
+            "sum by (namespace, cluster, job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_sum[5m]))\n"
+            "/ sum by (namespace, cluster, job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m]))",
         ),
         Record(
             "job_id_instance:sidecar_training_step_duration_seconds:max_mean5m",
-            "max by (job_id, instance) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)",
+            "max by (namespace, cluster, job_id, instance) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)",
         ),
         Record(
             "job_id:sidecar_training_step_duration_seconds:median_mean5m",
-            "quantile by (job_id) (0.5, job_id_rank:sidecar_training_step_duration_seconds:mean5m)",
+            "quantile by (namespace, cluster, job_id) (0.5, job_id_rank:sidecar_training_step_duration_seconds:mean5m)",
         ),
         # The slowest rank relative to the median rank: 1 is perfectly balanced.
         Record(
             "job_id:sidecar_training_step_duration_seconds:max_over_median",
-            "max by (job_id) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)\n"
+            "max by (namespace, cluster, job_id) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)\n"
             "/ job_id:sidecar_training_step_duration_seconds:median_mean5m",
         ),
         # Step-time quantiles of the whole job from the buckets (spikes a scrape interval would hide).
         Record(
             "job_id:sidecar_training_step_duration_seconds:p50_5m",
-            "histogram_quantile(0.5, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
+            "histogram_quantile(0.5, sum by (namespace, cluster, job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
         ),
         Record(
             "job_id:sidecar_training_step_duration_seconds:p99_5m",
-            "histogram_quantile(0.99, sum by (job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
+            "histogram_quantile(0.99, sum by (namespace, cluster, job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
         ),
-        Record("job_id:sidecar_training_loss:avg", "avg by (job_id) (sidecar_training_loss)"),
-        Record("job_id:sidecar_training_grad_norm:max", "max by (job_id) (sidecar_training_grad_norm)"),
-        Record("job_id:sidecar_training_learning_rate:max", "max by (job_id) (sidecar_training_learning_rate)"),
-        Record("job_id_state:sidecar_rank_state:count", "count by (job_id, state) (sidecar_rank_state == 1)"),
+        Record("job_id:sidecar_training_loss:avg", "avg by (namespace, cluster, job_id) (sidecar_training_loss)"),
+        Record(
+            "job_id:sidecar_training_grad_norm:max", "max by (namespace, cluster, job_id) (sidecar_training_grad_norm)"
+        ),
+        Record(
+            "job_id:sidecar_training_learning_rate:max",
+            "max by (namespace, cluster, job_id) (sidecar_training_learning_rate)",
+        ),
+        Record(
+            "job_id_state:sidecar_rank_state:count",
+            "count by (namespace, cluster, job_id, state) (sidecar_rank_state == 1)",
+        ),
         # The job view without the sidecars (docs/architecture.md): every rank of a hung job soon
         # waits for the culprit in a collective, so the rank holding the job up is the one at the
         # job's lowest step, suspect or stalled, whose latest stack does not wait; `node` names its
         # node (sidecar_node_info).
-        Record("job_id:sidecar_training_step:min", "min by (job_id) (sidecar_training_step)"),
+        Record("job_id:sidecar_training_step:min", "min by (namespace, cluster, job_id) (sidecar_training_step)"),
         # Goodput: the share of the job's wall time spent on productive steps over the last hour
         # (sidecar_job_seconds_total; every node counts the job's time, so the ratio is averaged).
         Record(
             "job_id:sidecar_goodput:ratio1h",
-            "avg by (job_id) (\n"
-            '  sum by (job_id, instance) (rate(sidecar_job_seconds_total{state="productive"}[1h]))\n'
-            "  / sum by (job_id, instance) (rate(sidecar_job_seconds_total[1h]))\n"
+            "avg by (namespace, cluster, job_id) (\n"
+            '  sum by (namespace, cluster, job_id, instance) (rate(sidecar_job_seconds_total{state="productive"}[1h]))\n'
+            "  / sum by (namespace, cluster, job_id, instance) (rate(sidecar_job_seconds_total[1h]))\n"
             ")",
         ),
         # From the backend's own record first (PyTorch's Flight Recorder, docs/architecture.md): per
@@ -278,10 +311,10 @@ RECORDING = Group(
         Record(
             "job_id_pg_rank:sidecar_rank_collective_behind:seq",
             "(\n"
-            f"  max by (job_id, pg) ({ENQUEUED})\n"
-            f"  - on (job_id, pg) group_right max by (job_id, pg, rank, instance) ({ENQUEUED})\n"
+            f"  max by (namespace, cluster, job_id, pg) ({ENQUEUED})\n"
+            f"  - on (namespace, cluster, job_id, pg) group_right max by (namespace, cluster, job_id, pg, rank, instance) ({ENQUEUED})\n"
             ") > 0\n"
-            f"and on (job_id, pg) ({ENQUEUED} > {COMPLETED})",
+            f"and on (namespace, cluster, job_id, pg) ({ENQUEUED} > {COMPLETED})",
         ),
         # The late rank that holds its job up: behind in a group where nothing moved for the window,
         # waiting in no other group itself (a rank late in one group because it waits in another is
@@ -291,18 +324,18 @@ RECORDING = Group(
         # stepped within the window.
         Record(
             "job_id_rank:sidecar_rank_late_to_collective",
-            "max by (job_id, rank, instance) (\n"
+            "max by (namespace, cluster, job_id, rank, instance) (\n"
             "  job_id_pg_rank:sidecar_rank_collective_behind:seq\n"
-            "  unless on (job_id, pg) (\n"
+            "  unless on (namespace, cluster, job_id, pg) (\n"
             f"    {_indent(GROUP_MOVED, 4)}\n"
             "  )\n"
-            "  unless on (job_id, rank, instance) (\n"
+            "  unless on (namespace, cluster, job_id, rank, instance) (\n"
             f"    {ENQUEUED} > {COMPLETED}\n"
-            "    unless on (job_id, rank, instance)\n"
+            "    unless on (namespace, cluster, job_id, rank, instance)\n"
             f"    (sidecar_rank_collective_record_age_seconds > {T['collective_record_stale_seconds']})\n"
             "  )\n"
-            f"  and on (job_id, rank, instance) ({NOT_PROGRESSING})\n"
-            f"  unless on (job_id) ({JOB_STEPPED})\n"
+            f"  and on (namespace, cluster, job_id, rank, instance) ({NOT_PROGRESSING})\n"
+            f"  unless on (namespace, cluster, job_id) ({JOB_STEPPED})\n"
             ") * 0 + 1",
         ),
         # A collective every member of a process group entered and none completed: every member
@@ -311,20 +344,21 @@ RECORDING = Group(
         # lost node is not the backend's fault) and no rank of the job stepped. No rank is to blame.
         Record(
             "job_id_pg:sidecar_collective_stuck:seq",
-            f"(max by (job_id, pg) ({ENQUEUED}) == min by (job_id, pg) ({ENQUEUED}))\n"
-            "and on (job_id, pg) (\n"
-            f"  count by (job_id, pg) ({ENQUEUED} > {COMPLETED})\n"
-            f"  == count by (job_id, pg) ({ENQUEUED})\n"
+            f"(max by (namespace, cluster, job_id, pg) ({ENQUEUED}) == min by (namespace, cluster, job_id, pg) ({ENQUEUED}))\n"
+            "and on (namespace, cluster, job_id, pg) (\n"
+            f"  count by (namespace, cluster, job_id, pg) ({ENQUEUED} > {COMPLETED})\n"
+            f"  == count by (namespace, cluster, job_id, pg) ({ENQUEUED})\n"
             ")\n"
-            "unless on (job_id, pg) (\n"
+            "unless on (namespace, cluster, job_id, pg) (\n"
             f"  {_indent(GROUP_MOVED, 2)}\n"
             ")\n"
-            "and on (job_id) (\n"
-            "  count by (job_id) (sidecar_rank_collective_record_age_seconds"
+            "and on (namespace, cluster, job_id) (\n"
+            "  count by (namespace, cluster, job_id) (sidecar_rank_collective_record_age_seconds"
             f" < {T['collective_record_stale_seconds']})\n"
-            "  >= max by (job_id) (sidecar_training_world_size)\n"
+            # world_size is a job-level series (no namespace): matched on (cluster, job_id).
+            "  >= on (cluster, job_id) group_left max by (cluster, job_id) (sidecar_training_world_size)\n"
             ")\n"
-            f"unless on (job_id) ({JOB_STEPPED})",
+            f"unless on (namespace, cluster, job_id) ({JOB_STEPPED})",
         ),
         # The rank holding its job up, with the evidence that named it: its collective record
         # first; where the job's ranks name none that way (no record: an older torch, the recorder
@@ -333,29 +367,29 @@ RECORDING = Group(
             "job_id_rank:sidecar_rank_holding_job_up",
             "(\n"
             '  label_replace(job_id_rank:sidecar_rank_late_to_collective, "evidence", "collectives", "", "")\n'
-            "  or on (job_id)\n"
+            "  or on (namespace, cluster, job_id)\n"
             "  label_replace(\n"
-            "    max by (job_id, rank, instance) (\n"
-            "      (sidecar_training_step == on (job_id) group_left job_id:sidecar_training_step:min)\n"
-            "      and on (job_id, rank, instance) (sidecar_rank_waiting_in_collective == 0)\n"
-            f"      and on (job_id, rank, instance) ({NOT_PROGRESSING})\n"
+            "    max by (namespace, cluster, job_id, rank, instance) (\n"
+            "      (sidecar_training_step == on (namespace, cluster, job_id) group_left job_id:sidecar_training_step:min)\n"
+            "      and on (namespace, cluster, job_id, rank, instance) (sidecar_rank_waiting_in_collective == 0)\n"
+            f"      and on (namespace, cluster, job_id, rank, instance) ({NOT_PROGRESSING})\n"
             "    ) * 0 + 1,\n"
             '    "evidence", "stacks", "", ""\n'
             "  )\n"
             ")\n"
-            f"* on (instance) group_left (node) {NODE}",
+            f"* on (cluster, instance) group_left (node) {NODE}",
         ),
         # GPU metrics (gpu:*, from either GPU source, alerts/gpu_source.py) carry no job label: a node belongs to the jobs that have ranks registered on it.
         Record(
             "job_id_instance:sidecar_gpu_utilization_ratio:avg",
-            "avg by (instance) (gpu:sidecar_gpu_utilization_ratio)\n"
-            "* on (instance) group_right\n"
-            "group by (job_id, instance) (sidecar_training_ranks_registered)",
+            "avg by (cluster, instance) (gpu:sidecar_gpu_utilization_ratio)\n"
+            "* on (cluster, instance) group_right\n"
+            "group by (namespace, cluster, job_id, instance) (sidecar_training_ranks_registered)",
         ),
         Record(
             "job_id:sidecar_gpu_utilization_ratio:spread",
-            "max by (job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)\n"
-            "- min by (job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)",
+            "max by (namespace, cluster, job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)\n"
+            "- min by (namespace, cluster, job_id) (job_id_instance:sidecar_gpu_utilization_ratio:avg)",
         ),
     ],
 )
@@ -369,7 +403,7 @@ TRAINING = Group(
     [
         Alert(
             "JobHungOnRank",
-            "max by (job_id, rank, node) (job_id_rank:sidecar_rank_holding_job_up) == 1",
+            "max by (namespace, cluster, job_id, rank, node) (job_id_rank:sidecar_rank_holding_job_up) == 1",
             "critical",
             "Job {{ $labels.job_id }} is held up by rank {{ $labels.rank }} on {{ $labels.node }}",
             "Rank {{ $labels.rank }} of job {{ $labels.job_id }} (node {{ $labels.node }}) has not progressed and its "
@@ -382,9 +416,9 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarCollectiveStuck",
-            "max by (job_id, pg, node) (\n"
-            f"  ({ENQUEUED} and on (job_id, pg) job_id_pg:sidecar_collective_stuck:seq)\n"
-            f"  * on (instance) group_left (node) {NODE}\n"
+            "max by (namespace, cluster, job_id, pg, node) (\n"
+            f"  ({ENQUEUED} and on (namespace, cluster, job_id, pg) job_id_pg:sidecar_collective_stuck:seq)\n"
+            f"  * on (cluster, instance) group_left (node) {NODE}\n"
             ")",
             "critical",
             'Collective #{{ $value | printf "%.0f" }} of process group {{ $labels.pg }} is stuck in job '
@@ -400,7 +434,11 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarCollectiveMismatch",
-            increased('sidecar_stall_verdicts_total{kind="collective_mismatch"}', window("verdict_window"), "job_id"),
+            increased(
+                'sidecar_stall_verdicts_total{kind="collective_mismatch"}',
+                window("verdict_window"),
+                "namespace, cluster, job_id",
+            ),
             "critical",
             "Collective desync in job {{ $labels.job_id }}",
             "The ranks of job {{ $labels.job_id }} hung in different collectives at one sequence of a process group "
@@ -420,7 +458,7 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarRankStalled",
-            'max by (job_id, instance, rank) (sidecar_rank_state{state=~"stalled|remediating"}) == 1',
+            'max by (namespace, cluster, job_id, instance, rank) (sidecar_rank_state{state=~"stalled|remediating"}) == 1',
             "critical",
             f"Rank stalled: {LABELS_RANK}",
             "The watchdog saw no progress from this rank within its timeout and has not recovered it "
@@ -429,8 +467,8 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarJobNotProgressing",
-            f"time() - max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > {T['no_progress_seconds']}\n"
-            "and max by (job_id) (sidecar_training_last_progress_timestamp_seconds) > 0",
+            f"time() - max by (namespace, cluster, job_id) (sidecar_training_last_progress_timestamp_seconds) > {T['no_progress_seconds']}\n"
+            "and max by (namespace, cluster, job_id) (sidecar_training_last_progress_timestamp_seconds) > 0",
             "critical",
             "Job {{ $labels.job_id }} is not progressing",
             f"No rank of job {{{{ $labels.job_id }}}} advanced its step for {int(T['no_progress_seconds']) // 60} minutes, "
@@ -439,8 +477,8 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarRemediationStorm",
-            'sum by (job_id, instance) (increase(sidecar_watchdog_remediations_total{outcome="suppressed"}[15m])) > 0\n'
-            'or sum by (job_id) (increase(sidecar_watchdog_remediations_total{outcome="killed"}[1h]))'
+            'sum by (namespace, cluster, job_id, instance) (increase(sidecar_watchdog_remediations_total{outcome="suppressed"}[15m])) > 0\n'
+            'or sum by (namespace, cluster, job_id) (increase(sidecar_watchdog_remediations_total{outcome="killed"}[1h]))'
             f" >= {T['storm_killed_per_hour']}",
             "critical",
             "Remediation storm in job {{ $labels.job_id }}",
@@ -451,15 +489,15 @@ TRAINING = Group(
             "SidecarJobFalseAlarms",
             "histogram_quantile(\n"
             "  1,\n"
-            "  sum by (job_id, le) "
+            "  sum by (namespace, cluster, job_id, le) "
             f"{_indent(counted('sidecar_watchdog_false_alarm_duration_seconds_bucket', window('false_alarm_window')), 2)}\n"
             ")\n"
-            "* on (job_id) group_left (phase) (\n"
-            "  0 * topk by (job_id) (\n"
-            f"    1, sum by (job_id, phase) {_indent(counted(FALSE_ALARMS, window('false_alarm_window')), 4)}\n"
+            "* on (namespace, cluster, job_id) group_left (phase) (\n"
+            "  0 * topk by (namespace, cluster, job_id) (\n"
+            f"    1, sum by (namespace, cluster, job_id, phase) {_indent(counted(FALSE_ALARMS, window('false_alarm_window')), 4)}\n"
             "  ) + 1\n"
             ")\n"
-            f"and on (job_id) (\n  {_indent(FALSE_ALARM_MOMENTS, 2)} >= {T['false_alarms_per_hour']}\n)",
+            f"and on (namespace, cluster, job_id) (\n  {_indent(FALSE_ALARM_MOMENTS, 2)} >= {T['false_alarms_per_hour']}\n)",
             "warning",
             "The watchdog keeps taking pauses of job {{ $labels.job_id }} for hangs ({{ $labels.phase }})",
             f"Stalls of job {{{{ $labels.job_id }}}} ended by themselves at {T['false_alarms_per_hour']} or more moments "
@@ -472,7 +510,7 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarWouldHaveKilled",
-            increased("sidecar_watchdog_would_kill_total", window("would_kill_window"), "job_id"),
+            increased("sidecar_watchdog_would_kill_total", window("would_kill_window"), "namespace, cluster, job_id"),
             "warning",
             "The observe-only watchdog would have killed job {{ $labels.job_id }}",
             "The watchdog in observe-only (shadow) mode held a stall of job {{ $labels.job_id }} long enough to kill "
@@ -483,10 +521,11 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarJobRestartLoop",
-            f"({RESTARTS}) * on (job_id) group_left (reason) (\n"
-            "  0 * topk by (job_id) (1, sum by (job_id, reason) (increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
+            # sidecar_job_failures_total is job-level (no namespace): its reason joins on (cluster, job_id).
+            f"({RESTARTS}) * on (cluster, job_id) group_left (reason) (\n"
+            "  0 * topk by (cluster, job_id) (1, sum by (cluster, job_id, reason) (increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
             ")\n"
-            f'or on (job_id) label_replace({RESTARTS}, "reason", "not recorded", "", "")',
+            f'or on (namespace, cluster, job_id) label_replace({RESTARTS}, "reason", "not recorded", "", "")',
             "warning",
             "Job {{ $labels.job_id }} restarted repeatedly ({{ $labels.reason }})",
             f"torchrun restarted the worker group of job {{{{ $labels.job_id }}}} at least {T['restarts_per_hour']} "
@@ -497,7 +536,9 @@ TRAINING = Group(
         Alert(
             "SidecarRankCudaOutOfMemory",
             increased(
-                'sidecar_rank_exits_total{reason="exception/cuda_oom"}', window("exit_window"), "job_id, instance"
+                'sidecar_rank_exits_total{reason="exception/cuda_oom"}',
+                window("exit_window"),
+                "namespace, cluster, job_id, instance",
             ),
             "warning",
             "CUDA out of memory in job {{ $labels.job_id }} on {{ $labels.instance }}",
@@ -507,7 +548,11 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarRankKernelOOMKilled",
-            increased('sidecar_rank_exits_total{reason="oom_killed"}', window("exit_window"), "job_id, instance"),
+            increased(
+                'sidecar_rank_exits_total{reason="oom_killed"}',
+                window("exit_window"),
+                "namespace, cluster, job_id, instance",
+            ),
             "warning",
             "Kernel OOM killer killed a rank of job {{ $labels.job_id }} on {{ $labels.instance }}",
             "A rank ran out of host memory (its memory cgroup or the node) and the kernel killed it. Lower DataLoader "
@@ -519,7 +564,7 @@ TRAINING = Group(
             increased(
                 'sidecar_rank_exits_total{reason="exception/collective_timeout"}',
                 window("exit_window"),
-                "job_id, instance",
+                "namespace, cluster, job_id, instance",
             ),
             "warning",
             "Collective timeout in job {{ $labels.job_id }} on {{ $labels.instance }}",
@@ -530,7 +575,11 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarRankGpuError",
-            increased('sidecar_rank_exits_total{reason="gpu_error"}', window("exit_window"), "job_id, instance"),
+            increased(
+                'sidecar_rank_exits_total{reason="gpu_error"}',
+                window("exit_window"),
+                "namespace, cluster, job_id, instance",
+            ),
             "critical",
             "A rank of job {{ $labels.job_id }} died after an XID on {{ $labels.instance }}",
             "A rank died right after its GPU reported an XID: the GPU, not the job, failed. Drain the node, check "
@@ -538,8 +587,11 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarTrainingLossNonFinite",
-            increased('sidecar_training_nonfinite_total{metric="loss"}', "5m", "job_id, instance, rank") + "\n"
-            "or max by (job_id, instance, rank) (\n"
+            increased(
+                'sidecar_training_nonfinite_total{metric="loss"}', "5m", "namespace, cluster, job_id, instance, rank"
+            )
+            + "\n"
+            "or max by (namespace, cluster, job_id, instance, rank) (\n"
             "  sidecar_training_loss != sidecar_training_loss or abs(sidecar_training_loss) == +Inf\n"
             ")",
             "critical",
@@ -559,7 +611,7 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarLearningRateZero",
-            f"job_id:sidecar_training_learning_rate:max == 0\nand on (job_id) {STEP_RATE}",
+            f"job_id:sidecar_training_learning_rate:max == 0\nand on (namespace, cluster, job_id) {STEP_RATE}",
             "warning",
             "Learning rate is zero in job {{ $labels.job_id }}",
             "Job {{ $labels.job_id }} keeps stepping with a learning rate of 0: it computes but does not learn.",
@@ -569,7 +621,7 @@ TRAINING = Group(
             "SidecarLearningRateJump",
             f"job_id:sidecar_training_learning_rate:max\n"
             f"> {T['lr_jump_factor']} * max_over_time(job_id:sidecar_training_learning_rate:max[1h] offset 5m)\n"
-            "and on (job_id) (\n"
+            "and on (namespace, cluster, job_id) (\n"
             "  job_id:sidecar_training_learning_rate:max offset 5m\n"
             "  <= job_id:sidecar_training_learning_rate:max offset 65m\n"
             ")",
@@ -591,7 +643,7 @@ TRAINING = Group(
         Alert(
             "SidecarStragglerRank",
             "job_id_rank:sidecar_training_step_duration_seconds:mean5m\n"
-            f"> on (job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
+            f"> on (namespace, cluster, job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
             "warning",
             f"Straggler: {LABELS_RANK}",
             f"This rank's step time is more than {T['straggler_ratio']}x the median of its job: "
@@ -600,9 +652,9 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarCheckpointStale",
-            f"time() - max by (job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > {T['checkpoint_max_age_seconds']}\n"
-            "and on (job_id) max by (job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > 0\n"
-            f"and on (job_id) time() - max by (job_id) (sidecar_training_last_progress_timestamp_seconds) < {T['progress_recent_seconds']}",
+            f"time() - max by (namespace, cluster, job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > {T['checkpoint_max_age_seconds']}\n"
+            "and on (namespace, cluster, job_id) max by (namespace, cluster, job_id) (sidecar_training_last_checkpoint_timestamp_seconds) > 0\n"
+            f"and on (namespace, cluster, job_id) time() - max by (namespace, cluster, job_id) (sidecar_training_last_progress_timestamp_seconds) < {T['progress_recent_seconds']}",
             "warning",
             "Checkpoint stale in job {{ $labels.job_id }}",
             f"Job {{{{ $labels.job_id }}}} trains but its newest checkpoint is older than "
@@ -631,7 +683,7 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarHooksDroppingRecords",
-            "sum by (job_id, instance, rank) (increase(sidecar_hooks_dropped_records_total[10m])) > 0",
+            "sum by (namespace, cluster, job_id, instance, rank) (increase(sidecar_hooks_dropped_records_total[10m])) > 0",
             "info",
             f"Hooks dropped records: {LABELS_RANK}",
             "The trainer hooks could not deliver some records to the sidecar (it was down or too slow); "
@@ -648,7 +700,7 @@ GPU = Group(
             increased(
                 f'gpu:sidecar_gpu_xid_errors_total{{xid=~"{T["xid_critical"]}"}}',
                 window("xid_window"),
-                "instance, gpu, xid",
+                "cluster, instance, gpu, xid",
             ),
             "critical",
             f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
@@ -656,7 +708,9 @@ GPU = Group(
         ),
         Alert(
             "SidecarGpuXid",
-            increased(f'gpu:sidecar_gpu_xid_errors_total{{xid!~"{T["xid_critical"]}"}}', "15m", "instance, gpu, xid"),
+            increased(
+                f'gpu:sidecar_gpu_xid_errors_total{{xid!~"{T["xid_critical"]}"}}', "15m", "cluster, instance, gpu, xid"
+            ),
             "warning",
             f"XID {{{{ $labels.xid }}}} on {LABELS_GPU}",
             "The driver reported an XID error (often an application fault such as 13, 31 or 43).",
@@ -665,30 +719,30 @@ GPU = Group(
             "SidecarGpuUncorrectableEcc",
             # Not `increased`: the counters exist from the start (at 0 on a healthy GPU), and a
             # series that looks new after a scrape gap may hold errors from long ago.
-            'sum by (instance, gpu) (increase(gpu:sidecar_gpu_ecc_errors_total{type="uncorrected"}[1h])) > 0',
+            'sum by (cluster, instance, gpu) (increase(gpu:sidecar_gpu_ecc_errors_total{type="uncorrected"}[1h])) > 0',
             "critical",
             f"Uncorrectable ECC error on {LABELS_GPU}",
             "GPU memory returned data it could not correct. The process that used it has likely crashed.",
         ),
         Alert(
             "SidecarGpuRowRemapPending",
-            "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_pending) > 0\n"
-            "or max by (instance, gpu) (gpu:sidecar_gpu_retired_pages_pending) > 0",
+            "max by (cluster, instance, gpu) (gpu:sidecar_gpu_remapped_rows_pending) > 0\n"
+            "or max by (cluster, instance, gpu) (gpu:sidecar_gpu_retired_pages_pending) > 0",
             "warning",
             f"Memory row remap pending on {LABELS_GPU}",
             "A memory row remap (or page retirement) waits for the next GPU reset to take effect.",
         ),
         Alert(
             "SidecarGpuRowRemapFailed",
-            "max by (instance, gpu) (gpu:sidecar_gpu_remapped_rows_failed) > 0",
+            "max by (cluster, instance, gpu) (gpu:sidecar_gpu_remapped_rows_failed) > 0",
             "critical",
             f"Memory row remap failed on {LABELS_GPU}",
             "The GPU ran out of spare rows or failed to remap one: the GPU needs replacing (RMA).",
         ),
         Alert(
             "SidecarGpuThermalSlowdown",
-            'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"sw_thermal_slowdown|hw_thermal_slowdown"}) == 1\n'
-            "or max by (instance, gpu) (\n"
+            'max by (cluster, instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"sw_thermal_slowdown|hw_thermal_slowdown"}) == 1\n'
+            "or max by (cluster, instance, gpu) (\n"
             f"  gpu:sidecar_gpu_temperature_celsius >= gpu:sidecar_gpu_slowdown_temperature_celsius - {T['thermal_margin_celsius']}\n"
             ")",
             "warning",
@@ -698,7 +752,7 @@ GPU = Group(
         ),
         Alert(
             "SidecarGpuHardwareSlowdown",
-            'max by (instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"hw_slowdown|hw_power_brake_slowdown"}) == 1',
+            'max by (cluster, instance, gpu) (gpu:sidecar_gpu_clock_event_active{reason=~"hw_slowdown|hw_power_brake_slowdown"}) == 1',
             "warning",
             f"Hardware slowdown on {LABELS_GPU}",
             "The GPU's clocks are cut by a hardware slowdown (power brake, PSU or external signal).",
@@ -706,7 +760,7 @@ GPU = Group(
         ),
         Alert(
             "SidecarGpuNvlinkDown",
-            "gpu:sidecar_gpu_nvlink_up == 0\nand on (instance) (max by (instance) (gpu:sidecar_gpu_nvlink_up) == 1)",
+            "gpu:sidecar_gpu_nvlink_up == 0\nand on (cluster, instance) (max by (cluster, instance) (gpu:sidecar_gpu_nvlink_up) == 1)",
             "critical",
             f"NVLink {{{{ $labels.link }}}} down on {LABELS_GPU}",
             "An NVLink is down while other links on the node are up: collectives fall back or hang.",
@@ -714,7 +768,7 @@ GPU = Group(
         ),
         Alert(
             "SidecarGpuNvlinkErrors",
-            "sum by (instance, gpu, link) (rate(gpu:sidecar_gpu_nvlink_errors_total[5m]))"
+            "sum by (cluster, instance, gpu, link) (rate(gpu:sidecar_gpu_nvlink_errors_total[5m]))"
             f" > {T['nvlink_errors_per_second']}",
             "warning",
             f"NVLink {{{{ $labels.link }}}} errors on {LABELS_GPU}",
@@ -734,7 +788,7 @@ GPU = Group(
             "gpu:sidecar_gpu_pcie_link_width < gpu:sidecar_gpu_pcie_link_max_width\n"
             "or (\n"
             "  gpu:sidecar_gpu_pcie_link_generation < gpu:sidecar_gpu_pcie_link_max_generation\n"
-            f"  and on (instance, gpu) gpu:sidecar_gpu_utilization_ratio > {T['pcie_busy_ratio']}\n"
+            f"  and on (cluster, instance, gpu) gpu:sidecar_gpu_utilization_ratio > {T['pcie_busy_ratio']}\n"
             ")",
             "warning",
             f"PCIe link degraded on {LABELS_GPU}",
@@ -750,7 +804,7 @@ NETWORK = Group(
         Alert(
             "SidecarInfinibandPortDown",
             "sidecar_infiniband_port_up == 0\n"
-            "unless on (instance, device, port) sidecar_infiniband_port_physical_state_id == 3",
+            "unless on (cluster, instance, device, port) sidecar_infiniband_port_physical_state_id == 3",
             "critical",
             "InfiniBand {{ $labels.device }} port {{ $labels.port }} down on {{ $labels.instance }}",
             "The port is not ACTIVE and was not disabled on purpose (physical state 3, Disabled, is ignored).",
@@ -758,21 +812,21 @@ NETWORK = Group(
         ),
         Alert(
             "SidecarInfinibandPortErrors",
-            "sum by (instance, device, port) (\n"
+            "sum by (cluster, instance, device, port) (\n"
             "  increase(sidecar_infiniband_symbol_error_total[10m])\n"
             "  + increase(sidecar_infiniband_port_receive_errors_total[10m])\n"
             f") > {T['ib_errors_per_10m']}\n"
-            "or sum by (instance, device, port) (increase(sidecar_infiniband_link_downed_total[10m])) > 0",
+            "or sum by (cluster, instance, device, port) (increase(sidecar_infiniband_link_downed_total[10m])) > 0",
             "warning",
             "InfiniBand {{ $labels.device }} port {{ $labels.port }} errors on {{ $labels.instance }}",
             "The port counts symbol or receive errors, or its link went down and came back (flapping).",
         ),
         Alert(
             "SidecarNicErrors",
-            "sum by (instance, device) (\n"
+            "sum by (cluster, instance, device) (\n"
             "  rate(sidecar_network_receive_errs_total[5m]) + rate(sidecar_network_transmit_errs_total[5m])\n"
             f") > {T['nic_errors_per_second']}\n"
-            "or sum by (instance, device) (increase(sidecar_network_carrier_changes_total[15m]))"
+            "or sum by (cluster, instance, device) (increase(sidecar_network_carrier_changes_total[15m]))"
             f" > {T['nic_carrier_changes_per_15m']}",
             "warning",
             "NIC {{ $labels.device }} errors on {{ $labels.instance }}",
@@ -804,7 +858,7 @@ SELF = Group(
         Alert(
             "SidecarVersionSkew",
             "\nor ".join(
-                f"label_replace(count by (job_id) (count by (job_id, {c}_version) (sidecar_versions_info)) > 1,"
+                f"label_replace(count by (namespace, cluster, job_id) (count by (namespace, cluster, job_id, {c}_version) (sidecar_versions_info)) > 1,"
                 f' "component", "{c}", "", "")'
                 for c in ("driver", "cuda", "torch", "nccl")
             ),
@@ -816,7 +870,7 @@ SELF = Group(
         ),
         Alert(
             "SidecarNodeUnfit",
-            "max by (instance, reason) (sidecar_node_unfit_reason) == 1",
+            "max by (cluster, instance, reason) (sidecar_node_unfit_reason) == 1",
             "critical",
             "Node {{ $labels.instance }} cannot run a job ({{ $labels.reason }})",
             "Something on this node outlives its jobs ({{ $labels.reason }}: processes alive after SIGKILL, GPU "

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIB = 1048576
-BY = "instance, gpu"
+# `cluster` where the series carry it (a multi-cluster setup), as every rule keeps it (alerts/build.py).
+BY = "cluster, instance, gpu"
 
 
 def recorded(metric: str) -> str:
@@ -104,10 +105,10 @@ def _pod_labels(expr: str) -> str:
 
 _GPU_OF_POD = f"max by ({BY}, {_POD}) ({_pod_labels(node('DCGM_FI_DEV_FB_USED'))})"
 _PROCESS_MEMORY = (
-    f"max by ({BY}, job_id, rank) (\n"
-    f"  group by (job_id, rank, {_POD}) (sidecar_training_restarts)\n"
-    f"  * on ({_POD}) group_left (instance, gpu)\n"
-    f"  ({_GPU_OF_POD} and on ({_POD}) (count by ({_POD}) ({_GPU_OF_POD}) == 1))\n"
+    f"max by ({BY}, namespace, job_id, rank) (\n"
+    f"  group by (cluster, job_id, rank, {_POD}) (sidecar_training_restarts)\n"
+    f"  * on (cluster, {_POD}) group_left (instance, gpu)\n"
+    f"  ({_GPU_OF_POD} and on (cluster, {_POD}) (count by (cluster, {_POD}) ({_GPU_OF_POD}) == 1))\n"
     f") * {MIB}"
 )
 
@@ -280,7 +281,7 @@ DCGM: list[Mapping] = [
         True,
         "the GPU's used memory, for a rank whose container holds exactly one GPU (dcgm-exporter's "
         "pod mapping joined with the rank's `namespace`, `pod`, `container`)",
-        extra="job_id, rank",
+        extra="namespace, job_id, rank",
     ),
 ]
 

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import yaml
+from aiohttp import web
 
-from tests.support import free_port, http_get, spawned, tail, wait_until
+from sidecar.testing.fake_grafana import BackgroundServer
+from tests.support import ROOT, free_port, http_get, spawned, tail, wait_until
 
 PROMETHEUS = "/usr/bin/prometheus"
 ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
+ALERTMANAGER_CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 
 
 class Prometheus:
@@ -111,3 +116,49 @@ class Alertmanager:
             )
             assert proc.poll() is None, f"alertmanager exited:\n{tail(self.log)}"
             yield self
+
+    def post(self, alerts: Sequence[dict]) -> None:
+        """Send alerts as Prometheus does (API v2): each a dict with `labels` (and `annotations`)."""
+        request = urllib.request.Request(
+            f"{self.url}/api/v2/alerts",
+            data=json.dumps(list(alerts)).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 200, answer.read()
+
+
+class Webhook(BackgroundServer):
+    """Alertmanager's webhook receiver: records every notification by path."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[str, dict]] = []
+        self._lock = threading.Lock()
+        app = web.Application()
+        app.router.add_post("/{receiver}", self._receive)
+        super().__init__(app)
+
+    async def _receive(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        with self._lock:
+            self.received.append((request.match_info["receiver"], body))
+        return web.json_response({"ok": True})
+
+    def notifications(self, receiver: str) -> list[dict]:
+        with self._lock:
+            return [b for r, b in self.received if r == receiver]
+
+    def all(self) -> list[tuple[str, dict]]:
+        """Every notification so far, as (receiver, body), in order of arrival."""
+        with self._lock:
+            return list(self.received)
+
+
+def alertmanager_config(webhook_url: str) -> dict:
+    """The shipped routing with every receiver pointed at the test's webhook (/<receiver name>)."""
+    config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    for receiver in config["receivers"]:
+        for hook in receiver.get("webhook_configs", []):
+            hook["url"] = f"{webhook_url}/{receiver['name']}"
+    return config

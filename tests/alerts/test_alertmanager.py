@@ -1,4 +1,6 @@
-"""deploy/alertmanager/alertmanager.yml: valid for amtool, critical pages, the rest tickets."""
+"""deploy/alertmanager/alertmanager.yml: valid for amtool; training quality to the job's owners,
+hardware and nodes to the platform, the jobs' health: critical pages, the rest tickets.
+(Its inhibit rules, one page per hang, are test_inhibition.py's.)"""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import subprocess
 
 import pytest
 
-from alerts.build import all_alerts
+from alerts import build
 from tests.support import ROOT
 
 CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
@@ -36,14 +38,43 @@ def test_severity_picks_the_receiver(severity, receiver):
     assert route(f"severity={severity}", "alertname=SidecarRankStalled", "job_id=j1") == receiver
 
 
-def test_every_shipped_alert_reaches_a_receiver():
-    expected = {"critical": "pager", "warning": "ticket", "info": "ticket"}
-    for alert in all_alerts():
-        assert route(f"severity={alert.severity}", f"alertname={alert.name}") == expected[alert.severity], alert.name
+# Training quality: the job's own code or data, for its owners (issue 31).
+JOB_OWNERS = {
+    "SidecarTrainingLossNonFinite",
+    "SidecarGradNormExplosion",
+    "SidecarLearningRateZero",
+    "SidecarLearningRateJump",
+    "SidecarStragglerRank",
+}
+# Hardware and nodes: the platform's.
+PLATFORM = {a.name for a in [*build.GPU.rules, *build.NETWORK.rules]} | {
+    "SidecarNodeUnfit",
+    "SidecarRankGpuError",
+    "SidecarCheckpointDiskFillingUp",
+    "SidecarCheckpointDiskAlmostFull",
+    "SidecarDown",
+    "SidecarCollectorFailing",
+    "SidecarWatchdogObserveOnly",
+}
 
 
-def test_notifications_are_grouped_by_alert_and_job():
+def expected_receiver(alert: build.Alert) -> str:
+    if alert.name in JOB_OWNERS:
+        return "job-owners"
+    if alert.name in PLATFORM:
+        return "platform-pager" if alert.severity == "critical" else "platform"
+    return "pager" if alert.severity == "critical" else "ticket"
+
+
+def test_every_shipped_alert_reaches_its_receiver():
+    assert JOB_OWNERS | PLATFORM <= {a.name for a in build.all_alerts()}
+    for alert in build.all_alerts():
+        labels = [f"severity={alert.severity}", f"alertname={alert.name}", "namespace=team-a", "job_id=j1"]
+        assert route(*labels) == expected_receiver(alert), alert.name
+
+
+def test_notifications_are_grouped_by_alert_and_job_in_its_namespace_and_cluster():
     import yaml
 
     config = yaml.safe_load(CONFIG.read_text())
-    assert set(config["route"]["group_by"]) == {"alertname", "job_id"}
+    assert set(config["route"]["group_by"]) == {"alertname", "cluster", "namespace", "job_id"}
