@@ -14,8 +14,10 @@ a desync.
   `trainer_hooks` under torchrun, creating a `Monitor` and `-m trainer_hooks.attach` call it.
 - `read()` runs on the hooks' sender thread, never on the training thread: one
   `_dump_fr_trace_json` call (0.3-3 ms for a ring of tens of entries), summarised by `summarize()`
-  into what the sidecar needs: per group the last enqueued / started / completed sequence and the
-  oldest collectives still in flight (op, sizes, when each was created). Bounded by the wire's limits.
+  into what the sidecar needs: per group the last enqueued / started / completed sequence, the
+  oldest collectives still in flight (op, sizes, when each was created) and when the rank entered
+  each of its most recent ones (`recent`: the sidecar's lateness of a straggler,
+  sidecar/ranks/lateness.py). Bounded by the wire's limits.
 - `dump_json()` is the whole record (torch's JSON form), sent when the sidecar asks for it: the
   incident keeps it in torch's own pickle format, which `fr_trace` reads.
 
@@ -37,7 +39,9 @@ from trainer_hooks.wire import (
     COLLECTIVES_MAX_GROUP_RANKS,
     COLLECTIVES_MAX_GROUPS,
     COLLECTIVES_MAX_PENDING,
+    COLLECTIVES_MAX_RECENT,
     COLLECTIVES_MAX_SIZES,
+    MAX_TIME,
 )
 
 SWITCH = "SIDECAR_COLLECTIVES"
@@ -45,6 +49,8 @@ BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_BUFFER = 64  # entries: a few steps of a DDP job; the ring's memory is a few tens of KiB
 FR_DUMP_MAX_ENTRIES = 256  # of a whole dump sent for an incident (wire: under the push body limit)
 WHOLE_EVERY_SECONDS = 10.0  # the entries are read at least this often, and whenever they matter (read())
+_MAX_SEQ = 1 << 62  # the sidecar's bound on a sequence number (sidecar/ranks/collectives.py)
+_MAX_NS = int(MAX_TIME * 1e9)
 READ_EVERY_SECONDS = COLLECTIVES_EVERY_SECONDS  # the record is read this often, with a push (one of its own if idle)
 
 
@@ -122,7 +128,7 @@ class _Cache:
         self.names: list[dict[str, str]] = []
         self.groups: dict[str, dict] = {}
         self.p2p = True  # until a whole read says otherwise: read whole
-        self.whole_at = -1e9  # monotonic
+        self.whole_slot = -1  # the wall-clock slot (WHOLE_EVERY_SECONDS long) of the last whole read
 
 
 _cache = _Cache()
@@ -134,9 +140,12 @@ def read(now: float | None = None, whole: bool = False) -> dict | None:
     Reading the recorder's entries holds the GIL for ~0.5 ms per 64 entries (50-110 ms for a ring of
     2,000 a user may have set): the training thread would wait for it. So the entries are read only
     when they matter: when a collective has been in flight since the previous read (a rank waits:
-    what a hang is judged from), when the sidecar asks (`whole`), at least every WHOLE_EVERY_SECONDS,
-    and while a group carries point-to-point work (its pg_status mixes both). Otherwise the record is
-    pg_status alone (0.1 ms), named through the last whole read."""
+    what a hang is judged from), when the sidecar asks (`whole`), once in every WHOLE_EVERY_SECONDS
+    slot of the wall clock, and while a group carries point-to-point work (its pg_status mixes both).
+    Otherwise the record is pg_status alone (0.1 ms), named through the last whole read, with the last
+    whole read's `recent`. The slots are the wall clock's, not this process's: every rank of a node
+    reads its entries within about a read interval of its peers, so their `recent` windows overlap
+    (the sidecar compares the ranks' entry times of the same collectives)."""
     c10d = _c10d()
     if c10d is None:
         return None
@@ -149,7 +158,7 @@ def read(now: float | None = None, whole: bool = False) -> dict | None:
         str(k) in names for st, names in zip(statuses, _cache.names, strict=True) for k in st
     )
     _cache.statuses = statuses
-    if whole or waited or _cache.p2p or not known or time.monotonic() - _cache.whole_at >= WHOLE_EVERY_SECONDS:
+    if whole or waited or _cache.p2p or not known or _slot(when) != _cache.whole_slot:
         return _read_whole(c10d, when)
     groups = []
     for st, names in zip(statuses, _cache.names, strict=True):
@@ -175,7 +184,7 @@ def _read_whole(c10d: Any, when: float) -> dict | None:
     records = [summarize(t, members, when) for t in traces]
     _cache.names = [_pg_names(t) for t in traces]
     _cache.p2p = any(isinstance(e, dict) and e.get("is_p2p") for t in traces for e in t.get("entries") or [])
-    _cache.whole_at = time.monotonic()
+    _cache.whole_slot = _slot(when)
     merged: dict[str, dict] = {}  # a group both recorders know (a CPU and a CUDA backend): the busier
     for record in records:
         for g in record["groups"]:
@@ -247,6 +256,35 @@ def _seq(status: Mapping[str, Any], key: str) -> int:
         return int(status.get(key, -1))
     except (TypeError, ValueError):
         return -1
+
+
+def _slot(when: float) -> int:
+    """The wall-clock slot a read falls in: a whole read once per slot, at about the same moment on
+    every rank of the node (their reads are at most a read interval apart)."""
+    try:
+        return int(when // WHOLE_EVERY_SECONDS)
+    except (OverflowError, ValueError):  # a wall clock gone mad: read whole each time
+        return -2
+
+
+def _recent(coll: list[Mapping[str, Any]]) -> list[list[float]]:
+    """[[seq, created seconds], ...] of the group's newest COLLECTIVES_MAX_RECENT collectives, in
+    sequence order, completed or not: when this rank entered each (a coalesced collective's several
+    entries share a sequence: its first). Its peers' entries of the same sequences say how late it was."""
+    created: dict[int, int] = {}
+    for e in coll:
+        ns, seq = e.get("time_created_ns"), e["collective_seq_id"]
+        # what the sidecar refuses (and the push with it) is left out: not a time, not a sequence
+        if (
+            type(ns) is int
+            and 0 < ns < _MAX_NS
+            and type(seq) is int
+            and 0 <= seq < _MAX_SEQ
+            and created.get(seq, ns) >= ns
+        ):
+            created[seq] = ns
+    # microseconds, as `pending`'s `created` (ns // 1000: the float's shortest form has at most 6 decimals)
+    return [[seq, created[seq] // 1000 / 1e6] for seq in sorted(created)[-COLLECTIVES_MAX_RECENT:]]
 
 
 def _in_flight_first(group: dict[str, Any]) -> tuple[bool, str]:
@@ -341,6 +379,7 @@ def summarize(trace: Mapping[str, Any], members: Mapping[str, tuple[str, list[in
                     }
                     for e in inflight
                 ],
+                "recent": _recent(coll),
             }
         )
     # Groups with something in flight first: they are what a hang is judged from.

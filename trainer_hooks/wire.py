@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 
-# 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
+# 7: a collective record group's optional `recent` (COLLECTIVES_MAX_RECENT; a sidecar of 6 ignores
+# it); 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
 # job's own key, sidecar/jobview/auth.py), STEP_GAP_SEND_SECONDS, a registration's optional
 # `observe_only` (OBSERVE_ONLY); 5: a push's optional `collectives` and `fr_dump` (the
 # rank's Flight Recorder, COLLECTIVES_*), a push answer's optional `want` (WANTS),
@@ -22,7 +23,7 @@ import re
 # (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the
 # job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of earlier
 # versions stay valid.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # ---------------------------------------------------------------- names
 
@@ -108,11 +109,14 @@ OBSERVE_ONLY = "observe_only"
 
 # A push's optional `collectives` (trainer_hooks/collectives.py): {"time": the rank's wall clock when
 # it read its Flight Recorder, "groups": [{"pg", "desc", "size", "ranks", "enqueued", "started",
-# "completed", "pending": [{"seq", "op", "sizes", "created", "state"}]}]}: per process group the last
-# collective sequence enqueued, started and completed, its members (global ranks) when at most
-# COLLECTIVES_MAX_GROUP_RANKS, and its oldest collectives still in flight.
+# "completed", "pending": [{"seq", "op", "sizes", "created", "state"}], "recent": [[seq, created], ...]}]}:
+# per process group the last collective sequence enqueued, started and completed, its members (global
+# ranks) when at most COLLECTIVES_MAX_GROUP_RANKS, its oldest collectives still in flight, and (optional)
+# when the rank entered each of its most recent collectives (at most COLLECTIVES_MAX_RECENT, ascending
+# sequences, Unix seconds): what a straggler's lateness is measured from (sidecar/ranks/lateness.py).
 COLLECTIVES_MAX_GROUPS = 16
 COLLECTIVES_MAX_PENDING = 4
+COLLECTIVES_MAX_RECENT = 32
 COLLECTIVES_MAX_SIZES = 4  # input shapes of one collective (each at most 8 dimensions)
 COLLECTIVES_MAX_GROUP_RANKS = 64
 # With nothing to send for this long, the hooks push an empty batch (a hung or waiting rank still

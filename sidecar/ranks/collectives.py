@@ -11,6 +11,7 @@ checked for shape and size only: the sidecar stores it for `fr_trace` and never 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from trainer_hooks.wire import (
     COLLECTIVES_MAX_GROUP_RANKS,
     COLLECTIVES_MAX_GROUPS,
     COLLECTIVES_MAX_PENDING,
+    COLLECTIVES_MAX_RECENT,
     COLLECTIVES_MAX_SIZES,
     MAX_RANK,
     MAX_TIME,
@@ -75,6 +77,9 @@ class Group:
     started: int
     completed: int
     pending: list[Pending] = field(default_factory=list)
+    # (seq, created): when the rank entered each of its newest collectives of the group (its wall
+    # clock, ascending sequences; hooks before it send none): what lateness is measured from
+    recent: tuple[tuple[int, float], ...] = ()
 
     @property
     def waiting(self) -> bool:
@@ -102,6 +107,8 @@ class Collectives:
         return next((g for g in self.groups if g.pg == pg), None)
 
     def to_wire(self) -> dict[str, Any]:
+        """The record as a job view report carries it: for a hang's verdict. `recent` stays home (the
+        entry times a straggler is judged from; a job view of lateness would send its own summary)."""
         return {
             "time": self.time,
             "groups": [
@@ -177,6 +184,24 @@ def _pending(obj: Any, where: str) -> Pending:
     )
 
 
+def _recent(obj: dict, where: str) -> tuple[tuple[int, float], ...]:
+    """A group's `recent`: [[seq, created], ...], sequences ascending, times Unix seconds."""
+    out: list[tuple[int, float]] = []
+    for i, item in enumerate(_list(obj, "recent", where, COLLECTIVES_MAX_RECENT)):
+        here = f"{where}.recent[{i}]"
+        if type(item) is not list or len(item) != 2:
+            raise ProtocolError(f"{here}: expected [seq, created]")
+        seq, created = item
+        if type(seq) is not int or not 0 <= seq <= MAX_SEQ:
+            raise ProtocolError(f"{here}: expected a sequence number in [0, {MAX_SEQ}]")
+        if out and seq <= out[-1][0]:
+            raise ProtocolError(f"{here}: expected sequence numbers in ascending order")
+        if type(created) not in (int, float) or not math.isfinite(created) or not 0 <= created < MAX_TIME:
+            raise ProtocolError(f"{here}: expected Unix seconds")
+        out.append((seq, float(created)))
+    return tuple(out)
+
+
 def _group(obj: Any, where: str) -> Group:
     if type(obj) is not dict:
         raise ProtocolError(f"{where}: expected an object")
@@ -194,6 +219,7 @@ def _group(obj: Any, where: str) -> Group:
         started=_int(obj, "started", where, -1, MAX_SEQ),
         completed=_int(obj, "completed", where, -1, MAX_SEQ),
         pending=pending,
+        recent=_recent(obj, where),
     )
 
 

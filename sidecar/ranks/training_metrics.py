@@ -2,7 +2,8 @@
 registry already holds the latest pushed values, and reading it is cheap).
 
 Ranks that are gone stay exported until the registry drops them
-(limits.gone_retention_seconds), so the last values of a crashed rank remain visible.
+(limits.gone_retention_seconds), so the last values of a crashed rank remain visible. A rank's
+lateness (lateness.py) is shown only while it runs: it is judged against its live peers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Collection, Iterable
 from prometheus_client.core import Metric
 
 from sidecar.metric import MetricSpec, spec
+from sidecar.ranks import lateness
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.registry import Registry
 
@@ -114,6 +116,7 @@ METRICS: tuple[MetricSpec, ...] = (
     *RATE_SPECS,
     RANKS,
     WORLD,
+    lateness.LATENESS,
 )
 
 
@@ -125,6 +128,7 @@ class TrainingCollector:
 
     def __init__(self, registry: Registry):
         self.registry = registry
+        self.lateness = lateness.Tracker()  # the ranks' collective entry times, judged per job
 
     def collect(
         self, only: Collection[RankKey] | None = None, custom: Collection[RankKey] | None = None
@@ -173,6 +177,7 @@ class TrainingCollector:
         yield from (f for _, f in values)
         yield from (phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom_family, dropped)
         yield from (steps, samples, tokens, durations)
+        yield from lateness.families(self.lateness, all_ranks, only)
         yield from self._job_families(all_ranks)
 
     @staticmethod
@@ -191,6 +196,7 @@ class TrainingCollector:
             + (r.counters.samples > 0)
             + (r.counters.tokens > 0)
             + (len(r.counters.step_time_counts) + 2 if r.counters.step_time_count else 0)
+            + lateness.series(r)
         )
         return own, len(r.custom)
 

@@ -143,3 +143,51 @@ def test_the_entries_are_read_only_when_they_matter(monkeypatch):
     assert [p["seq"] for p in waiting["groups"][0]["pending"]] == [10]
     collectives.read(now=10.0, whole=True)  # the sidecar asked
     assert fake.entry_reads == 3
+
+
+def test_the_record_carries_when_the_rank_entered_its_recent_collectives():
+    """Per group, [seq, created] of its newest collectives, completed or not, in sequence order:
+    what the sidecar measures a straggler's lateness from."""
+    record = collectives.summarize(GLOO_DUMP, {"0": ("default_pg", [0, 1])}, now=1796385427.0)
+    recent = {g["pg"]: g["recent"] for g in record["groups"]}
+    assert recent == {"0": [[4, 1796385425.663110], [5, 1796385425.665564]], "1": [[3, 1796385425.664110]]}
+
+
+def test_recent_keeps_the_newest_and_leaves_out_what_the_sidecar_refuses():
+    n = collectives.COLLECTIVES_MAX_RECENT + 8
+    entry = {"input_sizes": [[8]], "is_p2p": False, "pg_id": 0, "process_group": ["0", "default_pg"],
+             "profiling_name": "gloo:all_reduce", "retired": True, "state": "scheduled"}  # fmt: skip
+    entries = [{**entry, "collective_seq_id": s, "time_created_ns": int(1.8e18) + s * 1000} for s in range(1, n + 1)]
+    entries += [
+        {**entry, "collective_seq_id": n, "time_created_ns": int(1.8e18)},  # a coalesced one's earlier entry
+        {**entry, "collective_seq_id": n + 1, "time_created_ns": 0},
+        {**entry, "collective_seq_id": n + 2, "time_created_ns": int(2e21)},  # past wire.MAX_TIME
+        {**entry, "collective_seq_id": n + 3},
+    ]
+    status = {"0": {"last_enqueued_collective": str(n + 3), "last_completed_collective": str(n + 3)}}
+    record = collectives.summarize({"pg_status": status, "entries": entries}, {}, now=1.8e9)
+    recent = record["groups"][0]["recent"]
+    assert len(recent) == collectives.COLLECTIVES_MAX_RECENT
+    assert [s for s, _ in recent] == list(range(n - collectives.COLLECTIVES_MAX_RECENT + 1, n + 1))
+    assert recent[-1] == [n, 1.8e9]
+    from sidecar.ranks.collectives import parse_collectives
+
+    parsed = parse_collectives(json.loads(json.dumps(record)))
+    assert parsed is not None and len(parsed.groups[0].recent) == collectives.COLLECTIVES_MAX_RECENT
+
+
+def test_the_entries_are_read_whole_once_per_wall_clock_slot(monkeypatch):
+    """Every rank reads its entries in the same slots of the wall clock, so that the sidecar gets the
+    ranks' entry times of the same collectives; between them, the last whole read's `recent` again."""
+    fake = FakeC10d()
+    monkeypatch.setattr(collectives, "_c10d", lambda: fake)
+    monkeypatch.setattr(collectives, "_members", lambda: {"0": ("default_pg", [0, 1])})
+    monkeypatch.setattr(collectives, "_cache", collectives._Cache())
+    every = collectives.WHOLE_EVERY_SECONDS
+    start = 1000 * every + 0.5
+    for i in range(25):
+        fake.enqueued = fake.completed = 5 + i
+        record = collectives.read(now=start + i)
+        assert record is not None and record["groups"][0]["recent"]
+    assert fake.entry_reads == 3  # at start, start + 10, start + 20 (wall clock), not 10 s after each other
+    assert record["groups"][0]["recent"][-1][0] == 5 + 20  # the whole read of the slot

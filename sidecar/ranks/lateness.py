@@ -1,0 +1,222 @@
+"""Lateness: how long after the first member of its process group each rank enters the same
+collective, from the entry times its collective record carries (`recent`, trainer_hooks/collectives.py).
+
+In a data-parallel job every rank's step time is the same: each waits for the slowest at every
+all-reduce, so step times cannot name a straggler. The Flight Recorder can: the straggler is the
+rank that enters each collective last. For each process group and each sequence number at least
+two members entered, a member's lateness is its entry time minus the earliest member's; a rank's
+lateness in a group is the median over the group's last WINDOW such sequences. A rank is a
+straggler when that median exceeds max(FLOOR_SECONDS, INTERVAL_RATIO x the group's median
+interval between consecutive collectives) in every group it has data in: with data x tensor
+parallel groups, a rank that waited for the straggler in one group enters its other groups late
+too, but is on time in the group it waited in; the straggler is late in all of them. The
+lateness a rank is shown with is the least of its groups' for the same reason.
+
+`judge` is pure (per rank, per group, sequence -> entry time). `Tracker` keeps each local rank's
+entry times across its records (the hooks read their entries once in a wall-clock slot, at about
+the same moment on every rank of a node, so that their windows overlap) and judges each job's
+ranks on this node. Entry times are each rank's wall clock: on one node, one clock. Across nodes
+(the job view, a later slice) NTP-level offsets are far below FLOOR_SECONDS.
+
+Everything here is read from records the ranks sent (validated by collectives.py, bounded by the
+wire's limits): no rank can make it cost more than its own bounded record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from statistics import median
+
+from prometheus_client.core import Metric
+
+from sidecar.metric import spec
+from sidecar.ranks.collectives import Collectives
+from sidecar.ranks.model import Rank, RankKey
+from trainer_hooks.wire import COLLECTIVES_MAX_RECENT
+
+WINDOW = COLLECTIVES_MAX_RECENT  # common sequences of a group a rank's median is taken over
+FLOOR_SECONDS = 0.020  # a lateness below this is clocks and scheduling, never a straggler
+INTERVAL_RATIO = 0.25  # ... nor below this share of its group's median interval between collectives
+MIN_SEQUENCES = 8  # common sequences a group needs before it names a straggler
+HISTORY = 2 * COLLECTIVES_MAX_RECENT  # entry times kept per rank and group, newest
+
+# listed in training_metrics.METRICS, whose collector exports it (one module lists a family)
+LATENESS = spec(
+    "training",
+    "rank_lateness_seconds",
+    "gauge",
+    "How long after the first member of its process group the rank enters the group's collectives: per group, "
+    "the median over the last common collectives (each rank's Flight Recorder entry times), and the least of "
+    "its groups'. A straggler enters every collective late, while its step time equals its peers' (each waits "
+    "for it). Absent until two ranks of a job on this node sent entry times of the same collectives.",
+    ["job_id", "rank"],
+)
+
+GroupKey = tuple[str, tuple[int, ...] | None]  # the group's name and its members when sent
+Entries = Mapping[int, Mapping[GroupKey, Mapping[int, float]]]  # rank -> group -> seq -> entry time
+
+
+@dataclass(frozen=True)
+class GroupLateness:
+    """One process group's judgement."""
+
+    pg: str
+    sequences: int  # common sequences judged (entered by at least two members)
+    interval: float | None  # median seconds between its consecutive collectives (first entries)
+    threshold: float  # a member's median lateness above this is late
+    lateness: dict[int, float]  # rank -> its median lateness in the group
+
+
+@dataclass(frozen=True)
+class RankLateness:
+    rank: int
+    seconds: float  # the least of its groups' median lateness
+    groups: dict[str, float]  # pg -> its median lateness there
+    straggler: bool  # late in every group it has data in (and each judged enough sequences)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    groups: list[GroupLateness]
+    ranks: dict[int, RankLateness]
+
+    @property
+    def stragglers(self) -> list[int]:
+        return sorted(r for r, v in self.ranks.items() if v.straggler)
+
+
+def _group(
+    pg: str, members: Mapping[int, Mapping[int, float]], window: int, floor: float, ratio: float
+) -> GroupLateness | None:
+    newest = max((max(times) for times in members.values() if times), default=None)
+    if newest is None:
+        return None
+    by_seq: dict[int, dict[int, float]] = {}
+    for rank, times in members.items():
+        for seq, created in times.items():
+            if seq > newest - HISTORY:  # a member whose record stopped coming: its old entries age out
+                by_seq.setdefault(seq, {})[rank] = created
+    common = sorted(s for s, ranks in by_seq.items() if len(ranks) >= 2)[-window:]
+    if not common:
+        return None
+    first = {s: min(by_seq[s].values()) for s in common}
+    late: dict[int, list[float]] = {}
+    for s in common:
+        for rank, created in by_seq[s].items():
+            late.setdefault(rank, []).append(created - first[s])
+    steps = [(first[b] - first[a]) / (b - a) for a, b in zip(common, common[1:], strict=False)]
+    interval = median(steps) if steps else None
+    threshold = max(floor, ratio * interval) if interval is not None and interval > 0 else floor
+    return GroupLateness(pg, len(common), interval, threshold, {r: median(v) for r, v in sorted(late.items())})
+
+
+def judge(
+    entries: Entries,
+    window: int = WINDOW,
+    floor: float = FLOOR_SECONDS,
+    ratio: float = INTERVAL_RATIO,
+    min_sequences: int = MIN_SEQUENCES,
+) -> Verdict:
+    """Each rank's lateness per group and overall, and who is a straggler, from the ranks' entry
+    times (rank -> group -> sequence -> Unix seconds)."""
+    by_group: dict[GroupKey, dict[int, Mapping[int, float]]] = {}
+    for rank, of_rank in entries.items():
+        for key, times in of_rank.items():
+            by_group.setdefault(key, {})[rank] = times
+    judged: list[GroupLateness] = []
+    per_rank: dict[int, list[GroupLateness]] = {}
+    for key, members in sorted(by_group.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
+        if len(members) < 2:
+            continue
+        g = _group(key[0], members, window, floor, ratio)
+        if g is None:
+            continue
+        judged.append(g)
+        for rank in g.lateness:
+            per_rank.setdefault(rank, []).append(g)
+    ranks = {}
+    for rank, groups in sorted(per_rank.items()):
+        straggler = all(g.sequences >= min_sequences and g.lateness[rank] > g.threshold for g in groups)
+        ranks[rank] = RankLateness(
+            rank, min(g.lateness[rank] for g in groups), {g.pg: g.lateness[rank] for g in groups}, straggler
+        )
+    return Verdict(judged, ranks)
+
+
+def entries_of(record: Collectives) -> dict[GroupKey, dict[int, float]]:
+    """A record's entry times, per group."""
+    return {(g.pg, g.ranks): dict(g.recent) for g in record.groups if g.recent}
+
+
+# ---------------------------------------------------------------- the ranks of this node
+
+
+@dataclass
+class _History:
+    rank: Rank  # the registration it belongs to (a restarted rank is a new one: its history starts anew)
+    record: Collectives | None = None  # the last record merged
+    groups: dict[GroupKey, dict[int, float]] | None = None
+
+
+class Tracker:
+    """This node's ranks' entry times, merged from each record as it is seen (HISTORY per group,
+    newest), judged per job. Used from one thread (the /metrics renderer)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[RankKey, _History] = {}
+
+    def observe(self, ranks: Iterable[Rank]) -> None:
+        live = {r.key: r for r in ranks if not r.gone}
+        for key in [k for k, h in self._seen.items() if live.get(k) is not h.rank]:
+            del self._seen[key]
+        for key, rank in live.items():
+            record = rank.collectives
+            if record is None:
+                continue
+            h = self._seen.setdefault(key, _History(rank))
+            if h.record is record:
+                continue
+            h.record = record
+            h.groups = merge(h.groups or {}, entries_of(record))
+
+    def verdicts(self) -> dict[str, Verdict]:
+        """Per job: its ranks on this node, judged."""
+        jobs: dict[str, dict[int, Mapping[GroupKey, Mapping[int, float]]]] = {}
+        for (job_id, rank), h in self._seen.items():
+            if h.groups:
+                jobs.setdefault(job_id, {})[rank] = h.groups
+        return {job_id: judge(entries) for job_id, entries in sorted(jobs.items()) if len(entries) >= 2}
+
+
+def merge(
+    old: dict[GroupKey, dict[int, float]], new: Mapping[GroupKey, Mapping[int, float]]
+) -> dict[GroupKey, dict[int, float]]:
+    """`old` with `new`'s entries, the newest HISTORY per group. A group whose newest sequence went
+    back (its process group was formed again) starts anew; a group the rank no longer reports is
+    dropped."""
+    out: dict[GroupKey, dict[int, float]] = {}
+    for key, times in new.items():
+        kept = old.get(key, {})
+        if kept and times and max(times) < max(kept):
+            kept = {}
+        both = {**kept, **times}
+        out[key] = {s: both[s] for s in sorted(both)[-HISTORY:]}
+    return out
+
+
+def series(r: Rank) -> int:
+    """Series `families` may give one rank (for /metrics' budget): at most one."""
+    return int(not r.gone and r.collectives is not None and any(g.recent for g in r.collectives.groups))
+
+
+def families(tracker: Tracker, ranks: Iterable[Rank], only: Collection[RankKey] | None = None) -> list[Metric]:
+    """`sidecar_rank_lateness_seconds` of the ranks in `only` (None: all), after merging `ranks`'
+    latest records into `tracker`."""
+    tracker.observe(ranks)
+    family = LATENESS.family()
+    for job_id, verdict in tracker.verdicts().items():
+        for rank, v in verdict.ranks.items():
+            if only is None or (job_id, rank) in only:
+                family.add_metric([job_id, str(rank)], v.seconds)
+    return [family]

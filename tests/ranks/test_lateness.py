@@ -1,0 +1,186 @@
+"""Lateness per rank (sidecar/ranks/lateness.py) from synthetic collective records: who enters each
+collective of its group last, by how much, and which rank is the straggler."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from sidecar.ranks import lateness
+from sidecar.ranks.collectives import parse_collectives
+from sidecar.ranks.lateness import Tracker, judge
+from sidecar.ranks.model import Rank
+from sidecar.ranks.protocol import ProtocolError
+from trainer_hooks.wire import COLLECTIVES_MAX_RECENT
+
+T0 = 1_800_000_000.0
+STEP = 0.150  # seconds between a group's collectives
+
+
+def times(ranks, seqs, delay: Callable[[int, int], float], key=("0", None)) -> dict:
+    """rank -> {group: {seq: entry time}}: each rank enters seq s at T0 + s*STEP + delay(rank, s)."""
+    return {r: {key: {s: T0 + s * STEP + delay(r, s) for s in seqs}} for r in ranks}
+
+
+def test_a_healthy_job_names_no_straggler():
+    rng = random.Random(1)
+    v = judge(times(range(4), range(1, 41), lambda r, s: rng.uniform(0, 0.003)))
+    assert v.stragglers == []
+    assert all(rl.seconds < 0.003 for rl in v.ranks.values())
+    assert v.groups[0].sequences == COLLECTIVES_MAX_RECENT  # the window: the last 32 common sequences
+
+
+def test_one_slow_rank_is_named_with_its_delay():
+    rng = random.Random(2)
+    v = judge(times(range(4), range(1, 41), lambda r, s: (0.1 if r == 2 else 0) + rng.uniform(0, 0.002)))
+    assert v.stragglers == [2]
+    assert v.ranks[2].seconds == pytest.approx(0.1, abs=0.003)
+    assert all(v.ranks[r].seconds < 0.003 for r in (0, 1, 3))
+    assert v.groups[0].interval == pytest.approx(STEP, abs=0.003)
+
+
+def test_with_data_and_tensor_parallel_groups_only_the_slow_rank_is_named():
+    """4 ranks: tensor parallel {0,1} {2,3}, data parallel {0,2} {1,3}. Rank 3 computes 80 ms longer
+    before its tensor-parallel collective; rank 2 waits for it there, so it enters its data-parallel
+    collective as late as rank 3: late in one of its groups, on time in the other."""
+    tp = {0: ("1", (0, 1)), 1: ("1", (0, 1)), 2: ("2", (2, 3)), 3: ("2", (2, 3))}
+    dp = {0: ("3", (0, 2)), 2: ("3", (0, 2)), 1: ("4", (1, 3)), 3: ("4", (1, 3))}
+    d, rng = 0.08, random.Random(3)
+    entries: dict = {r: {tp[r]: {}, dp[r]: {}} for r in range(4)}
+    for s in range(1, 41):
+        base = T0 + s * STEP
+        for r in range(4):
+            entries[r][tp[r]][s] = base + (d if r == 3 else 0) + rng.uniform(0, 0.002)
+            # after the TP collective, which ends when its last member entered
+            entries[r][dp[r]][s] = base + 0.01 + (d if r in (2, 3) else 0) + rng.uniform(0, 0.002)
+    v = judge(entries)
+    assert v.stragglers == [3]
+    assert v.ranks[3].seconds == pytest.approx(d, abs=0.003)
+    assert v.ranks[2].groups == {"2": pytest.approx(0, abs=0.003), "3": pytest.approx(d, abs=0.003)}
+    assert v.ranks[2].seconds < 0.003  # on time in the group where it waited
+    assert all(v.ranks[r].seconds < 0.003 for r in (0, 1, 2))
+
+
+def test_clock_jitter_below_the_floor_names_no_straggler():
+    """One rank always 15 ms behind (a clock offset, scheduling) with jitter of +-5 ms: below the floor."""
+    rng = random.Random(4)
+    v = judge(times(range(2), range(1, 41), lambda r, s: (0.015 if r == 1 else 0) + rng.uniform(-0.005, 0.005)))
+    assert v.stragglers == []
+    assert 0.005 < v.ranks[1].seconds < lateness.FLOOR_SECONDS
+
+
+def test_lateness_small_against_the_interval_between_collectives_is_no_straggler():
+    """25 ms late in a group whose collectives come every 2 s: above the floor, below 0.25 x interval."""
+    entries = {r: {("0", None): {s: T0 + 2.0 * s + (0.025 if r == 1 else 0) for s in range(1, 21)}} for r in (0, 1)}
+    v = judge(entries)
+    assert v.ranks[1].seconds == pytest.approx(0.025, abs=1e-5) and v.stragglers == []
+
+
+def test_too_few_common_collectives_name_no_one_yet():
+    v = judge(times(range(2), range(1, 4), lambda r, s: 0.1 if r == 1 else 0))
+    assert v.ranks[1].seconds == pytest.approx(0.1, abs=1e-5) and v.stragglers == []
+
+
+def test_only_sequences_two_members_entered_count():
+    """Rank 1's record was read before rank 0's: rank 0's newer entries have no peer yet."""
+    entries = {
+        0: {("0", None): {s: T0 + s * STEP for s in range(1, 41)}},
+        1: {("0", None): {s: T0 + s * STEP + 0.1 for s in range(1, 31)}},
+    }
+    v = judge(entries)
+    assert v.groups[0].sequences == 30 and v.stragglers == [1]
+
+
+def _record(seqs, at: float, pg="0") -> dict:
+    return {"time": at, "groups": [{"pg": pg, "desc": "", "size": 2, "ranks": [0, 1], "enqueued": max(seqs),
+                                    "started": -1, "completed": max(seqs), "pending": [],
+                                    "recent": [[s, at - 1 + s * 0.001] for s in seqs]}]}  # fmt: skip
+
+
+def test_a_record_carries_its_entry_times():
+    parsed = parse_collectives(_record(range(5, 10), T0))
+    assert parsed is not None and parsed.groups[0].recent[0] == (5, pytest.approx(T0 - 1 + 0.005))
+    assert parse_collectives({**_record([1], T0), "groups": [{**_record([1], T0)["groups"][0], "recent": []}]})
+
+
+@pytest.mark.parametrize(
+    ("recent", "field"),
+    [
+        ("x", "collectives.groups[0].recent"),
+        ([[1, T0]] * (COLLECTIVES_MAX_RECENT + 1), "collectives.groups[0].recent"),
+        ([[1]], "collectives.groups[0].recent[0]"),
+        ([[1, T0, 3]], "collectives.groups[0].recent[0]"),
+        ([[-1, T0]], "collectives.groups[0].recent[0]"),
+        ([[1 << 62, T0]], "collectives.groups[0].recent[0]"),
+        ([[True, T0]], "collectives.groups[0].recent[0]"),
+        ([[1.0, T0]], "collectives.groups[0].recent[0]"),
+        ([[2, T0], [2, T0]], "collectives.groups[0].recent[1]"),
+        ([[3, T0], [2, T0]], "collectives.groups[0].recent[1]"),
+        ([[1, float("nan")]], "collectives.groups[0].recent[0]"),
+        ([[1, float("inf")]], "collectives.groups[0].recent[0]"),
+        ([[1, -1.0]], "collectives.groups[0].recent[0]"),
+        ([[1, 1e12]], "collectives.groups[0].recent[0]"),
+        ([[1, "1"]], "collectives.groups[0].recent[0]"),
+        ([[1, None]], "collectives.groups[0].recent[0]"),
+    ],
+)
+def test_a_malformed_recent_is_refused_naming_the_field(recent, field):
+    record = _record([1], T0)
+    record["groups"][0]["recent"] = recent
+    with pytest.raises(ProtocolError) as e:
+        parse_collectives(record)
+    assert str(e.value).startswith(field + ":"), str(e.value)
+
+
+def _rank(rank: int, job="job") -> Rank:
+    return Rank(job_id=job, rank=rank, local_rank=rank, world_size=2, local_world_size=2, pid=1000 + rank,
+                pid_start_time=1.0)  # fmt: skip
+
+
+def _take(r: Rank, seqs, delay: float) -> None:
+    record = _record(list(seqs), T0)
+    record["groups"][0]["recent"] = [[s, T0 + s * STEP + delay] for s in seqs]
+    r.take_collectives(parse_collectives(record), None, 0.0)
+
+
+def test_the_tracker_joins_records_read_at_different_moments():
+    """Rank 0's record covers #1-32, then #41-72; rank 1's #9-40: only the history makes them meet
+    (#9-32), and rank 0's newer entries join rank 1's next record."""
+    r0, r1 = _rank(0), _rank(1)
+    tracker = Tracker()
+    _take(r0, range(1, 33), 0.0)
+    _take(r1, range(9, 41), 0.1)
+    tracker.observe([r0, r1])
+    _take(r0, range(41, 73), 0.0)
+    tracker.observe([r0, r1])
+    v = tracker.verdicts()["job"]
+    assert v.groups[0].sequences == 24 and v.stragglers == [1]
+    _take(r1, range(41, 73), 0.1)
+    fam = lateness.families(tracker, [r0, r1])[0]
+    got = {s.labels["rank"]: s.value for s in fam.samples}
+    assert got == {"0": pytest.approx(0.0, abs=1e-5), "1": pytest.approx(0.1, abs=1e-5)}
+    assert tracker.verdicts()["job"].groups[0].sequences == COLLECTIVES_MAX_RECENT
+
+
+def test_a_restarted_rank_starts_anew_and_gone_ranks_are_not_shown():
+    r0, r1 = _rank(0), _rank(1)
+    tracker = Tracker()
+    _take(r0, range(1, 33), 0.0)
+    _take(r1, range(1, 33), 0.1)
+    tracker.observe([r0, r1])
+    again = _rank(1)  # a new registration: its process group formed anew, its sequences from 1 again
+    _take(again, range(1, 33), 0.0)
+    fam = lateness.families(tracker, [r0, again])[0]
+    assert {s.labels["rank"]: s.value for s in fam.samples} == {"0": 0.0, "1": pytest.approx(0.0, abs=1e-5)}
+    again.gone = True
+    assert lateness.families(tracker, [r0, again])[0].samples == []
+    assert lateness.series(again) == 0 and lateness.series(r0) == 1
+
+
+def test_ranks_of_other_jobs_are_never_compared():
+    a, b = _rank(0, "a"), _rank(1, "b")
+    _take(a, range(1, 33), 0.0)
+    _take(b, range(1, 33), 0.1)
+    assert lateness.families(Tracker(), [a, b])[0].samples == []
