@@ -69,6 +69,7 @@ class Trainer:
         self.cfg, self.final_params = cfg, final_params
         self.startup = startup or Startup(is_main=os.environ.get("RANK", "0") == "0")
         if cfg.train.deterministic:  # cuBLAS reads it when its first handle is created
+            # changes: deterministic-cublas (docs/changes-to-others.md)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # Before the rendezvous, so that the sidecar hears when the process group is formed.
         self.monitor = open_monitor(cfg.monitor.enabled)

@@ -63,6 +63,7 @@ class SidecarTracker(GeneralTracker):
         try:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
+            # changes: optimizer-step-hook (docs/changes-to-others.md)
             self._handle = register_optimizer_step_post_hook(self._on_optimizer_step)
         except Exception:
             pass

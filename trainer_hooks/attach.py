@@ -120,6 +120,7 @@ class Attachment:
         original = current.__wrapped__ if getattr(current, pauses.MARK, False) else current
         wrapper = self._phased(original, phase, saved_event)
         wrapper._trainer_hooks_phase = phase  # type: ignore[attr-defined]
+        # changes: attach-checkpoint-phases (docs/changes-to-others.md)
         setattr(owner, name, wrapper)
         self._undo.append(lambda: setattr(owner, name, current))
 
@@ -129,6 +130,7 @@ class Attachment:
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        # changes: optimizer-step-hook (docs/changes-to-others.md)
         handle = register_optimizer_step_post_hook(self.on_optimizer_step)
         self._undo.append(handle.remove)
         self._patch(torch, "save", "checkpoint_save", saved_event=True)

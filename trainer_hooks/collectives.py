@@ -68,6 +68,7 @@ def enable(environ: MutableMapping[str, str] | None = None) -> bool:
         current = env.get(BUFFER_ENV)
         if current is not None:
             return current.strip() not in ("", "0")
+        # changes: flight-recorder (docs/changes-to-others.md)
         env[BUFFER_ENV] = str(DEFAULT_BUFFER)
         return True
     except Exception:  # an environment mapping that refuses writes: nothing to do

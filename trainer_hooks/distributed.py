@@ -119,6 +119,7 @@ def _wrap(original: Any) -> Any:
         yield store, rank, world_size
         raise RuntimeError("trainer_hooks: re-rendezvous through the same handler is not supported")
 
+    # changes: rendezvous-handlers (docs/changes-to-others.md)
     setattr(handler, _MARK, original)
     return handler
 
@@ -135,6 +136,7 @@ def install() -> bool:
         for scheme in _SCHEMES:
             current = handlers.get(scheme)
             if current is not None and not hasattr(current, _MARK):
+                # changes: rendezvous-handlers (docs/changes-to-others.md)
                 handlers[scheme] = _wrap(current)
         return True
     except Exception as e:  # a torch without the handler table: plain init, said once
@@ -178,6 +180,7 @@ class _ThenInstall(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        # changes: rendezvous-import-hook (docs/changes-to-others.md)
         self._loader.exec_module(module)
         install()
 
@@ -186,6 +189,7 @@ class _ThenInstall(importlib.abc.Loader):
 
 
 def _remove_finder() -> None:
+    # changes: rendezvous-import-hook (docs/changes-to-others.md)
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _InstallAfterTorchLoads)]
 
 
@@ -199,6 +203,7 @@ def install_when_torch_is_imported() -> None:
         if _HANDLERS_MODULE in sys.modules:
             install()
         elif not any(isinstance(f, _InstallAfterTorchLoads) for f in sys.meta_path):
+            # changes: rendezvous-import-hook (docs/changes-to-others.md)
             sys.meta_path.insert(0, _InstallAfterTorchLoads())
     except Exception as e:
         warn("attempt_store", "trainer_hooks: per-attempt store unavailable (%s: %s)", type(e).__name__, e)
@@ -242,6 +247,7 @@ def uninstall() -> None:
     for scheme in _SCHEMES:
         current = handlers.get(scheme)
         if current is not None and hasattr(current, _MARK):
+            # changes: rendezvous-handlers (docs/changes-to-others.md)
             handlers[scheme] = getattr(current, _MARK)
 
 

@@ -133,5 +133,6 @@ def install(on_fatal: Callable[[dict], None], on_thread: Callable[[dict], None])
         finally:
             previous_thread(args)
 
+    # changes: exception-hooks (docs/changes-to-others.md)
     sys.excepthook = excepthook
     threading.excepthook = thread_excepthook

@@ -247,6 +247,7 @@ def install() -> bool:
         if getattr(current, MARK, False) or getattr(current, ATTACH_MARK, None):
             continue  # wrapped already: by an earlier install, or declared by attach.py
         wrapper = factory(current)
+        # changes: pause-wrappers (docs/changes-to-others.md)
         setattr(wrapper, MARK, True)
         setattr(owner, attr, wrapper)
         _undo.append(functools.partial(setattr, owner, attr, current))
@@ -262,6 +263,7 @@ def _install_compile() -> bool:
         return False
     starts = getattr(handler, "start_callbacks", None)
     if isinstance(starts, list) and _compile_start not in starts:
+        # changes: compile-callbacks (docs/changes-to-others.md)
         handler.register_start_callback(_compile_start)
         handler.register_end_callback(_compile_end)
         if not any(u.func is _unregister_compile for u in _undo if isinstance(u, functools.partial)):

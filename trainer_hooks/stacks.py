@@ -58,6 +58,7 @@ class StackDump:
             return False
         file = os.fdopen(fd, "w")
         try:
+            # changes: stack-signal (docs/changes-to-others.md)
             faulthandler.register(self.signum, file=file, all_threads=True, chain=False)
         except (ValueError, OSError, RuntimeError) as e:
             file.close()
@@ -109,6 +110,7 @@ def install(signum: int | None) -> StackDump | None:
         return None
     initial = _stderr()
     try:
+        # changes: stack-signal (docs/changes-to-others.md)
         faulthandler.register(signum, file=initial, all_threads=True, chain=False)
     except (ValueError, OSError, RuntimeError) as e:
         if initial is not sys.__stderr__:

@@ -42,6 +42,7 @@ def _chain() -> None:
         spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [entry])
         if spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
+            # changes: sitecustomize (docs/changes-to-others.md)
             spec.loader.exec_module(module)
             return
 
