@@ -80,7 +80,7 @@ def check_families(text: str) -> tuple[list[str], list[str]]:
         if name == "sidecar_gpu_field_unavailable"
     }
     present = {(name, labels.get("gpu", "")) for name, labels, _ in found}
-    lines, failures = [f"GPUs: {', '.join(gpus) or 'none'}" + (f"; lost: {', '.join(lost)}" if lost else "")], []
+    lines, failures = [f"GPU indexes: {', '.join(gpus) or 'none'}" + (f"; lost: {', '.join(lost)}" if lost else "")], []
     for family, fields in sorted(FIELDS_OF.items()):
         for gpu in gpus:
             if (family, gpu) in present or (family + "_total", gpu) in present:
@@ -262,6 +262,15 @@ def check_collectives() -> tuple[bool, list[str]]:
     return True, judge_collectives(found)
 
 
+def _recent_ok(recent: object, count: int) -> bool:
+    """The lateness entries (issue 30): the last `count` sequences, ascending, with recent wall times."""
+    if not isinstance(recent, list) or len(recent) < count:
+        return False
+    seqs = [pair[0] for pair in recent]
+    times = [pair[1] for pair in recent]
+    return seqs == sorted(seqs) and seqs[-1] == count and all(abs(time.time() - t) < 600 for t in times)
+
+
 def judge_collectives(found: dict) -> list[str]:
     """PASS/FAIL lines for what the child saw; the failures."""
     rec = found.get("record")
@@ -285,6 +294,11 @@ def judge_collectives(found: dict) -> list[str]:
             f"NCCL subgroup {found.get('sub_name')!r} keeps its name: enqueued == completed == {SUB_REDUCES}",
             sub is not None and sub["enqueued"] == sub["completed"] == SUB_REDUCES and sub["desc"] == "sub",
             seqs(sub),
+        ),
+        (
+            f"default group: `recent` has the entry times of its {DEFAULT_REDUCES} all-reduces (ascending, Unix s)",
+            default is not None and _recent_ok(default.get("recent"), DEFAULT_REDUCES),
+            "absent" if default is None else f"recent {default.get('recent')}",
         ),
         (
             "dump_json() returns NCCL's entries",
