@@ -547,6 +547,24 @@ class Settings:
     incident_group: str = field(
         default="", metadata=doc("Group that owns incident files (empty: the sidecar's group).")
     )
+    incident_retention_count: int = field(
+        default=1000,
+        metadata=doc(
+            "Incident records kept in the diagnostics directory (json, txt and Flight Recorder dumps of one "
+            "incident count once); the oldest go first, checked at most once a minute; 0: no limit. A record "
+            "written in the last 10 minutes is never removed (it may still be updated)."
+        ),
+    )
+    incident_retention_megabytes: float = field(
+        default=512.0,
+        metadata=doc(
+            "Most disk the incident records may use (the default diagnostics directory is on tmpfs: memory); "
+            "the oldest go first; 0: no limit."
+        ),
+    )
+    incident_retention_days: float = field(
+        default=30.0, metadata=doc("Incident records older than this are removed; 0: kept whatever their age.")
+    )
     log_level: str = field(default="info", metadata=doc("debug, info, warning or error."))
     hooks_flush_interval_seconds: float = field(
         default=2.0,
@@ -603,6 +621,9 @@ class Settings:
                 f"must not let group or others write, nor anyone execute "
                 f"(0600, 0640 or 0644), got {self.incident_file_mode!r}",
             )
+        _positive("incident_retention_count", self.incident_retention_count, allow_zero=True)
+        _positive("incident_retention_megabytes", self.incident_retention_megabytes, allow_zero=True)
+        _positive("incident_retention_days", self.incident_retention_days, allow_zero=True)
         _positive("metrics_reuse_seconds", self.metrics_reuse_seconds, allow_zero=True)
         _positive("hooks_flush_interval_seconds", self.hooks_flush_interval_seconds)
         _positive("idle_timeout_seconds", self.idle_timeout_seconds)

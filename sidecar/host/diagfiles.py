@@ -33,6 +33,7 @@ INCIDENTS = "incidents"
 RESERVED_NAMES = frozenset({INCIDENTS})
 DIR_MODE = 0o755
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = _DIR_FLAGS  # a directory, never through a link (incident retention opens its records so)
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 

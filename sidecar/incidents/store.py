@@ -2,7 +2,9 @@
 
 Each detection writes `<diag_dir>/incidents/<UTC time>-<job>.json` (the full record, rewritten
 atomically as remediation progresses) and a `.txt` summary for people. `sidecar incidents`
-(sidecar/commands/incidents.py) lists them, newest first.
+(sidecar/commands/incidents.py) lists them, newest first. They are kept within the settings'
+`incident_retention_*` (count, megabytes, days): the oldest go first (`prune`, in the executor, at
+most once every RETENTION_CHECK_SECONDS), never one written in the last IN_PROGRESS_SECONDS.
 
 The summary quotes text ranks control (their stack dumps, py-spy's view of them, cgroup names,
 exception reports): each of its lines goes through `safetext.printable`, so a rank can neither
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import pickle
 import re
 import socket
@@ -31,6 +34,26 @@ log = logging.getLogger(__name__)
 
 INCIDENTS_SUBDIR = diagfiles.INCIDENTS
 STACK_HEAD_LINES = 12  # lines of each stack dump kept inline (the full dump stays in its file)
+RETENTION_CHECK_SECONDS = 60.0  # the incidents directory is looked over at most this often
+IN_PROGRESS_SECONDS = 600.0  # a record written this recently may still be updated: never removed
+_SUFFIXES = (".json", ".txt", ".fr")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How many incident records, how much disk and how old (0: no limit)."""
+
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> Retention:
+        return cls(
+            settings.incident_retention_count,
+            int(settings.incident_retention_megabytes * 1024 * 1024),
+            settings.incident_retention_days * 86400.0,
+        )
 
 
 @dataclass
@@ -228,18 +251,24 @@ class IncidentStore:
     as `diagfiles` says (no symlink followed, no directory others may write), with
     `file_mode` (settings incident_file_mode, 0600 by default) and group `gid`."""
 
-    def __init__(self, diag_dir: Path | str, file_mode: int = 0o600, gid: int | None = None, node: str = ""):
+    def __init__(
+        self, diag_dir: Path | str, file_mode: int = 0o600, gid: int | None = None, node: str = "",
+        retention: Retention | None = None,
+    ):  # fmt: skip
         self.diag_dir = Path(diag_dir)
         self.node = node or socket.gethostname()  # the node_name setting
         self.directory = self.diag_dir / INCIDENTS_SUBDIR
         self.file_mode, self.gid = file_mode, gid
         self.recent: list[Incident] = []
+        self.retention = retention or Retention()
+        self._pruned_at = -RETENTION_CHECK_SECONDS
 
     @classmethod
     def for_settings(cls, settings: Settings) -> IncidentStore:
         return cls(
-            settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id(), settings.node_name
-        )
+            settings.diagnostics_dir, settings.incident_file_mode_int, settings.incident_group_id(), settings.node_name,
+            Retention.for_settings(settings),
+        )  # fmt: skip
 
     def open(self, job_id: str, cls: type[Incident] = Incident, save: bool = True, **fields: Any) -> Incident:
         """A new incident, detected now; written at once unless `save` is False (the caller
@@ -253,7 +282,50 @@ class IncidentStore:
         del self.recent[:-50]
         if save:
             self.save(incident)
+        self._prune_soon()
         return incident
+
+    def _prune_soon(self) -> None:
+        """Look the directory over (in the executor when a loop runs) if the last look is old enough."""
+        r, now = self.retention, time.monotonic()
+        if not (r.count or r.bytes or r.seconds) or now - self._pruned_at < RETENTION_CHECK_SECONDS:
+            return
+        self._pruned_at = now
+        try:
+            asyncio.get_running_loop().run_in_executor(None, self.prune)
+        except RuntimeError:  # no loop (a command, a test): now
+            self.prune()
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Remove the oldest incident records beyond the retention's count, bytes and age; returns
+        the names removed. Files are named relative to the directory's descriptor and never followed:
+        a link planted in the directory is removed itself, never what it points to. Never raises."""
+        r, now = self.retention, time.time() if now is None else now
+        try:
+            with diagfiles.opened(self.diag_dir, INCIDENTS_SUBDIR) as dir_fd:
+                records = _records(dir_fd)
+                total, count = sum(size for _, size, _ in records.values()), len(records)
+                removed = []
+                for name in sorted(records):  # the stems begin with the UTC time: oldest first
+                    mtime, size, parts = records[name]
+                    if now - mtime < IN_PROGRESS_SECONDS:
+                        continue
+                    old = bool(r.seconds) and now - mtime > r.seconds
+                    if not (old or (r.count and count > r.count) or (r.bytes and total > r.bytes)):
+                        continue
+                    for part in parts:
+                        _remove(dir_fd, part)
+                    removed.append(name)
+                    total, count = total - size, count - 1
+        except OSError as e:
+            log.error("cannot look over the incident records for retention: %s", e)
+            return []
+        if removed:
+            log.info(
+                "incident retention (%d records, %.0f MiB, %g days): removed the %d oldest, %d left",
+                r.count, r.bytes / 1048576, r.seconds / 86400, len(removed), count,
+            )  # fmt: skip
+        return removed
 
     def save(self, incident: Incident) -> None:
         try:
@@ -303,6 +375,61 @@ class IncidentStore:
 
     def latest(self, limit: int = 5) -> list[dict[str, Any]]:
         return [i.brief() for i in reversed(self.recent[-limit:])] if limit > 0 else []
+
+
+def _records(dir_fd: int) -> dict[str, tuple[float, int, list[str]]]:
+    """stem -> (newest mtime, bytes, its names) of the incident records in the directory."""
+    records: dict[str, tuple[float, int, list[str]]] = {}
+    for name in os.listdir(dir_fd):
+        stem, suffix = os.path.splitext(name)
+        if suffix not in _SUFFIXES or not stem:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        size = st.st_size if suffix != ".fr" else _dir_bytes(dir_fd, name)
+        mtime, total, parts = records.get(stem, (0.0, 0, []))
+        records[stem] = (max(mtime, st.st_mtime), total + size, [*parts, name])
+    return records
+
+
+def _dir_bytes(dir_fd: int, name: str) -> int:
+    try:
+        fd = os.open(name, diagfiles.DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return 0
+    try:
+        return sum(os.stat(e, dir_fd=fd, follow_symlinks=False).st_size for e in os.listdir(fd))
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
+def _remove(dir_fd: int, name: str) -> None:
+    """A record's file, or its Flight Recorder directory and the files in it; a link is removed
+    itself (O_NOFOLLOW: never what it points to)."""
+    try:
+        fd = os.open(name, diagfiles.DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:  # not a directory, or a link: the name alone goes
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError as e:
+            log.warning("incident retention: cannot remove %s: %s", name, e)
+        return
+    try:
+        for entry in os.listdir(fd):
+            try:
+                os.unlink(entry, dir_fd=fd)
+            except OSError as e:  # a directory inside (we write none): left, and so is its parent
+                log.warning("incident retention: cannot remove %s/%s: %s", name, entry, e)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError as e:
+        log.warning("incident retention: cannot remove %s: %s", name, e)
 
 
 def load_incidents(diag_dir: Path | str, last: int | None = None) -> list[dict[str, Any]]:
