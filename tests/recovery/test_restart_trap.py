@@ -16,7 +16,9 @@ from bench.cycles.runner import run_cycles
 from sidecar.problems import RESTART_TRAP_FIX
 from tests.support import PYTHON, ROOT, Sidecar, free_port, spawned, tail, wait_until
 
-CYCLES = 10
+# Without the remedy about half of all restarts never train again (bench_cycles --baseline: 5 of 10):
+# 4 cycles miss that with 1/16 odds. `make bench` (bench_cycles, 10 cycles per script) keeps the long proof.
+CYCLES = 4
 
 RANK = """
 import time, torch, torch.distributed as dist
@@ -30,8 +32,8 @@ time.sleep(600)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # 10 cycles of 3-8 s each on a loaded 2-core machine
-def test_the_readmes_monitor_example_unchanged_comes_back_from_ten_hangs(tmp_path: Path):
+@pytest.mark.timeout(300)  # 4 cycles of 3-8 s each on a loaded 2-core machine
+def test_the_readmes_monitor_example_unchanged_comes_back_from_every_hang(tmp_path: Path):
     """bench/cycles/train_readme.py: `dist.init_process_group("gloo")` called directly."""
     result = run_cycles("readme", tmp_path, cycles=CYCLES, timeout=240)
     explain = f"{result.line()}\n{tail(result.log, 40)}"

@@ -16,7 +16,9 @@ from bench.cycles.runner import run_cycles
 from tests.support import PYTHON, ROOT, spawned, tail, wait_until
 
 HERE = Path(__file__).resolve().parent
-CYCLES = 10
+# Without the remedy about half of all restarts never train again (bench_cycles --baseline: 5 of 10):
+# 4 cycles miss that with 1/16 odds. `make bench` (bench_cycles, 10 cycles per script) keeps the long proof.
+CYCLES = 4
 
 
 def torchrun_stale_keys(tmp_path: Path, use_helper: bool, max_restarts: int) -> list[dict]:
@@ -114,9 +116,9 @@ def test_the_helper_imports_no_torch_until_called_and_the_switch_turns_it_off():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 10 cycles of 5-12 s each on a loaded 2-core machine
+@pytest.mark.timeout(600)  # 4 cycles of 5-12 s each on a loaded 2-core machine
 @pytest.mark.parametrize("script", ["plain", "hf", "lightning"])
-def test_ten_hang_kill_restart_cycles_all_come_back(script: str, tmp_path: Path):
+def test_hang_kill_restart_cycles_all_come_back(script: str, tmp_path: Path):
     if script != "plain":
         pytest.importorskip({"hf": "transformers", "lightning": "lightning"}[script])
     result = run_cycles(script, tmp_path, cycles=CYCLES, timeout=420)
