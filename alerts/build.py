@@ -1,7 +1,8 @@
 """The single source of the Prometheus rules: thresholds, recording rules and alerts.
 
 `python -m alerts.build` writes `alerts/*.rules.yml` from this file; a test fails when the
-files are not current. Edit thresholds in `THRESHOLDS`, then regenerate. `sidecar provision`
+files are not current. Edit thresholds in `THRESHOLDS` (and the selectors that depend on how
+Prometheus scrapes the sidecars in `SELECTORS`, or pass `--selector`), then regenerate. `sidecar provision`
 reads the generated files (with `--alerts grafana` it converts the alerts to Grafana-managed
 rules), so Prometheus, Grafana and the dashboards all follow the same numbers.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,8 +47,15 @@ HERE = Path(__file__).resolve().parent
 # Point it at your own copy with `python -m alerts.build --runbook-base-url URL`.
 RUNBOOK_BASE_URL = "https://github.com/training-sidecar/training-sidecar/blob/main/docs/runbook.md"
 
-# Prometheus scrape job (`job` label) of the sidecar targets, used only by SidecarDown.
-SIDECAR_SCRAPE_JOB = "sidecar"
+# Selectors of the series that depend on how Prometheus scrapes the sidecars, not on the sidecars.
+# Set them with `python -m alerts.build --selector NAME=SELECTOR`.
+SELECTORS: dict[str, str] = {
+    # The sidecars' scrape targets, for `up` (SidecarDown). The ServiceMonitor's `jobLabel` keeps
+    # job="sidecar" whatever the Service is named (a kustomize namePrefix included), and the bare-metal
+    # scrape job is named so (deploy/baremetal/prometheus.yml); a Prometheus that names it otherwise
+    # sets its own.
+    "sidecar_targets": 'job="sidecar"',
+}
 
 THRESHOLDS: dict[str, float | str] = {
     # --- watchdog and progress
@@ -570,7 +579,7 @@ TRAINING = Group(
             "Collective timeout in job {{ $labels.job_id }} on {{ $labels.instance }}",
             "A rank of job {{ $labels.job_id }} died waiting for its peers in a collective (gloo or NCCL timeout). "
             "The rank that timed out is usually not the culprit: find the straggler (a rank that is stalled, slow "
-            "or gone on another node: SidecarRankStraggler, stall incidents, NIC and InfiniBand errors) before "
+            "or gone on another node: SidecarStragglerRank, stall incidents, NIC and InfiniBand errors) before "
             "raising the process-group timeout.",
         ),
         Alert(
@@ -660,26 +669,6 @@ TRAINING = Group(
             f"Job {{{{ $labels.job_id }}}} trains but its newest checkpoint is older than "
             f"{int(T['checkpoint_max_age_seconds']) // 60} minutes: a failure now loses that much work.",
             for_="10m",
-        ),
-        Alert(
-            "SidecarCheckpointDiskFillingUp",
-            f"predict_linear(sidecar_checkpoint_filesystem_avail_bytes[6h], {T['disk_predict_hours']} * 3600) < 0\n"
-            f"and sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes < {T['disk_filling_free_ratio']}",
-            "warning",
-            "Checkpoint disk on {{ $labels.instance }} fills up",
-            f"At the current rate the checkpoint filesystem on {{{{ $labels.instance }}}} runs out of space within "
-            f"{T['disk_predict_hours']} hours.",
-            for_="30m",
-        ),
-        Alert(
-            "SidecarCheckpointDiskAlmostFull",
-            "sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes"
-            f" < {T['disk_almost_full_free_ratio']}",
-            "critical",
-            "Checkpoint disk on {{ $labels.instance }} almost full",
-            f"Less than {int(float(T['disk_almost_full_free_ratio']) * 100)}% of the checkpoint filesystem on "
-            "{{ $labels.instance }} is free: the next checkpoint save may fail.",
-            for_="5m",
         ),
         Alert(
             "SidecarHooksDroppingRecords",
@@ -821,32 +810,12 @@ NETWORK = Group(
             "InfiniBand {{ $labels.device }} port {{ $labels.port }} errors on {{ $labels.instance }}",
             "The port counts symbol or receive errors, or its link went down and came back (flapping).",
         ),
-        Alert(
-            "SidecarNicErrors",
-            "sum by (cluster, instance, device) (\n"
-            "  rate(sidecar_network_receive_errs_total[5m]) + rate(sidecar_network_transmit_errs_total[5m])\n"
-            f") > {T['nic_errors_per_second']}\n"
-            "or sum by (cluster, instance, device) (increase(sidecar_network_carrier_changes_total[15m]))"
-            f" > {T['nic_carrier_changes_per_15m']}",
-            "warning",
-            "NIC {{ $labels.device }} errors on {{ $labels.instance }}",
-            "The interface counts receive/transmit errors, or its carrier keeps flapping.",
-            for_="5m",
-        ),
     ],
 )
 
 SELF = Group(
     "sidecar-self",
     [
-        Alert(
-            "SidecarDown",
-            f'up{{job="{SIDECAR_SCRAPE_JOB}"}} == 0',
-            "warning",
-            "Sidecar on {{ $labels.instance }} is down",
-            "Prometheus cannot scrape the sidecar: this node has no metrics and no stall watchdog.",
-            for_="3m",
-        ),
         Alert(
             "SidecarCollectorFailing",
             "sidecar_scrape_collector_success == 0",
@@ -890,12 +859,70 @@ SELF = Group(
     ],
 )
 
+
+def overlap_group(selectors: Mapping[str, str] = SELECTORS) -> Group:
+    """Alerts that kube-prometheus-stack's own rules repeat: node_exporter's NodeNetworkReceiveErrs and
+    NodeNetworkTransmitErrs (SidecarNicErrors), NodeFilesystemSpaceFillingUp and
+    NodeFilesystemAlmostOutOfSpace (the checkpoint disk, a filesystem of the node), and TargetDown
+    (SidecarDown). A file of their own (overlap.rules.yml, the PrometheusRule `sidecar-overlap`), so that
+    the kube-prometheus-stack overlays leave them out and a Prometheus without those rules (bare
+    metal, the Kubernetes base) keeps them (docs/operator-guide.md#alerts-kube-prometheus-stack-already-has)."""
+    return Group(
+        "sidecar-overlap",
+        [
+            Alert(
+                "SidecarDown",
+                f"up{{{selectors['sidecar_targets']}}} == 0",
+                "warning",
+                "Sidecar on {{ $labels.instance }} is down",
+                "Prometheus cannot scrape the sidecar: this node has no metrics and no stall watchdog.",
+                for_="3m",
+            ),
+            Alert(
+                "SidecarNicErrors",
+                "sum by (cluster, instance, device) (\n"
+                "  rate(sidecar_network_receive_errs_total[5m]) + rate(sidecar_network_transmit_errs_total[5m])\n"
+                f") > {T['nic_errors_per_second']}\n"
+                "or sum by (cluster, instance, device) (increase(sidecar_network_carrier_changes_total[15m]))"
+                f" > {T['nic_carrier_changes_per_15m']}",
+                "warning",
+                "NIC {{ $labels.device }} errors on {{ $labels.instance }}",
+                "The interface counts receive/transmit errors, or its carrier keeps flapping.",
+                for_="5m",
+            ),
+            Alert(
+                "SidecarCheckpointDiskFillingUp",
+                f"predict_linear(sidecar_checkpoint_filesystem_avail_bytes[6h], {T['disk_predict_hours']} * 3600) < 0\n"
+                f"and sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes < {T['disk_filling_free_ratio']}",
+                "warning",
+                "Checkpoint disk on {{ $labels.instance }} fills up",
+                f"At the current rate the checkpoint filesystem on {{{{ $labels.instance }}}} runs out of space within "
+                f"{T['disk_predict_hours']} hours.",
+                for_="30m",
+            ),
+            Alert(
+                "SidecarCheckpointDiskAlmostFull",
+                "sidecar_checkpoint_filesystem_avail_bytes / sidecar_checkpoint_filesystem_size_bytes"
+                f" < {T['disk_almost_full_free_ratio']}",
+                "critical",
+                "Checkpoint disk on {{ $labels.instance }} almost full",
+                f"Less than {int(float(T['disk_almost_full_free_ratio']) * 100)}% of the checkpoint filesystem on "
+                "{{ $labels.instance }} is free: the next checkpoint save may fail.",
+                for_="5m",
+            ),
+        ],
+    )
+
+
+OVERLAP = overlap_group()
+
 FILES: dict[str, list[Group]] = {
     "recording": [RECORDING],
     "training": [TRAINING],
     "gpu": [GPU],
     "network": [NETWORK],
-    "sidecar": [SELF],
+    "self": [SELF],
+    "overlap": [OVERLAP],
 }
 
 
@@ -938,9 +965,25 @@ def render(groups: list[Group], runbook_base_url: str = RUNBOOK_BASE_URL, for_ov
     return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
-def rendered_files(runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str | None = None) -> dict[str, str]:
+def files(selectors: Mapping[str, str] | None = None) -> dict[str, list[Group]]:
+    """FILES, with `selectors` (names of SELECTORS -> PromQL label matchers) instead of the defaults."""
+    if not selectors:
+        return FILES
+    unknown = sorted(set(selectors) - set(SELECTORS))
+    if unknown:
+        raise ValueError(f"unknown selector {', '.join(unknown)} (known: {', '.join(sorted(SELECTORS))})")
+    return {**FILES, "overlap": [overlap_group({**SELECTORS, **selectors})]}
+
+
+def rendered_files(
+    runbook_base_url: str = RUNBOOK_BASE_URL,
+    for_override: str | None = None,
+    selectors: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """File name -> content of every rule file."""
-    return {f"{stem}.rules.yml": render(groups, runbook_base_url, for_override) for stem, groups in FILES.items()}
+    return {
+        f"{stem}.rules.yml": render(groups, runbook_base_url, for_override) for stem, groups in files(selectors).items()
+    }
 
 
 def source_files() -> dict[str, str]:
@@ -948,12 +991,24 @@ def source_files() -> dict[str, str]:
     return {f"gpu-source/{name}.rules.yml": render([group]) for name, group in SOURCES.items()}
 
 
-def write(out_dir: Path, runbook_base_url: str = RUNBOOK_BASE_URL, for_override: str | None = None) -> list[Path]:
+def write(
+    out_dir: Path,
+    runbook_base_url: str = RUNBOOK_BASE_URL,
+    for_override: str | None = None,
+    selectors: Mapping[str, str] | None = None,
+) -> list[Path]:
     """Write the rule files that differ into out_dir (the GPU sources into out_dir/gpu-source/);
     the paths written."""
-    return generated.write(out_dir, rendered_files(runbook_base_url, for_override)) + generated.write(
+    return generated.write(out_dir, rendered_files(runbook_base_url, for_override, selectors)) + generated.write(
         out_dir, source_files()
     )
+
+
+def _selector(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or name not in SELECTORS or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=SELECTOR with NAME one of {', '.join(sorted(SELECTORS))}")
+    return name, value.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -966,10 +1021,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DURATION",
         help="replace every alert's `for` (tests use a short one; never in production)",
     )
+    p.add_argument(
+        "--selector",
+        action="append",
+        type=_selector,
+        default=[],
+        metavar="NAME=SELECTOR",
+        help="PromQL label matchers instead of a default of SELECTORS, e.g. "
+        f"sidecar_targets='{SELECTORS['sidecar_targets']}' (the scrape job of the sidecars)",
+    )
     args = p.parse_args(argv)
     if args.for_override is not None and not re.fullmatch(r"\d+(ms|s|m|h)", args.for_override):
         p.error(f"--for: expected a Prometheus duration like 5s, got {args.for_override!r}")
-    for path in write(args.out, args.runbook_base_url, args.for_override):
+    for path in write(args.out, args.runbook_base_url, args.for_override, dict(args.selector)):
         print(f"wrote {path}")
     return 0
 

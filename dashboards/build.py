@@ -1048,7 +1048,7 @@ def rank_drilldown() -> dict:
         ),
     ]
     return dashboard(
-        "sidecar-rank",
+        "sidecar-rank-drilldown",
         "Rank drill-down",
         "One rank: its training metrics next to its process and its GPUs.",
         variables,

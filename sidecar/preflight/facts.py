@@ -1,8 +1,8 @@
 """What `sidecar preflight` reads from the node, as plain facts: NVML (with the GPU
 collector's own session and device reader), the training environment's torch (from a
-subprocess of its interpreter: the sidecar never imports torch), the kernel log's Xids, NICs
-and InfiniBand ports from sysfs, the clock's synchronisation (adjtimex(2) through a ctypes
-`struct timex`) and mounts. The checks (`gpu_checks`, `node_checks`) judge them.
+subprocess of its interpreter: the sidecar never imports torch), the kernel log's Xids, NICs,
+InfiniBand ports and the NVIDIA GPUs on the PCI bus from sysfs, the clock's synchronisation
+(adjtimex(2) through a ctypes `struct timex`) and mounts. The checks (`gpu_checks`, `node_checks`) judge them.
 """
 
 from __future__ import annotations
@@ -136,6 +136,31 @@ def read_kernel_log(path: str | None) -> tuple[str | None, str | None]:
 def parse_xids(log: str) -> collections.Counter[tuple[str, int]]:
     """Count of each (PCI bus id, Xid) in a kernel log."""
     return collections.Counter((m.group(1), int(m.group(2))) for m in XID_LINE.finditer(log))
+
+
+NVIDIA_VENDOR = "0x10de"
+# Drivers that hand a device to a virtual machine: such a GPU is not this node's to use.
+PASSTHROUGH_DRIVERS = ("vfio-pci", "pci-stub")
+
+
+def read_pci_gpus(sysfs_root: str) -> list[str]:
+    """The PCI addresses of the NVIDIA GPUs on the bus (vendor 0x10de, class 0x03xxxx: display and
+    3D controllers; NVSwitches are bridges, 0x0680), whatever driver is loaded, less those bound to a
+    passthrough driver for a VM. Sysfs lists them before and without the NVIDIA driver."""
+    out = []
+    for device in sorted((Path(sysfs_root) / "bus" / "pci" / "devices").glob("*")):
+        try:
+            vendor = (device / "vendor").read_text().strip().lower()
+            pci_class = (device / "class").read_text().strip().lower()
+        except OSError:
+            continue
+        if vendor != NVIDIA_VENDOR or not pci_class.startswith("0x03"):
+            continue
+        driver = device / "driver"
+        if driver.exists() and os.path.basename(os.path.realpath(driver)) in PASSTHROUGH_DRIVERS:
+            continue
+        out.append(device.name)
+    return out
 
 
 @dataclass

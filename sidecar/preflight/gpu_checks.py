@@ -8,19 +8,33 @@ from collections.abc import Iterable
 
 from sidecar.collectors.nvml import GpuReading
 from sidecar.collectors.xid import HARDWARE_XIDS
-from sidecar.preflight.facts import parse_xids, read_kernel_log, read_torch
+from sidecar.preflight.facts import parse_xids, read_kernel_log, read_pci_gpus, read_torch
 from sidecar.preflight.results import FAIL, PASS, SKIP, WARN, Context, Result
 
 
 def check_driver(ctx: Context) -> Iterable[Result]:
+    """NVML usable; without NVML, a FAIL where the PCI bus has NVIDIA GPUs (a broken or missing
+    driver), a WARN on a node without any (a CPU node)."""
     nv = ctx.nvml()
     if nv.absent:
+        root = ctx.settings.collectors.sysfs_root
+        on_bus = read_pci_gpus(root)
+        if on_bus:
+            shown = ", ".join(on_bus[:4]) + (f" and {len(on_bus) - 4} more" if len(on_bus) > 4 else "")
+            yield Result(
+                "nvidia-driver",
+                FAIL,
+                f"{len(on_bus)} NVIDIA GPUs on the PCI bus ({shown}, {root}/bus/pci) but "
+                f"{nv.error or 'no NVIDIA driver'}",
+                "the driver is not loaded or does not match its library: `nvidia-smi`, `lsmod | grep nvidia`, "
+                "dmesg (NVRM); in a container set runtimeClassName nvidia / NVIDIA_VISIBLE_DEVICES=all",
+            )
+            return
         yield Result(
             "nvidia-driver",
             WARN,
             nv.error or "no NVIDIA driver",
-            "expected on a CPU node; on a GPU node install the driver, or in a container set "
-            "runtimeClassName nvidia / NVIDIA_VISIBLE_DEVICES=all",
+            f"and no NVIDIA GPU on the PCI bus ({root}/bus/pci): expected on a CPU node",
         )
         return
     if nv.error:

@@ -47,12 +47,9 @@ JOB_OWNERS = {
     "SidecarStragglerRank",
 }
 # Hardware and nodes: the platform's.
-PLATFORM = {a.name for a in [*build.GPU.rules, *build.NETWORK.rules]} | {
+PLATFORM = {a.name for a in [*build.GPU.rules, *build.NETWORK.rules, *build.OVERLAP.rules]} | {
     "SidecarNodeUnfit",
     "SidecarRankGpuError",
-    "SidecarCheckpointDiskFillingUp",
-    "SidecarCheckpointDiskAlmostFull",
-    "SidecarDown",
     "SidecarCollectorFailing",
     "SidecarWatchdogObserveOnly",
 }

@@ -55,7 +55,7 @@ CORE_PANELS = {
         "Checkpoint filesystem free",
         "Collector success",
     ],
-    "sidecar-rank": [
+    "sidecar-rank-drilldown": [
         "Loss",
         "Gradient norm",
         "Learning rate",

@@ -143,3 +143,81 @@ def test_docs_dcgm_carries_the_mapping_table():
     assert gpu_source.markdown_table() in (ROOT / "docs" / "dcgm.md").read_text(), (
         "paste alerts.gpu_source.markdown_table() into docs/dcgm.md"
     )
+
+
+# ---------------------------------------------------------------- selectors (SidecarDown)
+
+SELECTED_DOWN_TEST = """
+rule_files: [overlap.rules.yml]
+evaluation_interval: 1m
+tests:
+- interval: 1m
+  input_series:
+  - series: 'up{job="gpu-sidecars",instance="n1"}'
+    values: '0x5'
+  - series: 'up{job="sidecar",instance="n2"}'
+    values: '0x5'
+  alert_rule_test:
+  - eval_time: 5m
+    alertname: SidecarDown
+    exp_alerts:
+    - exp_labels: {severity: warning, job: gpu-sidecars, instance: n1}
+      exp_annotations:
+        summary: "Sidecar on n1 is down"
+        description: "Prometheus cannot scrape the sidecar: this node has no metrics and no stall watchdog."
+        runbook_url: "https://github.com/training-sidecar/training-sidecar/blob/main/docs/runbook.md#sidecardown"
+"""
+
+
+@pytest.mark.system
+def test_sidecar_down_fires_on_the_configured_selector_only(tmp_path):
+    assert build.main(["--out", str(tmp_path), "--selector", 'sidecar_targets=job="gpu-sidecars"']) == 0
+    assert 'up{job="gpu-sidecars"} == 0' in (tmp_path / "overlap.rules.yml").read_text()
+    (tmp_path / "down.test.yml").write_text(SELECTED_DOWN_TEST)
+    out = subprocess.run([PROMTOOL, "test", "rules", "down.test.yml"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_default_selector_is_the_scrape_job_the_deploy_files_give_the_sidecars():
+    (down,) = [a for a in build.all_alerts() if a.name == "SidecarDown"]
+    assert down.expr == f"up{{{build.SELECTORS['sidecar_targets']}}} == 0" == 'up{job="sidecar"} == 0'
+    scrape = yaml.safe_load((ROOT / "deploy" / "baremetal" / "prometheus.yml").read_text())["scrape_configs"]
+    assert [s["job_name"] for s in scrape] == ["sidecar"]  # Kubernetes: tests/ops/test_overlays.py (jobLabel)
+
+
+def test_an_unknown_selector_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        build.main(["--selector", 'sidecar_target=job="x"'])
+    assert e.value.code == 2 and "sidecar_targets" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- alert names in texts
+
+# An alert's name as the texts write it: a Sidecar... word, or JobHungOnRank; `Name*` stands for
+# every alert whose name starts with Name.
+MENTION = re.compile(r"\b((?:Sidecar|Job)[A-Z][A-Za-z]*)(\*?)")
+
+
+def _unknown_mentions(text: str) -> set[str]:
+    names = {a.name for a in build.all_alerts()}
+    unknown = set()
+    for name, star in MENTION.findall(text):
+        if not (any(n.startswith(name) for n in names) if star else name in names):
+            unknown.add(name + star)
+    return unknown
+
+
+def test_every_alert_an_alert_text_names_exists():
+    for alert in build.all_alerts():
+        assert not _unknown_mentions(f"{alert.summary}\n{alert.description}"), alert.name
+
+
+def test_every_alert_the_runbook_names_exists():
+    assert not _unknown_mentions((ROOT / "docs" / "runbook.md").read_text())
+
+
+def test_a_misnamed_alert_is_found():
+    assert _unknown_mentions("see SidecarRankStraggler and SidecarCheckpointDisk* or SidecarGpuFoo*") == {
+        "SidecarRankStraggler",
+        "SidecarGpuFoo*",
+    }

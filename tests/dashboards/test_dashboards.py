@@ -22,6 +22,15 @@ def test_dashboard_files_are_current_with_their_source():
 
 
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_a_dashboards_uid_and_title_say_its_file_name(path):
+    """One name per dashboard: the file `rank-drilldown.json` is uid `sidecar-rank-drilldown`,
+    title "Rank drill-down" and (sidecar deploy-gen) ConfigMap `sidecar-dashboard-rank-drilldown`."""
+    d = load(path)
+    assert d["uid"] == f"sidecar-{path.stem}"
+    assert path.stem.replace("-", "") in re.sub(r"[^a-z]", "", d["title"].lower()), d["title"]
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
 def test_every_panel_queries_the_datasource_variable(path):
     d = load(path)
     assert d["schemaVersion"] >= 39 and d["uid"] and d["title"]

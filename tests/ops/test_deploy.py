@@ -177,6 +177,23 @@ def test_prometheus_rules_embedded_in_the_objects_pass_promtool(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_each_prometheus_rule_is_named_after_the_rule_group_it_carries():
+    rules = BY_KIND["PrometheusRule"]
+    assert rules
+    for rule in rules:
+        assert [g["name"] for g in rule["spec"]["groups"]] == [rule["metadata"]["name"]]
+    assert len({r["metadata"]["name"] for r in rules}) == len(rules)
+
+
+def test_each_dashboard_configmap_is_named_after_its_dashboard_file():
+    dashboards = [c for c in BY_KIND["ConfigMap"] if c["metadata"].get("labels", {}).get("grafana_dashboard")]
+    assert dashboards
+    for cm in dashboards:
+        (name,) = cm["data"]
+        assert cm["metadata"]["name"] == "sidecar-dashboard-" + name.removesuffix(".json")
+        assert yaml.safe_load(cm["data"][name])["uid"] == "sidecar-" + name.removesuffix(".json")
+
+
 def test_dashboard_configmaps_carry_the_grafana_sidecar_label():
     dashboards = [c for c in BY_KIND["ConfigMap"] if c["metadata"].get("labels", {}).get("grafana_dashboard")]
     assert len(dashboards) == len(list((ROOT / "dashboards").glob("*.json")))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -93,7 +94,8 @@ def test_the_gpu_operator_overlay_reads_dcgm_exporter_instead_of_polling_nvml(tm
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert ("PrometheusRule", "sidecar-gpu-source-sidecar") in base
     swapped = {("PrometheusRule", "sidecar-gpu-source-dcgm")}
-    assert names == base - {("PrometheusRule", "sidecar-gpu-source-sidecar")} | swapped
+    left_out = {("PrometheusRule", "sidecar-gpu-source-sidecar"), ("PrometheusRule", "sidecar-overlap")}
+    assert names == base - left_out | swapped
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
     assert pod["runtimeClassName"] == "nvidia-cdi"
@@ -199,15 +201,120 @@ def test_the_daemonsets_tolerations_are_one_setting_of_the_overlay(overlay, tmp_
     assert _daemonset_pod(render(tree / "overlays" / overlay))["tolerations"] == only
 
 
+SIDECAR_IMAGE = "ghcr.io/training-sidecar/training-sidecar"
+NPD_IMAGE = "ghcr.io/training-sidecar/training-sidecar-npd"
+# The components that bring containers of their own (or patch the sidecar's).
+COMPONENTS = sorted(
+    p.name for p in (K8S / "components").iterdir() if any("image:" in f.read_text() for f in p.glob("*.yaml"))
+)
+
+
+def _with_images(tree, kustomization: str, components: list[str] = ()) -> list[dict]:
+    """The kustomization rendered with `components` added and every `images:` entry pointed at
+    registry.example/ml/<name>:1.2.3."""
+    path = tree / kustomization / "kustomization.yaml"
+    doc = yaml.safe_load(path.read_text())
+    for image in doc["images"]:
+        image.update(newName="registry.example/ml/" + image["name"].rsplit("/", 1)[1], newTag="1.2.3")
+    up = "../" * len(Path(kustomization).parts)
+    listed = doc.setdefault("components", [])
+    listed += [f"{up}components/{c}" for c in components if f"{up}components/{c}" not in listed]
+    path.write_text(yaml.safe_dump(doc))
+    return render(tree / kustomization)
+
+
+def _images(docs: list[dict]) -> dict[str, set[str]]:
+    """Workload name -> the images of its containers and init containers."""
+    out = {}
+    for d in docs:
+        if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet", "Job"):
+            pod = d["spec"]["template"]["spec"]
+            out[d["metadata"]["name"]] = {c["image"] for c in pod["containers"] + pod.get("initContainers", [])}
+    return out
+
+
 @pytest.mark.parametrize("kustomization", ["", *(f"overlays/{o}" for o in OVERLAYS)])
 def test_the_image_is_set_by_kustomize_images(kustomization, tmp_path):
     tree = tmp_path / "kubernetes"
     shutil.copytree(K8S, tree)
-    path = tree / kustomization / "kustomization.yaml"
-    doc = yaml.safe_load(path.read_text())
-    (image,) = doc["images"]
-    image.update(newName="registry.example/ml/training-sidecar", newTag="1.2.3")
-    path.write_text(yaml.safe_dump(doc))
-    pod = _daemonset_pod(render(tree / kustomization))
+    pod = _daemonset_pod(_with_images(tree, kustomization))
     images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
     assert images == {"registry.example/ml/training-sidecar:1.2.3"}
+
+
+@pytest.mark.parametrize("kustomization", ["", *(f"overlays/{o}" for o in OVERLAYS)])
+def test_one_images_list_pins_every_image_of_the_base_and_every_component(kustomization, tmp_path):
+    names = [i["name"] for i in yaml.safe_load((K8S / kustomization / "kustomization.yaml").read_text())["images"]]
+    assert sorted(names) == sorted({SIDECAR_IMAGE, NPD_IMAGE})
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    assert {"node-problem-detector", "expected-gpus"} <= set(COMPONENTS)
+    images = _images(_with_images(tree, kustomization, COMPONENTS))
+    assert images["sidecar-node-problem-detector"] == {"registry.example/ml/training-sidecar-npd:1.2.3"}
+    assert set().union(*images.values()) == {
+        "registry.example/ml/training-sidecar:1.2.3",
+        "registry.example/ml/training-sidecar-npd:1.2.3",
+    }
+
+
+# ---------------------------------------------------------------- alerts kube-prometheus-stack has
+
+
+def _alert_names(docs: list[dict]) -> set[str]:
+    return {
+        r["alert"]
+        for d in docs
+        if d["kind"] == "PrometheusRule"
+        for g in d["spec"]["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
+
+
+# What kube-prometheus-stack's own rules already raise: TargetDown, NodeNetworkReceiveErrs and
+# NodeNetworkTransmitErrs, NodeFilesystemSpaceFillingUp and NodeFilesystemAlmostOutOfSpace.
+DUPLICATES = {"SidecarDown", "SidecarNicErrors", "SidecarCheckpointDiskFillingUp", "SidecarCheckpointDiskAlmostFull"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_kube_prometheus_stack_overlays_leave_out_the_alerts_it_already_raises(overlay):
+    base = _alert_names(render(K8S / "base"))
+    assert DUPLICATES <= base and DUPLICATES <= _alert_names(render(K8S))
+    assert _alert_names(render(K8S / "overlays" / overlay)) == base - DUPLICATES
+
+
+def _scrape_job(docs: list[dict]) -> str:
+    """The `job` label the Prometheus Operator gives the ServiceMonitor's targets: the value of the
+    Service's label that jobLabel names, or the Service's name where there is no such label."""
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [d for d in docs if d["kind"] == "Service" and selector.items() <= d["metadata"]["labels"].items()]
+    return service["metadata"]["labels"].get(monitor["spec"].get("jobLabel", ""), service["metadata"]["name"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_name_prefix_keeps_the_scrape_job_sidecar_down_selects(overlay, tmp_path):
+    from alerts import build
+
+    plain = render(K8S / "overlays" / overlay)
+    (monitor,) = [d for d in plain if d["kind"] == "ServiceMonitor"]
+    (service,) = [d for d in plain if d["kind"] == "Service"]
+    assert monitor["spec"]["jobLabel"] in service["metadata"]["labels"]
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    prefixed_dir = tree / "overlays" / "prefixed"
+    prefixed_dir.mkdir()
+    (prefixed_dir / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namePrefix": "team-a-",
+                "resources": [f"../{overlay}"],
+            }
+        )
+    )
+    prefixed = render(prefixed_dir)
+    assert [d["metadata"]["name"] for d in prefixed if d["kind"] == "Service"] == ["team-a-sidecar"]
+    assert _scrape_job(prefixed) == _scrape_job(plain) == "sidecar"
+    assert build.SELECTORS["sidecar_targets"] == f'job="{_scrape_job(prefixed)}"'

@@ -211,6 +211,73 @@ def test_no_driver_warns_but_a_failing_driver_fails(nvml_stand_in, init_error, o
     assert result.outcome == outcome, result
 
 
+def _pci_tree(root, *devices: tuple[str, str, str, str | None]) -> str:
+    """A sysfs tree with PCI devices (address, vendor, class, bound driver or None)."""
+    for address, vendor, pci_class, driver in devices:
+        device = root / "bus/pci/devices" / address
+        device.mkdir(parents=True)
+        (device / "vendor").write_text(vendor + "\n")
+        (device / "class").write_text(pci_class + "\n")
+        if driver:
+            (root / "bus/pci/drivers" / driver).mkdir(parents=True, exist_ok=True)
+            (device / "driver").symlink_to(root / "bus/pci/drivers" / driver)
+    return str(root)
+
+
+H100 = ("0000:3b:00.0", "0x10de", "0x030200", None)  # a 3D controller without its driver
+NVSWITCH = ("0000:05:00.0", "0x10de", "0x068000", None)  # NVIDIA, but a bridge
+CONNECTX = ("0000:1a:00.0", "0x15b3", "0x020700", "mlx5_core")
+VM_GPU = ("0000:4c:00.0", "0x10de", "0x030200", "vfio-pci")  # handed to a virtual machine
+
+
+@pytest.mark.parametrize(
+    "devices, outcome",
+    [
+        ([H100, CONNECTX], "FAIL"),
+        ([("0000:3b:00.0", "0x10de", "0x030000", "nouveau")], "FAIL"),  # a VGA controller on nouveau
+        ([NVSWITCH, CONNECTX], "WARN"),
+        ([VM_GPU], "WARN"),
+        ([], "WARN"),
+    ],
+    ids=["gpu-no-driver", "gpu-on-nouveau", "nvswitch-and-nic", "gpu-passed-to-a-vm", "no-pci-devices"],
+)
+def test_no_driver_fails_where_nvidia_gpus_are_on_the_pci_bus(nvml_stand_in, tmp_path, devices, outcome):
+    fake_nvml.configure({"init_error": "driver_not_loaded"})
+    settings = load_settings(
+        overrides={
+            "collectors.nvml_module": "sidecar.testing.fake_nvml_lib",
+            "collectors.sysfs_root": _pci_tree(tmp_path, *devices),
+        },
+        environ={},
+    )
+    (result,) = _run(gpu_checks.check_driver, settings)
+    assert result.outcome == outcome, result
+    if outcome == "FAIL":
+        assert "1 NVIDIA GPUs on the PCI bus (0000:3b:00.0" in result.detail and "no NVIDIA driver" in result.detail
+
+
+def test_preflight_fails_a_node_whose_gpus_have_no_driver_without_expect_gpus(tmp_path):
+    """The command as a launcher runs it, on this machine (no NVML) with a sysfs tree that has GPUs."""
+    tree = _pci_tree(tmp_path / "sys", H100, ("0000:3c:00.0", "0x10de", "0x030200", None))
+    out = run_cli(
+        "preflight",
+        "--json",
+        "--set",
+        f"collectors.sysfs_root={tree}",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--min-free-gb",
+        "0",
+        "--kernel-log",
+        str(tmp_path / "kern.log"),
+    )
+    doc = json.loads(out.stdout)
+    failed = {r["check"]: r for r in doc["results"] if r["outcome"] == "FAIL"}
+    assert list(failed) == ["nvidia-driver"], failed
+    assert "2 NVIDIA GPUs on the PCI bus" in failed["nvidia-driver"]["detail"]
+    assert out.returncode == doc["exit_code"] == 1
+
+
 def _interpreter(tmp_path, **facts) -> str:
     """A stand-in for the training environment's python that answers the torch probe."""
     script = tmp_path / "python"
