@@ -8,8 +8,13 @@ of each node whose agent has the variable), CYCLE_HANG_MODE (`stop`: the rank SI
 but a pause, the rank computes in Python alone for CYCLE_WORK_SECONDS (default 10) while its peers
 wait in their next collective, then trains on).
 
+A straggler instead of a hang: CYCLE_SLOW_LOCAL_RANK (that local rank of each node whose agent has
+the variable) sleeps CYCLE_SLOW_SECONDS (default 0.1) more in every step from CYCLE_SLOW_STEP (default
+1) on, before its next collective: its peers wait for it there at every step, nothing hangs.
+
 Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
-attempt, {"kind": "hang", ...} just before the hang, {"kind": "done", ...} at the end.
+attempt, {"kind": "hang", ...} just before the hang, {"kind": "slow", ...} at a straggler's first
+slow step, {"kind": "done", ...} at the end.
 The attempt is TORCHELASTIC_RESTART_COUNT (one node, so every rank agrees)."""
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class Chaos:
         # which waits 30 s for a stopped process): hang only after this long of training
         self.hang_after = float(env.get("CYCLE_HANG_AFTER_SECONDS", "1.5"))
         self.first: float | None = None
+        slow = env.get("CYCLE_SLOW_LOCAL_RANK")
+        self.slow = slow is not None and int(env.get("LOCAL_RANK", "0")) == int(slow)
+        self.slow_seconds = float(env.get("CYCLE_SLOW_SECONDS", "0.1"))
+        self.slow_step = int(env.get("CYCLE_SLOW_STEP", "1"))
 
     def record(self, kind: str, **fields) -> None:
         if self.path:
@@ -51,6 +60,10 @@ class Chaos:
     def step(self, step: int) -> None:
         """Call after each finished training step (it takes CYCLE_STEP_SECONDS more)."""
         time.sleep(self.step_seconds)
+        if self.slow and step >= self.slow_step:
+            if step == self.slow_step:
+                self.record("slow", step=step, seconds=self.slow_seconds)
+            time.sleep(self.slow_seconds)
         if self.first is None:
             self.first = time.monotonic()
             self.record("first_step", step=step)

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.commands import status_stragglers
 from sidecar.commands.client import (
     DEFAULT_TIMEOUT_SECONDS,
     Endpoint,
@@ -449,6 +450,12 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
             _job_rows(dict_at(status, "jobs")),
             "no multi-node job (or job_view.enabled off)",
             _job_notes(dict_at(status, "jobs")),
+        ),
+        Section(
+            status_stragglers.TITLE,
+            status_stragglers.COLUMNS,
+            [[Cell(text, style) for text, style in row] for row in status_stragglers.rows(status)],
+            status_stragglers.EMPTY,
         ),
         Section(
             "Would-be kills and false alarms",

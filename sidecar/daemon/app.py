@@ -113,7 +113,8 @@ def build_app(settings: Settings) -> web.Application:
     endpoint = MetricsEndpoint(
         runner,
         registry,
-        TrainingCollector(registry),
+        # a rank's lateness: as the job's coordinator judged it over the whole job, when fresh
+        TrainingCollector(registry, job_lateness=daemon.reporter.lateness_of if daemon.reporter else None),
         daemon.watchdog,
         [daemon.exits.families, lambda: api.daemon_families(daemon), lambda: fitness.families(daemon.fitness())],
         settings.limits.max_series,

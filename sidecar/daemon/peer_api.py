@@ -1,5 +1,6 @@
 """The job view's HTTP side: what other nodes' sidecars (and `sidecar incidents --job`) ask of
-this one. `POST /v1/jobs/{job_id}/report` (a node's picture of the job; answers the verdict),
+this one. `POST /v1/jobs/{job_id}/report` (a node's picture of the job; answers the verdict and, once judged,
+the job's lateness: its stragglers and the node's ranks'),
 `GET /v1/jobs/{job_id}/verdict?known=V&wait=S` (long-polled: answers once the verdict's version is
 not V, or after S seconds), `GET /v1/jobs/{job_id}/story[?incident=ID]` (the job incident's story).
 
@@ -79,7 +80,11 @@ async def report(request: web.Request) -> web.Response:
         verdict = coordinator.accept(parsed)
     except CoordinatorError as e:
         raise ApiError(e.status, e.code, str(e)) from None
-    return _answer({"ok": True, "verdict": verdict.to_wire() if verdict else None}, signed)
+    answer = {"ok": True, "verdict": verdict.to_wire() if verdict else None}
+    judged = coordinator.lateness(parsed.job_id, parsed.node)  # the job's stragglers (jobview/stragglers.py)
+    if judged is not None:  # absent otherwise: a peer that predates it reads only `verdict`
+        answer["lateness"] = judged.to_wire()
+    return _answer(answer, signed)
 
 
 async def verdict(request: web.Request) -> web.Response:

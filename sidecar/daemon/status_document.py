@@ -23,6 +23,7 @@ from sidecar.collectors.base import CollectorRunner
 from sidecar.config import Settings
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Fitness
+from sidecar.jobview import stragglers
 from sidecar.jobview.reporter import Reporter
 from sidecar.problems import Kind, Problem, merged, restart_trap
 from sidecar.ranks.model import Rank
@@ -319,4 +320,12 @@ def build_status(
         "exits": exits.status() if exits is not None else None,
         # The job view (sidecar/jobview/): per local multi-node job, its coordinator and verdict.
         "jobs": jobs_section(reporter),
+        # Per local job, who is late to its collectives: as its coordinator judged it over the whole
+        # job, and as this node judges its own ranks (sidecar/jobview/stragglers.py). Never a kill.
+        "stragglers": stragglers.status(
+            settings.node_name,
+            registry.ranks(),
+            reporter.lateness if reporter is not None else lambda job_id: None,
+            reporter.coordinator if reporter is not None else lambda job_id: None,
+        ),
     }

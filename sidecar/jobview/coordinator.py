@@ -26,6 +26,7 @@ from sidecar.jobview import auth
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.judge import Summary, judge_summaries, summarize
 from sidecar.jobview.report import MAX_NOT_DUMPED, NO_RANK_KINDS, Culprit, NodePart, NodeReport, Verdict
+from sidecar.jobview.stragglers import JobJudge, JobLateness
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class _Job:
     judge_cost: float = 0.0  # seconds the last judgement took
     judge_pending: bool = False
     ranks_held: int = 0  # ranks in its nodes' latest reports
+    lateness: JobJudge = field(default_factory=JobJudge)  # its ranks' entry times, judged (stragglers.py)
+    stragglers_logged: set[int] = field(default_factory=set)
 
     def held_by(self, node: str) -> int:
         got = self.reports.get(node)
@@ -166,8 +169,28 @@ class Coordinator:
         job.summaries[report.node] = summarize(report, received=now)
         job.unreachable.discard(report.node)
         self.reports_total += 1
+        job.lateness.take(report.node, report.time, self.wall(), report.lateness, now, size or self.max_ranks)
+        if job.lateness.judge(now, self.wall(), self.node):
+            self._log_stragglers(job)
         self._update(job, report, now)
         return job.current.verdict if job.current is not None else None
+
+    def lateness(self, job_id: str, node: str) -> JobLateness | None:
+        """The job's lateness as `node` is told it, in the answer to its report (None: not judged)."""
+        job = self._jobs.get(job_id)
+        return job.lateness.answer(node) if job is not None else None
+
+    def _log_stragglers(self, job: _Job) -> None:
+        verdict = job.lateness.verdict
+        named = set(verdict.stragglers) if verdict is not None else set()
+        if named != job.stragglers_logged:
+            answer = job.lateness.answer(self.node)
+            said = ", ".join(
+                f"rank {s.rank} on {s.node} {s.seconds * 1000:.1f} ms late (pg {s.pg})"
+                for s in (answer.stragglers if answer is not None else [])
+            )
+            log.warning("job %s: straggler(s): %s", job.job_id, said or "none any more")
+            job.stragglers_logged = named
 
     def _bound(self, job: _Job, report: NodeReport, size: int | None, now: float) -> None:
         """Refuse a report past the job's world size or the coordinator's bounds (round 3, rows 1
@@ -339,6 +362,7 @@ class Coordinator:
             del job.reports[node]
             job.summaries.pop(node, None)
             job.troubled.discard(node)
+            job.lateness.forget_node(node)
 
     # ------------------------------------------------------------ waiting, probing
 

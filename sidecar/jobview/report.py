@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sidecar.config import NODE_NAME, check_url
+from sidecar.jobview.stragglers import RankEntries, parse_entries
 from sidecar.ranks.collectives import Collectives, parse_collectives
 from sidecar.ranks.protocol import CONTROL_RE, ProtocolError, _int, _job_id, _object, _text
 from trainer_hooks.wire import MAX_RANK
@@ -75,15 +76,20 @@ class NodeReport:
     part: NodePart | None = None  # set once the node has a record of the job incident
     job_incident: str | None = None  # the job incident the node knows of (from an earlier verdict)
     healthy: int = 0  # ranks left out because all is well (a heartbeat: no incident, nothing troubled)
+    # its ranks' newest collective entry times, for the job's lateness (stragglers.py); heartbeats
+    # carry them too, only for ranks whose entries moved since the coordinator last took them
+    lateness: list[RankEntries] = field(default_factory=list)
 
     @property
     def troubled(self) -> bool:
         return any(r.troubled for r in self.ranks)
 
     def to_wire(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "part")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "part", "lateness")}
         out["ranks"] = [r.to_wire() for r in self.ranks]  # each once, not converted twice
         out["part"] = asdict(self.part) if self.part is not None else None
+        if self.lateness:  # absent when none: a report of a job without entry times stays as it was
+            out["lateness"] = [e.to_wire() for e in self.lateness]
         return out
 
 
@@ -270,6 +276,7 @@ def parse_report(data: dict, max_ranks: int) -> NodeReport:
         part=_part(data, "part"),
         job_incident=_text(data, "job_incident", "job_incident", nullable=True, default=None, max_len=MAX_TEXT),
         healthy=_int(data, "healthy", "healthy", 0, max_ranks, default=0),
+        lateness=parse_entries(data.get("lateness"), max_ranks),
     )
 
 

@@ -31,6 +31,7 @@ from sidecar.config import check_url
 from sidecar.jobview import auth
 from sidecar.jobview.coordinator import Coordinator, CoordinatorError
 from sidecar.jobview.report import NodeReport, Verdict, parse_verdict
+from sidecar.jobview.stragglers import JobLateness, Sent, parse_answer
 from sidecar.ranks.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 TROUBLED_POLL_SECONDS = 1.0  # a long-poll's wait while the job is troubled
 GONE_JOB_SECONDS = 120.0  # a job with no local rank for this long is no longer reported
 MAX_ANSWER_BYTES = 256 * 1024
+LATENESS_FRESH_SECONDS = 45.0  # a lateness judgement older than this is not shown (3 entry slots + a report)
 
 
 @dataclass
@@ -53,6 +55,8 @@ class _Link:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     absent_since: float | None = None  # monotonic: no local rank of the job since
+    lateness: JobLateness | None = None  # the job's lateness as the coordinator last judged it (stragglers.py)
+    sent: Sent = field(default_factory=Sent)  # the entry times it took
 
 
 class Reporter:
@@ -140,16 +144,34 @@ class Reporter:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), min(left, 0.5))
 
+    def lateness(self, job_id: str) -> tuple[JobLateness, float] | None:
+        """The job's lateness as its coordinator judged it, and how old that judgement is (seconds,
+        on the coordinator's clock by this node's offset estimate); None when none or stale."""
+        link = self._links.get(job_id)
+        if link is None or link.lateness is None:
+            return None
+        judged = link.lateness
+        age = max(0.0, time.time() - (judged.clock_offset or 0.0) - judged.time)
+        return (judged, age) if age <= LATENESS_FRESH_SECONDS else None
+
+    def lateness_of(self, job_id: str) -> dict[int, float] | None:
+        """This node's ranks of the job -> their lateness judged over the whole job (None: no fresh
+        judgement; the metric then shows this node's own)."""
+        got = self.lateness(job_id)
+        return got[0].ranks if got is not None else None
+
     def status(self) -> dict:
-        return {
-            job: {
+        out = {}
+        for job, link in sorted(self._links.items()):
+            got = self.lateness(job)
+            out[job] = {
                 "coordinator": link.node,
                 "url": link.url,
                 "reachable": self.reachable(job),
                 "verdict": link.verdict.to_wire() if link.verdict is not None else None,
+                "lateness": {**got[0].to_wire(), "age_seconds": round(got[1], 3)} if got is not None else None,
             }
-            for job, link in sorted(self._links.items())
-        }
+        return out
 
     # ------------------------------------------------------------ the loops
 
@@ -194,9 +216,13 @@ class Reporter:
             report.node, report.url, report.time = self.node, self.own_url, time.time()
             if not report.troubled and (link.verdict is None or link.verdict.closed):
                 report.healthy, report.ranks = len(report.ranks), []  # a heartbeat: the coordinator needs no more
+            report.lateness = link.sent.due(report.lateness)  # only entries that moved since it took them
             link.wake.clear()
             try:
-                self._take(link, await self._send(link, report))
+                verdict, judged = await self._send(link, report)
+                self._take(link, verdict)
+                link.sent.taken(report.lateness)
+                link.lateness = judged or link.lateness
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -243,18 +269,26 @@ class Reporter:
 
     # ------------------------------------------------------------ requests
 
-    async def _send(self, link: _Link, report: NodeReport) -> Verdict | None:
+    async def _send(self, link: _Link, report: NodeReport) -> tuple[Verdict | None, JobLateness | None]:
+        """The coordinator's verdict and its judgement of the job's lateness (None: none, or a
+        coordinator that predates it)."""
         body = json.dumps(report.to_wire(), separators=(",", ":")).encode()
         self.sent += 1
         self.bytes_sent += len(body)
         if self._is_local(link):
             assert self.local is not None
             try:  # a copy: the link must hold what it was told, not the coordinator's live object
-                return copy.deepcopy(self.local.accept(report))
+                verdict = copy.deepcopy(self.local.accept(report))
             except CoordinatorError as e:
                 raise RuntimeError(str(e)) from None
+            return verdict, self.local.lateness(report.job_id, self.node)
         answer = await self._request(link, "POST", f"/v1/jobs/{_quote(report.job_id)}/report", body)
-        return parse_verdict(answer.get("verdict"))
+        try:
+            judged = parse_answer(answer.get("lateness"))
+        except ProtocolError as e:  # the verdict still counts: lateness is never worth a hang's handling
+            log.warning("job %s: coordinator %s: lateness ignored: %s", report.job_id, link.node, e)
+            judged = None
+        return parse_verdict(answer.get("verdict")), judged
 
     async def _fetch_verdict(self, link: _Link, job_id: str, known: int, wait: float) -> Verdict | None:
         if self._is_local(link):

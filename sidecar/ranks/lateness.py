@@ -15,8 +15,10 @@ lateness a rank is shown with is the least of its groups' for the same reason.
 `judge` is pure (per rank, per group, sequence -> entry time). `Tracker` keeps each local rank's
 entry times across its records (the hooks read their entries once in a wall-clock slot, at about
 the same moment on every rank of a node, so that their windows overlap) and judges each job's
-ranks on this node. Entry times are each rank's wall clock: on one node, one clock. Across nodes
-(the job view, a later slice) NTP-level offsets are far below FLOOR_SECONDS.
+ranks on this node. Entry times are each rank's wall clock: on one node, one clock. Across nodes the
+job view's coordinator judges the whole job with the same `judge`, each node's times corrected by
+its clock offset estimate (sidecar/jobview/stragglers.py); `families` shows that judgement for this
+node's ranks when it is fresh.
 
 Everything here is read from records the ranks sent (validated by collectives.py, bounded by the
 wire's limits): no rank can make it cost more than its own bounded record.
@@ -24,7 +26,7 @@ wire's limits): no rank can make it cost more than its own bounded record.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from statistics import median
 
@@ -49,12 +51,15 @@ LATENESS = spec(
     "How long after the first member of its process group the rank enters the group's collectives: per group, "
     "the median over the last common collectives (each rank's Flight Recorder entry times), and the least of "
     "its groups'. A straggler enters every collective late, while its step time equals its peers' (each waits "
-    "for it). Absent until two ranks of a job on this node sent entry times of the same collectives.",
+    "for it). Judged over the whole job by its coordinator (the job view) while it has a fresh judgement, else "
+    "among the job's ranks on this node; each node shows only its own ranks. Absent until judged.",
     ["job_id", "rank"],
 )
 
 GroupKey = tuple[str, tuple[int, ...] | None]  # the group's name and its members when sent
 Entries = Mapping[int, Mapping[GroupKey, Mapping[int, float]]]  # rank -> group -> seq -> entry time
+# job -> this node's ranks' lateness as the job's coordinator judged it (None: no fresh judgement)
+JobLevel = Callable[[str], Mapping[int, float] | None]
 
 
 @dataclass(frozen=True)
@@ -190,9 +195,9 @@ class Tracker:
 
 
 def merge(
-    old: dict[GroupKey, dict[int, float]], new: Mapping[GroupKey, Mapping[int, float]]
+    old: dict[GroupKey, dict[int, float]], new: Mapping[GroupKey, Mapping[int, float]], keep: int = HISTORY
 ) -> dict[GroupKey, dict[int, float]]:
-    """`old` with `new`'s entries, the newest HISTORY per group. A group whose newest sequence went
+    """`old` with `new`'s entries, the newest `keep` per group. A group whose newest sequence went
     back (its process group was formed again) starts anew; a group the rank no longer reports is
     dropped."""
     out: dict[GroupKey, dict[int, float]] = {}
@@ -201,7 +206,7 @@ def merge(
         if kept and times and max(times) < max(kept):
             kept = {}
         both = {**kept, **times}
-        out[key] = {s: both[s] for s in sorted(both)[-HISTORY:]}
+        out[key] = {s: both[s] for s in sorted(both)[-keep:]}
     return out
 
 
@@ -210,13 +215,37 @@ def series(r: Rank) -> int:
     return int(not r.gone and r.collectives is not None and any(g.recent for g in r.collectives.groups))
 
 
-def families(tracker: Tracker, ranks: Iterable[Rank], only: Collection[RankKey] | None = None) -> list[Metric]:
+def families(
+    tracker: Tracker,
+    ranks: Iterable[Rank],
+    only: Collection[RankKey] | None = None,
+    job_level: JobLevel | None = None,
+) -> list[Metric]:
     """`sidecar_rank_lateness_seconds` of the ranks in `only` (None: all), after merging `ranks`'
-    latest records into `tracker`."""
+    latest records into `tracker`. A job whose coordinator judged it over the whole job
+    (`job_level(job_id)`: this node's ranks -> lateness, None when it has no fresh judgement) shows
+    that judgement for every rank of the job it names, this node's own for the rest: a node shows
+    only its own ranks, so no two nodes export one rank, and one node never mixes the two for a job.
+    """
+    ranks = list(ranks)
     tracker.observe(ranks)
-    family = LATENESS.family()
+    values: dict[RankKey, float] = {}
     for job_id, verdict in tracker.verdicts().items():
         for rank, v in verdict.ranks.items():
-            if only is None or (job_id, rank) in only:
-                family.add_metric([job_id, str(rank)], v.seconds)
+            values[(job_id, rank)] = v.seconds
+    if job_level is not None:
+        live = {r.key for r in ranks if not r.gone}
+        for job_id in sorted({key[0] for key in live}):
+            judged = job_level(job_id)
+            if judged is None:
+                continue
+            for key in [k for k in values if k[0] == job_id and k[1] not in judged]:
+                del values[key]  # one judgement per job: the job's, where it has one
+            for rank, seconds in judged.items():
+                if (job_id, rank) in live:
+                    values[(job_id, rank)] = seconds
+    family = LATENESS.family()
+    for (job_id, rank), seconds in sorted(values.items()):
+        if only is None or (job_id, rank) in only:
+            family.add_metric([job_id, str(rank)], seconds)
     return [family]

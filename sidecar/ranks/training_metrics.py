@@ -126,9 +126,10 @@ class TrainingCollector:
     name = "training"
     metrics = METRICS
 
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, job_lateness: lateness.JobLevel | None = None):
         self.registry = registry
         self.lateness = lateness.Tracker()  # the ranks' collective entry times, judged per job
+        self.job_lateness = job_lateness  # job -> this node's ranks' lateness judged across nodes (the job view)
 
     def collect(
         self, only: Collection[RankKey] | None = None, custom: Collection[RankKey] | None = None
@@ -177,7 +178,7 @@ class TrainingCollector:
         yield from (f for _, f in values)
         yield from (phase, restarts, ckpt_step, ckpt_time, progress, nonfinite, custom_family, dropped)
         yield from (steps, samples, tokens, durations)
-        yield from lateness.families(self.lateness, all_ranks, only)
+        yield from lateness.families(self.lateness, all_ranks, only, self.job_lateness)
         yield from self._job_families(all_ranks)
 
     @staticmethod

@@ -39,9 +39,10 @@ from sidecar.config import Settings
 from sidecar.host.procs import is_running
 from sidecar.host.signals import Target
 from sidecar.incidents.store import Incident, IncidentStore, RankSnapshot
+from sidecar.jobview import stragglers
 from sidecar.jobview.collectives import Finding
 from sidecar.jobview.collectives import stale_after as collectives_stale_after
-from sidecar.jobview.report import NodeReport
+from sidecar.jobview.report import NodeReport, RankView
 from sidecar.metric import MetricSpec, spec
 from sidecar.problems import Kind, Problem
 from sidecar.ranks.model import Rank, RankKey
@@ -910,7 +911,8 @@ class Watchdog:
             return None
         now, wall = self.clock(), time.time()
         recent = self.settings.job_view.lost_after_seconds
-        ranks = []
+        ranks: list[RankView] = []
+        lateness: list[stragglers.RankEntries] = []
         for t in sorted(tracks, key=lambda t: t.rank.rank):
             r = t.rank
             exited = t.exited_wall if t.exited_wall is not None and wall - t.exited_wall <= recent else None
@@ -921,13 +923,16 @@ class Watchdog:
             view = rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited, busy)
             if r.collectives is not None and t.state is not RankState.GONE:
                 view.collectives, view.collectives_age = r.collectives, round(r.collectives_age(now) or 0.0, 3)
+                entries = stragglers.entries_of(r.rank, r.collectives)  # the reporter sends those that moved
+                if entries is not None:
+                    lateness.append(entries)
             ranks.append(view)
         verdict = self.job_view.verdict(job_id) if self.job_view is not None else None
         current = verdict.job_incident if verdict is not None and not verdict.closed else None
         episode = self._episodes.get(job_id)
         report = NodeReport(
             job_id=job_id, node=self.node, world_size=max(t.rank.world_size for t in tracks), time=wall,
-            ranks=ranks, job_incident=current,
+            ranks=ranks, job_incident=current, lateness=lateness,
         )  # fmt: skip
         if episode is not None and episode.stacks_done and current is not None:
             report.dumped = current

@@ -43,6 +43,7 @@ STATUS_KEYS = {
     "incidents",
     "exits",
     "jobs",
+    "stragglers",
     "fitness",
 }
 NODE_KEYS = {

@@ -291,3 +291,46 @@ def test_on_a_terminal_watch_redraws_on_the_alternate_screen_until_ctrl_c(health
         assert term.wait_reading(60) == 0
     finally:
         term.close()
+
+
+def test_a_straggler_is_shown_with_its_node_lateness_and_who_judged_it_and_never_killed(tmp_path):
+    """Two ranks of one job on this node send entry times of the same 32 collectives, rank 1 entering
+    each 100 ms after rank 0: /v1/status and `sidecar status` name rank 1 as this node's straggler,
+    judged by this node (a single-node job has no coordinator's judgement), and it stays healthy."""
+    from tests.ops.helpers import post
+
+    sidecar = Sidecar(tmp_path, "watchdog.floor_seconds=600").start()
+    made = [Rank(sidecar, "slow-job", r) for r in (0, 1)]
+    try:
+        now = time.time()
+        for r in made:
+            r.push_step()
+            late = 0.1 * r.rank
+            group = {"pg": "0", "desc": "default_pg", "size": 2, "ranks": [0, 1], "enqueued": 32, "started": -1,
+                     "completed": 32, "pending": [],
+                     "recent": [[s, now - 10 + s * 0.15 + late] for s in range(1, 33)]}  # fmt: skip
+            body = {"job_id": r.job_id, "rank": r.rank, "pid": r.proc.pid, "dropped": 0, "items": [],
+                    "collectives": {"time": now, "groups": [group]}}  # fmt: skip
+            status, answer = post(sidecar.socket, "/v1/push", body)
+            assert status == 200, answer
+        doc = sidecar.status()
+        judged = [j for j in doc["stragglers"] if j["job_id"] == "slow-job"]
+        assert [(j["judged_by"], j["judged_on"], j["ranks_judged"]) for j in judged] == [
+            ("node", doc["node"]["name"], 2)
+        ], judged
+        named = judged[0]["stragglers"]
+        assert [(s["rank"], s["node"], s["pg"]) for s in named] == [(1, doc["node"]["name"], "0")]
+        assert named[0]["lateness_seconds"] == pytest.approx(0.1, abs=1e-3)
+        out = run_cli("status", "--socket", sidecar.socket)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = out.stdout.splitlines()
+        title = lines.index(next(line for line in lines if line.startswith("Stragglers")))
+        row = next(line for line in lines[title:] if line.startswith("slow-job ")).split()
+        assert row[:4] == ["slow-job", "1", doc["node"]["name"], "100.0"] and "node" in row, row
+        # reported, never remediated: both ranks stay healthy, nothing is signalled
+        assert {r["rank"]: r["state"] for r in sidecar.status()["ranks"]} == {0: "healthy", 1: "healthy"}
+        assert all(r.proc.poll() is None for r in made)
+    finally:
+        for r in made:
+            r.close()
+        sidecar.stop()

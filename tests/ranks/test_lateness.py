@@ -184,3 +184,21 @@ def test_ranks_of_other_jobs_are_never_compared():
     _take(a, range(1, 33), 0.0)
     _take(b, range(1, 33), 0.1)
     assert lateness.families(Tracker(), [a, b])[0].samples == []
+
+
+def test_a_rank_judged_across_nodes_shows_the_jobs_value_on_its_own_node_only():
+    """The job view's coordinator judged the job (job_level: this node's ranks -> lateness): its
+    value wins over this node's own for every rank of the job, a rank alone on its node gets one,
+    a rank of another node named in the judgement is never exported here, and a job without a
+    fresh judgement keeps this node's own."""
+    r1, r2, alone, other = _rank(1), _rank(2), _rank(5, "solo"), _rank(0, "other")
+    for r, delay in ((r1, 0.0), (r2, 0.1), (alone, 0.0), (other, 0.0)):
+        _take(r, range(1, 33), delay)
+    judged = {"job": {1: 0.004, 2: 0.104, 0: 0.0}, "solo": {5: 0.3, 6: 0.0}}
+    fam = lateness.families(Tracker(), [r1, r2, alone, other], job_level=judged.get)[0]
+    got = {(s.labels["job_id"], s.labels["rank"]): s.value for s in fam.samples}
+    assert got == {("job", "1"): 0.004, ("job", "2"): 0.104, ("solo", "5"): 0.3}
+    # without a judgement for the job, this node's own (the two ranks of "job" here)
+    fam = lateness.families(Tracker(), [r1, r2], job_level=lambda job_id: None)[0]
+    got = {s.labels["rank"]: s.value for s in fam.samples}
+    assert got == {"1": pytest.approx(0.0, abs=1e-5), "2": pytest.approx(0.1, abs=1e-5)}

@@ -1,0 +1,124 @@
+"""A straggler across nodes, with real sidecars (demo/cluster.py): three simulated nodes of 1, 2 and
+1 ranks in one c10d rendezvous, the user's own gloo loop with the hooks (bench/cycles/train_plain.py).
+
+Local rank 1 of node-1 sleeps CYCLE_SLOW_SECONDS more per step before its next all-reduce
+(bench/cycles/chaos.py): every node's /v1/status names it, judged by the job's coordinator (node-0)
+over the whole job, with its lateness about the injected delay, and nothing is killed. A healthy
+control names no straggler on any node."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from demo.cluster import Cluster, ClusterSpec, NodeSpec
+from demo.job import SidecarSpec
+from tests.jobview.test_multinode import explain
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
+
+SLOW_SECONDS = 0.1
+NAMED_WITHIN = 45.0  # from the first slow step: the entries are read once per 10 s slot
+
+
+def cluster_spec(workdir, slow: bool) -> ClusterSpec:
+    extra = {"CYCLE_SLOW_LOCAL_RANK": "1", "CYCLE_SLOW_SECONDS": str(SLOW_SECONDS)} if slow else {}
+    nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2, extra), NodeSpec("node-2", 1)]
+    # a long job (CYCLE_HANG_STEP + 41 steps, no hang): the test ends it once it has seen enough
+    env = {"CYCLE_HANG_STEP": "2000", "CYCLE_LOG": str(workdir / "cycle.jsonl")}
+    sidecar = SidecarSpec(floor_seconds=3.0, extra=["job_view.report_interval_seconds=1"])
+    return ClusterSpec(nodes, job_id="slow", sidecar=sidecar, env=env)
+
+
+def records(workdir) -> list[dict]:
+    path = workdir / "cycle.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def judgements(cluster: Cluster) -> dict[str, list[dict]]:
+    """Per node, the judgements its /v1/status shows of job `slow`."""
+    out = {}
+    for node in cluster.nodes:
+        try:
+            found = node.status().get("stragglers") or []
+        except Exception:  # a sidecar still starting
+            found = []
+        out[node.spec.name] = [j for j in found if j.get("job_id") == "slow"]
+    return out
+
+
+def by_coordinator(found: dict[str, list[dict]]) -> dict[str, dict]:
+    return {
+        node: next((j for j in js if j["judged_by"] == "coordinator" and j["ranks_judged"] == 4), None)
+        for node, js in found.items()
+    }  # type: ignore[misc]
+
+
+def nothing_killed(cluster: Cluster) -> None:
+    for node in cluster.nodes:
+        assert node.incidents(kind=None) == [], (node.spec.name, node.incidents(kind=None))
+        assert node.agent is not None and node.agent.poll() is None, explain(cluster)
+        states = {r["rank"]: r["state"] for r in node.ranks()}
+        assert states and set(states.values()) == {"healthy"}, (node.spec.name, states)
+        assert all(r["restart_count"] == 0 for r in node.ranks()), node.ranks()
+
+
+def test_a_straggler_on_node_1_is_named_on_every_node_with_its_delay_and_never_killed(tmp_path):
+    with Cluster(cluster_spec(tmp_path, slow=True), tmp_path) as cluster:
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and not any(r["kind"] == "slow" for r in records(tmp_path)):
+            time.sleep(0.5)
+        slow = next((r for r in records(tmp_path) if r["kind"] == "slow"), None)
+        assert slow is not None, explain(cluster)
+        started, straggler = time.time(), slow["rank"]
+        seen: dict[str, dict] = {}
+        while time.time() - started < NAMED_WITHIN:
+            seen = {n: j for n, j in by_coordinator(judgements(cluster)).items() if j is not None and j["stragglers"]}
+            if len(seen) == 3:
+                break
+            time.sleep(1.0)
+        took = time.time() - slow["time"]
+        found = judgements(cluster)
+        assert len(seen) == 3, (found, explain(cluster))
+        for node, j in seen.items():
+            named = j["stragglers"]
+            assert [(s["rank"], s["node"]) for s in named] == [(straggler, "node-1")], (node, j)
+            assert named[0]["lateness_seconds"] == pytest.approx(SLOW_SECONDS, abs=0.03), (node, j)
+            assert j["judged_on"] == "node-0" and abs(j["clock_offset_seconds"]) < 0.05, (node, j)
+        # node-1 judges its own two ranks as well, and names the same rank
+        local = [j for j in found["node-1"] if j["judged_by"] == "node"]
+        assert local and [s["rank"] for s in local[0]["stragglers"]] == [straggler], found["node-1"]
+        # the metric: the job's value on the rank's own node, and on no other node
+        metrics = {n.spec.name: n.client.get("/metrics")[1].decode() for n in cluster.nodes}
+        late = f'sidecar_rank_lateness_seconds{{job_id="slow",rank="{straggler}"}}'
+        assert [n for n, text in metrics.items() if late in text] == ["node-1"], metrics["node-1"][-2000:]
+        nothing_killed(cluster)
+        print(
+            f"\nstraggler rank {straggler} on node-1 named on 3 nodes {took:.1f}s after its first slow step; "
+            + ", ".join(f"{n}: {j['stragglers'][0]['lateness_seconds'] * 1000:.1f} ms "
+                        f"(offset {j['clock_offset_seconds'] * 1000:.3f} ms)" for n, j in sorted(seen.items()))
+        )  # fmt: skip
+
+
+def test_a_healthy_job_across_nodes_names_no_straggler(tmp_path):
+    with Cluster(cluster_spec(tmp_path, slow=False), tmp_path) as cluster:
+        deadline, clean = time.monotonic() + 75.0, 0
+        judged: dict[str, dict] = {}
+        while time.monotonic() < deadline and clean < 6:
+            judged = {n: j for n, j in by_coordinator(judgements(cluster)).items() if j is not None}
+            if len(judged) == 3:
+                assert all(j["stragglers"] == [] for j in judged.values()), judged
+                clean += 1  # judged across the job, none named: again over a few seconds
+            time.sleep(1.0)
+        assert clean >= 6, (judged, explain(cluster))
+        nothing_killed(cluster)
+        shown = {}  # every rank's lateness, judged across the job, each on its own node
+        for node in cluster.nodes:
+            for line in node.client.get("/metrics")[1].decode().splitlines():
+                if line.startswith('sidecar_rank_lateness_seconds{job_id="slow"'):
+                    shown[line.split('rank="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        assert sorted(shown) == ["0", "1", "2", "3"], shown
+        said = ", ".join(f"{r}: {v * 1000:.2f} ms" for r, v in sorted(shown.items()))
+        print(f"\nhealthy: every rank's lateness {said}")
