@@ -161,6 +161,9 @@ KUSTOMIZATIONS = sorted(
     str(p.parent.relative_to(K8S))
     for p in K8S.rglob("kustomization.yaml")
     if yaml.safe_load(p.read_text()).get("kind") == "Kustomization"  # components render only inside one
+    # The example jobs go to the team's namespace (`kubectl -n TEAM`), none of their own:
+    # tests/security/test_deploy_examples.py renders them.
+    and p.parent != K8S / "examples"
 )
 NAMESPACE = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["namespace"]
 
@@ -203,6 +206,9 @@ def test_the_daemonsets_tolerations_are_one_setting_of_the_overlay(overlay, tmp_
 
 SIDECAR_IMAGE = "ghcr.io/training-sidecar/training-sidecar"
 NPD_IMAGE = "ghcr.io/training-sidecar/training-sidecar-npd"
+# Another project's image an opt-in component brings, pinned to a release by that component's own
+# `images:` (an overlay's entry of the same name overrides it; see the test below).
+THIRD_PARTY = {"quay.io/brancz/kube-rbac-proxy"}
 # The components that bring containers of their own (or patch the sidecar's).
 COMPONENTS = sorted(
     p.name for p in (K8S / "components").iterdir() if any("image:" in f.read_text() for f in p.glob("*.yaml"))
@@ -251,10 +257,26 @@ def test_one_images_list_pins_every_image_of_the_base_and_every_component(kustom
     assert {"node-problem-detector", "expected-gpus"} <= set(COMPONENTS)
     images = _images(_with_images(tree, kustomization, COMPONENTS))
     assert images["sidecar-node-problem-detector"] == {"registry.example/ml/training-sidecar-npd:1.2.3"}
-    assert set().union(*images.values()) == {
+    every = set().union(*images.values())
+    third_party = {i for i in every if i.rsplit(":", 1)[0] in THIRD_PARTY}
+    assert third_party and all(re.fullmatch(r"v\d+\.\d+\.\d+", i.rsplit(":", 1)[1]) for i in third_party)
+    assert every - third_party == {
         "registry.example/ml/training-sidecar:1.2.3",
         "registry.example/ml/training-sidecar-npd:1.2.3",
     }
+
+
+@pytest.mark.parametrize("kustomization", ["", *(f"overlays/{o}" for o in OVERLAYS)])
+def test_an_overlays_images_entry_overrides_a_components_pinned_image(kustomization, tmp_path):
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    path = tree / kustomization / "kustomization.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["images"] += [{"name": name} for name in THIRD_PARTY]  # _with_images points each at registry.example
+    path.write_text(yaml.safe_dump(doc))
+    images = set().union(*_images(_with_images(tree, kustomization, COMPONENTS)).values())
+    assert {"registry.example/ml/" + name.rsplit("/", 1)[1] + ":1.2.3" for name in THIRD_PARTY} <= images
+    assert not any(i.rsplit(":", 1)[0] in THIRD_PARTY for i in images)
 
 
 # ---------------------------------------------------------------- alerts kube-prometheus-stack has
