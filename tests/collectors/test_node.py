@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import platform
 
-from sidecar.collectors.node import NodeCollector, os_name
+from sidecar.collectors.node import NodeCollector, online_cpus, os_name, read_load1
 from tests.collectors.helpers import run, series
 
 
@@ -26,6 +26,23 @@ def test_cpu_memory_and_load_are_exported(tmp_path):
     total = value(families, "sidecar_node_memory_total_bytes")
     assert total >= value(families, "sidecar_node_memory_available_bytes") > 0
     assert value(families, "sidecar_node_load1") >= 0
+
+
+def test_load_and_cpus_are_read_from_the_roots_the_settings_name(tmp_path):
+    """The house rule: collectors read from collectors.procfs_root / sysfs_root (a container's
+    mounted host /proc and /sys), never the sidecar's own: before, os.getloadavg() ignored it."""
+    proc, sys_root = tmp_path / "proc", tmp_path / "sys"
+    proc.mkdir()
+    (proc / "loadavg").write_text("37.50 20.00 10.00 3/900 12345\n")
+    cpu = sys_root / "devices" / "system" / "cpu"
+    cpu.mkdir(parents=True)
+    (cpu / "online").write_text("0-63,65,70-71\n")
+    result = run(NodeCollector(str(tmp_path), dict, procfs_root=str(proc), sysfs_root=str(sys_root)))
+    assert result.success, result.error
+    assert value(result.families, "sidecar_node_load1") == 37.5
+    assert value(result.families, "sidecar_node_cpus") == 67
+    assert read_load1(str(tmp_path / "nowhere")) is None and online_cpus(str(tmp_path / "nowhere")) is None
+    assert online_cpus() == len(os.sched_getaffinity(0)) or online_cpus() >= 1  # this machine's own
 
 
 def test_the_checkpoint_filesystem_is_measured(tmp_path):
