@@ -139,6 +139,15 @@ def _explain(stack) -> str:
     return f"\n--- torchrun\n{tail(stack['work'] / 'torchrun.log', 30)}\n--- sidecar\n{tail(stack['sidecar'].log, 30)}"
 
 
+def _running(stack) -> bool:
+    """The job is still there (its hung rank keeps it so: observe-only); a job that exited fails the
+    wait at once with its log, instead of the wait running out its 240 s (issue 33, item 6)."""
+    code = stack["job"].poll()
+    if code is not None:
+        raise AssertionError(f"the torchrun job exited with {code} before the wait was over" + _explain(stack))
+    return True
+
+
 def _label_values(prom: Prometheus, selector: str, label: str) -> list[str]:
     answer = prom.api(f"label/{label}/values", **{"match[]": selector})
     assert answer["status"] == "success", (selector, answer)
@@ -163,7 +172,8 @@ def test_every_dashboard_query_succeeds_and_core_panels_show_data(stack):
     prom = stack["prom"]
     wait_until(
         lambda: (
-            prom.series_count("job_id:sidecar_training_step:max >= 3")
+            _running(stack)
+            and prom.series_count("job_id:sidecar_training_step:max >= 3")
             and prom.series_count("job_id_instance:sidecar_gpu_utilization_ratio:avg")
             and prom.series_count("rate(sidecar_process_cpu_seconds_total[1m])")
             # the counters and the step-time histogram rated (two scrapes since the first step)
@@ -193,7 +203,7 @@ def test_a_stalled_rank_fires_in_prometheus_and_pages_once_through_alertmanager(
     (JobHungOnRank) and that is what pages; the shipped inhibit rules hold back the stalls."""
     prom, webhook = stack["prom"], stack["webhook"]
     firing = wait_until(
-        lambda: prom.firing("SidecarRankStalled"),
+        lambda: _running(stack) and prom.firing("SidecarRankStalled"),
         240,
         interval=1,
         what="SidecarRankStalled firing in Prometheus" + _explain(stack),
@@ -209,7 +219,9 @@ def test_a_stalled_rank_fires_in_prometheus_and_pages_once_through_alertmanager(
             if a["labels"]["alertname"] == "JobHungOnRank" and a["status"] == "firing"
         ]
 
-    alerts = wait_until(paged, 240, interval=1, what="the page at the webhook receiver" + _explain(stack))
+    alerts = wait_until(
+        lambda: _running(stack) and paged(), 240, interval=1, what="the page at the webhook receiver" + _explain(stack)
+    )
     assert alerts[0]["labels"]["job_id"] == firing[0]["labels"]["job_id"]
     assert alerts[0]["labels"]["rank"] == "1"
     assert alerts[0]["annotations"]["runbook_url"].endswith("#jobhungonrank")
