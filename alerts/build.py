@@ -79,7 +79,12 @@ THRESHOLDS: dict[str, float | str] = {
     "grad_norm_factor": 10,  # grad norm above this multiple of its median over the last hour
     "lr_jump_factor": 2,  # learning rate above this multiple of its maximum over the last hour
     "throughput_drop_ratio": 0.7,  # it/s below this share of its average over the last hour
-    "straggler_ratio": 1.3,  # a rank's mean step time (5m) above this multiple of the job's median
+    # a rank's lateness (sidecar_rank_lateness_seconds: how long after its group's first member it
+    # enters its collectives, median over its window) above this floor AND this share of the job's
+    # median step time is a straggler
+    "straggler_lateness_seconds": 0.05,
+    "straggler_lateness_step_ratio": 0.2,
+    "straggler_for": "10m",
     "checkpoint_max_age_seconds": 7200,  # newest checkpoint older than this while the job trains
     "progress_recent_seconds": 600,  # "the job trains": some rank advanced within this long
     # --- checkpoint filesystem
@@ -651,13 +656,23 @@ TRAINING = Group(
         ),
         Alert(
             "SidecarStragglerRank",
-            "job_id_rank:sidecar_training_step_duration_seconds:mean5m\n"
-            f"> on (namespace, cluster, job_id) group_left () ({T['straggler_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
+            # The lateness is the rank's own (its collectives entered late, every peer waits for it):
+            # the absolute floor keeps out noise, the share of the job's step time keeps out a
+            # lateness that costs a long step little. Step times alone cannot name it: in a
+            # data-parallel job every rank's step time is the same.
+            "max by (namespace, cluster, job_id, rank, instance) (sidecar_rank_lateness_seconds)"
+            f" > {T['straggler_lateness_seconds']}\n"
+            "> on (namespace, cluster, job_id) group_left ()\n"
+            f"  ({T['straggler_lateness_step_ratio']} * job_id:sidecar_training_step_duration_seconds:median_mean5m)",
             "warning",
             f"Straggler: {LABELS_RANK}",
-            f"This rank's step time is more than {T['straggler_ratio']}x the median of its job: "
-            "the whole job runs at its pace.",
-            for_="10m",
+            "Rank {{ $labels.rank }} of job {{ $labels.job_id }} (node {{ $labels.instance }}) enters its collectives "
+            "{{ $value | humanizeDuration }} after its peers, more than "
+            f"{int(number('straggler_lateness_step_ratio') * 100)}% of the job's median step time, for "
+            f"{window('straggler_for')}: every rank waits for it at every step, so the whole job runs at its pace. "
+            "It is never killed. Look at `sidecar status` (Stragglers) or /v1/status `stragglers` on its node, then at "
+            "that rank's CPU throttling, its GPU's clocks and temperature, its data loading, and its node's links.",
+            for_=window("straggler_for"),
         ),
         Alert(
             "SidecarCheckpointStale",

@@ -353,7 +353,8 @@ def unneeded_kills_panel() -> dict:
 
 def training_job() -> dict:
     ckpt_age = number("checkpoint_max_age_seconds")
-    straggler = number("straggler_ratio")
+    late = number("straggler_lateness_seconds")
+    late_share = int(number("straggler_lateness_step_ratio") * 100)
     panels = [
         row("Progress"),
         stat("Step", f"job_id:sidecar_training_step:max{{{JOB}}}", description="Highest step of any rank."),
@@ -529,9 +530,22 @@ def training_job() -> dict:
             "Step time: slowest rank / median",
             f"job_id:sidecar_training_step_duration_seconds:max_over_median{{{JOB}}}",
             "short",
-            "Mean step times over 5m; 1 is perfectly balanced; SidecarStragglerRank fires above the dashed line.",
-            threshold=straggler,
+            "Mean step times over 5m; 1 is perfectly balanced. A rank with more work of its own shows here; "
+            "a straggler in a data-parallel job does not (every rank waits for it, so every step time is the "
+            "same): see the lateness per rank.",
             min_=1,
+        ),
+        timeseries(
+            "Lateness per rank",
+            f"sidecar_rank_lateness_seconds{{{RANKS}}}",
+            "s",
+            "How long after its group's first member each rank enters its collectives (median over its newest "
+            "collectives, from the ranks' Flight Recorders, judged on its node or across the job by the job "
+            "view's coordinator). Every rank waits for the late one at every step. SidecarStragglerRank fires "
+            f"above the dashed line when the lateness is also more than {late_share}% of the job's median step "
+            f"time, for {window('straggler_for')}.",
+            threshold=late,
+            min_=0,
         ),
         timeseries(
             "GPU utilization per node",

@@ -1,6 +1,9 @@
 """`sidecar status`'s "Stragglers" section: per local job, the rank that enters its collectives
 last, as the job's coordinator judged it over the whole job and as this node judged its own ranks
-(`/v1/status` `stragglers`, sidecar/jobview/stragglers.py). A straggler is reported, never killed.
+(`/v1/status` `stragglers`, sidecar/jobview/stragglers.py), and for a straggler of this node with an
+open incident its cause (`throttled`: its CPU cgroup throttles it or its GPU's clocks are held
+down; else `unknown`;
+sidecar/ranks/straggler_cause.py). A straggler is reported, never killed.
 
 Rows are (text, style) pairs; status.py turns them into its cells.
 """
@@ -10,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 TITLE = "Stragglers (late to collectives; never killed)"
-COLUMNS = ["JOB", "RANK", "NODE", "LATENESS", "GROUP (INTERVAL)", "JUDGED BY"]
+COLUMNS = ["JOB", "RANK", "NODE", "LATENESS", "GROUP (INTERVAL)", "JUDGED BY", "CAUSE"]
 EMPTY = "none judged (no job with collective entry times here)"
 
 Row = list[tuple[str, str]]
@@ -36,11 +39,12 @@ def rows(status: Any) -> list[Row]:
         job, by = str(j.get("job_id")), _judged_by(j)
         named = [s for s in j.get("stragglers") or [] if isinstance(s, dict)]
         if not named:
-            out.append([(job, ""), ("-", ""), ("-", ""), ("none", "green"), ("-", ""), (by, "")])
+            out.append([(job, ""), ("-", ""), ("-", ""), ("none", "green"), ("-", ""), (by, ""), ("-", "")])
         for s in named:
             group = f"pg {s.get('pg')} ({_ms(s.get('interval_seconds'))})"
             out.append(
                 [(job, ""), (str(s.get("rank")), "bold yellow"), (str(s.get("node")), ""),
-                 (_ms(s.get("lateness_seconds")), "bold yellow"), (group, ""), (by, "")]
+                 (_ms(s.get("lateness_seconds")), "bold yellow"), (group, ""), (by, ""),
+                 (str(s.get("cause") or "-"), "bold red" if s.get("cause") == "throttled" else "")]
             )  # fmt: skip
     return out

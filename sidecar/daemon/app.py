@@ -42,10 +42,10 @@ from sidecar.daemon import api, peer_api
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.exits.tracker import ExitTracker
 from sidecar.host import procs, stackfiles
-from sidecar.jobview import collectives
+from sidecar.jobview import collectives, straggler_incidents
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
-from sidecar.ranks import ownership, podlabels
+from sidecar.ranks import ownership, podlabels, straggler_cause
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
 from sidecar.safetext import printable
@@ -264,6 +264,15 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         jobs["watchdog"] = d.watchdog.run
     if d.reporter is not None:
         jobs["job_view"] = d.reporter.run
+    # a rank of this node its job's straggler: one incident per episode, never a kill
+    gpu = next((c for c in d.runner.collectors if getattr(c, "name", None) == "gpu"), None)
+    jobs["straggler_incidents"] = straggler_incidents.watching(
+        d.watchdog.store,
+        d.settings.node_name,
+        d.registry.ranks,
+        d.reporter,
+        straggler_cause.gpus_of(d.runner.families, gpu),
+    )
     jobs["owners"] = lambda: save_owners_forever(d.registry)
     jobs["loop_lag"] = d.loop_lag.run
     restore_owners(d.registry)

@@ -23,7 +23,7 @@ from sidecar.collectors.base import CollectorRunner
 from sidecar.config import Settings
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Fitness
-from sidecar.jobview import stragglers
+from sidecar.jobview import straggler_incidents, stragglers
 from sidecar.jobview.reporter import Reporter
 from sidecar.problems import Kind, Problem, merged, restart_trap
 from sidecar.ranks.model import Rank
@@ -322,10 +322,14 @@ def build_status(
         "jobs": jobs_section(reporter),
         # Per local job, who is late to its collectives: as its coordinator judged it over the whole
         # job, and as this node judges its own ranks (sidecar/jobview/stragglers.py). Never a kill.
-        "stragglers": stragglers.status(
-            settings.node_name,
-            registry.ranks(),
-            reporter.lateness if reporter is not None else lambda job_id: None,
-            reporter.coordinator if reporter is not None else lambda job_id: None,
+        # A local straggler's cause (straggler_cause.py) comes from its open incident.
+        "stragglers": straggler_incidents.with_causes(
+            stragglers.status(
+                settings.node_name,
+                registry.ranks(),
+                reporter.lateness if reporter is not None else lambda job_id: None,
+                reporter.coordinator if reporter is not None else lambda job_id: None,
+            ),
+            watchdog.store.recent,
         ),
     }
