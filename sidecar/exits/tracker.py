@@ -14,7 +14,6 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -22,11 +21,12 @@ from prometheus_client.core import Metric
 from sidecar.config import Settings
 from sidecar.exits import kernel
 from sidecar.exits.incidents import ExitIncidents
+from sidecar.exits.metrics import METRICS
 from sidecar.exits.reasons import CONSEQUENCES, Evidence, decide
 from sidecar.exits.rollback import RollbackMemory
-from sidecar.host.identity import PidFd
+from sidecar.exits.watches import Watch as _Watch
+from sidecar.exits.watches import WatchedProcess as _Process
 from sidecar.host.procs import is_running
-from sidecar.metric import MetricSpec, spec
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.protocol import ExitReport
 from sidecar.safetext import printable
@@ -40,38 +40,6 @@ SETTLE_SECONDS = 1.0  # a job's exits are decided together once the youngest is 
 JOB_VIEW_WAIT_SECONDS = 5.0  # the default wait for the job view (the daemon sets it from the settings)
 MAX_JOBS_COUNTED = 64  # jobs whose exit counts are kept (the oldest job's are dropped beyond)
 
-METRICS: tuple[MetricSpec, ...] = (
-    spec(
-        "exits",
-        "rank_exits",
-        "counter",
-        "Rank process exits by reason: finished, watchdog, oom_killed, gpu_error (a hardware XID), gpu_app_fault "
-        "(another XID: the application's own fault), exception/cuda_oom, "
-        "exception/collective_timeout, exception/communication, exception/nonfinite, exception/other, "
-        "signal, nonzero_exit, unknown. `role` is `consequence` when the exit followed a job incident "
-        "whose culprit is another rank or a lost node (the job view: a peer's hang or loss made it fail), "
-        "else `cause`.",
-        ["job_id", "reason", "role"],
-    ),
-    spec(
-        "exits",
-        "job_failures",
-        "counter",
-        "Failures of a job's worker group on this node, by the reason of the first rank to exit (the likely "
-        "cause: torchrun stops the other workers, which then exit with `signal`); failures that are the "
-        "consequences of another node's job incident are not counted. Reasons as sidecar_rank_exits_total, "
-        "without finished.",
-        ["job_id", "reason"],
-    ),
-    spec(
-        "exits",
-        "rank_last_exit_timestamp_seconds",
-        "gauge",
-        "Unix time of the job's latest rank exit classified on this node, by its reason.",
-        ["job_id", "reason"],
-    ),
-)
-
 # --------------------------------------------------------------- the tracker
 
 DECIDE_CHUNK = 64  # exits decided between two returns to the event loop
@@ -79,49 +47,6 @@ DECIDE_CHUNK = 64  # exits decided between two returns to the event loop
 # whether the job view may still tell): the job view's answer (sidecar/jobview/), wired by the daemon.
 JobIncidentOf = Callable[[str, int], tuple[str | None, str | None, bool]]
 ROOT_UID = 0
-
-
-@dataclass
-class _Process:
-    """One watched process, shared by every (job, rank) key registered for it: one pidfd and
-    one memory-cgroup descriptor however many keys name it (a process may register thousands)."""
-
-    pid: int
-    start_time: float | None
-    pidfd: PidFd | None  # the first registration's (identity.py), or one opened here
-    cgroup: kernel.MemoryCgroup | None
-    oom_baseline: int | None
-    watches: int = 0  # how many watches share it; closed with the last
-    checked: tuple[int, bool] = (0, True)  # (poll round, alive then): one check per round
-    status: tuple[int, tuple[int | None, str | None]] = (0, (None, None))
-
-    def close(self) -> None:
-        self.pidfd = None  # a PidFd closes its descriptor with its last reference
-        if self.cgroup is not None:
-            self.cgroup.close()
-            self.cgroup = None
-
-
-@dataclass
-class _Watch:
-    """One registered rank, from registration until its exit is decided."""
-
-    rank: Rank
-    process: _Process
-    gpus: set[str] = field(default_factory=set)
-    deregistered: str | None = None
-    report: ExitReport | None = None
-    remediated_by: str | None = None
-    consequence_of: tuple[str, str] | None = None  # (job incident, culprit) when it was left to the launcher
-    replaced: bool = False  # a later registration took its key
-    exited_at: float | None = None  # monotonic, when the exit was noticed
-    exited_wall: float | None = None
-
-    @property
-    def retired(self) -> bool:
-        """The rank has left the registry's live set (deregistered or replaced) while its
-        process may run on: such watches are what a per-user bound may drop."""
-        return self.deregistered is not None or self.replaced
 
 
 XidSource = Callable[[], dict[str, tuple[int, float]]]  # gpu -> (last xid, unix time)
