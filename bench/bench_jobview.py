@@ -8,8 +8,9 @@ sidecar records and does about it, next to the same script on one node.
 Each run: sidecars and torchrun agents in one c10d rendezvous (demo/cluster.py), the user's
 own gloo loop with the hooks (bench/cycles/train_plain.py), floor 5 s, grace 5 s; after 20 steps
 local rank 1 of the middle node hangs (on one node: local rank 1). Printed per run: each node's
-record (blamed rank and node, outcome, job incident) and hang -> training again (the first step
-after the hang, any rank).
+record (blamed rank and node, outcome, job incident), hang -> training again (the first step
+after the hang, any rank), and each node's recovery stages side by side, as `sidecar incidents
+--job` shows them from the job incident's story (sidecar/commands/recovery_table.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
+from sidecar.commands.recovery_table import recovery_table
 
 FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0
@@ -39,6 +43,8 @@ class Outcome:
     finished: bool
     recover: float | None = None  # hang -> first step after it
     records: list[dict] = field(default_factory=list)  # (node, record) summaries
+    story: dict | None = None  # the job incident's story, each node's recovery stages in it
+    filled: list[str] = field(default_factory=list)  # nodes whose stages came from their own record
 
 
 def cluster_spec(layout: list[int], mode: str, sidecar_extra: list[str]) -> ClusterSpec:
@@ -85,7 +91,35 @@ def run(spec: ClusterSpec, workdir: Path, label: str) -> Outcome:
         time.sleep(1.0)  # the last incident writes
         for node in cluster.nodes:
             outcome.records += records_of(node)
+        outcome.story, outcome.filled = story_of(cluster)
     return outcome
+
+
+def story_of(cluster: Cluster) -> tuple[dict | None, list[str]]:
+    """The job incident's story as `sidecar incidents --job` reads it (from the coordinator, through
+    the first node's sidecar). A node's stages measured after its last report reached the
+    coordinator (the job ended first) are taken from its own record, and said so."""
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", "incidents", "--job", cluster.spec.job_id, "--json",
+         "--socket", cluster.nodes[0].socket],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    try:
+        story = json.loads(out.stdout).get("story") if out.returncode == 0 else None
+    except ValueError:
+        story = None
+    if not isinstance(story, dict):
+        return None, []
+    filled = []
+    for node in cluster.nodes:
+        part = (story.get("nodes", {}).get(node.spec.name) or {}).get("part")
+        mine = [r for r in node.incidents() if r.get("job_incident") == story.get("verdict", {}).get("job_incident")]
+        stages = ((mine[-1].get("recovery") or {}).get("stages_seconds") or {}) if mine else {}
+        known = sum(v is not None for v in stages.values())
+        if part is not None and known > sum(v is not None for v in (part.get("stages") or {}).values()):
+            part["stages"] = stages
+            filled.append(node.spec.name)
+    return story, filled
 
 
 def show(o: Outcome) -> None:
@@ -97,6 +131,13 @@ def show(o: Outcome) -> None:
         sent = ", sent SIGTERM" if r["sigterm"] else ""
         print(f"  {r['node']:<7} {r['kind']:<5} blamed {blamed:<18} job_incident {r['job_incident'] or '-'}{sent}")
         print(f"          {r['summary']}")
+    table = recovery_table(o.story)
+    if table:
+        print("\n".join(table[1:]))
+        if o.filled:
+            print(f"  (stages of {', '.join(o.filled)} from its own record: measured after its last report)")
+    else:
+        print("  (no node's recovery stages in the job incident's story)")
 
 
 def main(argv: list[str] | None = None) -> int:

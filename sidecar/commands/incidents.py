@@ -7,8 +7,9 @@ the default socket), so a daemon started with its own `diag_dir` is read where i
 when no sidecar answers, the settings' `diag_dir` (said on stderr).
 
 With `--job ID`: the job's story across its nodes, from the job's coordinator through this node's
-sidecar: the job incident every node's record shares, the culprit, each node's part, each rank's
-innermost frame, one timeline; this node's own records when the coordinator cannot be reached.
+sidecar: the job incident every node's record shares, the culprit, each node's part and its
+recovery's stages side by side (recovery_table.py), each rank's innermost frame, one timeline;
+this node's own records when the coordinator cannot be reached.
 
 Everything printed is escaped (`safetext.printable`) line by line: records and summaries quote
 what ranks wrote, and a story is what the job's coordinator answered, a host the job's owner
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.commands.client import StatusError, fetch_json, resolve_endpoint
+from sidecar.commands.recovery_table import recovery_table
 from sidecar.config import DEFAULT_SOCKET, ConfigError, Settings, add_settings_arguments, settings_from_args
 from sidecar.incidents.store import INCIDENTS_SUBDIR, load_incidents
 from sidecar.safetext import printable
@@ -225,6 +227,7 @@ def render_story(story: dict | None, records: list[dict[str, Any]], why: str) ->
         for node, part in nodes:
             p = _obj(_obj(part).get("part"))
             lines.append(f"  {node:<16} {str(p.get('outcome', '-')):<19} {p.get('incident', '-')}")
+        lines += recovery_table(story)
         lines += ["", "  rank  node             state        step     waits  innermost frame"]
         for node, part in nodes:
             for r in _seq(_obj(part).get("ranks")):

@@ -235,6 +235,10 @@ class Coordinator:
         if (incident is None or incident.verdict.closed) and report.troubled:
             incident = job.current = self._open(job)
             changed = True
+        for past in (incident, *job.closed) if report.part is not None else ():  # a closed one's: its recovery's stages
+            if past is not None and past.verdict.closed and past.verdict.job_incident == report.job_incident:
+                if report.node in past.node_set:  # from a node that took part, kept for the story only
+                    past.parts[report.node] = report.part
         if incident is None or incident.verdict.closed:
             return
         v = incident.verdict
@@ -445,9 +449,9 @@ class Coordinator:
             "verdict": chosen.verdict.to_wire(),
             "nodes": {
                 node: {
-                    "part": (
-                        {"incident": chosen.parts[node].incident, "outcome": chosen.parts[node].outcome}
-                        if node in chosen.parts
+                    "part": (  # with its recovery's seconds per stage, once known
+                        {"incident": p.incident, "outcome": p.outcome, "stages": dict(p.stages)}
+                        if (p := chosen.parts.get(node)) is not None
                         else None
                     ),
                     "ranks": chosen.ranks.get(node, []),

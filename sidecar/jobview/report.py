@@ -3,14 +3,16 @@
 A report is one node's picture of one job: each local rank's global rank, watchdog state, step,
 phase, how long since its last progress, whether its main thread waits in a collective (from the
 latest stack probe) and its innermost frame; whether this node has dumped its ranks' stacks for
-the job incident; and, once it has one, its part of the incident (its own record's id, outcome and
-timeline). A verdict names the job incident and who holds the job up. Both are bounded: a node
-reports at most `limits.max_ranks_per_job` ranks, short texts only, and everything is validated
-like the hooks' own protocol (strict JSON, 4xx naming the field).
+the job incident; and, once it has one, its part of the incident (its own record's id, outcome,
+timeline and, once known, its recovery's seconds per stage). A verdict names the job incident and
+who holds the job up. Both are bounded: a node reports at most `limits.max_ranks_per_job` ranks,
+short texts only, and everything is validated like the hooks' own protocol (strict JSON, 4xx
+naming the field).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -25,6 +27,8 @@ MAX_TIMELINE = 24  # events of one node's part
 MAX_LOST = 64  # lost nodes named in a verdict
 MAX_NOT_DUMPED = 8  # nodes still dumping named in a verdict
 MAX_TIME = 4e9
+MAX_STAGES = 16  # recovery stages in one node's part
+STAGE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 STATES = ("starting", "healthy", "suspect", "stalled", "remediating", "gone")
 TROUBLED = frozenset({"suspect", "stalled", "remediating"})
 
@@ -62,6 +66,9 @@ class NodePart:
     incident: str
     outcome: str
     timeline: list[dict[str, Any]] = field(default_factory=list)  # {"event", "time"}
+    # its recovery's seconds per stage once known (watchdog/recovery.py STAGES; null: not seen),
+    # sent again as the stages come in, after the job incident closed too; {} from an older node
+    stages: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -254,7 +261,24 @@ def _part(obj: dict, where: str) -> NodePart | None:
         incident=_text(raw, "incident", f"{where}.incident", max_len=MAX_TEXT),
         outcome=_text(raw, "outcome", f"{where}.outcome", max_len=64),
         timeline=timeline,
+        stages=_stages(raw.get("stages"), f"{where}.stages"),
     )
+
+
+def _stages(raw: Any, where: str) -> dict[str, float | None]:
+    """A part's recovery stages: at most MAX_STAGES names -> seconds >= 0 or null (absent: none)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: expected an object of stage -> seconds")
+    if len(raw) > MAX_STAGES:
+        raise ProtocolError(f"{where}: at most {MAX_STAGES} stages, got {len(raw)}", code="too_large", status=413)
+    out: dict[str, float | None] = {}
+    for name, seconds in raw.items():
+        if type(name) is not str or not STAGE_NAME_RE.fullmatch(name):
+            raise ProtocolError(f"{where}: stage names are 1-32 of a-z, 0-9 and '_', got {str(name)[:40]!r}")
+        out[name] = None if seconds is None else _seconds(raw, name, f"{where}.{name}")
+    return out
 
 
 def parse_report(data: dict, max_ranks: int) -> NodeReport:

@@ -105,11 +105,28 @@ def local_culprit(verdict: Verdict | None, node: str, local_ranks: set[int]) -> 
 
 
 def part_of(incident: Incident, outcome: str) -> NodePart:
-    """This node's part of the job incident, as the coordinator keeps it for the story."""
+    """This node's part of the job incident, as the coordinator keeps it for the story: with its
+    recovery's stages once the watchdog follows them (recovery.py)."""
     events = [{"event": e["event"], "time": e["time"]} for e in incident.timeline if e.get("event") in PART_EVENTS][
         -24:
     ]
-    return NodePart(incident=incident.id, outcome=outcome, timeline=events)
+    recovery = incident.recovery or {}
+    stages = dict(list((recovery.get("stages_seconds") or {}).items())[:15])
+    if stages:  # and the whole, which stages it could not see leave out
+        stages["hang_to_training"] = recovery.get("hang_to_training_seconds")
+    return NodePart(incident=incident.id, outcome=outcome, timeline=events, stages=stages)
+
+
+def recovery_news(incident: Incident, current: str | None, wall: float, within: float) -> bool:
+    """Whether the incident's recovery reached a milestone in the last `within` seconds, with no
+    newer job incident open (`current`): its part goes to the coordinator again then, after the job
+    incident closed too (the stages after the kill come once the job trains again); a few reports
+    carry it, so one lost report loses nothing."""
+    if current is not None:
+        return False
+    milestones = (incident.recovery or {}).get("milestones") or {}
+    latest = max((t for t in milestones.values() if isinstance(t, (int, float))), default=None)
+    return latest is not None and wall - latest <= within
 
 
 def rank_view(

@@ -57,6 +57,7 @@ from sidecar.watchdog.coordination import (
     local_culprit,
     part_of,
     rank_view,
+    recovery_news,
 )
 from sidecar.watchdog.goodput import Goodput
 from sidecar.watchdog.liveness import Liveness
@@ -937,10 +938,15 @@ class Watchdog:
         if episode is not None and episode.stacks_done and current is not None:
             report.dumped = current
         recorded = episode.incident if episode is not None else self._parts.get(job_id)
+        within = 3 * self.settings.job_view.report_interval_seconds  # its recovery's stages, after the close too
         if (
             recorded is not None
             and recorded.job_incident is not None
-            and (episode is not None or recorded.job_incident == current)
+            and (
+                episode is not None
+                or recorded.job_incident == current
+                or recovery_news(recorded, current, wall, within)
+            )
         ):
             report.job_incident = recorded.job_incident
             report.part = part_of(recorded, recorded.outcome)

@@ -162,8 +162,77 @@ def test_the_story_merges_every_node_part_into_one_timeline():
         ("node-1", "sigterm"),
         ("node-0", "left_to_launcher"),
     ]
-    assert story["nodes"]["node-1"]["part"] == {"incident": "inc-1", "outcome": "killed"}
+    assert story["nodes"]["node-1"]["part"] == {"incident": "inc-1", "outcome": "killed", "stages": {}}
     assert story["nodes"]["node-1"]["ranks"][0]["stack_top"] == "train_step (train.py:14)"
+
+
+STAGES = {
+    "node-0": {"detect": 4.8, "dump": 0.1, "decide": None, "kill": None, "restart": 2.4, "first_step": 0.2},
+    "node-1": {"detect": 4.7, "dump": 0.12, "decide": 0.3, "kill": 0.06, "restart": 0.05, "first_step": 0.2},
+    "node-2": {"detect": 4.9, "dump": 0.09, "decide": None, "kill": None, "restart": 1.1, "first_step": None},
+}
+
+
+def _three_nodes_stall(c: Coordinator) -> str:
+    v = c.accept(report("node-0", rank(0)))
+    assert v is not None
+    c.accept(report("node-1", rank(1, waiting=False)))
+    c.accept(report("node-2", rank(2)))
+    return v.job_incident
+
+
+def _part(node: str, stages: dict | None = None) -> NodePart:
+    outcome = "killed" if node == "node-1" else "left_to_launcher"
+    return NodePart(f"inc-{node}", outcome, [{"event": "detected", "time": 10.0}], dict(stages or {}))
+
+
+def test_the_story_holds_every_nodes_recovery_stages():
+    c = coordinator(Clock())
+    job_incident = _three_nodes_stall(c)
+    for i, node in enumerate(("node-0", "node-1", "node-2")):
+        c.accept(report(node, rank(i), part=_part(node, STAGES[node]), job_incident=job_incident))
+    story = c.story("j1")
+    assert story is not None
+    assert {node: n["part"]["stages"] for node, n in story["nodes"].items()} == STAGES
+
+
+def test_the_stages_that_come_after_the_job_incident_closed_reach_its_story():
+    """Most of a recovery (restart, process group, first step) is measured once the job trains
+    again, when the coordinator has closed the job incident: a node's part sent then replaces its
+    earlier one in that incident's story, also after a new job incident opened."""
+    clock = Clock()
+    c = coordinator(clock)
+    job_incident = _three_nodes_stall(c)
+    c.accept(report("node-1", rank(1, waiting=False), part=_part("node-1", {"detect": 4.7}), job_incident=job_incident))
+    for i, node in enumerate(("node-0", "node-1", "node-2")):
+        c.accept(report(node, rank(i, state="healthy")))
+    clock.now += 2.0
+    closed = c.accept(report("node-0", rank(0, state="healthy")))
+    assert closed is not None and closed.closed
+    heartbeat = report("node-1", part=_part("node-1", STAGES["node-1"]), job_incident=job_incident, healthy=1)
+    c.accept(heartbeat)
+    again = c.accept(report("node-0", rank(0, waiting=False)))  # a new stall: its own job incident
+    assert again is not None and again.job_incident != job_incident
+    c.accept(report("node-2", part=_part("node-2", STAGES["node-2"]), job_incident=job_incident, healthy=1))
+    story = c.story("j1", job_incident)
+    assert story is not None
+    assert story["nodes"]["node-1"]["part"]["stages"] == STAGES["node-1"]
+    assert story["nodes"]["node-2"]["part"]["stages"] == STAGES["node-2"]
+    assert story["nodes"]["node-0"]["part"] is None
+
+
+def test_a_node_that_took_no_part_in_a_closed_job_incident_cannot_add_its_part():
+    clock = Clock()
+    c = coordinator(clock)
+    v = c.accept(report("node-0", rank(0, waiting=False)))
+    assert v is not None
+    c.accept(report("node-0", rank(0, state="healthy")))
+    clock.now += 2.0
+    assert c.accept(report("node-0", rank(0, state="healthy"))).closed
+    c.accept(report("node-5", part=_part("node-5", STAGES["node-0"]), job_incident=v.job_incident, healthy=1))
+    story = c.story("j1")
+    assert story is not None and "node-5" not in story["nodes"]
+    assert "node-5" not in c._jobs["j1"].current.parts  # nothing kept of it either
 
 
 def test_a_node_hosting_the_coordinator_sees_its_own_dump_counted_at_once():
@@ -243,3 +312,25 @@ def test_a_job_with_no_rank_here_is_forgotten_with_its_key():
     assert c.jobs() == [] and c.verifier("j1") is None and c.ranks_held == 0 and c.forgotten == 1
     hosted["j1"] = 2
     assert c.key_for("j1", 1000) != key  # a job seen again gets a new key
+
+
+def test_a_nodes_part_carries_its_recovery_stages_and_is_sent_again_while_they_come_in():
+    """What a node sends (watchdog/coordination.py): its recovery's stages in its part, and the
+    part again after the job incident closed, for a few reports after each new milestone."""
+    from sidecar.incidents.store import Incident
+    from sidecar.watchdog.coordination import part_of, recovery_news
+
+    incident = Incident("inc-1", 100.0, "j1", "node-1", 1, "stalled", 5.0, False, [], job_incident="J")
+    assert part_of(incident, "killed").stages == {}
+    incident.recovery = {
+        "milestones": {"hang": 95.0, "detected": 100.0, "ranks_gone": 101.0, "started": 101.5, "first_step": None},
+        "stages_seconds": {"detect": 5.0, "kill": 0.06, "restart": 0.5, "first_step": None},
+        "hang_to_training_seconds": 7.25,
+    }
+    assert part_of(incident, "killed").stages == {
+        "detect": 5.0, "kill": 0.06, "restart": 0.5, "first_step": None, "hang_to_training": 7.25,
+    }  # fmt: skip
+    assert recovery_news(incident, None, wall=110.0, within=15.0)
+    assert not recovery_news(incident, None, wall=117.0, within=15.0)
+    assert not recovery_news(incident, "K", wall=110.0, within=15.0)  # a newer job incident is open: not now
+    assert not recovery_news(Incident("inc-2", 100.0, "j1", "n", 1, "", 5.0, False, []), None, 100.0, 15.0)

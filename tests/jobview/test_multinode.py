@@ -81,6 +81,14 @@ def test_a_hung_rank_on_the_middle_node_is_named_by_every_node_and_only_its_node
         assert story.returncode == 0, story.stderr
         assert f"culprit   rank {hung} on node-1" in story.stdout, story.stdout
         assert all(f"node-{i}" in story.stdout.split("timeline")[1] for i in range(3)), story.stdout
+        # every node's recovery side by side (issue 32, item 1), down to back at the hang's step: measured
+        # after the job incident closed, each node's part sent again
+        table = story.stdout.split("recovery, seconds per stage")[1].split("\n\n")[0].splitlines()
+        assert table[1].split() == ["stage", "node-0", "node-1", "node-2"], story.stdout
+        rows = {line.split()[0]: line.split()[-3:] for line in table[2:] if line.strip()}
+        for stage in ("detect", "restart", "hang_to_training", "redo"):  # redo: measured after the close
+            assert all(cell.rstrip("*").replace(".", "").isdigit() for cell in rows[stage]), (stage, story.stdout)
+        assert rows["kill"][1].rstrip("*") != "?", story.stdout  # the culprit's node killed
 
 
 def test_a_lost_node_is_named_by_the_survivors_and_the_job_comes_back_without_it(tmp_path):

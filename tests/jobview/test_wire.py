@@ -9,7 +9,7 @@ import json
 import pytest
 
 from sidecar.jobview import auth
-from sidecar.jobview.report import parse_report, parse_verdict
+from sidecar.jobview.report import NodePart, parse_report, parse_verdict
 from sidecar.ranks.protocol import ProtocolError
 from tests.jobview.helpers import rank, report
 
@@ -39,12 +39,33 @@ def test_a_report_survives_the_round_trip():
             {"part": {"incident": "x", "outcome": "killed", "timeline": [{"event": "e", "time": -1}]}},
             "part.timeline[0]",
         ),
+        ({"part": {"incident": "x", "outcome": "killed", "stages": [1.0]}}, "part.stages"),
+        ({"part": {"incident": "x", "outcome": "killed", "stages": {"kill": -0.5}}}, "part.stages.kill"),
+        ({"part": {"incident": "x", "outcome": "killed", "stages": {"kill": "fast"}}}, "part.stages.kill"),
+        ({"part": {"incident": "x", "outcome": "killed", "stages": {"kill": True}}}, "part.stages.kill"),
+        ({"part": {"incident": "x", "outcome": "killed", "stages": {"Kill\x1b": 1.0}}}, "part.stages"),
+        ({"part": {"incident": "x", "outcome": "killed", "stages": {f"s{i}": 1.0 for i in range(17)}}}, "part.stages"),
     ],
 )
 def test_a_bad_report_is_refused_naming_the_field(changes, field):
     with pytest.raises(ProtocolError) as e:
         parse_report(wire(**changes), max_ranks=8)
     assert str(e.value).startswith(field), str(e.value)
+
+
+def test_a_part_with_its_recovery_stages_survives_the_round_trip_in_order_unknown_ones_null():
+    stages = {"detect": 4.8, "dump": 0.1, "decide": None, "kill": 0.06, "restart": 2, "first_step": 0.2}
+    part = NodePart("inc-1", "killed", [{"event": "sigterm", "time": 11.0}], stages)
+    parsed = parse_report(json.loads(json.dumps(report("node-1", rank(2), part=part).to_wire())), max_ranks=8)
+    assert parsed.part is not None and parsed.part.stages == stages
+    assert list(parsed.part.stages) == list(stages)  # the recovery's order, for the table's rows
+    assert parsed.part.timeline == [{"event": "sigterm", "time": 11.0}]
+
+
+def test_a_part_from_an_older_node_without_stages_is_accepted_with_none():
+    old = {"incident": "inc-1", "outcome": "killed", "timeline": [{"event": "sigterm", "time": 11.0}]}
+    parsed = parse_report(wire(part=old), max_ranks=8)
+    assert parsed.part is not None and parsed.part.stages == {} and parsed.part.outcome == "killed"
 
 
 def test_a_busy_rank_and_a_busy_culprit_survive_the_round_trip_and_default_to_not_busy():
