@@ -28,6 +28,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/python scripts/module_size.py
 
 # Format the tree and apply ruff's safe fixes (import order, pyupgrade).
 fmt: $(STAMP)
