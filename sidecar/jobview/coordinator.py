@@ -323,16 +323,16 @@ class Coordinator:
         return changed
 
     def _busy_changed(self, job: _Job, culprit: Culprit) -> bool:
-        """The named rank's node finds it busy, not hung (or no longer): every node is told, and
-        none kills while it is so (its node judges it again every check, up to the ceiling)."""
+        """The named rank's node shows it alive, not judged hung (busy, or its CPU time growing while
+        judged), or no longer: every node is told; none kills meanwhile (its node judges it, up to the ceiling)."""
         busy = _busy(job, culprit)
         if busy == culprit.busy:
             return False
         culprit.busy = busy
         log.warning(
             "job %s: rank %s on %s is %s", job.job_id, culprit.rank, culprit.node,
-            "busy, not hung (its CPU time grows, its stack moves): no node kills while it is so" if busy
-            else "no longer busy",
+            "alive and not judged hung (its CPU time grows; its node looks at its stack): no node kills meanwhile"
+            if busy else "no longer shown alive by its node",
         )  # fmt: skip
         return True
 

@@ -46,7 +46,7 @@ class RankView:
     exited_at: float | None = None  # wall clock: its process exited (not a clean finish), recently
     collectives: Collectives | None = None  # its Flight Recorder summary (sidecar/ranks/collectives.py)
     collectives_age: float | None = None  # seconds since its node received that record, at the report's time
-    busy: bool = False  # past its deadline, but its CPU time grows and its stack moves (watchdog/liveness.py)
+    busy: bool = False  # alive, not judged hung: busy, or its CPU time growing while judged (Liveness.alive)
 
     @property
     def troubled(self) -> bool:
