@@ -23,11 +23,9 @@ import yaml
 from sidecar.config_base import (  # noqa: F401  (re-exported: the rest of the tree imports them from here)
     COLLECTORS,
     DEFAULT_LISTEN,
-    DEFAULT_PORT,
     DEFAULT_SOCKET,
     ENV_PREFIX,
     NODE_NAME,
-    PEER_URL,
     ConfigError,
     _fail,
     _positive,

@@ -21,10 +21,7 @@ from sidecar.settings_tree import SettingsTree
 from sidecar_trainer.config_checks import (  # noqa: F401  (re-exported)
     ENV_PREFIX,
     ConfigError,
-    _at_least,
     _check,
-    _import_path,
-    _one_of,
     doc,
     fail,
     import_factory,

@@ -64,6 +64,3 @@ def import_factory(name: str, path: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     _check(name, callable(obj), f"{path!r} is not callable")
     return obj
-
-
-# ---------------------------------------------------------------- sections

@@ -114,13 +114,13 @@ class Attachment:
 
     def _patch(self, owner: Any, name: str, phase: str, saved_event: bool = False) -> None:
         current = getattr(owner, name, None)
-        if current is None or hasattr(current, "_trainer_hooks_phase"):
+        if current is None or hasattr(current, pauses.ATTACH_MARK):
             return
         # The Monitor's own wrapper (pauses.py: a phase only for a long save) gives way to this one.
         original = current.__wrapped__ if getattr(current, pauses.MARK, False) else current
         wrapper = self._phased(original, phase, saved_event)
-        wrapper._trainer_hooks_phase = phase  # type: ignore[attr-defined]
         # changes: attach-checkpoint-phases (docs/changes-to-others.md)
+        setattr(wrapper, pauses.ATTACH_MARK, phase)
         setattr(owner, name, wrapper)
         self._undo.append(lambda: setattr(owner, name, current))
 

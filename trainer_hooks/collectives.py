@@ -262,10 +262,7 @@ def _seq(status: Mapping[str, Any], key: str) -> int:
 def _slot(when: float) -> int:
     """The wall-clock slot a read falls in: a whole read once per slot, at about the same moment on
     every rank of the node (their reads are at most a read interval apart)."""
-    try:
-        return int(when // WHOLE_EVERY_SECONDS)
-    except (OverflowError, ValueError):  # a wall clock gone mad: read whole each time
-        return -2
+    return int(when // WHOLE_EVERY_SECONDS)
 
 
 def _recent(coll: list[Mapping[str, Any]]) -> list[list[float]]:

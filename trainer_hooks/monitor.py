@@ -37,9 +37,6 @@ DEFAULT_BUFFER_SIZE = 10_000
 CLOSE_BUDGET_SECONDS = 0.8
 _FROM_ENV: Any = object()
 _time = time.time
-# A step whose metrics are all of these types costs one `in` per metric beyond the append; any
-# other type (a tensor, a numpy number) is looked at for a CUDA tensor (_mark_gpu).
-_PLAIN = PLAIN_TYPES
 
 
 def _nothing() -> None:
@@ -175,7 +172,7 @@ class Monitor:
                     record = _mark_gpu(record)
                 else:
                     for value in metrics.values():
-                        if type(value) not in _PLAIN:  # a tensor perhaps
+                        if type(value) not in PLAIN_TYPES:  # a tensor perhaps
                             record = _mark_gpu(record)
                             break
                 self._append(record)

@@ -284,7 +284,7 @@ class Sender:
         while buffer and len(items) < batch_items:
             if len(items) % YIELD_EVERY == YIELD_EVERY - 1:
                 time.sleep(0)  # let the training thread have the GIL
-            record = pop_ready(self.buffer, final)
+            record = pop_ready(buffer, final)
             if record is None:
                 self._gpu_wait = True
                 break

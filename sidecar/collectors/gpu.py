@@ -29,7 +29,6 @@ from sidecar.collectors.gpu_metrics import (  # noqa: F401  (NAME, METRICS, FIEL
     ECC_VOLATILE_ERRORS,
     FIELD_UNAVAILABLE,
     FIELDS_OF,
-    GPU_LABELS,
     INFO,
     LAST_XID,
     LAST_XID_TIME,

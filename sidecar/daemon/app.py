@@ -33,11 +33,9 @@ from sidecar.collectors.factory import build_collectors
 from sidecar.config import ConfigError, Settings, add_settings_arguments, settings_from_args
 from sidecar.daemon import api, peer_api
 from sidecar.daemon.exposition import MetricsEndpoint
-from sidecar.daemon.process import (  # noqa: F401  (re-exported)
-    PrintableFormatter,
+from sidecar.daemon.process import (
     StartupError,
     StopSignals,
-    _exit_now,
     announce,
     claim_socket_path,
     raise_open_files_limit,

@@ -32,8 +32,7 @@ log = logging.getLogger(__name__)
 INCIDENTS = "incidents"
 RESERVED_NAMES = frozenset({INCIDENTS})
 DIR_MODE = 0o755
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-DIR_FLAGS = _DIR_FLAGS  # a directory, never through a link (incident retention opens its records so)
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -76,7 +75,7 @@ def open_root(diag_dir: Path | str) -> int:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, DIR_MODE)
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, DIR_FLAGS)
     except OSError as e:
         raise UnsafeDirectory(f"cannot open diagnostics directory {path}: {e.strerror}") from None
     return _checked(fd, str(path))
@@ -89,7 +88,7 @@ def open_subdir(parent_fd: int, name: str, where: str) -> int:
     with contextlib.suppress(FileExistsError):
         os.mkdir(name, DIR_MODE, dir_fd=parent_fd)
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except OSError as e:  # ELOOP: a symlink; ENOTDIR: something else
         raise UnsafeDirectory(f"{where} is not a directory the sidecar may use: {e.strerror}") from None
     return _checked(fd, where)

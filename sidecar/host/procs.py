@@ -22,11 +22,20 @@ def start_time(pid: int) -> float | None:
     one process. Boot-relative on purpose: psutil's create_time() adds the boot time derived
     from the wall clock, so a stepped clock (chrony, a migrated VM) would make every rank look
     like a new process."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) / _CLOCK_TICKS if fields is not None else None
+    except (ValueError, IndexError):
+        return None
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (field 3 first), or None."""
     try:
         with open(f"{psutil.PROCFS_PATH}/{int(pid)}/stat", "rb") as f:
             data = f.read()
-        return int(data[data.rindex(b")") + 2 :].split()[19]) / _CLOCK_TICKS
-    except (OSError, ValueError, IndexError):
+        return data[data.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
         return None
 
 
@@ -35,16 +44,12 @@ def cpu_seconds(pid: int, started: float | None) -> float | None:
     14 and 15 of /proc/<pid>/stat), when it is still the process that started at `started`
     (checked in the same read: pid reuse cannot lend it another's time); None otherwise, or when
     it cannot be read. Its children's time is not in it."""
-    if started is None:
-        return None
+    fields = _stat_fields(pid) if started is not None else None
     try:
-        with open(f"{psutil.PROCFS_PATH}/{int(pid)}/stat", "rb") as f:
-            data = f.read()
-        fields = data[data.rindex(b")") + 2 :].split()
-        if int(fields[19]) / _CLOCK_TICKS != started:
+        if fields is None or int(fields[19]) / _CLOCK_TICKS != started:
             return None
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    except (OSError, ValueError, IndexError):
+    except (ValueError, IndexError):
         return None
 
 

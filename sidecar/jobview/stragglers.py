@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.ranks import lateness
-from sidecar.ranks.collectives import Collectives
+from sidecar.ranks.collectives import Collectives, parse_recent
 from sidecar.ranks.model import Rank
 from sidecar.ranks.protocol import CONTROL_RE, ProtocolError
 from trainer_hooks.wire import COLLECTIVES_MAX_GROUP_RANKS, MAX_RANK, MAX_TIME
@@ -55,7 +55,6 @@ OFFSET_REPORTS = 64  # reports a node's clock offset is the least over (~5 minut
 JUDGE_EVERY_SECONDS = 1.0  # a job's lateness is judged at most this often (when new entries came)
 JUDGE_SHARE = 20  # ... and no sooner than this many times what its last judgement took
 STALE_SECONDS = 60.0  # a rank whose entries have not moved this long is left out (it left, or its node did)
-MAX_SEQ = (1 << 62) - 1
 ROUND = 4  # decimals of an entry time on the wire (0.1 ms)
 
 GroupKey = lateness.GroupKey
@@ -162,18 +161,7 @@ def _pg(value: Any, where: str) -> str:
 
 
 def _recent(raw: Any, where: str) -> tuple[tuple[int, float], ...]:
-    out: list[tuple[int, float]] = []
-    for i, item in enumerate(_array(raw, where, REPORT_RECENT)):
-        here = f"{where}[{i}]"
-        if type(item) is not list or len(item) != 2:
-            raise ProtocolError(f"{here}: expected [seq, created]")
-        seq, created = item
-        if type(seq) is not int or not 0 <= seq <= MAX_SEQ:
-            raise ProtocolError(f"{here}: expected a sequence number in [0, {MAX_SEQ}]")
-        if out and seq <= out[-1][0]:
-            raise ProtocolError(f"{here}: expected sequence numbers in ascending order")
-        out.append((seq, _number(created, here, 0, MAX_TIME, "Unix seconds")))
-    return tuple(out)
+    return parse_recent(_array(raw, where, REPORT_RECENT), where)
 
 
 def parse_entries(raw: Any, max_ranks: int, where: str = "lateness") -> list[RankEntries]:

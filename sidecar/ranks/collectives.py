@@ -184,11 +184,12 @@ def _pending(obj: Any, where: str) -> Pending:
     )
 
 
-def _recent(obj: dict, where: str) -> tuple[tuple[int, float], ...]:
-    """A group's `recent`: [[seq, created], ...], sequences ascending, times Unix seconds."""
+def parse_recent(items: list, where: str) -> tuple[tuple[int, float], ...]:
+    """Entry times `[[seq, created], ...]` (a rank's `recent`, or a node report's copy of it):
+    sequences ascending, times Unix seconds; ProtocolError names the first bad one."""
     out: list[tuple[int, float]] = []
-    for i, item in enumerate(_list(obj, "recent", where, COLLECTIVES_MAX_RECENT)):
-        here = f"{where}.recent[{i}]"
+    for i, item in enumerate(items):
+        here = f"{where}[{i}]"
         if type(item) is not list or len(item) != 2:
             raise ProtocolError(f"{here}: expected [seq, created]")
         seq, created = item
@@ -200,6 +201,11 @@ def _recent(obj: dict, where: str) -> tuple[tuple[int, float], ...]:
             raise ProtocolError(f"{here}: expected Unix seconds")
         out.append((seq, float(created)))
     return tuple(out)
+
+
+def _recent(obj: dict, where: str) -> tuple[tuple[int, float], ...]:
+    """A group's `recent`, at most COLLECTIVES_MAX_RECENT pairs."""
+    return parse_recent(_list(obj, "recent", where, COLLECTIVES_MAX_RECENT), f"{where}.recent")
 
 
 def _group(obj: Any, where: str) -> Group:

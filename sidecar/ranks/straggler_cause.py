@@ -16,12 +16,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from sidecar.host import cgroups, procs
 from sidecar.ranks.model import Rank, RankKey
 
+SCAN_EVERY_SECONDS = 1.0  # the GPU samples are scanned once per look at the ranks (every few seconds), not per rank
 THROTTLED_SHARE = 0.05  # throttled time above this share of the wall time between two looks: `throttled`
 CLOCK_EVENT_SAMPLE = "sidecar_gpu_clock_event_active"
 # clock-event reasons that hold a busy GPU's clocks down (gpu_idle, sync_boost and the clock settings do not)
@@ -114,18 +116,23 @@ class Causes:
             del self._last[key]
 
 
-def gpu_reasons(families: Iterable[Metric], held: Iterable[str]) -> dict[str, list[str]]:
-    """gpu -> its active slowing clock-event reasons, for the GPUs in `held` (a rank's)."""
-    wanted = set(held)
-    out: dict[str, list[str]] = {g: [] for g in wanted}
+def all_gpu_reasons(families: Iterable[Metric]) -> dict[str, list[str]]:
+    """gpu -> its active slowing clock-event reasons, for every GPU the families show."""
+    out: dict[str, list[str]] = {}
     for family in families:
         for sample in family.samples:
             if sample.name != CLOCK_EVENT_SAMPLE or sample.value != 1:
                 continue
             gpu, reason = sample.labels.get("gpu"), sample.labels.get("reason")
-            if gpu in wanted and reason in SLOWING_REASONS:
-                out[gpu].append(reason)
+            if gpu is not None and reason in SLOWING_REASONS:
+                out.setdefault(gpu, []).append(reason)
     return out
+
+
+def gpu_reasons(families: Iterable[Metric], held: Iterable[str]) -> dict[str, list[str]]:
+    """gpu -> its active slowing clock-event reasons, for the GPUs in `held` (a rank's)."""
+    reasons = all_gpu_reasons(families)
+    return {g: list(reasons.get(g, [])) for g in set(held)}
 
 
 def gpus_of(
@@ -134,8 +141,16 @@ def gpus_of(
     """A rank's GPUs (the gpu collector's `rank_gpus`: the GPUs its verified processes held in the
     last round) with their slowing clock-event reasons; None without the collector or a GPU held."""
 
+    scanned: dict[str, Any] = {"at": -SCAN_EVERY_SECONDS, "reasons": {}}
+
     def of(key: RankKey) -> dict[str, list[str]] | None:
         held = getattr(collector, "rank_gpus", {}).get(key) if collector is not None else None
-        return gpu_reasons(families(), held) if held else None
+        if not held:
+            return None
+        now = time.monotonic()
+        if now - scanned["at"] >= SCAN_EVERY_SECONDS:  # one pass over the samples per look at the ranks
+            scanned["at"], scanned["reasons"] = now, all_gpu_reasons(families())
+        reasons: dict[str, list[str]] = scanned["reasons"]
+        return {g: list(reasons.get(g, [])) for g in held}
 
     return of
