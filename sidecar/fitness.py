@@ -9,11 +9,12 @@ makes the verdict, which returns to fit as soon as no source reports a finding. 
 (`families`), `/v1/status`, `sidecar status`, `sidecar preflight` and the node-problem-detector
 check all read this one verdict, so they never disagree.
 
-A stalled or slow rank does not make a node unfit (the watchdog and its alerts handle jobs);
-only what outlives the job does. A finding names a process only from what the sidecar verified:
-remediation signals verified ranks only, and GPU ownership comes from verified ranks only, so an
-unverified TCP registration (which names any pid it likes) can never make a node unfit nor get
-another user's process named as what holds it.
+A stalled or slow rank does not make a node unfit (the watchdog and its alerts handle jobs); only
+what outlives the job does, and, opt-in, a straggler whose cause is in the node's hardware
+(sidecar/jobview/straggler_incidents.py: `job_view.straggler_exclude_after_seconds`). A finding
+names a process only from what the sidecar verified: remediation signals verified ranks only, and
+GPU ownership comes from verified ranks only, so an unverified TCP registration (which names any
+pid it likes) can never make a node unfit nor get another user's process named as what holds it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Reason(enum.Enum):
     GPU_HELD = "gpu_held"  # GPU memory held by processes of no live rank, past budget and grace
     GPU_MISSING = "gpu_missing"  # fewer usable GPUs than collectors.expected_gpus
     NVML_UNAVAILABLE = "nvml_unavailable"  # no usable NVML on a node that expects GPUs
+    STRAGGLER = "straggler"  # opt-in: a rank here its job's straggler with a hardware cause, long enough
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ NODE_UNFIT_REASON = spec(
     "1 for each reason that makes the node unfit now, 0 for the others: unkillable (processes alive after "
     "SIGKILL), gpu_held (GPU memory held by processes of no live rank past collectors.gpu_held_budget_bytes "
     "and gpu_held_grace_seconds), gpu_missing (fewer usable GPUs than collectors.expected_gpus), "
-    "nvml_unavailable (no usable NVML on a node that expects GPUs).",
+    "nvml_unavailable (no usable NVML on a node that expects GPUs), straggler (opt-in: a rank here its job's "
+    "straggler with a cause in the node's hardware for job_view.straggler_exclude_after_seconds; leave the node "
+    "out at the job's next restart).",
     ["reason"],
 )
 METRICS = (NODE_FIT, NODE_UNFIT_REASON)

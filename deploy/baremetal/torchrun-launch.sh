@@ -16,6 +16,10 @@
 #   PREFLIGHT       1 (default): run `sidecar preflight` first and stop if it fails; 0: skip
 #   EXPECT_GPUS     passed to preflight's --expect-gpus when set
 #   PREFLIGHT_ARGS  more preflight flags, e.g. "--shared-dir /mnt/shared --min-free-gb 200"
+#   LEAVE_IF_UNFIT  1: do not join when `sidecar status --check node` says this node is unfit (for
+#                   example marked for exclusion: a straggler with a hardware cause, the sidecar's
+#                   job_view.straggler_exclude_after_seconds); with NNODES=MIN:MAX the other nodes
+#                   form the job without it. Exits 0 with the reason. Default 0 (always join)
 #   DRY_RUN         1: print the commands instead of running them
 #
 # Extra arguments are passed to the trainer, e.g. `--set train.steps=1000`.
@@ -47,6 +51,22 @@ if [ "${PREFLIGHT:-1}" = 1 ]; then
     run "${preflight[@]}" || die "preflight failed on $(hostname); fix the FAIL lines above (PREFLIGHT=0 skips it)"
   else
     echo "torchrun-launch: sidecar not on PATH, preflight skipped" >&2
+  fi
+fi
+
+if [ "${LEAVE_IF_UNFIT:-0}" = 1 ]; then
+  if command -v sidecar >/dev/null 2>&1; then
+    verdict=0
+    line=$(sidecar status --check node --socket "$SIDECAR_SOCKET") || verdict=$?
+    if [ "$verdict" = 1 ]; then
+      echo "torchrun-launch: $(hostname) leaves the job: sidecar says $line" >&2
+      echo "torchrun-launch: with NNODES=MIN:MAX ($NNODES) the other nodes form the job without it" >&2
+      exit 0
+    elif [ "$verdict" != 0 ]; then
+      echo "torchrun-launch: no node verdict from the sidecar ($line); joining" >&2
+    fi
+  else
+    echo "torchrun-launch: sidecar not on PATH, LEAVE_IF_UNFIT not checked" >&2
   fi
 fi
 

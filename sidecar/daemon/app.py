@@ -264,8 +264,15 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         jobs["job_view"] = d.reporter.run
     # a rank of this node its job's straggler: one incident per episode, never a kill
     gpu = next((c for c in d.runner.collectors if getattr(c, "name", None) == "gpu"), None)
-    jobs["straggler_incidents"] = straggler_incidents.watching(
+    view = d.settings.job_view
+    found = straggler_incidents.StragglerIncidents(
         d.watchdog.store,
+        exclude_after=view.straggler_exclude_after_seconds,
+        exclude_hold=view.straggler_exclude_hold_seconds,
+    )
+    d.fitness_sources.append(found.findings)  # opt-in: a straggler with a hardware cause marks the node
+    jobs["straggler_incidents"] = straggler_incidents.watching(
+        found,
         d.settings.node_name,
         d.registry.ranks,
         d.reporter,

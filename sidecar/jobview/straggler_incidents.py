@@ -12,7 +12,14 @@ every node of the job sees the coordinator's judgement, but one episode is one r
 where its cause is to be found.
 
 A straggler is reported, never remediated: nothing here signals a process (the outcome of a
-straggler incident is `straggler` while open and `recovered` once closed). Writes: on open, on
+straggler incident is `straggler` while open and `recovered` once closed). Opt-in
+(`job_view.straggler_exclude_after_seconds`, 0: off), a straggler whose cause is in its node's
+hardware (a GPU's clocks held down: straggler_cause.Cause.hardware; a CPU quota is the job's own
+setting and never counts) for that long marks the node for exclusion at the job's next restart: a
+node fitness finding (`findings`, reason `straggler`), so `sidecar status --check node` answers
+unfit and node-problem-detector sets its condition, held for
+`job_view.straggler_exclude_hold_seconds` after the episode ends (a node left out names no
+straggler, and should not be let back at the restart after). Writes: on open, on
 close, when who judged it or the group changes, and otherwise at most once every
 SAVE_EVERY_SECONDS while it stays open, each in the executor (IncidentStore.save_async).
 """
@@ -26,6 +33,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.fitness import Finding, Reason
 from sidecar.incidents.store import Incident, IncidentStore, document
 from sidecar.jobview import stragglers
 from sidecar.jobview.reporter import Reporter
@@ -109,6 +117,15 @@ class _Episode:
     incident: StragglerIncident
     last_named: float  # monotonic
     saved: float  # monotonic, its last write
+    hardware_since: float | None = None  # monotonic, since when its cause has been in the hardware without a break
+
+
+@dataclass
+class _Mark:
+    """A node marked for exclusion at the job's next restart, for one straggler."""
+
+    text: str
+    until: float | None = None  # monotonic; None while its episode is open
 
 
 class StragglerIncidents:
@@ -121,10 +138,14 @@ class StragglerIncidents:
         save_every: float = SAVE_EVERY_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        exclude_after: float = 0.0,
+        exclude_hold: float = 3600.0,
     ):
         self.store, self.close_after, self.save_every = store, close_after, save_every
         self.clock, self.wall = clock, wall
+        self.exclude_after, self.exclude_hold = exclude_after, exclude_hold
         self.open: dict[RankKey, _Episode] = {}
+        self.marks: dict[RankKey, _Mark] = {}
 
     def observe(
         self, judgements: Iterable[dict[str, Any]], local: Collection[RankKey],
@@ -144,16 +165,19 @@ class StragglerIncidents:
                         **s, "judged_by": j.get("judged_by"), "judged_on": j.get("judged_on"),
                         "cause": cause.cause if cause is not None else "unknown",
                         "cause_evidence": cause.evidence if cause is not None else None,
+                        "hardware": cause.hardware if cause is not None else False,
                     }  # fmt: skip
         changed: list[StragglerIncident] = []
         for key, s in sorted(named.items()):
             episode = self.open.get(key)
             if episode is None:
                 self.open[key] = _Episode(self._opened(key, s, wall), now, now)
+                self._exclusion(key, self.open[key], s, now, wall)
                 changed.append(self.open[key].incident)
                 continue
             episode.last_named = now
-            if self._update(episode.incident, s, wall) or now - episode.saved >= self.save_every:
+            updated = self._update(episode.incident, s, wall)
+            if self._exclusion(key, episode, s, now, wall) or updated or now - episode.saved >= self.save_every:
                 episode.saved = now
                 changed.append(episode.incident)
         for key in [k for k, e in self.open.items() if k not in named and now - e.last_named >= self.close_after]:
@@ -161,9 +185,41 @@ class StragglerIncidents:
             incident = episode.incident
             incident.ended, incident.outcome = wall, "recovered"
             incident.event("recovered", at=wall, not_named_for_seconds=round(now - episode.last_named, 3))
+            if key in self.marks:
+                self.marks[key].until = now + self.exclude_hold
             log.info("job %s: rank %s is no straggler any more: incident %s closed", key[0], key[1], incident.id)
             changed.append(incident)
         return changed
+
+    def _exclusion(self, key: RankKey, episode: _Episode, s: dict[str, Any], now: float, wall: float) -> bool:
+        """Follow how long its cause has been in the hardware; mark the node for exclusion once that
+        reaches `exclude_after` (opt-in). Whether it was marked now."""
+        if not s.get("hardware"):
+            episode.hardware_since = None
+            return False
+        if episode.hardware_since is None:
+            episode.hardware_since = now
+        held = now - episode.hardware_since
+        marked = key in self.marks and self.marks[key].until is None  # once per episode
+        if self.exclude_after <= 0 or held < self.exclude_after or marked:
+            return False
+        job_id, rank = key
+        text = (
+            f"job {job_id}: rank {rank} has been its straggler for {held:.0f} s with a cause in this node's hardware "
+            f"({s.get('cause_evidence')}): leave this node out at the job's next restart"
+        )
+        self.marks[key] = _Mark(text)
+        episode.incident.event("marked_for_exclusion", at=wall, hardware_cause_seconds=round(held, 3))
+        log.warning("%s (job_view.straggler_exclude_after_seconds)", text)
+        return True
+
+    def findings(self) -> list[Finding]:
+        """The node fitness findings (sidecar/fitness.py): one per straggler that marked this node for
+        exclusion, while its episode is open and for `exclude_hold` seconds after."""
+        now = self.clock()
+        for key in [k for k, m in self.marks.items() if m.until is not None and now >= m.until]:
+            del self.marks[key]
+        return [Finding(Reason.STRAGGLER, m.text) for _, m in sorted(self.marks.items())]
 
     def _opened(self, key: RankKey, s: dict[str, Any], wall: float) -> StragglerIncident:
         job_id, rank = key
@@ -204,6 +260,7 @@ class StragglerIncidents:
             "judged_on": s.get("judged_on"),
             "cause": s.get("cause", "unknown"),
             "cause_evidence": s.get("cause_evidence"),
+            "hardware": bool(s.get("hardware")),
         }
         incident.straggler, incident.last_named = new, wall
         incident.looks_named += 1
@@ -225,13 +282,13 @@ class StragglerIncidents:
 
 
 def watching(
-    store: IncidentStore, node: str, ranks: Callable[[], Iterable[Rank]], reporter: Reporter | None,
+    incidents: StragglerIncidents, node: str, ranks: Callable[[], Iterable[Rank]], reporter: Reporter | None,
     gpus: Callable[[RankKey], GpuReasons | None] = lambda key: None,
 ) -> Callable[[], Awaitable[None]]:  # fmt: skip
     """The daemon's background job: this node's ranks judged as `/v1/status` shows them (the job's
     coordinator's fresh judgement, and this node's own), looked at every CHECK_SECONDS, each
     live verified rank's cause with them (`gpus`: a rank's GPUs' slowing clock-event reasons)."""
-    incidents, causes = StragglerIncidents(store), Causes()
+    causes = Causes()
 
     async def run() -> None:
         while True:

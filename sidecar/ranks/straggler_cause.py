@@ -1,8 +1,16 @@
-"""Why a straggler is late, from evidence on its own node (issue 30, item 2, in part): `throttled`
-when the CPU cgroup of its process throttles it (cpu.stat's `nr_throttled` and
-`throttled_time` (v1, ns) / `throttled_usec` (v2) growing between two looks) or a GPU its processes
-hold reports a clock-event reason that costs throughput (the GPU collector's
-`sidecar_gpu_clock_event_active`: power cap, HW slowdown, thermal, power brake), else `unknown`.
+"""Why a straggler is late, from evidence on its own node (issue 30, item 2): `throttled` when the
+CPU cgroup of its process throttles it (cpu.stat's `nr_throttled` and `throttled_time` (v1, ns) /
+`throttled_usec` (v2) growing between two looks) or a GPU its processes hold reports a clock-event
+reason that costs throughput (the GPU collector's `sidecar_gpu_clock_event_active`: power cap, HW
+slowdown, thermal, power brake); `compute` when its node was looked at (two looks at its CPU
+cgroup's counters) and nothing holds it down: a straggler enters each collective late, so its own
+work between two collectives (compute, data loading, the host code) takes longer than its peers';
+`unknown` while it cannot be looked at (not verified, no counters yet). A GPU's clocks held down are
+a cause in the hardware (`Cause.hardware`), a CPU quota is the job's own setting: only the first
+can mark the node for exclusion at the job's next restart (straggler_incidents.py, opt-in).
+
+Not told apart yet: `link` (a rank that enters on time while the collectives of every group it is a
+member of take longer) needs each collective's completion time, which the hooks do not send.
 
 Only a verified rank is looked at (registered over the Unix socket by its own process or an
 ancestor, `peer_verified`): an unverified registration names whatever pid it likes. The cgroup is
@@ -43,8 +51,9 @@ class CpuStat:
 
 @dataclass(frozen=True)
 class Cause:
-    cause: str  # "throttled" or "unknown"
+    cause: str  # "throttled", "compute" or "unknown"
     evidence: str  # in words, for people
+    hardware: bool = False  # the cause is in the node's hardware (a GPU's clocks held down), not the job's settings
 
 
 def cpu_stat(pid: int, started: float | None, procfs: str = "/proc", clock: Callable[[], float] = time.monotonic):
@@ -87,8 +96,12 @@ class Causes:
         cpu = self._cpu(rank)
         slowed = [f"GPU {g} clocks held down ({', '.join(sorted(r))})" for g, r in sorted((gpus or {}).items()) if r]
         if cpu.cause == "throttled" or slowed:
-            return Cause("throttled", "; ".join(([cpu.evidence] if cpu.cause == "throttled" else []) + slowed))
-        return Cause("unknown", cpu.evidence + ("; its GPUs' clocks not held down" if gpus else ""))
+            evidence = "; ".join(([cpu.evidence] if cpu.cause == "throttled" else []) + slowed)
+            return Cause("throttled", evidence, hardware=bool(slowed))
+        gpu_words = "; its GPUs' clocks not held down" if gpus else ""
+        if cpu.cause == "compute":
+            return Cause("compute", cpu.evidence + gpu_words + ": its own work between collectives is slower")
+        return Cause("unknown", cpu.evidence + gpu_words)
 
     def _cpu(self, rank: Rank) -> Cause:
         now = cpu_stat(rank.pid, rank.pid_start_time, self.procfs, self.clock)
@@ -109,7 +122,7 @@ class Causes:
                 f"CPU cgroup throttled {seconds:.2f} s in {wall:.0f} s ({periods} of "
                 f"{now.periods - then.periods} periods)",
             )
-        return Cause("unknown", f"CPU cgroup not throttled over {wall:.0f} s; no other cause found")
+        return Cause("compute", f"CPU cgroup not throttled over {wall:.0f} s")
 
     def forget(self, keep: set[RankKey]) -> None:
         for key in [k for k in self._last if k not in keep]:

@@ -152,9 +152,10 @@ def test_a_real_sidecar_writes_the_incident_lists_it_and_signals_no_rank(tmp_pat
         found = [i for i in json.loads(out.stdout) if i.get("kind") == "straggler"]
         assert [(i["job_id"], i["blamed_rank"], i["outcome"]) for i in found] == [("slow-job", 1, "straggler")]
         assert found[0]["straggler"]["lateness_seconds"] == pytest.approx(0.1, abs=1e-3)
-        # /v1/status names its cause (its sleep process is not throttled: unknown, with the evidence)
+        # /v1/status names its cause with the evidence: its sleep process is not throttled, so `compute`
+        # once its counters were read twice (`unknown` until then)
         named = [s for j in sidecar.status()["stragglers"] if j["job_id"] == "slow-job" for s in j["stragglers"]]
-        assert named and all(s["cause"] == "unknown" and s["cause_evidence"] for s in named), named
+        assert named and all(s["cause"] in ("unknown", "compute") and s["cause_evidence"] for s in named), named
         # reported, never remediated
         assert {(r["job_id"], r["state"]) for r in sidecar.status()["ranks"]} == {
             ("slow-job", "healthy"),
@@ -188,3 +189,57 @@ def test_the_cause_found_on_its_node_is_kept_in_the_incident_and_shown_with_the_
     rows = status_stragglers.rows({"stragglers": shown})
     assert [row[-1][0] for row in rows] == ["throttled", "-"]
     assert len(status_stragglers.COLUMNS) == len(rows[0])
+
+
+def test_opt_in_a_straggler_with_a_hardware_cause_for_long_enough_marks_the_node_and_a_cpu_quota_never(tmp_path):
+    """`job_view.straggler_exclude_after_seconds` (issue 30, item 4): a GPU's clocks held down for the
+    set time make a node fitness finding `straggler` (so `sidecar status --check node` answers unfit),
+    held for the set time after the episode ends; a CPU quota (the job's setting) never does; off by
+    default; a break in the hardware cause starts the count again."""
+    from sidecar.fitness import Reason, judge
+    from sidecar.ranks.straggler_cause import Cause
+
+    hot = Cause("throttled", "GPU 0 clocks held down (hw_thermal_slowdown)", hardware=True)
+    quota = Cause("throttled", "CPU cgroup throttled 2.00 s in 5 s (40 of 50 periods)")
+    for exclude_after, cause, marks in ((0.0, hot, False), (60.0, quota, False), (60.0, hot, True)):
+        clock = Clock()
+        store = IncidentStore(tmp_path / f"{exclude_after}-{cause.hardware}", node="node-0")
+        wall = lambda c=clock: T0 + c.now  # noqa: E731
+        incidents = StragglerIncidents(store, clock=clock, wall=wall, exclude_after=exclude_after, exclude_hold=600.0)
+        found = {("job", 1): cause}
+        for _ in range(13):  # 120 s of looks, 10 s apart
+            incidents.observe([judged("job", (1, 0.1))], LOCAL, found.get)
+            clock.now += 10
+        got = incidents.findings()
+        assert bool(got) == marks, (exclude_after, cause, got)
+        if not marks:
+            continue
+        (finding,) = got
+        assert finding.reason is Reason.STRAGGLER and "rank 1" in finding.text and "hw_thermal_slowdown" in finding.text
+        assert "leave this node out at the job's next restart" in finding.text
+        assert judge(got).reasons == ["straggler"] and not judge(got).fit
+        (incident,) = store.recent
+        assert [e["event"] for e in incident.timeline] == ["detected", "cause", "marked_for_exclusion"]
+        assert incident.straggler["hardware"] is True
+        # the episode ends (the node left out names no straggler); the mark holds exclude_hold after
+        clock.now += CLOSE_AFTER_SECONDS
+        incidents.observe([judged("job")], LOCAL, found.get)
+        assert incident.ended is not None and incidents.findings() == got
+        clock.now += 599
+        assert incidents.findings() == got
+        clock.now += 1
+        assert incidents.findings() == []
+
+
+def test_a_break_in_the_hardware_cause_starts_the_count_again(tmp_path):
+    from sidecar.ranks.straggler_cause import Cause
+
+    clock = Clock()
+    store = IncidentStore(tmp_path / "breaks", node="node-0")
+    incidents = StragglerIncidents(store, clock=clock, wall=lambda: T0 + clock.now, exclude_after=60.0)
+    hot = Cause("throttled", "GPU 0 clocks held down (sw_power_cap)", hardware=True)
+    cool = Cause("compute", "CPU cgroup not throttled over 10 s; its GPUs' clocks not held down")
+    for i in range(12):  # 110 s named, the GPU cool every fifth look: never 60 s of hardware cause in a row
+        incidents.observe([judged("job", (1, 0.1))], LOCAL, {("job", 1): cool if i % 5 == 4 else hot}.get)
+        clock.now += 10
+    assert incidents.findings() == []

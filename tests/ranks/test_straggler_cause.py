@@ -60,7 +60,7 @@ def busy_process(quota_us: int | None):
 @pytest.mark.skipif(_v1_unavailable() is not None, reason=str(_v1_unavailable()))
 def test_a_rank_held_by_a_real_cgroup_v1_cpu_quota_is_throttled_and_one_without_is_not():
     cgroups._mounts_cache.clear()
-    for quota, expected in ((10_000, "throttled"), (None, "unknown")):
+    for quota, expected in ((10_000, "throttled"), (None, "compute")):
         with busy_process(quota) as proc:
             causes, rank = Causes(), _rank(proc.pid)
             first = causes.look(rank)
@@ -68,8 +68,11 @@ def test_a_rank_held_by_a_real_cgroup_v1_cpu_quota_is_throttled_and_one_without_
             time.sleep(1.0)
             got = causes.look(rank)
             assert got.cause == expected, (quota, got)
+            assert not got.hardware, got  # a CPU quota is the job's setting, not the node's hardware
             if quota is not None:
                 assert "CPU cgroup throttled" in got.evidence and " periods)" in got.evidence, got
+            else:
+                assert "not throttled" in got.evidence and "own work between collectives" in got.evidence, got
 
 
 def _fake_v2(tmp_path: Path, pid: int, throttled_usec: int, nr_throttled: int) -> str:
@@ -101,8 +104,9 @@ def test_cgroup_v2_counters_growing_between_looks_are_throttled_and_still_ones_a
     _fake_v2(tmp_path, pid, 2_000_000, 40)  # 2 s throttled in 10 s
     got = causes.look(rank)
     assert got.cause == "throttled" and "throttled 2.00 s in 10 s (40 of" in got.evidence, got
-    clock[0] += 10  # no more throttling since
-    assert causes.look(rank).cause == "unknown"
+    clock[0] += 10  # no more throttling since: looked at, nothing holds it down, its own work is slower
+    still = causes.look(rank)
+    assert still.cause == "compute" and "CPU cgroup not throttled over 10 s" in still.evidence, still
     cgroups._mounts_cache.clear()
 
 
@@ -146,6 +150,7 @@ def test_a_gpu_it_holds_with_its_clocks_held_down_is_throttled_and_an_idle_one_i
     causes = Causes(_fake_v2(tmp_path, pid, 0, 0))
     hot = causes.look(_rank(pid), of(("job", 1)))  # even on a first look: the GPU's reason holds now
     assert hot.cause == "throttled" and hot.evidence == "GPU 0 clocks held down (hw_thermal_slowdown)", hot
+    assert hot.hardware, hot  # a GPU's clocks held down: the node's hardware (exclusion may follow)
     idle = causes.look(_rank(pid), of(("job", 0)))
     assert idle.cause == "unknown" and "its GPUs' clocks not held down" in idle.evidence, idle
     cgroups._mounts_cache.clear()
