@@ -57,7 +57,7 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
 class Job:
     """Two gloo ranks of job `job_id`, rank 1 slowed from SLOW_FROM on when `slow`."""
 
-    def __init__(self, tmp_path: Path, sidecar: Sidecar, job_id: str, slow: bool):
+    def __init__(self, tmp_path: Path, sidecar: Sidecar, job_id: str, slow: bool, script: str = GLOO_RANK):
         self.job_id, self.tmp = job_id, tmp_path
         self.release = tmp_path / "release"
         self.logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
@@ -69,7 +69,7 @@ class Job:
                 [
                     sys.executable,
                     "-c",
-                    GLOO_RANK,
+                    script,
                     str(r),
                     str(tmp_path / "store"),
                     str(self.logs[r]),

@@ -8,14 +8,16 @@ the job instead of joining it; before the mark it joins. Nothing is killed: both
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.hooks.test_collectives_lateness import Job
+from tests.hooks.test_collectives_lateness import GLOO_RANK, Job
 from tests.ops.helpers import run_cli
 from tests.support import PYTHON, ROOT, Sidecar
 
@@ -88,5 +90,81 @@ def test_a_straggler_on_a_hot_gpu_marks_its_node_and_the_launcher_leaves_the_job
             # reported and marked, never killed
             job.check_alive()
             assert {r["state"] for r in status["ranks"] if r["job_id"] == "hot-job"} == {"healthy"}
+        finally:
+            job.close()
+
+
+CPU_V1 = Path("/sys/fs/cgroup/cpu")
+# The same DDP-like step, its compute spent on the CPU (process time), so that a CPU quota slows it.
+BUSY_RANK = GLOO_RANK.replace(
+    "    time.sleep(compute + (extra if slow and rank == 1 and step >= slow_from else 0.0))\n",
+    "    end = time.process_time() + compute\n    while time.process_time() < end:\n        pass\n",
+)
+
+
+assert BUSY_RANK != GLOO_RANK, "the step's sleep was not replaced"
+
+
+def _no_cpu_v1() -> str | None:
+    if not (CPU_V1 / "cgroup.procs").exists():
+        return f"no cgroup v1 cpu hierarchy at {CPU_V1}"
+    return None if os.access(CPU_V1, os.W_OK) else f"{CPU_V1} is not writable (run as root)"
+
+
+@contextlib.contextmanager
+def cpu_quota(pid: int, quota_us: int):
+    """`pid` moved into a fresh cgroup v1 cpu group with `quota_us` per 100 ms; moved back after."""
+    group = CPU_V1 / f"test-straggler-quota-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+        (group / "cgroup.procs").write_text(str(pid))
+        yield group
+    finally:
+        with contextlib.suppress(OSError):
+            (CPU_V1 / "cgroup.procs").write_text(str(pid))
+        for _ in range(100):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+@pytest.mark.skipif(_no_cpu_v1() is not None, reason=str(_no_cpu_v1()))
+def test_a_rank_held_by_a_real_cpu_quota_is_named_throttled_and_its_node_is_not_marked(tmp_path):
+    """The CPU cause end to end: rank 1 of two real gloo ranks, both computing 50 ms of CPU time per
+    step, is put under a cgroup v1 quota of 20% of a CPU. The sidecar names it the job's straggler
+    with the cause `throttled` and the cgroup's counters as evidence; exclusion is on, yet the node
+    stays fit: a CPU quota is the job's own setting, not the node's hardware."""
+    settings = ("watchdog.observe_only=true", "hooks_flush_interval_seconds=0.5",
+                "job_view.straggler_exclude_after_seconds=5")  # fmt: skip
+    with Sidecar(tmp_path / "sidecar", *settings) as sidecar:
+        job = Job(tmp_path, sidecar, "quota-job", slow=False, script=BUSY_RANK)
+        try:
+            deadline = time.monotonic() + 60
+            while job.last_step(1) < 5:
+                job.check_alive()
+                assert time.monotonic() < deadline, "the job did not start"
+                time.sleep(0.2)
+            with cpu_quota(job.procs[1].pid, 20_000):
+                deadline, named = time.monotonic() + 150, []
+                while time.monotonic() < deadline:
+                    job.check_alive()
+                    status = sidecar.status()
+                    named = [(s["rank"], s.get("cause"), s.get("cause_evidence")) for j in status["stragglers"]
+                             if j["job_id"] == "quota-job" for s in j["stragglers"]]  # fmt: skip
+                    if named and all(cause == "throttled" for _, cause, _ in named):
+                        break
+                    time.sleep(1)
+                print(f"\nquota: named {named}; lateness {job.lateness(sidecar)}")
+                assert named and {rank for rank, _, _ in named} == {1}, status["stragglers"]
+                assert all(c == "throttled" and "CPU cgroup throttled" in (e or "") for _, c, e in named), named
+                time.sleep(6)  # past exclude_after: still fit, a CPU quota never marks the node
+                check = run_cli("status", "--check", "node", "--socket", sidecar.socket)
+                assert check.returncode == 0 and check.stdout.strip() == "fit", check.stdout
+                (incident,) = [i for i in sidecar.status()["incidents"] if i.get("kind") == "straggler"]
+                assert incident["straggler"]["hardware"] is False and incident["blamed_rank"] == 1, incident
         finally:
             job.close()
