@@ -23,6 +23,7 @@ ORDER = [
     "bench_jobview_scale",
     "bench_hang_kinds",
     "bench_field_pauses",
+    "bench_stragglers",
 ]
 
 

@@ -39,7 +39,8 @@ from trainer_hooks.wire import COLLECTIVES_MAX_RECENT
 
 WINDOW = COLLECTIVES_MAX_RECENT  # common sequences of a group a rank's median is taken over
 FLOOR_SECONDS = 0.020  # a lateness below this is clocks and scheduling, never a straggler
-INTERVAL_RATIO = 0.25  # ... nor below this share of its group's median interval between collectives
+INTERVAL_RATIO = 0.1  # ... nor below this share of its group's median interval between collectives
+# (a rank slowed by r x the step is late r/(1+r) of the interval: named from r = 11%; 0.25 named only from 33%)
 MIN_SEQUENCES = 8  # common sequences a group needs before it names a straggler
 HISTORY = 2 * COLLECTIVES_MAX_RECENT  # entry times kept per rank and group, newest
 

@@ -1,0 +1,214 @@
+"""Stragglers: how soon the sidecar names a slowed rank, by how much it is slowed, and how often it
+names one in a healthy job (issue 30).
+
+    python -m bench.bench_stragglers --quick    # one run per slowdown, a 3-minute healthy job (~7 min)
+    python -m bench.bench_stragglers            # three runs per slowdown, a 10-minute healthy job (make bench, ~25 min)
+    python -m bench.bench_stragglers --ratios 0.2 --runs 1 --healthy-seconds 0
+
+Each run is a real sidecar (observe-only: nothing is ever killed for lateness) and a data-parallel
+job of real gloo ranks with `trainer_hooks.Monitor`: each step computes `--step` seconds (a sleep,
+as a GPU kernel leaves the CPU idle) times 1 + a uniform noise of +-`--noise` drawn per rank and
+step (the noisy step times of a real job), then all-reduces. From `--slow-from` seconds on, rank 1
+computes `ratio` x step longer. The job's step time grows for every rank (each waits for rank 1 at
+every all-reduce), so the step times cannot name it; the sidecar judges from the ranks' Flight
+Recorder entry times. Polled every 0.5 s: /v1/status `stragglers` (this node's judgement), the time
+from the slowdown to rank 1 named (and the lateness shown), any other rank named (a false finding),
+and at the end the straggler incidents written.
+
+The healthy job (same noise, no slowdown) runs `--healthy-seconds`; every straggler incident it
+opens is a false finding, reported per hour. Targets (issue 30): a rank slowed by 20% named within
+60 s; no false finding in a healthy hour (this bench runs a shorter healthy job: 0 findings in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support import ROOT, Sidecar, kill_tree
+
+RANK = r"""
+import os, random, sys, time
+rank, world, store, release = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+step_s, noise, ratio, slow_at = float(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7]), float(sys.argv[8])
+from trainer_hooks import Monitor
+mon = Monitor(job_id=os.environ["JOB"], rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+t = torch.ones(1024)
+rng = random.Random(rank)
+step = 0
+while not os.path.exists(release):
+    step += 1
+    extra = ratio * step_s if rank == 1 and time.time() >= slow_at else 0.0
+    time.sleep(step_s * (1 + rng.uniform(-noise, noise)) + extra)
+    dist.all_reduce(t)
+    mon.step(step)
+mon.close()
+dist.destroy_process_group()
+"""
+
+
+@dataclass
+class Run:
+    ratio: float
+    named_after: float | None  # seconds from the slowdown to rank 1 named; None: not within the window
+    lateness: float | None  # rank 1's lateness when named (seconds)
+    false_findings: int  # other ranks named, or straggler incidents of a healthy job
+    seconds: float  # how long the job ran
+
+
+class Job:
+    def __init__(self, tmp: Path, sidecar: Sidecar, job_id: str, world: int, args, ratio: float, slow_at: float):
+        self.tmp, self.release, self.job_id = tmp, tmp / "release", job_id
+        env = {**os.environ, **sidecar.hook_env(), "JOB": job_id, "PYTHONPATH": str(ROOT)}
+        for name in ("SIDECAR_FLUSH_INTERVAL", "TORCH_FR_BUFFER_SIZE", "SIDECAR_COLLECTIVES"):
+            env.pop(name, None)
+        argv = [str(tmp / "store"), str(self.release), str(args.step), str(args.noise), str(ratio), str(slow_at)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, str(r), str(world), *argv],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=open(tmp / f"rank{r}.err", "w"),
+            )
+            for r in range(world)
+        ]
+
+    def alive(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None:
+                raise SystemExit(f"rank {r} exited {p.returncode}: {(self.tmp / f'rank{r}.err').read_text()[-2000:]}")
+
+    def close(self) -> None:
+        self.release.touch()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            kill_tree(p)
+
+
+def named(sidecar: Sidecar, job_id: str) -> dict[int, float | None]:
+    """rank -> lateness, for the ranks this node's judgement names now."""
+    out: dict[int, float | None] = {}
+    for j in sidecar.status().get("stragglers") or []:
+        if j.get("job_id") == job_id and j.get("judged_by") == "node":
+            for s in j.get("stragglers") or []:
+                out[int(s["rank"])] = s.get("lateness_seconds")
+    return out
+
+
+def incidents(sidecar: Sidecar, job_id: str) -> int:
+    return sum(
+        1 for i in sidecar.status().get("incidents") or [] if i.get("kind") == "straggler" and i.get("job_id") == job_id
+    )
+
+
+def slowed_run(sidecar: Sidecar, tmp: Path, args, ratio: float, index: int) -> Run:
+    job_id = f"slow-{int(ratio * 100)}-{index}"
+    slow_at = time.time() + args.slow_from
+    (tmp / job_id).mkdir()
+    job = Job(tmp / job_id, sidecar, job_id, args.world, args, ratio, slow_at)
+    found, late, others = None, None, set()
+    try:
+        while time.time() < slow_at + args.window:
+            job.alive()
+            now = named(sidecar, job_id)
+            others |= {r for r in now if r != 1}
+            if 1 in now and time.time() >= slow_at:
+                found, late = time.time() - slow_at, now[1]
+                break
+            time.sleep(0.5)
+    finally:
+        job.close()
+    return Run(ratio, found, late, len(others), time.time() - slow_at + args.slow_from)
+
+
+def healthy_run(sidecar: Sidecar, tmp: Path, args) -> Run:
+    job_id = "healthy"
+    (tmp / job_id).mkdir()
+    job = Job(tmp / job_id, sidecar, job_id, args.world, args, 0.0, float("inf"))
+    start, seen = time.time(), set()
+    try:
+        while time.time() < start + args.healthy_seconds:
+            job.alive()
+            seen |= set(named(sidecar, job_id))
+            time.sleep(1.0)
+        found = incidents(sidecar, job_id)
+    finally:
+        job.close()
+    return Run(0.0, None, None, max(found, len(seen)), time.time() - start)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one run per slowdown and a 3-minute healthy job")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.5, 1.0], help="rank 1's extra compute")
+    p.add_argument("--runs", type=int, default=None, help="runs per slowdown (default 3; 1 with --quick)")
+    p.add_argument("--world", type=int, default=2, help="ranks of the job (one node)")
+    p.add_argument("--step", type=float, default=0.3, help="each rank's compute per step, seconds")
+    p.add_argument("--noise", type=float, default=0.1, help="uniform noise on each step's compute, +- this share")
+    p.add_argument("--slow-from", type=float, default=15.0, help="seconds after the start rank 1 slows down")
+    p.add_argument("--window", type=float, default=90.0, help="seconds after the slowdown a run waits to be named")
+    p.add_argument("--healthy-seconds", type=float, default=None, help="the healthy job's length (600; 180 quick)")
+    args = p.parse_args(argv)
+    runs = args.runs if args.runs is not None else (1 if args.quick else 3)
+    if args.healthy_seconds is None:
+        args.healthy_seconds = 180.0 if args.quick else 600.0
+    results: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="bench-stragglers-") as d:
+        tmp = Path(d)
+        with Sidecar(tmp / "sidecar", "watchdog.observe_only=true", "hooks_flush_interval_seconds=1") as sidecar:
+            for index in range(runs):
+                for ratio in args.ratios:
+                    r = slowed_run(sidecar, tmp, args, ratio, index)
+                    shown = (
+                        f"{r.named_after:5.1f} s, {r.lateness * 1000:6.1f} ms"
+                        if r.named_after is not None
+                        else "not named"
+                    )
+                    print(f"  run {index + 1}: +{ratio:.0%} -> {shown} (others named: {r.false_findings})", flush=True)
+                    results.append(r)
+            healthy = healthy_run(sidecar, tmp, args) if args.healthy_seconds > 0 else None
+    load = os.getloadavg()[0]
+    print(f"\n{args.world} ranks, step {args.step * 1000:.0f} ms +-{args.noise:.0%}, slowed from "
+          f"{args.slow_from:.0f} s, window {args.window:.0f} s, load {load:.2f} on {os.cpu_count()} CPUs")  # fmt: skip
+    print(
+        "| slowdown | runs | named | time to name (median, max) | lateness shown (median) | expected | others named |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    ok = True
+    for ratio in args.ratios:
+        rs = [r for r in results if r.ratio == ratio]
+        times = [r.named_after for r in rs if r.named_after is not None]
+        lates = [r.lateness for r in rs if r.lateness is not None]
+        when = f"{statistics.median(times):.1f} s, {max(times):.1f} s" if times else "-"
+        late = f"{statistics.median(lates) * 1000:.0f} ms" if lates else "-"
+        expected = ratio * args.step * 1000
+        print(f"| +{ratio:.0%} | {len(rs)} | {len(times)}/{len(rs)} | {when} | {late} | {expected:.0f} ms "
+              f"| {sum(r.false_findings for r in rs)} |")  # fmt: skip
+        if ratio >= 0.2 and (len(times) < len(rs) or max(times) > 60):
+            ok = False
+        if any(r.false_findings for r in rs):
+            ok = False
+    if healthy is not None:
+        per_hour = healthy.false_findings * 3600 / healthy.seconds
+        minutes = healthy.seconds / 60
+        print(f"\nhealthy job, {minutes:.1f} min: {healthy.false_findings} false findings ({per_hour:.1f} per hour)")
+        ok = ok and healthy.false_findings == 0
+    print(f"\ntargets: every slowdown of 20% or more named within 60 s, no other rank named, no false finding "
+          f"in the healthy job: {'PASS' if ok else 'FAIL'}")  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
