@@ -15,6 +15,12 @@ does not reach.
 The sources are the package's data (sidecar/assets), so an installed wheel generates too:
 `--write DIR` writes the whole deploy tree (Kubernetes base, overlays, examples, bare-metal and
 Alertmanager files, generated objects) into DIR, ready for `kubectl apply -k DIR/kubernetes/...`.
+
+`--config FILE` tunes them without a checkout: the rules and dashboards are rendered afresh by the
+package's generators (sidecar/mixin) with FILE's settings (thresholds, selectors, runbook URL,
+cluster label, dashboard settings) and written, with the deploy tree made from them, into
+`--write DIR` (DIR/alerts/, DIR/dashboards/ beside DIR/kubernetes/...). `--print-config` prints
+every setting with its default, a file to start from (docs/operator-guide.md).
 """
 
 from __future__ import annotations
@@ -24,18 +30,25 @@ import json
 import re
 import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
 from sidecar import assets
 from sidecar.commands import generated
+from sidecar.mixin import config as mixin_config
+from sidecar.mixin import dashboards as mixin_dashboards
+from sidecar.mixin import rules as mixin_rules
 
 ROOT = assets.ROOT  # holds alerts/, dashboards/ and deploy/ (in a checkout: links to the top level)
 OUTPUT = Path("deploy/kubernetes/base/generated")
 BASE_KUSTOMIZATION = Path("deploy/kubernetes/base/kustomization.yaml")
 COMMON_LABELS = {"app.kubernetes.io/name": "training-sidecar", "app.kubernetes.io/part-of": "training-sidecar"}
-DASHBOARD_FOLDER = "Training"  # the Grafana folder; the chart's sidecar reads the `grafana_folder` annotation
+# The Grafana folder; the chart's sidecar reads the `grafana_folder` annotation (`dashboards.folder` in the config).
+DASHBOARD_FOLDER = mixin_config.DEFAULT.dashboards.folder
 
 
 class SourceError(Exception):
@@ -106,7 +119,7 @@ def prometheus_rule(path: Path, root: Path, stem: str | None = None) -> tuple[st
     return f"prometheusrule-{stem}.yaml", _dump(obj, path.relative_to(root).as_posix())
 
 
-def dashboard_configmap(path: Path, root: Path) -> tuple[str, str]:
+def dashboard_configmap(path: Path, root: Path, folder: str = DASHBOARD_FOLDER) -> tuple[str, str]:
     text = path.read_text()
     try:
         json.loads(text)
@@ -119,7 +132,7 @@ def dashboard_configmap(path: Path, root: Path) -> tuple[str, str]:
         "metadata": {
             "name": f"sidecar-dashboard-{stem}",
             "labels": {**COMMON_LABELS, "app.kubernetes.io/component": "dashboards", "grafana_dashboard": "1"},
-            "annotations": {"grafana_folder": DASHBOARD_FOLDER},
+            "annotations": {"grafana_folder": folder},
         },
         "data": {path.name: text if text.endswith("\n") else text + "\n"},
     }
@@ -147,10 +160,10 @@ def _kustomization(resources: list[str], source: str, namespace: str) -> str:
     )
 
 
-def generate(root: Path = ROOT) -> dict[str, dict[str, str]]:
+def generate(root: Path = ROOT, folder: str = DASHBOARD_FOLDER) -> dict[str, dict[str, str]]:
     """{directory under deploy/kubernetes/base/generated/ ("" for itself): {file name: content}}."""
     files = dict(prometheus_rule(p, root) for p in rule_files(root))
-    files.update(dashboard_configmap(p, root) for p in sorted((root / "dashboards").glob("*.json")))
+    files.update(dashboard_configmap(p, root, folder) for p in sorted((root / "dashboards").glob("*.json")))
     ns = namespace(root)
     files["kustomization.yaml"] = _kustomization(list(files), "alerts/ and dashboards/", ns)
     out = {"": files}
@@ -173,22 +186,51 @@ def stale_files(root: Path = ROOT) -> list[str]:
     ]
 
 
-def write(root: Path = ROOT, out: Path | None = None) -> list[str]:
+def write(root: Path = ROOT, out: Path | None = None, folder: str = DASHBOARD_FOLDER) -> list[str]:
     """Bring the generated files under `out` (default: root's deploy/kubernetes/base/generated) up
     to date; the paths changed."""
     base = root / OUTPUT if out is None else out
     return [
         str(OUTPUT / sub / path.name)
-        for sub, files in generate(root).items()
+        for sub, files in generate(root, folder).items()
         for path in generated.write(base / sub, files, leftovers="*.yaml")
     ]
 
 
-def write_tree(directory: Path, root: Path = ROOT) -> list[str]:
+def write_tree(directory: Path, root: Path = ROOT, folder: str = DASHBOARD_FOLDER) -> list[str]:
     """The whole deploy tree into `directory` (its kubernetes/, baremetal/, alertmanager/, ...),
     with the generated objects made afresh from the rules and dashboards; the files written."""
     shutil.copytree(root / "deploy", directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    write(root, directory / OUTPUT.relative_to("deploy"))
+    write(root, directory / OUTPUT.relative_to("deploy"), folder)
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def rendered_sources(cfg: mixin_config.MixinConfig) -> dict[str, dict[str, str]]:
+    """{"alerts": {name: rule file}, "dashboards": {name: JSON}} rendered with `cfg`."""
+    return {
+        "alerts": {**mixin_rules.rendered_files(cfg), **mixin_rules.source_files(cfg)},
+        "dashboards": mixin_dashboards.rendered_files(cfg),
+    }
+
+
+@contextmanager
+def configured_root(cfg: mixin_config.MixinConfig, root: Path = ROOT) -> Iterator[Path]:
+    """A temporary root holding the rules and dashboards rendered with `cfg` and root's deploy/."""
+    with tempfile.TemporaryDirectory(prefix="sidecar-deploy-gen-") as tmp:
+        top = Path(tmp)
+        for sub, files in rendered_sources(cfg).items():
+            generated.write(top / sub, files)
+        (top / "deploy").symlink_to((root / "deploy").resolve(), target_is_directory=True)
+        yield top
+
+
+def write_configured(directory: Path, cfg: mixin_config.MixinConfig, root: Path = ROOT) -> list[str]:
+    """The rules (DIR/alerts/), dashboards (DIR/dashboards/) and deploy tree rendered with `cfg`
+    into `directory`; the files written."""
+    with configured_root(cfg, root) as top:
+        write_tree(directory, top, cfg.dashboards.folder)
+        for sub in ("alerts", "dashboards"):
+            shutil.copytree(top / sub, directory / sub, dirs_exist_ok=True)
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
@@ -203,6 +245,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(Kubernetes base and overlays, examples, bare-metal and Alertmanager files) into DIR",
     )
     mode.add_argument("--check", action="store_true", help="exit 1, naming them, when the files are stale")
+    mode.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print every setting of the rules and dashboards with its default (with --config: FILE's), "
+        "as a YAML file to start a --config from",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="render the rules, dashboards and deploy files with FILE's settings (YAML or JSON: thresholds, "
+        "selectors, runbook_base_url, cluster_label, dashboards), into --write DIR or to stdout; "
+        "the package's files are left alone",
+    )
     parser.add_argument(
         "--root",
         type=Path,
@@ -211,8 +267,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _main_configured(args: argparse.Namespace) -> int:
+    config, print_config = getattr(args, "config", None), getattr(args, "print_config", False)
+    try:
+        cfg = mixin_config.load(config) if config else mixin_config.DEFAULT
+    except mixin_config.MixinConfigError as e:
+        print(f"sidecar deploy-gen: {e}", file=sys.stderr)
+        return 2
+    if print_config:
+        sys.stdout.write(mixin_config.commented_yaml(cfg))
+        return 0
+    if args.check or args.write == "":
+        print(
+            "sidecar deploy-gen: --config renders into a directory: give --write DIR (or none: stdout)", file=sys.stderr
+        )
+        return 2
+    if args.write:
+        directory = Path(args.write)
+        if directory.exists() and not directory.is_dir():
+            print(f"sidecar deploy-gen: {directory} is not a directory", file=sys.stderr)
+            return 2
+        written = write_configured(directory, cfg, args.root)
+        print(
+            f"{directory}/: {len(written)} files (rules in alerts/, dashboards in dashboards/) from {config}; "
+            f"apply with `kubectl apply --server-side -k {directory}/kubernetes` (or one of its overlays/)"
+        )
+        return 0
+    with configured_root(cfg, args.root) as top:
+        for sub, files in generate(top, cfg.dashboards.folder).items():
+            for name, text in files.items():
+                sys.stdout.write(f"---\n# {OUTPUT / sub / name}\n{text}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "config", None) or getattr(args, "print_config", False):
+            return _main_configured(args)
         if args.check:
             stale = stale_files(args.root)
             for path in stale:

@@ -200,7 +200,7 @@ def test_every_dashboard_query_succeeds_and_core_panels_show_data(stack):
 
 def test_a_stalled_rank_fires_in_prometheus_and_pages_once_through_alertmanager(stack):
     """One hang, one page: the rank's stall fires in Prometheus, the job view names it
-    (JobHungOnRank) and that is what pages; the shipped inhibit rules hold back the stalls."""
+    (SidecarJobHungOnRank) and that is what pages; the shipped inhibit rules hold back the stalls."""
     prom, webhook = stack["prom"], stack["webhook"]
     firing = wait_until(
         lambda: _running(stack) and prom.firing("SidecarRankStalled"),
@@ -216,7 +216,7 @@ def test_a_stalled_rank_fires_in_prometheus_and_pages_once_through_alertmanager(
             a
             for n in webhook.notifications("pager")
             for a in n["alerts"]
-            if a["labels"]["alertname"] == "JobHungOnRank" and a["status"] == "firing"
+            if a["labels"]["alertname"] == "SidecarJobHungOnRank" and a["status"] == "firing"
         ]
 
     alerts = wait_until(
@@ -224,7 +224,7 @@ def test_a_stalled_rank_fires_in_prometheus_and_pages_once_through_alertmanager(
     )
     assert alerts[0]["labels"]["job_id"] == firing[0]["labels"]["job_id"]
     assert alerts[0]["labels"]["rank"] == "1"
-    assert alerts[0]["annotations"]["runbook_url"].endswith("#jobhungonrank")
+    assert alerts[0]["annotations"]["runbook_url"].endswith("#sidecarjobhungonrank")
     assert prom.firing("SidecarRankStalled"), "still stalled: held back by inhibition, not resolved"
     notified = {a["labels"]["alertname"] for _, n in webhook.all() for a in n["alerts"]}
     assert not notified & {"SidecarRankStalled", "SidecarWouldHaveKilled", "SidecarJobNotProgressing"}, notified

@@ -1,5 +1,5 @@
 """One hang, one page: the inhibit rules of deploy/alertmanager/alertmanager.yml, on the real
-Alertmanager with a webhook receiver this test runs. A hung job fires its cause (JobHungOnRank)
+Alertmanager with a webhook receiver this test runs. A hung job fires its cause (SidecarJobHungOnRank)
 and its consequences (SidecarRankStalled on every rank, SidecarJobNotProgressing, throughput,
 goodput, would-kill and collective-timeout alerts); exactly one notification reaches the
 receivers per hung job.
@@ -87,7 +87,7 @@ def hang(job_id: str, namespace: str = "team-a", cluster: str = "c1", culprit: b
         alert("SidecarCollectiveTimeout", "warning", **job_level, instance="n0"),
     ]
     if culprit:
-        alerts.append(alert("JobHungOnRank", "critical", **job, rank="3", node="node-1"))
+        alerts.append(alert("SidecarJobHungOnRank", "critical", **job, rank="3", node="node-1"))
     return alerts
 
 
@@ -97,8 +97,8 @@ def test_one_hung_job_pages_once_with_its_culprit(tmp_path):
         assert delivered(webhook, 1) == [
             (
                 "pager",
-                ["JobHungOnRank"],
-                {"alertname": "JobHungOnRank", "cluster": "c1", "namespace": "team-a", "job_id": "j1"},
+                ["SidecarJobHungOnRank"],
+                {"alertname": "SidecarJobHungOnRank", "cluster": "c1", "namespace": "team-a", "job_id": "j1"},
             )
         ]
 
@@ -108,8 +108,8 @@ def test_two_hung_jobs_page_twice(tmp_path):
         am.post(hang("j1") + hang("j2"))
         got = delivered(webhook, 2)
         assert sorted((r, names, g["job_id"]) for r, names, g in got) == [
-            ("pager", ["JobHungOnRank"], "j1"),
-            ("pager", ["JobHungOnRank"], "j2"),
+            ("pager", ["SidecarJobHungOnRank"], "j1"),
+            ("pager", ["SidecarJobHungOnRank"], "j2"),
         ]
 
 
@@ -118,8 +118,8 @@ def test_one_job_id_hung_in_two_namespaces_pages_once_per_namespace(tmp_path):
         am.post(hang("j1", namespace="team-a") + hang("j1", namespace="team-b"))
         got = delivered(webhook, 2)
         assert sorted((r, names, g.get("namespace")) for r, names, g in got) == [
-            ("pager", ["JobHungOnRank"], "team-a"),
-            ("pager", ["JobHungOnRank"], "team-b"),
+            ("pager", ["SidecarJobHungOnRank"], "team-a"),
+            ("pager", ["SidecarJobHungOnRank"], "team-b"),
         ]
 
 
@@ -148,7 +148,7 @@ def test_a_hang_silences_only_its_own_job(tmp_path):
         am.post(hang("j1") + others)
         got = delivered(webhook, 4)
         assert sorted((names[0], g["cluster"], g.get("namespace"), g["job_id"]) for _, names, g in got) == [
-            ("JobHungOnRank", "c1", "team-a", "j1"),
+            ("SidecarJobHungOnRank", "c1", "team-a", "j1"),
             ("SidecarRankStalled", "c1", "team-a", "j2"),
             ("SidecarRankStalled", "c1", "team-b", "j1"),
             ("SidecarRankStalled", "c2", "team-a", "j1"),
@@ -207,7 +207,7 @@ def test_hung_jobs_through_the_shipped_rules_page_once_per_job(tmp_path, job_ids
             ).running()
         )
         expected = {
-            "JobHungOnRank": len(job_ids),
+            "SidecarJobHungOnRank": len(job_ids),
             "SidecarRankStalled": 4 * len(job_ids),
             "SidecarJobNotProgressing": len(job_ids),
         }
@@ -219,5 +219,5 @@ def test_hung_jobs_through_the_shipped_rules_page_once_per_job(tmp_path, job_ids
         )
         got = delivered(webhook, len(job_ids))
         assert sorted((r, names, g["job_id"]) for r, names, g in got) == [
-            ("pager", ["JobHungOnRank"], job_id) for job_id in job_ids
+            ("pager", ["SidecarJobHungOnRank"], job_id) for job_id in job_ids
         ]

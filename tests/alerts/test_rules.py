@@ -193,9 +193,13 @@ def test_an_unknown_selector_is_refused(capsys):
 
 # ---------------------------------------------------------------- alert names in texts
 
-# An alert's name as the texts write it: a Sidecar... word, or JobHungOnRank; `Name*` stands for
-# every alert whose name starts with Name.
-MENTION = re.compile(r"\b((?:Sidecar|Job)[A-Z][A-Za-z]*)(\*?)")
+# An alert's name as the texts write it: a Sidecar... word (every alert has the prefix); `Name*` stands
+# for every alert whose name starts with Name.
+MENTION = re.compile(r"\b(Sidecar[A-Z][A-Za-z]*)(\*?)")
+
+
+def test_every_alert_is_named_with_the_sidecar_prefix():
+    assert not [a.name for a in build.all_alerts() if not re.fullmatch(r"Sidecar[A-Z][A-Za-z]+", a.name)]
 
 
 def _unknown_mentions(text: str) -> set[str]:
