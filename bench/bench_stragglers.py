@@ -173,7 +173,7 @@ def main(argv: list[str]) -> int:
                     r = slowed_run(sidecar, tmp, args, ratio, index)
                     shown = (
                         f"{r.named_after:5.1f} s, {r.lateness * 1000:6.1f} ms"
-                        if r.named_after is not None
+                        if r.named_after is not None and r.lateness is not None
                         else "not named"
                     )
                     print(f"  run {index + 1}: +{ratio:.0%} -> {shown} (others named: {r.false_findings})", flush=True)

@@ -24,6 +24,10 @@ SUBCOMMANDS = {
     "run": ("sidecar.daemon.app", "run the daemon (metrics, push API, watchdog)"),
     "status": ("sidecar.commands.status", "show this node's health at a glance"),
     "incidents": ("sidecar.commands.incidents", "list the watchdog's incident records"),
+    "drill": (
+        "sidecar.commands.drill",
+        "kill-and-resume drill on a live job: stop one rank, report detection, kill and resume (root only)",
+    ),
     "preflight": ("sidecar.preflight.cli", "check this node before a job starts"),
     "provision": (
         "sidecar.commands.provision",

@@ -232,7 +232,27 @@ class WatchdogSettings:
         ),
     )
 
+    golive_steps: int = field(
+        default=50,
+        metadata=doc(
+            "The go-live checks (`sidecar status`, `/v1/status` golive, sidecar_job_golive_check) judge a new "
+            "job's loss over its first this many steps: a loss that did not fall over them is a warning."
+        ),
+    )
+    golive_imbalance_ratio: float = field(
+        default=0.2,
+        metadata=doc(
+            "The go-live checks warn when a rank's GPU memory or throughput differs from the median of the job's "
+            "other ranks on this node by more than this share (0.2: 20%): the sign of memory-saving or "
+            "gradient-accumulation settings that differ between ranks."
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if not 2 <= self.golive_steps <= 100_000:
+            _fail("watchdog.golive_steps", f"must be in [2, 100000], got {self.golive_steps}")
+        if not 0 < self.golive_imbalance_ratio <= 10:
+            _fail("watchdog.golive_imbalance_ratio", f"must be in (0, 10], got {self.golive_imbalance_ratio}")
         for name in (
             "check_interval_seconds",
             "startup_timeout_seconds",
@@ -379,6 +399,23 @@ class JobViewSettings:
         ),
     )
     max_nodes: int = field(default=4096, metadata=doc("Most nodes of one job a coordinator keeps (429 beyond)."))
+    straggler_exclude_after_seconds: float = field(
+        default=0.0,
+        metadata=doc(
+            "Opt-in. A rank of this node that has been its job's straggler this long with a cause in the node's "
+            "hardware (a GPU's clocks held down by power, thermal or HW slowdown; a CPU quota never counts) "
+            "marks the node for exclusion at the job's next restart: node fitness `straggler`, so `sidecar "
+            "status --check node` answers unfit (node-problem-detector's condition; the bare-metal launcher's "
+            "LEAVE_IF_UNFIT). Nothing is killed. 0: never (the default)."
+        ),
+    )
+    straggler_exclude_hold_seconds: float = field(
+        default=3600.0,
+        metadata=doc(
+            "How long a node marked for exclusion stays marked after its straggler episode ends (a node left "
+            "out of the job names no straggler any more)."
+        ),
+    )
     forget_after_seconds: float = field(
         default=120.0,
         metadata=doc(
@@ -400,6 +437,8 @@ class JobViewSettings:
         _positive("job_view.max_nodes", self.max_nodes)
         _positive("job_view.max_ranks", self.max_ranks)
         _positive("job_view.forget_after_seconds", self.forget_after_seconds)
+        _positive("job_view.straggler_exclude_after_seconds", self.straggler_exclude_after_seconds, allow_zero=True)
+        _positive("job_view.straggler_exclude_hold_seconds", self.straggler_exclude_hold_seconds, allow_zero=True)
         if self.lost_after_seconds < 2 * self.report_interval_seconds:
             _fail(
                 "job_view.lost_after_seconds",

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.commands import status_stragglers
+from sidecar.commands import status_golive, status_stragglers
 from sidecar.commands.verdict import EXIT_HEALTHY, assess, dict_at, dicts_at
 
 INCIDENTS_SHOWN = 5
@@ -412,6 +412,13 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
             _job_rows(dict_at(status, "jobs")),
             "no multi-node job (or job_view.enabled off)",
             _job_notes(dict_at(status, "jobs")),
+        ),
+        Section(
+            status_golive.TITLE,
+            status_golive.COLUMNS,
+            [[Cell(text, style) for text, style in row] for row in status_golive.rows(status)],
+            status_golive.EMPTY,
+            status_golive.notes(status),
         ),
         Section(
             status_stragglers.TITLE,

@@ -21,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 from sidecar import __version__
 from sidecar.collectors.base import CollectorRunner
 from sidecar.config import NODE_NAME, Settings
-from sidecar.daemon import status_document
+from sidecar.daemon import operations, status_document
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.tracker import ExitTracker
@@ -31,12 +31,13 @@ from sidecar.jobview import auth
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
 from sidecar.metric import MetricSpec, spec
-from sidecar.ranks import protocol
+from sidecar.ranks import golive, protocol
 from sidecar.ranks.collectives import parse_collectives, parse_fr_dump
 from sidecar.ranks.errors import RegistryError
 from sidecar.ranks.model import Rank
 from sidecar.ranks.protocol import ProtocolError
 from sidecar.ranks.registry import Registry
+from sidecar.watchdog.drill import Drills
 from sidecar.watchdog.machine import Watchdog
 from trainer_hooks.wire import JOB_COORDINATOR_EVENT
 
@@ -74,6 +75,8 @@ class Daemon:
     dump_files: stackfiles.DumpFiles | None = None  # the stack-dump files it created (host/stackfiles.py)
     # What may make the node unfit: the watchdog's unkillable processes, the GPU checks (app.py wires them).
     fitness_sources: list[Callable[[], Iterable[Finding]]] = field(default_factory=list)
+    golive: golive.GoLive = field(default_factory=golive.GoLive)  # go-live checks (operations.py)
+    drills: Drills | None = None  # kill-and-resume drills, made at the first (operations.py)
 
     def fitness(self) -> Fitness:
         """The node verdict now (sidecar/fitness.py); a failing source is logged, never fatal."""
@@ -95,7 +98,7 @@ NODE_INFO = spec(
     "node_info",
     "gauge",
     "1, labelled with this node's name (the node_name setting): what incidents and the job view call the node, "
-    "joined onto per-rank series by the JobHungOnRank rule.",
+    "joined onto per-rank series by the SidecarJobHungOnRank rule.",
     ["node"],
 )
 INGEST_RECORDS = spec(
@@ -133,6 +136,7 @@ METRICS: tuple[MetricSpec, ...] = (
     DAEMON_RSS,
     DAEMON_FDS,
     EVENT_LOOP_LAG,
+    golive.GOLIVE_CHECK,
 )
 
 
@@ -380,6 +384,7 @@ async def push(request: web.Request) -> web.Response:
     check_sender(request, rank)
     coordinators = _coordinators(batch)  # before the events are kept: the job's key is not one to keep
     accepted = d.registry.apply_push(batch, rank)
+    operations.observe_push(d, rank.job_id, batch.items)
     rank.take_collectives(record, fr_dump, time.monotonic())
     for url, node, key in coordinators:
         if d.reporter is not None and rank.peer_verified:
@@ -444,8 +449,19 @@ async def status(request: web.Request) -> web.Response:
         exits=d.exits,
         reporter=d.reporter,
         fitness=d.fitness(),
+        golive=operations.golive_status(d, d.registry),
     )
     return web.json_response(body)
+
+
+async def drill_start(request: web.Request) -> web.Response:
+    uid = operations.root_caller(None if _is_tcp(request) else _socket(request))  # before reading the body
+    return web.json_response(operations.start_drill(request.app[DAEMON], await read_json(request), uid))
+
+
+async def drill_state(request: web.Request) -> web.Response:
+    operations.root_caller(None if _is_tcp(request) else _socket(request))
+    return web.json_response(operations.drill_state(request.app[DAEMON], request.match_info["drill_id"]))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -475,7 +491,7 @@ def daemon_families(d: Daemon) -> Iterable[Metric]:
     registrations.add_metric([], d.registry.registrations_total)
     lag = EVENT_LOOP_LAG.family()
     lag.add_metric([], d.loop_lag.worst())
-    yield from (build, node, records, rejected, registrations, lag)
+    yield from (build, node, records, rejected, registrations, lag, *operations.golive_families(d))
     try:
         cpu = d.process.cpu_times()
         cpu_family, rss, fds = DAEMON_CPU.family(), DAEMON_RSS.family(), DAEMON_FDS.family()
@@ -495,6 +511,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/register", register)
     app.router.add_post("/v1/push", push)
     app.router.add_post("/v1/deregister", deregister)
+    app.router.add_post("/v1/drills", drill_start)
+    app.router.add_get("/v1/drills/{drill_id}", drill_state)
 
 
 MIDDLEWARES = (errors_middleware, auth_middleware)

@@ -284,6 +284,7 @@ def build_status(
     exits: ExitTracker | None = None,
     reporter: Reporter | None = None,
     fitness: Fitness | None = None,
+    golive: dict | None = None,
 ) -> dict:
     now, now_wall = time.monotonic(), time.time()
     s = Samples(runner.families())
@@ -320,6 +321,9 @@ def build_status(
         "exits": exits.status() if exits is not None else None,
         # The job view (sidecar/jobview/): per local multi-node job, its coordinator and verdict.
         "jobs": jobs_section(reporter),
+        # Per job with ranks here, its go-live checks (sidecar/ranks/golive.py): ranks joined, first batch,
+        # GPU memory and throughput balanced across its ranks here, loss falling over its first steps.
+        "golive": golive or {},
         # Per local job, who is late to its collectives: as its coordinator judged it over the whole
         # job, and as this node judges its own ranks (sidecar/jobview/stragglers.py). Never a kill.
         # A local straggler's cause (straggler_cause.py) comes from its open incident.

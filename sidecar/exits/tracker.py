@@ -426,14 +426,22 @@ class ExitTracker:
         rank.exit_reason = reason
         level = logging.INFO if reason == "finished" else logging.WARNING
         log.log(level, "rank %s (pid %d) exit: %s; %s", rank.label, rank.pid, reason, "; ".join(lines) or "-")
+        # A drill's kill (`sidecar drill`), or any exit while its job is drilled: not a failure.
+        drills = getattr(self.incidents.store, "drills", None)
+        drill = drills is not None and (
+            drills.is_drill_incident(ev.remediated_by) or drills.armed(rank.job_id) is not None
+        )
+        if drill:
+            entry["drill"] = True
         if reason == "watchdog":
             incident = ev.remediated_by  # decide() says "watchdog" only when it is set
-            if incident is not None and incident not in self._remediations_counted and consequence is None:
+            counted = incident in self._remediations_counted
+            if incident is not None and not counted and consequence is None and not drill:
                 self._remediations_counted = self._remediations_counted[-255:] + [incident]
                 self.failures[(rank.job_id, reason)] += 1
         elif reason != "finished":
             entry["incident"], first = self.incidents.add(entry)
-            if first and consequence is None:
+            if first and consequence is None and not drill:
                 self.failures[(rank.job_id, reason)] += 1
         return entry
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from sidecar.config import Settings
 from sidecar.host import diagfiles
+from sidecar.incidents.drills import DrillMarks
 from sidecar.safetext import printable
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class Incident:
     # Processes alive after SIGKILL (outcome unkillable): what the kernel said of each
     # (sidecar/host/stuck.py), with `who` and `why`; sidecar/watchdog/unkillable.py fills it.
     unkillable: list[dict[str, Any]] = field(default_factory=list)
+    # The kill-and-resume drill (`sidecar drill`, drills.py) this stall was: not a failure of the job.
+    drill: str | None = None
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -164,6 +167,7 @@ class Incident:
             "recovery": self.recovery,
             "summary": self.summary,
             "path": self.path,
+            "drill": self.drill,
         }
 
     def text(self) -> str:
@@ -262,6 +266,7 @@ class IncidentStore:
         self.recent: list[Incident] = []
         self.retention = retention or Retention()
         self._pruned_at = -RETENTION_CHECK_SECONDS
+        self.drills = DrillMarks()  # the job being drilled now (`sidecar drill`): its stall is recorded as a drill
 
     @classmethod
     def for_settings(cls, settings: Settings) -> IncidentStore:
@@ -278,6 +283,9 @@ class IncidentStore:
         incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id, node=self.node, **fields)
         incident.path = str(self.directory / f"{incident.id}.json")
         incident.event("detected", at=now)
+        if incident.kind == "stall" and (drill := self.drills.claim(job_id, incident.id)) is not None:
+            incident.drill = drill
+            incident.notes.append(f"drill {drill} (`sidecar drill`): a rank was stopped on purpose; not a failure")
         self.recent.append(incident)
         del self.recent[:-50]
         if save:

@@ -266,6 +266,16 @@ def training_job(cfg: MixinConfig) -> dict:
             min_=0,
         ),
         timeseries(
+            "Go-live checks",
+            [(f"sidecar_job_golive_check{{{JOB}, {NODES}}}", "{{instance}} {{check}}")],
+            "short",
+            "A new job's go-live checks on each node (the operations guide's): every rank joined, its first "
+            "batch loaded, GPU memory and throughput balanced across the node's ranks, the loss falling over "
+            "the first steps. 1 ok, 0 warning, -1 pending; `sidecar status` on the node says what differs.",
+            min_=-1,
+            max_=1,
+        ),
+        timeseries(
             "GPU utilization per node",
             f"job_id_instance:sidecar_gpu_utilization_ratio:avg{{{JOB}, {NODES}}}",
             "percentunit",

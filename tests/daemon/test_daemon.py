@@ -45,6 +45,7 @@ STATUS_KEYS = {
     "jobs",
     "stragglers",
     "fitness",
+    "golive",
 }
 NODE_KEYS = {
     "name",
