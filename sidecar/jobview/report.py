@@ -127,7 +127,7 @@ class Culprit:
     evidence: str = "stacks"
     # kind rank_late/collective_*: {"pg", "desc", "seq", "op", "sizes", "nodes", "ranks", "ops", "repeat"}
     collective: dict[str, Any] | None = None
-    busy: bool = False  # its node finds it busy, not hung: no node kills while it is so (machine._hold_while_alive)
+    busy: bool = False  # its node finds it busy, not hung: no node kills while it is so (episode.Episode.hold)
 
 
 @dataclass

@@ -29,6 +29,7 @@ evidence, and is declared at its deadline.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class Liveness:
         self.probe_wait = max(5.0, dump_wait + 3.0) + 1.0
         self.reprobe: set[RankKey] = set()
         self._watch: dict[RankKey, _Watch] = {}
+        self._look: tuple[float, dict[tuple[int, float | None], float | None]] = (-math.inf, {})
 
     def wants_probe(self, key: RankKey) -> bool:
         return key in self.reprobe
@@ -128,7 +130,7 @@ class Liveness:
         if w is None or w.rank is not rank:
             if not rank.peer_verified or rank.pid_start_time is None:
                 return None  # an unverified caller's pid may not be its own: never read
-            cpu = self.cpu(rank.pid, rank.pid_start_time)
+            cpu = self._cpu_at(rank, now)
             if cpu is None:
                 return None
             w = self._watch[key] = _Watch(rank, cpu, now)
@@ -166,12 +168,24 @@ class Liveness:
             return
         span = max(0.0, check_at - w.at)
         w.next_look = now + span / (INTERIM_LOOKS + 1)
-        cpu = self.cpu(w.rank.pid, w.rank.pid_start_time)
+        cpu = self._cpu_at(w.rank, now)
         elapsed = now - w.at
         if cpu is None or elapsed <= 0 or (cpu - w.cpu) < BUSY_CPU_SHARE * elapsed:
             return
         self.reprobe.add(w.rank.key)
         self.want_probe(w.rank.job_id)
+
+    def _cpu_at(self, rank: Rank, now: float) -> float | None:
+        """A process's CPU seconds at this look (`now`, the watchdog clock): /proc is read once per
+        look, however many ask (the rank's evaluation, its job's episode, the job view's report)."""
+        at, read = self._look
+        if at != now:
+            read = {}
+            self._look = (now, read)
+        process = (rank.pid, rank.pid_start_time)
+        if process not in read:
+            read[process] = self.cpu(rank.pid, rank.pid_start_time)
+        return read[process]
 
     def alive(self, key: RankKey, now: float) -> bool:
         """Whether a suspect rank shows life the watchdog has not finished judging: found busy at
@@ -182,7 +196,7 @@ class Liveness:
             return False
         if w.busy or w.asked is not None:
             return True
-        cpu = self.cpu(w.rank.pid, w.rank.pid_start_time)
+        cpu = self._cpu_at(w.rank, now)
         elapsed = now - w.at
         return cpu is not None and elapsed > 0 and (cpu - w.cpu) >= BUSY_CPU_SHARE * elapsed
 
@@ -190,7 +204,7 @@ class Liveness:
         """A check begins: the CPU first (a hang without CPU is declared now, without waiting for
         a stack), then a fresh stack is asked for."""
         r = w.rank
-        cpu = self.cpu(r.pid, r.pid_start_time)
+        cpu = self._cpu_at(r, now)
         elapsed = now - w.at
         gain = (cpu - w.cpu) if cpu is not None else 0.0
         if cpu is None or elapsed <= 0 or gain < BUSY_CPU_SHARE * elapsed:

@@ -21,6 +21,7 @@ from sidecar.config import RemediationSettings
 from sidecar.host import procs
 from sidecar.host.signals import Refused, Target, descendants_of, send, send_member
 from sidecar.incidents.store import Incident
+from sidecar.ranks.model import Rank
 from sidecar.watchdog.stackdumps import (
     ask_for_stacks,
     file_sizes,
@@ -269,6 +270,20 @@ class Remediator:
             if (not left and not members) or loop.time() >= deadline:
                 return left, members
             await asyncio.sleep(POLL_SECONDS)
+
+
+def target_of(rank: Rank) -> Target:
+    """The signal target of a registered rank, with the identity it registered with."""
+    return Target(
+        rank.job_id,
+        rank.rank,
+        rank.pid,
+        rank.pid_start_time,
+        rank.stack_signal,
+        rank.stack_file,
+        rank.peer_verified,
+        rank.pidfd,
+    )
 
 
 def _still_running(

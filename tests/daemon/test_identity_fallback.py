@@ -10,7 +10,7 @@ import pytest
 from sidecar.daemon.api import DAEMON
 from sidecar.host import identity
 from sidecar.host.signals import send
-from sidecar.watchdog.machine import target_of
+from sidecar.watchdog.remediation import target_of
 from tests.daemon.helpers import registration
 
 
