@@ -35,6 +35,8 @@ FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0
 HANG_STEP = 20
 JOB_TIMEOUT = 240.0
+# the agents: torchrun, or torchrun whose agent re-forms a multi-node job faster (trainer_hooks/rendezvous.py)
+LAUNCHERS = {"torchrun": "torch.distributed.run", "hooks": "trainer_hooks.launch"}
 
 
 @dataclass
@@ -47,7 +49,13 @@ class Outcome:
     filled: list[str] = field(default_factory=list)  # nodes whose stages came from their own record
 
 
-def cluster_spec(layout: list[int], mode: str, sidecar_extra: list[str]) -> ClusterSpec:
+def cluster_spec(
+    layout: list[int],
+    mode: str,
+    sidecar_extra: list[str],
+    launcher: str = LAUNCHERS["torchrun"],
+    monitor_interval: float | None = None,
+) -> ClusterSpec:
     hung = len(layout) // 2  # the middle node
     nodes = []
     for i, nproc in enumerate(layout):
@@ -56,7 +64,8 @@ def cluster_spec(layout: list[int], mode: str, sidecar_extra: list[str]) -> Clus
             env = {"CYCLE_HANGS": "1", "CYCLE_HANG_LOCAL_RANK": str(nproc - 1), "CYCLE_HANG_MODE": mode}
         nodes.append(NodeSpec(f"node-{i}", nproc, env))
     sidecar = SidecarSpec(floor_seconds=FLOOR_SECONDS, grace_seconds=GRACE_SECONDS, extra=list(sidecar_extra))
-    return ClusterSpec(nodes, sidecar=sidecar, env={"CYCLE_HANG_STEP": str(HANG_STEP)})
+    env = {"CYCLE_HANG_STEP": str(HANG_STEP)}
+    return ClusterSpec(nodes, sidecar=sidecar, env=env, launcher=launcher, monitor_interval=monitor_interval)
 
 
 def records_of(node) -> list[dict]:
@@ -146,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("stop", "spin"), default="stop", help="how the rank hangs (default stop)")
     p.add_argument("--layout", default="1,2,1", help="ranks per node of the multi-node job (default 1,2,1)")
     p.add_argument("--keep", action="store_true", help="keep the working directory")
+    p.add_argument("--launcher", choices=sorted(LAUNCHERS), default="torchrun",
+                   help="the agents: torchrun, or python -m trainer_hooks.launch (faster re-rendezvous)")  # fmt: skip
+    p.add_argument("--monitor-interval", type=float, default=None,
+                   help="the agents' --monitor-interval in seconds (default: torchrun's, 0.1)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra sidecar setting")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -155,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     single: list[Outcome] = []
     try:
         for i in range(args.runs):
-            multi.append(run(cluster_spec(layout, args.mode, args.set), root / f"multi-{i}", f"{len(layout)} nodes"))
+            spec = cluster_spec(layout, args.mode, args.set, LAUNCHERS[args.launcher], args.monitor_interval)
+            multi.append(run(spec, root / f"multi-{i}", f"{len(layout)} nodes"))
             show(multi[-1])
-            single.append(run(cluster_spec([sum(layout)], args.mode, args.set), root / f"single-{i}", "1 node"))
+            spec = cluster_spec([sum(layout)], args.mode, args.set, LAUNCHERS[args.launcher], args.monitor_interval)
+            single.append(run(spec, root / f"single-{i}", "1 node"))
             show(single[-1])
     except KeyboardInterrupt:
         return 130

@@ -54,6 +54,10 @@ class ClusterSpec:
     with_sidecars: bool = True
     # a network namespace per node, with a management and a training link (demo/netns.py; root)
     netns: bool = False
+    # the agents' module: torchrun itself, or `trainer_hooks.launch` (torchrun whose agent re-forms
+    # a multi-node job faster: trainer_hooks/rendezvous.py)
+    launcher: str = "torch.distributed.run"
+    monitor_interval: float | None = None  # the agents' --monitor-interval (None: torchrun's default, 0.1 s)
 
 
 @dataclass
@@ -176,10 +180,11 @@ class Cluster:
             conf.append(f"is_host={int(node.index == 0)}")
             hosts = ["--local-addr", node.host]
         return self.enter(node) + [
-            PYTHON, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(node.spec.nproc),
+            PYTHON, "-m", self.spec.launcher, "--nnodes", nnodes, "--nproc-per-node", str(node.spec.nproc),
             "--max-restarts", str(self.spec.max_restarts), "--rdzv-id", self.spec.job_id,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.nodes[0].host}:{self.rdzv_port}",
             *(["--rdzv-conf", ",".join(conf)] if conf else []), *hosts,
+            *(["--monitor-interval", str(self.spec.monitor_interval)] if self.spec.monitor_interval else []),
             str(self.spec.script), *self.spec.script_args,
         ]  # fmt: skip
 

@@ -61,8 +61,9 @@ class JobSpec:
     run_id: str = "demo"  # torchrun --rdzv-id: the job_id the sidecar shows
     checkpoint_dir: str = ""  # shared by every node; empty: <workdir>/ckpt
     extra: list[str] = field(default_factory=list)  # more trainer `--set section.field=value`
-    # "torchrun", or "warm": `python -m sidecar_trainer.launch`, torchrun whose workers are forked
-    # from a process that imported torch once (sidecar_trainer/launch.py)
+    # "torchrun", "warm": `python -m sidecar_trainer.launch`, torchrun whose workers are forked
+    # from a process that imported torch once (sidecar_trainer/launch.py), or "hooks":
+    # `python -m trainer_hooks.launch`, torchrun whose agent re-forms a multi-node job faster
     launcher: str = "torchrun"
 
     def command(self, workdir: Path, rdzv_port: int | None = None) -> list[str]:
@@ -83,7 +84,9 @@ class JobSpec:
         cmd = [
             PYTHON,
             "-m",
-            {"torchrun": "torch.distributed.run", "warm": "sidecar_trainer.launch"}[self.launcher],
+            {"torchrun": "torch.distributed.run", "warm": "sidecar_trainer.launch", "hooks": "trainer_hooks.launch"}[
+                self.launcher
+            ],
             "--nnodes",
             str(self.nnodes),
             "--nproc-per-node",

@@ -17,7 +17,9 @@ are forks of it, torch already in memory. Forking before any CUDA call is safe (
 touches a device). The server is a child of torchrun's agent and lives as long as it; workers are
 not process group leaders, so the sidecar signals each rank with its descendants.
 
-It also takes half a second off every rendezvous of the agent (`fast_rendezvous_event_names`).
+Its agent re-forms a job faster after a restart, as `python -m trainer_hooks.launch`'s does
+(trainer_hooks/rendezvous.py: half a second off every rendezvous, and on several nodes the
+rendezvous' one-second polls).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import multiprocessing
 import sys
 import threading
 from pathlib import Path
+
+from trainer_hooks import rendezvous
 
 # What the server imports once for all attempts: torch, what the first optimizer step and DDP
 # would import (torch._dynamo), FSDP2 and DTensor, the trainer (its entry point and the demo model too:
@@ -43,34 +47,6 @@ PRELOAD = [
 ]
 TRAINER = "sidecar_trainer"
 WORKER = Path(__file__).with_name("forked_worker.py")
-
-
-def _frame_function_name(depth: int = 2) -> str:
-    """What torch's `dynamic_rendezvous.get_method_name(depth)` returns, read from the frame
-    itself: the name of the function `depth` frames up from this one."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:  # the stack is not that deep
-        return "no_method_name"
-
-
-def fast_rendezvous_event_names() -> bool:
-    """Make the agent's rendezvous name its events without `inspect.stack()`.
-
-    torch's dynamic rendezvous (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py) names
-    each event it records after the calling method, with `inspect.stack()[depth].function`, twice
-    per event and whether or not anything listens; `inspect.stack()` reads the source context of
-    every frame on the stack: 0.1-0.15 s a call in the agent, about 0.5 s of every rendezvous, so
-    of every restart (bench_recovery's `restart` stage). The name is the same when read from the
-    frame. False, changing nothing, when this torch has no such function."""
-    try:
-        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-    except ImportError:
-        return False
-    if not callable(getattr(dynamic_rendezvous, "get_method_name", None)):
-        return False
-    dynamic_rendezvous.get_method_name = _frame_function_name
-    return True
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:
@@ -96,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
     forwarded = torchrun_argv(list(sys.argv[1:] if argv is None else argv))
     multiprocessing.set_forkserver_preload(PRELOAD)
-    fast_rendezvous_event_names()
+    rendezvous.install()
     # The agent reports a function worker's failure with its traceback, and torch's log formatter
     # imports torch._dynamo for that (2-3 s here, at the first restart); import it while the
     # first attempt starts instead.

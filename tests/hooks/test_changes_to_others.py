@@ -5,6 +5,7 @@ marker's id is a row of the table, and each row still has a marker in the code."
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -41,14 +42,53 @@ def sources() -> list[Path]:
     return sorted(p for d in SCANNED for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts)
 
 
+# What a script runner sets as the interpreter would for the script it runs (`python script.py`):
+# the script's own argv, not a change to another project.
+RUNNER_SETS = frozenset({"sys.argv"})
+
+
+def module_attributes(text: str) -> set[int]:
+    """Lines that assign an attribute of an imported module (`dynamic_rendezvous._delay = f`) or a
+    class's dunder method (`holder.__init__ = f`): another project's function replaced in place."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return set()
+    imported = {
+        (alias.asname or alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    lines = set()
+    for node in ast.walk(tree):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for t in targets:
+            if not isinstance(t, ast.Attribute):
+                continue
+            dunder = t.attr.startswith("__") and t.attr.endswith("__") and t.attr != "__wrapped__"
+            module = isinstance(t.value, ast.Name) and t.value.id in imported
+            if module and isinstance(t.value, ast.Name) and f"{t.value.id}.{t.attr}" in RUNNER_SETS:
+                continue
+            if dunder or module:
+                lines.add(t.lineno)
+    return lines
+
+
 def find_changes(text: str) -> list[tuple[int, str, str | None]]:
     """(line number, construct, the marker's id or None) for every construct in `text`."""
     lines = text.splitlines()
+    assigned = module_attributes(text)
     found = []
     for i, line in enumerate(lines):
         code = line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
-        for name, pattern in CONSTRUCTS.items():
-            if not pattern.search(code) or "def " in code or "import " in code:
+        kinds = [name for name, pattern in CONSTRUCTS.items() if pattern.search(code)]
+        if i + 1 in assigned:
+            kinds.append("module attribute")
+        for name in kinds:
+            if name != "module attribute" and ("def " in code or "import " in code):
                 continue
             marker = None
             for j in range(i, max(-1, i - ABOVE - 1), -1):
@@ -96,12 +136,17 @@ def test_the_scan_finds_each_kind_of_change_and_its_marker():
             'os.environ.setdefault("SIDECAR_ATTACHED_PID", "1")',  # our own variable: not a change
             "spec.loader.exec_module(module)",
             "x = getattr(torch, 'save')",
+            "from torch.distributed.elastic.rendezvous import dynamic_rendezvous",
+            "dynamic_rendezvous._delay = fast",
+            "holder.__init__ = init",
+            "self.count = 1",  # an object's own attribute: not a change
         ]
     )
     found = find_changes(text)
     assert [(line, name) for line, name, _ in found] == [
         (1, "setattr"), (3, "signal"), (4, "python hook"), (5, "import system"), (6, "handler table"),
-        (7, "torch hook"), (8, "environment"), (9, "environment"), (11, "module run"),
+        (7, "torch hook"), (8, "environment"), (9, "environment"), (11, "module run"), (14, "module attribute"),
+        (15, "module attribute"),
     ]  # fmt: skip
     markers = {line: marker for line, _, marker in found}
     assert markers[3] == "stack-signal" and markers[4] == "stack-signal"  # within three lines above

@@ -8,9 +8,11 @@ import subprocess
 
 import pytest
 
-from sidecar_trainer.launch import WORKER, _frame_function_name, fast_rendezvous_event_names, torchrun_argv
+from sidecar_trainer.launch import WORKER, torchrun_argv
 from tests.support import PYTHON, ROOT
 from tests.trainer.helpers import torchrun
+from trainer_hooks.rendezvous import _frame_function_name
+from trainer_hooks.rendezvous import fast_event_names as fast_rendezvous_event_names
 
 
 def test_the_launcher_passes_torchruns_options_on_and_runs_the_trainer_as_a_forked_function():
