@@ -162,7 +162,8 @@ class Episode:
             dog, job_id, incident, [t.rank.key for t in members], suppressed=full is not None, why=why,
             observe_only=observe_only, verified=verified, spare=spare, full=full,
         )  # fmt: skip
-        dog.counters.stalls[job_id] += 1
+        if incident.drill is None:  # a drill's stall is counted apart (finish), so no alert fires for it
+            dog.counters.stalls[job_id] += 1
         dog.counters.last_incident = incident.time
         dog.goodput.stalled(job_id, incident.time)
         if no_restart:
@@ -494,9 +495,12 @@ class Episode:
         self.outcome = outcome
         incident.outcome = outcome
         dog.store.save(incident)
-        dog.counters.remediations[(self.job_id, outcome)] += 1
-        kind = incident.hang_kind or ("rank_running" if incident.evidence == "stacks" else "oldest_progress")
-        dog.counters.verdicts[(self.job_id, kind, incident.evidence or "progress")] += 1
+        if incident.drill is not None:
+            dog.counters.drills[(self.job_id, outcome)] += 1
+        else:
+            dog.counters.remediations[(self.job_id, outcome)] += 1
+            kind = incident.hang_kind or ("rank_running" if incident.evidence == "stacks" else "oldest_progress")
+            dog.counters.verdicts[(self.job_id, kind, incident.evidence or "progress")] += 1
         if incident.job_incident is not None:
             dog.parts[self.job_id] = incident
         if dog.job_view is not None:

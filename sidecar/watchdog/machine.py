@@ -359,7 +359,7 @@ class Watchdog:
 
     def families(self, only: Collection[RankKey] | None = None) -> Iterable[Metric]:
         """The watchdog's families; per-rank series only of the ranks in `only` (None: all)."""
-        state, timeout, stalls, remediations, transitions, last, observe, waiting, enq, done, age, verdicts = (
+        state, timeout, stalls, remediations, transitions, last, observe, waiting, enq, done, age, verdicts, drills = (
             m.family() for m in METRICS
         )
         now = self.clock()
@@ -386,13 +386,15 @@ class Watchdog:
             remediations.add_metric([job_id, outcome], n)
         for (job_id, kind, evidence), n in sorted(self.counters.verdicts.items()):
             verdicts.add_metric([job_id, kind, evidence], n)
+        for (job_id, outcome), n in sorted(self.counters.drills.items()):
+            drills.add_metric([job_id, outcome], n)
         for (old, new), n in sorted(self.counters.transitions.items()):
             transitions.add_metric([old, new], n)
         if self.counters.last_incident is not None:
             last.add_metric([], self.counters.last_incident)
         observe.add_metric([], 1.0 if self.settings.watchdog.observe_only else 0.0)
         return [
-            state, timeout, stalls, remediations, transitions, last, observe, waiting, enq, done, age, verdicts,
+            state, timeout, stalls, remediations, transitions, last, observe, waiting, enq, done, age, verdicts, drills,
             *self.goodput.families(), *self.recoveries.families(), *self.shadow.families(),
         ]  # fmt: skip
 

@@ -90,6 +90,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "desync in the program that a restart repeats.",
         ["job_id", "kind", "evidence"],
     ),
+    spec(
+        "watchdog",
+        "watchdog_drills",
+        "counter",
+        "Kill-and-resume drills (`sidecar drill`: a rank stopped on purpose) by outcome, as remediations count "
+        "them. A drill's stall counts here only: not in sidecar_watchdog_stalls_total, "
+        "sidecar_watchdog_remediations_total or sidecar_stall_verdicts_total, so no alert on those fires for it.",
+        ["job_id", "outcome"],
+    ),
 )
 
 
@@ -99,4 +108,5 @@ class Counters:
     stalls: Counter = field(default_factory=Counter)  # job_id
     remediations: Counter = field(default_factory=Counter)  # (job_id, outcome)
     verdicts: Counter = field(default_factory=Counter)  # (job_id, kind, evidence)
+    drills: Counter = field(default_factory=Counter)  # (job_id, outcome): a drill's stall, counted apart
     last_incident: float | None = None

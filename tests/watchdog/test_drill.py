@@ -15,7 +15,8 @@ from tests.watchdog import jobs
 
 pytestmark = pytest.mark.slow
 
-JOB = dict(steps=60, step_delay_seconds=0.25, fault="none", checkpoint_every=4)
+CHECKPOINT_EVERY = 4
+JOB = dict(steps=60, step_delay_seconds=0.25, fault="none", checkpoint_every=CHECKPOINT_EVERY)
 
 
 def drill(sidecar: Sidecar, *flags: str, timeout: float = 200.0) -> subprocess.CompletedProcess:
@@ -51,18 +52,27 @@ def test_a_drill_stops_a_rank_and_reports_detection_kill_and_resume_without_a_fa
         assert 0 < detected <= killed <= again, out
         assert detected < 30, "detected within the 3 s floor and its slack"
         resumed = re.search(r"resumed from step (\d+)", out)
-        # the step the job resumed from: its newest state, which may be past the stopped rank's last
-        # report by the steps of a flush interval (0.5 s of 0.25 s steps) and the one it was in
-        assert resumed and 0 < int(resumed.group(1)) <= int(stopped.group(1)) + 4, out
+        assert resumed and int(resumed.group(1)) > 0, out
         assert "recorded as a drill, not counted as a failure" in out
 
         assert result.returncode == 0, result.explain()
-        assert "resumed from step" in result.text()
+        # the step the drill says the job resumed from is the trainer's own: its newest state, within
+        # one checkpoint interval of the last step rank 0 logged before the kill (the stopped rank's
+        # last report to the sidecar can lag the job by a flush interval or more under load)
+        log = result.text()
+        before = log[: log.index("resumed from step")]
+        last = max(int(m) for m in re.findall(r"step (\d+)/60 loss=", before))
+        assert last - CHECKPOINT_EVERY <= int(resumed.group(1)) <= last, (last, out)
         (incident,) = jobs.incidents(sidecar)
         assert incident["drill"] and incident["drill"].startswith("drill-"), incident
         assert incident["outcome"] == "killed" and incident["blamed_rank"] == 1
         metrics = sidecar.metrics()
         assert "sidecar_job_failures_total{" not in metrics, "a drill is not a failure"
+        # counted apart: no stall, remediation or verdict counter (and no alert on them) moves for it
+        assert re.search(r'sidecar_watchdog_drills_total\{job_id="[^"]+",outcome="killed"\} 1\.0', metrics), metrics
+        for family in ("sidecar_watchdog_stalls_total{", "sidecar_watchdog_remediations_total{",
+                       "sidecar_stall_verdicts_total{"):  # fmt: skip
+            assert family not in metrics, family
         assert 'reason="watchdog"' in metrics, "the drill's exits are still classified (sidecar_rank_exits_total)"
 
 
