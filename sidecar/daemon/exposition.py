@@ -222,7 +222,7 @@ class MetricsEndpoint:
         ]
         for source in self.other_sources:
             try:
-                built.extend(source())
+                built.extend(self.relabel(source()))  # a job's own series: its namespace (podlabels.py)
             except Exception:  # one broken source never breaks the endpoint
                 log.exception("metric source %s failed", getattr(source, "__qualname__", source))
         own, custom, other = _count(built)

@@ -17,9 +17,9 @@ hardware by `cluster, instance` (a node belongs to the platform, not to a tenant
 it (Thanos/Mimir external labels, a ruler that sees it; `cluster_label` in the config names it
 otherwise, `relabel`), `namespace` on the rank series in Kubernetes
 (docs/operator-guide.md#pod-labels). The sidecar's job-level series (no `rank`:
-`sidecar_training_world_size`, `sidecar_job_failures_total`, ...) carry no `namespace`: a join
-of a rank series with one of them matches `on (cluster, job_id)` and keeps the rank side's
-labels, and alerts built on them alone carry `cluster` but no `namespace`.
+`sidecar_training_world_size`, `sidecar_job_failures_total`, ...) carry the job's `namespace`
+where its ranks on the node name one (sidecar/ranks/podlabels.py), so joins with them match `on
+(namespace, cluster, job_id)` and alerts built on them alone keep the tenant too.
 """
 
 from __future__ import annotations

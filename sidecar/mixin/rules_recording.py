@@ -155,8 +155,9 @@ def group(cfg: MixinConfig) -> Group:
                 "and on (namespace, cluster, job_id) (\n"
                 "  count by (namespace, cluster, job_id) (sidecar_rank_collective_record_age_seconds"
                 f" < {T['collective_record_stale_seconds']})\n"
-                # world_size is a job-level series (no namespace): matched on (cluster, job_id).
-                "  >= on (cluster, job_id) group_left max by (cluster, job_id) (sidecar_training_world_size)\n"
+                # world_size is a job-level series with the job's namespace (podlabels.py)
+                "  >= on (namespace, cluster, job_id) group_left max by (namespace, cluster, job_id) "
+                "(sidecar_training_world_size)\n"
                 ")\n"
                 f"unless on (namespace, cluster, job_id) ({JOB_STEPPED})",
             ),

@@ -158,9 +158,11 @@ def group(cfg: MixinConfig) -> Group:
             ),
             Alert(
                 "SidecarJobRestartLoop",
-                # sidecar_job_failures_total is job-level (no namespace): its reason joins on (cluster, job_id).
-                f"({RESTARTS}) * on (cluster, job_id) group_left (reason) (\n"
-                "  0 * topk by (cluster, job_id) (1, sum by (cluster, job_id, reason) (increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
+                # sidecar_job_failures_total is job-level: it carries the job's namespace (podlabels.py) where its
+                # ranks name one, so two tenants' jobs of one id stay apart.
+                f"({RESTARTS}) * on (namespace, cluster, job_id) group_left (reason) (\n"
+                "  0 * topk by (namespace, cluster, job_id) (1, sum by (namespace, cluster, job_id, reason) "
+                "(increase(sidecar_job_failures_total[1h])) > 0) + 1\n"
                 ")\n"
                 f'or on (namespace, cluster, job_id) label_replace({RESTARTS}, "reason", "not recorded", "", "")',
                 "warning",

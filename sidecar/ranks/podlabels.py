@@ -10,6 +10,12 @@ Kubernetes the series carry none of the three, never empty values.
 
 The labels add no series: a rank has one pod at a time, and a rank registering again from
 another pod replaces its registration (and its series) rather than adding to them.
+
+A job's own series (labelled `job_id` but no `rank`: `sidecar_training_world_size`,
+`sidecar_job_failures_total`, the watchdog's stall and verdict counters, ...) carry `namespace` too,
+when the job's ranks on this node name one namespace (a Kubernetes job runs in one); ranks that
+name several, or none, leave it off. So alerts and recording rules keep the tenant for job-level
+alerts as for rank-level ones (issue 31, item 3). Never `pod` or `container`: a job has many.
 """
 
 from __future__ import annotations
@@ -50,22 +56,42 @@ def parse(value: Any) -> dict[str, str]:
     return out
 
 
+def job_namespaces(lookup: dict[tuple[str, str], dict[str, str]]) -> dict[str, str]:
+    """job_id -> its namespace, for the jobs whose ranks here name exactly one."""
+    seen: dict[str, set[str]] = {}
+    for (job_id, _), labels in lookup.items():
+        if "namespace" in labels:
+            seen.setdefault(job_id, set()).add(labels["namespace"])
+    return {job_id: names.pop() for job_id, names in seen.items() if len(names) == 1}
+
+
 def attach(families: Iterable[Metric], labels_of: Callable[[], dict[tuple[str, str], dict[str, str]]]) -> list[Metric]:
-    """`families` with each rank's pod labels added to its samples (those labelled job_id and rank).
-    `labels_of()` maps (job_id, rank as text) to the labels; it is called once, only when needed."""
+    """`families` with each rank's pod labels added to its samples (those labelled job_id and rank),
+    and its job's namespace to the job's own samples (labelled job_id, no rank). `labels_of()` maps
+    (job_id, rank as text) to the labels; it is called once, only when needed."""
     families = list(families)
     lookup: dict[tuple[str, str], dict[str, str]] | None = None
+    namespaces: dict[str, str] = {}
     for family in families:
-        if not family.samples or "rank" not in family.samples[0].labels:
+        if not family.samples or "job_id" not in family.samples[0].labels:
             continue
         if lookup is None:
             lookup = labels_of()
             if not lookup:
                 return families
-        family.samples = [
-            s._replace(labels={**s.labels, **extra})
-            if (extra := lookup.get((s.labels.get("job_id", ""), s.labels.get("rank", ""))))
-            else s
-            for s in family.samples
-        ]
+            namespaces = job_namespaces(lookup)
+        if "rank" in family.samples[0].labels:
+            family.samples = [
+                s._replace(labels={**s.labels, **extra})
+                if (extra := lookup.get((s.labels.get("job_id", ""), s.labels.get("rank", ""))))
+                else s
+                for s in family.samples
+            ]
+        elif namespaces:
+            family.samples = [
+                s._replace(labels={**s.labels, "namespace": ns})
+                if "namespace" not in s.labels and (ns := namespaces.get(s.labels.get("job_id", ""))) is not None
+                else s
+                for s in family.samples
+            ]
     return families

@@ -80,8 +80,12 @@ def test_rank_series_carry_the_pod_labels_and_only_when_set(tmp_path):
         assert 'namespace="team-a"' in line and 'pod="llm-worker-1.abc"' in line and 'container="pytorch"' in line, line
     for name in ("sidecar_training_step", "sidecar_rank_state", "sidecar_process_cpu_seconds_total"):
         assert any(line.startswith(name + "{") for line in rank_series), name
-    # Job-level series name no pod; ranks without the variables carry no such label at all.
-    assert all("pod=" not in line for line in k8s if 'rank="' not in line)
+    # Job-level series carry the job's namespace (one, from its ranks here), never a pod or container;
+    # ranks without the variables carry no such label at all.
+    job_level = [line for line in k8s if 'rank="' not in line]
+    assert any(line.startswith("sidecar_training_world_size{") for line in job_level), job_level
+    for line in job_level:
+        assert 'namespace="team-a"' in line and "pod=" not in line and "container=" not in line, line
     for job in ("bare", "bad"):
         lines = [line for line in metrics.splitlines() if f'job_id="{job}"' in line]
         assert lines and not any(re.search(r'\b(namespace|pod|container)="', line) for line in lines), job
@@ -138,3 +142,22 @@ def test_the_job_examples_set_the_variables_from_the_downward_api():
         container = pod["containers"][0]
         names = {e["name"]: e.get("value") for e in container["env"]}
         assert names["SIDECAR_CONTAINER_NAME"] == container["name"]  # no downward-API field for it
+
+
+def test_a_jobs_own_series_get_its_namespace_only_when_its_ranks_name_one():
+    from prometheus_client.core import CounterMetricFamily
+
+    from sidecar.ranks.podlabels import attach
+
+    def family() -> CounterMetricFamily:
+        f = CounterMetricFamily("sidecar_job_failures", "", labels=["job_id", "reason"])
+        for job in ("one", "two", "none"):
+            f.add_metric([job, "watchdog"], 1)
+        return f
+
+    lookup = {("one", "0"): {"namespace": "team-a", "pod": "p0"}, ("one", "1"): {"namespace": "team-a", "pod": "p1"},
+              ("two", "0"): {"namespace": "team-a"}, ("two", "1"): {"namespace": "team-b"}}  # fmt: skip
+    (got,) = attach([family()], lambda: lookup)
+    labels = {s.labels["job_id"]: s.labels for s in got.samples}
+    assert labels["one"] == {"job_id": "one", "reason": "watchdog", "namespace": "team-a"}  # never a pod
+    assert "namespace" not in labels["two"] and "namespace" not in labels["none"]  # two namespaces, or none
