@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sidecar.collectors.nvml import CLOCK_EVENT_REASONS
+
 MIB = 1048576
 # `cluster` where the series carry it (a multi-cluster setup), as every rule keeps it (promql.py).
 BY = "cluster, instance, gpu"
@@ -52,18 +54,8 @@ def per_gpu(selector: str, scale: str = "") -> str:
     return f"max by ({BY}) ({node(selector)}){scale}"
 
 
-# NVML clock event reasons (sidecar/collectors/nvml.py names) by bit of DCGM_FI_DEV_CLOCKS_EVENT_REASONS.
-CLOCK_REASONS = (
-    ("gpu_idle", 0x1),
-    ("applications_clocks_setting", 0x2),
-    ("sw_power_cap", 0x4),
-    ("hw_slowdown", 0x8),
-    ("sync_boost", 0x10),
-    ("sw_thermal_slowdown", 0x20),
-    ("hw_thermal_slowdown", 0x40),
-    ("hw_power_brake_slowdown", 0x80),
-    ("display_clock_setting", 0x100),
-)
+# NVML clock event reasons by bit of DCGM_FI_DEV_CLOCKS_EVENT_REASONS: the collector's own table.
+CLOCK_REASONS = CLOCK_EVENT_REASONS
 
 
 def _simple(ours: str, unit: str, field: str, scale: str, default: bool, note: str = "") -> Mapping:

@@ -8,15 +8,14 @@ the job instead of joining it; before the mark it joins. Nothing is killed: both
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
+from tests import cgroup_cpu
 from tests.hooks.test_collectives_lateness import GLOO_RANK, Job
 from tests.ops.helpers import run_cli
 from tests.support import PYTHON, ROOT, Sidecar
@@ -94,7 +93,6 @@ def test_a_straggler_on_a_hot_gpu_marks_its_node_and_the_launcher_leaves_the_job
             job.close()
 
 
-CPU_V1 = Path("/sys/fs/cgroup/cpu")
 # The same DDP-like step, its compute spent on the CPU (process time), so that a CPU quota slows it.
 BUSY_RANK = GLOO_RANK.replace(
     "    time.sleep(compute + (extra if slow and rank == 1 and step >= slow_from else 0.0))\n",
@@ -105,34 +103,7 @@ BUSY_RANK = GLOO_RANK.replace(
 assert BUSY_RANK != GLOO_RANK, "the step's sleep was not replaced"
 
 
-def _no_cpu_v1() -> str | None:
-    if not (CPU_V1 / "cgroup.procs").exists():
-        return f"no cgroup v1 cpu hierarchy at {CPU_V1}"
-    return None if os.access(CPU_V1, os.W_OK) else f"{CPU_V1} is not writable (run as root)"
-
-
-@contextlib.contextmanager
-def cpu_quota(pid: int, quota_us: int):
-    """`pid` moved into a fresh cgroup v1 cpu group with `quota_us` per 100 ms; moved back after."""
-    group = CPU_V1 / f"test-straggler-quota-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
-        (group / "cgroup.procs").write_text(str(pid))
-        yield group
-    finally:
-        with contextlib.suppress(OSError):
-            (CPU_V1 / "cgroup.procs").write_text(str(pid))
-        for _ in range(100):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.05)
-
-
-@pytest.mark.skipif(_no_cpu_v1() is not None, reason=str(_no_cpu_v1()))
+@pytest.mark.skipif(cgroup_cpu.unavailable() is not None, reason=str(cgroup_cpu.unavailable()))
 def test_a_rank_held_by_a_real_cpu_quota_is_named_throttled_and_its_node_is_not_marked(tmp_path):
     """The CPU cause end to end: rank 1 of two real gloo ranks, both computing 50 ms of CPU time per
     step, is put under a cgroup v1 quota of 20% of a CPU. The sidecar names it the job's straggler
@@ -148,7 +119,7 @@ def test_a_rank_held_by_a_real_cpu_quota_is_named_throttled_and_its_node_is_not_
                 job.check_alive()
                 assert time.monotonic() < deadline, "the job did not start"
                 time.sleep(0.2)
-            with cpu_quota(job.procs[1].pid, 20_000):
+            with cgroup_cpu.cpu_quota(job.procs[1].pid, 20_000, "test-straggler-quota"):
                 deadline, named = time.monotonic() + 150, []
                 while time.monotonic() < deadline:
                     job.check_alive()

@@ -16,8 +16,7 @@ import pytest
 from sidecar.host import cgroups, procs
 from sidecar.ranks.model import Rank
 from sidecar.ranks.straggler_cause import Causes
-
-CPU_V1 = Path("/sys/fs/cgroup/cpu")
+from tests import cgroup_cpu
 
 
 def _rank(pid: int, verified: bool = True) -> Rank:
@@ -25,39 +24,20 @@ def _rank(pid: int, verified: bool = True) -> Rank:
                 pid_start_time=procs.start_time(pid), peer_verified=verified)  # fmt: skip
 
 
-def _v1_unavailable() -> str | None:
-    if not (CPU_V1 / "cgroup.procs").exists():
-        return f"no cgroup v1 cpu hierarchy at {CPU_V1}"
-    if not os.access(CPU_V1, os.W_OK):
-        return f"{CPU_V1} is not writable (run as root)"
-    return None
-
-
 @contextlib.contextmanager
 def busy_process(quota_us: int | None):
     """A process spinning on a CPU, in a fresh cgroup v1 cpu group with `quota_us` per 100 ms
     (None: no quota)."""
-    group = CPU_V1 / f"test-straggler-cause-{os.getpid()}-{quota_us}"
-    group.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        if quota_us is not None:
-            (group / "cpu.cfs_quota_us").write_text(str(quota_us))
-        (group / "cgroup.procs").write_text(str(proc.pid))
-        yield proc
+        with cgroup_cpu.cpu_quota(proc.pid, quota_us, "test-straggler-cause"):
+            yield proc
     finally:
         proc.kill()
         proc.wait()
-        for _ in range(100):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.05)
 
 
-@pytest.mark.skipif(_v1_unavailable() is not None, reason=str(_v1_unavailable()))
+@pytest.mark.skipif(cgroup_cpu.unavailable() is not None, reason=str(cgroup_cpu.unavailable()))
 def test_a_rank_held_by_a_real_cgroup_v1_cpu_quota_is_throttled_and_one_without_is_not():
     cgroups._mounts_cache.clear()
     for quota, expected in ((10_000, "throttled"), (None, "compute")):
