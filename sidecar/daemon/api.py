@@ -31,7 +31,7 @@ from sidecar.jobview import auth
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
 from sidecar.metric import MetricSpec, spec
-from sidecar.ranks import golive, protocol
+from sidecar.ranks import golive, lateness, protocol
 from sidecar.ranks.collectives import parse_collectives, parse_fr_dump
 from sidecar.ranks.errors import RegistryError
 from sidecar.ranks.model import Rank
@@ -76,6 +76,7 @@ class Daemon:
     # What may make the node unfit: the watchdog's unkillable processes, the GPU checks (app.py wires them).
     fitness_sources: list[Callable[[], Iterable[Finding]]] = field(default_factory=list)
     golive: golive.GoLive = field(default_factory=golive.GoLive)  # go-live checks (operations.py)
+    tracker: lateness.Tracker = field(default_factory=lateness.Tracker)  # its ranks' lateness, judged once
     drills: Drills | None = None  # kill-and-resume drills, made at the first (operations.py)
 
     def fitness(self) -> Fitness:
@@ -450,6 +451,7 @@ async def status(request: web.Request) -> web.Response:
         reporter=d.reporter,
         fitness=d.fitness(),
         golive=operations.golive_status(d, d.registry),
+        lateness_tracker=d.tracker,
     )
     return web.json_response(body)
 

@@ -112,7 +112,9 @@ def build_app(settings: Settings) -> web.Application:
         runner,
         registry,
         # a rank's lateness: as the job's coordinator judged it over the whole job, when fresh
-        TrainingCollector(registry, job_lateness=daemon.reporter.lateness_of if daemon.reporter else None),
+        TrainingCollector(
+            registry, job_lateness=daemon.reporter.lateness_of if daemon.reporter else None, tracker=daemon.tracker
+        ),
         daemon.watchdog,
         [daemon.exits.families, lambda: api.daemon_families(daemon), lambda: fitness.families(daemon.fitness())],
         settings.limits.max_series,
@@ -276,6 +278,7 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
         d.settings.node_name,
         d.registry.ranks,
         d.reporter,
+        d.tracker,
         straggler_cause.gpus_of(d.runner.families, gpu),
     )
     jobs["owners"] = lambda: save_owners_forever(d.registry)

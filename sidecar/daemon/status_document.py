@@ -26,6 +26,7 @@ from sidecar.fitness import Fitness
 from sidecar.jobview import straggler_incidents, stragglers
 from sidecar.jobview.reporter import Reporter
 from sidecar.problems import Kind, Problem, merged, restart_trap
+from sidecar.ranks import lateness
 from sidecar.ranks.model import Rank
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
@@ -285,8 +286,10 @@ def build_status(
     reporter: Reporter | None = None,
     fitness: Fitness | None = None,
     golive: dict | None = None,
+    lateness_tracker: lateness.Tracker | None = None,
 ) -> dict:
     now, now_wall = time.monotonic(), time.time()
+    lateness_tracker = lateness_tracker or lateness.Tracker()  # the daemon's one, which /metrics reads
     s = Samples(runner.families())
     ranks = [rank_entry(r, watchdog, now) for r in sorted(registry.ranks(), key=lambda r: (r.job_id, r.rank))]
     collectors = collectors_section(runner, now_wall)
@@ -333,6 +336,7 @@ def build_status(
                 registry.ranks(),
                 reporter.lateness if reporter is not None else lambda job_id: None,
                 reporter.coordinator if reporter is not None else lambda job_id: None,
+                lateness_tracker,
             ),
             watchdog.store.recent,
         ),

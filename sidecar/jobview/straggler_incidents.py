@@ -37,6 +37,7 @@ from sidecar.fitness import Finding, Reason
 from sidecar.incidents.store import Incident, IncidentStore, document
 from sidecar.jobview import stragglers
 from sidecar.jobview.reporter import Reporter
+from sidecar.ranks import lateness
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.straggler_cause import Cause, Causes, GpuReasons
 
@@ -283,7 +284,7 @@ class StragglerIncidents:
 
 def watching(
     incidents: StragglerIncidents, node: str, ranks: Callable[[], Iterable[Rank]], reporter: Reporter | None,
-    gpus: Callable[[RankKey], GpuReasons | None] = lambda key: None,
+    tracker: lateness.Tracker, gpus: Callable[[RankKey], GpuReasons | None] = lambda key: None,
 ) -> Callable[[], Awaitable[None]]:  # fmt: skip
     """The daemon's background job: this node's ranks judged as `/v1/status` shows them (the job's
     coordinator's fresh judgement, and this node's own), looked at every CHECK_SECONDS, each
@@ -298,6 +299,7 @@ def watching(
                 live,
                 reporter.lateness if reporter is not None else lambda job_id: None,
                 reporter.coordinator if reporter is not None else lambda job_id: None,
+                tracker,
             )
             # every live rank's CPU counters, so that a rank named straggler has a cause at once
             seen = {r.key: await asyncio.to_thread(causes.look, r, gpus(r.key)) for r in live if r.peer_verified}

@@ -353,18 +353,19 @@ def status(
     ranks: Iterable[Rank],
     judged: Callable[[str], tuple[JobLateness, float] | None],
     coordinator: Callable[[str], tuple[str, str] | None],
+    tracker: lateness.Tracker,
 ) -> list[dict[str, Any]]:
     """Per local job, each judgement of its lateness: by the job's coordinator over the whole job
-    (`judged`: the reporter's, fresh only) and by this node over its own ranks (their latest
-    records, at least two ranks), each with the stragglers it names (an empty list: none)."""
-    by_job: dict[str, dict[int, Mapping[GroupKey, Mapping[int, float]]]] = {}
-    for r in ranks:
-        if not r.gone and r.collectives is not None:
-            times = lateness.entries_of(r.collectives)
-            if times:
-                by_job.setdefault(r.job_id, {})[r.rank] = times
+    (`judged`: the reporter's, fresh only) and by this node over its own ranks (`tracker`: the
+    daemon's one judgement of them, which /metrics shows too; at least two ranks), each with the
+    stragglers it names (an empty list: none)."""
+    ranks = list(ranks)
+    jobs = sorted(
+        {r.job_id for r in ranks if not r.gone and r.collectives is not None and lateness.entries_of(r.collectives)}
+    )
+    mine = tracker.judged(ranks)
     out: list[dict[str, Any]] = []
-    for job_id in sorted(by_job):
+    for job_id in jobs:
         got = judged(job_id)
         where = coordinator(job_id)
         if got is not None and where is not None:
@@ -375,11 +376,11 @@ def status(
                 "clock_offset_seconds": None if answer.clock_offset is None else round(answer.clock_offset, 6),
                 "stragglers": [_shown(s) for s in answer.stragglers],
             })  # fmt: skip
-        if len(by_job[job_id]) >= 2:
-            v = lateness.judge(by_job[job_id])
-            mine = [_shown(_named(v, rank, node)) for rank in v.stragglers]
+        v = mine.get(job_id)
+        if v is not None:
+            named = [_shown(_named(v, rank, node)) for rank in v.stragglers]
             out.append({"job_id": job_id, "judged_by": "node", "judged_on": node, "ranks_judged": len(v.ranks),
-                        "stragglers": sorted(mine, key=lambda s: -s["lateness_seconds"])})  # fmt: skip
+                        "stragglers": sorted(named, key=lambda s: -s["lateness_seconds"])})  # fmt: skip
     return out
 
 

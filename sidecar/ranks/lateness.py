@@ -14,11 +14,14 @@ lateness a rank is shown with is the least of its groups' for the same reason.
 
 `judge` is pure (per rank, per group, sequence -> entry time). `Tracker` keeps each local rank's
 entry times across its records (the hooks read their entries once in a wall-clock slot, at about
-the same moment on every rank of a node, so that their windows overlap) and judges each job's
-ranks on this node. Entry times are each rank's wall clock: on one node, one clock. Across nodes the
-job view's coordinator judges the whole job with the same `judge`, each node's times corrected by
-its clock offset estimate (sidecar/jobview/stragglers.py); `families` shows that judgement for this
-node's ranks when it is fresh.
+the same moment on every rank of a node, so that their windows overlap) and judges each job's ranks
+on this node, again only when a record changed. The daemon has one Tracker, which `/metrics`
+(`families`), `/v1/status` `stragglers` and the straggler incidents all read
+(sidecar/jobview/stragglers.py `status`), so they never judge a node's ranks two ways. Entry times
+are each rank's wall clock: on one node, one clock. Across nodes the job view's coordinator judges
+the whole job with the same `judge`, each node's times corrected by its clock offset estimate
+(sidecar/jobview/stragglers.py); `families` shows that judgement for this node's ranks when it is
+fresh.
 
 Everything here is read from records the ranks sent (validated by collectives.py, bounded by the
 wire's limits): no rank can make it cost more than its own bounded record.
@@ -26,6 +29,7 @@ wire's limits): no rank can make it cost more than its own bounded record.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from statistics import median
@@ -163,14 +167,19 @@ class _History:
     rank: Rank  # the registration it belongs to (a restarted rank is a new one: its history starts anew)
     record: Collectives | None = None  # the last record merged
     groups: dict[GroupKey, dict[int, float]] | None = None
+    merged: int = 0  # records merged: what a judgement was made of
 
 
 class Tracker:
     """This node's ranks' entry times, merged from each record as it is seen (HISTORY per group,
-    newest), judged per job. Used from one thread (the /metrics renderer)."""
+    newest), judged per job. Read from the event loop and the /metrics renderer's thread: a lock."""
 
     def __init__(self) -> None:
         self._seen: dict[RankKey, _History] = {}
+        self._lock = threading.Lock()
+        self._made_of: tuple | None = None  # what the cached judgement was made of
+        self._verdicts: dict[str, Verdict] = {}
+        self.judgements = 0  # how many times it judged (not how often it was asked)
 
     def observe(self, ranks: Iterable[Rank]) -> None:
         live = {r.key: r for r in ranks if not r.gone}
@@ -185,9 +194,20 @@ class Tracker:
                 continue
             h.record = record
             h.groups = merge(h.groups or {}, entries_of(record))
+            h.merged += 1
 
-    def verdicts(self) -> dict[str, Verdict]:
-        """Per job: its ranks on this node, judged."""
+    def judged(self, ranks: Iterable[Rank]) -> dict[str, Verdict]:
+        """Per job: its ranks on this node (`ranks`' latest records merged in), judged; judged again
+        only when a record came or a rank went since the last judgement."""
+        with self._lock:
+            self.observe(ranks)
+            made_of = tuple(sorted((key, id(h.rank), h.merged) for key, h in self._seen.items()))
+            if made_of != self._made_of:
+                self._made_of, self._verdicts = made_of, self._judge()
+                self.judgements += 1
+            return self._verdicts
+
+    def _judge(self) -> dict[str, Verdict]:
         jobs: dict[str, dict[int, Mapping[GroupKey, Mapping[int, float]]]] = {}
         for (job_id, rank), h in self._seen.items():
             if h.groups:
@@ -229,9 +249,8 @@ def families(
     only its own ranks, so no two nodes export one rank, and one node never mixes the two for a job.
     """
     ranks = list(ranks)
-    tracker.observe(ranks)
     values: dict[RankKey, float] = {}
-    for job_id, verdict in tracker.verdicts().items():
+    for job_id, verdict in tracker.judged(ranks).items():
         for rank, v in verdict.ranks.items():
             values[(job_id, rank)] = v.seconds
     if job_level is not None:

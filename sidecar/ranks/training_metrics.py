@@ -126,9 +126,12 @@ class TrainingCollector:
     name = "training"
     metrics = METRICS
 
-    def __init__(self, registry: Registry, job_lateness: lateness.JobLevel | None = None):
+    def __init__(
+        self, registry: Registry, job_lateness: lateness.JobLevel | None = None, tracker: lateness.Tracker | None = None
+    ):
         self.registry = registry
-        self.lateness = lateness.Tracker()  # the ranks' collective entry times, judged per job
+        # the ranks' collective entry times, judged per job: the daemon's one tracker, which /v1/status reads too
+        self.lateness = tracker if tracker is not None else lateness.Tracker()
         self.job_lateness = job_lateness  # job -> this node's ranks' lateness judged across nodes (the job view)
 
     def collect(

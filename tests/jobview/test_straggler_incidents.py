@@ -14,6 +14,7 @@ from sidecar.incidents.store import IncidentStore, load_incidents
 from sidecar.jobview import stragglers
 from sidecar.jobview.straggler_incidents import CLOSE_AFTER_SECONDS, StragglerIncidents
 from sidecar.ranks.collectives import parse_collectives
+from sidecar.ranks.lateness import Tracker
 from sidecar.ranks.model import Rank
 from tests.ops.helpers import Rank as LiveRank
 from tests.ops.helpers import post, run_cli
@@ -117,11 +118,11 @@ def test_a_healthy_job_judged_by_this_node_opens_no_incident_and_a_late_rank_doe
     store, clock, incidents = watched
     healthy = [_rank(0, 0.0), _rank(1, 0.002)]
     for _ in range(12):  # two minutes of looks
-        look(incidents, stragglers.status("node-0", healthy, lambda j: None, lambda j: None), LOCAL)
+        look(incidents, stragglers.status("node-0", healthy, lambda j: None, lambda j: None, Tracker()), LOCAL)
         clock.now += 10
     assert store.recent == []
     slow = [_rank(0, 0.0), _rank(1, 0.1)]
-    look(incidents, stragglers.status("node-0", slow, lambda j: None, lambda j: None), LOCAL)
+    look(incidents, stragglers.status("node-0", slow, lambda j: None, lambda j: None, Tracker()), LOCAL)
     (opened,) = store.recent
     assert (opened.blamed_rank, opened.blamed_node, opened.straggler["judged_by"]) == (1, "node-0", "node")
     assert opened.straggler["lateness_seconds"] == pytest.approx(0.1, abs=1e-3)

@@ -152,16 +152,15 @@ def test_the_tracker_joins_records_read_at_different_moments():
     tracker = Tracker()
     _take(r0, range(1, 33), 0.0)
     _take(r1, range(9, 41), 0.1)
-    tracker.observe([r0, r1])
+    tracker.judged([r0, r1])
     _take(r0, range(41, 73), 0.0)
-    tracker.observe([r0, r1])
-    v = tracker.verdicts()["job"]
+    v = tracker.judged([r0, r1])["job"]
     assert v.groups[0].sequences == 24 and v.stragglers == [1]
     _take(r1, range(41, 73), 0.1)
     fam = lateness.families(tracker, [r0, r1])[0]
     got = {s.labels["rank"]: s.value for s in fam.samples}
     assert got == {"0": pytest.approx(0.0, abs=1e-5), "1": pytest.approx(0.1, abs=1e-5)}
-    assert tracker.verdicts()["job"].groups[0].sequences == COLLECTIVES_MAX_RECENT
+    assert tracker.judged([r0, r1])["job"].groups[0].sequences == COLLECTIVES_MAX_RECENT
 
 
 def test_a_restarted_rank_starts_anew_and_gone_ranks_are_not_shown():
@@ -169,7 +168,7 @@ def test_a_restarted_rank_starts_anew_and_gone_ranks_are_not_shown():
     tracker = Tracker()
     _take(r0, range(1, 33), 0.0)
     _take(r1, range(1, 33), 0.1)
-    tracker.observe([r0, r1])
+    tracker.judged([r0, r1])
     again = _rank(1)  # a new registration: its process group formed anew, its sequences from 1 again
     _take(again, range(1, 33), 0.0)
     fam = lateness.families(tracker, [r0, again])[0]
@@ -202,3 +201,28 @@ def test_a_rank_judged_across_nodes_shows_the_jobs_value_on_its_own_node_only():
     fam = lateness.families(Tracker(), [r1, r2], job_level=lambda job_id: None)[0]
     got = {s.labels["rank"]: s.value for s in fam.samples}
     assert got == {"1": pytest.approx(0.0, abs=1e-5), "2": pytest.approx(0.1, abs=1e-5)}
+
+
+def test_one_judgement_serves_every_reader_until_a_record_comes_or_a_rank_goes():
+    """/metrics, /v1/status and the straggler incidents read one Tracker: asked again with nothing
+    new, it does not judge again; a new record, a restarted rank or a gone one makes it judge anew."""
+    from sidecar.jobview import stragglers
+
+    r0, r1 = _rank(0), _rank(1)
+    tracker = Tracker()
+    _take(r0, range(1, 33), 0.0)
+    _take(r1, range(1, 33), 0.1)
+    first = tracker.judged([r0, r1])
+    shown = stragglers.status("node-0", [r0, r1], lambda j: None, lambda j: None, tracker)
+    fam = lateness.families(tracker, [r0, r1])[0]
+    assert tracker.judgements == 1 and tracker.judged([r0, r1]) is first
+    # the three readers say the same: rank 1, 100 ms late
+    assert [(j["judged_by"], [s["rank"] for s in j["stragglers"]]) for j in shown] == [("node", [1])]
+    assert {s.labels["rank"]: round(s.value, 3) for s in fam.samples} == {"0": 0.0, "1": 0.1}
+    _take(r1, range(33, 65), 0.0)  # a new record: judged again
+    assert tracker.judged([r0, r1]) is not first and tracker.judgements == 2
+    again = _rank(1)  # rank 1 registered anew
+    _take(again, range(1, 33), 0.0)
+    tracker.judged([r0, again])
+    r0.gone = True
+    assert tracker.judged([r0, again]) == {} and tracker.judgements == 4
