@@ -50,6 +50,7 @@ from sidecar.jobview import collectives, straggler_incidents
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
 from sidecar.ranks import ownership, podlabels, straggler_cause
+from sidecar.ranks.golive import memory_of
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
 from sidecar.watchdog.machine import Watchdog
@@ -161,12 +162,17 @@ def attach_job_view(daemon: api.Daemon) -> None:
         max_ranks=jv.max_ranks,
         node=settings.node_name,
     )
+    golive_settings = (settings.watchdog.golive_steps, settings.watchdog.golive_imbalance_ratio)
     daemon.reporter = Reporter(
         settings.node_name,
         settings.peer_url,
         jv.report_interval_seconds,
         source=daemon.watchdog.node_report,
         local=daemon.coordinator,
+        # the figures of the job's go-live checks, judged over every node by its coordinator
+        golive=lambda job_id: daemon.golive.figures(
+            job_id, registry.ranks(), memory_of(daemon.runner.families()), *golive_settings
+        ),
     )
     daemon.watchdog.job_view = daemon.reporter
     if daemon.exits is not None:

@@ -35,12 +35,11 @@ def _root_on_socket(request: web.Request) -> None:
             raise ApiError(403, "forbidden", "the job view answers other sidecars (signed, over TCP) and root only")
 
 
-async def _authorize(request: web.Request, body: bytes, socket_checked: bool = False) -> tuple[str, str] | None:
+async def _authorize(request: web.Request, body: bytes) -> tuple[str, str] | None:
     """(the job's key, the request's nonce) when it came signed over TCP, None for root on the Unix
     socket; ApiError when the caller may not ask."""
     if not _is_tcp(request):
-        if not socket_checked:
-            _root_on_socket(request)
+        _root_on_socket(request)  # again after a handler's early check: the connection's peer is fixed
         return None
     job_id = request.match_info["job_id"]
     verifier = _coordinator(request.app[DAEMON]).verifier(job_id)
@@ -69,9 +68,9 @@ def _coordinator(d: Daemon):
 
 async def report(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    _root_on_socket(request)
+    _root_on_socket(request)  # before the body is read: a local user's report is refused unread
     data = await read_json(request)  # bounded and timed like every push
-    signed = await _authorize(request, await request.read(), socket_checked=True)  # the same bytes, read once
+    signed = await _authorize(request, await request.read())  # the same bytes, read once
     coordinator = _coordinator(d)
     parsed = parse_report(data, d.settings.limits.max_ranks_per_job)
     if parsed.job_id != request.match_info["job_id"]:
@@ -84,6 +83,9 @@ async def report(request: web.Request) -> web.Response:
     judged = coordinator.lateness(parsed.job_id, parsed.node)  # the job's stragglers (jobview/stragglers.py)
     if judged is not None:  # absent otherwise: a peer that predates it reads only `verdict`
         answer["lateness"] = judged.to_wire()
+    checks = coordinator.golive(parsed.job_id)  # the job's go-live checks over every node (jobview/golive.py)
+    if checks is not None:  # absent likewise
+        answer["golive"] = checks.to_wire()
     return _answer(answer, signed)
 
 

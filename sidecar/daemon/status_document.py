@@ -24,6 +24,7 @@ from sidecar.config import Settings
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Fitness
 from sidecar.jobview import straggler_incidents, stragglers
+from sidecar.jobview.golive import shown as golive_shown
 from sidecar.jobview.reporter import Reporter
 from sidecar.problems import Kind, Problem, merged, restart_trap
 from sidecar.ranks import lateness
@@ -326,7 +327,10 @@ def build_status(
         "jobs": jobs_section(reporter),
         # Per job with ranks here, its go-live checks (sidecar/ranks/golive.py): ranks joined, first batch,
         # GPU memory and throughput balanced across its ranks here, loss falling over its first steps.
-        "golive": golive or {},
+        # Judged over the whole job by its coordinator when fresh (judged_by, sidecar/jobview/golive.py).
+        "golive": golive_shown(
+            golive or {}, reporter.golive if reporter else None, reporter.coordinator if reporter else None
+        ),
         # Per local job, who is late to its collectives: as its coordinator judged it over the whole
         # job, and as this node judges its own ranks (sidecar/jobview/stragglers.py). Never a kill.
         # A local straggler's cause (straggler_cause.py) comes from its open incident.

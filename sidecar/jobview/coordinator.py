@@ -24,7 +24,8 @@ from typing import Any
 
 from sidecar.jobview import auth
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
-from sidecar.jobview.judge import Summary, judge_summaries, summarize
+from sidecar.jobview.golive import JobChecks, JobGoLive
+from sidecar.jobview.judge import Summary, judge_summaries, records_said, summarize
 from sidecar.jobview.report import MAX_NOT_DUMPED, NO_RANK_KINDS, Culprit, NodePart, NodeReport, Verdict
 from sidecar.jobview.stragglers import JobJudge, JobLateness
 
@@ -75,6 +76,7 @@ class _Job:
     ranks_held: int = 0  # ranks in its nodes' latest reports
     lateness: JobJudge = field(default_factory=JobJudge)  # its ranks' entry times, judged (stragglers.py)
     stragglers_logged: set[int] = field(default_factory=set)
+    golive: JobChecks = field(default_factory=JobChecks)  # its go-live checks over every node
 
     def held_by(self, node: str) -> int:
         got = self.reports.get(node)
@@ -170,6 +172,7 @@ class Coordinator:
         job.unreachable.discard(report.node)
         self.reports_total += 1
         job.lateness.take(report.node, report.time, self.wall(), report.lateness, now, size or self.max_ranks)
+        job.golive.take(report.node, report.golive, size or report.world_size, now)
         if job.lateness.judge(now, self.wall(), self.node):
             self._log_stragglers(job)
         self._update(job, report, now)
@@ -179,6 +182,11 @@ class Coordinator:
         """The job's lateness as `node` is told it, in the answer to its report (None: not judged)."""
         job = self._jobs.get(job_id)
         return job.lateness.answer(node) if job is not None else None
+
+    def golive(self, job_id: str) -> JobGoLive | None:
+        """The job's go-live checks over every node, in the answer to each report (None: none yet)."""
+        job = self._jobs.get(job_id)
+        return job.golive.answer(self.clock(), self.wall(), self.lost_after) if job is not None else None
 
     def _log_stragglers(self, job: _Job) -> None:
         verdict = job.lateness.verdict
@@ -318,7 +326,7 @@ class Coordinator:
             )  # fmt: skip
             log.warning("job %s (%s): held up by %s: %s", job.job_id, v.job_incident, where, culprit.reason)
             if culprit.evidence != "collectives" and any(s.recorded for s in fresh):
-                log.info("job %s: the collective records did not decide it: %s", job.job_id, _records_said(fresh, now))
+                log.info("job %s: the collective records did not decide it: %s", job.job_id, records_said(fresh, now))
             return True
         return changed
 
@@ -367,6 +375,7 @@ class Coordinator:
             job.summaries.pop(node, None)
             job.troubled.discard(node)
             job.lateness.forget_node(node)
+            job.golive.forget_node(node)
 
     # ------------------------------------------------------------ waiting, probing
 
@@ -502,19 +511,3 @@ def _rank_brief(r: Any) -> dict[str, Any]:
         "stack_top": r.stack_top,
         "collectives": r.collectives.brief() if r.collectives is not None else None,
     }
-
-
-def _records_said(summaries: list[Summary], now: float) -> str:
-    """Each rank's record in a line's worth, for the log when the records did not decide a verdict."""
-    said = []
-    for s in summaries:
-        shift = max(0.0, now - s.received) if s.received is not None else 0.0
-        for r in s.recorded[:8]:
-            assert r.collectives is not None
-            groups = ", ".join(
-                f"pg {g.pg} enq {g.enqueued} done {g.completed}"
-                + (f" in #{g.pending[0].seq} {r.collectives.time - g.pending[0].created:.1f}s" if g.pending else "")
-                for g in r.collectives.groups[:4]
-            )
-            said.append(f"{s.node} rank {r.rank} ({(r.collectives_age or 0.0) + shift:.1f}s old): {groups}")
-    return "; ".join(said[:32])

@@ -156,3 +156,19 @@ def _lost(lost: Collection[str], what: str) -> Culprit:
 
 def _culprit(node: str, r: RankView, reason: str, kind: str, evidence: str) -> Culprit:
     return Culprit(r.rank, node, r.step, r.phase, r.stack_top, reason, kind, evidence)
+
+
+def records_said(summaries: list[Summary], now: float) -> str:
+    """Each rank's record in a line's worth, for the log when the records did not decide a verdict."""
+    said = []
+    for s in summaries:
+        shift = max(0.0, now - s.received) if s.received is not None else 0.0
+        for r in s.recorded[:8]:
+            assert r.collectives is not None
+            groups = ", ".join(
+                f"pg {g.pg} enq {g.enqueued} done {g.completed}"
+                + (f" in #{g.pending[0].seq} {r.collectives.time - g.pending[0].created:.1f}s" if g.pending else "")
+                for g in r.collectives.groups[:4]
+            )
+            said.append(f"{s.node} rank {r.rank} ({(r.collectives_age or 0.0) + shift:.1f}s old): {groups}")
+    return "; ".join(said[:32])

@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sidecar.config import NODE_NAME, check_url
+from sidecar.jobview.golive import parse_figures
 from sidecar.jobview.stragglers import RankEntries, parse_entries
 from sidecar.ranks.collectives import Collectives, parse_collectives
+from sidecar.ranks.golive import JobFigures
 from sidecar.ranks.protocol import CONTROL_RE, ProtocolError, _int, _job_id, _object, _text
 from trainer_hooks.wire import MAX_RANK
 
@@ -86,17 +88,23 @@ class NodeReport:
     # its ranks' newest collective entry times, for the job's lateness (stragglers.py); heartbeats
     # carry them too, only for ranks whose entries moved since the coordinator last took them
     lateness: list[RankEntries] = field(default_factory=list)
+    # its ranks' figures for the job's go-live checks (jobview/golive.py): only when they changed
+    # since the coordinator last took them (or every golive.REFRESH_SECONDS); None: unchanged or none
+    golive: JobFigures | None = None
 
     @property
     def troubled(self) -> bool:
         return any(r.troubled for r in self.ranks)
 
     def to_wire(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "part", "lateness")}
+        skip = ("ranks", "part", "lateness", "golive")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["ranks"] = [r.to_wire() for r in self.ranks]  # each once, not converted twice
         out["part"] = asdict(self.part) if self.part is not None else None
         if self.lateness:  # absent when none: a report of a job without entry times stays as it was
             out["lateness"] = [e.to_wire() for e in self.lateness]
+        if self.golive is not None:  # absent likewise: a coordinator that predates it reads none
+            out["golive"] = self.golive.to_wire()
         return out
 
 
@@ -301,6 +309,7 @@ def parse_report(data: dict, max_ranks: int) -> NodeReport:
         job_incident=_text(data, "job_incident", "job_incident", nullable=True, default=None, max_len=MAX_TEXT),
         healthy=_int(data, "healthy", "healthy", 0, max_ranks, default=0),
         lateness=parse_entries(data.get("lateness"), max_ranks),
+        golive=parse_figures(data.get("golive"), max_ranks),
     )
 
 

@@ -29,9 +29,12 @@ import aiohttp
 
 from sidecar.config import check_url
 from sidecar.jobview import auth
+from sidecar.jobview import golive as job_golive
 from sidecar.jobview.coordinator import Coordinator, CoordinatorError
+from sidecar.jobview.golive import JobGoLive
 from sidecar.jobview.report import NodeReport, Verdict, parse_verdict
 from sidecar.jobview.stragglers import JobLateness, Sent, parse_answer
+from sidecar.ranks.golive import JobFigures
 from sidecar.ranks.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ class _Link:
     absent_since: float | None = None  # monotonic: no local rank of the job since
     lateness: JobLateness | None = None  # the job's lateness as the coordinator last judged it (stragglers.py)
     sent: Sent = field(default_factory=Sent)  # the entry times it took
+    golive: JobGoLive | None = None  # the job's go-live checks as the coordinator last judged them (golive.py)
+    golive_at: float = 0.0  # monotonic: when that answer came
+    golive_sent: job_golive.Sent = field(default_factory=job_golive.Sent)  # the figures it took
 
 
 class Reporter:
@@ -69,10 +75,13 @@ class Reporter:
         local: Coordinator | None = None,
         request_timeout: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
+        golive: Callable[[str], JobFigures | None] | None = None,
     ):
         self.node, self.own_url = node, own_url
         self.report_interval, self.source, self.local = report_interval, source, local
         self.request_timeout, self.clock = request_timeout, clock
+        self.figures = golive  # a job's figures for its go-live checks (sidecar/ranks/golive.py)
+        self.figures_failed = 0
         self._links: dict[str, _Link] = {}
         self._changed = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
@@ -160,6 +169,15 @@ class Reporter:
         got = self.lateness(job_id)
         return got[0].ranks if got is not None else None
 
+    def golive(self, job_id: str) -> tuple[JobGoLive, float] | None:
+        """The job's go-live checks as its coordinator judged them over every node, and how old that
+        judgement is (seconds); None when none or stale (older than golive.FRESH_SECONDS)."""
+        link = self._links.get(job_id)
+        if link is None or link.golive is None:
+            return None
+        age = job_golive.age_now(link.golive, link.golive_at, self.clock)
+        return (link.golive, age) if age <= job_golive.FRESH_SECONDS else None
+
     def status(self) -> dict:
         out = {}
         for job, link in sorted(self._links.items()):
@@ -217,12 +235,16 @@ class Reporter:
             if not report.troubled and (link.verdict is None or link.verdict.closed):
                 report.healthy, report.ranks = len(report.ranks), []  # a heartbeat: the coordinator needs no more
             report.lateness = link.sent.due(report.lateness)  # only entries that moved since it took them
+            report.golive = link.golive_sent.due(self._figures(job_id), now)  # when changed (or every minute)
             link.wake.clear()
             try:
-                verdict, judged = await self._send(link, report)
+                verdict, judged, checks = await self._send(link, report)
                 self._take(link, verdict)
                 link.sent.taken(report.lateness)
+                link.golive_sent.taken(report.golive, now)
                 link.lateness = judged or link.lateness
+                if checks is not None:
+                    link.golive, link.golive_at = checks, self.clock()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -236,6 +258,16 @@ class Reporter:
                 await self._long_poll(job_id, link)
             else:
                 await self._sleep(link, self.report_interval)
+
+    def _figures(self, job_id: str) -> JobFigures | None:
+        """The job's go-live figures; a failure to read them never holds up a report."""
+        try:
+            return self.figures(job_id) if self.figures is not None else None
+        except Exception:
+            self.figures_failed += 1
+            if self.figures_failed in (1, 100) or self.figures_failed % 10_000 == 0:
+                log.exception("job %s: go-live figures not read (%d times)", job_id, self.figures_failed)
+            return None
 
     async def _sleep(self, link: _Link, seconds: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -269,9 +301,11 @@ class Reporter:
 
     # ------------------------------------------------------------ requests
 
-    async def _send(self, link: _Link, report: NodeReport) -> tuple[Verdict | None, JobLateness | None]:
-        """The coordinator's verdict and its judgement of the job's lateness (None: none, or a
-        coordinator that predates it)."""
+    async def _send(
+        self, link: _Link, report: NodeReport
+    ) -> tuple[Verdict | None, JobLateness | None, JobGoLive | None]:
+        """The coordinator's verdict, its judgement of the job's lateness and its go-live checks
+        (None: none, or a coordinator that predates them)."""
         body = json.dumps(report.to_wire(), separators=(",", ":")).encode()
         self.sent += 1
         self.bytes_sent += len(body)
@@ -281,14 +315,20 @@ class Reporter:
                 verdict = copy.deepcopy(self.local.accept(report))
             except CoordinatorError as e:
                 raise RuntimeError(str(e)) from None
-            return verdict, self.local.lateness(report.job_id, self.node)
+            checks = self.local.golive(report.job_id)
+            return verdict, self.local.lateness(report.job_id, self.node), copy.deepcopy(checks)
         answer = await self._request(link, "POST", f"/v1/jobs/{_quote(report.job_id)}/report", body)
         try:
             judged = parse_answer(answer.get("lateness"))
         except ProtocolError as e:  # the verdict still counts: lateness is never worth a hang's handling
             log.warning("job %s: coordinator %s: lateness ignored: %s", report.job_id, link.node, e)
             judged = None
-        return parse_verdict(answer.get("verdict")), judged
+        try:
+            checks = job_golive.parse_answer(answer.get("golive"))
+        except ProtocolError as e:  # likewise: the go-live checks are never worth the verdict
+            log.warning("job %s: coordinator %s: go-live checks ignored: %s", report.job_id, link.node, e)
+            checks = None
+        return parse_verdict(answer.get("verdict")), judged, checks
 
     async def _fetch_verdict(self, link: _Link, job_id: str, known: int, wait: float) -> Verdict | None:
         if self._is_local(link):

@@ -11,17 +11,22 @@ Each check is `ok`, `pending` (not known yet), `warning` (with a sentence of wha
 sign of conflicting memory-saving or gradient-accumulation settings between ranks) or `unavailable`
 (nothing on this node reports it: no GPU memory per process, a job that pushes no loss).
 
-Only this node's ranks are judged: the job view carries no memory or throughput of other nodes' ranks.
+Here only this node's ranks are judged. `figures` gives each rank's few figures (and rank 0's node
+the first steps' loss) that the job view carries to the job's coordinator, which judges the same
+checks over every rank of every node (sidecar/jobview/golive.py); `/v1/status` shows its judgement
+while fresh (`judged_by: coordinator`), this node's otherwise. The metric is always this node's.
 The loss of the first N steps is the one thing kept beyond what the registry holds: per job, the mean
 loss of its local ranks at each step of its first N (bounded: N steps, MAX_JOBS jobs).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from prometheus_client.core import Metric
 
@@ -34,6 +39,7 @@ VALUES = {OK: 1.0, WARNING: 0.0, PENDING: -1.0}  # `unavailable`: no series
 MAX_JOBS = 256  # jobs whose first steps' loss is kept (the registry bounds live jobs far below)
 MIN_STEP_TIMES = 3  # step intervals per rank before its throughput is compared
 GIB = float(1 << 30)
+MIB = 1 << 20
 
 GOLIVE_CHECK = spec(
     "training",
@@ -65,6 +71,53 @@ class _LossWindow:
     last_step: int
     sums: dict[int, list[float]] = field(default_factory=dict)  # step -> [sum, count]
     nonfinite: int = 0
+
+
+@dataclass
+class RankFigures:
+    """What the go-live checks read of one rank, as its node sends them to the job's coordinator
+    (sidecar/jobview/golive.py): rounded, so that a report carries them only when they changed."""
+
+    rank: int
+    stepped: bool  # its first step seen (its first batch loaded)
+    memory: int | None = None  # GPU memory bytes (NVML's per-process lists, to the MiB)
+    tokens_per_second: float | None = None
+    samples_per_second: float | None = None
+    step_seconds: float | None = None  # its median step time, once MIN_STEP_TIMES are known
+
+    def to_wire(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class JobFigures:
+    """A node's figures of one job: each local rank's, the local world size its ranks gave, and
+    the job's loss over its first N steps when the job's rank 0 is here."""
+
+    expected: int
+    steps: int  # its watchdog.golive_steps and golive_imbalance_ratio (the coordinator takes rank 0's node's)
+    share: float
+    ranks: list[RankFigures]
+    loss: LossFigures | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"expected": self.expected, "steps": self.steps, "share": self.share}
+        out["ranks"] = [r.to_wire() for r in self.ranks]
+        if self.loss is not None:
+            out["loss"] = {k: v for k, v in asdict(self.loss).items() if v is not None}
+        return out
+
+
+def _rounded(v: Any) -> float | None:
+    return float(f"{v:.4g}") if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
+
+
+def rank_figures(r: Rank, memory: float | None) -> RankFigures:
+    median = statistics.median(r.step_times) if len(r.step_times) >= MIN_STEP_TIMES else None
+    return RankFigures(
+        r.rank, r.step is not None, None if memory is None else int(round(memory / MIB)) * MIB,
+        _rounded(r.metrics.get("tokens_per_second")), _rounded(r.metrics.get("samples_per_second")), _rounded(median),
+    )  # fmt: skip
 
 
 class GoLive:
@@ -123,6 +176,22 @@ class GoLive:
             }
         return out
 
+    def figures(
+        self, job_id: str, ranks: Iterable[Rank], memory: Mapping[tuple[str, int], float], window: int, share: float
+    ) -> JobFigures | None:
+        """This node's figures of the job for its coordinator (None: no live rank of it here)."""
+        mine = sorted((r for r in ranks if r.job_id == job_id and not r.gone), key=lambda r: r.rank)
+        if not mine:
+            return None
+        w = self._windows.get(job_id)
+        return JobFigures(
+            max(r.local_world_size for r in mine),
+            window,
+            share,
+            [rank_figures(r, memory.get((job_id, r.rank))) for r in mine],
+            loss_figures(w) if w is not None and mine[0].rank == 0 else None,
+        )
+
     def families(self, judged: Mapping[str, dict]) -> list[Metric]:
         family = GOLIVE_CHECK.family()
         for job_id, job in sorted(judged.items()):
@@ -155,7 +224,7 @@ def _waiting(first: Check) -> Check:
     return Check(PENDING, "waiting for every rank's first step")
 
 
-def _ranks_text(numbers: Iterable[int]) -> str:
+def ranks_text(numbers: Iterable[int]) -> str:
     items = sorted(numbers)
     return ", ".join(map(str, items[:8])) + (f" and {len(items) - 8} more" if len(items) > 8 else "")
 
@@ -171,7 +240,7 @@ def ranks_joined(ranks: list[Rank]) -> Check:
 def first_batch(ranks: list[Rank]) -> Check:
     waiting = [r.rank for r in ranks if r.step is None]
     if waiting:
-        return Check(PENDING, f"rank {_ranks_text(waiting)} not past its first batch yet")
+        return Check(PENDING, f"rank {ranks_text(waiting)} not past its first batch yet")
     return Check(OK, f"every local rank finished its first step (now at steps {_span([r.step or 0 for r in ranks])})")
 
 
@@ -182,21 +251,29 @@ def _span(values: list[int]) -> str:
 
 def outlier(values: Mapping[int, float]) -> tuple[int, float, float, float] | None:
     """The rank furthest from the median of the others: (rank, its value, the others' min, max),
-    or None with fewer than two ranks. Its relative difference is `difference(values, rank)`."""
+    or None with fewer than two ranks. Its relative difference is `difference(values, rank)`.
+    O(n log n): a job's coordinator compares every rank of the job (8,000 and more)."""
     if len(values) < 2:
         return None
+    order = sorted(values.values())
+    m = len(order) - 1  # the others
     best: tuple[float, float, int] | None = None
     for rank, v in values.items():
-        others = [w for r, w in values.items() if r != rank]
-        med = statistics.median(others)
+        i = bisect.bisect_left(order, v)  # removing any copy of v leaves the same others
+
+        def other(j: int, i: int = i) -> float:
+            return order[j] if j < i else order[j + 1]
+
+        med = other(m // 2) if m % 2 else (other(m // 2 - 1) + other(m // 2)) / 2
         dev = abs(v - med) / med if med > 0 else (0.0 if v == med else math.inf)
         key = (dev, v, -rank)
         if best is None or key > best:
             best = key
     assert best is not None
     rank = -best[2]
-    others = [w for r, w in values.items() if r != rank]
-    return rank, values[rank], min(others), max(others)
+    i = bisect.bisect_left(order, values[rank])
+    others = order[:i] + order[i + 1 :]
+    return rank, values[rank], others[0], others[-1]
 
 
 def difference(values: Mapping[int, float], rank: int) -> float:
@@ -205,7 +282,8 @@ def difference(values: Mapping[int, float], rank: int) -> float:
     return (values[rank] - med) / med if med > 0 else (0.0 if values[rank] == med else math.inf)
 
 
-def _balance(values: Mapping[int, float], share: float, unit: str, fmt) -> Check:
+def balance(values: Mapping[int, float], share: float, unit: str, fmt, nodes: Mapping[int, str] | None = None) -> Check:
+    """`nodes`: each rank's node, named with the rank that differs (the job-wide judgement)."""
     found = outlier(values)
     if found is None:
         ((rank, v),) = values.items()
@@ -215,10 +293,11 @@ def _balance(values: Mapping[int, float], share: float, unit: str, fmt) -> Check
     others = fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}-{fmt(hi)}"
     if abs(diff) > share:
         pct = "+inf" if math.isinf(diff) else f"{diff:+.0%}"
-        return Check(WARNING, f"rank {rank} {unit_text(unit, v, fmt)}, the others {others} {unit} ({pct})")
+        on = f" on {nodes[rank]}" if nodes and rank in nodes else ""
+        return Check(WARNING, f"rank {rank}{on} {unit_text(unit, v, fmt)}, the others {others} {unit} ({pct})")
     all_lo, all_hi = min(values.values()), max(values.values())
     span = fmt(all_lo) if fmt(all_lo) == fmt(all_hi) else f"{fmt(all_lo)}-{fmt(all_hi)}"
-    return Check(OK, f"ranks {_ranks_text(values)}: {span} {unit} (within {share:.0%})")
+    return Check(OK, f"ranks {ranks_text(values)}: {span} {unit} (within {share:.0%})")
 
 
 def unit_text(unit: str, v: float, fmt) -> str:
@@ -234,44 +313,76 @@ def gpu_memory(ranks: list[Rank], memory: Mapping[int, float], share: float) -> 
         return Check(UNAVAILABLE, "no per-rank GPU memory here (no NVML process list: no GPU, or gpu_source dcgm)")
     missing = [r.rank for r in ranks if r.rank not in memory]
     if missing:
-        return Check(PENDING, f"GPU memory of rank {_ranks_text(missing)} not seen yet")
-    return _balance({k: v / GIB for k, v in memory.items()}, share, "GiB", lambda v: f"{v:.1f}")
+        return Check(PENDING, f"GPU memory of rank {ranks_text(missing)} not seen yet")
+    return balance({k: v / GIB for k, v in memory.items()}, share, "GiB", lambda v: f"{v:.1f}")
 
 
 def throughput(ranks: list[Rank], share: float) -> Check:
     for key, unit in (("tokens_per_second", "tokens/s"), ("samples_per_second", "samples/s")):
         rates = {r.rank: r.metrics.get(key) for r in ranks}
         if all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in rates.values()):
-            return _balance({k: float(v or 0) for k, v in rates.items()}, share, unit, lambda v: f"{v:.4g}")
+            return balance({k: float(v or 0) for k, v in rates.items()}, share, unit, lambda v: f"{v:.4g}")
     short = [r.rank for r in ranks if len(r.step_times) < MIN_STEP_TIMES]
     if short:
-        return Check(PENDING, f"rank {_ranks_text(short)} has fewer than {MIN_STEP_TIMES} step times yet")
+        return Check(PENDING, f"rank {ranks_text(short)} has fewer than {MIN_STEP_TIMES} step times yet")
     times = {r.rank: statistics.median(r.step_times) for r in ranks}
     if any(t <= 0 for t in times.values()):
         return Check(PENDING, "step times not measurable yet")
-    return _balance(times, share, "s per step", lambda v: f"{v:.3g}")
+    return balance(times, share, "s per step", lambda v: f"{v:.3g}")
 
 
-def loss_check(w: _LossWindow | None, window: int) -> Check:
+@dataclass
+class LossFigures:
+    """A job's loss over its first N steps, in the few numbers the loss check reads (and a node
+    hosting the job's rank 0 sends its coordinator): the steps seen, the mean loss of the first
+    and the last fifth of the steps with a loss (None: fewer than two), non-finite reports."""
+
+    first_step: int
+    last_step: int
+    points: int = 0  # steps with a finite loss in the window
+    head: float | None = None
+    tail: float | None = None
+    nonfinite: int = 0
+    first_loss_step: int | None = None  # the first and last step with a loss (the text's span)
+    last_loss_step: int | None = None
+
+
+def loss_figures(w: _LossWindow) -> LossFigures:
+    points = [(s, acc[0] / acc[1]) for s, acc in sorted(w.sums.items()) if acc[1]]
+    out = LossFigures(w.first_step, w.last_step, len(points), nonfinite=w.nonfinite)
+    if len(points) >= 2:
+        k = max(1, len(points) // 5)
+        out.head = sum(v for _, v in points[:k]) / k
+        out.tail = sum(v for _, v in points[-k:]) / k
+        out.first_loss_step, out.last_loss_step = points[0][0], points[-1][0]
+    return out
+
+
+def loss_check(w: _LossWindow | LossFigures | None, window: int) -> Check:
     if w is None:
         return Check(PENDING, f"no step reported yet (judged over the first {window} steps)")
-    end = w.first_step + window - 1
-    if w.last_step < end:
-        return Check(PENDING, f"at step {w.last_step} of {w.first_step}-{end}")
-    points = [(s, acc[0] / acc[1]) for s, acc in sorted(w.sums.items()) if acc[1]]
-    if len(points) < 2:
-        if w.nonfinite:
-            return Check(WARNING, f"loss not finite over steps {w.first_step}-{end} ({w.nonfinite} reports)")
-        return Check(UNAVAILABLE, f"the job reported no loss over steps {w.first_step}-{end}")
-    k = max(1, len(points) // 5)
-    head = sum(v for _, v in points[:k]) / k
-    tail = sum(v for _, v in points[-k:]) / k
-    steps = f"steps {points[0][0]}-{points[-1][0]}"
-    if w.nonfinite:
-        return Check(WARNING, f"loss not finite {w.nonfinite} times over {steps}: {head:.4g} -> {tail:.4g}")
+    f = loss_figures(w) if isinstance(w, _LossWindow) else w
+    end = f.first_step + window - 1
+    if f.last_step < end:
+        return Check(PENDING, f"at step {f.last_step} of {f.first_step}-{end}")
+    if f.head is None or f.tail is None:
+        if f.nonfinite:
+            return Check(WARNING, f"loss not finite over steps {f.first_step}-{end} ({f.nonfinite} reports)")
+        return Check(UNAVAILABLE, f"the job reported no loss over steps {f.first_step}-{end}")
+    head, tail = f.head, f.tail
+    steps = f"steps {f.first_loss_step}-{f.last_loss_step}"
+    if f.nonfinite:
+        return Check(WARNING, f"loss not finite {f.nonfinite} times over {steps}: {head:.4g} -> {tail:.4g}")
     if tail < head:
         return Check(OK, f"loss fell over {steps}: {head:.4g} -> {tail:.4g}")
     return Check(WARNING, f"loss did not fall over {steps}: {head:.4g} -> {tail:.4g}")
+
+
+def memory_of(families: Iterable[Metric]) -> dict[tuple[str, int], float]:
+    """memory_by_rank over the collectors' latest families."""
+    return memory_by_rank(
+        (s.labels, s.value) for f in families for s in f.samples if s.name == "sidecar_gpu_process_memory_bytes"
+    )
 
 
 def memory_by_rank(samples: Iterable[tuple[Mapping[str, str], float]]) -> dict[tuple[str, int], float]:

@@ -152,3 +152,49 @@ def test_bad_golive_settings_raise_one_line_naming_the_setting(setting, fragment
 def test_golive_settings_default_to_50_steps_and_20_percent():
     w = settings_from_args(argparse.Namespace(set=[], config=None, listen=None, socket=None)).watchdog
     assert (w.golive_steps, w.golive_imbalance_ratio) == (50, 0.2)
+
+
+# ---------------------------------------------------------------- the figures a node sends its coordinator
+
+
+def test_a_nodes_figures_carry_each_live_rank_rounded_and_the_loss_only_with_rank_0():
+    from sidecar.ranks.golive import MIB
+
+    golive = GoLive()
+    feed(golive, [2.31 - 0.01 * i for i in range(50)])
+    ranks = [rank(0, tokens_per_second=51234.5678), rank(1, step=None), rank(2)]
+    ranks[2].gone = True
+    got = golive.figures("job", ranks, {("job", 0): 22 * GIB + 1234}, 50, SHARE)
+    assert got is not None and (got.expected, got.steps, got.share) == (4, 50, SHARE)
+    assert [r.rank for r in got.ranks] == [0, 1], "a rank gone is not sent"
+    zero, one = got.ranks
+    assert zero.stepped and zero.memory == 22 * GIB and zero.memory % MIB == 0
+    assert zero.tokens_per_second == 51230.0 and zero.step_seconds == 0.3
+    assert not one.stepped and one.memory is None and one.step_seconds is None
+    assert got.loss is not None and got.loss.head is not None and got.loss.tail < got.loss.head  # type: ignore[operator]
+    elsewhere = golive.figures("job", [rank(4)], {}, 50, SHARE)
+    assert elsewhere is not None and elsewhere.loss is None, "only rank 0's node sends the loss"
+    assert golive.figures("other", ranks, {}, 50, SHARE) is None
+
+
+def test_the_outlier_is_the_one_a_plain_median_of_the_others_names():
+    import random
+    import statistics
+
+    from sidecar.ranks.golive import outlier
+
+    def plain(values):
+        best = None
+        for r, v in values.items():
+            med = statistics.median([w for q, w in values.items() if q != r])
+            dev = abs(v - med) / med if med > 0 else (0.0 if v == med else math.inf)
+            if best is None or (dev, v, -r) > best:
+                best = (dev, v, -r)
+        assert best is not None
+        return -best[2]
+
+    rng = random.Random(7)
+    for n in (2, 3, 4, 5, 8, 17):
+        for _ in range(50):
+            values = {r: float(rng.choice([1, 2, 3, 5, 8, 0]) + rng.random() * rng.choice([0, 1])) for r in range(n)}
+            assert outlier(values)[0] == plain(values), values  # type: ignore[index]
