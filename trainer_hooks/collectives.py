@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from trainer_hooks.environment import switched_on
 from trainer_hooks.wire import (
     COLLECTIVES_EVERY_SECONDS,
     COLLECTIVES_MAX_GROUP_RANKS,
@@ -55,7 +56,7 @@ READ_EVERY_SECONDS = COLLECTIVES_EVERY_SECONDS  # the record is read this often,
 
 
 def enabled(environ: Mapping[str, str]) -> bool:
-    return environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(environ, SWITCH)
 
 
 def enable(environ: MutableMapping[str, str] | None = None) -> bool:

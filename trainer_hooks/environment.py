@@ -25,6 +25,10 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_INFER_PHASES` | `0` stops the hooks from inferring phases nobody declared: evaluation after `model.eval()`, data loader waits, torch.save/load, compile (`pauses.py`) |
 | `SIDECAR_JOB_VIEW` | `0` stops the hooks from telling their sidecar where the job's coordinating sidecar is (`jobview.py`) |
 | `SIDECAR_OBSERVE_ONLY` | `1` asks the sidecar to detect, count and report this job's stalls but never kill its ranks (registration `observe_only`; the sidecar honours it unless its `watchdog.allow_job_observe_only` is off); `Monitor(observe_only=...)` wins |
+
+The on/off switches (`SIDECAR_COLLECTIVES`, `SIDECAR_INFER_PHASES`, `SIDECAR_JOB_VIEW`) are read by
+`switched_on`: `0`, `false`, `no` or `off` (any case, spaces around) turn the feature off; unset or
+anything else leaves it on.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ DEFAULT_FLUSH_INTERVAL = 0.5
 DEFAULT_STACK_SIGNAL = signal.SIGUSR2
 _TRUE = ("1", "true", "yes", "on")
 _OFF = ("", "0", "off", "none", "no", "false", "disabled")
+_SWITCHED_OFF = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,12 @@ def endpoint(
             DEFAULT_SOCKET,
         )
     return Endpoint(socket_path=DEFAULT_SOCKET, token=token)
+
+
+def switched_on(environ: Mapping[str, str], name: str) -> bool:
+    """Whether the on/off switch `name` leaves its feature on: off at 0, false, no or off (any
+    case); on when unset or anything else."""
+    return str(environ.get(name, "1")).strip().lower() not in _SWITCHED_OFF
 
 
 def disabled(environ: Mapping[str, str]) -> bool:

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainer_hooks.environment import switched_on
 from trainer_hooks.errors import warn
 from trainer_hooks.wire import JOB_COORDINATOR_EVENT, JOB_KEY_CHARS
 
@@ -36,7 +37,7 @@ REREAD_SECONDS = 30.0  # afterwards: the coordinator may have moved (a restart)
 
 
 def enabled(environ: Mapping[str, str]) -> bool:
-    return environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(environ, SWITCH)
 
 
 def _default_store() -> Any:

@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from trainer_hooks.environment import switched_on
 from trainer_hooks.errors import warn
 from trainer_hooks.records import PHASE_END, PHASE_START
 
@@ -95,7 +96,7 @@ _train_depth = 0  # Module.train calls in progress (the recursion over children)
 
 def enabled(environ: Mapping[str, str]) -> bool:
     """False when SIDECAR_INFER_PHASES switches the inference off."""
-    return str(environ.get(SWITCH, "1")).strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(environ, SWITCH)
 
 
 def _ended(pause: Pause) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sidecar.commands.verdict import dict_at
+
 # What each stage of watchdog/recovery.py ends at, for people; a stage not named here prints bare.
 ENDS = {
     "detect": "hang -> detected",
@@ -38,10 +40,6 @@ BEFORE_KILL = frozenset({"detect", "dump", "decide"})  # the sidecars' part, not
 AFTER_FIRST_STEP = frozenset({"redo", TOTAL})  # training again already, or the whole
 GONE_ROW = "ranks gone"
 GONE_EVENTS = ("exit_observed", "restarted_by_launcher")
-
-
-def _obj(value: Any) -> dict:
-    return value if isinstance(value, dict) else {}
 
 
 def _number(value: Any) -> float | None:
@@ -67,12 +65,12 @@ def _gone_after_kill(story: dict) -> dict[str, float]:
 def stage_columns(story: dict) -> tuple[list[str], list[str], dict[str, dict[str, float | None]]]:
     """(nodes, stage names in the nodes' order, node -> stage -> seconds) of a story; a node
     without stages (no part yet, an older node) has an empty column."""
-    nodes_obj = _obj(story.get("nodes"))
+    nodes_obj = dict_at(story, "nodes")
     nodes = sorted(str(n) for n in nodes_obj)
     names: list[str] = []
     table: dict[str, dict[str, float | None]] = {}
     for node in nodes:
-        stages = _obj(_obj(_obj(nodes_obj.get(node)).get("part")).get("stages"))
+        stages = dict_at(dict_at(dict_at(nodes_obj, node), "part"), "stages")
         table[node] = {}
         for name, seconds in stages.items():
             name = str(name)

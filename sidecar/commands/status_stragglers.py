@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sidecar.commands.verdict import dicts_at
+
 TITLE = "Stragglers (late to collectives; never killed)"
 COLUMNS = ["JOB", "RANK", "NODE", "LATENESS", "GROUP (INTERVAL)", "JUDGED BY", "CAUSE"]
 EMPTY = "none judged (no job with collective entry times here)"
@@ -31,13 +33,10 @@ def _judged_by(j: dict) -> str:
 
 
 def rows(status: Any) -> list[Row]:
-    judgements = status.get("stragglers") if isinstance(status, dict) else None
     out: list[Row] = []
-    for j in judgements if isinstance(judgements, list) else []:
-        if not isinstance(j, dict):
-            continue
+    for j in dicts_at(status, "stragglers") if isinstance(status, dict) else []:
         job, by = str(j.get("job_id")), _judged_by(j)
-        named = [s for s in j.get("stragglers") or [] if isinstance(s, dict)]
+        named = dicts_at(j, "stragglers")
         if not named:
             out.append([(job, ""), ("-", ""), ("-", ""), ("none", "green"), ("-", ""), (by, ""), ("-", "")])
         for s in named:

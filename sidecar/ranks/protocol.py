@@ -326,18 +326,12 @@ def _launcher(data: dict) -> Launcher | None:
     return Launcher(name, max_restarts if name == "torchrun" else None)
 
 
-def _restart_safe(data: dict) -> bool | None:
-    value = data.get(RESTART_SAFE)
+def _flag(data: dict, key: str) -> bool | None:
+    """A true/false the hooks may leave out or send as null (None then)."""
+    value = data.get(key)
     if value is not None and type(value) is not bool:
-        raise ProtocolError(f"{RESTART_SAFE}: expected true, false or null, got {_kind(value)}")
+        raise ProtocolError(f"{key}: expected true, false or null, got {_kind(value)}")
     return value
-
-
-def _observe_only(data: dict) -> bool:
-    value = data.get(OBSERVE_ONLY)
-    if value is not None and type(value) is not bool:
-        raise ProtocolError(f"{OBSERVE_ONLY}: expected true, false or null, got {_kind(value)}")
-    return bool(value)
 
 
 def parse_registration(data: dict) -> Registration:
@@ -379,8 +373,8 @@ def parse_registration(data: dict) -> Registration:
         hooks_version=_text(data, "hooks_version", "hooks_version", nullable=True, default=None),
         kubernetes=kubernetes,
         launcher=_launcher(data),
-        restart_safe=_restart_safe(data),
-        observe_only=_observe_only(data),
+        restart_safe=_flag(data, RESTART_SAFE),
+        observe_only=bool(_flag(data, OBSERVE_ONLY)),
     )
 
 

@@ -38,8 +38,8 @@ from sidecar.config import Settings
 from sidecar.host import procs
 from sidecar.incidents.store import Incident
 from sidecar.ranks.model import Rank, RankKey
-from sidecar.safetext import printable
 from sidecar.watchdog.coordination import Probe
+from sidecar.watchdog.frames import Frames, label
 from sidecar.watchdog.timeouts import Deadline
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ BUSY_CPU_SHARE = 0.2  # of one core: the least CPU a busy rank uses between two 
 INTERIM_LOOKS = 6  # stack looks between two checks of a rank whose CPU time grows (before its deadline too)
 MIN_LOOKS = 4  # a still stack is trusted after this many looks (more are taken past the deadline if need be)
 PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
-Frames = tuple[tuple[str, str, int], ...]
 
 
 def moved(before: Frames, after: Frames) -> bool:
@@ -62,11 +61,8 @@ def moved(before: Frames, after: Frames) -> bool:
 
 def describe(frames: Frames) -> str:
     """The innermost frame for a log line and an incident: `func (file:line)`, the file cut to its
-    last two parts; escaped before it is cut (the rank wrote its own dump)."""
-    if not frames:
-        return "?"
-    file, func, line = frames[0]
-    return printable(f"{func} ({'/'.join(file.replace(chr(92), '/').rsplit('/', 2)[-2:])}:{line})")[:240]
+    last two parts; escaped before it is cut (the rank wrote its own dump). "?" without frames."""
+    return label(*frames[0]) if frames else "?"
 
 
 @dataclass

@@ -73,6 +73,22 @@ class _Following:
     observed: set[str] = field(default_factory=set)
 
 
+def bucket_counts(bounds: tuple[float, ...], counts: list[int] | None, value: float) -> list[int]:
+    """A histogram's cumulative counts per upper bound (the last one +Inf) with `value` observed
+    (a new histogram's without `counts`): what this module's and shadow.py's histograms keep."""
+    counts = [0] * (len(bounds) + 1) if counts is None else counts
+    for i, le in enumerate(bounds):
+        if value <= le:
+            counts[i] += 1
+    counts[-1] += 1
+    return counts
+
+
+def bucket_samples(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
+    """The histogram's buckets as a metric family takes them: (upper bound, cumulative count)."""
+    return [(str(le), c) for le, c in zip(bounds, counts, strict=False)] + [("+Inf", counts[-1])]
+
+
 class Recoveries:
     """Follows the recoveries of this node's stall incidents. `save(incident)` writes an incident
     again (the watchdog's store); `observe(stage, seconds)` feeds the histogram."""
@@ -85,7 +101,6 @@ class Recoveries:
         # a process's start time is counted from it.
         self.boot_time = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) if boot_time is None else boot_time
         self._following: list[_Following] = []
-        self.buckets = [0] * (len(BUCKETS) + 1)
         self.histograms: dict[str, tuple[list[int], float, int]] = {}
 
     def start(self, incident: Incident, ranks: list[Rank], hang_step: int | None, step_time: float | None) -> None:
@@ -183,12 +198,8 @@ class Recoveries:
     # ------------------------------------------------------------ the histogram
 
     def observe(self, stage: str, seconds: float) -> None:
-        counts, total, n = self.histograms.get(stage, ([0] * (len(BUCKETS) + 1), 0.0, 0))
-        for i, le in enumerate(BUCKETS):
-            if seconds <= le:
-                counts[i] += 1
-        counts[-1] += 1
-        self.histograms[stage] = (counts, total + seconds, n + 1)
+        counts, total, n = self.histograms.get(stage, (None, 0.0, 0))
+        self.histograms[stage] = (bucket_counts(BUCKETS, counts, seconds), total + seconds, n + 1)
 
     def families(self) -> Iterable[Any]:
         family = METRICS[0].family()
@@ -196,8 +207,7 @@ class Recoveries:
             if stage not in self.histograms:
                 continue
             counts, total, _ = self.histograms[stage]
-            buckets = [(str(le), c) for le, c in zip(BUCKETS, counts, strict=False)] + [("+Inf", counts[-1])]
-            family.add_metric([stage], buckets, total)
+            family.add_metric([stage], bucket_samples(BUCKETS, counts), total)
         return [family]
 
 

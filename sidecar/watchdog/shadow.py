@@ -34,6 +34,7 @@ from typing import Any
 from sidecar.config import Settings
 from sidecar.metric import MetricSpec, spec
 from sidecar.ranks.model import Rank, RankKey
+from sidecar.watchdog.recovery import bucket_counts, bucket_samples
 from sidecar.watchdog.restarts import no_restart_reasons
 from sidecar.watchdog.timeouts import LEARN_FACTOR, Timeouts
 
@@ -103,6 +104,7 @@ class _Figures:
     longest: dict[str, float] = field(default_factory=dict)  # phase -> the longest self-resolved pause
     histograms: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # phase -> (buckets, sum)
     observe_only: bool = False  # the job asked for observe-only at registration (and it was honoured)
+    owner_uid: int | None = None  # the uid owning the job_id when a rank of it was last seen here
 
 
 class Shadow:
@@ -132,6 +134,8 @@ class Shadow:
         storm cap is not consulted (it spends a slot). True when counted."""
         figures = self._figures(job_id)
         figures.observe_only = any(r.observe_only for r in ranks)
+        if ranks:
+            figures.owner_uid = ranks[0].owner_uid
         restarted = self.settings.remediation.kill_without_restart or not no_restart_reasons(ranks)
         if verified and restarted:
             figures.would_kill += 1
@@ -145,6 +149,9 @@ class Shadow:
         held = self._stalls.get(rank.key)
         if held is None or held.rank is not rank:
             self._stalls[rank.key] = _Stall(rank, phase_of(rank), progress_of(rank))
+        figures = self._jobs.get(rank.job_id)
+        if figures is not None:  # the job's budgets shown are its owner's now (a job_id may pass to another uid)
+            figures.owner_uid = rank.owner_uid
 
     def forget(self, key: RankKey) -> None:
         """The rank is gone (killed, exited, replaced): its stall did not end by itself."""
@@ -165,15 +172,12 @@ class Shadow:
             return None
         seconds = end - stall.start
         figures = self._figures(rank.job_id)
+        figures.owner_uid = rank.owner_uid
         figures.false_alarms[stall.phase] += 1
         figures.longest[stall.phase] = max(figures.longest.get(stall.phase, 0.0), seconds)
-        counts, total = figures.histograms.get(stall.phase, ([0] * (len(BUCKETS) + 1), 0.0))
-        for i, le in enumerate(BUCKETS):
-            if seconds <= le:
-                counts[i] += 1
-        counts[-1] += 1
-        figures.histograms[stall.phase] = (counts, total + seconds)
-        before = self.timeouts.learned(rank.job_id).get(stall.phase)
+        counts, total = figures.histograms.get(stall.phase, (None, 0.0))
+        figures.histograms[stall.phase] = (bucket_counts(BUCKETS, counts, seconds), total + seconds)
+        before = self.timeouts.learned(rank.job_id, rank.owner_uid).get(stall.phase)
         budget = self.timeouts.learn(rank.job_id, stall.phase, seconds, rank.owner_uid)
         what = "step timeout" if stall.phase == "steps" else f"budget for {stall.phase}"
         if before is not None and budget <= before:
@@ -200,8 +204,7 @@ class Shadow:
             for phase, n in sorted(f.false_alarms.items()):
                 alarms.add_metric([job_id, phase], n)
             for phase, (counts, total) in sorted(f.histograms.items()):
-                buckets = [(str(le), c) for le, c in zip(BUCKETS, counts, strict=False)] + [("+Inf", counts[-1])]
-                durations.add_metric([job_id, phase], buckets, total)
+                durations.add_metric([job_id, phase], bucket_samples(BUCKETS, counts), total)
         return [would, alarms, durations]
 
     def status(self) -> dict[str, dict]:
@@ -225,6 +228,8 @@ class Shadow:
                     for phase, n in sorted(f.false_alarms.items())
                 },
                 "floor_killing_none_seconds": None if longest is None else round(longest + tick, 3),
-                "learned_budgets_seconds": {k: round(v, 3) for k, v in sorted(self.timeouts.learned(job_id).items())},
+                "learned_budgets_seconds": {
+                    k: round(v, 3) for k, v in sorted(self.timeouts.learned(job_id, f.owner_uid).items())
+                },
             }
         return out

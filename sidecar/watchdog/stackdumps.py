@@ -18,7 +18,7 @@ from pathlib import Path
 from sidecar.host.signals import Target, send
 from sidecar.host.stackfiles import MAX_STACK_BYTES, StackFile
 from sidecar.incidents.store import STACK_HEAD_LINES
-from sidecar.safetext import printable
+from sidecar.watchdog.frames import Frames, first, label, matches, parse
 
 # Frames of a rank that waits for its peers: inside torch.distributed (faulthandler:
 # `File ".../torch/distributed/x.py"`, py-spy: `all_reduce (torch/distributed/x.py:12)`), and
@@ -52,40 +52,23 @@ def stack_head(text: str, lines: int = STACK_HEAD_LINES) -> list[str]:
     return [line.rstrip() for line in ordered.split("\n") if line.strip()][:lines]
 
 
-_FAULTHANDLER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
-_PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:()]+):(?P<line>\d+)\)", re.M)
-
-
 def frames(text: str) -> list[str]:
     """Each frame of a dump (faulthandler's or py-spy's) as `file func`, innermost first."""
-    found = (_FAULTHANDLER_FRAME.match(line) or _PY_SPY_FRAME.match(line) for line in text.split("\n"))
-    return [f"{m['file']} {m['func']}" for m in found if m is not None]
+    return [f"{m['file']} {m['func']}" for m in matches(text)]
 
 
-def main_frames(text: str) -> tuple[tuple[str, str, int], ...]:
+def main_frames(text: str) -> Frames:
     """The main thread's frames of a dump as (file, function, line), innermost first (empty
     without a dump or frames): what tells whether a rank's stack moved between two looks
     (liveness.py)."""
-    if not text.strip():
-        return ()
-    lines = main_thread(text).split("\n")
-    found = (_FAULTHANDLER_FRAME.match(line) or _PY_SPY_FRAME.match(line) for line in lines)
-    return tuple((m["file"], m["func"], int(m["line"])) for m in found if m is not None)
+    return parse(main_thread(text)) if text.strip() else ()
 
 
 def stack_top(text: str) -> str | None:
     """The innermost frame of the main thread, as `func (file:line)`; None without a dump. Both
     faulthandler and py-spy list the most recent call first."""
-    if not text.strip():
-        return None
-    main = main_thread(text)
-    found = _FAULTHANDLER_FRAME.search(main) or _PY_SPY_FRAME.search(main)
-    if found is None:
-        return None
-    path = found["file"].replace("\\", "/")
-    short = "/".join(path.rsplit("/", 2)[-2:])
-    # escaped before it is cut: a rank writes its own dump, and the frame reaches reports and screens
-    return printable(f"{found['func']} ({short}:{found['line']})")[:240]
+    top = first(main_thread(text)) if text.strip() else None
+    return None if top is None else label(*top)
 
 
 def in_collective(text: str) -> bool | None:

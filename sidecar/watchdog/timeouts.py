@@ -72,9 +72,11 @@ class Timeouts:
         table[phase] = max(table.get(phase, 0.0), min(self.settings.ceiling_seconds, LEARN_FACTOR * seconds))
         return table[phase]
 
-    def learned(self, job_id: str) -> dict[str, float]:
+    def learned(self, job_id: str, owner_uid: int | None = None) -> dict[str, float]:
+        """The least budgets the job's pauses taught it while `owner_uid` owned it (none when the
+        job_id was another uid's: what another owner learned never applies, as in `deadline`)."""
         known = self._learned.get(job_id)
-        return dict(known[1]) if known is not None else {}
+        return dict(known[1]) if known is not None and known[0] == owner_uid else {}
 
     def keep_jobs(self, jobs: Collection[str]) -> None:
         """Forget what the jobs no longer known (no rank in the registry) had learned."""

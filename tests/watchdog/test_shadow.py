@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 
 from sidecar.host import procs
+from sidecar.ranks.model import Rank
 from sidecar.ranks.protocol import Launcher, Registration
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
+from sidecar.watchdog.shadow import Shadow
 from sidecar.watchdog.timeouts import Timeouts
 from tests.support import make_settings
 from tests.watchdog.helpers import WATCHDOG, phase, register, step
@@ -257,4 +259,28 @@ def test_learned_budgets_live_as_long_as_the_job_is_known(tmp_path):
     t.keep_jobs({"b"})
     assert t.learned("a") == {} and t.learned("b") == {"eval": 100}
     assert t.learn("b", "steps", 10, owner_uid=1000) == 15  # the job_id passed to another user: anew
-    assert t.learned("b") == {"steps": 15}
+    assert t.learned("b", 1000) == {"steps": 15} and t.learned("b") == {}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestWarning")
+def test_a_job_id_reused_by_another_uid_shows_none_of_the_first_owner_s_learned_budgets(tmp_path):
+    """/v1/status (watchdog.shadow) shows the budgets the job's current owner taught it: once the
+    job_id's ranks are another uid's, none of the first owner's."""
+    s = make_settings(tmp_path, WATCHDOG)
+    shadow = Shadow(s, Timeouts(s.watchdog))
+
+    def rank(uid: int, progress: float) -> Rank:
+        return Rank(JOB, 0, 0, 1, 1, pid=1, pid_start_time=None, owner_uid=uid, step=1, last_progress=progress)
+
+    first = rank(1000, 100.0)
+    shadow.stalled(first)
+    first.last_progress = 112.0
+    assert shadow.resumed(first, killing=False) is not None  # a false alarm of 12 s: 18 s learned
+    assert shadow.status()[JOB]["learned_budgets_seconds"] == {"steps": 18}
+    second = rank(2000, 200.0)  # the job_id passed to uid 2000
+    shadow.stalled(second)
+    assert shadow.status()[JOB]["learned_budgets_seconds"] == {}
+    second.last_progress = 204.0
+    note = shadow.resumed(second, killing=False)
+    assert note is not None and "is now at least 6.0s" in note  # learned anew, not "stays at least 18.0s"
+    assert shadow.status()[JOB]["learned_budgets_seconds"] == {"steps": 6}

@@ -88,3 +88,14 @@ def test_the_age_runs_from_the_ranks_own_progress_or_from_when_it_could_last_hav
     assert t.deadline(r, 110.0).age == pytest.approx(5.6)
     r.pushes_promised, r.contact_at = False, None  # older hooks: nothing is known of their pushes
     assert t.deadline(r, 110.0).age == pytest.approx(10.0)
+
+
+def test_a_job_id_reused_by_another_uid_shows_none_of_the_first_owner_s_learned_budgets(tmp_path):
+    """`learned` respects the owner as `deadline` does: what uid 1000 taught the job is not uid 2000's."""
+    t = policy(tmp_path)
+    t.learn("job", "eval", 40, owner_uid=1000)
+    t.learn("job", "steps", 12, owner_uid=1000)
+    assert t.learned("job", 1000) == {"eval": 60, "steps": 18}
+    assert t.learned("job", 2000) == {} and t.learned("job") == {}
+    t.learn("job", "steps", 4, owner_uid=2000)  # the new owner learns anew
+    assert t.learned("job", 2000) == {"steps": 6} and t.learned("job", 1000) == {}
