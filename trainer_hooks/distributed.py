@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from trainer_hooks.environment import switched_on
 from trainer_hooks.errors import warn
 
 PREFIX = "trainer_hooks/attempt"
@@ -67,7 +68,7 @@ def needed(environ: Mapping[str, str] | None = None) -> bool:
     return (
         env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         and "TORCHELASTIC_RUN_ID" in env
-        and env.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+        and switched_on(env, SWITCH)
     )
 
 
