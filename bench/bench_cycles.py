@@ -5,6 +5,7 @@
     python -m bench.bench_cycles --baseline            # torchrun alone, rank 1 SIGKILLed: without / with
                                                        # trainer_hooks.distributed (SIDECAR_ATTEMPT_STORE=0/1)
     python -m bench.bench_cycles --ft-launcher         # the same cycles under NVIDIA's ft_launcher
+    python -m bench.bench_cycles --warm                # also under `python -m trainer_hooks.launch --warm`
 
 Each script (bench/cycles/train_*.py) runs 2 ranks with gloo on the CPU under `torchrun
 --standalone`; in each of the first N attempts rank 1 SIGSTOPs itself after about 1.5 s of
@@ -15,18 +16,56 @@ attempt. Target: every cycle comes back (N/N) and the job finishes.
 ft_launcher comes from `pip install nvidia-resiliency-ext` (not a dependency of this project);
 set FT_LAUNCHER_PYTHONPATH to a directory it was installed into with `pip install --target`
 to keep it out of the environment.
+
+`--warm` (launcher `warm`): the workers of every attempt are forks of a server that imported torch
+and the script's heavy modules once (trainer_hooks/warm.py; WARM_PRELOAD per script).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+from bench.cycles import runner
 from bench.cycles.runner import SCRIPTS, run_cycles
+
+# What `--warm` preloads besides trainer_hooks.warm.PRELOAD: each script's heavy imports.
+WARM_PRELOAD = {
+    "hf": "transformers,transformers.trainer,trainer_hooks.hf",
+    "lightning": "lightning.pytorch,trainer_hooks.lightning",
+    "unmodified": "trainer_hooks.attach",
+}
+
+
+def warm_command(script: Path, nproc: int, max_restarts: int, attach: bool = False) -> list[str]:
+    """`python -m trainer_hooks.launch --warm` with the cycle's torchrun arguments."""
+    torchrun = runner.launcher_command("torchrun", script, nproc, max_restarts, attach=attach)
+    preload = WARM_PRELOAD.get(script.stem.removeprefix("train_"))
+    extra = ["--preload", preload] if preload else []
+    return [sys.executable, "-m", "trainer_hooks.launch", "--warm", *extra, *torchrun[3:]]
+
+
+@contextlib.contextmanager
+def warm_launcher() -> Iterator[None]:
+    """Within: `run_cycles(..., launcher="warm")` runs the job under the warm launcher."""
+    original = runner.launcher_command
+
+    def command(launcher: str, script: Path, nproc: int, max_restarts: int, attach: bool = False) -> list[str]:
+        if launcher == "warm":
+            return warm_command(script, nproc, max_restarts, attach)
+        return original(launcher, script, nproc, max_restarts, attach)
+
+    runner.launcher_command = command
+    try:
+        yield
+    finally:
+        runner.launcher_command = original
 
 
 def ft_available() -> bool:
@@ -49,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         help="torchrun alone with rank 1 SIGKILLed, without and with the remedy (plain script)",
     )
     parser.add_argument("--ft-launcher", action="store_true", help="also run the cycles under ft_launcher")
+    parser.add_argument(
+        "--warm", action="store_true", help="also run the cycles under `python -m trainer_hooks.launch --warm`"
+    )
+    parser.add_argument("--no-torchrun", action="store_true", help="skip the cycles under plain torchrun")
     args = parser.parse_args(argv)
     scripts = args.scripts or list(SCRIPTS)
     unknown = [s for s in scripts if s not in SCRIPTS]
@@ -69,13 +112,18 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"torchrun alone, SIGKILL, SIDECAR_ATTEMPT_STORE={fix}: {r.line()}", flush=True)
                 results.append((r, fix == "1"))
-        launchers = ["torchrun"] + (["ft_launcher"] if args.ft_launcher else [])
+        launchers = (
+            ([] if args.no_torchrun else ["torchrun"])
+            + (["warm"] if args.warm else [])
+            + (["ft_launcher"] if args.ft_launcher else [])
+        )
         if args.ft_launcher and not ft_available():
             print("ft_launcher: nvidia-resiliency-ext is not installed; skipped")
             launchers.remove("ft_launcher")
         for launcher in launchers:
             for script in scripts:
-                r = run_cycles(script, Path(tmp) / f"{launcher}-{script}", cycles=args.cycles, launcher=launcher)
+                with warm_launcher():
+                    r = run_cycles(script, Path(tmp) / f"{launcher}-{script}", cycles=args.cycles, launcher=launcher)
                 print(r.line(), flush=True)
                 results.append((r, True))
     print("\nscript     launcher    came back   median hang->training")

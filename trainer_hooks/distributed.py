@@ -66,9 +66,7 @@ def needed(environ: Mapping[str, str] | None = None) -> bool:
     """True under torchrun when the workers share the agent's long-lived store (and not switched off)."""
     env = os.environ if environ is None else environ
     return (
-        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and "TORCHELASTIC_RUN_ID" in env
-        and switched_on(env, SWITCH)
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RUN_ID" in env and switched_on(env, SWITCH)
     )
 
 

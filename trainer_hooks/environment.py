@@ -24,6 +24,8 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `TORCH_FR_BUFFER_SIZE` | torch's own: the Flight Recorder's ring size; the user's value wins (`0` turns the recorder and the collective record off) |
 | `SIDECAR_INFER_PHASES` | `0` stops the hooks from inferring phases nobody declared: evaluation after `model.eval()`, data loader waits, torch.save/load, compile (`pauses.py`) |
 | `SIDECAR_JOB_VIEW` | `0` stops the hooks from telling their sidecar where the job's coordinating sidecar is (`jobview.py`) |
+| `SIDECAR_WARM` | `1`: `python -m trainer_hooks.launch` starts the workers warm, as `--warm` does (`launch.py`, `warm.py`) |
+| `SIDECAR_RDZV_POLL_SECONDS` | read by `python -m trainer_hooks.launch`'s agent: the rendezvous' wait between two reads of its state (default 0.1; 1 is torch's pace; `rendezvous.py`) |
 | `SIDECAR_OBSERVE_ONLY` | `1` asks the sidecar to detect, count and report this job's stalls but never kill its ranks (registration `observe_only`; the sidecar honours it unless its `watchdog.allow_job_observe_only` is off); `Monitor(observe_only=...)` wins |
 
 The on/off switches (`SIDECAR_COLLECTIVES`, `SIDECAR_INFER_PHASES`, `SIDECAR_JOB_VIEW`) are read by
