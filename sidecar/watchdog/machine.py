@@ -346,10 +346,13 @@ class Watchdog:
         self.probes.record(incident)
 
     def _save_soon(self, incident: Incident) -> None:
-        """Write an incident again off the event loop (a recovery's milestones)."""
+        """Write an incident again off the event loop (a recovery's milestones), and tell the job's
+        coordinator at once (its story's stages for this node), not at the next report."""
         task = asyncio.get_running_loop().create_task(self.store.save_async(incident))
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
+        if self.job_view is not None and incident.job_incident is not None:
+            self.job_view.wake(incident.job_id)
 
     def node_report(self, job_id: str) -> NodeReport | None:
         """This node's picture of the job for its coordinator (None: no rank of it here)."""
