@@ -18,6 +18,15 @@ def state_of(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+async def stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait for `pid` to be in the stopped state (T), within `timeout` (a loaded machine may take a moment)."""
+    for _ in range(int(timeout / 0.05)):
+        if state_of(pid) == "T":
+            return
+        await asyncio.sleep(0.05)
+    assert state_of(pid) == "T", f"pid {pid} not stopped within {timeout} s"
+
+
 async def register(sidecar, pid: int, job: str = "run-42", rank: int = 0, steps: int = 2, **extra) -> None:
     reply = await sidecar.post("/v1/register", registration(pid, job=job, rank=rank, **extra))
     assert reply.status == 200, reply.body
@@ -103,7 +112,7 @@ async def test_a_drill_stops_the_registered_rank_and_continues_it_when_nothing_k
     assert reply.status == 200, reply.body
     drill = reply.body["drill"]
     assert (drill["rank"], drill["pid"], drill["step_at_stop"]) == (0, child_pid, 2)
-    assert state_of(child_pid) == "T"
+    await stopped(child_pid)  # SIGSTOP is sent; the kernel stops the process when it next runs
     again = await sidecar.post("/v1/drills", {"job_id": "run-42"})
     assert again.status == 409 and "already running" in again.body["error"]
     for _ in range(100):

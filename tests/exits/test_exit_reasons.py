@@ -81,7 +81,11 @@ def test_a_nonfinite_guard_names_the_checkpoint_to_resume_from(sidecar, ranks):
     r.start_fatal()
     r.wait()
     wait_for_exit(sidecar, "nan", reason="exception/nonfinite")
-    (incident,) = [i for i in incidents(sidecar, "exit") if i["job_id"] == "nan"]
+    # the exit is decided before its incident is on disk (written off the event loop): wait for the file
+    found = wait_until(
+        lambda: [i for i in incidents(sidecar, "exit") if i["job_id"] == "nan"], 30, what="the exit incident"
+    )
+    (incident,) = found
     rollback = incident["exits"][0]["rollback"]
     assert rollback == {"first_nonfinite_loss_step": 5, "checkpoint_step": 4, "checkpoint_path": "/ckpt/step-4"}
     assert "resume from checkpoint step 4" in incident["summary"]
