@@ -128,11 +128,27 @@ def wait_for_exit(
         return None
 
     try:
-        return wait_until(decided, timeout, interval=0.2, what=f"an exit of {job_id} ({reason})")
+        exit_ = wait_until(decided, timeout, interval=0.2, what=f"an exit of {job_id} ({reason})")
     except TimeoutError:
         raise AssertionError(
             f"no exit {reason} of {job_id}; status exits: {sidecar.status().get('exits')}\n{tail(sidecar.log, 30)}"
         ) from None
+    if exit_.get("incident"):
+        # decided before its incident is on disk (the tracker writes it off the event loop): a
+        # caller reads the incident next, so wait for the file to hold this exit
+        wait_until(lambda: _filed(sidecar, exit_), 30, interval=0.1, what=f"exit incident {exit_['incident']}")
+    return exit_
+
+
+def _filed(sidecar: Sidecar, exit_: dict) -> bool:
+    path = sidecar.workdir / "diag" / "incidents" / f"{exit_['incident']}.json"
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return False
+    exits = record.get("exits", [])
+    full = len(exits) >= 32  # sidecar/exits/incidents.py MAX_INLINE_EXITS: later exits are only counted
+    return full or any(e.get("rank") == exit_["rank"] and e.get("time") == exit_["time"] for e in exits)
 
 
 def register(sidecar: Sidecar, job_id: str, pid: int, rank: int = 0) -> dict:
