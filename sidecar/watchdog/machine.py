@@ -278,7 +278,20 @@ class Watchdog:
                 t.rank.fr_dump_asked = True
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
-        return self.timeouts.deadline(rank, self.clock() if now is None else now)
+        return self.timeouts.deadline(rank, self.clock() if now is None else now, self._left_behind(rank))
+
+    def _left_behind(self, rank: Rank) -> bool:
+        """The job view's open verdict names this rank of this node as the one its peers wait for,
+        from the collective record (rank_late): Timeouts.progress_horizon adds no push gap."""
+        verdict = self.job_view.verdict(rank.job_id) if self.job_view is not None else None
+        culprit = verdict.culprit if verdict is not None and not verdict.closed else None
+        return (
+            culprit is not None
+            and culprit.kind == "rank_late"
+            and not culprit.busy
+            and culprit.rank == rank.rank
+            and culprit.node == self.node
+        )
 
     # ------------------------------------------------------------ episodes
 

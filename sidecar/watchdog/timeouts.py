@@ -12,7 +12,9 @@ progress could have been: the hooks send the first step after a pause at once
 pushes, its latest step is known; a rank that has not pushed for `push_gap` (its hooks push at
 least every max(flush interval, KEEPALIVE_SECONDS)) may have stepped after its last push and
 frozen with those steps unsent, so its progress is taken to have lasted until its last push plus
-`push_gap` (a frozen rank is declared at most `push_gap` after the floor, never before).
+`push_gap` (a frozen rank is declared at most `push_gap` after the floor, never before), unless
+the job's other ranks are shown waiting for it in a collective it never entered (`left_behind`):
+then at the floor from its own last step, as its peers are.
 
 A job's own pauses teach it (sidecar/watchdog/shadow.py): a stall that ended by itself after D
 seconds in a phase (or in steps, or before the first step) raises that job's budget there to at
@@ -83,17 +85,22 @@ class Timeouts:
         for job_id in [j for j in self._learned if j not in jobs]:
             del self._learned[job_id]
 
-    def progress_horizon(self, rank: Rank, now: float) -> float:
+    def progress_horizon(self, rank: Rank, now: float, left_behind: bool = False) -> float:
         """The latest the rank's own progress may have been (monotonic): its last known progress,
-        or, when its hooks have not pushed for `push_gap`, its last push plus `push_gap`."""
+        or, when its hooks have not pushed for `push_gap`, its last push plus `push_gap`.
+
+        `left_behind`: the backend's own record shows the job's other ranks waiting in a collective
+        this rank never entered (the job view's verdict, kind rank_late). Steps it could have made
+        unseen after its last push would have taken it into that collective, so its last known
+        progress is its progress: no gap is added (the floor still runs from its own last step)."""
         horizon = rank.last_progress
-        if rank.contact_at is not None and now - rank.contact_at > self.push_gap:
+        if not left_behind and rank.contact_at is not None and now - rank.contact_at > self.push_gap:
             horizon = max(horizon, rank.contact_at + self.push_gap)
         return horizon
 
-    def deadline(self, rank: Rank, now: float) -> Deadline:
+    def deadline(self, rank: Rank, now: float, left_behind: bool = False) -> Deadline:
         wd = self.settings
-        progress = self.progress_horizon(rank, now)
+        progress = self.progress_horizon(rank, now, left_behind)
         known = self._learned.get(rank.job_id) if self._learned else None
         learned = known[1] if known is not None and known[0] == rank.owner_uid else None
         if rank.phase is not None:

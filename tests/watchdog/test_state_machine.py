@@ -267,3 +267,66 @@ async def test_early_ticks_are_spaced_by_what_a_tick_costs(world, clock):
     assert dog.next_tick_in(1.0, tick_seconds=0.0001) < 0.02
     assert dog.next_tick_in(1.0, tick_seconds=0.03) == pytest.approx(0.3)  # ten times the tick's cost
     assert dog.next_tick_in(1.0, tick_seconds=0.5) == 1.0  # never past the interval
+
+
+class _JobView:
+    """This node's reporter as the watchdog sees it (coordination.JobView), holding a verdict the
+    job's coordinator sent: a real `Verdict`, as sidecar/jobview/report.py parses it off the wire."""
+
+    def __init__(self, verdict):
+        self._verdict = verdict
+
+    def verdict(self, job_id):
+        return self._verdict if self._verdict is not None and job_id == self._verdict.job_id else None
+
+    def coordinator(self, job_id):
+        return None
+
+    def reachable(self, job_id):
+        return True
+
+    def wake(self, job_id):
+        pass
+
+    async def wait_for(self, job_id, ready, timeout):
+        return self.verdict(job_id)
+
+
+@pytest.mark.parametrize(
+    "named",
+    [None, "this rank, rank_late", "another rank", "another node", "stacks, not the record", "busy", "closed"],
+)
+async def test_a_frozen_rank_its_peers_wait_for_in_a_collective_is_stalled_at_the_floor(world, clock, named):
+    """A frozen rank's hooks stop pushing, so it may have stepped unseen after its last push: it is
+    declared a push gap after the floor (issue 29). Across nodes that cost a frozen rank alone on its
+    node 2.5 s on every peer (issue 32, the race with NVRx: 3 nodes killed at 7.5 s, 1 node at
+    5.1 s). When the job's verdict, from the collective record, names it as the rank its peers wait
+    for in a collective it never entered, it could not have stepped unseen: stalled at the floor
+    from its own last step, as its peers are. Any other verdict keeps the gap."""
+    from sidecar.jobview.report import Culprit, Verdict
+
+    s, registry, dog, pid = world  # floor 10 s
+    r = register(registry, pid, rank=1)
+    step(registry, r, 7, clock)
+    r.pushes_promised, r.contact_at = True, clock.now  # hooks of protocol 6; its last push with step 7
+    culprit = {
+        "this rank, rank_late": Culprit(1, dog.node, 7, kind="rank_late", evidence="collectives"),
+        "another rank": Culprit(0, dog.node, 7, kind="rank_late", evidence="collectives"),
+        "another node": Culprit(1, "elsewhere", 7, kind="rank_late", evidence="collectives"),
+        "stacks, not the record": Culprit(1, dog.node, 7, kind="rank_running", evidence="stacks"),
+        "busy": Culprit(1, dog.node, 7, kind="rank_late", evidence="collectives", busy=True),
+        "closed": Culprit(1, dog.node, 7, kind="rank_late", evidence="collectives"),
+    }.get(named or "")
+    if named is not None:
+        verdict = Verdict("job", "incident-1", 3, opened=0.0, culprit=culprit, closed=named == "closed")
+        dog.job_view = _JobView(verdict)
+    dog.tick()
+    clock.advance(10.1)  # the floor from its last step (and push) has passed
+    dog.tick()
+    if named == "this rank, rank_late":
+        assert state(dog, r) == "stalled"
+    else:
+        assert state(dog, r) == "suspect", "its last push plus the gap: 2.5 s to go"
+        clock.advance(2.5)
+        dog.tick()
+        assert state(dog, r) == "stalled"
