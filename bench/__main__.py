@@ -20,6 +20,7 @@ ORDER = [
     "bench_recovery",
     "bench_cycles",
     "bench_jobview",
+    "bench_race",
     "bench_jobview_scale",
     "bench_hang_kinds",
     "bench_field_pauses",

@@ -13,9 +13,8 @@ training; the sidecar (step floor 2 s, grace 1 s) detects the stall and kills th
 torchrun starts the next attempt. Recovery time: the hang -> every rank's first step of the next
 attempt. Target: every cycle comes back (N/N) and the job finishes.
 
-ft_launcher comes from `pip install nvidia-resiliency-ext` (not a dependency of this project);
-set FT_LAUNCHER_PYTHONPATH to a directory it was installed into with `pip install --target`
-to keep it out of the environment.
+ft_launcher comes from nvidia-resiliency-ext, not a dependency of this project: installed on first
+use into build/nvrx (bench/nvrx.py), or FT_LAUNCHER_PYTHONPATH names a directory that has it.
 
 `--warm` (launcher `warm`): the workers of every attempt are forks of a server that imported torch
 and the script's heavy modules once (trainer_hooks/warm.py; WARM_PRELOAD per script).
@@ -32,6 +31,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench import nvrx
 from bench.cycles import runner
 from bench.cycles.runner import SCRIPTS, run_cycles
 
@@ -69,7 +69,8 @@ def warm_launcher() -> Iterator[None]:
 
 
 def ft_available() -> bool:
-    extra = os.environ.get("FT_LAUNCHER_PYTHONPATH")
+    """ft_launcher on the path of this process and its children (installed on first use: bench/nvrx.py)."""
+    extra = nvrx.ensure()
     if extra:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH")) if p)
         sys.path.insert(0, extra)

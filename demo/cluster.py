@@ -58,6 +58,8 @@ class ClusterSpec:
     # a multi-node job faster: trainer_hooks/rendezvous.py)
     launcher: str = "torch.distributed.run"
     monitor_interval: float | None = None  # the agents' --monitor-interval (None: torchrun's default, 0.1 s)
+    agent_args: Sequence[str] = ()  # more of the agents' options, before the script (e.g. ft_launcher's --ft-param-*)
+    pythonpath: Sequence[str] = ()  # more directories on the agents' PYTHONPATH (e.g. where ft_launcher is installed)
 
 
 @dataclass
@@ -148,7 +150,7 @@ class Cluster:
             if not wait_for(node.client.ready, 60):
                 raise RuntimeError(f"sidecar of {node.spec.name} did not start: see {self.log(node, 'sidecar')}")
         for node in self.nodes:
-            env = {**self.spec.env, **node.spec.env, "PYTHONPATH": str(ROOT)}
+            env = {**self.spec.env, **node.spec.env, "PYTHONPATH": os.pathsep.join([str(ROOT), *self.spec.pythonpath])}
             if self.network is not None:
                 env["GLOO_SOCKET_IFNAME"] = netns.TRAIN_IF
             if self.spec.with_sidecars:
@@ -185,7 +187,7 @@ class Cluster:
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.nodes[0].host}:{self.rdzv_port}",
             *(["--rdzv-conf", ",".join(conf)] if conf else []), *hosts,
             *(["--monitor-interval", str(self.spec.monitor_interval)] if self.spec.monitor_interval else []),
-            str(self.spec.script), *self.spec.script_args,
+            *self.spec.agent_args, str(self.spec.script), *self.spec.script_args,
         ]  # fmt: skip
 
     def log(self, node: Node, what: str) -> Path:

@@ -73,7 +73,7 @@ class Chaos:
             and self.rank == self.hang_rank
             and self.attempt < self.hangs
         ):
-            self.record("hang", step=step)
+            self.record("hang", step=step, pid=os.getpid())
             if self.mode == "work":
                 self.hangs = 0  # once
                 _work(float(os.environ.get("CYCLE_WORK_SECONDS", "10")))
