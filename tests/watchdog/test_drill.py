@@ -78,7 +78,8 @@ def test_a_drill_stops_a_rank_and_reports_detection_kill_and_resume_without_a_fa
 
 def test_a_job_that_nothing_would_restart_is_refused(tmp_path):
     with Sidecar(tmp_path, *jobs.SIDECAR_SETTINGS) as sidecar:
-        with jobs.start(jobs.spec(**JOB, max_restarts=0), tmp_path, sidecar.hook_env()) as proc:
+        # 20 steps: the refusal comes at step 3, and the job then trains to its end untouched
+        with jobs.start(jobs.spec(**{**JOB, "steps": 20}, max_restarts=0), tmp_path, sidecar.hook_env()) as proc:
             jobs.wait_for_step(sidecar, 3)
             refused = drill(sidecar)
             states = {r["state"] for r in sidecar.status()["ranks"]}
