@@ -4,6 +4,7 @@ names one in a healthy job (issue 30).
     python -m bench.bench_stragglers --quick    # one run per slowdown, a 3-minute healthy job (~7 min)
     python -m bench.bench_stragglers            # three runs per slowdown, a 10-minute healthy job (make bench, ~25 min)
     python -m bench.bench_stragglers --ratios 0.2 --runs 1 --healthy-seconds 0
+    python -m bench.bench_stragglers --ratios 0.2 --runs 1 --healthy-seconds 0 --recover   # and it ends
 
 Each run is a real sidecar (observe-only: nothing is ever killed for lateness) and a data-parallel
 job of real gloo ranks with `trainer_hooks.Monitor`: each step computes `--step` seconds (a sleep,
@@ -13,7 +14,8 @@ computes `ratio` x step longer. The job's step time grows for every rank (each w
 every all-reduce), so the step times cannot name it; the sidecar judges from the ranks' Flight
 Recorder entry times. Polled every 0.5 s: /v1/status `stragglers` (this node's judgement), the time
 from the slowdown to rank 1 named (and the lateness shown), any other rank named (a false finding),
-and at the end the straggler incidents written.
+and at the end the straggler incidents written. With `--recover`, once rank 1 is named its slowdown
+ends: printed, the time until it is no longer named and until its incident is closed (`recovered`).
 
 The healthy job (same noise, no slowdown) runs `--healthy-seconds`; every straggler incident it
 opens is a false finding, reported per hour. Targets (issue 30): a rank slowed by 20% named within
@@ -38,6 +40,7 @@ RANK = r"""
 import os, random, sys, time
 rank, world, store, release = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 step_s, noise, ratio, slow_at = float(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7]), float(sys.argv[8])
+recovered = sys.argv[9]  # once this file exists, rank 1 is slow no more
 from trainer_hooks import Monitor
 mon = Monitor(job_id=os.environ["JOB"], rank=rank, local_rank=rank, world_size=world, local_world_size=world)
 import torch, torch.distributed as dist
@@ -47,7 +50,7 @@ rng = random.Random(rank)
 step = 0
 while not os.path.exists(release):
     step += 1
-    extra = ratio * step_s if rank == 1 and time.time() >= slow_at else 0.0
+    extra = ratio * step_s if rank == 1 and time.time() >= slow_at and not os.path.exists(recovered) else 0.0
     time.sleep(step_s * (1 + rng.uniform(-noise, noise)) + extra)
     dist.all_reduce(t)
     mon.step(step)
@@ -63,15 +66,19 @@ class Run:
     lateness: float | None  # rank 1's lateness when named (seconds)
     false_findings: int  # other ranks named, or straggler incidents of a healthy job
     seconds: float  # how long the job ran
+    cleared_after: float | None = None  # --recover: from the slowdown's end to rank 1 no longer named
+    closed_after: float | None = None  # --recover: from the slowdown's end to its incident closed (recovered)
 
 
 class Job:
     def __init__(self, tmp: Path, sidecar: Sidecar, job_id: str, world: int, args, ratio: float, slow_at: float):
         self.tmp, self.release, self.job_id = tmp, tmp / "release", job_id
+        self.recovered = tmp / "recovered"
         env = {**os.environ, **sidecar.hook_env(), "JOB": job_id, "PYTHONPATH": str(ROOT)}
         for name in ("SIDECAR_FLUSH_INTERVAL", "TORCH_FR_BUFFER_SIZE", "SIDECAR_COLLECTIVES"):
             env.pop(name, None)
-        argv = [str(tmp / "store"), str(self.release), str(args.step), str(args.noise), str(ratio), str(slow_at)]
+        argv = [str(tmp / "store"), str(self.release), str(args.step), str(args.noise), str(ratio), str(slow_at),
+                str(self.recovered)]  # fmt: skip
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-c", RANK, str(r), str(world), *argv],
@@ -108,9 +115,28 @@ def named(sidecar: Sidecar, job_id: str) -> dict[int, float | None]:
 
 
 def incidents(sidecar: Sidecar, job_id: str) -> int:
-    return sum(
-        1 for i in sidecar.status().get("incidents") or [] if i.get("kind") == "straggler" and i.get("job_id") == job_id
-    )
+    return len(straggler_incidents(sidecar, job_id))
+
+
+def straggler_incidents(sidecar: Sidecar, job_id: str) -> list[dict]:
+    found = sidecar.status().get("incidents") or []
+    return [i for i in found if i.get("kind") == "straggler" and i.get("job_id") == job_id]
+
+
+def recovery(sidecar: Sidecar, job: Job, args) -> tuple[float | None, float | None]:
+    """Rank 1 computes as its peers do again: seconds until it is no longer named, and until its
+    straggler incident is closed (`recovered`: the episode ends once it has gone unnamed for
+    straggler_incidents.CLOSE_AFTER_SECONDS, 60 s), each None if not within the wait."""
+    job.recovered.touch()
+    ended, cleared, closed = time.time(), None, None
+    while time.time() < ended + args.window + 90.0 and closed is None:
+        job.alive()
+        if cleared is None and 1 not in named(sidecar, job.job_id):
+            cleared = time.time() - ended
+        if any(i.get("outcome") == "recovered" for i in straggler_incidents(sidecar, job.job_id)):
+            closed = time.time() - ended
+        time.sleep(0.5)
+    return cleared, closed
 
 
 def slowed_run(sidecar: Sidecar, tmp: Path, args, ratio: float, index: int) -> Run:
@@ -128,9 +154,12 @@ def slowed_run(sidecar: Sidecar, tmp: Path, args, ratio: float, index: int) -> R
                 found, late = time.time() - slow_at, now[1]
                 break
             time.sleep(0.5)
+        cleared, closed = recovery(sidecar, job, args) if args.recover and found is not None else (None, None)
     finally:
         job.close()
-    return Run(ratio, found, late, len(others), time.time() - slow_at + args.slow_from)
+    run = Run(ratio, found, late, len(others), time.time() - slow_at + args.slow_from)
+    run.cleared_after, run.closed_after = cleared, closed
+    return run
 
 
 def healthy_run(sidecar: Sidecar, tmp: Path, args) -> Run:
@@ -160,6 +189,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slow-from", type=float, default=15.0, help="seconds after the start rank 1 slows down")
     p.add_argument("--window", type=float, default=90.0, help="seconds after the slowdown a run waits to be named")
     p.add_argument("--healthy-seconds", type=float, default=None, help="the healthy job's length (600; 180 quick)")
+    p.add_argument("--recover", action="store_true",
+                   help="once named, rank 1 is slow no more: time until unnamed and its incident closed")  # fmt: skip
     args = p.parse_args(argv)
     runs = args.runs if args.runs is not None else (1 if args.quick else 3)
     if args.healthy_seconds is None:
@@ -176,6 +207,13 @@ def main(argv: list[str]) -> int:
                         if r.named_after is not None and r.lateness is not None
                         else "not named"
                     )
+                    if args.recover:
+                        shown += (
+                            f"; recovered: unnamed after {r.cleared_after:.1f} s, incident closed after "
+                            f"{r.closed_after:.1f} s"
+                            if r.cleared_after is not None and r.closed_after is not None
+                            else f"; recovered: unnamed after {r.cleared_after}, incident closed after {r.closed_after}"
+                        )
                     print(f"  run {index + 1}: +{ratio:.0%} -> {shown} (others named: {r.false_findings})", flush=True)
                     results.append(r)
             healthy = healthy_run(sidecar, tmp, args) if args.healthy_seconds > 0 else None
@@ -200,6 +238,8 @@ def main(argv: list[str]) -> int:
             ok = False
         if any(r.false_findings for r in rs):
             ok = False
+        if args.recover and any(r.named_after is not None and r.closed_after is None for r in rs):
+            ok = False  # named, then never closed once the slowdown ended
     if healthy is not None:
         per_hour = healthy.false_findings * 3600 / healthy.seconds
         minutes = healthy.seconds / 60
