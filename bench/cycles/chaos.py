@@ -8,9 +8,11 @@ of each node whose agent has the variable), CYCLE_HANG_MODE (`stop`: the rank SI
 but a pause, the rank computes in Python alone for CYCLE_WORK_SECONDS (default 10) while its peers
 wait in their next collective, then trains on).
 
-A straggler instead of a hang: CYCLE_SLOW_LOCAL_RANK (that local rank of each node whose agent has
-the variable) sleeps CYCLE_SLOW_SECONDS (default 0.1) more in every step from CYCLE_SLOW_STEP (default
-1) on, before its next collective: its peers wait for it there at every step, nothing hangs.
+Each step takes CYCLE_STEP_SECONDS (default 0.05) more asleep, then CYCLE_STEP_CPU_SECONDS (default
+0) computing on the CPU (a CPU quota slows that part). A straggler instead of a hang: CYCLE_SLOW_LOCAL_RANK (that
+local rank of each node whose agent has the variable) sleeps CYCLE_SLOW_SECONDS (default 0.1) more in
+every step from CYCLE_SLOW_STEP (default 1) on, before its next collective: its peers wait for it
+there at every step, nothing hangs.
 
 Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
 attempt, {"kind": "hang", ...} just before the hang, {"kind": "slow", ...} at a straggler's first
@@ -39,6 +41,7 @@ class Chaos:
         self.mode = env.get("CYCLE_HANG_MODE", "stop")
         self.path = env.get("CYCLE_LOG")
         self.step_seconds = float(env.get("CYCLE_STEP_SECONDS", "0.05"))
+        self.step_cpu = float(env.get("CYCLE_STEP_CPU_SECONDS", "0"))
         # a rank stopped before its hooks registered is unknown to the sidecar (left to torchrun,
         # which waits 30 s for a stopped process): hang only after this long of training
         self.hang_after = float(env.get("CYCLE_HANG_AFTER_SECONDS", "1.5"))
@@ -58,8 +61,13 @@ class Chaos:
                 os.close(fd)
 
     def step(self, step: int) -> None:
-        """Call after each finished training step (it takes CYCLE_STEP_SECONDS more)."""
+        """Call after each finished training step (it takes CYCLE_STEP_SECONDS more asleep, and
+        CYCLE_STEP_CPU_SECONDS of the CPU's time, as a CPU-bound step would: a CPU quota slows it)."""
         time.sleep(self.step_seconds)
+        if self.step_cpu:
+            end = time.process_time() + self.step_cpu
+            while time.process_time() < end:
+                pass
         if self.slow and step >= self.slow_step:
             if step == self.slow_step:
                 self.record("slow", step=step, seconds=self.slow_seconds)

@@ -15,6 +15,7 @@ import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
+from tests import cgroup_cpu
 from tests.jobview.test_multinode import explain
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
@@ -23,11 +24,13 @@ SLOW_SECONDS = 0.1
 NAMED_WITHIN = 45.0  # from the first slow step: the entries are read once per 10 s slot
 
 
-def cluster_spec(workdir, slow: bool) -> ClusterSpec:
+def cluster_spec(workdir, slow: bool, cpu: bool = False) -> ClusterSpec:
     extra = {"CYCLE_SLOW_LOCAL_RANK": "1", "CYCLE_SLOW_SECONDS": str(SLOW_SECONDS)} if slow else {}
     nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2, extra), NodeSpec("node-2", 1)]
     # a long job (CYCLE_HANG_STEP + 41 steps, no hang): the test ends it once it has seen enough
     env = {"CYCLE_HANG_STEP": "2000", "CYCLE_LOG": str(workdir / "cycle.jsonl")}
+    if cpu:  # each step also computes 10 ms on the CPU (a CPU quota slows it): 4 ranks need a third of a core
+        env.update({"CYCLE_STEP_SECONDS": "0.1", "CYCLE_STEP_CPU_SECONDS": "0.01"})
     sidecar = SidecarSpec(floor_seconds=3.0, extra=["job_view.report_interval_seconds=1"])
     return ClusterSpec(nodes, job_id="slow", sidecar=sidecar, env=env)
 
@@ -153,3 +156,32 @@ def test_a_healthy_job_across_nodes_names_no_straggler(tmp_path):
         assert sorted(shown) == ["0", "1", "2", "3"], shown
         said = ", ".join(f"{r}: {v * 1000:.2f} ms" for r, v in sorted(shown.items()))
         print(f"\nhealthy: every rank's lateness {said}")
+
+
+@pytest.mark.skipif(cgroup_cpu.unavailable() is not None, reason=str(cgroup_cpu.unavailable()))
+def test_a_rank_under_a_cpu_quota_on_node_1_is_named_throttled_and_never_killed(tmp_path):
+    """The same job, every step 100 ms asleep and 10 ms on the CPU; one rank of node-1 is put under
+    a real cgroup v1 quota of 5% of a CPU mid-job. The job's judgement names it on every node, and
+    its own node gives the cause `throttled`, from the cgroup's throttling counters (a rank that
+    only computes longer is `compute`: the test above)."""
+    with Cluster(cluster_spec(tmp_path, slow=False, cpu=True), tmp_path) as cluster:
+        assert cluster.wait_steps(5, timeout=90), explain(cluster)
+        victim = max(r["rank"] for r in cluster.nodes[1].ranks() if r.get("state") != "gone")
+        pid = next(r["pid"] for r in cluster.nodes[1].ranks() if r["rank"] == victim and r.get("state") != "gone")
+        with cgroup_cpu.cpu_quota(pid, 5_000, "test-straggler-3nodes"):
+            seen: dict[str, dict] = {}
+            cause: dict = {}
+            deadline = time.monotonic() + 90.0
+            while time.monotonic() < deadline:
+                found = judgements(cluster)
+                seen = {n: j for n, j in by_coordinator(found).items() if j is not None and j["stragglers"]}
+                named = [s for j in found["node-1"] for s in j["stragglers"] if s["rank"] == victim]
+                cause = next((s for s in named if s.get("cause") not in (None, "unknown")), cause)
+                if len(seen) == 3 and cause.get("cause") == "throttled":
+                    break
+                time.sleep(1.0)
+            assert len(seen) == 3, (judgements(cluster), explain(cluster))
+            for node, j in seen.items():
+                assert [(s["rank"], s["node"]) for s in j["stragglers"]] == [(victim, "node-1")], (node, j)
+            assert cause.get("cause") == "throttled" and "CPU cgroup throttled" in cause["cause_evidence"], cause
+            nothing_killed(cluster, victim)
