@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
+from demo.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
 from sidecar.commands.recovery_table import recovery_table
 
@@ -35,8 +35,8 @@ FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0
 HANG_STEP = 20
 JOB_TIMEOUT = 240.0
-# the agents: torchrun, or torchrun whose agent re-forms a multi-node job faster (trainer_hooks/rendezvous.py)
-LAUNCHERS = {"torchrun": "torch.distributed.run", "hooks": "trainer_hooks.launch"}
+# the agents: torchrun, or torchrun whose agent re-forms a multi-node job faster (demo/cluster.py)
+LAUNCHERS = {name: AGENTS[name][0] for name in ("torchrun", "hooks")}
 
 
 @dataclass

@@ -49,7 +49,7 @@ from pathlib import Path
 import psutil
 
 from bench import nvrx
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
+from demo.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,11 +59,7 @@ CHECK_SECONDS = 0.25  # ours: watchdog.check_interval_seconds (demo/job.py); NVR
 GRACE_SECONDS = 1.0  # ours: remediation.grace_seconds; NVRx: --workers-stop-timeout (SIGTERM -> SIGKILL)
 JOB_TIMEOUT = 240.0
 TARGET = 0.7
-OURS = {
-    "warm": ("trainer_hooks.launch", ["--warm"]),
-    "hooks": ("trainer_hooks.launch", []),
-    "torchrun": ("torch.distributed.run", []),
-}
+OURS = AGENTS  # our agent, by name (demo/cluster.py)
 
 
 @dataclass

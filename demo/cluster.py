@@ -34,6 +34,16 @@ from demo.processes import Processes, free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The agents a simulated node can run, by name: (module run with -m, options before the script).
+# torchrun itself; `trainer_hooks.launch`, torchrun whose agent re-forms a multi-node job faster
+# (trainer_hooks/rendezvous.py); and the same with every attempt's workers forked warm.
+AGENTS: dict[str, tuple[str, list[str]]] = {
+    "torchrun": ("torch.distributed.run", []),
+    "hooks": ("trainer_hooks.launch", []),
+    "warm": ("trainer_hooks.launch", ["--warm"]),
+}
+
+
 @dataclass
 class NodeSpec:
     name: str
