@@ -67,6 +67,7 @@ class Run:
     false_findings: int  # other ranks named, or straggler incidents of a healthy job
     seconds: float  # how long the job ran
     cleared_after: float | None = None  # --recover: from the slowdown's end to rank 1 no longer named
+    cause: str | None = None  # --recover: the cause its node gave (before the slowdown ends)
     closed_after: float | None = None  # --recover: from the slowdown's end to its incident closed (recovered)
 
 
@@ -123,6 +124,20 @@ def straggler_incidents(sidecar: Sidecar, job_id: str) -> list[dict]:
     return [i for i in found if i.get("kind") == "straggler" and i.get("job_id") == job_id]
 
 
+def cause_of(sidecar: Sidecar, job: Job, wait: float = 30.0) -> str | None:
+    """The cause this node gives rank 1 once it has looked at its counters (not `unknown`)."""
+    deadline = time.time() + wait
+    while time.time() < deadline:
+        job.alive()
+        for j in sidecar.status().get("stragglers") or []:
+            if j.get("job_id") == job.job_id:
+                for s in j.get("stragglers") or []:
+                    if s.get("rank") == 1 and s.get("cause") not in (None, "unknown"):
+                        return str(s["cause"])
+        time.sleep(0.5)
+    return None
+
+
 def recovery(sidecar: Sidecar, job: Job, args) -> tuple[float | None, float | None]:
     """Rank 1 computes as its peers do again: seconds until it is no longer named, and until its
     straggler incident is closed (`recovered`: the episode ends once it has gone unnamed for
@@ -154,11 +169,12 @@ def slowed_run(sidecar: Sidecar, tmp: Path, args, ratio: float, index: int) -> R
                 found, late = time.time() - slow_at, now[1]
                 break
             time.sleep(0.5)
+        cause = cause_of(sidecar, job) if args.recover and found is not None else None
         cleared, closed = recovery(sidecar, job, args) if args.recover and found is not None else (None, None)
     finally:
         job.close()
     run = Run(ratio, found, late, len(others), time.time() - slow_at + args.slow_from)
-    run.cleared_after, run.closed_after = cleared, closed
+    run.cleared_after, run.closed_after, run.cause = cleared, closed, cause
     return run
 
 
@@ -208,6 +224,7 @@ def main(argv: list[str]) -> int:
                         else "not named"
                     )
                     if args.recover:
+                        shown += f", cause {r.cause}"
                         shown += (
                             f"; recovered: unnamed after {r.cleared_after:.1f} s, incident closed after "
                             f"{r.closed_after:.1f} s"
