@@ -35,13 +35,11 @@ killed (a kill a healthy job did not need is the worst outcome), every hang kill
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
+from bench import scratch
 from bench.field.environment import cgroups_unavailable
 from bench.field.job import INTEGRATIONS, KINDS, SLACK_SECONDS, Result, Setting, Spec, run_job
 
@@ -158,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"cpu_starved and dstate: skipped ({why})")
         specs = [s for s in specs if not {"cpu_starved", "dstate"} & set(s.pauses)]
-    root, started = Path(tempfile.mkdtemp(prefix="bench-field-pauses-")), time.monotonic()
+    root, started = scratch.make("bench-field-pauses-"), time.monotonic()
     results: list[Result] = []
     try:
         for n, spec in enumerate(specs):
@@ -171,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted")
         return 130
     finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        scratch.leave(root, args.keep)
     return report(results, time.monotonic() - started)
 
 

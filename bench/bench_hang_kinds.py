@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import scratch
 from demo import netns
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec, wait_for
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra sidecar setting")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    root = Path(tempfile.mkdtemp(prefix="bench-hang-kinds-"))
+    root = scratch.make("bench-hang-kinds-")
     runs: list[Run] = []
     try:
         for fault in args.fault or list(FAULTS):
@@ -170,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        scratch.leave(root, args.keep)
     print("\nfault        evidence     right  hang -> verdict (median, every node)  hang -> training again (median)")
     for fault in args.fault or list(FAULTS):
         for evidence in args.evidence or ["collectives", "stacks"]:

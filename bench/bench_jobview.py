@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import scratch
 from demo.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
 from sidecar.commands.recovery_table import recovery_table
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     layout = [int(x) for x in args.layout.split(",")]
-    root = Path(tempfile.mkdtemp(prefix="bench-jobview-"))
+    root = scratch.make("bench-jobview-")
     multi: list[Outcome] = []
     single: list[Outcome] = []
     try:
@@ -177,10 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        scratch.leave(root, args.keep)
     m = [o.recover for o in multi if o.recover is not None]
     s = [o.recover for o in single if o.recover is not None]
     if m and s:

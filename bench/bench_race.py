@@ -37,10 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -48,7 +46,7 @@ from pathlib import Path
 
 import psutil
 
-from bench import nvrx
+from bench import nvrx, scratch
 from demo.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
 
@@ -240,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_race: NVRx is not available; nothing to race (FAIL)")
         return 1
     layouts = [[int(x) for x in part.split(",")] for part in args.layouts.split(";")]
-    root = Path(tempfile.mkdtemp(prefix="bench-race-"))
+    root = scratch.make("bench-race-")
     ours = " ".join([OURS[args.ours][0], *OURS[args.ours][1]])
     print(f"timeout {args.timeout:g} s each; ours: {ours} + sidecar, check every {CHECK_SECONDS:g} s; "
           f"NVRx {nvrx.VERSION} from {path}, check every {args.nvrx_interval:g} s; "
@@ -259,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        scratch.leave(root, args.keep)
     met = summary(runs, layouts)
     finished = all(r.finished for r in runs)
     if not finished:
