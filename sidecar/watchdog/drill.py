@@ -74,6 +74,14 @@ def refusal(settings: Settings, ranks: list[Rank], active_jobs: set[str]) -> str
         return "the watchdog only observes here (watchdog.observe_only): the stall would never be killed"
     if job_id in active_jobs:
         return f"job {job_id} already has an open stall incident"
+    spread = next((r for r in ranks if r.world_size > r.local_world_size), None)
+    if spread is not None:
+        # the job's other nodes would see their ranks wait for the stopped one and count a real stall
+        # (their incidents, sidecar_watchdog_stalls_total, the stall alerts): no drill across nodes yet
+        return (
+            f"job {job_id} spans several nodes ({spread.world_size} ranks, {spread.local_world_size} on this node): "
+            "its other nodes would count the drill as a real stall and page; drills are for single-node jobs"
+        )
     for r in ranks:
         if r.observe_only:
             return f"job {job_id} asked to be observed only (observe_only): the stall would never be killed"

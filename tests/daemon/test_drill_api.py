@@ -67,6 +67,9 @@ async def test_a_job_without_ranks_here_is_not_found(sidecar):
         ({}, "did not say what restarts it"),
         ({"launcher": TORCHRUN, "restart_safe": False}, "would not come back after a restart"),
         ({"launcher": TORCHRUN, "observe_only": True}, "observed only"),
+        # the job's other nodes would take the drill for a real stall (found on 3 simulated nodes:
+        # node-0 and node-2 counted sidecar_watchdog_stalls_total 1 and left the stall to the launcher)
+        ({"launcher": TORCHRUN, "world_size": 4, "local_world_size": 2}, "spans several nodes (4 ranks, 2 on"),
     ],
 )
 async def test_a_job_that_nothing_would_restart_is_refused_and_left_running(sidecar, child_pid, extra, why):
