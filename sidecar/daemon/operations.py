@@ -101,7 +101,12 @@ def parse_drill(data: Any) -> tuple[str, int | None, float]:
 def drills_of(d: Any) -> Drills:
     if d.drills is None:
         d.drills = Drills(
-            d.settings, d.registry, d.watchdog.store, lambda: {e["job_id"] for e in d.watchdog.status()["active"]}
+            d.settings,
+            d.registry,
+            d.watchdog.store,
+            lambda: {e["job_id"] for e in d.watchdog.status()["active"]},
+            wake=lambda job_id: d.watchdog.job_view.wake(job_id) if d.watchdog.job_view is not None else None,
+            linked=lambda job_id: d.watchdog.job_view is not None and bool(d.watchdog.job_view.coordinator(job_id)),
         )
     return d.drills
 

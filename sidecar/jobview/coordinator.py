@@ -77,6 +77,7 @@ class _Job:
     lateness: JobJudge = field(default_factory=JobJudge)  # its ranks' entry times, judged (stragglers.py)
     stragglers_logged: set[int] = field(default_factory=set)
     golive: JobChecks = field(default_factory=JobChecks)  # its go-live checks over every node
+    drill: tuple[str, str] | None = None  # (id, node): a node of the job drills it now (`sidecar drill`)
 
     def held_by(self, node: str) -> int:
         got = self.reports.get(node)
@@ -235,6 +236,8 @@ class Coordinator:
         incident opened or closed, a culprit named, a node lost, every node's stacks dumped; a
         node joining the incident or a part recorded does not wake a thousand waiters."""
         changed = False
+        if report.drill is not None or (job.drill is not None and job.drill[1] == report.node):
+            job.drill = (report.drill, report.node) if report.drill is not None else None
         if report.troubled:
             job.troubled.add(report.node)
         else:
@@ -250,6 +253,8 @@ class Coordinator:
         if incident is None or incident.verdict.closed:
             return
         v = incident.verdict
+        if v.drill is None and job.drill is not None:  # the drilling node said so: a drill on every node
+            v.drill, changed = job.drill[0], True
         dumped_before = v.all_dumped
         if report.node not in incident.node_set:
             incident.node_set.add(report.node)

@@ -91,6 +91,7 @@ class NodeReport:
     # its ranks' figures for the job's go-live checks (jobview/golive.py): only when they changed
     # since the coordinator last took them (or every golive.REFRESH_SECONDS); None: unchanged or none
     golive: JobFigures | None = None
+    drill: str | None = None  # a drill of the job armed on this node (`sidecar drill`): its id
 
     @property
     def troubled(self) -> bool:
@@ -152,6 +153,7 @@ class Verdict:
     not_dumped: list[str] = field(default_factory=list)  # a few of those still dumping (for the record)
     decided: float | None = None  # wall clock of the culprit decision
     closed: bool = False  # every rank progresses again (or the job is gone)
+    drill: str | None = None  # a node of the job drills it (`sidecar drill`): a drill, not a real stall, on every node
 
     @property
     def all_dumped(self) -> bool:
@@ -310,7 +312,20 @@ def parse_report(data: dict, max_ranks: int) -> NodeReport:
         healthy=_int(data, "healthy", "healthy", 0, max_ranks, default=0),
         lateness=parse_entries(data.get("lateness"), max_ranks),
         golive=parse_figures(data.get("golive"), max_ranks),
+        drill=_drill(data, "drill"),
     )
+
+
+DRILL_ID = re.compile(r"drill-\d{8}T\d{6}Z-[0-9a-f]{6}")  # sidecar/watchdog/drill.py names drills so
+
+
+def _drill(obj: dict, where: str) -> str | None:
+    value = obj.get("drill")
+    if value is None:
+        return None
+    if type(value) is not str or not DRILL_ID.fullmatch(value):
+        raise ProtocolError(f"{where}: expected a drill id (drill-YYYYMMDDTHHMMSSZ-xxxxxx) or null")
+    return value
 
 
 def _choice(obj: dict, key: str, where: str, choices: tuple[str, ...], default: str) -> str:
@@ -398,4 +413,5 @@ def parse_verdict(data: Any) -> Verdict | None:
         not_dumped=names("not_dumped", MAX_NOT_DUMPED),
         decided=None if decided is None else _seconds(data, "decided", "verdict.decided"),
         closed=bool(_bool(data, "closed", "verdict.closed")),
+        drill=_drill(data, "verdict.drill"),
     )

@@ -67,6 +67,12 @@ def everyone_dumped(v: Verdict | None) -> bool:
     return v is not None and (v.closed or v.all_dumped)
 
 
+def drill_of(job_view: JobView | None, job_id: str) -> str | None:
+    """The drill the job's open verdict names (a node of the job runs `sidecar drill`), if any."""
+    verdict = job_view.verdict(job_id) if job_view is not None else None
+    return verdict.drill if verdict is not None and not verdict.closed else None
+
+
 def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
     """Take the job's verdict into this node's incident: the job incident id and the culprit
     every node names (this node's own first guess stays in the notes)."""
@@ -74,6 +80,8 @@ def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
         return
     incident.job_incident = verdict.job_incident
     incident.event("verdict", job_incident=verdict.job_incident, decided=verdict.decided)
+    if verdict.drill is not None and incident.drill is None:  # heard of after this node's stall opened
+        incident.drill = verdict.drill
     c = verdict.culprit
     if c is None:
         return

@@ -74,14 +74,6 @@ def refusal(settings: Settings, ranks: list[Rank], active_jobs: set[str]) -> str
         return "the watchdog only observes here (watchdog.observe_only): the stall would never be killed"
     if job_id in active_jobs:
         return f"job {job_id} already has an open stall incident"
-    spread = next((r for r in ranks if r.world_size > r.local_world_size), None)
-    if spread is not None:
-        # the job's other nodes would see their ranks wait for the stopped one and count a real stall
-        # (their incidents, sidecar_watchdog_stalls_total, the stall alerts): no drill across nodes yet
-        return (
-            f"job {job_id} spans several nodes ({spread.world_size} ranks, {spread.local_world_size} on this node): "
-            "its other nodes would count the drill as a real stall and page; drills are for single-node jobs"
-        )
     for r in ranks:
         if r.observe_only:
             return f"job {job_id} asked to be observed only (observe_only): the stall would never be killed"
@@ -105,9 +97,15 @@ def refusal(settings: Settings, ranks: list[Rank], active_jobs: set[str]) -> str
 class Drills:
     """The drills of this node: started by the daemon, followed until the job trains again."""
 
-    def __init__(self, settings: Settings, registry: Registry, store: IncidentStore, active_jobs):
+    def __init__(
+        self, settings: Settings, registry: Registry, store: IncidentStore, active_jobs, wake=None, linked=None
+    ):
         self.settings, self.registry, self.store = settings, registry, store
         self.active_jobs = active_jobs  # () -> the jobs with an open stall episode (the watchdog's)
+        # (job_id) -> None: this node's job-view report goes now, naming the drill, so that the job's
+        # other nodes hear of it before their ranks, waiting for the stopped one, stall
+        self.wake = wake
+        self.linked = linked  # (job_id) -> whether this node reports the job to its coordinator (the job view)
         self._drills: dict[str, Drill] = {}
 
     def start(self, job_id: str, rank: int | None, timeout: float, uid: int) -> Drill:
@@ -115,6 +113,13 @@ class Drills:
         if not ranks:
             raise DrillUnknown(f"job_id: no live rank of job {job_id!r} on this node")
         why = refusal(self.settings, ranks, set(self.active_jobs()))
+        if why is None and any(r.world_size > r.local_world_size for r in ranks):
+            if self.linked is None or not self.linked(job_id):
+                why = (
+                    f"job {job_id} spans several nodes and this node does not report it to the job's coordinator "
+                    "(the job view has not formed here yet, or is off): its other nodes would not hear of the "
+                    "drill and would count a real stall; try again once `sidecar status` shows its coordinator"
+                )
         if why is not None:
             raise DrillRefused(f"not drilling job {job_id}: {why}")
         chosen = ranks[-1] if rank is None else next((r for r in ranks if r.rank == rank), None)
@@ -131,6 +136,8 @@ class Drills:
             chosen.job_id, chosen.rank, chosen.pid, chosen.pid_start_time, chosen.stack_signal, chosen.stack_file,
             chosen.peer_verified, chosen.pidfd,
         )  # fmt: skip
+        if self.wake is not None:
+            self.wake(job_id)
         try:
             send(target, signal.SIGSTOP, "process")
         except (Refused, OSError) as e:

@@ -31,7 +31,15 @@ from sidecar.jobview.collectives import stale_after as collectives_stale_after
 from sidecar.jobview.report import Verdict
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.watchdog.attribution import blame, judge_collectives, refine_blame
-from sidecar.watchdog.coordination import JobView, Probe, adopt, everyone_dumped, has_culprit, local_culprit
+from sidecar.watchdog.coordination import (
+    JobView,
+    Probe,
+    adopt,
+    drill_of,
+    everyone_dumped,
+    has_culprit,
+    local_culprit,
+)
 from sidecar.watchdog.goodput import Goodput
 from sidecar.watchdog.liveness import Liveness
 from sidecar.watchdog.metrics import Counters
@@ -158,6 +166,9 @@ class Episode:
             ranks=[t.snapshot(dog.deadline(t.rank, now)) for t in members],
         )
         dog.liveness.annotate(incident, [t.rank for t in members])  # the checks that found a rank busy
+        if incident.drill is None and (drill := drill_of(dog.job_view, job_id)) is not None:
+            incident.drill = drill  # another node of the job drills it: its stall here is the drill's too
+            incident.notes.append(f"a drill of the job on another node ({drill}), not a real stall")
         episode = cls(
             dog, job_id, incident, [t.rank.key for t in members], suppressed=full is not None, why=why,
             observe_only=observe_only, verified=verified, spare=spare, full=full,

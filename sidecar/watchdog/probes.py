@@ -131,6 +131,8 @@ def node_report(dog: Watch, job_id: str, episode: Episode | None) -> NodeReport 
     )  # fmt: skip
     if episode is not None and episode.stacks_done and current is not None:
         report.dumped = current
+    if (armed := dog.store.drills.armed(job_id)) is not None:
+        report.drill = armed.drill_id  # drilled here: the job's other nodes take its stall for a drill too
     recorded = episode.incident if episode is not None else dog.parts.get(job_id)
     within = 3 * dog.settings.job_view.report_interval_seconds  # its recovery's stages, after the close too
     if (

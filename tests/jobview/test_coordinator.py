@@ -334,3 +334,35 @@ def test_a_nodes_part_carries_its_recovery_stages_and_is_sent_again_while_they_c
     assert not recovery_news(incident, None, wall=117.0, within=15.0)
     assert not recovery_news(incident, "K", wall=110.0, within=15.0)  # a newer job incident is open: not now
     assert not recovery_news(Incident("inc-2", 100.0, "j1", "n", 1, "", 5.0, False, []), None, 100.0, 15.0)
+
+
+DRILL = "drill-20261205T005255Z-424106"
+
+
+def test_a_drill_one_node_runs_is_in_the_verdict_every_node_gets_until_that_node_says_it_is_over():
+    """`sidecar drill` on node-1: its reports name the drill, so the job incident its stopped rank
+    opens carries it to every node (each records its stall as the drill's, not as a real one). Only
+    node-1 ends it; the next incident, after it did, is a real one."""
+    clock = Clock()
+    c = coordinator(clock)
+    c.accept(report("node-1", rank(1, state="healthy"), drill=DRILL))  # armed before the rank is stopped
+    v0 = c.accept(report("node-0", rank(0)))  # its rank waits for the stopped one
+    assert v0 is not None and v0.drill == DRILL
+    v2 = c.accept(report("node-2", rank(2), drill=None))  # another node's report does not end it
+    assert v2 is not None and v2.drill == DRILL
+    for node, r in (("node-0", 0), ("node-1", 1), ("node-2", 2)):
+        c.accept(report(node, rank(r, state="healthy")))  # node-1's says no drill any more
+    clock.now += 2.0
+    closed = c.accept(report("node-0", rank(0, state="healthy")))
+    assert closed is not None and closed.closed and closed.drill == DRILL  # the story keeps what it was
+    real = c.accept(report("node-0", rank(0)))
+    assert real is not None and not real.closed and real.drill is None
+
+
+def test_a_drill_named_after_the_incident_opened_reaches_its_verdict():
+    c = coordinator(Clock())
+    first = c.accept(report("node-0", rank(0)))
+    assert first is not None and first.drill is None
+    known = first.version
+    later = c.accept(report("node-1", rank(1), drill=DRILL))
+    assert later is not None and later.drill == DRILL and later.version > known  # long-polls wake for it

@@ -96,6 +96,26 @@ def test_a_busy_rank_and_a_busy_culprit_survive_the_round_trip_and_default_to_no
     assert "culprit.busy" in str(e.value)
 
 
+DRILL = "drill-20261205T005255Z-424106"
+
+
+@pytest.mark.parametrize("bad", ["drill-now", "x" * 300, 7, "drill-20261205T005255Z-42410\n", ["drill"]])
+def test_a_drill_survives_the_round_trip_and_a_bad_one_is_refused(bad):
+    """A node running `sidecar drill` on the job says so in its reports; the verdict carries it to
+    every node (and an older peer, which sends none, means none)."""
+    assert parse_report(wire(drill=DRILL), max_ranks=8).drill == DRILL
+    assert parse_report(wire(), max_ranks=8).drill is None
+    verdict = {"job_id": "j1", "job_incident": "x", "version": 1, "opened": 1.0, "drill": DRILL}
+    parsed = parse_verdict(verdict)
+    assert parsed is not None and parsed.drill == DRILL
+    with pytest.raises(ProtocolError) as e:
+        parse_report(wire(drill=bad), max_ranks=8)
+    assert str(e.value).startswith("drill"), str(e.value)
+    with pytest.raises(ProtocolError) as e:
+        parse_verdict({**verdict, "drill": bad})
+    assert str(e.value).startswith("verdict.drill"), str(e.value)
+
+
 def test_a_report_with_more_ranks_than_the_limit_is_too_large():
     with pytest.raises(ProtocolError) as e:
         parse_report(wire(ranks=[wire()["ranks"][0]] * 9), max_ranks=8)
