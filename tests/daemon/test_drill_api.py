@@ -100,6 +100,7 @@ async def test_over_tcp_even_loopback_nobody_may_drill(sidecar, child_pid):
     assert state_of(child_pid) != "T"
 
 
+@pytest.mark.slow  # 10 s: the drill waits out its shortest timeout
 async def test_a_drill_stops_the_registered_rank_and_continues_it_when_nothing_kills_it(serve, child_pid):
     """With the watchdog off here nothing would detect the stall: refused. With a long floor the
     watchdog does not act within the drill's 10 s: the rank is stopped, then continued."""

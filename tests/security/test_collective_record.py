@@ -498,6 +498,7 @@ BIG_DUMPS = """
 """
 
 
+@pytest.mark.slow  # 16 s: a 10 s floor before the incident
 def test_writing_an_incidents_dumps_does_not_hold_the_event_loop(users):
     """An incident writes every dump the job's ranks sent as a pickle: json.loads, pickle.dumps
     and the write of up to 512 KiB each, 256 ranks per user. Done on the event loop, it holds
