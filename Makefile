@@ -44,8 +44,8 @@ test: lint system-deps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The inner loop: nothing of ten seconds or more (`slow`: torchrun jobs, training runs, load
-# tests), nothing that needs the Debian packages (`system`), no lint. Under 3 minutes on 2
-# cores; `make test` before you push.
+# tests), nothing that needs the Debian packages (`system`), no lint. About 3.5 minutes on 2
+# cores (docs/suite-times.md); `make test` before you push.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not system"
 
