@@ -57,7 +57,6 @@ CHECK_SECONDS = 0.25  # ours: watchdog.check_interval_seconds (demo/job.py); NVR
 GRACE_SECONDS = 1.0  # ours: remediation.grace_seconds; NVRx: --workers-stop-timeout (SIGTERM -> SIGKILL)
 JOB_TIMEOUT = 240.0
 TARGET = 0.7
-OURS = AGENTS  # our agent, by name (demo/cluster.py)
 
 
 @dataclass
@@ -90,7 +89,7 @@ def spec_for(
         nodes.append(NodeSpec(f"node-{i}", nproc, env))
     env = {"CYCLE_HANG_STEP": str(HANG_STEP), "CYCLE_HANG_MODE": "stop"}
     if contender == "ours":
-        launcher, args = OURS[ours]
+        launcher, args = AGENTS[ours]
         sidecar = SidecarSpec(
             floor_seconds=timeout,
             dump_wait_seconds=0.5,
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="runs of each contender on each layout (default 5)")
     p.add_argument("--layouts", default="2;1,1,1", help="ranks per node, layouts split by ';' (default: 2;1,1,1)")
     p.add_argument("--timeout", type=float, default=5.0, help="the effective timeout T of both (default 5 s)")
-    p.add_argument("--ours", choices=sorted(OURS), default="warm", help="our agent (default warm)")
+    p.add_argument("--ours", choices=sorted(AGENTS), default="warm", help="our agent (default warm)")
     p.add_argument("--nvrx-interval", type=float, default=CHECK_SECONDS,
                    help=f"NVRx's workload_check_interval (default {CHECK_SECONDS}, ours; its own is 5)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="keep the working directory")
@@ -239,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     layouts = [[int(x) for x in part.split(",")] for part in args.layouts.split(";")]
     root = scratch.make("bench-race-")
-    ours = " ".join([OURS[args.ours][0], *OURS[args.ours][1]])
+    ours = " ".join([AGENTS[args.ours][0], *AGENTS[args.ours][1]])
     print(f"timeout {args.timeout:g} s each; ours: {ours} + sidecar, check every {CHECK_SECONDS:g} s; "
           f"NVRx {nvrx.VERSION} from {path}, check every {args.nvrx_interval:g} s; "
           f"{args.runs} interleaved runs per layout; {os.cpu_count()} CPUs")  # fmt: skip

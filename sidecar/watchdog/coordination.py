@@ -67,10 +67,16 @@ def everyone_dumped(v: Verdict | None) -> bool:
     return v is not None and (v.closed or v.all_dumped)
 
 
+def open_verdict(job_view: JobView | None, job_id: str) -> Verdict | None:
+    """The job's verdict while its job incident is open (None: no job view, no incident, or closed)."""
+    verdict = job_view.verdict(job_id) if job_view is not None else None
+    return verdict if verdict is not None and not verdict.closed else None
+
+
 def drill_of(job_view: JobView | None, job_id: str) -> str | None:
     """The drill the job's open verdict names (a node of the job runs `sidecar drill`), if any."""
-    verdict = job_view.verdict(job_id) if job_view is not None else None
-    return verdict.drill if verdict is not None and not verdict.closed else None
+    verdict = open_verdict(job_view, job_id)
+    return verdict.drill if verdict is not None else None
 
 
 def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:

@@ -34,7 +34,7 @@ from sidecar.jobview.report import NodeReport
 from sidecar.problems import Kind, Problem
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.registry import Registry
-from sidecar.watchdog.coordination import JobView
+from sidecar.watchdog.coordination import JobView, open_verdict
 from sidecar.watchdog.episode import Episode, Track
 from sidecar.watchdog.goodput import Goodput
 from sidecar.watchdog.liveness import Liveness
@@ -283,8 +283,8 @@ class Watchdog:
     def _left_behind(self, rank: Rank) -> bool:
         """The job view's open verdict names this rank of this node as the one its peers wait for,
         from the collective record (rank_late): Timeouts.progress_horizon adds no push gap."""
-        verdict = self.job_view.verdict(rank.job_id) if self.job_view is not None else None
-        culprit = verdict.culprit if verdict is not None and not verdict.closed else None
+        verdict = open_verdict(self.job_view, rank.job_id)
+        culprit = verdict.culprit if verdict is not None else None
         return (
             culprit is not None
             and culprit.kind == "rank_late"
