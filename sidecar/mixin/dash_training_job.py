@@ -257,8 +257,8 @@ def training_job(cfg: MixinConfig) -> dict:
             "Lateness per rank",
             f"sidecar_rank_lateness_seconds{{{RANKS}}}",
             "s",
-            "How long after its group's first member each rank enters its collectives (median over its newest "
-            "collectives, from the ranks' Flight Recorders, judged on its node or across the job by the job "
+            "How long after its group's other members (their median) each rank enters its collectives (median over its"
+            " newest collectives, from the ranks' Flight Recorders, judged on its node or across the job by the job "
             "view's coordinator). Every rank waits for the late one at every step. SidecarStragglerRank fires "
             f"above the dashed line when the lateness is also more than {late_share}% of the job's median step "
             f"time, for {cfg.window('straggler_for')}.",

@@ -63,6 +63,31 @@ def test_with_data_and_tensor_parallel_groups_only_the_slow_rank_is_named():
     assert all(v.ranks[r].seconds < 0.003 for r in (0, 1, 2))
 
 
+def _noisy(world: int, seed: int, noise: float, slow: dict[int, float] | None = None) -> dict:
+    """`world` ranks whose compute per step varies by up to `noise` seconds (uniform), drawn per rank
+    and sequence (a real job's noisy steps), `slow` ranks that many seconds more."""
+    rng, slow = random.Random(seed), slow or {}
+    return times(range(world), range(1, 41), lambda r, s: slow.get(r, 0.0) + rng.uniform(0, noise))
+
+
+@pytest.mark.parametrize("world", [4, 16, 64])
+def test_a_large_noisy_healthy_group_names_no_straggler(world):
+    """The first of N noisy members enters ever earlier as N grows (the least of N draws): measured
+    after the first member, every rank of 64 with 50 ms of step noise was 25 ms late, above the
+    20 ms floor, and all 64 were named (before lateness was measured against the member's peers).
+    Against the median of its peers a healthy rank's median lateness stays near 0 whatever N."""
+    v = judge(_noisy(world, seed=world, noise=0.05))
+    assert v.stragglers == []
+    assert max(rl.seconds for rl in v.ranks.values()) < 0.012
+
+
+@pytest.mark.parametrize("world", [4, 16, 64])
+def test_a_straggler_among_noisy_ranks_is_named_alone_with_its_delay(world):
+    v = judge(_noisy(world, seed=world + 1, noise=0.05, slow={world - 2: 0.06}))
+    assert v.stragglers == [world - 2]
+    assert v.ranks[world - 2].seconds == pytest.approx(0.06, abs=0.012)
+
+
 def test_clock_jitter_below_the_floor_names_no_straggler():
     """One rank always 15 ms behind (a clock offset, scheduling) with jitter of +-5 ms: below the floor."""
     rng = random.Random(4)
