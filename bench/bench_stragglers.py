@@ -185,7 +185,8 @@ def healthy_run(sidecar: Sidecar, tmp: Path, args) -> Run:
     job_id = "healthy"
     (tmp / job_id).mkdir()
     job = Job(tmp / job_id, sidecar, job_id, args.world, args, 0.0, float("inf"))
-    start, seen, most = time.time(), set(), 0.0
+    start, most = time.time(), 0.0
+    seen: set[int] = set()
     try:
         while time.time() < start + args.healthy_seconds:
             job.alive()
