@@ -131,19 +131,20 @@ def _group(
 
 def _behind_peers(entered: Mapping[int, float]) -> dict[int, float]:
     """Each member's entry time minus the median of its peers' (the other members that entered the
-    same collective): negative when it came early. O(n log n) for n members."""
-    order = sorted(entered.items(), key=lambda kv: kv[1])
-    values = [t for _, t in order]
-    n = len(values)
-    out = {}
-    for i, (rank, t) in enumerate(order):
-        # the peers are `values` without position i; their median, from the sorted whole
-        def peer(k: int, i: int = i) -> float:
-            return values[k] if k < i else values[k + 1]
-
-        half = (n - 1) // 2
-        middle = peer(half) if (n - 1) % 2 else (peer(half - 1) + peer(half)) / 2
-        out[rank] = t - middle
+    same collective): negative when it came early. With the n entry times sorted, the peers' median
+    of the member at position i is one of three values, by which side of the middle i is on: one
+    sort per collective, O(n log n)."""
+    ranks = sorted(entered, key=entered.__getitem__)
+    v = [entered[r] for r in ranks]
+    n = len(v)
+    half = (n - 1) // 2  # the peers' middle position (n - 1 of them)
+    if n % 2 == 0:  # an odd number of peers: their middle one
+        below, at, above = v[half + 1], v[half + 1], v[half]
+    else:  # an even number: the mean of their two middle ones
+        below, at, above = (v[half] + v[half + 1]) / 2, (v[half - 1] + v[half + 1]) / 2, (v[half - 1] + v[half]) / 2
+    out = dict(zip(ranks[:half], [t - below for t in v[:half]], strict=True))
+    out[ranks[half]] = v[half] - at
+    out.update(zip(ranks[half + 1 :], [t - above for t in v[half + 1 :]], strict=True))
     return out
 
 
