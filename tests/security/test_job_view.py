@@ -86,7 +86,10 @@ def test_another_users_reports_for_a_job_are_refused_and_its_hang_is_killed_on_t
     of a job of her own, all the while alice's rank hangs. Every one is refused; alice's hang is
     blamed on alice's own rank and killed without the launcher grace."""
     alice, mallory = users
-    with open_sidecar(*FAST) as sidecar:
+    # The coordinator's verdict (rank 0 on n1) is awaited up to 5 s, not FAST's 1: on a loaded
+    # machine (4 test workers on 2 cores) it came after 1 s and the node acted on its own
+    # judgement, which names no node; a verdict blaming mallory's fake node would still be caught.
+    with open_sidecar(*FAST, "job_view.verdict_wait_seconds=5") as sidecar:
         victim, info = start_job(alice, sidecar, "victim")
         try:
             forger, first = start_as(
