@@ -6,6 +6,13 @@ Failure handling, in one place:
   the next attempt waits a capped exponential backoff, and the next contact starts with a
   fresh registration (the sidecar may have restarted and forgotten this rank). While it
   waits, records stay in the bounded buffer, which drops the oldest when full (counted).
+  Its events and phases are not dropped but sent again first (`resend`, at most RESEND_ITEMS,
+  the oldest dropped and counted): a step is superseded by the next one, but a lost
+  `checkpoint_saved` left the sidecar naming an older checkpoint to roll back to for good (a
+  sidecar that did not answer within READ_TIMEOUT under load), and a lost phase start could make
+  a long checkpoint look like a stall. They go after the re-registration, which gives the rank
+  a fresh record on the sidecar (the acknowledged step and phase only), so a batch that did
+  reach a sidecar too slow to answer does not leave a phase opened twice.
 - `409 unknown_rank`: re-register and resend the batch once. `409 step_not_increasing`
   (the trainer rolled its step counter back): re-register without a step, resend once.
   A batch never spans a rollback (`_take`), so at most one re-registration per rollback.
@@ -57,6 +64,7 @@ YIELD_EVERY = 64
 # While the oldest record waits for the GPU to compute its values, the thread looks again this often
 # (a cudaEventQuery each time), not at the flush interval.
 GPU_POLL_SECONDS = 0.02
+RESEND_ITEMS = 64  # events and phases of unanswered batches kept to send again (a sidecar outage's worth)
 CLOSE_GPU_SHARE = 0.5  # of what is left of a close's budget, the most spent waiting for GPU values
 _MIN_SERVER_INTERVAL, _MAX_SERVER_INTERVAL = 0.05, 60.0
 
@@ -136,6 +144,7 @@ class Sender:
         self.thread: threading.Thread | None = None
         # Items the hooks' own helpers add (the job view's coordinator, jobview.py), sent first.
         self.extra: deque[dict] = deque(maxlen=16)
+        self.resend: deque[dict] = deque()  # events and phases of batches the sidecar did not answer
         self.job_view_enabled = True  # Monitor: SIDECAR_JOB_VIEW
         self.job_view_offer: dict | None = None  # the sidecar's offer to coordinate the job (rank 0's)
         self.job_view: CoordinatorExchange | None = None
@@ -241,14 +250,14 @@ class Sender:
         # A rank waiting in a collective has nothing else to send: its record goes alone, so that the
         # sidecar sees it enter a collective within a second and knows it still lives.
         due = self.collectives_live and time.monotonic() - self.collectives_read_at >= collectives.READ_EVERY_SECONDS
-        idle = not self.buffer and not final and not self.extra and self._held_back is None
+        idle = not self.buffer and not final and not self.extra and not self.resend and self._held_back is None
         if idle and (quiet or self.wants or due):
             self._send([], deadline)
             return
         if final and deadline is not None:
             self.gpu.deadline = time.monotonic() + max(0.0, deadline - time.monotonic()) * CLOSE_GPU_SHARE
         sent = False
-        while self.buffer or self._held_back is not None or self.extra:
+        while self.buffer or self._held_back is not None or self.extra or self.resend:
             if deadline is not None and time.monotonic() >= deadline:
                 return
             self._gpu_wait = False
@@ -276,6 +285,8 @@ class Sender:
         items: list[dict] = []
         while self.extra:
             items.append(self.extra.popleft())
+        while self.resend and len(items) < self.tuning.batch_items:
+            items.append(self.resend.popleft())
         last_step = None
         if self._held_back is not None:
             items.append(self._held_back)
@@ -322,12 +333,12 @@ class Sender:
         if reply is not None and reply.status == 409 and reply.code in ("unknown_rank", "step_not_increasing"):
             self.registered = False
             if not self.register(deadline, with_step=reply.code == "unknown_rank"):
-                self._lose(items)
+                self._unanswered(items)
                 self._failed()
                 return False
             reply = self._post("/v1/push", self._push_body(items), deadline)
         if reply is None or reply.status >= 500:
-            self._lose(items)
+            self._unanswered(items)
             self.registered = False
             self._failed()
             return False
@@ -393,6 +404,16 @@ class Sender:
 
     def _lose(self, items: list[dict]) -> None:
         self.lost += len(items)
+
+    def _unanswered(self, items: list[dict]) -> None:
+        """A batch the sidecar did not answer: its steps are lost (counted), its events and phases
+        are sent again first, in their order (the oldest beyond RESEND_ITEMS lost)."""
+        keep = [item for item in items if item["type"] in ("event", "phase")]
+        self.lost += len(items) - len(keep)
+        self.resend.extendleft(reversed(keep))  # before any kept from an earlier failure: they are newer
+        while len(self.resend) > RESEND_ITEMS:
+            self.resend.popleft()
+            self.lost += 1
 
     def _acknowledge(self, items: list[dict]) -> None:
         self.sent += len(items)

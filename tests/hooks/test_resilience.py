@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.hooks.helpers import RankProcess, disabled_env, rank_env, rank_status, run_rank
-from tests.support import Sidecar, wait_until
+from tests.hooks.helpers import RankProcess, disabled_env, metric_value, rank_env, rank_status, run_rank
+from tests.support import ROOT, Sidecar, kill_tree, wait_until
 
 # 300 steps of 5 ms "work", with room for 100 records in the hooks' buffer.
 LOOP = ("--sleep", "0.005", "--buffer-size", "100")
@@ -137,3 +139,59 @@ def test_restarted_sidecar_receives_the_steps_made_while_it_was_down(tmp_path: P
         assert seen["dropped"] == result["dropped"] > 0  # the sidecar learns what was lost
     not_slowed(result, baseline)
     assert result["registrations"] == 2
+
+
+# A rank that saves a checkpoint and opens a phase while its sidecar does not answer (stopped for
+# longer than the hooks' read timeout: a sidecar starved of CPU on a loaded node, or paused), then
+# trains on and waits for `release` before it closes.
+UNANSWERED = r"""
+import os, signal, sys, time
+from trainer_hooks import Monitor
+sidecar, release = int(sys.argv[1]), sys.argv[2]
+m = Monitor(job_id=os.environ["JOB"], rank=0, local_rank=0, world_size=1, local_world_size=1)
+for step in range(1, 13):
+    m.step(step, loss=1.0)
+    time.sleep(0.2)
+    if step == 4:
+        os.kill(sidecar, signal.SIGSTOP)
+        m.event("checkpoint_saved", step=4, path="/ckpt/step-4")
+        m.phase_start("eval", timeout=600)
+        time.sleep(3.5)  # the read timeout is 2 s: the batch with the event goes unanswered
+        os.kill(sidecar, signal.SIGCONT)
+deadline = time.time() + 60
+while not os.path.exists(release) and time.time() < deadline:
+    time.sleep(0.1)
+m.close()
+"""
+
+
+def test_an_event_and_a_phase_in_a_batch_the_sidecar_did_not_answer_arrive_once_it_answers(tmp_path: Path):
+    """Steps of an unanswered batch are lost (the next step supersedes them), but a lost
+    `checkpoint_saved` made the sidecar name an older checkpoint to roll back to for good (found
+    as a flaky exit test on a loaded machine: checkpoint step 4 named where the job had saved 8),
+    and a lost phase start would leave a long eval looking like a stall."""
+    release = tmp_path / "release"
+    with Sidecar(tmp_path / "sidecar", "hooks_flush_interval_seconds=0.2", "watchdog.observe_only=true") as sidecar:
+        assert sidecar.proc is not None
+        env = {**os.environ, **sidecar.hook_env(), "JOB": "unanswered", "PYTHONPATH": str(ROOT)}
+        rank = subprocess.Popen(
+            [sys.executable, "-c", UNANSWERED, str(sidecar.proc.pid), str(release)],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "rank.err", "w"),
+        )  # fmt: skip
+        try:
+            mine = wait_until(lambda: unanswered_rank(sidecar, step=12), 60, what="the rank at step 12")
+            ckpt = metric_value(sidecar.metrics(), "sidecar_training_last_checkpoint_step", job_id="unanswered")
+            assert ckpt == 4, (tmp_path / "rank.err").read_text()[-2000:]
+            assert mine["phase"] == "eval", mine  # opened in the unanswered batch, not ended
+            release.touch()
+            assert rank.wait(timeout=30) == 0, (tmp_path / "rank.err").read_text()[-2000:]
+        finally:
+            os.kill(sidecar.proc.pid, signal.SIGCONT)
+            kill_tree(rank)
+
+
+def unanswered_rank(sidecar: Sidecar, step: int) -> dict | None:
+    for r in sidecar.status()["ranks"]:
+        if r["job_id"] == "unanswered" and r["step"] == step:
+            return r
+    return None
