@@ -141,6 +141,11 @@ class Registry:
         previous = self._ranks.get(key)
         if previous is not None:  # a restarted worker of the same owner continues its counters (no reset for rate())
             rank.counters = previous.counters
+            if (previous.pid, previous.pid_start_time) == (rank.pid, rank.pid_start_time) and not previous.gone:
+                # the same process again (a push this sidecar did not answer in time): what it saved stays
+                rank.checkpoints = previous.checkpoints
+                rank.last_checkpoint_step = previous.last_checkpoint_step
+                rank.last_checkpoint_time = previous.last_checkpoint_time
             previous.pidfd = None  # replaced: never signalled again, its descriptor goes now
         self._ranks[key] = rank
         self.owners.claimed(reg.job_id, owner_uid)

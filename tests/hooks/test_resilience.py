@@ -147,15 +147,20 @@ def test_restarted_sidecar_receives_the_steps_made_while_it_was_down(tmp_path: P
 UNANSWERED = r"""
 import os, signal, sys, time
 from trainer_hooks import Monitor
-sidecar, release = int(sys.argv[1]), sys.argv[2]
+sidecar, release, unanswered = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 m = Monitor(job_id=os.environ["JOB"], rank=0, local_rank=0, world_size=1, local_world_size=1)
 for step in range(1, 13):
     m.step(step, loss=1.0)
     time.sleep(0.2)
+    if step == 2 and unanswered == "steps":
+        m.event("checkpoint_saved", step=2, path="/ckpt/step-2")
     if step == 4:
         os.kill(sidecar, signal.SIGSTOP)
-        m.event("checkpoint_saved", step=4, path="/ckpt/step-4")
-        m.phase_start("eval", timeout=600)
+        if unanswered == "event and phase":
+            m.event("checkpoint_saved", step=4, path="/ckpt/step-4")
+            m.phase_start("eval", timeout=600)
+        else:
+            m.step(5, loss=1.0)
         time.sleep(3.5)  # the read timeout is 2 s: the batch with the event goes unanswered
         os.kill(sidecar, signal.SIGCONT)
 deadline = time.time() + 60
@@ -165,24 +170,30 @@ m.close()
 """
 
 
-def test_an_event_and_a_phase_in_a_batch_the_sidecar_did_not_answer_arrive_once_it_answers(tmp_path: Path):
+@pytest.mark.parametrize("unanswered", ["event and phase", "steps"])
+def test_what_a_batch_the_sidecar_did_not_answer_held_is_not_lost_with_it(tmp_path: Path, unanswered: str):
     """Steps of an unanswered batch are lost (the next step supersedes them), but a lost
     `checkpoint_saved` made the sidecar name an older checkpoint to roll back to for good (found
     as a flaky exit test on a loaded machine: checkpoint step 4 named where the job had saved 8),
-    and a lost phase start would leave a long eval looking like a stall."""
+    and a lost phase start would leave a long eval looking like a stall. Sent again, they arrive
+    after the re-registration that follows an unanswered batch; the rank's re-registration (the
+    same process) keeps the checkpoints the sidecar already had (`steps`: the step-2 checkpoint,
+    answered, was forgotten by it before)."""
     release = tmp_path / "release"
     with Sidecar(tmp_path / "sidecar", "hooks_flush_interval_seconds=0.2", "watchdog.observe_only=true") as sidecar:
         assert sidecar.proc is not None
         env = {**os.environ, **sidecar.hook_env(), "JOB": "unanswered", "PYTHONPATH": str(ROOT)}
         rank = subprocess.Popen(
-            [sys.executable, "-c", UNANSWERED, str(sidecar.proc.pid), str(release)],
+            [sys.executable, "-c", UNANSWERED, str(sidecar.proc.pid), str(release), unanswered],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "rank.err", "w"),
         )  # fmt: skip
         try:
             mine = wait_until(lambda: unanswered_rank(sidecar, step=12), 60, what="the rank at step 12")
             ckpt = metric_value(sidecar.metrics(), "sidecar_training_last_checkpoint_step", job_id="unanswered")
-            assert ckpt == 4, (tmp_path / "rank.err").read_text()[-2000:]
-            assert mine["phase"] == "eval", mine  # opened in the unanswered batch, not ended
+            want = 4 if unanswered == "event and phase" else 2
+            assert ckpt == want, (tmp_path / "rank.err").read_text()[-2000:]
+            if unanswered == "event and phase":
+                assert mine["phase"] == "eval", mine  # opened in the unanswered batch, not ended
             release.touch()
             assert rank.wait(timeout=30) == 0, (tmp_path / "rank.err").read_text()[-2000:]
         finally:
