@@ -36,12 +36,14 @@ anything else leaves it on.
 from __future__ import annotations
 
 import logging
+import platform
 import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from trainer_hooks.wire import POD_LABEL_RULES
+from trainer_hooks.wire import POD_LABEL_RULES, PROTOCOL_VERSION
 
 log = logging.getLogger("trainer_hooks")
 
@@ -251,3 +253,22 @@ def stack_signal(environ: Mapping[str, str]) -> int | None:
         return int(sig)
     log.warning("trainer_hooks: unknown SIDECAR_STACK_SIGNAL=%r; stack dumps disabled", raw)
     return None
+
+
+def versions() -> dict:
+    """Versions worth knowing when debugging a job. torch/cuda/nccl only when the training
+    process imported torch itself: the hooks never import it."""
+    out = {"python": platform.python_version(), "hooks_protocol": str(PROTOCOL_VERSION)}
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return out
+    try:
+        out["torch"] = str(torch.__version__)
+        cuda = getattr(getattr(torch, "version", None), "cuda", None)
+        if cuda:
+            out["cuda"] = str(cuda)
+            nccl = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(str(p) for p in nccl) if isinstance(nccl, tuple) else str(nccl)
+    except Exception:  # a partial import or a build without NCCL: report what we have
+        pass
+    return out

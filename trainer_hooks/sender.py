@@ -33,16 +33,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from trainer_hooks import collectives, distributed
-from trainer_hooks.environment import Endpoint, Identity
+from trainer_hooks.environment import Endpoint, Identity, versions
 from trainer_hooks.errors import warn
 from trainer_hooks.gpu_values import GpuReader, pop_ready
 from trainer_hooks.jobview import CoordinatorExchange
@@ -50,7 +48,7 @@ from trainer_hooks.pauses import CHECK_SECONDS, Inference
 from trainer_hooks.records import Encoder
 from trainer_hooks.stacks import StackDump
 from trainer_hooks.transport import CONNECT_TIMEOUT, READ_TIMEOUT, Reply, Unreachable, post
-from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, OBSERVE_ONLY, PROTOCOL_VERSION, RESTART_SAFE, WANTS
+from trainer_hooks.wire import JOB_KEY_CHARS, KEEPALIVE_SECONDS, OBSERVE_ONLY, RESTART_SAFE, WANTS
 
 HOOKS_VERSION = "0.1.0"
 BATCH_ITEMS = 1000  # ~200 KiB of JSON for step items: well under the sidecar's 1 MiB body limit
@@ -67,25 +65,6 @@ GPU_POLL_SECONDS = 0.02
 RESEND_ITEMS = 64  # events and phases of unanswered batches kept to send again (a sidecar outage's worth)
 CLOSE_GPU_SHARE = 0.5  # of what is left of a close's budget, the most spent waiting for GPU values
 _MIN_SERVER_INTERVAL, _MAX_SERVER_INTERVAL = 0.05, 60.0
-
-
-def versions() -> dict:
-    """Versions worth knowing when debugging a job. torch/cuda/nccl only when the training
-    process imported torch itself: the hooks never import it."""
-    out = {"python": platform.python_version(), "hooks_protocol": str(PROTOCOL_VERSION)}
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return out
-    try:
-        out["torch"] = str(torch.__version__)
-        cuda = getattr(getattr(torch, "version", None), "cuda", None)
-        if cuda:
-            out["cuda"] = str(cuda)
-            nccl = torch.cuda.nccl.version()
-            out["nccl"] = ".".join(str(p) for p in nccl) if isinstance(nccl, tuple) else str(nccl)
-    except Exception:  # a partial import or a build without NCCL: report what we have
-        pass
-    return out
 
 
 def _dumps(body: dict) -> bytes:
