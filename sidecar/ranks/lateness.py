@@ -106,13 +106,18 @@ class Verdict:
 def _group(
     pg: str, members: Mapping[int, Mapping[int, float]], window: int, floor: float, ratio: float
 ) -> GroupLateness | None:
-    newest = max((max(times) for times in members.values() if times), default=None)
-    if newest is None:
+    newest_of = [max(times) for times in members.values() if times]
+    if not newest_of:
         return None
+    newest = max(newest_of)
+    # Only collectives every member whose record still comes has reported: a record read before its
+    # peers' (they come a few at a time) would otherwise judge its newest collectives against part
+    # of the group, a different part at each record, and name a rank for a moment.
+    upto = min(n for n in newest_of if n > newest - HISTORY)
     by_seq: dict[int, dict[int, float]] = {}
     for rank, times in members.items():
         for seq, created in times.items():
-            if seq > newest - HISTORY:  # a member whose record stopped coming: its old entries age out
+            if newest - HISTORY < seq <= upto:  # a member whose record stopped coming: its old entries age out
                 by_seq.setdefault(seq, {})[rank] = created
     common = sorted(s for s, ranks in by_seq.items() if len(ranks) >= 2)[-window:]
     if not common:

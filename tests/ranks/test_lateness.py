@@ -88,6 +88,24 @@ def test_a_straggler_among_noisy_ranks_is_named_alone_with_its_delay(world):
     assert v.ranks[world - 2].seconds == pytest.approx(0.06, abs=0.012)
 
 
+def test_collectives_not_every_member_has_reported_yet_are_not_judged():
+    """Four ranks' records come a few at a time. Ranks 0 and 1 have sent collectives 41-72, in which
+    rank 0 came 50 ms after rank 1 (a burst of load); ranks 2 and 3 have not yet. Judged on the two
+    alone, rank 0 was named until the others' records came (a healthy job's transient straggler);
+    those collectives wait for every member, and once ranks 2 and 3 send theirs, on time with
+    rank 1, rank 0 is late against its peers' median and named."""
+    entries = {r: {("0", None): {s: T0 + s * STEP for s in range(1, 41)}} for r in range(4)}
+    for r in (0, 1):
+        entries[r][("0", None)].update({s: T0 + s * STEP + (0.05 if r == 0 else 0) for s in range(41, 73)})
+    v = judge(entries)
+    assert v.stragglers == [] and v.groups[0].sequences == COLLECTIVES_MAX_RECENT
+    assert max(v.groups[0].lateness.values()) < 1e-9  # collectives 9-40, all four on time
+    for r in (2, 3):
+        entries[r][("0", None)].update({s: T0 + s * STEP for s in range(41, 73)})
+    v = judge(entries)
+    assert v.stragglers == [0] and v.ranks[0].seconds == pytest.approx(0.05, abs=1e-6)
+
+
 def test_clock_jitter_below_the_floor_names_no_straggler():
     """One rank always 15 ms behind (a clock offset, scheduling) with jitter of +-5 ms: below the floor."""
     rng = random.Random(4)
