@@ -11,7 +11,9 @@ member's: the first of N members whose steps vary enters ever earlier as N grows
 draws), so measured against it every rank of a large noisy group is late: with 50 ms of step noise,
 64 healthy ranks were each ~25 ms late and all named, against their peers' median at most 5 ms
 (tests/ranks/test_lateness.py). The straggler is a minority of its group: in a group where more than
-half the members are equally slow, the slow ones are its pace, and none is named. A rank is a
+half the members are equally slow, the slow ones are its pace, and none is named. Only sequences
+every member whose record still comes has reported are judged (the records come a few at a time:
+judged on the first alone, a rank was compared with part of its group for a moment). A rank is a
 straggler when that median exceeds max(FLOOR_SECONDS, INTERVAL_RATIO x the group's median
 interval between consecutive collectives) in every group it has data in: with data x tensor
 parallel groups, a rank that waited for the straggler in one group enters its other groups late
