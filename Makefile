@@ -35,16 +35,16 @@ fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# Three workers on two cores: a third of the suite's time is waiting (step floors, restarts, rule
-# `for:` windows), so a third worker fills it (docs/suite-times.md: 845 s against 1100 s with two,
-# 79% of the CPUs busy against 62%). `make test TEST_WORKERS=2` for the old pace.
-TEST_WORKERS ?= 3
+# Four workers on two cores: much of the suite's time is waiting (step floors, restarts, rule
+# `for:` windows), so more workers than cores fill it (docs/suite-times.md: 1100 s with two, 834 s
+# with three, 754 s with four, the CPUs 62%, 80% and 90% busy). `TEST_WORKERS=N` to change it.
+TEST_WORKERS ?= 4
 
 test: lint system-deps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The inner loop: nothing of ten seconds or more (`slow`: torchrun jobs, training runs, load
-# tests), nothing that needs the Debian packages (`system`), no lint. About 3.5 minutes on 2
+# tests), nothing that needs the Debian packages (`system`), no lint. About 3 minutes on 2
 # cores (docs/suite-times.md); `make test` before you push.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not system"
