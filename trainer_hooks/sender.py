@@ -10,9 +10,9 @@ Failure handling, in one place:
   the oldest dropped and counted): a step is superseded by the next one, but a lost
   `checkpoint_saved` left the sidecar naming an older checkpoint to roll back to for good (a
   sidecar that did not answer within READ_TIMEOUT under load), and a lost phase start could make
-  a long checkpoint look like a stall. They go after the re-registration, which gives the rank
-  a fresh record on the sidecar (the acknowledged step and phase only), so a batch that did
-  reach a sidecar too slow to answer does not leave a phase opened twice.
+  a long checkpoint look like a stall. They go after the re-registration, first. A batch that
+  did reach a sidecar too slow to answer arrives twice: the sidecar takes a checkpoint it
+  has, or a phase start the same as its innermost open phase, as the same one.
 - `409 unknown_rank`: re-register and resend the batch once. `409 step_not_increasing`
   (the trainer rolled its step counter back): re-register without a step, resend once.
   A batch never spans a rollback (`_take`), so at most one re-registration per rollback.
@@ -262,10 +262,10 @@ class Sender:
         the rollback only needs a re-registration. It also ends before a step whose GPU values
         are not computed yet (`_gpu_wait`), except in a close (`final`)."""
         items: list[dict] = []
+        while self.resend and len(items) < self.tuning.batch_items:  # older than anything still to go
+            items.append(self.resend.popleft())
         while self.extra:
             items.append(self.extra.popleft())
-        while self.resend and len(items) < self.tuning.batch_items:
-            items.append(self.resend.popleft())
         last_step = None
         if self._held_back is not None:
             items.append(self._held_back)

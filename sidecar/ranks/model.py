@@ -209,7 +209,9 @@ class Rank:
     def apply_phase(self, item: PhaseItem, now_mono: float, now_wall: float) -> None:
         at = self._monotonic_of(item.time, now_mono, now_wall)
         if item.action == "start":
-            self._phases.append((item.name, at, item.timeout_seconds))
+            repeat = bool(self._phases) and self._phases[-1][0] == item.name and abs(self._phases[-1][1] - at) < 0.01
+            if not repeat:  # the same start again: a batch sent again (trainer_hooks/sender.py)
+                self._phases.append((item.name, at, item.timeout_seconds))
             self._phase_since_step = True
         else:
             # End the innermost phase of that name (and anything opened inside it and never
@@ -238,7 +240,9 @@ class Rank:
             if type(step) is int and 0 <= step < 1 << 63:
                 self.last_checkpoint_step = step
                 path = item.fields.get("path")
-                self.checkpoints.append((step, path[:4096] if isinstance(path, str) else None, item.time))
+                saved = (step, path[:4096] if isinstance(path, str) else None, item.time)
+                if saved not in self.checkpoints:  # a batch sent again (trainer_hooks/sender.py) repeats it
+                    self.checkpoints.append(saved)
             self.last_checkpoint_time = item.time
 
     def last_event(self, name: str) -> dict[str, Any] | None:

@@ -112,6 +112,22 @@ def test_checkpoint_saved_event_records_step_and_time(registry):
     assert (r.last_checkpoint_step, r.last_checkpoint_time) == (17, T0 + 9)
 
 
+def test_a_batch_sent_again_repeats_no_checkpoint_and_opens_no_phase_twice(registry):
+    """The hooks send an unanswered batch's events and phases again (trainer_hooks/sender.py); a
+    sidecar that did take it, only too late to answer, sees them twice, on the rank's record kept
+    across its re-registration from the same process."""
+    r = register(registry)
+    push(registry, EventItem("checkpoint_saved", T0 + 5, {"step": 16, "path": "/c/16"}))
+    again = register(registry)  # the hooks re-register: their batch went unanswered (nothing of it acknowledged)
+    assert again is not r and list(again.checkpoints) == [(16, "/c/16", T0 + 5)]  # kept: the same process
+    batch = [EventItem("checkpoint_saved", T0 + 9, {"step": 17, "path": "/c/17"}), PhaseItem("eval", "start", T0 + 9)]
+    push(registry, *batch)  # the unanswered batch, taken late
+    push(registry, *batch)  # ... and sent again
+    assert [c[0] for c in again.checkpoints] == [16, 17]
+    push(registry, PhaseItem("eval", "end", T0 + 10))
+    assert again.phase is None  # one end closes it: the repeated start was taken as the same one
+
+
 def test_dropped_is_the_hooks_running_count(registry):
     r = register(registry)
     push(registry, dropped=7)
