@@ -37,7 +37,7 @@ fmt: $(STAMP)
 
 # Four workers on two cores: much of the suite's time is waiting (step floors, restarts, rule
 # `for:` windows), so more workers than cores fill it (docs/suite-times.md: 1100 s with two, 834 s
-# with three, 754 s with four, the CPUs 62%, 80% and 90% busy). `TEST_WORKERS=N` to change it.
+# with three, 754-786 s with four, the CPUs 62%, 80% and 90% busy). `TEST_WORKERS=N` to change it.
 TEST_WORKERS ?= 4
 
 test: lint system-deps
