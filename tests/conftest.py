@@ -23,3 +23,9 @@ def spawn():
     yield start
     for p in started:
         kill_tree(p)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.cpu_account import register
+
+    register(config)
