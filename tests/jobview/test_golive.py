@@ -268,11 +268,13 @@ def test_the_judgement_of_8000_ranks_is_quick():
     nodes = {
         f"node-{n}": golive._Node(figures(range(8 * n, 8 * n + 8), expected=8), 8000, float(n)) for n in range(1000)
     }
-    started = time.perf_counter()
+    # this process's CPU time, not the wall clock: four test workers on two cores stretched 0.02 s
+    # of work to 1.07 s of wall time once; the bound is for a judgement that grew quadratic
+    started = time.process_time()
     judged = golive.judge(nodes, 0.0)
-    took = time.perf_counter() - started
+    took = time.process_time() - started
     assert judged.checks["gpu_memory"].state == "ok" and judged.checks["ranks_joined"].state == "ok"
-    assert took < 0.5, took
+    assert took < 0.5, f"{took:.2f} CPU-s"
 
 
 # ---------------------------------------------------------------- the answer
