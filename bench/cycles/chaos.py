@@ -14,9 +14,11 @@ local rank of each node whose agent has the variable) sleeps CYCLE_SLOW_SECONDS 
 every step from CYCLE_SLOW_STEP (default 1) on, before its next collective: its peers wait for it
 there at every step, nothing hangs.
 
-Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t} at the first step of every
-attempt, {"kind": "hang", ...} just before the hang, {"kind": "slow", ...} at a straggler's first
-slow step, {"kind": "done", ...} at the end.
+Records: {"kind": "first_step", "attempt": a, "rank": r, "time": t, "generation": g} at the first
+step of every attempt (g: the attempt generation whose store namespace the rank's process group
+formed in, trainer_hooks.distributed's restart remedy; None when the group formed without it),
+{"kind": "hang", ...} just before the hang, {"kind": "slow", ...} at a straggler's first slow step,
+{"kind": "done", ...} at the end.
 The attempt is TORCHELASTIC_RESTART_COUNT (one node, so every rank agrees)."""
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 
@@ -74,7 +77,7 @@ class Chaos:
             time.sleep(self.slow_seconds)
         if self.first is None:
             self.first = time.monotonic()
-            self.record("first_step", step=step)
+            self.record("first_step", step=step, generation=_generation())
         if (
             step >= self.hang_step
             and time.monotonic() - self.first >= self.hang_after
@@ -98,6 +101,12 @@ class Chaos:
 
     def done(self) -> None:
         self.record("done")
+
+
+def _generation() -> int | None:
+    """Read, never install: importing trainer_hooks would put the remedy into a script that lacks it."""
+    remedy = sys.modules.get("trainer_hooks.distributed")
+    return remedy.generation() if remedy is not None else None
 
 
 def _work(seconds: float) -> int:

@@ -57,6 +57,18 @@ class Cycles:
     log: Path | None = None
     hangs: int = 0  # attempts that hung on purpose
     lost_attempts: int = 0  # restarts in which the group never trained (e.g. died in init_process_group)
+    # attempt -> the store generations its ranks' groups formed in (chaos.py; None: without the remedy)
+    generations: dict[int, set] = field(default_factory=dict)
+
+    def own_namespaces(self) -> bool:
+        """Every attempt that trained formed its group in a store namespace of its own: all its
+        ranks in one generation, a newer one than the attempt before (the restart remedy was in
+        effect each time, which a lucky run without it could not show)."""
+        seen = [self.generations[a] for a in sorted(self.generations)]
+        if not seen or any(len(g) != 1 or None in g for g in seen):
+            return False
+        order = [next(iter(g)) for g in seen]
+        return all(a < b for a, b in zip(order, order[1:], strict=False))
 
     @property
     def median(self) -> float | None:
@@ -69,6 +81,7 @@ class Cycles:
             f"{self.script:<10} {self.launcher:<11} came back {self.came_back}/{self.cycles}  "
             f"(hangs {self.hangs}, restarts that never trained {self.lost_attempts})  "
             f"hang->training median {med}, max {worst}  finished={self.finished}  "
+            f"own namespaces={'yes' if self.own_namespaces() else 'no'}  "
             f"rc={self.returncode}  ({self.wall_seconds:.0f} s)"
         )
 
@@ -194,4 +207,13 @@ def run_cycles(
         workdir / "job.log",
         hangs=sum(1 for r in records if r["kind"] == "hang"),
         lost_attempts=sum(1 for a in range(last + 1) if a not in trained),
+        generations=generations(records),
     )
+
+
+def generations(records: list[dict]) -> dict[int, set]:
+    out: dict[int, set] = {}
+    for r in records:
+        if r["kind"] == "first_step":
+            out.setdefault(r["attempt"], set()).add(r.get("generation"))
+    return out

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.cycles.runner import run_cycles
+from bench.cycles.runner import Cycles, run_cycles
 from tests.support import PYTHON, ROOT, spawned, tail, wait_until
 
 HERE = Path(__file__).resolve().parent
-# Without the remedy about half of all restarts never train again (bench_cycles --baseline: 5 of 10):
-# 4 cycles miss that with 1/16 odds. `make bench` (bench_cycles, 10 cycles per script) keeps the long proof.
-CYCLES = 4
+# Without the restart remedy about half of all restarts never train again (bench_cycles --baseline: 5
+# of 10), which a few lucky cycles could miss; so every attempt's ranks also say which store namespace
+# their group formed in (`own_namespaces`: the remedy in effect on every restart, whatever the odds).
+# Two cycles: a restart after a restart. `make bench` (bench_cycles, 10 cycles per script) keeps the long proof.
+CYCLES = 2
 
 
 def torchrun_stale_keys(tmp_path: Path, use_helper: bool, max_restarts: int) -> list[dict]:
@@ -116,13 +118,30 @@ def test_the_helper_imports_no_torch_until_called_and_the_switch_turns_it_off():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 4 cycles of 5-12 s each on a loaded 2-core machine
+@pytest.mark.timeout(600)  # 2 cycles of 5-12 s each on a loaded 2-core machine
 @pytest.mark.parametrize("script", ["plain", "hf", "lightning"])
 def test_hang_kill_restart_cycles_all_come_back(script: str, tmp_path: Path):
     if script != "plain":
         pytest.importorskip({"hf": "transformers", "lightning": "lightning"}[script])
     result = run_cycles(script, tmp_path, cycles=CYCLES, timeout=420)
-    explain = f"{result.line()}\n{tail(result.log, 40)}"
+    explain = f"{result.line()} generations {result.generations}\n{tail(result.log, 40)}"
     assert result.came_back == CYCLES, explain
+    assert result.own_namespaces(), explain
     assert result.incidents >= CYCLES, explain  # the sidecar, not a crash, ended every hung attempt
     assert result.finished and result.returncode == 0, explain
+
+
+@pytest.mark.parametrize(
+    ("generations", "own"),
+    [
+        ({0: {1}, 1: {2}, 2: {3}}, True),
+        ({0: {1}, 2: {4}}, True),  # an attempt that never trained in between
+        ({0: {None}, 1: {None}}, False),  # formed without the remedy: the shared default namespace
+        ({0: {1}, 1: {1, 2}}, False),  # the ranks of one attempt in two namespaces
+        ({0: {2}, 1: {2}}, False),  # a restart that reused the namespace before it
+        ({}, False),  # nothing trained
+    ],
+)
+def test_own_namespaces_holds_only_when_every_attempt_formed_its_group_in_a_newer_namespace(generations, own):
+    result = Cycles("plain", "torchrun", 2, 0, 2, generations=generations)
+    assert result.own_namespaces() is own
