@@ -217,7 +217,7 @@ class WatchdogSettings:
             "Before a rank past its timeout is declared stalled, look for evidence of life: its process's CPU time "
             "grew by at least 20% of one core since it turned suspect AND its main thread's Python stack moved "
             "(one of several looks, between suspect and deadline and at the deadline, differs from the first by more "
-            "than a line of the same innermost function; a still stack is trusted after 4 looks). Such a rank is "
+            "than a line of the same innermost function; a still stack is trusted after 7 looks). Such a rank is "
             "busy, not hung: it stays suspect, is checked again every floor_seconds, and is stalled anyway once "
             "ceiling_seconds have passed since its progress; its job's stall (peers waiting for it) is not acted on "
             "meanwhile, on any node. Only ranks a verified caller registered are read. A hang without CPU "

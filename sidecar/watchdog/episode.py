@@ -420,15 +420,17 @@ class Episode:
                 held_at = now
                 busy = ", ".join(str(t.rank.rank) for t in alive)
                 waiting = ", ".join(str(t.rank.rank) for t in mine if t.state is RankState.STALLED)
+                found = all(dog.liveness.found_busy(t.rank.key) for t in alive)  # or its stack is still looked at
+                how = "busy, not hung (CPU time growing, stack moving)" if found else "being judged (CPU time growing)"
                 self._hold_begins(
                     [t.rank.rank for t in alive],
-                    f"held: rank(s) {busy} busy (CPU time growing, stack moving) while rank(s) {waiting} waited; "
+                    f"held: rank(s) {busy} {how} while rank(s) {waiting} waited; "
                     f"judged again every check, stalled anyway at watchdog.ceiling_seconds",
                 )
                 log.warning(
-                    "job %s: rank(s) %s stalled, rank(s) %s busy, not hung: no kill while the busy rank(s) are "
-                    "judged (stalled anyway at watchdog.ceiling_seconds, %gs)",
-                    self.job_id, waiting, busy, dog.settings.watchdog.ceiling_seconds,
+                    "job %s: rank(s) %s stalled, rank(s) %s %s: no kill while they are judged (stalled anyway at "
+                    "watchdog.ceiling_seconds, %gs)",
+                    self.job_id, waiting, busy, how, dog.settings.watchdog.ceiling_seconds,
                 )  # fmt: skip
             await asyncio.sleep(interval)
 

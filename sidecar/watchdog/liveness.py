@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 
 BUSY_CPU_SHARE = 0.2  # of one core: the least CPU a busy rank uses between two checks
 INTERIM_LOOKS = 6  # stack looks between two checks of a rank whose CPU time grows (before its deadline too)
-MIN_LOOKS = 4  # a still stack is trusted after this many looks (more are taken past the deadline if need be)
+# A still stack is trusted after as many looks as an unloaded node takes by the deadline (the interim
+# ones and the check's own); on a loaded node fewer come in time and more are taken past it: with 4, one
+# C-heavy preparation in 4 test runs beside the suite was all still and killed (tests/watchdog/test_busy_peer_waits.py)
+MIN_LOOKS = INTERIM_LOOKS + 1
 PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
 
 
@@ -182,6 +185,11 @@ class Liveness:
         if process not in read:
             read[process] = self.cpu(rank.pid, rank.pid_start_time)
         return read[process]
+
+    def found_busy(self, key: RankKey) -> bool:
+        """Whether a check found the rank busy, not hung (its stack moved), rather than it being judged still."""
+        w = self._watch.get(key)
+        return w is not None and not w.declared and bool(w.busy)
 
     def alive(self, key: RankKey, now: float) -> bool:
         """Whether a suspect rank shows life the watchdog has not finished judging: found busy at
