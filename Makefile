@@ -49,14 +49,18 @@ BYTECODE_DIRS := sidecar trainer_hooks sidecar_trainer alerts dashboards bench d
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 $(BYTECODE_DIRS)
 
+# pytest keeps the test modules it rewrote for its asserts only where bytecode may be written
+# (each worker rewrites all of them otherwise, 4-5 CPU-s each): allowed for the test run.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
+
 test: lint system-deps bytecode
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup
 
 # The inner loop: nothing of ten seconds or more (`slow`: torchrun jobs, training runs, load
 # tests), nothing that needs the Debian packages (`system`), no lint. About 3 minutes on 2
 # cores (docs/suite-times.md); `make test` before you push.
 test-fast: $(STAMP) bytecode
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not system"
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not system"
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -1,15 +1,15 @@
 """The decision rules, on real exceptions (torch's own types and messages, through the hooks'
-report and the wire parser) and on evidence combinations."""
+report and the wire parser) and on evidence combinations. Torch is imported by the tests that
+raise its types, not at collection (every test worker collects this module)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from sidecar.exits.reasons import Evidence, decide, exception_kind
 from sidecar.ranks import protocol
@@ -34,8 +34,18 @@ def wire(exc: BaseException) -> protocol.ExitReport:
     return protocol.parse_deregistration(json.loads(json.dumps(body))).exit
 
 
+def torch_error(name: str, message: str) -> BaseException:
+    """torch.distributed's, torch's or a builtin exception type `name`, as torch raises it."""
+    import builtins
+
+    import torch
+    import torch.distributed as dist
+
+    return getattr(next(where for where in (dist, torch, builtins) if hasattr(where, name)), name)(message)
+
+
 def test_torch_out_of_memory_is_cuda_oom():
-    report = wire(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    report = wire(torch_error("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert report.type == "torch.OutOfMemoryError" and "RuntimeError" in report.types
     assert exception_kind(report) == "cuda_oom"
 
@@ -43,32 +53,35 @@ def test_torch_out_of_memory_is_cuda_oom():
 @pytest.mark.parametrize(
     "exc",
     [
-        RuntimeError(GLOO_TIMEOUT),
-        dist.DistBackendError(NCCL_WATCHDOG),
-        dist.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cuda//0"),
+        ("RuntimeError", GLOO_TIMEOUT),
+        ("DistBackendError", NCCL_WATCHDOG),
+        ("DistStoreError", "wait timeout after 30000ms, keys: /default_pg/0//cuda//0"),
     ],
     ids=["gloo", "nccl", "store"],
 )
 def test_collective_timeouts_as_torch_raises_them(exc):
-    assert exception_kind(wire(exc)) == "collective_timeout"
+    assert exception_kind(wire(torch_error(*exc))) == "collective_timeout"
 
 
 @pytest.mark.parametrize(
     "exc",
     [
-        RuntimeError(
-            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:23456"
+        (
+            "RuntimeError",
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:23456",
         ),
-        dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
-        dist.DistNetworkError("Connection reset by peer"),
+        ("DistBackendError", "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
+        ("DistNetworkError", "Connection reset by peer"),
     ],
     ids=["gloo-peer-gone", "nccl-error", "network"],
 )
 def test_other_communication_errors(exc):
-    assert exception_kind(wire(exc)) == "communication"
+    assert exception_kind(wire(torch_error(*exc))) == "communication"
 
 
 def test_torchs_own_nonfinite_guard_is_nonfinite():
+    import torch
+
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([float("nan"), 1.0])
     with pytest.raises(RuntimeError) as caught:
@@ -112,28 +125,33 @@ def test_the_parser_clips_and_refuses_wrong_types():
 
 KILLED = signal.SIGKILL  # a wait status of a SIGKILLed process is the signal number
 EXIT_1 = 1 << 8
-OOM = wire(torch.OutOfMemoryError("CUDA out of memory"))
+
+
+@functools.cache
+def oom() -> protocol.ExitReport:
+    return wire(torch_error("OutOfMemoryError", "CUDA out of memory"))
 
 
 def test_our_own_kill_comes_first():
-    ev = Evidence(status=signal.SIGTERM, status_source="pidfd", remediated_by="inc-1", report=OOM)
+    ev = Evidence(status=signal.SIGTERM, status_source="pidfd", remediated_by="inc-1", report=oom())
     assert decide(ev)[0] == "watchdog"
 
 
 def test_a_zero_status_is_finished_whatever_the_rank_said():
-    assert decide(Evidence(status=0, status_source="pidfd", report=OOM, deregistered="failed"))[0] == "finished"
+    assert decide(Evidence(status=0, status_source="pidfd", report=oom(), deregistered="failed"))[0] == "finished"
 
 
 def test_the_kernels_oom_kill_outranks_the_report_and_needs_sigkill():
     cgroup = "oom_kill 0 -> 1 in /sys/fs/cgroup/memory/x"
     assert decide(Evidence(status=KILLED, status_source="pidfd", oom_cgroup=cgroup))[0] == "oom_killed"
     assert (
-        decide(Evidence(status=EXIT_1, status_source="pidfd", oom_cgroup=cgroup, report=OOM))[0] == "exception/cuda_oom"
+        decide(Evidence(status=EXIT_1, status_source="pidfd", oom_cgroup=cgroup, report=oom()))[0]
+        == "exception/cuda_oom"
     ), "a rank that exited by itself was not the OOM killer's victim"
 
 
 def test_an_xid_on_its_gpu_outranks_the_report():
-    ev = Evidence(status=EXIT_1, status_source="pidfd", report=OOM, xid=("3", 79, 1.0))
+    ev = Evidence(status=EXIT_1, status_source="pidfd", report=oom(), xid=("3", 79, 1.0))
     assert decide(ev)[0] == "gpu_error"
 
 
