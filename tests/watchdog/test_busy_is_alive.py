@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.support import Sidecar, kill_tree, wait_until
+from tests.support import CPU_FIRST, Sidecar, kill_tree, wait_until
 from tests.watchdog.test_floor_is_the_ranks_own import FLOOR, SETTINGS, stalled_at
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ mon.close()
 def start_rank(sidecar: Sidecar, log, mode: str, seconds: float = 0.0) -> subprocess.Popen:
     env = {**os.environ, **sidecar.hook_env()}
     env.pop("SIDECAR_FLUSH_INTERVAL", None)  # the hooks' default: the sidecar's 2 s
-    return subprocess.Popen([sys.executable, "-c", RANK, str(log), mode, str(seconds)], env=env,
+    return subprocess.Popen([*CPU_FIRST, sys.executable, "-c", RANK, str(log), mode, str(seconds)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 

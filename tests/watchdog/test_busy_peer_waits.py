@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.support import Sidecar, kill_tree, wait_until
+from tests.support import CPU_FIRST, Sidecar, kill_tree, wait_until
 from tests.watchdog.test_floor_is_the_ranks_own import FLOOR, SETTINGS, stalled_at
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def start(sidecar: Sidecar, tmp_path, mode: str) -> list[subprocess.Popen]:
     env.pop("SIDECAR_FLUSH_INTERVAL", None)  # the hooks' default: the sidecar's 2 s
     return [
         subprocess.Popen(
-            [sys.executable, "-c", RANK, str(r), str(tmp_path / "store"), mode, str(PAUSE_SECONDS)],
+            [*CPU_FIRST, sys.executable, "-c", RANK, str(r), str(tmp_path / "store"), mode, str(PAUSE_SECONDS)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
