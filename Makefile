@@ -35,10 +35,11 @@ fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# Four workers on two cores: much of the suite's time is waiting (step floors, restarts, rule
+# Five workers on two cores: much of the suite's time is waiting (step floors, restarts, rule
 # `for:` windows), so more workers than cores fill it (docs/suite-times.md: 1100 s with two, 834 s
-# with three, 754-786 s with four, the CPUs 62%, 80% and 90% busy). `TEST_WORKERS=N` to change it.
-TEST_WORKERS ?= 4
+# with three, 745-786 s with four, 693 s with five; the CPUs 62%, 80%, 90% and 94% busy).
+# `TEST_WORKERS=N` to change it.
+TEST_WORKERS ?= 5
 
 # The tests start hundreds of Python processes (sidecars, CLI calls, ranks) that import the
 # project; without its bytecode each compiles it again (0.3 CPU-s to import the sidecar with it,
