@@ -258,6 +258,11 @@ class ExitTracker:
             return
         await self._read_kernel_log([w for exits in ready for w in exits])
         xids = self.xids() if self.xids is not None else {}
+        jobs = {exits[0].rank.job_id for exits in ready}
+        peers: dict[str, list[Rank]] = {}
+        for w in self._watches.values():
+            if w.rank.job_id in jobs:
+                peers.setdefault(w.rank.job_id, []).append(w.rank)
         touched = 0
         for exits in ready:
             decided = []
@@ -274,6 +279,10 @@ class ExitTracker:
                     log.exception("deciding the exit of rank %s failed", w.rank.label)
                 self._forget(w)
             decided.sort(key=lambda d: (d[1] in CONSEQUENCES, d[0].exited_at, d[0].rank.rank))
+            # every checkpoint the job's ranks here reported, before any hint is given: the rank whose
+            # loss went bad may have died before it saved the newest one its peers saved
+            for r in {id(r): r for r in [*peers.get(exits[0].rank.job_id, []), *(d[0].rank for d in decided)]}.values():
+                self.rollback.learn(r)
             for w, reason, lines, ev in decided:
                 self.record(w.rank, reason, lines, ev, consequence=self._consequence(w))
         await self.incidents.flush()

@@ -5,13 +5,15 @@ often under real torchrun.
 
 Modes:
     finish        N steps, close the monitor, exit 0
-    hold          N steps, then keep stepping slowly until killed
+    hold          N steps, then keep stepping slowly until killed (with --checkpoint-until M:
+                  reporting a checkpoint every second step up to M first)
     hang          N steps, then stop stepping (a hang the watchdog kills)
     cuda_oom      N steps, then raise torch.OutOfMemoryError as the CUDA caching allocator does
     gloo_timeout  two ranks with a 3 s gloo timeout: rank 1 stalls, rank 0's all_reduce times out
     allocate      move into the memory cgroup named by EXIT_TEST_CGROUP, then allocate until killed
     user_hook     install its own sys.excepthook (it writes --marker), then raise ValueError
-    nan           steps with checkpoints, the loss goes NaN, a guard raises
+    nan           steps with checkpoints (every second step, up to --checkpoint-until), the loss goes
+                  NaN from --nan-step (default 5), a guard raises
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--marker", help="user_hook: the user's excepthook writes here")
     p.add_argument("--go", help="wait for this file before the fatal act")
     p.add_argument("--no-hooks", action="store_true")
+    p.add_argument("--nan-step", type=int, default=5)
+    p.add_argument("--checkpoint-until", type=int, help="nan, hold: the last step that reports a checkpoint")
     return p.parse_args()
 
 
@@ -58,10 +62,16 @@ def main() -> None:
 
     loss = 2.0
     for step in range(1, args.steps + 1):
+        last = args.checkpoint_until if args.checkpoint_until is not None else args.steps
+        if (
+            args.mode in ("nan", "hold")
+            and step % 2 == 0
+            and step <= last
+            and (args.mode == "nan" or args.checkpoint_until)
+        ):
+            mon.event("checkpoint_saved", step=step, path=f"/ckpt/step-{step}")
         if args.mode == "nan":
-            if step % 2 == 0:
-                mon.event("checkpoint_saved", step=step, path=f"/ckpt/step-{step}")
-            loss = float("nan") if step >= 5 else loss * 0.9
+            loss = float("nan") if step >= args.nan_step else loss * 0.9
         if mon is not None:
             mon.step(step, loss=loss, step_time_seconds=0.05)
         time.sleep(0.05)

@@ -91,6 +91,25 @@ def test_a_nonfinite_guard_names_the_checkpoint_to_resume_from(sidecar, ranks):
     assert "resume from checkpoint step 4" in incident["summary"]
 
 
+def test_the_hint_names_the_newest_checkpoint_a_peer_saved_before_the_nan(sidecar, ranks):
+    """Rank 1's loss goes NaN at step 9 and it dies having reported checkpoints up to step 4 only
+    (its share of the step-8 save never finished); rank 0 reported step 8. The job resumes from 8:
+    the hint names it. Before, only the dying rank's own checkpoints were known when it was decided
+    (`make test` at five workers: checkpoint 4 named where the trainer resumed from 8)."""
+    peer = ranks(rank_env(sidecar, "nanpeer", 0, 2), "hold", "--steps", "8", "--checkpoint-until", "8", name="r0")
+    peer.wait_ready()
+    bad = ranks(rank_env(sidecar, "nanpeer", 1, 2), "nan", "--steps", "10", "--nan-step", "9",
+                "--checkpoint-until", "4", name="r1").wait_ready()  # fmt: skip
+    bad.start_fatal()
+    bad.wait()
+    wait_for_exit(sidecar, "nanpeer", reason="exception/nonfinite")
+    found = wait_until(
+        lambda: [i for i in incidents(sidecar, "exit") if i["job_id"] == "nanpeer"], 30, what="the exit incident"
+    )
+    rollback = found[0]["exits"][0]["rollback"]
+    assert rollback == {"first_nonfinite_loss_step": 9, "checkpoint_step": 8, "checkpoint_path": "/ckpt/step-8"}
+
+
 def test_a_watchdog_kill_is_watchdog(tmp_path, ranks):
     with Sidecar(tmp_path / "hang", *HANG_SETTINGS) as sidecar:
         _watchdog_kill(sidecar, ranks)
