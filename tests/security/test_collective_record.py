@@ -143,10 +143,12 @@ STALLING_JOB = """
 """
 
 
-def start_stalling_job(user: User, sidecar: Sidecar, job: str, functions: str, ranks: int = 2, **env: str):
+def start_stalling_job(
+    user: User, sidecar: Sidecar, job: str, functions: str, ranks: int = 2, timeout: float = 60, **env: str
+):
     """STALLING_JOB as `user`: (its process, what it reported once every rank sent its dump)."""
     setup = f"os.environ.update({{'JOB': {job!r}, 'RANKS': {str(ranks)!r}, **{env!r}}})\n"
-    return start_as(user, sidecar, setup + dedent(functions) + dedent(STALLING_JOB), timeout=60)
+    return start_as(user, sidecar, setup + dedent(functions) + dedent(STALLING_JOB), timeout=timeout)
 
 
 # A record of one process group (default_pg, members 0..n-1): every rank entered collective #7
@@ -505,7 +507,8 @@ def test_writing_an_incidents_dumps_does_not_hold_the_event_loop(users):
     /healthz, pushes and the watchdog of every user (docs/security.md, "The event loop")."""
     _, mallory = users
     with open_sidecar(*with_floor(10)) as sidecar:
-        job, out = start_stalling_job(mallory, sidecar, "bigdumps", BIG_DUMPS, ranks=128)
+        # 128 ranks' 512 KiB dumps after a 10 s floor: past 60 s once beside the suite at five workers
+        job, out = start_stalling_job(mallory, sidecar, "bigdumps", BIG_DUMPS, ranks=128, timeout=180)
         try:
             assert set(map(lambda a: a[0], out["answers"].values())) == {200}, out["answers"]
             with LoopProbe(sidecar) as probe:
