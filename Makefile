@@ -37,7 +37,7 @@ fmt: $(STAMP)
 
 # Five workers on two cores: much of the suite's time is waiting (step floors, restarts, rule
 # `for:` windows), so more workers than cores fill it (docs/suite-times.md: 1100 s with two, 834 s
-# with three, 745-786 s with four, 693 s with five; the CPUs 62%, 80%, 90% and 94% busy).
+# with three, 745-786 s with four, 690-714 s with five; the CPUs 62%, 80%, 90% and 93% busy).
 # `TEST_WORKERS=N` to change it.
 TEST_WORKERS ?= 5
 

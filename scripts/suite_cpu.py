@@ -23,8 +23,8 @@ def main(argv: list[str]) -> int:
         return 1
     areas: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for r in records:
-        parts = r["test"].split("/")
-        area = parts[1] if len(parts) > 2 else parts[-1].split("::")[0]
+        parts = r["test"].split("::")[0].split("/")
+        area = parts[1] if len(parts) > 2 else parts[-1]
         areas[area][0] += r["cpu_s"]
         areas[area][1] += r["wall_s"]
         areas[area][2] += 1

@@ -2,8 +2,9 @@
 `SUITE_CPU_DIR=<dir>` set, each pytest process (each xdist worker) moves itself into a cgroup v1
 `cpuacct` group of its own, so every process a test starts (sidecars, torchrun and its workers,
 Prometheus) is counted with it, reaped or not; a worker runs one test at a time, so the group's
-usage across a test's setup, call and teardown is that test's. One JSON line per test goes to
-`<dir>/<worker>.jsonl`; `python scripts/suite_cpu.py <dir>` sums them. Off (and free) when unset."""
+usage across a test's setup, call and teardown is that test's (a process a test leaks is charged
+to the tests after it). One JSON line per test is appended to `<dir>/<worker>.jsonl`: give each run
+a fresh directory; `python scripts/suite_cpu.py <dir>` sums them. Off (and free) when unset."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 class CpuAccount:
     def __init__(self, out_dir: Path, worker: str) -> None:
         self.group = CPUACCT / f"sidecar-suite-{os.getpid()}"
-        self.group.mkdir(exist_ok=True)
-        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            self.group.mkdir(exist_ok=True)
+            (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError as e:
+            raise pytest.UsageError(f"SUITE_CPU_DIR needs a cpuacct group of its own (root): {e}") from None
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out = (out_dir / f"{worker}.jsonl").open("a")
 

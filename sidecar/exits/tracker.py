@@ -258,10 +258,11 @@ class ExitTracker:
             return
         await self._read_kernel_log([w for exits in ready for w in exits])
         xids = self.xids() if self.xids is not None else {}
-        jobs = {exits[0].rank.job_id for exits in ready}
+        # jobs whose exits carry a rollback hint: the job's ranks here, to learn their checkpoints first
+        hinted = {w.rank.job_id for exits in ready for w in exits if w.rank.first_nonfinite_loss is not None}
         peers: dict[str, list[Rank]] = {}
-        for w in self._watches.values():
-            if w.rank.job_id in jobs:
+        for w in self._watches.values() if hinted else ():
+            if w.rank.job_id in hinted:
                 peers.setdefault(w.rank.job_id, []).append(w.rank)
         touched = 0
         for exits in ready:
@@ -279,8 +280,8 @@ class ExitTracker:
                     log.exception("deciding the exit of rank %s failed", w.rank.label)
                 self._forget(w)
             decided.sort(key=lambda d: (d[1] in CONSEQUENCES, d[0].exited_at, d[0].rank.rank))
-            # every checkpoint the job's ranks here reported, before any hint is given: the rank whose
-            # loss went bad may have died before it saved the newest one its peers saved
+            # every checkpoint the job's ranks here reported, before a hint is given: the rank whose
+            # loss went bad may have died before it reported the newest save its peers reported
             for r in {id(r): r for r in [*peers.get(exits[0].rank.job_id, []), *(d[0].rank for d in decided)]}.values():
                 self.rollback.learn(r)
             for w, reason, lines, ev in decided:

@@ -93,7 +93,7 @@ def test_a_nonfinite_guard_names_the_checkpoint_to_resume_from(sidecar, ranks):
 
 def test_the_hint_names_the_newest_checkpoint_a_peer_saved_before_the_nan(sidecar, ranks):
     """Rank 1's loss goes NaN at step 9 and it dies having reported checkpoints up to step 4 only
-    (its share of the step-8 save never finished); rank 0 reported step 8. The job resumes from 8:
+    (it died before it reported the step-8 save that finished); rank 0 reported step 8. The job resumes from 8:
     the hint names it. Before, only the dying rank's own checkpoints were known when it was decided
     (`make test` at five workers: checkpoint 4 named where the trainer resumed from 8)."""
     peer = ranks(rank_env(sidecar, "nanpeer", 0, 2), "hold", "--steps", "8", "--checkpoint-until", "8", name="r0")
