@@ -411,6 +411,7 @@ class Episode:
                     log.warning("job %s: progressing again after %.1fs; not killed", self.job_id, now - held_at)
                 return True
             alive = [t for t in mine if t.state is RankState.SUSPECT and dog.liveness.alive(t.rank.key, now)]
+            dog.liveness.annotate(incident, [t.rank for t in alive], note=False)  # checks that found them busy
             if not alive:
                 self.holding = False
                 if held_at is not None:
@@ -427,11 +428,9 @@ class Episode:
                     f"held: rank(s) {busy} {how} while rank(s) {waiting} waited; "
                     f"judged again every check, stalled anyway at watchdog.ceiling_seconds",
                 )
-                log.warning(
-                    "job %s: rank(s) %s stalled, rank(s) %s %s: no kill while they are judged (stalled anyway at "
-                    "watchdog.ceiling_seconds, %gs)",
-                    self.job_id, waiting, busy, how, dog.settings.watchdog.ceiling_seconds,
-                )  # fmt: skip
+                log.warning("job %s: rank(s) %s stalled, rank(s) %s %s: no kill while they are judged (stalled anyway "
+                            "at watchdog.ceiling_seconds, %gs)", self.job_id, waiting, busy, how,
+                            dog.settings.watchdog.ceiling_seconds)  # fmt: skip
             await asyncio.sleep(interval)
 
     # ------------------------------------------------------------ kill, or leave to the launcher

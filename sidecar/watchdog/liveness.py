@@ -17,8 +17,9 @@ needs both:
 
 A hang shows at most one: a stopped process (SIGSTOP) and a rank blocked on a lock or waiting in a
 collective use no CPU, and are declared at the deadline from one /proc read, as before; a busy
-loop (`while True: x += 1`) uses CPU but its stack stays, and is declared as soon as the second
-probe is read (tens of milliseconds). A busy rank stays SUSPECT, is logged once ("busy, not hung"),
+loop (`while True: x += 1`) uses CPU but its stack stays, and is declared once MIN_LOOKS looks
+are in (on an unloaded node all before the deadline; on a loaded one the rest past it, tens of
+milliseconds each). A busy rank stays SUSPECT, is logged once ("busy, not hung"),
 is checked again every `watchdog.floor_seconds` against its previous check, and is declared anyway
 once `watchdog.ceiling_seconds` have passed since its progress; its incident's timeline then lists
 each check that found it busy. Only ranks a verified caller registered are read (their pid is
@@ -274,15 +275,21 @@ class Liveness:
             w.busy[-1]["stalled_because"] = why
         return None
 
-    def annotate(self, incident: Incident, ranks: list[Rank]) -> None:
-        """A stall's incident: the checks that found its ranks busy before they were declared."""
+    def annotate(self, incident: Incident, ranks: list[Rank], note: bool = True) -> None:
+        """A stall's incident: the checks that found its ranks busy, each once (a job's hold records
+        them as they come, `note=False`: a rank found busy only after the stall opened is in it too),
+        and with `note` a note per rank that has any."""
         for r in ranks:
             w = self._watch.get(r.key)
             if w is None or w.rank is not r or not w.busy:
                 continue
             for check in w.busy:
-                incident.event("busy_not_hung", at=check["at"], rank=r.rank,
-                               **{k: v for k, v in check.items() if k != "at"})  # fmt: skip
+                if not check.get("noted"):
+                    check["noted"] = True
+                    incident.event("busy_not_hung", at=check["at"], rank=r.rank,
+                                   **{k: v for k, v in check.items() if k not in ("at", "noted")})  # fmt: skip
+            if not note:
+                continue
             total = sum(c["cpu_seconds"] for c in w.busy)
             incident.notes.append(
                 f"rank {r.rank} was busy, not hung, at {len(w.busy)} check(s) (cpu +{total:.1f}s, its stack moving); "

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from tests.support import CPU_FIRST, Sidecar, kill_tree, wait_until
+from tests.watchdog.jobs import incidents
 from tests.watchdog.test_floor_is_the_ranks_own import FLOOR, SETTINGS, stalled_at
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,10 @@ def test_a_barrier_while_rank_0_works_alone_is_held_not_killed(tmp_path):
             assert not lines(sidecar, "SIGTERM") and not lines(sidecar, "-> remediating"), log
             assert lines(sidecar, "busy, not hung"), log
             assert lines(sidecar, "not killed") or lines(sidecar, "false alarm"), log
+            # the incident keeps the check that found rank 0 busy, also one found after the stall opened
+            (stall,) = wait_until(lambda: [i for i in incidents(sidecar) if i["job_id"] == "barrier"], 10, what="it")
+            busy = [e for e in stall["timeline"] if e["event"] == "busy_not_hung"]
+            assert busy and all(e["rank"] == 0 for e in busy), stall["timeline"]
         finally:
             for p in ranks:
                 kill_tree(p)
