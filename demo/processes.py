@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,8 +14,27 @@ from pathlib import Path
 
 import psutil
 
+PORTS_ENV = "DEMO_PORTS"  # "LOW-HIGH": take free ports from this range, in turn
+_turn = random.randrange(1 << 16)  # where this process starts in the range (its children start elsewhere)
+
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process to bind a moment later. The kernel's pick
+    (port 0) may hand the same port to someone else in that moment: with DEMO_PORTS=LOW-HIGH set
+    (a range below the ephemeral ports, one per concurrent run: the test suite gives each worker
+    its own) ports come from that range in turn instead, never twice to two runs."""
+    span = os.environ.get(PORTS_ENV)
+    if span:
+        global _turn
+        low, high = (int(x) for x in span.split("-"))
+        for _ in range(high - low):
+            port, _turn = low + _turn % (high - low), _turn + 1
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

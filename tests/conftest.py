@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -25,7 +26,21 @@ def spawn():
         kill_tree(p)
 
 
+# Free ports per test worker: a port picked by binding port 0 and bound a moment later by the
+# process under test was once taken meanwhile by another worker's sidecar (torchrun's rendezvous
+# store then pinged an HTTP server). Each worker takes its ports in turn from its own slice of
+# 20000-32000, below Linux's ephemeral range (32768-60999), which port-0 binds and outgoing
+# connections use (demo.processes.free_port, DEMO_PORTS).
+PORTS = (20000, 32000)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     from tests.cpu_account import register
 
     register(config)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and worker[2:].isdigit() and "DEMO_PORTS" not in os.environ:
+        width = (PORTS[1] - PORTS[0]) // max(count, 1)
+        low = PORTS[0] + int(worker[2:]) * width
+        os.environ["DEMO_PORTS"] = f"{low}-{low + width}"

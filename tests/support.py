@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from demo.processes import free_port as demo_free_port
 from sidecar.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +42,8 @@ def make_settings(tmp_path: Path, *presets: Mapping[str, Any], **overrides: Any)
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """demo.processes.free_port: from this worker's own range of ports (tests/conftest.py)."""
+    return demo_free_port()
 
 
 def kill_tree(proc: subprocess.Popen | int, timeout: float = 10.0) -> None:
