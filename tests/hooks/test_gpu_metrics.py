@@ -218,7 +218,9 @@ def test_once_computed_the_step_goes_with_its_values_in_order_and_the_records_be
         markers[1].done = True
         wait_until(lambda: len(sent_steps(fake_sidecar)) == 4, 10, interval=0.01, what="step 4")
         assert sent_steps(fake_sidecar)[3] == (4, {"loss": 0.25})
-        assert mon.dropped == 0 and mon.sent == 5
+        # the sender counts a push once the sidecar answered it: a moment after the sidecar has it
+        wait_until(lambda: mon.sent == 5, 10, interval=0.01, what="the last push counted")
+        assert mon.dropped == 0
     finally:
         for m in markers:
             m.done = True
