@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from demo.processes import free_port as demo_free_port
+from demo.processes import free_port  # noqa: F401  (the tests' own: each worker's range, tests/conftest.py)
 from sidecar.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,11 +39,6 @@ def make_settings(tmp_path: Path, *presets: Mapping[str, Any], **overrides: Any)
         values.update(preset)
     values.update({key.replace("__", "."): value for key, value in overrides.items()})
     return load_settings(overrides=values, environ={})
-
-
-def free_port() -> int:
-    """demo.processes.free_port: from this worker's own range of ports (tests/conftest.py)."""
-    return demo_free_port()
 
 
 def kill_tree(proc: subprocess.Popen | int, timeout: float = 10.0) -> None:

@@ -280,9 +280,9 @@ class ExitTracker:
                     log.exception("deciding the exit of rank %s failed", w.rank.label)
                 self._forget(w)
             decided.sort(key=lambda d: (d[1] in CONSEQUENCES, d[0].exited_at, d[0].rank.rank))
-            # every checkpoint the job's ranks here reported, before a hint is given: the rank whose
-            # loss went bad may have died before it reported the newest save its peers reported
-            for r in {id(r): r for r in [*peers.get(exits[0].rank.job_id, []), *(d[0].rank for d in decided)]}.values():
+            # every checkpoint the job's ranks here reported (the deciding ones among them), before a hint
+            # is given: the rank whose loss went bad may have died before it reported its peers' newest save
+            for r in peers.get(exits[0].rank.job_id, ()):
                 self.rollback.learn(r)
             for w, reason, lines, ev in decided:
                 self.record(w.rank, reason, lines, ev, consequence=self._consequence(w))
