@@ -53,7 +53,9 @@ def in_new_pid_namespace(code: str, env: dict[str, str], timeout: float = 120.0)
 
 def start_in_new_pid_namespace(code: str, env: dict[str, str], timeout: float = 60.0):
     """Like in_new_pid_namespace, but in the background: returns (the unshare process, the host
-    pid of the namespace's pid 1, the first dict the code reported). Stop it with kill_tree."""
+    pid of the namespace's pid 1, the first dict the code reported). Stop it with kill_tree.
+    The code must live on after it reports (its pid 1 is looked up then); code that ends by
+    itself belongs in in_new_pid_namespace."""
     import json
     import select
     import time
@@ -77,7 +79,11 @@ def start_in_new_pid_namespace(code: str, env: dict[str, str], timeout: float = 
         if ready:
             line = proc.stdout.readline()
             if line.startswith("RESULT "):
-                init = psutil.Process(proc.pid).children()[0].pid
+                children = psutil.Process(proc.pid).children()
+                if not children:
+                    proc.kill()
+                    raise AssertionError("the namespace's pid 1 ended right after reporting; use in_new_pid_namespace")
+                init = children[0].pid
                 return proc, init, json.loads(line[len("RESULT ") :])
             if not line:
                 break
