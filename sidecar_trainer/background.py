@@ -33,12 +33,13 @@ class Lane:
             self._job, self._busy = job, True
             self._cv.notify_all()
 
-    def wait(self) -> float:
-        """Block until the lane is idle; returns the seconds waited. Raises the last job's error once."""
+    def wait(self, timeout: float | None = None) -> float:
+        """Block until the lane is idle (TimeoutError after `timeout` seconds, if given); returns the
+        seconds waited. Raises the last job's error once."""
         started = time.monotonic()
         with self._cv:
-            while self._busy:
-                self._cv.wait()
+            if not self._cv.wait_for(lambda: not self._busy, timeout):
+                raise TimeoutError(f"{self._thread.name}: still busy after {timeout:g}s")
             error, self._error = self._error, None
         if error is not None:
             raise error

@@ -217,6 +217,19 @@ class Checkpointer:
                 self._disk_lane.wait()
         self._disk_lane.wait()
 
+    def settle(self, timeout: float) -> bool:
+        """Before a controlled stop: let the snapshot and the disk copy in flight, both of states
+        from before the stop, finish within `timeout` seconds (the peers are alive: a copy's
+        commit waits for theirs). False, and a warning, when they did not or failed."""
+        deadline = time.monotonic() + timeout
+        try:
+            for lane in (self._memory_lane, self._disk_lane):
+                lane.wait(max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # the stop goes on: its own error is the one that matters
+            log.warning("checkpoint: the save in flight did not finish before the stop (%s: %s)", type(e).__name__, e)
+            return False
+        return True
+
     def close(self, finished: bool) -> None:
         """After the last step: a finished job's memory snapshots go (the disk has its end)."""
         if finished and self.memory is not None:

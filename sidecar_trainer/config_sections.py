@@ -152,7 +152,8 @@ class TrainConfig:
         metadata=doc(
             "Stop with FloatingPointError after this many consecutive steps with a NaN or infinite loss, before "
             "more checkpoints are saved from bad weights (0: never; checking reads the loss every step, a device "
-            "sync on GPU). The sidecar names such an exit `exception/nonfinite` and the checkpoint to resume from."
+            "sync on GPU). A copy to `checkpoint.dir` already under way (of an earlier step) is finished first, "
+            "for up to 60 s. The sidecar names such an exit `exception/nonfinite` and the checkpoint to resume from."
         ),
     )
 

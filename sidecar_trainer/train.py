@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sidecar_trainer")
 
+# The non-finite loss guard's stop waits this long at most for the checkpoint copy in flight.
+SETTLE_BEFORE_STOP_SECONDS = 60.0
+
 
 def lr_lambda(cfg: Config):
     warmup, total, schedule, floor = cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.schedule, cfg.optim.min_lr_ratio
@@ -226,6 +229,9 @@ class Trainer:
             if cfg.train.nonfinite_loss_limit:
                 nonfinite_steps = 0 if bool(torch.isfinite(loss)) else nonfinite_steps + 1
                 if nonfinite_steps >= cfg.train.nonfinite_loss_limit:
+                    # The copy in flight holds a state from before this step: commit it first, so
+                    # that it is on disk (and reported) for the restart and the rollback hint.
+                    self.checkpointer.settle(SETTLE_BEFORE_STOP_SECONDS)
                     raise FloatingPointError(
                         f"non-finite loss for {nonfinite_steps} consecutive steps (step {step}): "
                         "stopping before checkpoints are saved from bad weights"

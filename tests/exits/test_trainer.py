@@ -28,13 +28,18 @@ def test_a_cuda_oom_in_the_trainer_is_exception_cuda_oom_and_the_restart_finishe
 
 
 def test_a_nonfinite_loss_guard_names_the_checkpoint_before_the_nan(tmp_path):
-    """Rank 1's loss is NaN at step 9; the guard stops both ranks at step 10, before the step-12
-    checkpoint; the restart resumes from step 8, which the incident names."""
+    """Rank 1's loss is NaN at step 9; the guard stops it at step 10, before the step-12
+    checkpoint; the restart resumes from step 8, which the incident names. Every copy to disk takes
+    a second, so the step-8 copy is still being written when the guard stops (as under load): the
+    stop finishes it first, and its checkpoint is on disk and named."""
     with Sidecar(tmp_path, *jobs.SIDECAR_SETTINGS) as sidecar:
-        job = jobs.spec(fault="nan_loss", steps=12, extra=["train.nonfinite_loss_limit=2"])
+        extra = ["train.nonfinite_loss_limit=2", "faults.checkpoint_delay_seconds=1"]
+        job = jobs.spec(fault="nan_loss", steps=12, extra=extra)
         result = jobs.run(job, tmp_path, sidecar.hook_env())
         assert result.returncode == 0, result.explain()
         assert "resumed from step 8" in result.text()
+        first_attempt = result.text().split("failed (exitcode")[0]  # up to torchrun's word on the failure
+        assert "checkpoint saved: step=8" in first_attempt, result.explain()
         job_id = exits_of_job(sidecar)
         wait_for_exit(sidecar, job_id, reason="exception/nonfinite")
         nonfinite = [e for e in exits_of(sidecar, job_id) if e["reason"] == "exception/nonfinite"]
