@@ -30,8 +30,12 @@ COLLECTIVE_FRAME = re.compile(r"torch[/\\]distributed[/\\]|_engine_run_backward"
 LAUNCHER_FRAME = re.compile(r"torch[/\\]distributed[/\\](elastic[/\\]|run\.py|launch\.py)")
 TORCH_FRAME = re.compile(r"(^|[/\\])torch[/\\]")
 
-_THREAD_START = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+|^Thread \d+ ", re.M)
-_MAIN_THREAD = re.compile(r'^Current thread 0x|^Thread \d+ .*"MainThread"', re.M)
+# A thread's part of a dump begins at one of these: faulthandler's headers (the hooks' dump of the
+# thread the signal landed on, the main thread: "Stack (most recent call first):"; of every thread:
+# "Current thread 0x..." and "Thread 0x...") and py-spy's ("Thread 123 (idle): "MainThread"").
+# A file read from its size before a look can hold more than one dump: each starts a part.
+_THREAD_START = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+|^Thread \d+ |^Stack \(most recent call first\)", re.M)
+_MAIN_THREAD = re.compile(r'^Current thread 0x|^Thread \d+ .*"MainThread"|^Stack \(most recent call first\)', re.M)
 
 
 def main_thread(text: str) -> str:

@@ -18,7 +18,8 @@ from sidecar.host.stackfiles import StackFile
 from sidecar.watchdog.stackdumps import wait_until_written
 from tests.support import PYTHON, wait_until
 
-# A rank as the hooks set it up: faulthandler dumps every thread into its file on SIGUSR1.
+# A rank whose faulthandler dumps every thread into its file on SIGUSR1 (a long dump; its second
+# thread sleeps, so walking it is safe; the hooks dump the main thread alone, trainer_hooks/stacks.py).
 RANK = """
 import faulthandler, signal, sys, threading, time
 out = open(sys.argv[1], "a")
