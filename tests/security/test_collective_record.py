@@ -139,7 +139,7 @@ STALLING_JOB = """
         if len(dumped | set(refused)) == n and not reported:
             report(pids=[r.pid for r in ranks], answers=answers, refused=refused)
             reported = True
-        time.sleep(0.2)
+        time.sleep(float(os.environ.get("ROUND_SECONDS", "0.2")))
 """
 
 
@@ -507,8 +507,12 @@ def test_writing_an_incidents_dumps_does_not_hold_the_event_loop(users):
     /healthz, pushes and the watchdog of every user (docs/security.md, "The event loop")."""
     _, mallory = users
     with open_sidecar(*with_floor(10)) as sidecar:
-        # 128 ranks' 512 KiB dumps after a 10 s floor: past 60 s once beside the suite at five workers
-        job, out = start_stalling_job(mallory, sidecar, "bigdumps", BIG_DUMPS, ranks=128, timeout=180)
+        # 128 ranks' 512 KiB dumps after a 10 s floor: past 60 s once beside the suite at five workers,
+        # past 180 s once while their pushes went every 0.2 s (640 a second: most of the test's CPU).
+        # The dumps are asked for at the ranks' suspect time, 5 s before the incident takes them.
+        job, out = start_stalling_job(
+            mallory, sidecar, "bigdumps", BIG_DUMPS, ranks=128, timeout=180, ROUND_SECONDS="1"
+        )
         try:
             assert set(map(lambda a: a[0], out["answers"].values())) == {200}, out["answers"]
             with LoopProbe(sidecar) as probe:
