@@ -269,7 +269,7 @@ class Liveness:
         """No evidence of life (or no more time for it): the rank is judged by its deadline."""
         w.declared, w.asked = True, None
         self.reprobe.discard(w.rank.key)
-        if w.busy or not quiet:
+        if w.busy or w.seen or not quiet:  # quiet: a plain hang, unless its CPU time had grown (looks taken)
             log.info("rank %s (pid %d): not busy enough to spare: %s", w.rank.label, w.rank.pid, why)
         if w.busy:
             w.busy[-1]["stalled_because"] = why
