@@ -70,6 +70,7 @@ def assert_saves_inside_their_phase(calls: list, saves: int) -> None:
     assert all(s < e < ev for s, e, ev in zip(starts, ends, events, strict=True))
 
 
+@pytest.mark.slow  # a real training run (7.6 s alone)
 def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
     pytest.importorskip("transformers")
     calls = train("hf", sidecar, tmp_path, "adapter-hf")
@@ -89,6 +90,7 @@ def test_hugging_face_callback_reports_a_real_trainer_run(sidecar, tmp_path: Pat
     assert metric_value(sidecar.metrics(), "sidecar_training_last_checkpoint_step", job_id="adapter-hf") == 6
 
 
+@pytest.mark.slow  # a real training run (10.6 s alone)
 def test_lightning_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
     pytest.importorskip("lightning")
     calls = train("lightning", sidecar, tmp_path, "adapter-lightning")
