@@ -73,15 +73,18 @@ def test_a_slow_but_progressing_job_is_not_a_stall(tmp_path):
 
 
 def test_a_sidecar_restart_in_the_middle_of_a_job_kills_nothing(tmp_path, reference_digest):
-    """The hooks re-register with their current step; the new sidecar watches them as healthy."""
+    """The hooks re-register with their current step; the new sidecar watches them as healthy.
+    A step a second: at 0.4 s the job once ended (its ranks gone) before the restarted sidecar,
+    slow to start beside the suite, was asked."""
     sidecar = Sidecar(tmp_path, *jobs.SIDECAR_SETTINGS)
     with sidecar:
-        with jobs.start(jobs.spec(step_delay_seconds=0.4), tmp_path, sidecar.hook_env()) as proc:
+        with jobs.start(jobs.spec(step_delay_seconds=1.0), tmp_path, sidecar.hook_env()) as proc:
             jobs.wait_for_step(sidecar, 4)
             sidecar.stop()
             sidecar.start()
             jobs.wait_for_step(sidecar, 6)
             states = {r["rank"]: r["state"] for r in sidecar.status()["ranks"]}
+            assert proc.poll() is None, "the job ended before the restarted sidecar was asked"
             assert set(states.values()) <= {"healthy", "suspect"}, states
             result = jobs.finish(proc, tmp_path / "torchrun.log")
         assert_untouched(result, reference_digest, sidecar)
