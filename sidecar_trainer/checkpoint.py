@@ -209,22 +209,26 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=self.world.timeout)
         self._disk_lane.submit(partial(self._save, state))
 
-    def flush(self) -> None:
-        """Wait until every snapshot and disk copy handed over so far is written."""
-        self._memory_lane.wait()
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every snapshot and disk copy handed over so far is written (TimeoutError
+        after `timeout` seconds, if given)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        self._memory_lane.wait(left())
         if self._disk_lane.busy:
             with self.monitor.phase("checkpoint_save"):
-                self._disk_lane.wait()
-        self._disk_lane.wait()
+                self._disk_lane.wait(left())
+        self._disk_lane.wait(left())
 
     def settle(self, timeout: float) -> bool:
         """Before a controlled stop: let the snapshot and the disk copy in flight, both of states
         from before the stop, finish within `timeout` seconds (the peers are alive: a copy's
         commit waits for theirs). False, and a warning, when they did not or failed."""
-        deadline = time.monotonic() + timeout
         try:
-            for lane in (self._memory_lane, self._disk_lane):
-                lane.wait(max(0.0, deadline - time.monotonic()))
+            self.flush(timeout)
         except Exception as e:  # the stop goes on: its own error is the one that matters
             log.warning("checkpoint: the save in flight did not finish before the stop (%s: %s)", type(e).__name__, e)
             return False
