@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from demo import zygote
+
 PORTS_ENV = "DEMO_PORTS"  # "LOW-HIGH": take free ports from this range, in turn
 _turn = random.randrange(1 << 16)  # where this process starts in the range (its children start elsewhere)
 
@@ -49,15 +51,13 @@ class Processes:
 
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with open(self.workdir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(
-                list(cmd),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=full_env,
-                cwd=Path(__file__).resolve().parent.parent,
-                start_new_session=True,
-            )
+        cwd = Path(__file__).resolve().parent.parent
+        proc = zygote.spawn(cmd, full_env, cwd, self.log(name))  # a warm torchrun agent (the tests')
+        if proc is None:
+            with open(self.log(name), "ab") as log:
+                proc = subprocess.Popen(
+                    list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True
+                )
         self.started.append(proc)
         return proc
 

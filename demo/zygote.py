@@ -1,0 +1,324 @@
+"""Warm torchrun agents for the test suite: a server that imports torch once and forks agents.
+
+`python -m torch.distributed.run ...` spends about 2.3 CPU-s importing torch and torchrun before
+its agent does anything, and the suite starts over a hundred agents (docs/suite-times.md). This
+server (`python -m demo.zygote SOCKET`) imports `torch.distributed.run` once; for each request it
+forks a child that becomes the agent: a session of its own, output appended to the log, stdin
+/dev/null, the request's working directory, environment and `sys.path` (the directory, then
+PYTHONPATH's, then the interpreter's own), and then `torch.distributed.run` run as `__main__`, as
+`python -m` runs it. What the agent does from there is torchrun's own code: the rendezvous, the
+workers (new interpreters it starts itself), their restarts and the exit status.
+
+What differs from a cold start: torch and torchrun were imported with the server's environment, so
+a request whose environment differs in what is read at import (`PYTHON*` other than PYTHONPATH,
+LOGLEVEL for torchrun's loggers, `TORCH_LOGS` and C++ logging) is answered "cold" and started as
+a new interpreter; the agent's parent is the server (which reaps it and reports its exit status);
+its command line is the server's.
+
+Used only where ENV names the socket (tests/conftest.py sets it for each test worker, which
+starts the server on its first agent; `SIDECAR_TEST_COLD_AGENTS=1` turns it off), by
+`demo.processes.Processes.start` and `tests.support.spawned`, for commands that are exactly
+`[sys.executable, "-m", "torch.distributed.run", ...]`: an agent run under `ip netns exec`,
+`runuser`, a nice prefix or another launcher is started cold as before."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ENV = "DEMO_AGENT_ZYGOTE"  # the server's socket path
+OWNER_ENV = "DEMO_AGENT_ZYGOTE_OWNER"  # the pid that starts the server on its first agent
+MODULE = "torch.distributed.run"
+PRELOAD = ("torch", MODULE)
+# Read when torch or torchrun is imported: a request that sets them otherwise is started cold.
+IMPORT_TIME_ENV = ("LOGLEVEL", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES")
+START_TIMEOUT = 120.0  # the server's imports, on a loaded machine
+ROOT = Path(__file__).resolve().parent.parent
+
+_server: subprocess.Popen | None = None
+
+
+# ---------------------------------------------------------------- the client's side
+
+
+def eligible(cmd: Sequence[str]) -> bool:
+    return len(cmd) >= 3 and cmd[0] == sys.executable and list(cmd[1:3]) == ["-m", MODULE]
+
+
+class WarmProcess(subprocess.Popen):
+    """A `subprocess.Popen` for an agent the server forked: its pid, and its exit status as the
+    server reports it (the server is its parent and reaps it)."""
+
+    def __init__(self, sock: socket.socket, pid: int, args: Sequence[str]):  # no Popen.__init__: nothing to start
+        self.args = list(args)
+        self.pid = pid
+        self.returncode = None
+        self.stdin = self.stdout = self.stderr = None
+        self._child_created = False  # Popen.__del__ has nothing to reap
+        self._sock = sock
+        self._buffer = b""
+
+    def _read(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._sock.settimeout(left)
+            try:
+                data = self._sock.recv(256)
+            except (TimeoutError, BlockingIOError):
+                return
+            if not data:  # the server ended before the agent: wait for the pid itself to go
+                self._wait_pid(deadline)
+                return
+            self._buffer += data
+            for line in self._buffer.split(b"\n")[:-1]:
+                if line.startswith(b"exit "):
+                    self.returncode = int(line.split()[1])
+            self._buffer = self._buffer.rsplit(b"\n", 1)[-1]
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+
+    def _wait_pid(self, deadline: float | None) -> None:
+        while os.path.exists(f"/proc/{self.pid}/stat"):
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+        self.returncode = -signal.SIGKILL  # unknown: reaped by init after the server ended
+
+    def poll(self) -> int | None:
+        self._read(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+
+def spawn(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log: str | Path) -> subprocess.Popen | None:
+    """The agent forked by the server, or None where it is not used (no server configured, a command
+    it does not start, an environment it cannot honour): the caller starts `cmd` itself."""
+    path = os.environ.get(ENV)
+    if not path or not eligible(cmd):
+        return None
+    sock = _connect(path)
+    if sock is None:
+        return None
+    request = {"argv": list(cmd), "env": dict(env), "cwd": str(cwd), "log": str(log)}
+    try:
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        sock.settimeout(60)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            data = sock.recv(256)
+            if not data:
+                raise OSError("the agent server closed the connection")
+            reply += data
+    except OSError as e:
+        sock.close()
+        print(f"demo.zygote: {e}; starting the agent cold", file=sys.stderr)
+        return None
+    word, _, rest = reply.decode().strip().partition(" ")
+    if word != "pid":
+        sock.close()
+        return None  # "cold": the server cannot honour this environment
+    return WarmProcess(sock, int(rest), cmd)
+
+
+def _connect(path: str) -> socket.socket | None:
+    global _server
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(OSError):
+        sock.connect(path)
+        return sock
+    if os.environ.get(OWNER_ENV) != str(os.getpid()):
+        sock.close()
+        return None  # another process's server, not (yet) there: cold
+    if _server is None:
+        _server = subprocess.Popen(
+            [sys.executable, "-m", "demo.zygote", path],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=open(f"{path}.log", "ab"),  # noqa: SIM115 (the server's own, for as long as it runs)
+        )
+    deadline = time.monotonic() + START_TIMEOUT
+    while _server.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            sock.connect(path)
+            return sock
+        time.sleep(0.1)
+    sock.close()
+    print(
+        f"demo.zygote: the agent server at {path} did not start (see {path}.log); starting agents cold", file=sys.stderr
+    )
+    return None
+
+
+def stop() -> None:
+    """End this process's server (its agents live on in their own sessions)."""
+    global _server
+    if _server is not None:
+        _server.kill()
+        _server.wait()
+        _server = None
+
+
+# ---------------------------------------------------------------- the server's side
+
+
+def refusal(request: dict) -> str | None:
+    """Why the request must be started cold, else None."""
+    env = request.get("env")
+    if not isinstance(env, dict) or not eligible(request.get("argv") or []):
+        return "not a torchrun agent"
+    keys = {*IMPORT_TIME_ENV, *(k for k in (*env, *os.environ) if k.startswith("PYTHON"))}
+    keys -= {"PYTHONPATH", "PYTHONUNBUFFERED"}
+    differ = sorted(k for k in keys if env.get(k) != os.environ.get(k))
+    if differ:
+        return f"read at import: {','.join(differ)}"
+    if env.get("PYTHONUNBUFFERED", "") in ("", "0"):
+        return "buffered output"
+    return None
+
+
+def serve(path: str) -> dict:
+    """Serve requests until the owner ends; return only in a forked child, with its request."""
+    owner = os.getppid()  # the test worker: the server ends within a second of it
+    gc.disable()  # as the gc module's docs advise for a fork server: no holes in the heap, and
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.freeze()  # the children's collections never touch (and so copy) what the imports made
+    base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    buffers: dict[socket.socket, bytes] = {}
+    children: dict[int, socket.socket | None] = {}
+    while os.getppid() == owner:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                buffers[conn] = b""
+                selector.register(conn, selectors.EVENT_READ)
+            elif key.fileobj == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+            else:
+                conn = key.fileobj  # type: ignore[assignment]
+                data = b""
+                with contextlib.suppress(OSError):
+                    data = conn.recv(65536)
+                if not data or conn not in buffers:  # the client went away (or spoke after its request)
+                    selector.unregister(conn)
+                    buffers.pop(conn, None)
+                    for pid, c in children.items():
+                        if c is conn:
+                            children[pid] = None
+                    conn.close()
+                    continue
+                buffers[conn] += data
+                if b"\n" not in buffers[conn]:
+                    continue
+                line = buffers.pop(conn).split(b"\n", 1)[0]
+                try:
+                    request = json.loads(line)
+                    why = refusal(request)
+                except ValueError as e:
+                    request, why = {}, f"bad request: {e}"
+                if why:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(f"cold {why}\n".encode())
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    gc.enable()
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    selector.close()
+                    for fd in (wake_r, wake_w):
+                        os.close(fd)
+                    for c in [listener, *buffers, *(c for c in children.values() if c), conn]:
+                        c.close()
+                    _become(request, base_path)
+                    return request
+                children[pid] = conn
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"pid {pid}\n".encode())
+        _reap(children)
+    raise SystemExit(0)
+
+
+def _reap(children: dict[int, socket.socket | None]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            # the client reads the status, then closes; the server forgets the connection then
+
+
+def _become(request: dict, base_path: list[str]) -> None:
+    """In the forked child: the agent's session, output, directory, environment and path."""
+    os.setsid()
+    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    cwd = request["cwd"]
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.abspath(cwd), *extra, *base_path]
+    sys.argv = [request["argv"][0], *request["argv"][3:]]  # argv[0] becomes the module's file
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m demo.zygote SOCKET")
+    serve(sys.argv[1])  # returns only in a forked child: the agent
+    runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The suite's warm torchrun agents (demo/zygote.py) behave as agents started cold: the same
+workers see the same directory, arguments and environment, the same restarts happen, the same
+exit statuses come back, and SIGTERM ends an agent and its workers the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from demo import zygote
+from tests.support import ROOT, spawned, wait_until
+
+pytestmark = pytest.mark.slow
+
+WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    out = os.environ["OUT"]
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    with open(os.path.join(out, f"attempt{attempt}.json"), "w") as f:
+        json.dump({"cwd": os.getcwd(), "argv": sys.argv[1:], "mark": os.environ.get("MARK"),
+                   "restart_count": attempt, "world": os.environ["WORLD_SIZE"]}, f)
+    if sys.argv[1] == "sleep":
+        time.sleep(600)
+    sys.exit(3 if attempt == 0 or sys.argv[1] == "fail" else 0)
+""")
+
+
+def agent(tmp_path: Path, mode: str, name: str) -> list[str]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        "--max-restarts", "1", "--monitor-interval", "0.1", str(script), mode, name,
+    ]  # fmt: skip
+
+
+def run(tmp_path: Path, mode: str, warm: bool) -> dict:
+    """One agent's exit status, what its workers saw, and whether it was forked warm."""
+    out = tmp_path / f"{mode}-{'warm' if warm else 'cold'}"
+    out.mkdir()
+    env = {"OUT": str(out), "MARK": "m-1"}
+    saved = os.environ.pop(zygote.ENV) if not warm else None
+    try:
+        with spawned(agent(tmp_path, mode, out.name), out / "agent.log", env=env, cwd=tmp_path) as proc:
+            forked = isinstance(proc, zygote.WarmProcess)
+            if mode == "sleep":
+                wait_until(lambda: (out / "attempt0.json").exists(), 60, what="the worker started")
+                worker = json.loads((out / "attempt0.json").read_text())
+                proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=120)
+    finally:
+        if saved is not None:
+            os.environ[zygote.ENV] = saved
+    seen = [json.loads(p.read_text()) for p in sorted(out.glob("attempt*.json"))]
+    for s in seen:
+        assert s.pop("argv") == [mode, out.name] and Path(s.pop("cwd")) == tmp_path
+    if mode == "sleep":
+        assert worker  # the worker was up when the agent was signalled
+    return {"code": code, "seen": seen, "forked": forked, "log": (out / "agent.log").read_text()}
+
+
+def test_a_warm_agent_restarts_fails_and_ends_on_sigterm_as_a_cold_one(tmp_path):
+    assert os.environ.get(zygote.ENV), "the suite starts its agents warm (tests/conftest.py)"
+    for mode in ("restart", "fail", "sleep"):
+        warm, cold = run(tmp_path, mode, warm=True), run(tmp_path, mode, warm=False)
+        assert (warm["forked"], cold["forked"]) == (True, False)
+        assert warm["code"] == cold["code"], (mode, warm["log"][-2000:], cold["log"][-2000:])
+        assert warm["seen"] == cold["seen"], mode
+        attempts = [s["restart_count"] for s in warm["seen"]]
+        assert attempts == {"restart": [0, 1], "fail": [0, 1], "sleep": [0]}[mode], attempts
+        assert warm["code"] == {"restart": 0, "fail": 1, "sleep": warm["code"]}[mode], warm["log"][-2000:]
+        assert all(s["mark"] == "m-1" and s["world"] == "1" for s in warm["seen"])
+    assert warm["code"] != 0  # SIGTERM: torchrun's own handling, the same warm and cold
+
+
+def test_what_the_server_cannot_honour_is_started_cold(tmp_path):
+    cmd = agent(tmp_path, "restart", "x")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    assert zygote.refusal({"argv": cmd, "env": env}) is None
+    assert zygote.refusal({"argv": cmd, "env": {**env, "LOGLEVEL": "DEBUG"}}) == "read at import: LOGLEVEL"
+    assert zygote.refusal({"argv": cmd, "env": {**env, "PYTHONHASHSEED": "1"}}) == "read at import: PYTHONHASHSEED"
+    assert zygote.refusal({"argv": cmd, "env": {**env, "PYTHONUNBUFFERED": ""}}) == "buffered output"
+    assert zygote.refusal({"argv": ["ip", "netns", "exec", "n0", *cmd], "env": env}) == "not a torchrun agent"
+    assert zygote.spawn(["runuser", "-u", "x", "--", *cmd], env, ROOT, tmp_path / "log") is None
+    refused = zygote.spawn(cmd, {**env, "LOGLEVEL": "DEBUG"}, ROOT, tmp_path / "log")
+    assert refused is None and not (tmp_path / "log").exists()
+
+
+def test_a_warm_agent_that_outlives_the_wait_is_reported_running(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with spawned(agent(tmp_path, "sleep", "x"), tmp_path / "agent.log", env={"OUT": str(out)}) as proc:
+        assert isinstance(proc, zygote.WarmProcess)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
+        assert proc.poll() is None and Path(f"/proc/{proc.pid}").exists()
+    assert proc.returncode is not None  # spawned killed its tree, and the server reported the exit
