@@ -1,25 +1,28 @@
-"""Warm torchrun agents for the test suite: a server that imports torch once and forks agents.
+"""Warm processes for the test suite: servers that import torchrun (or the sidecar) once and fork.
 
 `python -m torch.distributed.run ...` spends about 2.3 CPU-s importing torch and torchrun before
-its agent does anything, and the suite starts over a hundred agents (docs/suite-times.md). This
-server (`python -m demo.zygote SOCKET`) imports `torch.distributed.run` once; for each request it
-forks a child that becomes the agent: a session of its own, output appended to the log, stdin
-/dev/null, the request's working directory, environment and `sys.path` (the directory, then
-PYTHONPATH's, then the interpreter's own), and then `torch.distributed.run` run as `__main__`, as
-`python -m` runs it. What the agent does from there is torchrun's own code: the rendezvous, the
-workers (new interpreters it starts itself), their restarts and the exit status.
+its agent does anything, and `python -m sidecar run` 0.4 CPU-s importing the daemon; the suite
+starts over a hundred agents and hundreds of sidecars (docs/suite-times.md). A server
+(`python -m demo.zygote SOCKET MODULE`) imports what its MODULE needs once; for each request it
+forks a child that becomes the process asked for: a session of its own, output appended to the
+log, stdin /dev/null, the request's working directory, environment and `sys.path` (the
+directory, then PYTHONPATH's, then the interpreter's own), and then MODULE run as `__main__`, as
+`python -m` runs it. What the process does from there is its own code: for an agent, torchrun's
+rendezvous, its workers (new interpreters it starts itself), their restarts and the exit status;
+for a sidecar, `sidecar run` from its argument parsing on.
 
-What differs from a cold start: torch and torchrun were imported with the server's environment, so
-a request whose environment differs in what is read at import (`PYTHON*` other than PYTHONPATH,
-LOGLEVEL for torchrun's loggers, `TORCH_LOGS` and C++ logging) is answered "cold" and started as
-a new interpreter; the agent's parent is the server (which reaps it and reports its exit status);
-its command line is the server's.
+What differs from a cold start: the modules were imported with the server's environment, so a
+request whose environment differs in what is read at import (`PYTHON*` other than PYTHONPATH, and
+each kind's own: LOGLEVEL for torchrun's loggers, `TORCH_LOGS` and C++ logging; aiohttp's
+`AIOHTTP_*`) is answered "cold" and started as a new interpreter; the process's parent is the
+server (which reaps it and reports its exit status); its command line is the server's.
 
-Used only where ENV names the socket (tests/conftest.py sets it for each test worker, which
-starts the server on its first agent; `SIDECAR_TEST_COLD_AGENTS=1` turns it off), by
+Used only where ENV names a directory (tests/conftest.py sets it for each test worker, which
+starts each server on its first request; `SIDECAR_TEST_COLD_AGENTS=1` turns it off), by
 `demo.processes.Processes.start` and `tests.support.spawned`, for commands that are exactly
-`[sys.executable, "-m", "torch.distributed.run", ...]`: an agent run under `ip netns exec`,
-`runuser`, a nice prefix or another launcher is started cold as before."""
+`[sys.executable, "-m", "torch.distributed.run", ...]` or `[sys.executable, "-m", "sidecar",
+"run", ...]`: one run under `ip netns exec`, `runuser`, a nice prefix or another launcher is
+started cold as before."""
 
 from __future__ import annotations
 
@@ -36,25 +39,42 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-ENV = "DEMO_AGENT_ZYGOTE"  # the server's socket path
-OWNER_ENV = "DEMO_AGENT_ZYGOTE_OWNER"  # the pid that starts the server on its first agent
-MODULE = "torch.distributed.run"
-PRELOAD = ("torch", MODULE)
-# Read when torch or torchrun is imported: a request that sets them otherwise is started cold.
-IMPORT_TIME_ENV = ("LOGLEVEL", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES")
-START_TIMEOUT = 120.0  # the server's imports, on a loaded machine
+ENV = "DEMO_AGENT_ZYGOTE"  # the directory of the servers' sockets
+OWNER_ENV = "DEMO_AGENT_ZYGOTE_OWNER"  # the pid that starts the servers on their first requests
+START_TIMEOUT = 120.0  # a server's imports, on a loaded machine
 ROOT = Path(__file__).resolve().parent.parent
 
-_server: subprocess.Popen | None = None
+
+@dataclass(frozen=True)
+class Kind:
+    preload: tuple[str, ...]  # imported once by the server
+    import_env: tuple[str, ...]  # read at import: a request that sets them otherwise is started cold
+    args: tuple[str, ...] = ()  # what must follow `-m MODULE`
+
+
+KINDS = {
+    "torch.distributed.run": Kind(
+        ("torch", "torch.distributed.run"),
+        ("LOGLEVEL", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"),
+    ),
+    "sidecar": Kind(("sidecar.cli", "sidecar.daemon.app"), ("AIOHTTP_NO_EXTENSIONS", "AIOHTTP_NOSENDFILE"), ("run",)),
+}
+
+_servers: dict[str, subprocess.Popen] = {}
 
 
 # ---------------------------------------------------------------- the client's side
 
 
-def eligible(cmd: Sequence[str]) -> bool:
-    return len(cmd) >= 3 and cmd[0] == sys.executable and list(cmd[1:3]) == ["-m", MODULE]
+def eligible(cmd: Sequence[str]) -> str | None:
+    """The module of KINDS that `cmd` runs, else None."""
+    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in KINDS:
+        return None
+    args = KINDS[cmd[2]].args
+    return cmd[2] if tuple(cmd[3 : 3 + len(args)]) == args else None
 
 
 class WarmProcess(subprocess.Popen):
@@ -118,10 +138,10 @@ class WarmProcess(subprocess.Popen):
 def spawn(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log: str | Path) -> subprocess.Popen | None:
     """The agent forked by the server, or None where it is not used (no server configured, a command
     it does not start, an environment it cannot honour): the caller starts `cmd` itself."""
-    path = os.environ.get(ENV)
-    if not path or not eligible(cmd):
+    directory, module = os.environ.get(ENV), eligible(cmd)
+    if not directory or not module:
         return None
-    sock = _connect(path)
+    sock = _connect(directory, module)
     if sock is None:
         return None
     request = {"argv": list(cmd), "env": dict(env), "cwd": str(cwd), "log": str(log)}
@@ -145,8 +165,8 @@ def spawn(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log: str | P
     return WarmProcess(sock, int(rest), cmd)
 
 
-def _connect(path: str) -> socket.socket | None:
-    global _server
+def _connect(directory: str, module: str) -> socket.socket | None:
+    path = os.path.join(directory, f"{module}.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(OSError):
         sock.connect(path)
@@ -154,45 +174,43 @@ def _connect(path: str) -> socket.socket | None:
     if os.environ.get(OWNER_ENV) != str(os.getpid()):
         sock.close()
         return None  # another process's server, not (yet) there: cold
-    if _server is None:
-        _server = subprocess.Popen(
-            [sys.executable, "-m", "demo.zygote", path],
+    server = _servers.get(module)
+    if server is None:
+        server = _servers[module] = subprocess.Popen(
+            [sys.executable, "-m", "demo.zygote", path, module],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.DEVNULL,
             stderr=open(f"{path}.log", "ab"),  # noqa: SIM115 (the server's own, for as long as it runs)
         )
     deadline = time.monotonic() + START_TIMEOUT
-    while _server.poll() is None and time.monotonic() < deadline:
+    while server.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(OSError):
             sock.connect(path)
             return sock
         time.sleep(0.1)
     sock.close()
-    print(
-        f"demo.zygote: the agent server at {path} did not start (see {path}.log); starting agents cold", file=sys.stderr
-    )
+    print(f"demo.zygote: the server at {path} did not start (see {path}.log); starting {module} cold", file=sys.stderr)
     return None
 
 
 def stop() -> None:
-    """End this process's server (its agents live on in their own sessions)."""
-    global _server
-    if _server is not None:
-        _server.kill()
-        _server.wait()
-        _server = None
+    """End this process's servers (what they started lives on in its own sessions)."""
+    while _servers:
+        _, server = _servers.popitem()
+        server.kill()
+        server.wait()
 
 
 # ---------------------------------------------------------------- the server's side
 
 
-def refusal(request: dict) -> str | None:
-    """Why the request must be started cold, else None."""
+def refusal(request: dict, module: str) -> str | None:
+    """Why the request must be started cold by a server of `module`, else None."""
     env = request.get("env")
-    if not isinstance(env, dict) or not eligible(request.get("argv") or []):
-        return "not a torchrun agent"
-    keys = {*IMPORT_TIME_ENV, *(k for k in (*env, *os.environ) if k.startswith("PYTHON"))}
+    if not isinstance(env, dict) or eligible(request.get("argv") or []) != module:
+        return f"not {module}"
+    keys = {*KINDS[module].import_env, *(k for k in (*env, *os.environ) if k.startswith("PYTHON"))}
     keys -= {"PYTHONPATH", "PYTHONUNBUFFERED"}
     differ = sorted(k for k in keys if env.get(k) != os.environ.get(k))
     if differ:
@@ -202,11 +220,11 @@ def refusal(request: dict) -> str | None:
     return None
 
 
-def serve(path: str) -> dict:
+def serve(path: str, module: str) -> dict:
     """Serve requests until the owner ends; return only in a forked child, with its request."""
     owner = os.getppid()  # the test worker: the server ends within a second of it
     gc.disable()  # as the gc module's docs advise for a fork server: no holes in the heap, and
-    for name in PRELOAD:
+    for name in KINDS[module].preload:
         importlib.import_module(name)
     gc.freeze()  # the children's collections never touch (and so copy) what the imports made
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
@@ -253,7 +271,7 @@ def serve(path: str) -> dict:
                 line = buffers.pop(conn).split(b"\n", 1)[0]
                 try:
                     request = json.loads(line)
-                    why = refusal(request)
+                    why = refusal(request, module)
                 except ValueError as e:
                     request, why = {}, f"bad request: {e}"
                 if why:
@@ -314,10 +332,11 @@ def _become(request: dict, base_path: list[str]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m demo.zygote SOCKET")
-    serve(sys.argv[1])  # returns only in a forked child: the agent
-    runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+    if len(sys.argv) != 3 or sys.argv[2] not in KINDS:
+        raise SystemExit(f"usage: python -m demo.zygote SOCKET {{{'|'.join(KINDS)}}}")
+    module = sys.argv[2]
+    serve(sys.argv[1], module)  # returns only in a forked child: the process asked for
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

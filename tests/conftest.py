@@ -51,15 +51,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def warm_agents() -> None:
-    """torchrun agents forked from a server that imported torch once (demo/zygote.py): about 2.3
-    CPU-s less per agent, over a hundred agents in the suite. Each test process has its own, started
-    on its first agent; `SIDECAR_TEST_COLD_AGENTS=1` starts every agent as a new interpreter."""
+    """torchrun agents and sidecars forked from servers that imported torch or the daemon once
+    (demo/zygote.py): about 1.5-2 CPU-s less per agent (over a hundred in the suite) and 0.3 per
+    sidecar (hundreds). Each test process has its own servers, each started on its first request;
+    `SIDECAR_TEST_COLD_AGENTS=1` starts every one of them as a new interpreter."""
     from demo import zygote
 
     if os.environ.get("SIDECAR_TEST_COLD_AGENTS", "") not in ("", "0"):
         return
     directory = tempfile.mkdtemp(prefix="sidecar-agents-")
-    os.environ[zygote.ENV] = os.path.join(directory, "server.sock")
+    os.environ[zygote.ENV] = directory
     os.environ[zygote.OWNER_ENV] = str(os.getpid())
     atexit.register(_end_warm_agents, directory)
 

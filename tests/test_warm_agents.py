@@ -1,6 +1,7 @@
-"""The suite's warm torchrun agents (demo/zygote.py) behave as agents started cold: the same
-workers see the same directory, arguments and environment, the same restarts happen, the same
-exit statuses come back, and SIGTERM ends an agent and its workers the same way."""
+"""The suite's warm torchrun agents and sidecars (demo/zygote.py) behave as ones started cold: an
+agent's workers see the same directory, arguments and environment, the same restarts happen, the
+same exit statuses come back, and SIGTERM ends an agent and its workers the same way; a sidecar
+serves, takes its settings and ends on SIGTERM as a cold one does."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from demo import zygote
-from tests.support import ROOT, spawned, wait_until
+from tests.support import ROOT, Sidecar, spawned, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -83,14 +84,38 @@ def test_a_warm_agent_restarts_fails_and_ends_on_sigterm_as_a_cold_one(tmp_path)
 def test_what_the_server_cannot_honour_is_started_cold(tmp_path):
     cmd = agent(tmp_path, "restart", "x")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    assert zygote.refusal({"argv": cmd, "env": env}) is None
-    assert zygote.refusal({"argv": cmd, "env": {**env, "LOGLEVEL": "DEBUG"}}) == "read at import: LOGLEVEL"
-    assert zygote.refusal({"argv": cmd, "env": {**env, "PYTHONHASHSEED": "1"}}) == "read at import: PYTHONHASHSEED"
-    assert zygote.refusal({"argv": cmd, "env": {**env, "PYTHONUNBUFFERED": ""}}) == "buffered output"
-    assert zygote.refusal({"argv": ["ip", "netns", "exec", "n0", *cmd], "env": env}) == "not a torchrun agent"
+    module = "torch.distributed.run"
+    assert zygote.refusal({"argv": cmd, "env": env}, module) is None
+    assert zygote.refusal({"argv": cmd, "env": {**env, "LOGLEVEL": "DEBUG"}}, module) == "read at import: LOGLEVEL"
+    hashed = {"argv": cmd, "env": {**env, "PYTHONHASHSEED": "1"}}
+    assert zygote.refusal(hashed, module) == "read at import: PYTHONHASHSEED"
+    assert zygote.refusal({"argv": cmd, "env": {**env, "PYTHONUNBUFFERED": ""}}, module) == "buffered output"
+    netns = {"argv": ["ip", "netns", "exec", "n0", *cmd], "env": env}
+    assert zygote.refusal(netns, module) == "not torch.distributed.run"
+    assert zygote.refusal({"argv": cmd, "env": env}, "sidecar") == "not sidecar"
+    assert zygote.eligible([sys.executable, "-m", "sidecar", "status"]) is None  # a command, not the daemon
+    assert zygote.eligible([sys.executable, "-m", "sidecar", "run", "--listen", "x"]) == "sidecar"
     assert zygote.spawn(["runuser", "-u", "x", "--", *cmd], env, ROOT, tmp_path / "log") is None
     refused = zygote.spawn(cmd, {**env, "LOGLEVEL": "DEBUG"}, ROOT, tmp_path / "log")
     assert refused is None and not (tmp_path / "log").exists()
+
+
+def test_a_warm_sidecar_serves_takes_its_settings_and_ends_on_sigterm_as_a_cold_one(tmp_path):
+    seen = {}
+    for warm in (True, False):
+        saved = os.environ.pop(zygote.ENV) if not warm else None
+        try:
+            with Sidecar(tmp_path / str(warm), "node_name=warm-or-not") as sidecar:
+                assert isinstance(sidecar.proc, zygote.WarmProcess) == warm
+                status = sidecar.status()
+                sidecar.proc.send_signal(signal.SIGTERM)
+                code = sidecar.proc.wait(timeout=30)
+        finally:
+            if saved is not None:
+                os.environ[zygote.ENV] = saved
+        seen[warm] = (code, status["node"]["name"], sorted(status), sorted(status["node"]))
+    assert seen[True] == seen[False], seen
+    assert seen[True][:2] == (0, "warm-or-not"), seen
 
 
 def test_a_warm_agent_that_outlives_the_wait_is_reported_running(tmp_path):
