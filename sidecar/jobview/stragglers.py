@@ -282,6 +282,7 @@ class JobJudge:
         self.judged_at = -1e9  # monotonic
         self.cost = 0.0
         self.verdict: lateness.Verdict | None = None
+        self.since: dict[int, tuple[float, float]] = {}  # lateness.confirm's, per late rank
         self.wall: float = 0.0  # when it judged (the coordinator's wall clock)
 
     def take(
@@ -321,7 +322,7 @@ class JobJudge:
         for rank, v in self.ranks.items():
             shift = 0.0 if v.node == own_node else (self.offset(v.node) or 0.0)
             entries[rank] = {k: {s: t - shift for s, t in times.items()} for k, times in v.groups.items()}
-        self.verdict = lateness.judge(entries)
+        self.verdict = lateness.confirm(lateness.judge(entries), self.since)
         self.fresh, self.judged_at, self.wall = False, now, wall
         self.cost = time.perf_counter() - started
         return True

@@ -18,7 +18,10 @@ straggler when that median exceeds max(FLOOR_SECONDS, INTERVAL_RATIO x the group
 interval between consecutive collectives) in every group it has data in: with data x tensor
 parallel groups, a rank that waited for the straggler in one group enters its other groups late
 too, but is on time in the group it waited in; the straggler is late in all of them. The
-lateness a rank is shown with is the least of its groups' for the same reason.
+lateness a rank is shown with is the least of its groups' for the same reason. A moment's lateness is
+not a straggler: a rank is named only once the collectives it has been found late in, judgement after
+judgement, span CONFIRM_SECONDS (`confirm`): a window of 32 collectives of 50 ms steps spans 1.6 s,
+and a healthy rank slowed for a second on a loaded machine was named from one such window.
 
 `judge` is pure (per rank, per group, sequence -> entry time). `Tracker` keeps each local rank's
 entry times across its records (the hooks read their entries once in a wall-clock slot, at about
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 
 from prometheus_client.core import Metric
@@ -54,6 +57,12 @@ FLOOR_SECONDS = 0.020  # a lateness below this is clocks and scheduling, never a
 INTERVAL_RATIO = 0.1  # ... nor below this share of its group's median interval between collectives
 # (a rank slowed by r x the step is late r/(1+r) of the interval: named from r = 11%; 0.25 named only from 33%)
 MIN_SEQUENCES = 8  # common sequences a group needs before it names a straggler
+# ... and the collectives a rank was found late in, judgement after judgement, must span this long: a
+# moment's delay is not a straggler. A window of 32 collectives of 300 ms steps spans 9.6 s (named at the
+# first judgement, as before); of 50 ms steps, 1.6 s: a rank of a healthy job slowed for a second or two
+# (a loaded machine) was named; now it must still be late at a later judgement (the hooks' next read).
+CONFIRM_SECONDS = 5.0
+GAP_SECONDS = 15.0  # ... late again after this long without: anew (the hooks read their entries every 10 s)
 HISTORY = 2 * COLLECTIVES_MAX_RECENT  # entry times kept per rank and group, newest
 
 # listed in training_metrics.METRICS, whose collector exports it (one module lists a family)
@@ -85,6 +94,8 @@ class GroupLateness:
     interval: float | None  # median seconds between its consecutive collectives (first entries)
     threshold: float  # a member's median lateness above this is late
     lateness: dict[int, float]  # rank -> its median lateness in the group
+    start: float = 0.0  # the first entry time of the oldest and newest collectives judged
+    end: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,7 @@ def _group(
     interval = median(steps) if steps else None
     threshold = max(floor, ratio * interval) if interval is not None and interval > 0 else floor
     shown = {r: max(0.0, median(v)) for r, v in sorted(late.items())}
-    return GroupLateness(pg, len(common), interval, threshold, shown)
+    return GroupLateness(pg, len(common), interval, threshold, shown, first[common[0]], first[common[-1]])
 
 
 def _behind_peers(entered: Mapping[int, float]) -> dict[int, float]:
@@ -188,6 +199,30 @@ def judge(
     return Verdict(judged, ranks)
 
 
+def confirm(verdict: Verdict, since: dict[int, tuple[float, float]], span: float = CONFIRM_SECONDS) -> Verdict:
+    """`verdict` with a rank a straggler only once the collectives it has been late in, judgement
+    after judgement, span `span` seconds. `since`, per rank, kept between judgements: the first entry
+    time of the oldest collective of the judgement that first found it late, and the newest one found
+    late since. A judgement that finds the rank on time (over MIN_SEQUENCES collectives or more) forgets
+    it; one that cannot judge it (too few common collectives: a node's entries not come yet) leaves it
+    as it is; lateness found again more than GAP_SECONDS after the last is lateness anew."""
+    ranks = {}
+    for rank, r in verdict.ranks.items():
+        groups = [g for g in verdict.groups if rank in g.lateness]
+        if not r.straggler or not groups:
+            if any(g.sequences >= MIN_SEQUENCES and g.lateness[rank] <= g.threshold for g in groups):
+                since.pop(rank, None)
+            ranks[rank] = r
+            continue
+        start, end = min(g.start for g in groups), max(g.end for g in groups)
+        first, last = since.get(rank, (start, end))
+        if start - last > GAP_SECONDS:
+            first = start
+        since[rank] = (first, max(last, end))
+        ranks[rank] = replace(r, straggler=end - first >= span)
+    return Verdict(verdict.groups, ranks)
+
+
 def entries_of(record: Collectives) -> dict[GroupKey, dict[int, float]]:
     """A record's entry times, per group."""
     return {(g.pg, g.ranks): dict(g.recent) for g in record.groups if g.recent}
@@ -213,6 +248,7 @@ class Tracker:
         self._lock = threading.Lock()
         self._made_of: tuple | None = None  # what the cached judgement was made of
         self._verdicts: dict[str, Verdict] = {}
+        self._since: dict[str, dict[int, tuple[float, float]]] = {}  # per job, `confirm`'s
         self.judgements = 0  # how many times it judged (not how often it was asked)
 
     def observe(self, ranks: Iterable[Rank]) -> None:
@@ -246,7 +282,12 @@ class Tracker:
         for (job_id, rank), h in self._seen.items():
             if h.groups:
                 jobs.setdefault(job_id, {})[rank] = h.groups
-        return {job_id: judge(entries) for job_id, entries in sorted(jobs.items()) if len(entries) >= 2}
+        self._since = {job_id: since for job_id, since in self._since.items() if job_id in jobs}
+        return {
+            job_id: confirm(judge(entries), self._since.setdefault(job_id, {}))
+            for job_id, entries in sorted(jobs.items())
+            if len(entries) >= 2
+        }
 
 
 def merge(

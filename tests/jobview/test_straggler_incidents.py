@@ -21,7 +21,7 @@ from tests.ops.helpers import post, run_cli
 from tests.support import Sidecar, wait_until
 
 T0 = 1_800_000_000.0
-STEP = 0.150
+STEP = 0.4  # 16 collectives span 6 s: lateness.CONFIRM_SECONDS
 
 
 class Clock:
@@ -141,7 +141,7 @@ def test_a_real_sidecar_writes_the_incident_lists_it_and_signals_no_rank(tmp_pat
             late = 0.1 * r.rank if r.job_id == "slow-job" else 0.0
             group = {"pg": "0", "desc": "default_pg", "size": 2, "ranks": [0, 1], "enqueued": 32, "started": -1,
                      "completed": 32, "pending": [],
-                     "recent": [[s, now - 10 + s * 0.15 + late] for s in range(1, 33)]}  # fmt: skip
+                     "recent": [[s, now - 10 + s * 0.25 + late] for s in range(1, 33)]}  # fmt: skip
             body = {"job_id": r.job_id, "rank": r.rank, "pid": r.proc.pid, "dropped": 0, "items": [],
                     "collectives": {"time": now, "groups": [group]}}  # fmt: skip
             status, answer = post(sidecar.socket, "/v1/push", body)

@@ -16,7 +16,7 @@ from sidecar.ranks.protocol import ProtocolError
 from tests.jobview.helpers import rank, report
 
 T0 = 1_764_870_000.0
-STEP = 0.15  # seconds between a group's collectives
+STEP = 0.4  # seconds between a group's collectives (a report's 16 span 6 s: lateness.CONFIRM_SECONDS)
 DELAY = 0.0005  # one-way delay of a report, node to coordinator
 
 
@@ -281,3 +281,22 @@ def test_the_reporter_sends_entries_once_and_keeps_what_its_coordinator_judged()
     assert carried[0] == 2 and set(carried[1:]) == {0}, carried
     assert mine is not None and mine[1] == pytest.approx(0.1, abs=0.003) and mine[0] == pytest.approx(0.0)
     assert [s["rank"] for s in shown["stragglers"]] == [1] and shown["age_seconds"] < 5
+
+
+def test_the_coordinator_names_a_rank_only_once_it_has_been_late_for_the_confirm_seconds():
+    """Across nodes too: late over 16 collectives of 100 ms steps (1.5 s) is a moment; the same rank
+    still late at a later report, 5 s of collectives on, is the job's straggler."""
+    fast = 0.1
+
+    def of(r: int, late: float, first: int) -> RankEntries:
+        return RankEntries(r, {("0", None): tuple((s, T0 + s * fast + late) for s in range(first, first + 16))})
+
+    j = stragglers.JobJudge()
+    j.take("node-0", T0, T0, [of(0, 0.0, 100), of(2, 0.0, 100)], 0.0, 8)
+    j.take("node-1", T0, T0, [of(1, 0.05, 100)], 0.0, 8)
+    assert j.judge(1.0, T0) and j.verdict is not None and j.verdict.ranks[1].seconds == pytest.approx(0.05)
+    assert j.verdict.stragglers == [] and j.since[1][0] == pytest.approx(T0 + 100 * fast)
+    j.take("node-0", T0, T0, [of(0, 0.0, 150), of(2, 0.0, 150)], 5.0, 8)
+    j.take("node-1", T0, T0, [of(1, 0.05, 150)], 5.0, 8)
+    assert j.judge(6.0, T0) and j.verdict.stragglers == [1]
+    assert [s.rank for s in j.answer("node-0").stragglers] == [1]  # type: ignore[union-attr]

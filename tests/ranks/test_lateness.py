@@ -16,7 +16,7 @@ from sidecar.ranks.protocol import ProtocolError
 from trainer_hooks.wire import COLLECTIVES_MAX_RECENT
 
 T0 = 1_800_000_000.0
-STEP = 0.150  # seconds between a group's collectives
+STEP = 0.250  # seconds between a group's collectives (32 span 7.75 s: lateness.CONFIRM_SECONDS)
 
 
 def times(ranks, seqs, delay: Callable[[int, int], float], key=("0", None)) -> dict:
@@ -269,3 +269,44 @@ def test_one_judgement_serves_every_reader_until_a_record_comes_or_a_rank_goes()
     tracker.judged([r0, again])
     r0.gone = True
     assert tracker.judged([r0, again]) == {} and tracker.judgements == 4
+
+
+FAST = 0.05  # 50 ms steps: the 32 collectives a judgement sees span 1.55 s
+
+
+def _take_fast(r: Rank, seqs, late: float) -> None:
+    record = _record(list(seqs), T0)
+    record["groups"][0]["recent"] = [[s, T0 + s * FAST + late] for s in seqs]
+    r.take_collectives(parse_collectives(record), None, 0.0)
+
+
+def test_a_rank_late_for_a_moment_of_fast_steps_is_no_straggler_and_one_late_for_seconds_is():
+    """Steps of 50 ms: a rank 26 ms late over one read's 32 collectives (1.55 s) is a rank slowed for a
+    moment (a healthy 3-node job on a loaded machine was named so), not a straggler; on time at the
+    next read, it is forgotten; late at every read from collective 401 to 532 (6.5 s), it is named."""
+    r0, r1 = _rank(0), _rank(1)
+    tracker = Tracker()
+    reads = [(range(1, 33), 0.026, []), (range(201, 233), 0.0, []), (range(401, 433), 0.026, [])]
+    reads += [(range(501, 533), 0.026, [1])]
+    for seqs, late, named in reads:
+        _take_fast(r0, seqs, 0.0)
+        _take_fast(r1, seqs, late)
+        v = tracker.judged([r0, r1])["job"]
+        assert v.ranks[1].seconds == pytest.approx(late, abs=1e-5) and v.groups[0].threshold == 0.02
+        assert v.stragglers == named, (seqs, late)
+    assert lateness.confirm(judge(times(range(2), range(1, 33), lambda r, s: 0.026 * r)), {}).stragglers == [1]
+
+
+def test_confirm_names_a_rank_once_its_late_collectives_span_the_confirm_seconds():
+    since: dict[int, tuple[float, float]] = {}
+    late = judge(times(range(3), range(1, 17), lambda r, s: 0.05 * (r == 2)))  # 16 collectives: 3.75 s
+    assert late.stragglers == [2] and lateness.confirm(late, since).stragglers == []
+    assert since == {2: (pytest.approx(T0 + STEP), pytest.approx(T0 + 16 * STEP))}
+    assert lateness.confirm(judge({}), since).stragglers == [] and 2 in since  # not judged: kept
+    later = judge(times(range(3), range(9, 25), lambda r, s: 0.05 * (r == 2)))  # to T0 + 24 * STEP: 5.75 s on
+    assert lateness.confirm(later, since).stragglers == [2]
+    on_time = judge(times(range(3), range(25, 41), lambda r, s: 0.0))
+    assert lateness.confirm(on_time, since).stragglers == [] and since == {}
+    lateness.confirm(judge(times(range(3), range(41, 57), lambda r, s: 0.05 * (r == 2))), since)
+    much_later = judge(times(range(3), range(200, 216), lambda r, s: 0.05 * (r == 2)))  # 36 s after: anew
+    assert lateness.confirm(much_later, since).stragglers == [] and since[2][0] == pytest.approx(T0 + 200 * STEP)
