@@ -226,6 +226,7 @@ def serve(path: str, module: str) -> dict:
     gc.disable()  # as the gc module's docs advise for a fork server: no holes in the heap, and
     for name in KINDS[module].preload:
         importlib.import_module(name)
+    sys.modules.pop(module, None)  # run as __main__ by the child, as `python -m` does (runpy warns otherwise)
     gc.freeze()  # the children's collections never touch (and so copy) what the imports made
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     with contextlib.suppress(FileNotFoundError):
