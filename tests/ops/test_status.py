@@ -296,9 +296,10 @@ def test_on_a_terminal_watch_redraws_on_the_alternate_screen_until_ctrl_c(health
 
 
 def test_a_straggler_is_shown_with_its_node_lateness_and_who_judged_it_and_never_killed(tmp_path):
-    """Two ranks of one job on this node send entry times of the same 32 collectives, rank 1 entering
-    each 100 ms after rank 0: /v1/status and `sidecar status` name rank 1 as this node's straggler,
-    judged by this node (a single-node job has no coordinator's judgement), and it stays healthy."""
+    """Two ranks of one job on this node send entry times of the same 32 collectives (250 ms apart:
+    7.75 s of them, past lateness.CONFIRM_SECONDS), rank 1 entering each 100 ms after rank 0:
+    /v1/status and `sidecar status` name rank 1 as this node's straggler, judged by this node (a
+    single-node job has no coordinator's judgement), and it stays healthy."""
     from tests.ops.helpers import post
 
     sidecar = Sidecar(tmp_path, "watchdog.floor_seconds=600").start()
@@ -310,7 +311,7 @@ def test_a_straggler_is_shown_with_its_node_lateness_and_who_judged_it_and_never
             late = 0.1 * r.rank
             group = {"pg": "0", "desc": "default_pg", "size": 2, "ranks": [0, 1], "enqueued": 32, "started": -1,
                      "completed": 32, "pending": [],
-                     "recent": [[s, now - 10 + s * 0.15 + late] for s in range(1, 33)]}  # fmt: skip
+                     "recent": [[s, now - 10 + s * 0.25 + late] for s in range(1, 33)]}  # fmt: skip
             body = {"job_id": r.job_id, "rank": r.rank, "pid": r.proc.pid, "dropped": 0, "items": [],
                     "collectives": {"time": now, "groups": [group]}}  # fmt: skip
             status, answer = post(sidecar.socket, "/v1/push", body)
