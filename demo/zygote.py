@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "DEMO_AGENT_ZYGOTE"  # the directory of the servers' sockets
-OWNER_ENV = "DEMO_AGENT_ZYGOTE_OWNER"  # the pid that starts the servers on their first requests
+OWNER_ENV = "DEMO_AGENT_ZYGOTE_OWNER"  # the process that uses them (`owner()`), starting each on its first request
 START_TIMEOUT = 120.0  # a server's imports, on a loaded machine
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,11 +135,19 @@ class WarmProcess(subprocess.Popen):
                 os.kill(self.pid, sig)
 
 
+def owner() -> str:
+    """This process as OWNER_ENV names it: its pid and its pid namespace. Only the process that set
+    ENV uses the servers: its children inherit ENV, and one of them in a pid namespace of its own (a
+    test of namespaces) would otherwise get a process forked outside it."""
+    return f"{os.getpid()}:{os.stat('/proc/self/ns/pid').st_ino}"
+
+
 def spawn(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log: str | Path) -> subprocess.Popen | None:
-    """The agent forked by the server, or None where it is not used (no server configured, a command
-    it does not start, an environment it cannot honour): the caller starts `cmd` itself."""
+    """The process forked by a server, or None where none is used (no server configured, not the
+    process that configured it, a command no server starts, an environment it cannot honour): the
+    caller starts `cmd` itself."""
     directory, module = os.environ.get(ENV), eligible(cmd)
-    if not directory or not module:
+    if not directory or not module or os.environ.get(OWNER_ENV) != owner():
         return None
     sock = _connect(directory, module)
     if sock is None:
@@ -171,9 +179,6 @@ def _connect(directory: str, module: str) -> socket.socket | None:
     with contextlib.suppress(OSError):
         sock.connect(path)
         return sock
-    if os.environ.get(OWNER_ENV) != str(os.getpid()):
-        sock.close()
-        return None  # another process's server, not (yet) there: cold
     server = _servers.get(module)
     if server is None:
         server = _servers[module] = subprocess.Popen(

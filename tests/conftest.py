@@ -61,7 +61,7 @@ def warm_agents() -> None:
         return
     directory = tempfile.mkdtemp(prefix="sidecar-agents-")
     os.environ[zygote.ENV] = directory
-    os.environ[zygote.OWNER_ENV] = str(os.getpid())
+    os.environ[zygote.OWNER_ENV] = zygote.owner()
     atexit.register(_end_warm_agents, directory)
 
 

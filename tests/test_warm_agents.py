@@ -127,3 +127,21 @@ def test_a_warm_agent_that_outlives_the_wait_is_reported_running(tmp_path):
             proc.wait(timeout=0.5)
         assert proc.poll() is None and Path(f"/proc/{proc.pid}").exists()
     assert proc.returncode is not None  # spawned killed its tree, and the server reported the exit
+
+
+def test_only_the_process_that_set_the_servers_up_uses_them(tmp_path):
+    """A test's own subprocess inherits ENV; one in a pid namespace of its own (tests/security's
+    namespace cases) got its sidecar forked outside the namespace, which saw host pids. Only the
+    process OWNER_ENV names (its pid and pid namespace) is served."""
+    code = (
+        "import sys; from demo import zygote; "
+        "import os; env = {**os.environ, 'PYTHONUNBUFFERED': '1'}; "
+        "print(zygote.spawn([sys.executable, '-m', 'sidecar', 'run', '--bad'], env, '.', sys.argv[1]))"
+    )
+    with Sidecar(tmp_path / "sc") as sidecar:  # this process's sidecar server is up
+        assert isinstance(sidecar.proc, zygote.WarmProcess)
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "log")], cwd=ROOT, capture_output=True, text=True
+        )
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stdout + out.stderr
+    assert os.environ[zygote.OWNER_ENV] == zygote.owner() and not (tmp_path / "log").exists()
