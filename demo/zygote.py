@@ -78,7 +78,7 @@ def eligible(cmd: Sequence[str]) -> str | None:
 
 
 class WarmProcess(subprocess.Popen):
-    """A `subprocess.Popen` for an agent the server forked: its pid, and its exit status as the
+    """A `subprocess.Popen` for a process a server forked: its pid, and its exit status as the
     server reports it (the server is its parent and reaps it)."""
 
     def __init__(self, sock: socket.socket, pid: int, args: Sequence[str]):  # no Popen.__init__: nothing to start
