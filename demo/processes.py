@@ -42,6 +42,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_logged(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log_path: str | Path) -> subprocess.Popen:
+    """`cmd` in a session of its own, its output appended to `log_path`: forked warm where the test
+    suite set that up for it (a torchrun agent, a sidecar: demo/zygote.py), else a new process."""
+    proc = zygote.spawn(cmd, env, cwd, log_path)
+    if proc is None:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(cwd), start_new_session=True
+            )
+    return proc
+
+
 class Processes:
     """A context manager owning the processes it started."""
 
@@ -51,13 +63,7 @@ class Processes:
 
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        cwd = Path(__file__).resolve().parent.parent
-        proc = zygote.spawn(cmd, full_env, cwd, self.log(name))  # a warm torchrun agent (the tests')
-        if proc is None:
-            with open(self.log(name), "ab") as log:
-                proc = subprocess.Popen(
-                    list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True
-                )
+        proc = start_logged(cmd, full_env, Path(__file__).resolve().parent.parent, self.log(name))
         self.started.append(proc)
         return proc
 

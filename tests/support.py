@@ -17,8 +17,10 @@ from typing import Any
 
 import psutil
 
-from demo import zygote
-from demo.processes import free_port  # noqa: F401  (the tests' own: each worker's range, tests/conftest.py)
+from demo.processes import (
+    free_port,  # noqa: F401  (the tests' own: each worker's range, tests/conftest.py)
+    start_logged,
+)
 from sidecar.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,17 +84,7 @@ def spawned(
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = zygote.spawn(cmd, full_env, cwd or ROOT, log_path)  # a warm torchrun agent (demo/zygote.py)
-    if proc is None:
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                list(cmd),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=full_env,
-                cwd=str(cwd or ROOT),
-                start_new_session=True,
-            )
+    proc = start_logged(cmd, full_env, cwd or ROOT, log_path)
     try:
         yield proc
     finally:

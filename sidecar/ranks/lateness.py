@@ -206,9 +206,13 @@ def confirm(verdict: Verdict, since: dict[int, tuple[float, float]], span: float
     late since. A judgement that finds the rank on time (over MIN_SEQUENCES collectives or more) forgets
     it; one that cannot judge it (too few common collectives: a node's entries not come yet) leaves it
     as it is; lateness found again more than GAP_SECONDS after the last is lateness anew."""
+    of_rank: dict[int, list[GroupLateness]] = {}
+    for g in verdict.groups:
+        for rank in g.lateness:
+            of_rank.setdefault(rank, []).append(g)
     ranks = {}
     for rank, r in verdict.ranks.items():
-        groups = [g for g in verdict.groups if rank in g.lateness]
+        groups = of_rank.get(rank, [])
         if not r.straggler or not groups:
             if any(g.sequences >= MIN_SEQUENCES and g.lateness[rank] <= g.threshold for g in groups):
                 since.pop(rank, None)
