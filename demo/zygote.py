@@ -20,9 +20,10 @@ server (which reaps it and reports its exit status); its command line is the ser
 Used only where ENV names a directory (tests/conftest.py sets it for each test worker, which
 starts each server on its first request; `SIDECAR_TEST_COLD_AGENTS=1` turns it off), by
 `demo.processes.Processes.start` and `tests.support.spawned`, for commands that are exactly
-`[sys.executable, "-m", "torch.distributed.run", ...]` or `[sys.executable, "-m", "sidecar",
-"run", ...]`: one run under `ip netns exec`, `runuser`, a nice prefix or another launcher is
-started cold as before."""
+`[sys.executable, "-m", "torch.distributed.run", ...]` (or the project's two torchruns,
+`trainer_hooks.launch` and `sidecar_trainer.launch`, which import the rest of what they need in the
+child) or `[sys.executable, "-m", "sidecar", "run", ...]`: one run under `ip netns exec`, `runuser`,
+a nice prefix or another launcher is started cold as before."""
 
 from __future__ import annotations
 
@@ -53,12 +54,15 @@ class Kind:
     preload: tuple[str, ...]  # imported once by the server
     import_env: tuple[str, ...]  # read at import: a request that sets them otherwise is started cold
     args: tuple[str, ...] = ()  # what must follow `-m MODULE`
+    # Other modules the server runs: torchrun with more of its own (the child imports the rest).
+    also: tuple[str, ...] = ()
 
 
 KINDS = {
     "torch.distributed.run": Kind(
         ("torch", "torch.distributed.run"),
         ("LOGLEVEL", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"),
+        also=("trainer_hooks.launch", "sidecar_trainer.launch"),
     ),
     "sidecar": Kind(("sidecar.cli", "sidecar.daemon.app"), ("AIOHTTP_NO_EXTENSIONS", "AIOHTTP_NOSENDFILE"), ("run",)),
 }
@@ -70,11 +74,13 @@ _servers: dict[str, subprocess.Popen] = {}
 
 
 def eligible(cmd: Sequence[str]) -> str | None:
-    """The module of KINDS that `cmd` runs, else None."""
-    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in KINDS:
+    """The server (a key of KINDS) that starts `cmd`, else None."""
+    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m":
         return None
-    args = KINDS[cmd[2]].args
-    return cmd[2] if tuple(cmd[3 : 3 + len(args)]) == args else None
+    for name, kind in KINDS.items():
+        if (cmd[2] == name and tuple(cmd[3 : 3 + len(kind.args)]) == kind.args) or cmd[2] in kind.also:
+            return name
+    return None
 
 
 class WarmProcess(subprocess.Popen):
@@ -340,9 +346,8 @@ def _become(request: dict, base_path: list[str]) -> None:
 def main() -> None:
     if len(sys.argv) != 3 or sys.argv[2] not in KINDS:
         raise SystemExit(f"usage: python -m demo.zygote SOCKET {{{'|'.join(KINDS)}}}")
-    module = sys.argv[2]
-    serve(sys.argv[1], module)  # returns only in a forked child: the process asked for
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    request = serve(sys.argv[1], sys.argv[2])  # returns only in a forked child: the process asked for
+    runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -33,23 +33,23 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def agent(tmp_path: Path, mode: str, name: str) -> list[str]:
+def agent(tmp_path: Path, mode: str, name: str, launcher: tuple[str, ...] = ("torch.distributed.run",)) -> list[str]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        sys.executable, "-m", *launcher, "--standalone", "--nproc-per-node", "1",
         "--max-restarts", "1", "--monitor-interval", "0.1", str(script), mode, name,
     ]  # fmt: skip
 
 
-def run(tmp_path: Path, mode: str, warm: bool) -> dict:
+def run(tmp_path: Path, mode: str, warm: bool, launcher: tuple[str, ...] = ("torch.distributed.run",)) -> dict:
     """One agent's exit status, what its workers saw, and whether it was forked warm."""
-    out = tmp_path / f"{mode}-{'warm' if warm else 'cold'}"
+    out = tmp_path / f"{mode}-{'warm' if warm else 'cold'}-{launcher[0]}"
     out.mkdir()
     env = {"OUT": str(out), "MARK": "m-1"}
     saved = os.environ.pop(zygote.ENV) if not warm else None
     try:
-        with spawned(agent(tmp_path, mode, out.name), out / "agent.log", env=env, cwd=tmp_path) as proc:
+        with spawned(agent(tmp_path, mode, out.name, launcher), out / "agent.log", env=env, cwd=tmp_path) as proc:
             forked = isinstance(proc, zygote.WarmProcess)
             if mode == "sleep":
                 wait_until(lambda: (out / "attempt0.json").exists(), 60, what="the worker started")
@@ -79,6 +79,23 @@ def test_a_warm_agent_restarts_fails_and_ends_on_sigterm_as_a_cold_one(tmp_path)
         assert warm["code"] == {"restart": 0, "fail": 1, "sleep": warm["code"]}[mode], warm["log"][-2000:]
         assert all(s["mark"] == "m-1" and s["world"] == "1" for s in warm["seen"])
     assert warm["code"] != 0  # SIGTERM: torchrun's own handling, the same warm and cold
+
+
+def test_the_projects_own_torchrun_runs_warm_as_it_runs_cold(tmp_path):
+    """`trainer_hooks.launch --warm` (torchrun whose workers are forked functions) from the same
+    server, importing the rest of what it needs in the child: the same restarts and exit statuses,
+    the workers see the same directory, arguments and environment."""
+    launcher = ("trainer_hooks.launch", "--warm")
+    assert zygote.eligible([sys.executable, "-m", *launcher]) == "torch.distributed.run"
+    assert zygote.eligible([sys.executable, "-m", "sidecar_trainer.launch"]) == "torch.distributed.run"
+    for mode in ("restart", "fail"):
+        warm, cold = run(tmp_path, mode, True, launcher), run(tmp_path, mode, False, launcher)
+        assert (warm["forked"], cold["forked"]) == (True, False)
+        assert warm["code"] == cold["code"] == {"restart": 0, "fail": 1}[mode], (
+            warm["log"][-2000:],
+            cold["log"][-2000:],
+        )
+        assert warm["seen"] == cold["seen"] and [s["restart_count"] for s in warm["seen"]] == [0, 1], mode
 
 
 def test_what_the_server_cannot_honour_is_started_cold(tmp_path):
