@@ -15,29 +15,21 @@ every node acts on its own ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from tests.jobview.test_multinode import JOB_TIMEOUT, explain, sidecars
+from demo.cluster import Cluster, NodeSpec
+from tests.jobview.clusters import JOB_TIMEOUT, SharedRuns, explain, three_nodes
+from tests.jobview.clusters import faults_spec as spec
 from tests.support import PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
-
-HANG_STEP = 12
-SCRIPT = "train_faults.py"
-
-
-def spec(workdir, shape: str, mode: str, nodes: list[NodeSpec]) -> ClusterSpec:
-    env = {"CYCLE_HANG_STEP": str(HANG_STEP), "CYCLE_LOG": str(workdir / "cycle.jsonl"), "FAULT_SHAPE": shape,
-           "CYCLE_HANGS": "1", "CYCLE_HANG_MODE": mode}  # fmt: skip
-    base = ClusterSpec(nodes, job_id="jv", sidecar=sidecars(), env=env)
-    base.script = base.script.parent / SCRIPT
-    return base
 
 
 def hang_record(workdir) -> dict:
@@ -56,8 +48,10 @@ def signalled(record: dict) -> bool:
     return any(e["event"] == "sigterm" and e.get("ranks") for e in record["timeline"])
 
 
-def check_rank_late(cluster: Cluster, workdir, hung_node: str) -> dict[str, dict]:
-    codes = cluster.wait_agents(JOB_TIMEOUT)
+def check_rank_late(
+    cluster: Cluster, workdir, hung_node: str, codes: list[int | None] | None = None
+) -> dict[str, dict]:
+    codes = cluster.wait_agents(JOB_TIMEOUT) if codes is None else codes
     assert codes == [0] * len(cluster.nodes), explain(cluster)
     hung = hang_record(workdir)["rank"]
     mine = incidents(cluster)
@@ -70,15 +64,23 @@ def check_rank_late(cluster: Cluster, workdir, hung_node: str) -> dict[str, dict
     return mine
 
 
-def three_nodes(env: dict[str, str] | None = None) -> list[NodeSpec]:
-    hang = {"CYCLE_HANG_LOCAL_RANK": "1", **(env or {})}
-    return [NodeSpec("node-0", 1), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1)]
+@contextlib.contextmanager
+def stopped_rank(shared_runs: SharedRuns, tmp_path, shape: str) -> Iterator[tuple[Cluster, Path, list | None]]:
+    """The sync case is test_multinode's stopped-rank run (shared); the async one a run of its own."""
+    if shape == "sync":
+        with shared_runs.hung_middle_rank("stop") as run:
+            yield run.cluster, run.workdir, run.codes
+    else:
+        with Cluster(spec(tmp_path, shape, "stop", three_nodes()), tmp_path) as cluster:
+            yield cluster, tmp_path, None
 
 
 @pytest.mark.parametrize("shape", ["sync", "async"])
-def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_their_own_code(tmp_path, shape):
-    with Cluster(spec(tmp_path, shape, "stop", three_nodes()), tmp_path) as cluster:
-        mine = check_rank_late(cluster, tmp_path, "node-1")
+def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_their_own_code(
+    shared_runs: SharedRuns, tmp_path, shape
+):
+    with stopped_rank(shared_runs, tmp_path, shape) as (cluster, workdir, codes):
+        mine = check_rank_late(cluster, workdir, "node-1", codes)
         reason = mine["node-0"]["blame_reason"]
         assert "never entered" in reason or "stopped" in reason, reason
         # the incident keeps the ranks' Flight Recorder dumps; its summary shows each rank's collective
@@ -92,9 +94,10 @@ def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_th
         assert "kind      rank_late (judged from collectives)" in story.stdout, story.stdout
 
 
-def test_a_rank_spinning_outside_any_collective_is_the_late_one(tmp_path):
-    with Cluster(spec(tmp_path, "sync", "spin", three_nodes()), tmp_path) as cluster:
-        mine = check_rank_late(cluster, tmp_path, "node-1")
+def test_a_rank_spinning_outside_any_collective_is_the_late_one(shared_runs: SharedRuns):
+    """test_multinode's spinning-rank run (shared)."""
+    with shared_runs.hung_middle_rank("spin") as run:
+        mine = check_rank_late(run.cluster, run.workdir, "node-1", run.codes)
         assert "never entered" in mine["node-2"]["blame_reason"], mine["node-2"]["blame_reason"]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
-from tests.jobview.test_multinode import explain
+from tests.jobview.clusters import explain
 from tests.support import PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]

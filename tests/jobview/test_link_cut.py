@@ -21,7 +21,7 @@ import pytest
 from demo import netns
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import wait_for
-from tests.jobview.test_multinode import JOB_TIMEOUT, explain, sidecars
+from tests.jobview.clusters import JOB_TIMEOUT, explain, sidecars
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,6 +1,8 @@
 """The job view on several simulated nodes (demo/cluster.py): three sidecars with their own
 node_name, socket, port and diagnostics directory, three torchrun agents in one c10d rendezvous,
-the middle node with two ranks; the user's own gloo loop with the hooks (bench/cycles/train_plain.py).
+the middle node with two ranks; the user's own gloo loop with the hooks (bench/cycles/train_plain.py,
+or train_faults.py's `sync` shape, the same loop: the hung-rank cases share their runs with
+test_collective_verdicts, tests/jobview/clusters.py).
 
 A rank of the middle node hangs (SIGSTOP, or a Python busy loop): every node's record names that
 rank and node under one job incident, only the middle node sends SIGTERM, the others leave their
@@ -15,22 +17,11 @@ import time
 import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec, wait_for
+from demo.job import wait_for
+from tests.jobview.clusters import HANG_STEP, JOB_TIMEOUT, SharedRuns, explain, sidecars
 from tests.support import PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
-
-HANG_STEP = 12
-JOB_TIMEOUT = 200.0
-
-
-def sidecars() -> SidecarSpec:
-    return SidecarSpec(
-        floor_seconds=3.0,
-        grace_seconds=3.0,
-        dump_wait_seconds=1.0,
-        extra=["job_view.verdict_wait_seconds=2", "job_view.launcher_grace_seconds=30"],
-    )
 
 
 def hang_on_the_middle_node(mode: str, workdir) -> ClusterSpec:
@@ -45,22 +36,12 @@ def records(workdir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def explain(cluster: Cluster) -> str:
-    out = []
-    for node in cluster.nodes:
-        for what in ("sidecar", "torchrun"):
-            log = cluster.log(node, what)
-            tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
-            out.append(f"--- {node.spec.name} {what}\n" + "\n".join(tail))
-    return "\n".join(out)
-
-
 @pytest.mark.parametrize("mode", ["stop", "spin"])
-def test_a_hung_rank_on_the_middle_node_is_named_by_every_node_and_only_its_node_kills(tmp_path, mode):
-    with Cluster(hang_on_the_middle_node(mode, tmp_path), tmp_path) as cluster:
-        codes = cluster.wait_agents(JOB_TIMEOUT)
-        assert codes == [0, 0, 0], explain(cluster)
-        hung = next(r["rank"] for r in records(tmp_path) if r["kind"] == "hang")
+def test_a_hung_rank_on_the_middle_node_is_named_by_every_node_and_only_its_node_kills(shared_runs: SharedRuns, mode):
+    with shared_runs.hung_middle_rank(mode) as run:
+        cluster = run.cluster
+        assert run.codes == [0, 0, 0], explain(cluster)
+        hung = next(r["rank"] for r in records(run.workdir) if r["kind"] == "hang")
         stalls = {node.spec.name: node.incidents() for node in cluster.nodes}
         assert all(len(found) == 1 for found in stalls.values()), stalls
         mine = {name: found[0] for name, found in stalls.items()}

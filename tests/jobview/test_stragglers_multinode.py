@@ -16,7 +16,7 @@ import pytest
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
 from tests import cgroup_cpu
-from tests.jobview.test_multinode import explain
+from tests.jobview.clusters import explain
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
 

@@ -1,0 +1,100 @@
+"""What the job-view tests on simulated nodes (demo/cluster.py) share: the sidecars' settings, a
+cluster's logs for a failed assertion, and the runs several tests judge.
+
+A run of a job is what the tests pay for (each rank a new interpreter importing torch, and again
+after the restart: docs/suite-times.md); where two tests start the same job with the same fault and
+prove different things about it, they take one run (`SharedRuns`): the first to ask starts it and
+waits for its end, each test asserts what it proves on it (its sidecars still up: the incidents'
+command line reads them), and the last to give it back ends it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from demo.cluster import Cluster, ClusterSpec, NodeSpec
+from demo.job import SidecarSpec
+
+JOB_TIMEOUT = 200.0
+HANG_STEP = 12
+
+
+def sidecars() -> SidecarSpec:
+    return SidecarSpec(
+        floor_seconds=3.0,
+        grace_seconds=3.0,
+        dump_wait_seconds=1.0,
+        extra=["job_view.verdict_wait_seconds=2", "job_view.launcher_grace_seconds=30"],
+    )
+
+
+def explain(cluster: Cluster) -> str:
+    out = []
+    for node in cluster.nodes:
+        for what in ("sidecar", "torchrun"):
+            log = cluster.log(node, what)
+            tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+            out.append(f"--- {node.spec.name} {what}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+def three_nodes(env: dict[str, str] | None = None) -> list[NodeSpec]:
+    """Nodes of 1, 2 and 1 ranks; the middle node's local rank 1 is the one that hangs."""
+    hang = {"CYCLE_HANG_LOCAL_RANK": "1", **(env or {})}
+    return [NodeSpec("node-0", 1), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1)]
+
+
+def faults_spec(workdir: Path, shape: str, mode: str, nodes: list[NodeSpec]) -> ClusterSpec:
+    """The user's own loop in one of the field's shapes (bench/cycles/train_faults.py), whose
+    hanging rank hangs once, at HANG_STEP, in `mode` (stop, spin, desync...)."""
+    env = {"CYCLE_HANG_STEP": str(HANG_STEP), "CYCLE_LOG": str(workdir / "cycle.jsonl"), "FAULT_SHAPE": shape,
+           "CYCLE_HANGS": "1", "CYCLE_HANG_MODE": mode}  # fmt: skip
+    base = ClusterSpec(nodes, job_id="jv", sidecar=sidecars(), env=env)
+    base.script = base.script.parent / "train_faults.py"
+    return base
+
+
+@dataclass
+class Run:
+    cluster: Cluster  # its sidecars are up until the run is given back
+    workdir: Path
+    codes: list[int | None]  # the agents' exit codes
+
+
+class SharedRuns:
+    """The three-node job with synchronous all-reduces whose middle node's local rank 1 hangs at
+    HANG_STEP, one run per hang mode, for the USERS tests that judge it."""
+
+    USERS = 2  # test_multinode's [mode] case and test_collective_verdicts' case of that mode
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        self.factory = factory
+        self.runs: dict[str, Run] = {}
+        self.given_back: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hung_middle_rank(self, mode: str) -> Iterator[Run]:
+        run = self.runs.get(mode)
+        if run is None:
+            workdir = self.factory.mktemp(f"hung-{mode}")
+            cluster = Cluster(faults_spec(workdir, "sync", mode, three_nodes()), workdir).__enter__()
+            try:
+                run = Run(cluster, workdir, cluster.wait_agents(JOB_TIMEOUT))
+            except BaseException:
+                cluster.close()
+                raise
+            self.runs[mode] = run
+        try:
+            yield run
+        finally:
+            self.given_back[mode] = self.given_back.get(mode, 0) + 1
+            if self.given_back[mode] >= self.USERS:
+                run.cluster.close()
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.cluster.close()
