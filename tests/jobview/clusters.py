@@ -5,11 +5,16 @@ A run of a job is what the tests pay for (each rank a new interpreter importing 
 after the restart: docs/suite-times.md); where two tests start the same job with the same fault and
 prove different things about it, they take one run (`SharedRuns`): the first to ask starts it and
 waits for its end, each test asserts what it proves on it (its sidecars still up: the incidents'
-command line reads them), and the last to give it back ends it."""
+command line reads them), and the last to give it back ends it. The job's story across its nodes is
+read when the job ends (`settled_story`): a node forgets a job soon after its last rank went (the
+coordinator's sweep), and its story with it, so a test that comes minutes later reads the story
+as it was read then."""
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +23,11 @@ import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import SidecarSpec
+from tests.support import PYTHON
 
 JOB_TIMEOUT = 200.0
 HANG_STEP = 12
+STAGES = ("detect", "restart", "hang_to_training", "redo")  # of the recovery table, measured on every node
 
 
 def sidecars() -> SidecarSpec:
@@ -58,11 +65,42 @@ def faults_spec(workdir: Path, shape: str, mode: str, nodes: list[NodeSpec]) -> 
     return base
 
 
+def story_of(cluster: Cluster, node: str = "node-2") -> subprocess.CompletedProcess:
+    """`sidecar incidents --job jv` asked of `node`'s sidecar: the job's story across its nodes."""
+    cmd = [PYTHON, "-m", "sidecar", "incidents", "--job", "jv", "--socket", cluster.node(node).socket]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def stage_table(story: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The story's recovery table: its lines, and each stage's cells (one per node); none without one."""
+    if "recovery, seconds per stage" not in story:
+        return [], {}
+    table = story.split("recovery, seconds per stage")[1].split("\n\n")[0].splitlines()
+    return table, {line.split()[0]: line.split()[-3:] for line in table[2:] if line.strip()}
+
+
+def measured(cells: list[str]) -> bool:
+    return all(cell.rstrip("*").replace(".", "").isdigit() for cell in cells)
+
+
+def settled_story(cluster: Cluster, within: float = 30.0) -> subprocess.CompletedProcess:
+    """The story once every node's recovery stages are in (each node sends its part again after the
+    job incident closed, the last one can come after the job ended), or as it is after `within` s."""
+    deadline = time.monotonic() + within
+    while True:
+        story = story_of(cluster)
+        rows = stage_table(story.stdout)[1]
+        if story.returncode != 0 or all(measured(rows.get(s, ["?"])) for s in STAGES) or time.monotonic() > deadline:
+            return story
+        time.sleep(1)
+
+
 @dataclass
 class Run:
     cluster: Cluster  # its sidecars are up until the run is given back
     workdir: Path
     codes: list[int | None]  # the agents' exit codes
+    story: subprocess.CompletedProcess  # the job's story, read when the job ended (settled_story)
 
 
 class SharedRuns:
@@ -83,7 +121,8 @@ class SharedRuns:
             workdir = self.factory.mktemp(f"hung-{mode}")
             cluster = Cluster(faults_spec(workdir, "sync", mode, three_nodes()), workdir).__enter__()
             try:
-                run = Run(cluster, workdir, cluster.wait_agents(JOB_TIMEOUT))
+                codes = cluster.wait_agents(JOB_TIMEOUT)
+                run = Run(cluster, workdir, codes, settled_story(cluster))
             except BaseException:
                 cluster.close()
                 raise

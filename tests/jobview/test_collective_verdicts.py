@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from demo.cluster import Cluster, NodeSpec
-from tests.jobview.clusters import JOB_TIMEOUT, SharedRuns, explain, three_nodes
+from tests.jobview.clusters import JOB_TIMEOUT, Run, SharedRuns, explain, story_of, three_nodes
 from tests.jobview.clusters import faults_spec as spec
 from tests.support import PYTHON
 
@@ -65,22 +65,24 @@ def check_rank_late(
 
 
 @contextlib.contextmanager
-def stopped_rank(shared_runs: SharedRuns, tmp_path, shape: str) -> Iterator[tuple[Cluster, Path, list | None]]:
+def stopped_rank(shared_runs: SharedRuns, tmp_path, shape: str) -> Iterator[Run]:
     """The sync case is test_multinode's stopped-rank run (shared); the async one a run of its own."""
     if shape == "sync":
         with shared_runs.hung_middle_rank("stop") as run:
-            yield run.cluster, run.workdir, run.codes
+            yield run
     else:
         with Cluster(spec(tmp_path, shape, "stop", three_nodes()), tmp_path) as cluster:
-            yield cluster, tmp_path, None
+            codes = cluster.wait_agents(JOB_TIMEOUT)
+            yield Run(cluster, tmp_path, codes, story_of(cluster))
 
 
 @pytest.mark.parametrize("shape", ["sync", "async"])
 def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_their_own_code(
     shared_runs: SharedRuns, tmp_path, shape
 ):
-    with stopped_rank(shared_runs, tmp_path, shape) as (cluster, workdir, codes):
-        mine = check_rank_late(cluster, workdir, "node-1", codes)
+    with stopped_rank(shared_runs, tmp_path, shape) as run:
+        cluster = run.cluster
+        mine = check_rank_late(cluster, run.workdir, "node-1", run.codes)
         reason = mine["node-0"]["blame_reason"]
         assert "never entered" in reason or "stopped" in reason, reason
         # the incident keeps the ranks' Flight Recorder dumps; its summary shows each rank's collective
@@ -89,8 +91,7 @@ def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_th
         full = subprocess.run([PYTHON, "-m", "sidecar", "incidents", "--full", "--socket", node_1],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert "collectives (Flight Recorder)" in full.stdout and "all_reduce[256]" in full.stdout, full.stdout
-        story = subprocess.run([PYTHON, "-m", "sidecar", "incidents", "--job", "jv", "--socket",
-                                cluster.node("node-2").socket], capture_output=True, text=True, timeout=60)  # fmt: skip
+        story = run.story  # `sidecar incidents --job jv` on node-2, read when the job ended
         assert "kind      rank_late (judged from collectives)" in story.stdout, story.stdout
 
 

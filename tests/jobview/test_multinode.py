@@ -11,15 +11,12 @@ waiting ranks to torchrun's re-rendezvous, and the job resumes and finishes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 
 import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
 from demo.job import wait_for
-from tests.jobview.clusters import HANG_STEP, JOB_TIMEOUT, SharedRuns, explain, sidecars
-from tests.support import PYTHON
+from tests.jobview.clusters import HANG_STEP, JOB_TIMEOUT, STAGES, SharedRuns, explain, measured, sidecars, stage_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
 
@@ -57,27 +54,17 @@ def test_a_hung_rank_on_the_middle_node_is_named_by_every_node_and_only_its_node
         assert mine["node-1"]["outcome"] == "killed"
         assert mine["node-0"]["outcome"] == mine["node-2"]["outcome"] == "left_to_launcher"
         # every node's recovery side by side (issue 32, item 1), down to back at the hang's step: measured
-        # after the job incident closed, each node's part sent again (its last one can come after the job
-        # ended: read the story until every node's stages are in, within a bound)
-        stages = ("detect", "restart", "hang_to_training", "redo")
-        deadline = time.monotonic() + 30
-        while True:
-            story = subprocess.run(
-                [PYTHON, "-m", "sidecar", "incidents", "--job", "jv", "--socket", cluster.node("node-2").socket],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
-            assert story.returncode == 0, story.stderr
-            table = story.stdout.split("recovery, seconds per stage")[1].split("\n\n")[0].splitlines()
-            rows = {line.split()[0]: line.split()[-3:] for line in table[2:] if line.strip()}
-            filled = all(cell.rstrip("*").replace(".", "").isdigit() for stage in stages for cell in rows[stage])
-            if filled or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        # after the job incident closed, each node's part sent again (the story as it was read when the
+        # job ended, once every node's stages were in or 30 s had passed: clusters.settled_story)
+        story = run.story
+        assert story.returncode == 0, story.stderr
+        table, rows = stage_table(story.stdout)
+        assert table, story.stdout
         assert f"culprit   rank {hung} on node-1" in story.stdout, story.stdout
         assert all(f"node-{i}" in story.stdout.split("timeline")[1] for i in range(3)), story.stdout
         assert table[1].split() == ["stage", "node-0", "node-1", "node-2"], story.stdout
-        for stage in stages:  # redo: measured after the close
-            assert all(cell.rstrip("*").replace(".", "").isdigit() for cell in rows[stage]), (stage, story.stdout)
+        for stage in STAGES:  # redo: measured after the close
+            assert measured(rows[stage]), (stage, story.stdout)
         assert rows["kill"][1].rstrip("*") != "?", story.stdout  # the culprit's node killed
 
 
