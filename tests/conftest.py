@@ -41,7 +41,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from tests.cpu_account import register
 
     register(config)
-    warm_agents()
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        warm_agents()  # a process that runs tests: an xdist worker, or pytest without -n (xdist's controller runs none)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker.startswith("gw") and worker[2:].isdigit() and "DEMO_PORTS" not in os.environ:
