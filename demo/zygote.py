@@ -6,10 +6,11 @@ starts over a hundred agents and hundreds of sidecars (docs/suite-times.md). A s
 (`python -m demo.zygote SOCKET MODULE`) imports what its MODULE needs once; for each request it
 forks a child that becomes the process asked for: a session of its own, output appended to the
 log, stdin /dev/null, the request's working directory, environment and `sys.path` (the
-directory, then PYTHONPATH's, then the interpreter's own), and then MODULE run as `__main__`, as
-`python -m` runs it. What the process does from there is its own code: for an agent, torchrun's
-rendezvous, its workers (new interpreters it starts itself), their restarts and the exit status;
-for a sidecar, `sidecar run` from its argument parsing on.
+directory, then PYTHONPATH's, then the interpreter's own), and then the module the request names
+(MODULE, or one of the modules its server also runs) run as `__main__`, as `python -m` runs it.
+What the process does from there is its own code: for an agent, torchrun's rendezvous, its
+workers (new interpreters it starts itself), their restarts and the exit status; for a sidecar,
+`sidecar run` from its argument parsing on.
 
 What differs from a cold start: the modules were imported with the server's environment, so a
 request whose environment differs in what is read at import (`PYTHON*` other than PYTHONPATH, and

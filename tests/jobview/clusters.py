@@ -49,10 +49,15 @@ def explain(cluster: Cluster) -> str:
     return "\n".join(out)
 
 
-def three_nodes(env: dict[str, str] | None = None) -> list[NodeSpec]:
-    """Nodes of 1, 2 and 1 ranks; the middle node's local rank 1 is the one that hangs."""
-    hang = {"CYCLE_HANG_LOCAL_RANK": "1", **(env or {})}
-    return [NodeSpec("node-0", 1), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1)]
+# For a node none of whose ranks hangs: without CYCLE_HANG_LOCAL_RANK a node's ranks go by
+# CYCLE_HANG_RANK (default 1), and the rendezvous, not the node's name, decides who is rank 1.
+NO_HANG = {"CYCLE_HANG_LOCAL_RANK": "-1"}
+
+
+def three_nodes(env: dict[str, str] | None = None, hang_local_rank: int = 1) -> list[NodeSpec]:
+    """Nodes of 1, 2 and 1 ranks; the middle node's local rank `hang_local_rank` is the one that hangs."""
+    hang = {"CYCLE_HANG_LOCAL_RANK": str(hang_local_rank), **(env or {})}
+    return [NodeSpec("node-0", 1, dict(NO_HANG)), NodeSpec("node-1", 2, hang), NodeSpec("node-2", 1, dict(NO_HANG))]
 
 
 def faults_spec(workdir: Path, shape: str, mode: str, nodes: list[NodeSpec]) -> ClusterSpec:
@@ -116,6 +121,7 @@ class SharedRuns:
 
     @contextlib.contextmanager
     def hung_middle_rank(self, mode: str) -> Iterator[Run]:
+        assert self.given_back.get(mode, 0) < self.USERS, f"the {mode} run was given back by all its {self.USERS} users"
         run = self.runs.get(mode)
         if run is None:
             workdir = self.factory.mktemp(f"hung-{mode}")

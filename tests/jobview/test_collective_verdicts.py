@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.cluster import Cluster, NodeSpec
+from demo.cluster import Cluster
 from tests.jobview.clusters import JOB_TIMEOUT, Run, SharedRuns, explain, story_of, three_nodes
 from tests.jobview.clusters import faults_spec as spec
 from tests.support import PYTHON
@@ -129,6 +129,5 @@ def test_a_desync_is_a_collective_mismatch_and_no_rank_is_blamed(tmp_path):
 
 
 def test_with_data_and_tensor_parallel_groups_the_one_stopped_rank_is_named(tmp_path):
-    nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2, {"CYCLE_HANG_LOCAL_RANK": "0"}), NodeSpec("node-2", 1)]
-    with Cluster(spec(tmp_path, "tp", "stop", nodes), tmp_path) as cluster:
+    with Cluster(spec(tmp_path, "tp", "stop", three_nodes(hang_local_rank=0)), tmp_path) as cluster:
         check_rank_late(cluster, tmp_path, "node-1")
