@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
+from demo.job import SidecarSpec, wait_for
 from tests.support import PYTHON
 
 JOB_TIMEOUT = 200.0
@@ -91,13 +90,15 @@ def measured(cells: list[str]) -> bool:
 def settled_story(cluster: Cluster, within: float = 30.0) -> subprocess.CompletedProcess:
     """The story once every node's recovery stages are in (each node sends its part again after the
     job incident closed, the last one can come after the job ended), or as it is after `within` s."""
-    deadline = time.monotonic() + within
-    while True:
-        story = story_of(cluster)
-        rows = stage_table(story.stdout)[1]
-        if story.returncode != 0 or all(measured(rows.get(s, ["?"])) for s in STAGES) or time.monotonic() > deadline:
-            return story
-        time.sleep(1)
+    read: list[subprocess.CompletedProcess] = []
+
+    def settled() -> bool:
+        read.append(story_of(cluster))
+        rows = stage_table(read[-1].stdout)[1]
+        return read[-1].returncode != 0 or all(measured(rows.get(s, ["?"])) for s in STAGES)
+
+    wait_for(settled, within, interval=1.0)
+    return read[-1]
 
 
 @dataclass
