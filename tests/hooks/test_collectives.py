@@ -81,17 +81,19 @@ def test_a_real_ranks_record_reaches_the_sidecars_metrics(sidecar, tmp_path):
     log = tmp_path / "rank.log"
     with spawned([PYTHON, "-m", "tests.hooks.collective_rank", "--steps", "7", "--release", str(release)], log,
                  env=env) as proc:  # fmt: skip
-        deadline, value = time.monotonic() + 60, None
+        # A push can be taken while the loop's last collectives are in flight (enqueued 7, completed 4
+        # beside the suite): read until one taken after the loop, whose record holds nothing in flight.
+        deadline, value, done = time.monotonic() + 60, None, None
         while time.monotonic() < deadline and proc.poll() is None:
             text = sidecar.metrics()
             value = metric_value(text, "sidecar_rank_collective_enqueued_seq", job_id="coll-job", rank="0", pg="0")
-            if value is not None and value >= 7:
+            done = metric_value(text, "sidecar_rank_collective_completed_seq", job_id="coll-job", rank="0", pg="0")
+            if value is not None and value >= 7 and done == value:
                 break
             time.sleep(0.2)
         release.touch()
         assert proc.wait(timeout=60) == 0, tail(log)
     assert value is not None and value >= 7, tail(log)
-    done = metric_value(text, "sidecar_rank_collective_completed_seq", job_id="coll-job", rank="0", pg="0")
     assert done == value  # nothing in flight once the loop is done
     status = json.dumps(sidecar.status())
     assert "coll-job" in status
