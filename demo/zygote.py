@@ -9,7 +9,8 @@ log, stdin /dev/null, the request's working directory, environment and `sys.path
 directory, then PYTHONPATH's, then the interpreter's own), and then the module the request names
 (MODULE, or one of the modules its server also runs) run as `__main__`, as `python -m` runs it.
 What the process does from there is its own code: for an agent, torchrun's rendezvous, its
-workers (new interpreters it starts itself), their restarts and the exit status; for a sidecar,
+workers, their restarts and the exit status (torchrun starts its workers as new interpreters, or
+from a rank server of the agent where `demo/zygote_ranks.py` can honour them); for a sidecar,
 `sidecar run` from its argument parsing on.
 
 What differs from a cold start: the modules were imported with the server's environment, so a
@@ -40,7 +41,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ class Kind:
 
 KINDS = {
     "torch.distributed.run": Kind(
-        ("torch", "torch.distributed.run"),
+        ("torch", "torch.distributed.run", "torch._dynamo"),  # torch._dynamo: DDP and optimizers import it
         ("LOGLEVEL", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"),
         also=("trainer_hooks.launch", "sidecar_trainer.launch"),
     ),
@@ -69,6 +70,11 @@ KINDS = {
 }
 
 _servers: dict[str, subprocess.Popen] = {}
+# In a server: the environment its modules were imported with, what importing them set in it
+# (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR), and the interpreter's own sys.path.
+IMPORTED_WITH: dict[str, str] = {}
+SET_BY_IMPORT: dict[str, str] = {}
+BASE_PATH: list[str] = []
 
 
 # ---------------------------------------------------------------- the client's side
@@ -159,7 +165,12 @@ def spawn(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log: str | P
     sock = _connect(directory, module)
     if sock is None:
         return None
-    request = {"argv": list(cmd), "env": dict(env), "cwd": str(cwd), "log": str(log)}
+    return ask(sock, {"argv": list(cmd), "env": dict(env), "cwd": str(cwd), "log": str(log)})
+
+
+def ask(sock: socket.socket, request: dict) -> WarmProcess | None:
+    """Send `request` to the server `sock` is connected to: the process it forked, or None where it
+    answers that it cannot honour the request ("cold") or does not answer."""
     try:
         sock.sendall(json.dumps(request).encode() + b"\n")
         sock.settimeout(60)
@@ -167,17 +178,17 @@ def spawn(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log: str | P
         while not reply.endswith(b"\n"):
             data = sock.recv(256)
             if not data:
-                raise OSError("the agent server closed the connection")
+                raise OSError("the server closed the connection")
             reply += data
     except OSError as e:
         sock.close()
-        print(f"demo.zygote: {e}; starting the agent cold", file=sys.stderr)
+        print(f"demo.zygote: {e}; starting {request['argv'][2]} cold", file=sys.stderr)
         return None
     word, _, rest = reply.decode().strip().partition(" ")
     if word != "pid":
         sock.close()
         return None  # "cold": the server cannot honour this environment
-    return WarmProcess(sock, int(rest), cmd)
+    return WarmProcess(sock, int(rest), request["argv"])
 
 
 def _connect(directory: str, module: str) -> socket.socket | None:
@@ -232,15 +243,19 @@ def refusal(request: dict, module: str) -> str | None:
     return None
 
 
-def serve(path: str, module: str) -> dict:
-    """Serve requests until the owner ends; return only in a forked child, with its request."""
-    owner = os.getppid()  # the test worker: the server ends within a second of it
+def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None]) -> dict:
+    """Serve requests until the owner (the parent) ends: import `preload`, then fork a child for
+    each request that `check` does not refuse. Returns only in a forked child, with its request."""
+    owner = os.getppid()  # the test worker (or the agent): the server ends within a second of it
     gc.disable()  # as the gc module's docs advise for a fork server: no holes in the heap, and
-    for name in KINDS[module].preload:
+    before = dict(os.environ)
+    for name in preload:
         importlib.import_module(name)
-    sys.modules.pop(module, None)  # run as __main__ by the child, as `python -m` does (runpy warns otherwise)
+    if not IMPORTED_WITH:
+        IMPORTED_WITH.update(before)
+        SET_BY_IMPORT.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+        BASE_PATH[:] = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     gc.freeze()  # the children's collections never touch (and so copy) what the imports made
-    base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -284,8 +299,8 @@ def serve(path: str, module: str) -> dict:
                 line = buffers.pop(conn).split(b"\n", 1)[0]
                 try:
                     request = json.loads(line)
-                    why = refusal(request, module)
-                except ValueError as e:
+                    why = check(request)
+                except (ValueError, TypeError, KeyError) as e:
                     request, why = {}, f"bad request: {e}"
                 if why:
                     with contextlib.suppress(OSError):
@@ -301,7 +316,6 @@ def serve(path: str, module: str) -> dict:
                         os.close(fd)
                     for c in [listener, *buffers, *(c for c in children.values() if c), conn]:
                         c.close()
-                    _become(request, base_path)
                     return request
                 children[pid] = conn
                 with contextlib.suppress(OSError):
@@ -325,7 +339,7 @@ def _reap(children: dict[int, socket.socket | None]) -> None:
             # the client reads the status, then closes; the server forgets the connection then
 
 
-def _become(request: dict, base_path: list[str]) -> None:
+def _become(request: dict) -> None:
     """In the forked child: the agent's session, output, directory, environment and path."""
     os.setsid()
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -340,16 +354,26 @@ def _become(request: dict, base_path: list[str]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.abspath(cwd), *extra, *base_path]
+    sys.path[:] = [os.path.abspath(cwd), *extra, *BASE_PATH]
     sys.argv = [request["argv"][0], *request["argv"][3:]]  # argv[0] becomes the module's file
 
 
 def main() -> None:
     if len(sys.argv) != 3 or sys.argv[2] not in KINDS:
         raise SystemExit(f"usage: python -m demo.zygote SOCKET {{{'|'.join(KINDS)}}}")
-    request = serve(sys.argv[1], sys.argv[2])  # returns only in a forked child: the process asked for
+    path, module = sys.argv[1], sys.argv[2]
+    request = serve(path, KINDS[module].preload, lambda r: refusal(r, module))  # returns only in a child
+    sys.modules.pop(module, None)  # run as __main__, as `python -m` does (runpy warns otherwise)
+    _become(request)
+    if module == "torch.distributed.run":
+        from demo import zygote_ranks
+
+        zygote_ranks.install(os.path.dirname(path))
     runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":
-    main()
+    # Run as `demo.zygote`, not as `__main__`: one copy of the module's state, shared with demo.zygote_ranks.
+    from demo import zygote
+
+    zygote.main()

@@ -24,6 +24,10 @@ from demo.processes import (
 from sidecar.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite's warm agents fork their workers from a process that imported torch (demo/zygote_ranks.py);
+# the tests of the restart paths (the user's own scripts: plain, HF, Lightning, the README's, attach)
+# have torchrun start them as it does on a cluster, new interpreters.
+COLD_RANKS = {"SIDECAR_TEST_COLD_RANKS": "1"}
 PYTHON = sys.executable
 # Prefix for a rank whose CPU use a test relies on (the watchdog spares a busy rank only while it
 # gets 20% of a core): ahead of the other test workers' processes on a loaded 2-core machine, where

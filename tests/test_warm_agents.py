@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from demo import zygote
-from tests.support import ROOT, Sidecar, spawned, wait_until
+from tests.support import COLD_RANKS, ROOT, Sidecar, spawned, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +96,147 @@ def test_the_projects_own_torchrun_runs_warm_as_it_runs_cold(tmp_path):
             cold["log"][-2000:],
         )
         assert warm["seen"] == cold["seen"] and [s["restart_count"] for s in warm["seen"]] == [0, 1], mode
+
+
+RANK = textwrap.dedent("""
+    import atexit, json, os, signal, sys, threading, time
+    forked = "torch" in sys.modules  # a warm worker is forked with torch imported
+    hooks = "trainer_hooks" in sys.modules
+    import torch
+    out, attempt, rank = os.environ["OUT"], os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["LOCAL_RANK"]
+    seen = {
+        "forked": forked, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
+        "main": sys.modules["__main__"].__file__, "threads": torch.get_num_threads(),
+        "session": os.getsid(0) == os.getpgid(0) == os.getpid(), "stdin": os.readlink("/proc/self/fd/0"),
+        "signals": {s: str(signal.getsignal(getattr(signal, s))) for s in
+                    ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGXFSZ")},
+        "env": {k: os.environ.get(k) for k in ("MARK", "RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")},
+        "write_through": sys.stdout.write_through, "hooks": hooks,
+    }
+    with open(os.path.join(out, f"seen-{attempt}-{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    print(f"rank {rank} of attempt {attempt} says hello")
+    atexit.register(lambda: open(os.path.join(out, f"atexit-{attempt}-{rank}"), "w").close())
+    def late():
+        time.sleep(0.3)
+        open(os.path.join(out, f"thread-{attempt}-{rank}"), "w").close()
+    threading.Thread(target=late).start()  # not a daemon: the interpreter joins it at its end
+    if rank == "1":
+        sys.exit(0)
+    time.sleep(1.0)  # rank 1 ends first: torchrun signals no worker that is still running
+    if attempt == "0":
+        raise RuntimeError("attempt 0 fails")
+    sys.exit(7)
+""")
+
+
+def ranks_run(tmp_path: Path, cold_ranks: bool) -> dict:
+    """A warm agent's two workers, forked warm or started cold: what they saw, their output, the exit status."""
+    out = tmp_path / ("cold" if cold_ranks else "warm")
+    out.mkdir()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "1", "--monitor-interval", "0.1", str(script), "a b", "--flag",
+    ]  # fmt: skip
+    env = {"OUT": str(out), "MARK": "m-2", "PYTHONPATH": str(ROOT), **(COLD_RANKS if cold_ranks else {})}
+    with spawned(cmd, out / "agent.log", env=env, cwd=tmp_path) as proc:
+        assert isinstance(proc, zygote.WarmProcess)
+        code = proc.wait(timeout=60)
+    seen = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("seen-*.json"))}
+    ends = sorted(p.name for p in out.iterdir() if p.name.startswith(("atexit-", "thread-")))
+    return {"code": code, "seen": seen, "ends": ends, "log": (out / "agent.log").read_text()}
+
+
+def test_a_warm_agents_workers_forked_warm_see_do_and_end_as_new_interpreters(tmp_path):
+    """demo/zygote_ranks.py: the same directory, arguments, sys.path, `__main__`, session, signals,
+    environment and thread count (OMP_NUM_THREADS=1 from torchrun for two workers) as workers
+    started cold; the same output, uncaught exception, exit status, restart, atexit and thread join."""
+    warm, cold = ranks_run(tmp_path, cold_ranks=False), ranks_run(tmp_path, cold_ranks=True)
+    assert warm["code"] == cold["code"] == 1, (warm["log"][-3000:], cold["log"][-3000:])
+    assert sorted(warm["seen"]) == sorted(cold["seen"]) == ["seen-0-0", "seen-0-1", "seen-1-0", "seen-1-1"]
+    for key, w in warm["seen"].items():
+        c = cold["seen"][key]
+        assert (w.pop("forked"), c.pop("forked")) == (True, False), key
+        assert w == c, key
+        assert w["threads"] == 1 and w["env"]["OMP_NUM_THREADS"] == "1" and w["session"] and w["name"] == "__main__"
+        assert w["argv"] == [str(tmp_path / "rank.py"), "a b", "--flag"] and w["path"][0] == str(tmp_path)
+        assert not w["hooks"]  # nothing of the project's imported before the script imports it
+    expected = [f"{end}-{a}-{r}" for end in ("atexit", "thread") for a in "01" for r in "01"]
+    assert warm["ends"] == cold["ends"] == expected
+    for run_ in (warm, cold):
+        assert "RuntimeError: attempt 0 fails" in run_["log"] and "exitcode  : 7" in run_["log"], run_["log"][-3000:]
+        assert all(f"rank {r} of attempt {a} says hello" in run_["log"] for a in "01" for r in "01")
+    assert "started cold" not in warm["log"] and "started cold" not in cold["log"]
+
+
+DDP_END = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(20):
+        opt.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    print("rank", dist.get_rank(), "trained", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_warm_worker_ends_with_its_ddp_model_alive_without_hanging(tmp_path):
+    """A script that destroys its group and ends, its DDP model (the group's last owner) alive. Run in
+    a module that runpy frees on return, the model went while the script's process was still
+    running, and the gloo group's destructor waited, holding the GIL, for its thread that needed it:
+    about half the workers hung. A new interpreter (and now a warm worker) keeps `__main__` to the end."""
+    script = tmp_path / "ddp_end.py"
+    script.write_text(DDP_END)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    for run_ in range(4):
+        log = tmp_path / f"ddp-{run_}.log"
+        with spawned(cmd, log, env={"PYTHONPATH": str(ROOT)}, cwd=tmp_path) as proc:
+            assert isinstance(proc, zygote.WarmProcess)
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"run {run_}: a worker hung at its end\n{log.read_text()[-2000:]}")
+        text = log.read_text()
+        assert code == 0 and "rank 0 trained" in text and "rank 1 trained" in text, text[-2000:]
+        assert "started cold" not in text
+
+
+def test_what_a_warm_agent_cannot_fork_warm_starts_cold(tmp_path):
+    from demo import zygote_ranks
+
+    cmd = [sys.executable, "-u", str(tmp_path / "rank.py"), "x"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    zygote.IMPORTED_WITH.update(env)
+    try:
+        assert zygote_ranks.refusal(cmd, env) is None
+        lazy = {**env, "OMP_NUM_THREADS": "1", "TORCHELASTIC_RESTART_COUNT": "3", "TORCH_FR_BUFFER_SIZE": "64"}
+        assert zygote_ranks.refusal(cmd, lazy) is None
+        assert zygote_ranks.refusal([sys.executable, "-u", "-m", "pkg.mod"], env) is None
+        assert zygote_ranks.refusal(cmd, {**env, "TORCH_LOGS": "+dynamo"}) == "read at import: TORCH_LOGS"
+        zygote.SET_BY_IMPORT["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/torchinductor_x"  # torch._dynamo's import sets it
+        assert zygote_ranks.refusal(cmd, {**env, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_x"}) is None
+        chosen = zygote_ranks.refusal(cmd, {**env, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"})
+        assert chosen == "read at import: TORCHINDUCTOR_CACHE_DIR"
+        assert zygote_ranks.refusal(cmd, {**env, "PYTHONHASHSEED": "3"}) == "read at import: PYTHONHASHSEED"
+        assert zygote_ranks.refusal(cmd, {**env, "OMP_NUM_THREADS": "x"}) == "OMP_NUM_THREADS='x'"
+        assert zygote_ranks.refusal(["/usr/bin/python3", *cmd[1:]], env).startswith("not ")  # PYTHON_EXEC
+        assert zygote_ranks.refusal([sys.executable, cmd[2]], env).startswith("not ")  # no -u
+        assert zygote_ranks.refusal([sys.executable, "-u", "-X", "dev", cmd[2]], env) == "interpreter option -X"
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text("")  # zero-code attach runs at an interpreter's start
+        why = zygote_ranks.refusal(cmd, {**env, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"})
+        assert why == f"{site} holds a site customisation (run at an interpreter's start)"
+        attach = ROOT / "trainer_hooks" / "autoattach"
+        assert zygote_ranks.refusal(cmd, {**env, "PYTHONPATH": str(attach)}) is not None
+    finally:
+        zygote.IMPORTED_WITH.clear()
+        zygote.SET_BY_IMPORT.clear()
 
 
 def test_what_the_server_cannot_honour_is_started_cold(tmp_path):

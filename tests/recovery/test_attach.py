@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.cycles.runner import SCRIPTS, run_cycles
-from tests.support import PYTHON, ROOT, spawned, tail
+from tests.support import COLD_RANKS, PYTHON, ROOT, spawned, tail
 
 RECORDER = r"""
 import json, os, sys, tempfile
@@ -117,7 +117,7 @@ def test_with_no_sidecar_reachable_an_attached_script_trains_as_it_would_alone(t
 
 @pytest.mark.slow
 def test_an_unmodified_script_under_attach_hangs_is_detected_killed_and_restarted(tmp_path: Path):
-    result = run_cycles("unmodified", tmp_path, cycles=2, timeout=300)
+    result = run_cycles("unmodified", tmp_path, cycles=2, timeout=300, extra_env=COLD_RANKS)
     explain = f"{result.line()} generations {result.generations}\n{tail(result.log, 40)}"
     assert result.came_back == 2 and result.incidents >= 2, explain
     assert result.own_namespaces(), explain  # attach put the restart remedy into every attempt

@@ -14,7 +14,7 @@ import pytest
 
 from bench.cycles.runner import run_cycles
 from sidecar.problems import RESTART_TRAP_FIX
-from tests.support import PYTHON, ROOT, Sidecar, free_port, spawned, tail, wait_until
+from tests.support import COLD_RANKS, PYTHON, ROOT, Sidecar, free_port, spawned, tail, wait_until
 
 # Without the restart remedy about half of all restarts never train again (bench_cycles --baseline: 5
 # of 10), which a few lucky cycles could miss; so every attempt's ranks also say which store namespace
@@ -37,7 +37,7 @@ time.sleep(600)
 @pytest.mark.timeout(300)  # 2 cycles of 3-8 s each on a loaded 2-core machine
 def test_the_readmes_monitor_example_unchanged_comes_back_from_every_hang(tmp_path: Path):
     """bench/cycles/train_readme.py: `dist.init_process_group("gloo")` called directly."""
-    result = run_cycles("readme", tmp_path, cycles=CYCLES, timeout=240)
+    result = run_cycles("readme", tmp_path, cycles=CYCLES, timeout=240, extra_env=COLD_RANKS)
     explain = f"{result.line()} generations {result.generations}\n{tail(result.log, 40)}"
     assert result.came_back == CYCLES, explain
     assert result.own_namespaces(), explain

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.cycles.runner import Cycles, run_cycles
-from tests.support import PYTHON, ROOT, spawned, tail, wait_until
+from tests.support import COLD_RANKS, PYTHON, ROOT, spawned, tail, wait_until
 
 HERE = Path(__file__).resolve().parent
 # Without the restart remedy about half of all restarts never train again (bench_cycles --baseline: 5
@@ -123,7 +123,7 @@ def test_the_helper_imports_no_torch_until_called_and_the_switch_turns_it_off():
 def test_hang_kill_restart_cycles_all_come_back(script: str, tmp_path: Path):
     if script != "plain":
         pytest.importorskip({"hf": "transformers", "lightning": "lightning"}[script])
-    result = run_cycles(script, tmp_path, cycles=CYCLES, timeout=420)
+    result = run_cycles(script, tmp_path, cycles=CYCLES, timeout=420, extra_env=COLD_RANKS)
     explain = f"{result.line()} generations {result.generations}\n{tail(result.log, 40)}"
     assert result.came_back == CYCLES, explain
     assert result.own_namespaces(), explain
