@@ -180,7 +180,7 @@ DDP_END = textwrap.dedent("""
         opt.zero_grad()
         model(torch.randn(8, 16)).sum().backward()
         opt.step()
-    print("rank", dist.get_rank(), "trained", flush=True)
+    print(f"rank {dist.get_rank()} trained", flush=True)  # one write: the two ranks share the agent's output
     dist.destroy_process_group()
 """)
 
