@@ -119,6 +119,8 @@ class WarmProcess(subprocess.Popen):
             for line in self._buffer.split(b"\n")[:-1]:
                 if line.startswith(b"exit "):
                     self.returncode = int(line.split()[1])
+                    with contextlib.suppress(OSError):
+                        self._sock.sendall(b"read\n")  # the server may reap it now (`serve`'s `keep`)
             self._buffer = self._buffer.rsplit(b"\n", 1)[-1]
             if deadline is not None and time.monotonic() >= deadline:
                 return
@@ -243,9 +245,12 @@ def refusal(request: dict, module: str) -> str | None:
     return None
 
 
-def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None]) -> dict:
+def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None], keep: bool = False) -> dict:
     """Serve requests until the owner (the parent) ends: import `preload`, then fork a child for
-    each request that `check` does not refuse. Returns only in a forked child, with its request."""
+    each request that `check` does not refuse. Returns only in a forked child, with its request.
+    `keep`: a child that ended stays a zombie until its client has read its exit status (or went
+    away), as a child of the client's own would until its `Popen.poll`: its pid and process group
+    stay there to be signalled (torchrun's `killpg` of a worker that has just ended)."""
     owner = os.getppid()  # the test worker (or the agent): the server ends within a second of it
     gc.disable()  # as the gc module's docs advise for a fork server: no holes in the heap, and
     before = dict(os.environ)
@@ -271,6 +276,7 @@ def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None]
     selector.register(wake_r, selectors.EVENT_READ)
     buffers: dict[socket.socket, bytes] = {}
     children: dict[int, socket.socket | None] = {}
+    reported: set[int] = set()  # with `keep`: ended, its status sent, not reaped yet
     while os.getppid() == owner:
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is listener:
@@ -285,11 +291,15 @@ def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None]
                 data = b""
                 with contextlib.suppress(OSError):
                     data = conn.recv(65536)
-                if not data or conn not in buffers:  # the client went away (or spoke after its request)
+                if not data or conn not in buffers:  # the client went away (or read the status it was sent)
                     selector.unregister(conn)
                     buffers.pop(conn, None)
-                    for pid, c in children.items():
-                        if c is conn:
+                    for pid, c in list(children.items()):
+                        if c is conn and pid in reported:
+                            os.waitpid(pid, 0)  # a zombie: the client has its status
+                            del children[pid]
+                            reported.discard(pid)
+                        elif c is conn:
                             children[pid] = None
                     conn.close()
                     continue
@@ -320,8 +330,29 @@ def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None]
                 children[pid] = conn
                 with contextlib.suppress(OSError):
                     conn.sendall(f"pid {pid}\n".encode())
-        _reap(children)
+        if keep:
+            _report(children, reported)
+        else:
+            _reap(children)
     raise SystemExit(0)
+
+
+def _report(children: dict[int, socket.socket | None], reported: set[int]) -> None:
+    """Send each ended child's exit status to its client, leaving it a zombie (`serve`'s `keep`)."""
+    for pid, conn in list(children.items()):
+        if pid in reported:
+            continue
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            continue
+        if conn is None:  # its client went away: nobody to read it
+            os.waitpid(pid, 0)
+            del children[pid]
+            continue
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        with contextlib.suppress(OSError):
+            conn.sendall(f"exit {code}\n".encode())
+        reported.add(pid)
 
 
 def _reap(children: dict[int, socket.socket | None]) -> None:

@@ -48,7 +48,7 @@ from demo import zygote
 
 COLD_ENV = "SIDECAR_TEST_COLD_RANKS"
 # Read by torch or torchrun when used, not at import: torchrun's worker environment and the suite's.
-LAZY = ("TORCHELASTIC_", "TORCH_FR_", "TORCH_NCCL_")
+LAZY = ("TORCHELASTIC_", "TORCH_FR_", "TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CHECK")  # the last: Lightning sets it
 # Read at import, applied to the forked worker as torch would have at import: OMP_NUM_THREADS (torchrun
 # sets it to 1 for more than one worker a node) becomes torch's intra-op thread count.
 THREADS = "OMP_NUM_THREADS"
@@ -61,10 +61,7 @@ def install(directory: str) -> None:
     """In a warm agent before torchrun runs: fork its rank server, and start torchrun's workers there."""
     if os.environ.get(COLD_ENV, "") not in ("", "0"):
         return
-    path = os.path.join(directory, f"ranks-{os.getpid()}.sock")
-    if os.fork() == 0:
-        request = zygote.serve(path, (), lambda r: refusal(r["argv"], r["env"]))
-        run(request)
+    path = start_server(directory)
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     handler = subprocess_handler.SubprocessHandler
@@ -82,6 +79,15 @@ def install(directory: str) -> None:
         return cold(self, args, env)
 
     handler._popen = _popen  # type: ignore[method-assign]
+
+
+def start_server(directory: str) -> str:
+    """Fork this process's rank server (it ends with this process); the path of its socket."""
+    path = os.path.join(directory, f"ranks-{os.getpid()}.sock")
+    if os.fork() == 0:
+        request = zygote.serve(path, (), lambda r: refusal(r["argv"], r["env"]), keep=True)
+        run(request)
+    return path
 
 
 def refusal(args: Sequence[str], env: dict[str, str]) -> str | None:

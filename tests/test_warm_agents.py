@@ -206,6 +206,42 @@ def test_a_warm_worker_ends_with_its_ddp_model_alive_without_hanging(tmp_path):
         assert "started cold" not in text
 
 
+ZOMBIE = textwrap.dedent("""
+    import os, sys, time
+    from demo import zygote, zygote_ranks
+    zygote.IMPORTED_WITH.update(os.environ)
+    path = zygote_ranks.start_server(sys.argv[1])
+    script = os.path.join(sys.argv[1], "ends.py")
+    with open(script, "w") as f:
+        f.write("raise SystemExit(3)")
+    proc = zygote_ranks.spawn(path, [sys.executable, "-u", script], dict(os.environ), {"stdout": None, "stderr": None})
+    assert isinstance(proc, zygote.WarmProcess), proc
+    state = lambda: open(f"/proc/{proc.pid}/stat").read().rsplit(") ", 1)[1][0]
+    deadline = time.monotonic() + 30
+    while state() != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # time for a server that reaps at once to have done so
+    os.killpg(proc.pid, 0)  # torchrun's close of a worker whose end it has not polled yet
+    print("code", proc.wait(10), flush=True)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{proc.pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("reaped", not os.path.exists(f"/proc/{proc.pid}"))
+""")
+
+
+def test_a_worker_that_ended_stays_to_be_signalled_until_its_agent_reads_its_status(tmp_path):
+    """torchrun closes a group by `killpg` of each worker its last poll saw running; a worker of its
+    own that ended since is a zombie until the next poll, so the signal finds it. A rank server that
+    reaped at once left no process group: torchrun's agent died of ProcessLookupError (a SIGKILLed
+    worker in tests/trainer/test_resume.py, beside the suite)."""
+    done = subprocess.run(
+        [sys.executable, "-c", ZOMBIE, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["code", "3", "reaped", "True"], done.stdout + done.stderr
+
+
 def test_what_a_warm_agent_cannot_fork_warm_starts_cold(tmp_path):
     from demo import zygote_ranks
 
