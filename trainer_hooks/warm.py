@@ -122,7 +122,8 @@ def _run_file(script: str, args: list[str]) -> None:
     main.__dict__.update(__file__=path, __cached__=None, __loader__=loader, __builtins__=builtins)
     sys.modules["__main__"] = main
     with io.open_code(path) as f:
-        code = compile(f.read(), path, "exec")  # PEP 263 coding cookies as the interpreter reads them
+        # PEP 263 coding cookies as the interpreter reads them; none of this module's __future__ flags
+        code = compile(f.read(), path, "exec", dont_inherit=True)
     exec(code, main.__dict__)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed.rendezvous
 import trainer_hooks.distributed
 COUNTER = globals().get("COUNTER", 0) + 1  # fresh globals: 1 in every worker of every attempt
+ANNOTATED: int = 0  # a real type: the script compiled as the interpreter compiles it
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 out = os.environ["PROBE_OUT"]
 atexit.register(lambda: open(os.path.join(out, f"atexit-{attempt}-{rank}"), "w").close())
@@ -35,6 +36,7 @@ record = {
     "counter": COUNTER, "cuda": torch.cuda.is_initialized(), "torch_before": TORCH_BEFORE,
     "main": sys.modules["__main__"].__dict__ is globals(),
     "attempt_store": trainer_hooks.distributed.installed(),  # what `import trainer_hooks` does under torchrun
+    "annotation": str(__annotations__["ANNOTATED"]),
 }
 with open(os.path.join(out, f"{attempt}-{rank}.json"), "w") as f:
     json.dump(record, f)
@@ -93,6 +95,7 @@ def test_warm_workers_run_the_script_as_plain_torchrun_would_in_every_attempt(tm
             "torch_before": True,
             "main": True,
             "attempt_store": True,
+            "annotation": "<class 'int'>",
         }, key
     assert sorted(p.name for p in out.glob("atexit-*")) == ["atexit-0-0", "atexit-0-1", "atexit-1-0", "atexit-1-1"]
 
