@@ -102,10 +102,18 @@ class WarmProcess(subprocess.Popen):
         self._child_created = False  # Popen.__del__ has nothing to reap
         self._sock = sock
         self._buffer = b""
+        self._status: int | None = None  # as the server reported it; the returncode once polled
 
     def _read(self, timeout: float | None) -> None:
+        self._receive(timeout)
+        if self._status is not None and self.returncode is None:  # polled, as Popen.poll reaps
+            self.returncode = self._status
+            with contextlib.suppress(OSError):
+                self._sock.sendall(b"read\n")  # the server may reap it now (`serve`'s `keep`)
+
+    def _receive(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
+        while self._status is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._sock.settimeout(left)
             try:
@@ -115,22 +123,24 @@ class WarmProcess(subprocess.Popen):
             if not data:  # the server ended before the agent: wait for the pid itself to go
                 self._wait_pid(deadline)
                 return
-            self._buffer += data
-            for line in self._buffer.split(b"\n")[:-1]:
-                if line.startswith(b"exit "):
-                    self.returncode = int(line.split()[1])
-                    with contextlib.suppress(OSError):
-                        self._sock.sendall(b"read\n")  # the server may reap it now (`serve`'s `keep`)
-            self._buffer = self._buffer.rsplit(b"\n", 1)[-1]
+            self.take(data)
             if deadline is not None and time.monotonic() >= deadline:
                 return
+
+    def take(self, data: bytes) -> None:
+        """What the server said about the process (its exit status)."""
+        self._buffer += data
+        for line in self._buffer.split(b"\n")[:-1]:
+            if line.startswith(b"exit "):
+                self._status = int(line.split()[1])
+        self._buffer = self._buffer.rsplit(b"\n", 1)[-1]
 
     def _wait_pid(self, deadline: float | None) -> None:
         while os.path.exists(f"/proc/{self.pid}/stat"):
             if deadline is not None and time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
-        self.returncode = -signal.SIGKILL  # unknown: reaped by init after the server ended
+        self._status = -signal.SIGKILL  # unknown: reaped by init after the server ended
 
     def poll(self) -> int | None:
         self._read(0)
@@ -177,7 +187,7 @@ def ask(sock: socket.socket, request: dict) -> WarmProcess | None:
         sock.sendall(json.dumps(request).encode() + b"\n")
         sock.settimeout(60)
         reply = b""
-        while not reply.endswith(b"\n"):
+        while b"\n" not in reply:
             data = sock.recv(256)
             if not data:
                 raise OSError("the server closed the connection")
@@ -186,11 +196,14 @@ def ask(sock: socket.socket, request: dict) -> WarmProcess | None:
         sock.close()
         print(f"demo.zygote: {e}; starting {request['argv'][2]} cold", file=sys.stderr)
         return None
-    word, _, rest = reply.decode().strip().partition(" ")
+    first, _, after = reply.partition(b"\n")
+    word, _, rest = first.decode().strip().partition(" ")
     if word != "pid":
         sock.close()
         return None  # "cold": the server cannot honour this environment
-    return WarmProcess(sock, int(rest), request["argv"])
+    proc = WarmProcess(sock, int(rest), request["argv"])
+    proc.take(after)  # a process that ended at once: its status came with its pid
+    return proc
 
 
 def _connect(directory: str, module: str) -> socket.socket | None:
@@ -315,9 +328,16 @@ def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None]
                 if why:
                     with contextlib.suppress(OSError):
                         conn.sendall(f"cold {why}\n".encode())
+                    selector.unregister(conn)
+                    conn.close()
                     continue
+                ready_r, ready_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
+                    os.setsid()  # a session of its own before its pid is given out: it can be killpg'd
+                    os.close(ready_r)
+                    os.write(ready_w, b".")
+                    os.close(ready_w)
                     gc.enable()
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -327,6 +347,9 @@ def serve(path: str, preload: Sequence[str], check: Callable[[dict], str | None]
                     for c in [listener, *buffers, *(c for c in children.values() if c), conn]:
                         c.close()
                     return request
+                os.close(ready_w)
+                os.read(ready_r, 1)  # its setsid is done (or it died: end of file)
+                os.close(ready_r)
                 children[pid] = conn
                 with contextlib.suppress(OSError):
                     conn.sendall(f"pid {pid}\n".encode())
@@ -371,8 +394,7 @@ def _reap(children: dict[int, socket.socket | None]) -> None:
 
 
 def _become(request: dict) -> None:
-    """In the forked child: the agent's session, output, directory, environment and path."""
-    os.setsid()
+    """In the forked child (a session of its own already): the agent's output, directory, environment and path."""
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

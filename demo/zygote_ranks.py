@@ -61,7 +61,7 @@ def install(directory: str) -> None:
     """In a warm agent before torchrun runs: fork its rank server, and start torchrun's workers there."""
     if os.environ.get(COLD_ENV, "") not in ("", "0"):
         return
-    path = start_server(directory)
+    path, server = start_server(directory)
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     handler = subprocess_handler.SubprocessHandler
@@ -69,6 +69,8 @@ def install(directory: str) -> None:
 
     def _popen(self: Any, args: tuple, env: dict[str, str]) -> Any:
         why = refusal(args, env)
+        if why is None and ended(server):
+            why = "the rank server ended"
         if why is None:
             files = {name: getattr(f, "name", None) for name, f in (("stdout", self._stdout), ("stderr", self._stderr))}
             proc = spawn(path, args, env, files)
@@ -81,13 +83,24 @@ def install(directory: str) -> None:
     handler._popen = _popen  # type: ignore[method-assign]
 
 
-def start_server(directory: str) -> str:
-    """Fork this process's rank server (it ends with this process); the path of its socket."""
+def start_server(directory: str) -> tuple[str, int]:
+    """Fork this process's rank server (in a session of its own: a signal to this process's group
+    is not for it; it ends with this process): the path of its socket, its pid."""
     path = os.path.join(directory, f"ranks-{os.getpid()}.sock")
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
         request = zygote.serve(path, (), lambda r: refusal(r["argv"], r["env"]), keep=True)
         run(request)
-    return path
+    return path, pid
+
+
+def ended(pid: int) -> bool:
+    """Whether this process's child `pid` has ended (and is reaped now)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
 
 
 def refusal(args: Sequence[str], env: dict[str, str]) -> str | None:
@@ -104,7 +117,10 @@ def refusal(args: Sequence[str], env: dict[str, str]) -> str | None:
         return f"{THREADS}={env[THREADS]!r}"
     set_by_import = zygote.SET_BY_IMPORT  # what a new interpreter's imports would set too
     differ = sorted(
-        k for k in keys if env.get(k) != imported.get(k) and env.get(k, set_by_import.get(k)) != set_by_import.get(k)
+        k
+        for k in keys
+        if env.get(k) != imported.get(k)
+        and not (k in set_by_import and env.get(k, set_by_import[k]) == set_by_import[k])
     )
     if differ:
         return f"read at import: {','.join(differ)}"
@@ -133,7 +149,6 @@ def spawn(path: str, args: Sequence[str], env: dict[str, str], files: dict[str, 
 
 def run(request: dict) -> NoReturn:
     """In the forked worker: become it, run its script or module as `__main__`, end as an interpreter ends."""
-    os.setsid()  # torchrun's start_new_session
     for fd, key in ((1, "stdout"), (2, "stderr")):
         if request.get(key):
             out = os.open(request[key], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -151,10 +166,21 @@ def run(request: dict) -> NoReturn:
         import torch
 
         torch.set_num_threads(int(os.environ.get(THREADS) or os.cpu_count() or 1))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=False)
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace", line_buffering=False
+    std_out, std_err = sys.__stdout__, sys.__stderr__  # the server's: the same locale and PYTHONIOENCODING
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False),
+        encoding=getattr(std_out, "encoding", None),
+        errors=getattr(std_out, "errors", None),
+        write_through=True,
     )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False),
+        encoding=getattr(std_err, "encoding", None),
+        errors="backslashreplace",
+        write_through=True,
+    )
+    if "numpy" in sys.modules:  # numpy seeds its global generator at import; a fork shares the server's
+        sys.modules["numpy"].random.seed()
     argv = request["argv"]
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     # The code runs in a new `__main__` module that stays until the process ends, as in an interpreter:
@@ -174,29 +200,42 @@ def run(request: dict) -> NoReturn:
             _run_script(main, argv[2])
     except SystemExit as e:
         code = _exit_code(e.code)
-    except KeyboardInterrupt:
-        _finish()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as CPython: die of the signal
-        os.kill(os.getpid(), signal.SIGINT)
-    except BaseException:
-        error = sys.exc_info()[1]
-        assert error is not None
-        tb = error.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-            tb = tb.tb_next  # the traceback starts at the script, as an interpreter's does
-        sys.excepthook(type(error), error, tb)
+    except BaseException as error:
+        _excepthook(error)
         code = 1
+        if isinstance(error, KeyboardInterrupt):  # as CPython: die of the signal (130 if it is blocked)
+            _finish()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            code = 130
     _finish()
     os._exit(code)
 
 
-def _run_script(main: types.ModuleType, path: str) -> None:
-    """`python path`: the file's code run in `__main__`, with its `__file__` and a source loader."""
+def _excepthook(error: BaseException) -> None:
+    """The uncaught exception printed as an interpreter prints it: the traceback from the script on."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    try:
+        sys.excepthook(type(error), error, tb)
+    except BaseException:  # a script's own hook that fails: the interpreter's default
+        sys.__excepthook__(type(error), error, tb)
+
+
+def _run_script(main: types.ModuleType, script: str) -> None:
+    """`python script`: the file's code run in `__main__`, with its absolute `__file__` and a source
+    loader, compiled with none of this module's `__future__` flags (`dont_inherit`)."""
+    path = os.path.abspath(script)
+    try:
+        with io.open_code(path) as f:
+            source = f.read()
+    except OSError as e:
+        print(f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
     loader = importlib.machinery.SourceFileLoader("__main__", path)
     main.__dict__.update(__file__=path, __cached__=None, __loader__=loader, __spec__=None, __package__=None)
-    with open(path, "rb") as f:
-        source = f.read()
-    exec(compile(source, path, "exec"), main.__dict__)
+    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
 
 
 def _exit_code(value: object) -> int:

@@ -102,7 +102,8 @@ RANK = textwrap.dedent("""
     import atexit, json, os, signal, sys, threading, time
     forked = "torch" in sys.modules  # a warm worker is forked with torch imported
     hooks = "trainer_hooks" in sys.modules
-    import torch
+    import numpy, torch
+    ANNOTATED: int = 0  # a real type, as an interpreter compiles the script (no future flags of ours)
     out, attempt, rank = os.environ["OUT"], os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["LOCAL_RANK"]
     seen = {
         "forked": forked, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
@@ -111,7 +112,8 @@ RANK = textwrap.dedent("""
         "signals": {s: str(signal.getsignal(getattr(signal, s))) for s in
                     ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGXFSZ")},
         "env": {k: os.environ.get(k) for k in ("MARK", "RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")},
-        "write_through": sys.stdout.write_through, "hooks": hooks,
+        "write_through": sys.stdout.write_through, "hooks": hooks, "annotation": str(__annotations__["ANNOTATED"]),
+        "draw": numpy.random.random(),  # numpy seeds its global generator at import: each worker its own
     }
     with open(os.path.join(out, f"seen-{attempt}-{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -156,13 +158,17 @@ def test_a_warm_agents_workers_forked_warm_see_do_and_end_as_new_interpreters(tm
     warm, cold = ranks_run(tmp_path, cold_ranks=False), ranks_run(tmp_path, cold_ranks=True)
     assert warm["code"] == cold["code"] == 1, (warm["log"][-3000:], cold["log"][-3000:])
     assert sorted(warm["seen"]) == sorted(cold["seen"]) == ["seen-0-0", "seen-0-1", "seen-1-0", "seen-1-1"]
+    draws = [w.pop("draw") for w in warm["seen"].values()]
+    assert len(set(draws)) == len(draws), draws
     for key, w in warm["seen"].items():
         c = cold["seen"][key]
         assert (w.pop("forked"), c.pop("forked")) == (True, False), key
+        c.pop("draw")
         assert w == c, key
         assert w["threads"] == 1 and w["env"]["OMP_NUM_THREADS"] == "1" and w["session"] and w["name"] == "__main__"
         assert w["argv"] == [str(tmp_path / "rank.py"), "a b", "--flag"] and w["path"][0] == str(tmp_path)
         assert not w["hooks"]  # nothing of the project's imported before the script imports it
+        assert w["annotation"] == "<class 'int'>"
     expected = [f"{end}-{a}-{r}" for end in ("atexit", "thread") for a in "01" for r in "01"]
     assert warm["ends"] == cold["ends"] == expected
     for run_ in (warm, cold):
@@ -210,7 +216,8 @@ ZOMBIE = textwrap.dedent("""
     import os, sys, time
     from demo import zygote, zygote_ranks
     zygote.IMPORTED_WITH.update(os.environ)
-    path = zygote_ranks.start_server(sys.argv[1])
+    zygote.BASE_PATH[:] = sys.path[1:]
+    path, _ = zygote_ranks.start_server(sys.argv[1])
     script = os.path.join(sys.argv[1], "ends.py")
     with open(script, "w") as f:
         f.write("raise SystemExit(3)")
@@ -259,6 +266,9 @@ def test_what_a_warm_agent_cannot_fork_warm_starts_cold(tmp_path):
         chosen = zygote_ranks.refusal(cmd, {**env, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"})
         assert chosen == "read at import: TORCHINDUCTOR_CACHE_DIR"
         assert zygote_ranks.refusal(cmd, {**env, "PYTHONHASHSEED": "3"}) == "read at import: PYTHONHASHSEED"
+        zygote.IMPORTED_WITH["PYTORCH_JIT"] = "0"  # the server imported torch with it; the worker has none
+        assert zygote_ranks.refusal(cmd, env) == "read at import: PYTORCH_JIT"
+        del zygote.IMPORTED_WITH["PYTORCH_JIT"]
         assert zygote_ranks.refusal(cmd, {**env, "OMP_NUM_THREADS": "x"}) == "OMP_NUM_THREADS='x'"
         assert zygote_ranks.refusal(["/usr/bin/python3", *cmd[1:]], env).startswith("not ")  # PYTHON_EXEC
         assert zygote_ranks.refusal([sys.executable, cmd[2]], env).startswith("not ")  # no -u
