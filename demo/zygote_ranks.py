@@ -21,9 +21,14 @@ server's environment, so a worker whose environment differs in what is read at i
 (`PYTHON*` but PYTHONPATH, `TORCH*`/`PYTORCH*` but the variables below that torch reads when it
 uses them, the thread and log settings) is started cold, as is one whose PYTHONPATH holds a
 `sitecustomize` or `usercustomize` (they run at an interpreter's start: zero-code attach), one
-run by another executable (PYTHON_EXEC) or without `-u`; the worker's command line and
-`/proc/<pid>/environ` are the server's (the sidecar reads neither). `SIDECAR_TEST_COLD_RANKS=1`
-in an agent's environment starts its workers cold; `tests/test_warm_agents.py` compares the two.
+run by another executable (PYTHON_EXEC) or without `-u`. Also different, and read by nothing the
+suite runs: the worker's command line and `/proc/<pid>/environ` are the server's; its parent is the
+rank server, not the agent (both end together); str hashes use the server's secret; a stack dump
+shows the server's frames under the script's; and at its end the worker skips the interpreter's
+last step, freeing its modules (no `__del__`, and a buffered file left open in a global is not
+flushed), since that step is where a DDP model's gloo threads would deadlock outside finalization.
+`SIDECAR_TEST_COLD_RANKS=1` in an agent's environment starts its workers cold;
+`tests/test_warm_agents.py` compares the two.
 """
 
 from __future__ import annotations
