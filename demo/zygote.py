@@ -221,14 +221,26 @@ def _connect(directory: str, module: str) -> socket.socket | None:
             stdout=subprocess.DEVNULL,
             stderr=open(f"{path}.log", "ab"),  # noqa: SIM115 (the server's own, for as long as it runs)
         )
-    deadline = time.monotonic() + START_TIMEOUT
-    while server.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
+    sock.close()
+    started = connect(path, START_TIMEOUT, lambda: server.poll() is None)
+    if started is None:
+        print(
+            f"demo.zygote: the server at {path} did not start (see {path}.log); starting {module} cold", file=sys.stderr
+        )
+    return started
+
+
+def connect(path: str, timeout: float, alive: Callable[[], bool]) -> socket.socket | None:
+    """A connection to the server at `path`, once it listens; None if it is not `alive` or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
             sock.connect(path)
             return sock
-        time.sleep(0.1)
-    sock.close()
-    print(f"demo.zygote: the server at {path} did not start (see {path}.log); starting {module} cold", file=sys.stderr)
+        except OSError:
+            sock.close()
+        time.sleep(0.05)
     return None
 
 

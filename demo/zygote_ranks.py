@@ -41,12 +41,10 @@ import io
 import os
 import runpy
 import signal
-import socket
 import sys
 import threading
-import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from demo import zygote
@@ -74,11 +72,9 @@ def install(directory: str) -> None:
 
     def _popen(self: Any, args: tuple, env: dict[str, str]) -> Any:
         why = refusal(args, env)
-        if why is None and ended(server):
-            why = "the rank server ended"
         if why is None:
             files = {name: getattr(f, "name", None) for name, f in (("stdout", self._stdout), ("stderr", self._stderr))}
-            proc = spawn(path, args, env, files)
+            proc = spawn(path, args, env, files, alive=lambda: not ended(server))
             if proc is not None:
                 return proc
             why = "the rank server did not answer"
@@ -95,7 +91,7 @@ def start_server(directory: str) -> tuple[str, int]:
     pid = os.fork()
     if pid == 0:
         os.setsid()
-        request = zygote.serve(path, (), lambda r: refusal(r["argv"], r["env"]), keep=True)
+        request = zygote.serve(path, (), lambda r: None, keep=True)  # the agent asks only after refusal()
         run(request)
     return path, pid
 
@@ -135,21 +131,14 @@ def refusal(args: Sequence[str], env: dict[str, str]) -> str | None:
     return None
 
 
-def spawn(path: str, args: Sequence[str], env: dict[str, str], files: dict[str, str | None]) -> Any:
-    """The worker forked by the rank server at `path`, or None if it did not answer."""
-    request = {"argv": list(args), "env": dict(env), "cwd": os.getcwd(), **files}
-    deadline = time.monotonic() + 10
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-            break
-        except OSError:
-            sock.close()
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
-    return zygote.ask(sock, request)
+def spawn(
+    path: str, args: Sequence[str], env: dict[str, str], files: dict[str, str | None], alive: Callable[[], bool]
+) -> Any:
+    """The worker forked by the rank server at `path` (while it is `alive`), or None if it did not answer."""
+    sock = zygote.connect(path, 10, alive)
+    if sock is None:
+        return None
+    return zygote.ask(sock, {"argv": list(args), "env": dict(env), "cwd": os.getcwd(), **files})
 
 
 def run(request: dict) -> NoReturn:

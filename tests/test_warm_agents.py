@@ -221,7 +221,8 @@ ZOMBIE = textwrap.dedent("""
     script = os.path.join(sys.argv[1], "ends.py")
     with open(script, "w") as f:
         f.write("raise SystemExit(3)")
-    proc = zygote_ranks.spawn(path, [sys.executable, "-u", script], dict(os.environ), {"stdout": None, "stderr": None})
+    files = {"stdout": None, "stderr": None}
+    proc = zygote_ranks.spawn(path, [sys.executable, "-u", script], dict(os.environ), files, alive=lambda: True)
     assert isinstance(proc, zygote.WarmProcess), proc
     state = lambda: open(f"/proc/{proc.pid}/stat").read().rsplit(") ", 1)[1][0]
     deadline = time.monotonic() + 30
