@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from sidecar_trainer.config import ConfigError, help_text, load_config, parse_set, world_size_from_env
 from sidecar_trainer.startup import Startup
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     startup = Startup(is_main=os.environ.get("RANK", "0") == "0")
     from sidecar_trainer.train import Trainer
 
-    startup.mark("imports_done")
+    startup.mark("imports_done", cpu_s=f"{time.process_time():.2f}")  # this process's own: a forked worker's is near 0
     trainer = Trainer(cfg, final_params=args.final_params, startup=startup)
     ok = False
     try:

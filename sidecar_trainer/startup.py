@@ -3,7 +3,8 @@
 A restarted rank's way from its launch to its first training step, in the order it happens:
 
   process_started        the kernel started the process (read from /proc: before Python runs)
-  imports_done           the interpreter, torch and the trainer are imported
+  imports_done           the interpreter, torch and the trainer are imported (field cpu_s: the
+                         process's CPU seconds so far; a worker forked warm has spent almost none)
   process_group_formed   the rendezvous is done: every rank of the attempt is connected
   model_built            model, optimizer and dataset exist (torch.optim imports torch._dynamo here)
   checkpoint_loaded      the state to resume from is in place (fields: step, source memory|disk)

@@ -77,9 +77,9 @@ def test_a_worker_killed_under_the_launcher_restarts_without_imports_and_resumes
     assert "restart_count=1" in run.log
     assert re.search(r"checkpoint loaded: step=1[12] source=memory", run.log)
     assert run.digest == reference_run.digest
-    # The restarted rank 0 was forked with torch in memory: its imports take a fraction of the
-    # seconds a fresh interpreter needs for torch and torch._dynamo (1.3 to 3 s here, more under load).
-    started = [float(t) for t in re.findall(r"startup: process_started t=([\d.]+)", run.log)]
-    imported = [float(t) for t in re.findall(r"startup: imports_done t=([\d.]+)", run.log)]
-    assert len(started) == len(imported) == 2, run.log[-3000:]
-    assert imported[1] - started[1] < 1.0
+    # The restarted rank 0 was forked with torch in memory: by its imports_done it had spent a
+    # fraction of the CPU a fresh interpreter spends importing torch and torch._dynamo (2-3.5 CPU-s
+    # here). Its CPU, not its wall time: beside the suite a forked worker waited 1.06 s for a core.
+    cpu = [float(c) for c in re.findall(r"startup: imports_done t=[\d.]+ cpu_s=([\d.]+)", run.log)]
+    assert len(cpu) == 2, run.log[-3000:]
+    assert cpu[1] < 0.5, cpu
