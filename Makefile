@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bytecode lint fmt bench gpu-check venv clean docs system-deps
+.PHONY: demo test test-fast test-under-load bytecode lint fmt bench gpu-check venv clean docs system-deps
 
 # Prometheus, promtool, Alertmanager and amtool from Debian's packages (the tests start them).
 system-deps:
@@ -62,6 +62,14 @@ test: lint system-deps bytecode
 # cores (docs/suite-times.md); `make test` before you push.
 test-fast: $(STAMP) bytecode
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not system"
+
+# The whole suite beside a CPU hog that keeps about 2 runnable tasks per core (scripts/cpu_hog.py:
+# busy loops added and stopped as the suite's own load moves; its summary line says what load the
+# run had, `LOAD=N` to change it). CI machines are seldom idle: what fails here fails at random there.
+LOAD ?= 2
+test-under-load: lint system-deps bytecode
+	$(BIN)/python scripts/cpu_hog.py --load $(LOAD) --log .cpu_hog.log -- \
+		env PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

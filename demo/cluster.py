@@ -15,11 +15,13 @@ every packet on a node's training link, `restore_link(node)` ends that."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,30 @@ class NodeSpec:
     name: str
     nproc: int = 1  # ranks on this node
     env: dict[str, str] = field(default_factory=dict)  # for this node's agent only
+    # seconds this node's wall clock is ahead of the machine's (behind if negative): its sidecar, agent
+    # and ranks all read it (demo/node_clock.c, preloaded)
+    clock_offset: float = 0.0
+
+    def clock_env(self) -> dict[str, str]:
+        if not self.clock_offset:
+            return {}
+        return {"LD_PRELOAD": str(node_clock_library()), "NODE_CLOCK_OFFSET": f"{self.clock_offset:.6f}"}
+
+
+def node_clock_library() -> Path:
+    """demo/node_clock.c built once per content (the machine's C compiler), under the temp directory."""
+    source = Path(__file__).with_name("node_clock.c")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    built = Path(tempfile.gettempdir()) / f"sidecar-node-clock-{digest}.so"
+    if not built.exists():
+        partial = built.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(partial), str(source), "-ldl"], check=True,
+                           capture_output=True, text=True)  # fmt: skip
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise RuntimeError(f"a node's clock offset needs a C compiler (cc) to build {source}: {e}") from e
+        os.replace(partial, built)
+    return built
 
 
 @dataclass
@@ -154,13 +180,14 @@ class Cluster:
             node.workdir.mkdir(parents=True, exist_ok=True)
             if self.spec.with_sidecars:
                 token = self.tokens.get(node.spec.name)
-                env = {"SIDECAR_TOKEN": token} if token else None
+                env = {**({"SIDECAR_TOKEN": token} if token else {}), **node.spec.clock_env()} or None
                 node.sidecar = self.procs.start(f"{node.spec.name}-sidecar", self.sidecar_command(node), env=env)
         for node in self.nodes if self.spec.with_sidecars else []:
             if not wait_for(node.client.ready, 60):
                 raise RuntimeError(f"sidecar of {node.spec.name} did not start: see {self.log(node, 'sidecar')}")
         for node in self.nodes:
-            env = {**self.spec.env, **node.spec.env, "PYTHONPATH": os.pathsep.join([str(ROOT), *self.spec.pythonpath])}
+            path = os.pathsep.join([str(ROOT), *self.spec.pythonpath])
+            env = {**self.spec.env, **node.spec.env, **node.spec.clock_env(), "PYTHONPATH": path}
             if self.network is not None:
                 env["GLOO_SOCKET_IFNAME"] = netns.TRAIN_IF
             if self.spec.with_sidecars:

@@ -14,10 +14,11 @@ from a rank server of the agent where `demo/zygote_ranks.py` can honour them); f
 `sidecar run` from its argument parsing on.
 
 What differs from a cold start: the modules were imported with the server's environment, so a
-request whose environment differs in what is read at import (`PYTHON*` other than PYTHONPATH, and
-each kind's own: LOGLEVEL for torchrun's loggers, `TORCH_LOGS` and C++ logging; aiohttp's
-`AIOHTTP_*`) is answered "cold" and started as a new interpreter; the process's parent is the
-server (which reaps it and reports its exit status); its command line is the server's.
+request whose environment differs in what is read at import or at the process's start (`PYTHON*`
+other than PYTHONPATH, `LD_*` and demo/node_clock.c's `NODE_CLOCK_*`, and each kind's own: LOGLEVEL for
+torchrun's loggers, `TORCH_LOGS` and C++ logging; aiohttp's `AIOHTTP_*`) is answered "cold" and
+started as a new interpreter; the process's parent is the server (which reaps it and reports its
+exit status); its command line is the server's.
 
 Used only where ENV names a directory (tests/conftest.py sets it for each test worker, which
 starts each server on its first request; `SIDECAR_TEST_COLD_AGENTS=1` turns it off), by
@@ -260,7 +261,9 @@ def refusal(request: dict, module: str) -> str | None:
     env = request.get("env")
     if not isinstance(env, dict) or eligible(request.get("argv") or []) != module:
         return f"not {module}"
-    keys = {*KINDS[module].import_env, *(k for k in (*env, *os.environ) if k.startswith("PYTHON"))}
+    # Python's own, and what the process's start reads (the dynamic loader's LD_PRELOAD, demo/node_clock.c's offset)
+    started = ("PYTHON", "LD_", "NODE_CLOCK_")
+    keys = {*KINDS[module].import_env, *(k for k in (*env, *os.environ) if k.startswith(started))}
     keys -= {"PYTHONPATH", "PYTHONUNBUFFERED"}
     differ = sorted(k for k in keys if env.get(k) != os.environ.get(k))
     if differ:

@@ -55,8 +55,9 @@ LAZY = ("TORCHELASTIC_", "TORCH_FR_", "TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CH
 # Read at import, applied to the forked worker as torch would have at import: OMP_NUM_THREADS (torchrun
 # sets it to 1 for more than one worker a node) becomes torch's intra-op thread count.
 THREADS = "OMP_NUM_THREADS"
-# Read at import (by torch, its OpenMP runtime, Python itself): a worker whose value differs starts cold.
-AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "LOGLEVEL")
+# Read at import (by torch, its OpenMP runtime, Python itself), or when the process starts (the dynamic
+# loader's LD_PRELOAD, demo/node_clock.c's offset): a worker whose value differs starts cold.
+AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "LOGLEVEL", "LD_", "NODE_CLOCK_")
 CUSTOMIZE = ("sitecustomize.py", "usercustomize.py")
 
 

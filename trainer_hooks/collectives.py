@@ -136,7 +136,7 @@ class _Cache:
 _cache = _Cache()
 
 
-def read(now: float | None = None, whole: bool = False) -> dict | None:
+def read(now: float | None = None, whole: bool = False, clock_offset: float = 0.0) -> dict | None:
     """This rank's collective record for the sidecar, or None (no torch, no group, no recorder).
 
     Reading the recorder's entries holds the GIL for ~0.5 ms per 64 entries (50-110 ms for a ring of
@@ -147,7 +147,9 @@ def read(now: float | None = None, whole: bool = False) -> dict | None:
     Otherwise the record is pg_status alone (0.1 ms), named through the last whole read, with the last
     whole read's `recent`. The slots are the wall clock's, not this process's: every rank of a node
     reads its entries within about a read interval of its peers, so their `recent` windows overlap
-    (the sidecar compares the ranks' entry times of the same collectives)."""
+    (the sidecar compares the ranks' entry times of the same collectives). `clock_offset` (this
+    node's clock - the job's coordinator's, as the sidecar says it) moves the slots onto the
+    coordinator's clock, so that ranks on nodes whose clocks differ by seconds read together too."""
     c10d = _c10d()
     if c10d is None:
         return None
@@ -160,8 +162,9 @@ def read(now: float | None = None, whole: bool = False) -> dict | None:
         str(k) in names for st, names in zip(statuses, _cache.names, strict=True) for k in st
     )
     _cache.statuses = statuses
-    if whole or waited or _cache.p2p or not known or _slot(when) != _cache.whole_slot:
-        return _read_whole(c10d, when)
+    slot = _slot(when - clock_offset)
+    if whole or waited or _cache.p2p or not known or slot != _cache.whole_slot:
+        return _read_whole(c10d, when, slot)
     groups = []
     for st, names in zip(statuses, _cache.names, strict=True):
         for key, s in st.items():
@@ -175,7 +178,7 @@ def read(now: float | None = None, whole: bool = False) -> dict | None:
     return {"time": round(when, 6), "groups": groups[:COLLECTIVES_MAX_GROUPS]}
 
 
-def _read_whole(c10d: Any, when: float) -> dict | None:
+def _read_whole(c10d: Any, when: float, slot: int) -> dict | None:
     traces = _traces(c10d)
     if not traces:
         return None
@@ -186,7 +189,7 @@ def _read_whole(c10d: Any, when: float) -> dict | None:
     records = [summarize(t, members, when) for t in traces]
     _cache.names = [_pg_names(t) for t in traces]
     _cache.p2p = any(isinstance(e, dict) and e.get("is_p2p") for t in traces for e in t.get("entries") or [])
-    _cache.whole_slot = _slot(when)
+    _cache.whole_slot = slot
     merged: dict[str, dict] = {}  # a group both recorders know (a CPU and a CUDA backend): the busier
     for record in records:
         for g in record["groups"]:
@@ -258,6 +261,17 @@ def _seq(status: Mapping[str, Any], key: str) -> int:
         return int(status.get(key, -1))
     except (TypeError, ValueError):
         return -1
+
+
+MAX_CLOCK_OFFSET = 86400.0  # seconds: a larger offset from the sidecar is ignored
+
+
+def clock_offset(said: object, before: float) -> float:
+    """The clock offset a push's answer says (`clock_offset`), or `before` when it says none or
+    something that is not a plausible offset (the hooks never raise on what the sidecar sends)."""
+    if isinstance(said, (int, float)) and not isinstance(said, bool) and abs(said) <= MAX_CLOCK_OFFSET:
+        return float(said)  # NaN fails the comparison
+    return before
 
 
 def _slot(when: float) -> int:

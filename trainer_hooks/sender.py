@@ -134,6 +134,7 @@ class Sender:
         self.collectives_live = False  # the last read gave a record (a group with the recorder exists)
         self.collectives_cpu_seconds = 0.0  # this thread's CPU time in reading the record
         self.wants: set[str] = set()  # what the sidecar's last answer asked for (wire.WANTS)
+        self.clock_offset = 0.0  # this node's clock - its job's coordinator's, as the sidecar last said
         # The phases the hooks infer (pauses.py): polled every cycle, and the thread wakes when a
         # pause becomes one, so that its start reaches the sidecar within a second or so.
         self.pauses: Inference | None = None
@@ -325,6 +326,7 @@ class Sender:
         if reply.status == 200:
             self._acknowledge(items)
             self._take_wants(reply.body.get("want"))
+            self.clock_offset = collectives.clock_offset(reply.body.get("clock_offset"), self.clock_offset)
             return True
         warn(
             f"push:{reply.status}:{reply.code}",
@@ -358,7 +360,7 @@ class Sender:
             return
         mark = time.thread_time()
         try:
-            record = collectives.read(whole="collectives" in wants)
+            record = collectives.read(whole="collectives" in wants, clock_offset=self.clock_offset)
             self.collectives_read_at, self.collectives_live = now, record is not None
             if record is not None:
                 body["collectives"] = record

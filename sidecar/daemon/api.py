@@ -393,7 +393,7 @@ async def push(request: web.Request) -> web.Response:
     records = d.stats.records
     for item in batch.items:
         records[_ITEM_TYPES[type(item)]] += 1
-    answer: dict = {"ok": True, "accepted": accepted}
+    answer: dict = {"ok": True, "accepted": accepted, **(d.reporter.clock_offset(rank.job_id) if d.reporter else {})}
     if rank.wants:
         answer["want"], rank.wants = sorted(rank.wants), set()
     return web.json_response(answer)

@@ -163,6 +163,14 @@ class Reporter:
         age = max(0.0, time.time() - (judged.clock_offset or 0.0) - judged.time)
         return (judged, age) if age <= LATENESS_FRESH_SECONDS else None
 
+    def clock_offset(self, job_id: str) -> dict[str, float]:
+        """A push answer's `clock_offset`: this node's clock - the job's coordinator's, once the
+        coordinator has said it (the hooks then read their collective entries in the coordinator's
+        wall-clock slots, so ranks on nodes whose clocks differ read the same collectives); else {}."""
+        link = self._links.get(job_id)
+        offset = None if link is None or link.lateness is None else link.lateness.clock_offset
+        return {} if offset is None else {"clock_offset": round(offset, 6)}
+
     def lateness_of(self, job_id: str) -> dict[int, float] | None:
         """This node's ranks of the job -> their lateness judged over the whole job (None: no fresh
         judgement; the metric then shows this node's own)."""

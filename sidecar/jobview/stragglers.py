@@ -17,13 +17,18 @@ On the wire (both optional: a peer that predates them neither sends nor reads th
   ranks' lateness and this node's clock offset estimate. Its size does not grow with the job.
 
 Clocks. Entry times are each node's wall clock. The coordinator corrects each node's times by an
-offset estimate: the least, over the node's last OFFSET_REPORTS reports, of (the report's `time` -
-the coordinator's wall clock when it took it). With `d` the report's one-way delay (send to take),
-that is offset - d, d >= 0: the estimate is never above the true offset and below it by at most the
-quickest report's one-way delay (LAN: well under a millisecond; the coordinator's own node: 0). So a
-rank's lateness judged across nodes is off by at most the larger of the two nodes' least one-way
-delays, far below the 20 ms floor. A node's clock that steps (NTP) is followed within
-OFFSET_REPORTS reports; a node whose clock runs behind is corrected the same way.
+offset estimate (`ClockOffset`). Each report gives one sample: its `time` minus the coordinator's
+wall clock when it took it. With `d` the report's one-way delay (send to take, including any wait in
+a busy event loop), a sample is offset - d, d >= 0: never above the true offset. The estimate is the
+greatest sample over the node's last OFFSET_REPORTS reports, the least-delayed report's: below the
+true offset by that report's one-way delay (LAN: well under a millisecond; the coordinator's own
+node: 0), however late the others came. So a rank's lateness judged across nodes is off by at most
+the larger of the two nodes' least one-way delays, far below the 20 ms floor; one report held up
+on a loaded node moves nothing. A node's clock that steps forward is followed at its next report
+(a greater sample); one that steps back (NTP steps past 128 ms) shows as STEP_REPORTS reports in a
+row all below the estimate by more than STEP_SECONDS, and the window starts again from them
+(a busy coordinator that delays as many reports so much does the same: the estimate is then off by
+their least delay until the next quick report, never more).
 
 What a peer can do with it (docs/security.md): a node holding the job's key can make its own ranks
 look late or early, and so name one of its own ranks, or hide it, as the job's straggler; nothing is
@@ -51,7 +56,9 @@ REPORT_GROUPS = 4  # groups per rank a report carries (data x tensor x pipeline 
 KEPT = lateness.WINDOW  # entry times the coordinator keeps per rank and group (what it judges over)
 MAX_STRAGGLERS = 8  # named in an answer, however many ranks are late
 MAX_ANSWER_RANKS = 4096  # a node's ranks' lateness in an answer
-OFFSET_REPORTS = 64  # reports a node's clock offset is the least over (~5 minutes at 5 s)
+OFFSET_REPORTS = 64  # reports a node's clock offset is the greatest sample over (~5 minutes at 5 s)
+STEP_REPORTS = 3  # ... in a row, all below the estimate by more than STEP_SECONDS: the clock stepped back
+STEP_SECONDS = 0.1
 JUDGE_EVERY_SECONDS = 1.0  # a job's lateness is judged at most this often (when new entries came)
 JUDGE_SHARE = 20  # ... and no sooner than this many times what its last judgement took
 STALE_SECONDS = 60.0  # a rank whose entries have not moved this long is left out (it left, or its node did)
@@ -270,6 +277,28 @@ class _Rank:
     moved: float  # monotonic: its entries last moved
 
 
+class ClockOffset:
+    """One node's clock offset estimate (its clock - the coordinator's), from its reports' samples
+    (the report's `time` - the coordinator's wall clock when it took it): the module's "Clocks"."""
+
+    def __init__(self) -> None:
+        self.samples: collections.deque[float] = collections.deque(maxlen=OFFSET_REPORTS)
+        self.estimate: float | None = None
+        self.below = 0  # the newest samples in a row below the estimate by more than STEP_SECONDS
+        self.steps = 0  # times the window started again (the clock stepped back)
+
+    def add(self, sample: float) -> None:
+        below = self.estimate is not None and self.estimate - sample > STEP_SECONDS
+        self.below = self.below + 1 if below else 0
+        self.samples.append(sample)
+        if self.below >= STEP_REPORTS:  # stepped back: what came before no longer holds
+            recent = list(self.samples)[-STEP_REPORTS:]
+            self.samples.clear()
+            self.samples.extend(recent)
+            self.below, self.steps = 0, self.steps + 1
+        self.estimate = max(self.samples)  # OFFSET_REPORTS floats at most
+
+
 class JobJudge:
     """One job's entry times from every node (each node's own clock), each node's clock offset
     estimate, and the latest judgement. Bounded: KEPT entries per rank and group, REPORT_GROUPS
@@ -277,7 +306,7 @@ class JobJudge:
 
     def __init__(self) -> None:
         self.ranks: dict[int, _Rank] = {}
-        self.offsets: dict[str, collections.deque[float]] = {}
+        self.offsets: dict[str, ClockOffset] = {}
         self.fresh = False  # entries came since the last judgement
         self.judged_at = -1e9  # monotonic
         self.cost = 0.0
@@ -290,7 +319,7 @@ class JobJudge:
     ) -> None:
         """A report of `node` sent at its wall clock `sent_at`, taken at `received_wall`; ranks of
         the job numbered below `size` (its world size, or the coordinator's bound) only."""
-        self.offsets.setdefault(node, collections.deque(maxlen=OFFSET_REPORTS)).append(sent_at - received_wall)
+        self.offsets.setdefault(node, ClockOffset()).add(sent_at - received_wall)
         for e in entries:
             if e.rank >= size:
                 continue
@@ -304,7 +333,7 @@ class JobJudge:
 
     def offset(self, node: str) -> float | None:
         seen = self.offsets.get(node)
-        return min(seen) if seen else None
+        return None if seen is None else seen.estimate
 
     def forget_node(self, node: str) -> None:
         self.offsets.pop(node, None)

@@ -47,12 +47,15 @@ def coordinator(walls: Walls, node: str = "node-0") -> Coordinator:
     )  # fmt: skip
 
 
-def send(c: Coordinator, walls: Walls, node: str, ranks: list[int], lateness: list[RankEntries], clock: float = 0.0):
-    """A healthy report of `node`, stamped by its own clock (`clock` seconds off), taken DELAY later."""
+def send(
+    c: Coordinator, walls: Walls, node: str, ranks: list[int], lateness: list[RankEntries], clock: float = 0.0,
+    delay: float = DELAY,
+):  # fmt: skip
+    """A healthy report of `node`, stamped by its own clock (`clock` seconds off), taken `delay` later."""
     walls.now += 1.5  # past the judgement's rate limit
     r = report(node, *(rank(x, state="healthy", waiting=None) for x in ranks), world=8, lateness=lateness)
     r.time = walls.now + clock
-    walls.now += DELAY
+    walls.now += delay
     c.accept(r)
 
 
@@ -202,6 +205,48 @@ def test_a_node_whose_clock_is_300_ms_off_does_not_make_its_ranks_look_early_or_
     assert verdict is not None
     for r, want in truth.items():
         assert abs(verdict.ranks[r].seconds - want) <= DELAY + 1e-6, (r, verdict.ranks[r].seconds)
+
+
+def test_the_clock_offset_is_the_least_delayed_reports_and_one_late_report_moves_nothing():
+    """Issue 48: the estimate was the least sample (the most delayed report's): one report held up
+    40 ms among 0.5 ms ones made node-1's ranks 40 ms late for 64 reports and named them stragglers."""
+    walls = Walls()
+    c = coordinator(walls)
+    skew = 0.3
+    for i in range(6):
+        held = 0.04 if i == 2 else DELAY  # the third report of node-1 waits 40 ms (a busy event loop)
+        send(c, walls, "node-0", [0], [entries(0, first=100 + 16 * i)])
+        send(c, walls, "node-1", [1, 2], [entries(r, clock=skew, first=100 + 16 * i) for r in (1, 2)], clock=skew,
+             delay=held)  # fmt: skip
+        send(c, walls, "node-2", [3], [entries(3, first=100 + 16 * i)])
+        judged = c.lateness("j1", "node-1")
+        assert judged is not None and judged.clock_offset == pytest.approx(skew - DELAY, abs=1e-6), (i, judged)
+        assert judged.stragglers == [], (i, judged.stragglers)
+    verdict = c._jobs["j1"].lateness.verdict
+    assert verdict is not None
+    for r, want in {0: 0.0, 1: 0.001, 2: 0.002, 3: 0.0}.items():  # entered at 0, 1, 2, 0 ms (entries())
+        assert abs(verdict.ranks[r].seconds - want) <= DELAY + 1e-6, (r, verdict.ranks[r].seconds)
+
+
+def test_a_clock_that_steps_is_followed_and_late_reports_alone_are_no_step():
+    o = stragglers.ClockOffset()
+    for delay in (0.002, 0.0005, 0.03, 0.001):
+        o.add(0.3 - delay)
+    assert o.estimate == pytest.approx(0.2995)
+    for _ in range(stragglers.STEP_REPORTS - 1):  # reports held up 0.4 s, but fewer than a step's
+        o.add(0.3 - 0.4)
+    o.add(0.3 - 0.001)
+    assert o.estimate == pytest.approx(0.2995) and o.steps == 0
+    o.add(0.8 - 0.001)  # stepped forward half a second: followed at once
+    assert o.estimate == pytest.approx(0.799)
+    for delay in (0.003, 0.0007, 0.002):  # stepped back to -0.2 s: followed after STEP_REPORTS reports
+        o.add(-0.2 - delay)
+    assert o.steps == 1 and o.estimate == pytest.approx(-0.2007)
+    o.add(-0.2 - 0.0004)  # and the least-delayed report wins again
+    assert o.estimate == pytest.approx(-0.2004)
+    for _ in range(stragglers.OFFSET_REPORTS):  # the window moves on: the old best ages out
+        o.add(-0.2 - 0.001)
+    assert o.estimate == pytest.approx(-0.201)
 
 
 def test_a_node_forgotten_takes_its_ranks_out_of_the_judgement():

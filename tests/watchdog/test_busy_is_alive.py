@@ -9,6 +9,7 @@ Real sidecar, real hooks (`Monitor`) at their default flush interval, ranks step
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -114,8 +115,15 @@ def test_a_rank_computing_in_python_past_the_floor_is_busy_not_hung(tmp_path):
 @pytest.mark.parametrize("mode", ["spin", "deadlock"])
 def test_a_busy_loop_and_a_deadlock_are_stalled_at_the_floor(tmp_path, mode):
     """A busy loop uses CPU but its stack holds still (the second look at the deadline shows the
-    same function); a deadlocked rank uses none. Both are declared at the floor after their own
-    last step, as before: no later than a tick, a probe and a margin."""
+    same function); a deadlocked rank uses none. Both are declared past the floor after their own
+    last step, never before, and the sidecar's own measure of the stall is the rank's: its age
+    from the rank's last step.
+
+    How soon past the floor is the product's promise, not the machine's: a deadlocked rank (no
+    CPU) is declared from one /proc read at its deadline (a tick and a margin: 1.5 s); a spinning
+    one once liveness.MIN_LOOKS looks at its stack are in, and on a busy machine the looks that did
+    not come before the deadline are taken past it (on a 2-core machine at load 4-10, 1.58 s past
+    in one run of issue 48). Its bound only catches a hang of the check."""
     log = tmp_path / "steps.log"
     with Sidecar(tmp_path, *SETTINGS) as sidecar:
         rank = start_rank(sidecar, log, mode)
@@ -123,7 +131,11 @@ def test_a_busy_loop_and_a_deadlock_are_stalled_at_the_floor(tmp_path, mode):
             wait_until(lambda: stalled_at(sidecar), 30, what="the stall")
             declared, last = stalled_at(sidecar)[0], last_step(log)
             print(f"{mode}: stalled {declared - last:.2f}s after its last step (floor {FLOOR}s)")
-            assert last + FLOOR <= declared <= last + FLOOR + 1.5, (declared - last, FLOOR)
+            past = 1.5 if mode == "deadlock" else 5.0
+            assert last + FLOOR <= declared <= last + FLOOR + past, (declared - last, FLOOR)
+            (said,) = [ln for ln in lines(sidecar, "rank floor/0") if "-> stalled" in ln][:1]
+            age = float(re.search(r"-> stalled: (\d+\.\d)s without progress", said)[1])  # type: ignore[index]
+            assert abs(age - (declared - last)) <= 0.25, (said, declared - last)  # its own last step's age
             assert not lines(sidecar, "busy, not hung")
             if mode == "spin":
                 assert lines(sidecar, "but its stack did not move"), lines(sidecar, "floor/0")
