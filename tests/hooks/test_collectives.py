@@ -193,3 +193,36 @@ def test_the_entries_are_read_whole_once_per_wall_clock_slot(monkeypatch):
         assert record is not None and record["groups"][0]["recent"]
     assert fake.entry_reads == 3  # at start, start + 10, start + 20 (wall clock), not 10 s after each other
     assert record["groups"][0]["recent"][-1][0] == 5 + 20  # the whole read of the slot
+
+
+def test_a_node_whose_clock_is_off_reads_in_its_coordinators_slots(monkeypatch):
+    """Issue 48: a node 3 s ahead read its entries 3 s apart from its peers in each slot; its ranks'
+    `recent` windows (a second of collectives) then shared no collective with the others', and the
+    coordinator judged no rank. With the offset the sidecar passes on, the slots are the coordinator's."""
+    fake = FakeC10d()
+    monkeypatch.setattr(collectives, "_c10d", lambda: fake)
+    monkeypatch.setattr(collectives, "_members", lambda: {"0": ("default_pg", [0, 1])})
+    whole = collectives._read_whole
+    read_at: list[float] = []
+    monkeypatch.setattr(collectives, "_read_whole", lambda c, when, slot: read_at.append(when) or whole(c, when, slot))
+    every, skew = collectives.WHOLE_EVERY_SECONDS, 3.0
+    start = 1000 * every + 0.5  # the coordinator's clock: half a second into one of its slots
+
+    def reads(offset: float) -> list[float]:
+        """The coordinator's clock at each whole read, of reads once a second on this node's clock."""
+        read_at.clear()
+        monkeypatch.setattr(collectives, "_cache", collectives._Cache())
+        for i in range(25):
+            fake.enqueued = fake.completed = 5 + i
+            collectives.read(now=start + skew + i, clock_offset=offset)
+        return [t - skew - 1000 * every for t in read_at]
+
+    assert reads(skew) == [0.5, 10.5, 20.5]  # the first read in each of the coordinator's slots, as its peers'
+    assert reads(0.0) == [0.5, 7.5, 17.5]  # on its own clock's slots: 2.5 s before its peers
+
+
+def test_the_clock_offset_a_sidecar_says_is_taken_only_when_plausible():
+    take = collectives.clock_offset
+    assert take(2.5, 0.0) == 2.5 and take(-0.25, 1.0) == -0.25 and take(0, 1.0) == 0.0
+    for bad in (None, "3", True, float("nan"), float("inf"), 1e9, [1.0], {"x": 1}):
+        assert take(bad, 1.5) == 1.5, bad

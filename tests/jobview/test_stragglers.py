@@ -317,6 +317,9 @@ def test_the_reporter_sends_entries_once_and_keeps_what_its_coordinator_judged()
                 await asyncio.sleep(0.05)
                 if reporter.lateness_of("j1") is not None and len(carried) >= 3:
                     break
+            assert reporter.clock_offset("j2") == {}  # no job view: the push answer says nothing
+            said = reporter.clock_offset("j1")  # the push answer's, which the hooks' slots follow
+            assert set(said) == {"clock_offset"} and abs(said["clock_offset"]) < 0.5, said
             return carried, reporter.lateness_of("j1"), reporter.status()["j1"]["lateness"]
         finally:
             task.cancel()
