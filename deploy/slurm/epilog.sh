@@ -8,8 +8,9 @@
 # SLURM_JOB_USER, SLURMD_NODENAME, SLURM_JOB_GPUS, ... set. It asks the node's sidecar
 # (`python -m sidecar.commands.slurm`, reading /v1/status) for what outlived the job, waiting a few
 # seconds for the sidecar to see the processes go:
-#   - a rank registered under the job's id (SLURM_JOB_ID: the sbatch example passes it to torchrun
-#     as --rdzv-id, the hooks' job id) whose process is still alive;
+#   - a rank registered under the job's id (SLURM_JOB_ID, or SLURM_JOB_ID.<suffix>: the sbatch
+#     example's torchrun --rdzv-id, the hooks' job id) whose process, running as the job's user
+#     (SLURM_JOB_UID), is still alive: another user's process registered under the id is not the job's;
 #   - GPU memory above the budget on a GPU of the job (SLURM_JOB_GPUS);
 #   - processes that outlived SIGKILL, or left-over processes holding GPU memory (the node verdict's
 #     `unkillable` and `gpu_held`).
@@ -85,7 +86,7 @@ if [ -z "$python" ] || [ ! -x "$python" ]; then
 fi
 
 limit="${SIDECAR_EPILOG_TIMEOUT:-30}"
-set -- -m sidecar.commands.slurm --job "$job" \
+set -- -m sidecar.commands.slurm --job "$job" --uid "${SLURM_JOB_UID:-}" \
   --gpus "${SIDECAR_EPILOG_GPUS:-${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}}" \
   --wait "${SIDECAR_EPILOG_WAIT:-10}" \
   --gpu-memory-budget-mib "${SIDECAR_EPILOG_GPU_MEMORY_BUDGET_MIB:-1024}"

@@ -43,11 +43,21 @@ def job_gpus(raw: str | None) -> set[str] | None:
     return {part.strip() for part in text.split(",") if part.strip()}
 
 
-def leftover_ranks(status: Mapping[str, Any], job_id: str) -> list[str]:
+def of_slurm_job(rank_job: str, job_id: str) -> bool:
+    """Whether a rank's job id is the Slurm job's: its id itself, or `<id>.<suffix>` (train.sbatch's
+    default torchrun --rdzv-id, a random suffix no other user can register first)."""
+    return rank_job == job_id or rank_job.startswith(job_id + ".")
+
+
+def leftover_ranks(status: Mapping[str, Any], job_id: str, uid: int | None = None) -> list[str]:
+    """The job's ranks still alive; with `uid` (SLURM_JOB_UID) only those whose process runs as the
+    job's user: another user's process registered under the job's id is not the job's."""
     return [
-        f"rank {r.get('rank')} of job {job_id} (pid {r.get('pid')}, {r.get('state')}) is still alive"
+        f"rank {r.get('rank')} of job {r.get('job_id')} (pid {r.get('pid')}, {r.get('state')}) is still alive"
         for r in sorted(dicts_at(status, "ranks"), key=lambda r: str(r.get("rank")))
-        if str(r.get("job_id")) == job_id and r.get("state") != "gone"
+        if of_slurm_job(str(r.get("job_id")), job_id)
+        and r.get("state") != "gone"
+        and (uid is None or r.get("uid") == uid)
     ]
 
 
@@ -81,11 +91,12 @@ def unfit_findings(status: Mapping[str, Any]) -> list[str]:
 
 
 def leftovers(
-    status: Mapping[str, Any], job_id: str, gpus: set[str] | None, budget_bytes: int, gpu_fresh: bool
-) -> list[str]:
+    status: Mapping[str, Any], job_id: str, gpus: set[str] | None, budget_bytes: int, gpu_fresh: bool,
+    uid: int | None = None,
+) -> list[str]:  # fmt: skip
     """Everything the job left, one line each. GPU memory counts only from a fresh reading (one the
     GPU collector took after the job ended); a stale one may show the job's own memory."""
-    found = leftover_ranks(status, job_id)
+    found = leftover_ranks(status, job_id, uid)
     if gpu_fresh:
         found += held_gpu_memory(status, gpus, budget_bytes)
     return found + unfit_findings(status)
@@ -94,6 +105,11 @@ def leftovers(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "exit status: 0 nothing of the job is left, 1 something is (named), 2 no sidecar or a broken answer"
     parser.add_argument("--job", default=os.environ.get("SLURM_JOB_ID"), help="the ended job's id (SLURM_JOB_ID)")
+    parser.add_argument(
+        "--uid",
+        default=os.environ.get("SLURM_JOB_UID") or None,
+        help="the job's user's uid (default SLURM_JOB_UID): only ranks running as it are the job's",
+    )
     parser.add_argument(
         "--gpus",
         default=os.environ.get("SLURM_JOB_GPUS", ""),
@@ -126,6 +142,11 @@ def main(args: argparse.Namespace) -> int:
     if not args.job:
         print("sidecar slurm epilog: no job id (--job or SLURM_JOB_ID)", file=sys.stderr)
         return EXIT_UNREACHABLE
+    try:
+        uid = None if args.uid in (None, "") else int(args.uid)
+    except ValueError:
+        print(f"sidecar slurm epilog: --uid (SLURM_JOB_UID) must be a number, got {args.uid!r}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     endpoint = resolve_endpoint(args.socket, args.url)
     gpus = job_gpus(args.gpus)
     budget = int(args.gpu_memory_budget_mib * MIB)
@@ -139,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
             return EXIT_UNREACHABLE
         age = gpu_reading_age(status)
         fresh = age is not None and age < time.monotonic() - started
-        found = leftovers(status, str(args.job), gpus, budget, fresh)
+        found = leftovers(status, str(args.job), gpus, budget, fresh, uid)
         settled = fresh or age is None or not status.get("gpus") or gpus == set()
         if (not found and settled) or time.monotonic() >= deadline:
             break

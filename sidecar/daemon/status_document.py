@@ -203,6 +203,7 @@ def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
         "local_rank": r.local_rank,
         "world_size": r.world_size,
         "pid": r.pid,
+        "uid": r.owner_uid,  # the uid its process runs as (None: an unverified TCP caller)
         "state": state,
         "step": r.step,
         "step_time_seconds": finite(m.get("step_time_seconds")),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -214,7 +215,8 @@ def test_epilog_passes_once_the_jobs_killed_ranks_are_gone(sidecar, fakes, tmp_p
 def test_epilog_fails_naming_a_rank_of_the_job_still_alive(sidecar, fakes, tmp_path):
     rank = _rank_of_job(tmp_path, sidecar, JOB, 3, "alive")
     try:
-        env = slurmd_env(fakes, tmp_path, "epilog_slurmd", {"SIDECAR_SOCKET": sidecar.socket}, SIDECAR_EPILOG_WAIT="2")
+        env = slurmd_env(fakes, tmp_path, "epilog_slurmd", {"SIDECAR_SOCKET": sidecar.socket}, SIDECAR_EPILOG_WAIT="2",
+                         SLURM_JOB_UID=str(os.getuid()))  # the rank runs as the job's user  # fmt: skip
         out = run_script(SLURM / "epilog.sh", env)
         pid = rank.pid
     finally:
@@ -352,10 +354,13 @@ def test_sbatch_runs_one_torchrun_per_node_with_the_slurm_job_id_and_the_first_n
     assert step_env == {"SRUN_CPUS_PER_TASK": "32", "SIDECAR_SOCKET": "/run/sidecar/sidecar.sock"}
     assert argv[:3] == ["--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     pairs = dict(zip(argv, argv[1:], strict=False))
-    port = 20000 + int(JOB) % 10000
-    assert pairs["--rdzv-id"] == JOB and pairs["--rdzv-endpoint"] == f"gpu07:{port}"
+    assert re.fullmatch(rf"{JOB}\.[0-9a-f]{{16}}", pairs["--rdzv-id"]), pairs["--rdzv-id"]  # issue 43 row 4
+    host, port = pairs["--rdzv-endpoint"].split(":")
+    assert host == "gpu07" and 20000 <= int(port) < 32768  # drawn at random (row 1)
     assert pairs["--rdzv-backend"] == "c10d" and pairs["--nnodes"] == "4" and pairs["--nproc-per-node"] == "8"
-    assert argv[3:8] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "python3", "-m", "torch.distributed.run"]
+    assert argv[3:5] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] and argv[5:7] == ["bash", "-c"]
+    step = argv.index("train-step")  # the node's step (a multi-line bash -c): is_host from SLURM_NODEID
+    assert argv[step : step + 3] == ["train-step", "first", "python3"] and "is_host=true" in "\n".join(argv[7:step])
     assert argv[-3:] == ["sidecar_trainer", "--config", "train.yaml"]
     assert calls(fakes[1], "scontrol") == ["show hostnames gpu[07-09,12]"]
 
@@ -370,7 +375,7 @@ def test_sbatch_without_scontrol_takes_the_first_host_of_the_nodelist(fakes, nod
     out = run_script(SLURM / "train.sbatch", batch_env(fakes, SLURM_JOB_NODELIST=nodelist))
     assert out.returncode == 0, out.stderr
     argv = _step(out)[1]
-    assert argv[argv.index("--rdzv-endpoint") + 1] == f"{first}:{20000 + int(JOB) % 10000}"
+    assert argv[argv.index("--rdzv-endpoint") + 1].split(":")[0] == first
 
 
 def test_sbatch_passes_the_training_program_and_refuses_to_run_outside_slurm(fakes):

@@ -150,3 +150,59 @@ def test_the_port_check_is_real_a_listener_on_another_port_changes_nothing(tmp_p
         out = sbatch(batch_env(tmp_path, RDZV_PORT=str(free_port())), str(tmp_path / "train.py"))
     assert out.returncode == 0 and "TRAINED" in out.stdout, out.stderr[-3000:]
     assert os.path.exists(SBATCH)
+
+
+# ---------------------------------------------------------------- row 4: the next job's id
+
+SQUATTER = """
+    rank = sleeper()
+    status, body = request("/v1/register", registration(rank.pid, os.environ["NEXT_JOB"], world_size=1))
+    report(status=status, pid=rank.pid)
+    time.sleep(600)
+"""
+
+
+def test_a_user_who_registers_the_next_jobs_id_first_neither_blocks_it_nor_gets_its_node_drained(tmp_path):
+    """Slurm's job ids are sequential and public. Mallory registers the next one (4243) on the node
+    before its job starts. The job's ranks register under train.sbatch's id, 4243.<random suffix>,
+    which she could not know: accepted. At the job's end the epilog (SLURM_JOB_UID: alice's) counts
+    only ranks running as alice: Mallory's squatter does not make it fail and drain the node.
+    Before: the job's own id was 4243 (409 for the job's ranks: unwatched), and the epilog named
+    Mallory's rank "left behind" (exit 1: Slurm drains the node, blamed on alice's job)."""
+    import textwrap
+
+    from tests.security.rig import attack, open_sidecar, run_as_user_background
+    from tests.security.rig import next_result as result
+
+    mallory, alice = unprivileged_user("mallory"), unprivileged_user("alice")
+    with open_sidecar() as sidecar:
+        squatter = run_as_user_background(
+            mallory, sidecar, "os.environ['NEXT_JOB'] = '4243'\n" + textwrap.dedent(SQUATTER)
+        )
+        try:
+            held = result(squatter, 60)
+            assert held["status"] == 200, held  # the id is hers on this node
+            ours = attack(alice, sidecar, """
+                rank = sleeper()
+                job = "4243." + os.urandom(8).hex()
+                status, body = request("/v1/register", registration(rank.pid, job, world_size=1))
+                rank.kill()
+                report(status=status, job=job)
+            """)  # fmt: skip
+            assert ours["status"] == 200, ours  # the job's ranks are watched
+            epilog = subprocess.run(
+                [sys.executable, "-m", "sidecar.commands.slurm", "--job", "4243", "--uid", str(alice.uid),
+                 "--socket", sidecar.socket, "--wait", "3", "--gpus", ""],
+                capture_output=True, text=True, timeout=60, cwd=ROOT,
+            )  # fmt: skip
+            assert epilog.returncode == 0, (epilog.stdout, epilog.stderr)
+            assert "job 4243: nothing left" in epilog.stdout and str(held["pid"]) not in epilog.stdout
+            # without the job's uid (an epilog of before), her squatter would be named and drain the node
+            old = subprocess.run(
+                [sys.executable, "-m", "sidecar.commands.slurm", "--job", "4243", "--uid", "",
+                 "--socket", sidecar.socket, "--wait", "0", "--gpus", ""],
+                capture_output=True, text=True, timeout=60, cwd=ROOT,
+            )  # fmt: skip
+            assert old.returncode == 1 and str(held["pid"]) in old.stdout, (old.stdout, old.stderr)
+        finally:
+            kill_tree(squatter)
