@@ -40,3 +40,29 @@ def printable(text: str, keep_newlines: bool = False) -> str:
 def unsafe(text: str) -> bool:
     """Whether `text` holds a character `printable` would escape (input checks refuse such text)."""
     return _UNSAFE.search(text) is not None
+
+
+# One escape of JSON text: an escaped backslash (kept), a surrogate pair (kept: one code point), any
+# other \uXXXX, or a short escape.
+_JSON_ESCAPE = re.compile(r'\\(\\|u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[bfnrt"/])')
+_SHORT = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _json_escape(match: re.Match) -> str:
+    seq = match.group(1)
+    if seq[0] == "u" and len(seq) == 5:
+        char = chr(int(seq[1:], 16))
+    elif seq in _SHORT:
+        char = _SHORT[seq]
+    else:
+        return match.group()
+    if not _UNSAFE.match(char):
+        return match.group()
+    return "\\\\" + _escape(_UNSAFE.match(char))[1:]  # type: ignore[arg-type]
+
+
+def printable_json(text: str) -> str:
+    """JSON text (ASCII, as `json.dumps` writes it by default) whose every string, once parsed,
+    holds `printable`'s escapes instead of control characters: `\\u001b` becomes the four
+    characters `\\x1b`. Linear in the text, however deeply it nests."""
+    return _JSON_ESCAPE.sub(_json_escape, text)

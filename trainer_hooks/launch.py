@@ -90,6 +90,9 @@ def torchrun_argv(argv: list[str]) -> tuple[list[str], list[str] | None, str | N
         return options + argv[script_at:], None, None
     if args.no_python:
         fail("--warm runs a Python script: drop --no-python")
+    unsafe = warm.interpreter_problem()
+    if unsafe:
+        fail(unsafe)
     problem = warm.target_problem(args.module, args.training_script)
     if problem:
         fail(problem)

@@ -73,6 +73,21 @@ def missing_module(names: list[str]) -> str | None:
     return None
 
 
+def interpreter_problem(version: tuple | None = None, platform: str | None = None) -> str | None:
+    """Why warm workers must not be forked from this interpreter, else None. CPython 3.9.0-3.9.15
+    and 3.10.0-3.10.8 on Linux bind multiprocessing's forkserver to an abstract Unix socket, which
+    any local user can connect to and have run code in the job (CVE-2022-42919)."""
+    platform = sys.platform if platform is None else platform
+    major, minor, micro = (tuple(sys.version_info if version is None else version) + (0, 0, 0))[:3]
+    fixed = {(3, 9): 16, (3, 10): 9}.get((major, minor))
+    if platform.startswith("linux") and fixed is not None and micro < fixed:
+        return (
+            f"--warm refused on Python {major}.{minor}.{micro}: its forkserver listens on an abstract socket "
+            f"any local user can use (CVE-2022-42919); use {major}.{minor}.{fixed} or later, or start without --warm"
+        )
+    return None
+
+
 def target_problem(module: bool, script: str) -> str | None:
     """Why the script (or `-m` module) cannot be run, else None."""
     if module:

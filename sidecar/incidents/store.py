@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar import safetext
 from sidecar.config import Settings
 from sidecar.host import diagfiles
 from sidecar.incidents.drills import DrillMarks
@@ -347,14 +348,15 @@ class IncidentStore:
         """The ranks' Flight Recorder dumps (each the JSON a rank sent, checked for shape and size)
         as `<incident>.fr/rank_<N>` in torch's pickle format, so that
         `python -m torch.distributed.flight_recorder.fr_trace <incident>.fr` reads them. The
-        pickles are written here from parsed JSON: plain values only, whatever a rank sent."""
+        pickles are written here from parsed JSON: plain values only, whatever a rank sent, every
+        string's terminal controls escaped (`fr_trace` prints them raw in whoever's terminal runs it)."""
         if not dumps:
             return
         name = Path(incident.path).stem + ".fr"
         try:
             with diagfiles.opened(self.diag_dir, INCIDENTS_SUBDIR, name) as dir_fd:
                 for rank, raw in sorted(dumps.items()):
-                    data = pickle.dumps(json.loads(raw), protocol=4)
+                    data = pickle.dumps(json.loads(safetext.printable_json(raw.decode())), protocol=4)
                     diagfiles.write_atomic(dir_fd, f"rank_{rank}", data, self.file_mode, self.gid)
         except (OSError, ValueError, RecursionError) as e:
             log.error("cannot write the Flight Recorder dumps of incident %s: %s", incident.id, e)

@@ -190,3 +190,32 @@ def test_a_worker_forked_after_cuda_was_initialised_refuses_to_run(tmp_path: Pat
     (tmp_path / "never.py").write_text("raise AssertionError('ran')\n")
     with pytest.raises(SystemExit, match="CUDA was initialised in the warm server"):
         warm.run_worker([str(tmp_path / "never.py")])
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [((3, 10, 0), True), ((3, 10, 8), True), ((3, 10, 9), False), ((3, 9, 15), True), ((3, 9, 16), False),
+     ((3, 11, 0), False), ((3, 12, 4), False)],
+)  # fmt: skip
+def test_warm_workers_are_refused_where_the_forkserver_socket_is_abstract(version, refused):
+    """Issue 43 row 6 (CVE-2022-42919): on CPython 3.9.0-3.9.15 and 3.10.0-3.10.8 multiprocessing's
+    forkserver listens on an abstract Unix socket that any local user can connect to and have code
+    run in the job. This machine's 3.11 cannot show the attack; the refusal is checked by version."""
+    problem = warm.interpreter_problem(version, "linux")
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert "CVE-2022-42919" in problem and f"{version[0]}.{version[1]}.{version[2]}" in problem
+    assert warm.interpreter_problem(version, "darwin") is None  # abstract sockets are Linux's
+
+
+def test_the_warm_launcher_on_an_affected_interpreter_exits_with_one_line_and_starts_nothing(tmp_path: Path):
+    (tmp_path / "x.py").write_text("open('ran', 'w').close()")
+    as_3_10_8 = (
+        "import runpy, sys; sys.version_info = (3, 10, 8, 'final', 0); "
+        "sys.argv = ['trainer_hooks.launch', '--warm', '--standalone', '--nproc-per-node', '1', 'x.py']; "
+        "runpy.run_module('trainer_hooks.launch', run_name='__main__')"
+    )
+    done = subprocess.run([PYTHON, "-c", as_3_10_8], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--warm refused on Python 3.10.8" in done.stderr and not (tmp_path / "ran").exists()

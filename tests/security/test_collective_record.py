@@ -36,6 +36,7 @@ from textwrap import dedent
 import psutil
 import pytest
 
+from sidecar.safetext import printable, unsafe
 from tests.security.rig import CLIENT, LoopProbe, attack, next_result, open_sidecar, ranks_of, result_of, start_as
 from tests.support import PYTHON, Sidecar, http_get, kill_tree, wait_until
 from tests.unpriv import UNPRIV_PYTHON, User, run_as, run_as_sync, unprivileged_user
@@ -589,6 +590,29 @@ class PlainValuesOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"the pickle names {module}.{name}")
 
 
+def escaped(value):
+    """The dump as the sidecar keeps it: every string (keys too) as `printable` escapes it."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, list):
+        return [escaped(v) for v in value]
+    if isinstance(value, dict):
+        return {printable(k): escaped(v) for k, v in value.items()}
+    return value
+
+
+def strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from strings(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from strings(v)
+
+
 def plain_load(data: bytes):
     return PlainValuesOnly(io.BytesIO(data)).load()
 
@@ -652,7 +676,8 @@ def test_the_dump_pickles_hold_plain_values_belong_to_root_and_cannot_be_redirec
                 data = (fr / name).read_bytes()
                 assert not {op.name for op, _, _ in pickletools.genops(data)} & CALLING
                 loaded = plain_load(data)
-                assert loaded == json.loads(json.dumps(dict(EVIL_DUMP, rank=rank))), name
+                assert loaded == escaped(json.loads(json.dumps(dict(EVIL_DUMP, rank=rank)))), name
+                assert not [t for t in strings(loaded) if unsafe(t)], name  # issue 43 row 7: nothing raw
                 st = (fr / name).lstat()
                 assert (st.st_uid, st.st_gid, oct(st.st_mode)) == (0, 0, oct(0o100600)), (name, st)
                 assert st.st_nlink == 1
