@@ -120,9 +120,9 @@ def fr_training_worker(label: str, socket_path: str, steps: int) -> int:
     reads = [0]
     read = collectives.read
 
-    def counted(now: float | None = None, whole: bool = False) -> dict | None:
+    def counted(now: float | None = None, whole: bool = False, clock_offset: float = 0.0) -> dict | None:
         reads[0] += 1
-        return read(now, whole)
+        return read(now, whole, clock_offset)
 
     collectives.read = counted  # the sender thread calls it through the module
     with tempfile.TemporaryDirectory(prefix="bench-fr-") as tmp:

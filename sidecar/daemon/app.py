@@ -53,6 +53,7 @@ from sidecar.ranks import ownership, podlabels, straggler_cause
 from sidecar.ranks.golive import memory_of
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
+from sidecar.watchdog import drill
 from sidecar.watchdog.machine import Watchdog
 
 log = logging.getLogger("sidecar")
@@ -290,8 +291,11 @@ async def background_tasks(app: web.Application) -> AsyncIterator[None]:
     jobs["owners"] = lambda: save_owners_forever(d.registry)
     jobs["loop_lag"] = d.loop_lag.run
     restore_owners(d.registry)
+    drill.continue_left_stopped(d.settings.diagnostics_dir)  # a drill's rank the previous run left stopped
     tasks = [asyncio.create_task(supervised(name, job), name=name) for name, job in jobs.items()]
     yield
+    if d.drills is not None:
+        d.drills.close()  # never leave a drilled rank stopped
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,20 +10,30 @@ caller registered, signalled through its pidfd, never a pid a client names. A jo
 stall would not end in a restart (no launcher, torchrun's restarts used up, a launcher not said, a
 restart trap, observe-only), when it has not trained yet, or when it already has an open stall. A
 drill the watchdog does not kill (its time is up, or the stall is not acted on) continues the rank.
+
+A stopped rank is never left behind by the sidecar's own end: the processes of the drills in flight
+are written to STOPPED_FILE (diag dir, root's, 0600) while they are stopped; a sidecar that stops
+continues them (`close`), and one that starts continues whatever the file names that is still the
+same process (its pid and start time, signalled through a pidfd): the previous run was killed or
+crashed mid-drill (`continue_left_stopped`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import secrets
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sidecar.config import Settings
+from sidecar.host import diagfiles, procs
 from sidecar.host.signals import Refused, Target, send
 from sidecar.incidents.store import Incident, IncidentStore
 from sidecar.ranks.errors import RegistryError
@@ -37,6 +47,8 @@ MIN_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS = 10.0, 3600.0
 FOLLOW_INTERVAL_SECONDS = 0.25
 # Outcomes of a stall that kill nothing: the drill ends there and the rank is continued.
 NOT_KILLED = frozenset({"observe_only", "suppressed", "unverified", "not_killed_no_restart", "failed", "resumed"})
+STOPPED_FILE = ".drills-stopped.json"  # in the diag dir: the processes drills in flight stopped
+MAX_STOPPED_FILE_BYTES = 1 << 16
 
 
 class DrillRefused(RegistryError):
@@ -149,6 +161,7 @@ class Drills:
             drill_id, chosen.label, chosen.pid, chosen.step, uid,
         )  # fmt: skip
         self._drills[drill_id] = drill
+        self._record()
         for old in [k for k, d in self._drills.items() if d.finished is not None][:-16]:
             del self._drills[old]
         drill.task = asyncio.get_running_loop().create_task(self._follow(drill), name=f"drill-{job_id}")
@@ -171,12 +184,30 @@ class Drills:
             raise
 
     def _end(self, drill: Drill, how: str) -> None:
+        if drill.finished is not None:
+            return
         drill.finished, drill.finished_at = how, time.time()
         self.store.drills.disarm(drill.id)
         if how != "resumed":  # never leave a rank stopped: continue it (refused once it is gone)
             with contextlib.suppress(Refused, OSError):
                 send(drill.target, signal.SIGCONT, "process")
+        self._record()
         log.warning("drill %s of job %s: %s", drill.id, drill.job_id, how)
+
+    def close(self) -> None:
+        """The sidecar stops: every drill in flight ends, its rank continued."""
+        for drill in list(self._drills.values()):
+            self._end(drill, "failed (the sidecar stopped)")
+
+    def _record(self) -> None:
+        """STOPPED_FILE: the processes of the drills in flight, for the next start to continue."""
+        stopped = [{"drill": d.id, "pid": d.target.pid, "start_time": d.target.start_time}
+                   for d in self._drills.values() if d.finished is None]  # fmt: skip
+        try:
+            with diagfiles.opened(self.settings.diagnostics_dir) as root_fd:
+                diagfiles.write_atomic(root_fd, STOPPED_FILE, json.dumps(stopped).encode(), 0o600)
+        except OSError as e:
+            log.error("cannot write %s: %s (a drilled rank would stay stopped if this sidecar died)", STOPPED_FILE, e)
 
     def incident_of(self, drill: Drill) -> Incident | None:
         return next((i for i in reversed(self.store.recent) if i.drill == drill.id), None)
@@ -186,6 +217,47 @@ class Drills:
         if drill is None:
             raise DrillUnknown(f"drill: no drill {drill_id!r} on this node")
         return figures(drill, self.incident_of(drill))
+
+
+def continue_left_stopped(diag_dir: Path | str) -> int:
+    """At start: SIGCONT each process the previous run's drills left stopped (STOPPED_FILE, the
+    sidecar's own regular file), when it is still the same process (pid and start time, checked
+    after its pidfd is open); returns how many were continued. The file is emptied."""
+    try:
+        with diagfiles.opened(diag_dir) as root_fd:
+            fd = os.open(STOPPED_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd)
+            try:
+                st = os.fstat(fd)
+                ours = st.st_uid == os.geteuid() and st.st_nlink == 1
+                raw = os.read(fd, MAX_STOPPED_FILE_BYTES) if ours else b""
+            finally:
+                os.close(fd)
+            diagfiles.write_atomic(root_fd, STOPPED_FILE, b"[]", 0o600)
+        entries = json.loads(raw or b"[]")
+    except (OSError, ValueError) as e:
+        if not isinstance(e, FileNotFoundError):
+            log.warning("cannot read %s: %s", STOPPED_FILE, e)
+        return 0
+    continued = 0
+    for entry in entries if isinstance(entries, list) else []:
+        pid, started = (entry.get("pid"), entry.get("start_time")) if isinstance(entry, dict) else (None, None)
+        if type(pid) is not int or pid <= 1 or not isinstance(started, (int, float)):
+            continue
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue  # gone
+        try:
+            if procs.start_time(pid) != started:
+                continue  # another process has the pid now
+            signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+            continued += 1
+            log.warning("drill %s: continued pid %d, left stopped by the previous run", entry.get("drill"), pid)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+    return continued
 
 
 def _after(at: Any, start: float) -> float | None:

@@ -4,6 +4,7 @@ nor on its own, nor read one; the rank stays running."""
 
 from __future__ import annotations
 
+import time
 from textwrap import dedent
 
 import pytest
@@ -57,5 +58,56 @@ def test_no_unprivileged_user_may_start_or_read_a_drill(users):
                     assert status == 403 and body["code"] == "forbidden" and "root" in body["error"], (user, out)
             assert state_of(started["pid"]) != "T", "the rank was stopped"
             assert sidecar.status()["watchdog"]["active"] == []
+        finally:
+            kill_tree(victim)
+
+
+def start_drill_as_root(sidecar, job: str) -> tuple[int, dict]:
+    """POST /v1/drills as root over the Unix socket (who may start one): (status, body)."""
+    import json
+    import socket
+
+    body = json.dumps({"job_id": job, "timeout_seconds": 600}).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sidecar.socket)
+        s.sendall(b"POST /v1/drills HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(rest)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_rank_stopped_by_a_drill_is_continued_when_the_sidecar_dies_or_stops_mid_drill(users, how):
+    """Issue 43 row 5: the drill's SIGCONT came only from its follow task. A sidecar SIGKILLed (or
+    crashed, or stopped) mid-drill left alice's rank stopped for good, and unwatched once a new
+    sidecar started. Now a stopping sidecar continues it, and a starting one continues what the last
+    run's drills left stopped (the same process only: its pid and start time)."""
+    import signal
+
+    from tests.security.rig import OPEN_SOCKET
+    from tests.support import Sidecar, wait_until
+
+    alice, _ = users
+    with open_sidecar() as sidecar:
+        victim, started = start_as(alice, sidecar, "os.environ['JOB'] = 'drilled'\n" + dedent(RANK))
+        try:
+            status, body = start_drill_as_root(sidecar, "drilled")
+            assert status == 200, body
+            wait_until(lambda: state_of(started["pid"]) == "T", 10, what="the drill to stop the rank")
+            assert sidecar.proc is not None
+            if how == "killed":
+                sidecar.proc.send_signal(signal.SIGKILL)
+                sidecar.proc.wait(10)
+                time.sleep(1.0)
+                assert state_of(started["pid"]) == "T"  # nothing could continue it: the next start must
+                with Sidecar(sidecar.workdir, *OPEN_SOCKET, name="again") as again:
+                    wait_until(lambda: state_of(started["pid"]) != "T", 15, what="the next start to continue it")
+                    assert "left stopped by the previous run" in again.log.read_text()
+            else:
+                sidecar.stop()
+                assert state_of(started["pid"]) != "T", "a stopping sidecar continues its drills' ranks"
         finally:
             kill_tree(victim)
