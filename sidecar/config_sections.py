@@ -426,8 +426,10 @@ class JobViewSettings:
     max_ranks: int = field(
         default=16384,
         metadata=doc(
-            "Most ranks a coordinator keeps in the reports of every job it coordinates together (429 beyond); "
-            "each job's own are bounded by its world size. About 2 KiB each: 16384 is ~32 MiB."
+            "Most ranks a coordinator keeps in the reports of every job it coordinates together; each job's own "
+            "are bounded by its world size. When full, shared fairly: equal parts per owner (uid), then per job; "
+            "a job past its part is refused (429) or, when another needs room, dropped. About 2 KiB each: "
+            "16384 is ~32 MiB."
         ),
     )
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.jobview import auth
+from sidecar.jobview import auth, budget
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.golive import JobChecks, JobGoLive
 from sidecar.jobview.judge import Summary, judge_summaries, records_said, summarize
@@ -175,7 +175,7 @@ class Coordinator:
         job.lateness.take(report.node, report.time, self.wall(), report.lateness, now, size or self.max_ranks)
         job.golive.take(report.node, report.golive, size or report.world_size, now)
         if job.lateness.judge(now, self.wall(), self.node):
-            self._log_stragglers(job)
+            job.stragglers_logged = job.lateness.log_changes(job.job_id, self.node, job.stragglers_logged)
         self._update(job, report, now)
         return job.current.verdict if job.current is not None else None
 
@@ -188,18 +188,6 @@ class Coordinator:
         """The job's go-live checks over every node, in the answer to each report (None: none yet)."""
         job = self._jobs.get(job_id)
         return job.golive.answer(self.clock(), self.wall(), self.lost_after) if job is not None else None
-
-    def _log_stragglers(self, job: _Job) -> None:
-        verdict = job.lateness.verdict
-        named = set(verdict.stragglers) if verdict is not None else set()
-        if named != job.stragglers_logged:
-            answer = job.lateness.answer(self.node)
-            said = ", ".join(
-                f"rank {s.rank} on {s.node} {s.seconds * 1000:.1f} ms late (pg {s.pg})"
-                for s in (answer.stragglers if answer is not None else [])
-            )
-            log.warning("job %s: straggler(s): %s", job.job_id, said or "none any more")
-            job.stragglers_logged = named
 
     def _bound(self, job: _Job, report: NodeReport, size: int | None, now: float) -> None:
         """Refuse a report past the job's world size or the coordinator's bounds (round 3, rows 1
@@ -225,10 +213,15 @@ class Coordinator:
             raise CoordinatorError(
                 429, "limit_exceeded", f"{name}: its nodes' reports would hold more ranks than its world size ({size})"
             )
-        if self.ranks_held + more > self.max_ranks:
-            raise CoordinatorError(
-                429, "limit_exceeded", f"job_view.max_ranks ({self.max_ranks}): the ranks of every job reported here"
-            )
+        if self.ranks_held + more > self.max_ranks:  # shared fairly between owners and jobs (budget.py)
+            owner_of = {j: k.owner for j, k in self._keys.items()}
+            held = [budget.Holding(j.job_id, owner_of.get(j.job_id), j.ranks_held) for j in self._jobs.values()]
+            victims = budget.make_room(held, job.job_id, owner_of.get(job.job_id), more, self.max_ranks)
+            if victims is None:
+                raise CoordinatorError(429, "limit_exceeded", f"job_view.max_ranks ({self.max_ranks}): {name} "
+                                       "would hold more than its fair part of the ranks reported here")  # fmt: skip
+            for victim in victims:
+                self._evict(self._jobs[victim])
 
     def _update(self, job: _Job, report: NodeReport, now: float) -> None:
         """O(the report's ranks): the judgement, which reads every node, runs at most every
@@ -370,6 +363,15 @@ class Coordinator:
             job.current.verdict.version = job.version
         job.changed.set()
         job.changed = asyncio.Event()
+
+    def _evict(self, job: _Job) -> None:
+        """Drop a job's reports: it held more than its fair part of the budget when another needed it."""
+        log.warning("job %s: its nodes' reports (%d ranks) dropped: over its fair part of job_view.max_ranks",
+                    job.job_id, job.ranks_held)  # fmt: skip
+        self.ranks_held -= job.ranks_held
+        job.ranks_held = 0
+        job.reports.clear()
+        job.summaries.clear()
 
     def _forget_silent(self, job: _Job, now: float) -> None:
         for node in [n for n, (_, at) in job.reports.items() if now - at > FORGET_AFTER_SECONDS]:

@@ -39,6 +39,7 @@ report (ProtocolError naming the field).
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -50,6 +51,8 @@ from sidecar.ranks.collectives import Collectives, parse_recent
 from sidecar.ranks.model import Rank
 from sidecar.ranks.protocol import CONTROL_RE, ProtocolError
 from trainer_hooks.wire import COLLECTIVES_MAX_GROUP_RANKS, MAX_RANK, MAX_TIME
+
+log = logging.getLogger(__name__)
 
 REPORT_RECENT = 16  # entry times per rank and group a report carries (the hooks send 32)
 REPORT_GROUPS = 4  # groups per rank a report carries (data x tensor x pipeline parallel: 3)
@@ -355,6 +358,18 @@ class JobJudge:
         self.fresh, self.judged_at, self.wall = False, now, wall
         self.cost = time.perf_counter() - started
         return True
+
+    def log_changes(self, job_id: str, node: str, logged: set[int]) -> set[int]:
+        """Log the job's stragglers when they changed from `logged`; returns the ones named now."""
+        named = set(self.verdict.stragglers) if self.verdict is not None else set()
+        if named != logged:
+            answer = self.answer(node)
+            said = ", ".join(
+                f"rank {s.rank} on {s.node} {s.seconds * 1000:.1f} ms late (pg {s.pg})"
+                for s in (answer.stragglers if answer is not None else [])
+            )
+            log.warning("job %s: straggler(s): %s", job_id, said or "none any more")
+        return named
 
     def answer(self, node: str) -> JobLateness | None:
         """What `node` is told: the job's stragglers, its own ranks' lateness and its clock offset."""

@@ -4,6 +4,7 @@ the same stall, a verdict that every node gets (long-polled), lost nodes, bounds
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -290,9 +291,54 @@ def test_a_jobs_reports_are_bounded_by_its_world_size_and_every_jobs_by_max_rank
     c.accept(report("node-2", rank(3, state="healthy")))
     assert c.ranks_held == 4
     c.accept(report("node-0", *(rank(r, state="healthy") for r in range(2)), job="j2"))
-    with pytest.raises(CoordinatorError) as e:  # every job's reports together: max_ranks
-        c.accept(report("node-1", rank(2, state="healthy"), job="j2"))
-    assert e.value.status == 429 and "job_view.max_ranks" in str(e.value)
+    # every job's reports together: max_ranks, shared fairly (budget.py): j1 holds 4 of 6, over its
+    # part (3 of one owner's 6, two jobs): its reports go to make room for j2's, up to j2's part
+    c.accept(report("node-1", rank(2, state="healthy"), job="j2"))
+    assert c.ranks_held == 3 and c._jobs["j1"].ranks_held == 0 and c._jobs["j2"].ranks_held == 3
+    c.accept(report("node-0", rank(0, state="healthy"), rank(1, state="healthy")))  # j1 again, within its part
+    c.accept(report("node-2", rank(3, state="healthy"), job="j2"))  # free room: taken, past its part or not
+    with pytest.raises(CoordinatorError) as e:  # no room, and past j2's part: refused, nothing evicted
+        c.accept(report("node-3", rank(4, state="healthy"), job="j2"))
+    assert e.value.status == 429 and "job_view.max_ranks" in str(e.value) and "fair part" in str(e.value)
+    assert c.ranks_held == 6 and c._jobs["j1"].ranks_held == 2
+
+
+def test_one_owners_invented_nodes_cannot_take_the_budget_from_another_owners_job():
+    """Round 4, row 3: mallory (uid 1001), one sleeper of her job claiming world size 2**24, filled the
+    coordinator's ranks with invented nodes; alice's (uid 1000) second node then got 429, and her
+    real hang was judged by one node alone. Now, once alice's reports need room, mallory's job is
+    past its fair part (half the budget: two owners) and is dropped; her next report over her part
+    is refused, and alice's are never refused while she keeps within hers."""
+    sizes = {"mine": 1 << 24, "alice": 16}
+
+    def hers(n: int) -> None:  # an invented node of 8 ranks
+        with contextlib.suppress(CoordinatorError):
+            c.accept(
+                report(f"fake-{n}", *(rank(n * 8 + i, state="stalled") for i in range(8)), job="mine", world=1 << 24)
+            )
+
+    def alices(node: int, count: int = 4) -> None:
+        c.accept(
+            report(f"node-{node}", *(rank(node * 4 + i, state="healthy") for i in range(count)), job="alice", world=16)
+        )
+
+    c = coordinator(Clock(), hosts=lambda job: sizes.get(job, 0), max_ranks=64)
+    c.key_for("mine", 1001), c.key_for("alice", 1000)
+    for n in range(20):
+        hers(n)
+    assert c._jobs["mine"].ranks_held == 64  # alone, she may use it all
+    alices(0)  # alice's nodes need room: mallory's job, past its part (32 of 64: two owners), goes
+    alices(1)
+    assert c._jobs["alice"].ranks_held == 8 and c._jobs["mine"].ranks_held == 0
+    for n in range(20, 40):  # she takes what is free again, never what alice holds
+        hers(n)
+    assert c._jobs["alice"].ranks_held == 8 and c._jobs["mine"].ranks_held == 56
+    alices(2)  # alice's third node: mallory, over her part, makes room again
+    alices(3)
+    assert c._jobs["alice"].ranks_held == 16 and c.ranks_held <= 64
+    for n in range(40, 60):
+        hers(n)  # within her part (32) while alice holds 16: refused past it
+    assert c._jobs["alice"].ranks_held == 16 and c._jobs["mine"].ranks_held <= 48
 
 
 def test_a_job_with_no_rank_here_is_forgotten_with_its_key():

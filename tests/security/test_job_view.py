@@ -413,3 +413,53 @@ def get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[in
         return resp.status, json.loads(resp.read())
     finally:
         conn.close()
+
+
+FILL = """
+    import http.client
+    rank = sleeper()
+    status, body = request("/v1/register", registration(rank.pid, "mine", world_size=1 << 24))
+    key, path = body["job_view"]["key"], "/v1/jobs/mine/report"
+    conn = http.client.HTTPConnection("127.0.0.1", PORT, timeout=30)
+    codes = {}
+    for n in range(12):
+        ranks = [{"rank": n * 1024 + i, "local_rank": i, "state": "healthy", "step": 5, "phase": None,
+                  "progress_age_seconds": 0.1, "waiting": False} for i in range(1024)]
+        body = json.dumps({"job_id": "mine", "node": f"fake-{n}", "world_size": 1 << 24,
+                           "time": time.time(), "ranks": ranks}).encode()
+        status, _ = tcp(0, "POST", path, body, {"X-Sidecar-Peer": sign(key, "POST", path, body, "n1")}, conn=conn)
+        codes[status] = codes.get(status, 0) + 1
+    report(codes=codes)
+    time.sleep(600)
+"""
+
+SECOND_NODE = """
+    import http.client
+    rank = sleeper()
+    status, body = request("/v1/register", registration(rank.pid, "alice-job", world_size=2))
+    key, path = body["job_view"]["key"], "/v1/jobs/alice-job/report"
+    ranks = [{"rank": 1, "local_rank": 0, "state": "healthy", "step": 5, "phase": None,
+              "progress_age_seconds": 0.1, "waiting": False}]
+    body = json.dumps({"job_id": "alice-job", "node": "alice-n2", "world_size": 2, "time": time.time(),
+                       "ranks": ranks}).encode()
+    status, answer = tcp(PORT, "POST", path, body, {"X-Sidecar-Peer": sign(key, "POST", path, body, "n1")})
+    rank.kill()
+    report(status=status, answer=str(answer)[:300])
+"""
+
+
+def test_one_users_invented_nodes_cannot_take_the_coordinators_budget_from_another_users_job(users):
+    """Round 4, row 3: mallory's one sleeper claims world size 2**24 and her invented nodes, signed
+    with her own key, take job_view.max_ranks (8,192). Before, alice's second node then got 429:
+    her real hang was judged by one node alone and blamed on a healthy waiting rank, which it killed.
+    Now alice's report is taken, and mallory's job, over its fair part, is what goes."""
+    alice, mallory = users
+    with open_sidecar(*FAST, "job_view.max_ranks=8192") as sidecar:
+        filler, filled = start_as(mallory, sidecar, dedent(FILL).replace("PORT", str(sidecar.port)), timeout=300)
+        try:
+            assert filled["codes"] == {"200": 8, "429": 4}, filled  # alone, she may take all that is free
+            out = attack(alice, sidecar, SECOND_NODE.replace("PORT", str(sidecar.port)))
+            print(f"row 3: mallory {filled['codes']}; alice's second node: {out['status']}")
+            assert out["status"] == 200, out
+        finally:
+            kill_tree(filler)
