@@ -18,7 +18,7 @@ import json
 from aiohttp import web
 
 from sidecar.daemon.api import DAEMON, ApiError, Daemon, _is_tcp, _socket, read_json
-from sidecar.host import identity
+from sidecar.host import identity, procs
 from sidecar.jobview import auth
 from sidecar.jobview.coordinator import CoordinatorError
 from sidecar.jobview.report import parse_report
@@ -42,13 +42,29 @@ async def _authorize(request: web.Request, body: bytes) -> tuple[str, str] | Non
         _root_on_socket(request)  # again after a handler's early check: the connection's peer is fixed
         return None
     job_id = request.match_info["job_id"]
-    verifier = _coordinator(request.app[DAEMON]).verifier(job_id)
+    coordinator = _coordinator(request.app[DAEMON])
+    verifier = coordinator.verifier(job_id)
     if verifier is None:
         raise ApiError(404, "not_coordinator", f"job_id: no verified rank of job {job_id!r} registered on this node")
+    uid = await _local_uid(request)
+    if uid is not None and uid not in (0, coordinator.owner(job_id)):  # round 4, row 2 (docs/security.md)
+        raise ApiError(403, "forbidden", "a peer request from this node comes from its sidecar or the job's own user")
     nonce = verifier.check(request.method, request.path_qs, body, request.headers.get(auth.REQUEST_HEADER))
     if nonce is None:
         raise ApiError(401, "unauthorized", f"peer requests must be signed with the job's key ({auth.REQUEST_HEADER})")
     return verifier.key, nonce
+
+
+async def _local_uid(request: web.Request) -> int | None:
+    """The uid of the process behind a TCP connection from this node (its network namespace);
+    None from another host. Whoever on this node can read a job's c10d store can read its key:
+    that alone no longer makes a local user the job's peer."""
+    transport = request.transport
+    client = transport.get_extra_info("peername") if transport is not None else None
+    server = transport.get_extra_info("sockname") if transport is not None else None
+    if not (isinstance(client, tuple) and isinstance(server, tuple)):
+        return None
+    return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_client_uid, client, server)
 
 
 def _answer(payload: dict, signed: tuple[str, str] | None) -> web.Response:

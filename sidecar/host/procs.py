@@ -204,6 +204,28 @@ def tcp_peer(client: tuple, server: tuple) -> tuple[int, int] | None:
     return None
 
 
+def tcp_client_uid(client: tuple, server: tuple) -> int | None:
+    """The uid owning the client end of a TCP connection from this node (the `uid` column of
+    /proc/net/tcp*: one read, no scan of processes), or None when its end is not in this network
+    namespace (another host, another namespace)."""
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            with open(f"{psutil.PROCFS_PATH}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            try:
+                local, remote = _address(fields[1], family), _address(fields[2], family)
+                if local[1] == client[1] and remote[1] == server[1] and _same_host(local[0], client[0]):
+                    if _same_host(remote[0], server[0]):
+                        return int(fields[7])
+            except (IndexError, ValueError, OSError):
+                continue
+    return None
+
+
 def tcp_listener(port: int) -> str | None:
     """Who listens on TCP `port` in this network namespace, for a start-up error: "pid 123
     (uid 1001, python3)", "an unknown process" when none is visible; None when nobody listens."""

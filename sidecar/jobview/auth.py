@@ -31,6 +31,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from trainer_hooks.wire import JOB_KEY_CHARS
 
@@ -116,3 +117,11 @@ class Verifier:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+@dataclass
+class JobKey:
+    """A job's key on its coordinator: made for the uid whose verified rank first registered the job there."""
+
+    owner: int | None
+    verifier: Verifier

@@ -84,14 +84,6 @@ class _Job:
         return len(got[0].ranks) if got is not None else 0
 
 
-@dataclass
-class _Key:
-    """A job's key (auth.py): made for the uid whose verified rank first registered the job here."""
-
-    owner: int | None
-    verifier: auth.Verifier
-
-
 Probe = Callable[[str], Awaitable[bool]]  # url -> whether a sidecar answers there
 
 
@@ -118,7 +110,7 @@ class Coordinator:
         self.max_nodes, self.probe, self.clock, self.wall = max_nodes, probe, clock, wall
         self.max_ranks, self.node = max_ranks, node
         self._jobs: dict[str, _Job] = {}
-        self._keys: dict[str, _Key] = {}
+        self._keys: dict[str, auth.JobKey] = {}
         self.reports_total = 0
         self.ranks_held = 0  # ranks in every job's latest reports
         self.forgotten = 0  # jobs forgotten (no rank of them registered here any more)
@@ -130,8 +122,11 @@ class Coordinator:
         per job and owner (a job_id that passed to another uid gets a new one)."""
         entry = self._keys.get(job_id)
         if entry is None or entry.owner != owner:
-            entry = self._keys[job_id] = _Key(owner, auth.Verifier(auth.new_key(), self.node))
+            entry = self._keys[job_id] = auth.JobKey(owner, auth.Verifier(auth.new_key(), self.node))
         return entry.verifier.key
+
+    def owner(self, job_id: str) -> int | None:
+        return entry.owner if (entry := self._keys.get(job_id)) is not None else None
 
     def verifier(self, job_id: str) -> auth.Verifier | None:
         """Checks the job's peer requests; None when no verified rank of it registered here."""

@@ -120,7 +120,8 @@ def test_another_users_reports_for_a_job_are_refused_and_its_hang_is_killed_on_t
             finally:
                 kill_tree(forger)
             print(f"row 1/10: forged reports {first['codes']}; alice's hang killed {took:.1f}s after the watch began")
-            assert first["codes"] == [403, 401, 401], first
+            # a local user who is not the job's is no peer of it (round 4, row 2: 403 before the signature)
+            assert first["codes"] == [403, 403, 403], first
             full = killed_record(sidecar, "victim")
             assert full["outcome"] == "killed" and (full["blamed_rank"], full["blamed_node"]) == (0, "n1"), full
             assert not any("launcher_grace" in n for n in full["notes"]), full["notes"]
@@ -214,7 +215,8 @@ def test_without_a_token_loopback_gets_no_story_or_verdict_unsigned(users):
                        socket=request("/v1/jobs/victim/verdict", None, method="GET"))
                 """,
             )
-            assert [out[k][0] for k in ("story", "verdict", "socket")] == [401, 401, 403], out
+            # another local user: no peer of alice's job, signed or not (round 4, row 2; 401 before)
+            assert [out[k][0] for k in ("story", "verdict", "socket")] == [403, 403, 403], out
             assert "sleep" not in json.dumps(out), out  # no frame of alice's in any answer
         finally:
             kill_tree(victim)
@@ -463,3 +465,42 @@ def test_one_users_invented_nodes_cannot_take_the_coordinators_budget_from_anoth
             assert out["status"] == 200, out
         finally:
             kill_tree(filler)
+
+
+STOLEN_KEY = """
+    key, port = KEY, PORT
+    out = {}
+    for name, method, path, body in (
+        ("story", "GET", "/v1/jobs/victim/story", b""),
+        ("verdict", "GET", "/v1/jobs/victim/verdict", b""),
+        ("report", "POST", "/v1/jobs/victim/report", json.dumps({"job_id": "victim", "node": "evil",
+            "world_size": 2, "time": time.time(), "ranks": [{"rank": 1, "local_rank": 0, "state": "stalled",
+            "step": 0, "phase": None, "progress_age_seconds": 99.0, "waiting": False}]}).encode()),
+    ):
+        status, answer = tcp(port, method, path, body or None, {"X-Sidecar-Peer": sign(key, method, path, body, "n1")})
+        out[name] = [status, str(answer)[:2000]]
+    report(**out)
+"""
+
+
+def test_a_local_user_with_a_jobs_key_read_from_its_store_gets_no_story_and_forges_no_report(users):
+    """Round 4, row 2: the hooks hand the job's key to every rank through the job's c10d store,
+    which has no authentication: a local user of the coordinator's node read it 16 s after the job
+    started and, signing with it over loopback, got the story with alice's stack frames (200) and
+    could forge reports and poll verdicts. A local caller is now known by its connection (the uid
+    column of /proc/net/tcp): only root (the node's sidecar) or the job's own user is its peer."""
+    alice, mallory = users
+    with open_sidecar(*FAST) as sidecar:
+        victim, info = start_job(alice, sidecar, "victim")
+        try:
+            wait_until(lambda: sidecar.status()["incidents"], 30, what="alice's job incident")
+            code = dedent(STOLEN_KEY).replace("KEY", repr(info["offer"]["key"])).replace("PORT", str(sidecar.port))
+            stolen = attack(mallory, sidecar, code)
+            own = attack(alice, sidecar, code)
+            print(f"row 2: mallory {[stolen[k][0] for k in ('story', 'verdict', 'report')]}, "
+                  f"alice {[own[k][0] for k in ('story', 'verdict', 'report')]}")  # fmt: skip
+            assert [stolen[k][0] for k in ("story", "verdict", "report")] == [403, 403, 403], stolen
+            assert "sleep" not in json.dumps(stolen), stolen  # no frame of alice's in any answer
+            assert own["story"][0] == 200 and own["verdict"][0] == 200, own  # the job's own user: its peer
+        finally:
+            kill_tree(victim)
