@@ -416,6 +416,15 @@ class JobViewSettings:
             "out of the job names no straggler any more)."
         ),
     )
+    cluster_key_file: str = field(
+        default="",
+        metadata=doc(
+            "Opt-in: a file (root's, mode 0600) holding a secret every node of the cluster shares (at least 32 "
+            "characters). Peer requests are then signed with the job's key bound to it: the job's key alone, "
+            "which anyone who can read the job's c10d store may learn, no longer signs (docs/security.md). "
+            "Every node of a job needs the same file; empty: the job's key alone."
+        ),
+    )
     forget_after_seconds: float = field(
         default=120.0,
         metadata=doc(
@@ -432,6 +441,22 @@ class JobViewSettings:
             "16384 is ~32 MiB."
         ),
     )
+
+    def cluster_key(self) -> bytes | None:
+        """The cluster secret of `cluster_key_file`, or None when unset; ConfigError when unusable."""
+        if not self.cluster_key_file:
+            return None
+        try:
+            with open(self.cluster_key_file, "rb") as f:
+                st = os.fstat(f.fileno())
+                secret = f.read(4096).strip()
+        except OSError as e:
+            _fail("job_view.cluster_key_file", f"cannot read {self.cluster_key_file}: {e.strerror}")
+        if st.st_mode & 0o077:
+            _fail("job_view.cluster_key_file", f"{self.cluster_key_file} is readable by others: chmod 600 it")
+        if len(secret) < 32:
+            _fail("job_view.cluster_key_file", f"{self.cluster_key_file} holds fewer than 32 characters")
+        return secret
 
     def __post_init__(self) -> None:
         for name in ("report_interval_seconds", "verdict_wait_seconds", "launcher_grace_seconds"):

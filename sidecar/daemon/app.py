@@ -162,6 +162,7 @@ def attach_job_view(daemon: api.Daemon) -> None:
         stale_after=collectives.stale_after(settings.hooks_flush_interval_seconds),
         max_ranks=jv.max_ranks,
         node=settings.node_name,
+        cluster_key=jv.cluster_key(),
     )
     golive_settings = (settings.watchdog.golive_steps, settings.watchdog.golive_imbalance_ratio)
     daemon.reporter = Reporter(
@@ -174,6 +175,7 @@ def attach_job_view(daemon: api.Daemon) -> None:
         golive=lambda job_id: daemon.golive.figures(
             job_id, registry.ranks(), memory_of(daemon.runner.families()), *golive_settings
         ),
+        cluster_key=jv.cluster_key(),
     )
     daemon.watchdog.job_view = daemon.reporter
     if daemon.exits is not None:
@@ -444,6 +446,7 @@ def main(args: argparse.Namespace) -> int:
         settings.incident_group_id()
         settings.collectors.check_host_paths()
         token = settings.push_token()  # also proves token_file readable
+        settings.job_view.cluster_key()  # and job_view.cluster_key_file usable
         if settings.requires_token() and token is None:
             raise ConfigError(
                 f"setting token_file: listen {settings.listen} is beyond loopback, so the push API "

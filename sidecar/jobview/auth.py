@@ -10,7 +10,9 @@ hooks, and any other secret of the node, never signs a peer request (round 3, ro
 
 Who learns a job's key: its ranks (the job's owner), their sidecars, and whoever can read the
 job's c10d store, which holds the job's rendezvous already (anyone who can read or write it can
-break or join the job itself). The key itself never travels to the coordinator, so a report sent
+break or join the job itself). On the coordinator's node such a reader is no peer unless root or
+the job's user (sidecar/daemon/peer_api.py); from elsewhere, only a cluster secret the nodes share
+(`bind`, job_view.cluster_key_file) keeps the key alone from signing. The key itself never travels to the coordinator, so a report sent
 to a host a user chose leaks nothing that host could use against another job.
 
 A request carries `X-Sidecar-Peer: <unix time>:<nonce>:<hex>`, a MAC over the method, the path,
@@ -48,6 +50,13 @@ def new_key() -> str:
 
 def valid_key(value: object) -> bool:
     return isinstance(value, str) and KEY_RE.fullmatch(value) is not None
+
+
+def bind(key: str, cluster: bytes | None) -> str:
+    """The key that signs a job's peer requests: the job's own, or where the nodes share a cluster
+    secret (job_view.cluster_key_file), the job's key bound to it: someone who read the job's key
+    from its c10d store, without root on a node of the cluster, can sign nothing."""
+    return key if not cluster else hmac.new(cluster, b"job-key\n" + key.encode(), hashlib.sha256).hexdigest()
 
 
 def _mac(key: str, *parts: bytes) -> str:
@@ -124,4 +133,5 @@ class JobKey:
     """A job's key on its coordinator: made for the uid whose verified rank first registered the job there."""
 
     owner: int | None
-    verifier: Verifier
+    verifier: Verifier  # with the bound key (`bind`)
+    offered: str  # the job's own key, handed to its ranks

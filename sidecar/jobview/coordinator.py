@@ -104,11 +104,12 @@ class Coordinator:
         stale_after: float = STALE_AFTER_SECONDS,
         max_ranks: int = 16384,
         node: str = "",
+        cluster_key: bytes | None = None,  # job_view.cluster_key_file's secret (auth.bind)
     ):
         self.stale_after = stale_after  # a collective record this old says its rank's process stopped
         self.hosts, self.lost_after, self.verdict_wait = hosts, lost_after, verdict_wait
         self.max_nodes, self.probe, self.clock, self.wall = max_nodes, probe, clock, wall
-        self.max_ranks, self.node = max_ranks, node
+        self.max_ranks, self.node, self.cluster_key = max_ranks, node, cluster_key
         self._jobs: dict[str, _Job] = {}
         self._keys: dict[str, auth.JobKey] = {}
         self.reports_total = 0
@@ -122,8 +123,11 @@ class Coordinator:
         per job and owner (a job_id that passed to another uid gets a new one)."""
         entry = self._keys.get(job_id)
         if entry is None or entry.owner != owner:
-            entry = self._keys[job_id] = auth.JobKey(owner, auth.Verifier(auth.new_key(), self.node))
-        return entry.verifier.key
+            key = auth.new_key()
+            entry = self._keys[job_id] = auth.JobKey(
+                owner, auth.Verifier(auth.bind(key, self.cluster_key), self.node), key
+            )
+        return entry.offered
 
     def owner(self, job_id: str) -> int | None:
         return entry.owner if (entry := self._keys.get(job_id)) is not None else None

@@ -76,7 +76,9 @@ class Reporter:
         request_timeout: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
         golive: Callable[[str], JobFigures | None] | None = None,
+        cluster_key: bytes | None = None,  # job_view.cluster_key_file's secret: signs with auth.bind's key
     ):
+        self.cluster_key = cluster_key
         self.node, self.own_url = node, own_url
         self.report_interval, self.source, self.local = report_interval, source, local
         self.request_timeout, self.clock = request_timeout, clock
@@ -369,7 +371,8 @@ class Reporter:
         headers = {"Content-Type": "application/json"}
         if link.key is None:
             raise RuntimeError("no job key to sign with")
-        headers[auth.REQUEST_HEADER], nonce = auth.sign_request(link.key, method, path, body, link.node)
+        key = auth.bind(link.key, self.cluster_key)
+        headers[auth.REQUEST_HEADER], nonce = auth.sign_request(key, method, path, body, link.node)
         timeout = aiohttp.ClientTimeout(
             total=self.request_timeout + extra_timeout, connect=min(1.0, self.request_timeout)
         )
@@ -378,7 +381,7 @@ class Reporter:
             raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
             if len(raw) > MAX_ANSWER_BYTES:
                 raise RuntimeError(f"{method} {path}: answer larger than {MAX_ANSWER_BYTES} bytes")
-            if not auth.reply_is_signed(link.key, nonce, raw, resp.headers.get(auth.REPLY_HEADER)):
+            if not auth.reply_is_signed(key, nonce, raw, resp.headers.get(auth.REPLY_HEADER)):
                 raise RuntimeError(f"{method} {path}: {resp.status}, the answer is not signed with the job's key")
             if resp.status != 200:
                 raise RuntimeError(f"{method} {path}: {resp.status} {raw[:200]!r}")

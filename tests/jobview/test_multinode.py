@@ -11,6 +11,7 @@ waiting ranks to torchrun's re-rendezvous, and the job resumes and finishes."""
 from __future__ import annotations
 
 import json
+import secrets
 
 import pytest
 
@@ -71,11 +72,17 @@ def test_a_hung_rank_on_the_middle_node_is_named_by_every_node_and_only_its_node
 def test_a_lost_node_is_named_by_the_survivors_and_the_job_comes_back_without_it(tmp_path):
     """A whole node goes (its sidecar, agent and ranks SIGKILLed at once): the survivors' ranks
     fail on the lost peer, their exits are recorded as consequences of one job incident that
-    names the lost node, and the elastic job (--nnodes 2:3) finishes on the two that are left."""
+    names the lost node, and the elastic job (--nnodes 2:3) finishes on the two that are left.
+    The nodes share a cluster secret (job_view.cluster_key_file): every peer request is signed with
+    the job's key bound to it (issue 43 row 2), and the job view works as without."""
     nodes = [NodeSpec("node-0", 1), NodeSpec("node-1", 2), NodeSpec("node-2", 1)]
     # No hang: 141 steps, long enough for every node to report before one is lost.
     env = {"CYCLE_HANG_STEP": "100", "CYCLE_LOG": str(tmp_path / "cycle.jsonl")}
+    secret = tmp_path / "cluster.key"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
     spec = ClusterSpec(nodes, job_id="jv", sidecar=sidecars(), env=env, min_nodes=2)
+    spec.sidecar.extra = [*spec.sidecar.extra, f"job_view.cluster_key_file={secret}"]
     with Cluster(spec, tmp_path) as cluster:
         assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
         # every node reports to the job's coordinator (it learns the node before the node is lost)

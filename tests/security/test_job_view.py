@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
 import time
 from textwrap import dedent
 
@@ -504,3 +505,37 @@ def test_a_local_user_with_a_jobs_key_read_from_its_store_gets_no_story_and_forg
             assert own["story"][0] == 200 and own["verdict"][0] == 200, own  # the job's own user: its peer
         finally:
             kill_tree(victim)
+
+
+def test_with_a_cluster_secret_the_jobs_key_alone_signs_nothing(users, tmp_path):
+    """Round 4, row 2, the rest: a user of another host who read the job's key from its c10d store
+    is not seen by the coordinator (no uid over the network). Where the nodes share a cluster secret
+    (job_view.cluster_key_file, root's), the key alone signs nothing: 401 for a report signed with
+    it (sent here as root, whom the local check lets through, as a remote caller would be); 200 for
+    the same signed with the key bound to the secret (what the node's sidecars send)."""
+    from sidecar.jobview import auth
+
+    alice, _ = users
+    secret = tmp_path / "cluster.key"
+    secret.write_text("s3cret-" * 8)
+    secret.chmod(0o600)
+    with open_sidecar(*FAST, f"job_view.cluster_key_file={secret}") as sidecar:
+        victim, info = start_job(alice, sidecar, "victim")
+        try:
+            key, path = info["offer"]["key"], "/v1/jobs/victim/report"
+            body = json.dumps({"job_id": "victim", "node": "n3", "world_size": 2, "time": time.time(),
+                               "ranks": []}).encode()  # fmt: skip
+            codes = []
+            for signing in (key, auth.bind(key, secret.read_bytes().strip())):
+                header, _ = auth.sign_request(signing, "POST", path, body, "n1")
+                codes.append(post(sidecar.port, path, body, {auth.REQUEST_HEADER: header})[0])
+            assert codes == [401, 200], codes
+        finally:
+            kill_tree(victim)
+    secret.chmod(0o644)  # a secret others can read is refused at start, naming the setting
+    from tests.support import PYTHON
+
+    out = subprocess.run([PYTHON, "-m", "sidecar", "run", "--set", f"job_view.cluster_key_file={secret}",
+                          "--socket", str(tmp_path / "s.sock"), "--listen", "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "job_view.cluster_key_file" in out.stderr and "chmod 600" in out.stderr, out
