@@ -12,8 +12,9 @@ Who learns a job's key: its ranks (the job's owner), their sidecars, and whoever
 job's c10d store, which holds the job's rendezvous already (anyone who can read or write it can
 break or join the job itself). On the coordinator's node such a reader is no peer unless root or
 the job's user (sidecar/daemon/peer_api.py); from elsewhere, only a cluster secret the nodes share
-(`bind`, job_view.cluster_key_file) keeps the key alone from signing. The key itself never travels to the coordinator, so a report sent
-to a host a user chose leaks nothing that host could use against another job.
+(`bind`, job_view.cluster_key_file) keeps the key alone from signing. The key itself never
+travels to the coordinator, so a report sent to a host a user chose leaks nothing that host could
+use against another job.
 
 A request carries `X-Sidecar-Peer: <unix time>:<nonce>:<hex>`, a MAC over the method, the path,
 the destination node's name (a request signed for one node is refused by every other), the
