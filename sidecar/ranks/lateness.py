@@ -15,7 +15,9 @@ half the members are equally slow, the slow ones are its pace, and none is named
 every member whose record still comes has reported are judged (the records come a few at a time:
 judged on the first alone, a rank was compared with part of its group for a moment). A rank is a
 straggler when that median exceeds max(FLOOR_SECONDS, INTERVAL_RATIO x the group's median
-interval between consecutive collectives) in every group it has data in: with data x tensor
+interval between consecutive collectives), and it holds the group up (in at least HOLDING_SHARE of
+its collectives it entered within that threshold of the last member: a rank released late while
+its peers wait for the straggler enters late, but before it), in every group it has data in: with data x tensor
 parallel groups, a rank that waited for the straggler in one group enters its other groups late
 too, but is on time in the group it waited in; the straggler is late in all of them. The
 lateness a rank is shown with is the least of its groups' for the same reason. A moment's lateness is
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from statistics import median
 
 from prometheus_client.core import Metric
@@ -57,6 +59,11 @@ FLOOR_SECONDS = 0.020  # a lateness below this is clocks and scheduling, never a
 INTERVAL_RATIO = 0.1  # ... nor below this share of its group's median interval between collectives
 # (a rank slowed by r x the step is late r/(1+r) of the interval: named from r = 11%; 0.25 named only from 33%)
 MIN_SEQUENCES = 8  # common sequences a group needs before it names a straggler
+# ... and a straggler holds its group up: in at least this share of its collectives it entered within the
+# threshold of the last member. A rank released late from the previous collective while its peers wait for
+# a straggler (a ring's completion reaching it later on a busy machine) enters late too, before the
+# straggler: it delays no one (issue 48: named beside a rank under a CPU quota, 34 ms late to its 97 ms).
+HOLDING_SHARE = 0.5
 # ... and the collectives a rank was found late in, judgement after judgement, must span this long: a
 # moment's delay is not a straggler. A window of 32 collectives of 300 ms steps spans 9.6 s (named at the
 # first judgement, as before); of 50 ms steps, 1.6 s: a rank of a healthy job slowed for a second or two
@@ -96,6 +103,8 @@ class GroupLateness:
     lateness: dict[int, float]  # rank -> its median lateness in the group
     start: float = 0.0  # the first entry time of the oldest and newest collectives judged
     end: float = 0.0
+    # rank -> the share of its collectives it held up: entered within the threshold of the last member
+    holding: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,13 @@ def _group(
     interval = median(steps) if steps else None
     threshold = max(floor, ratio * interval) if interval is not None and interval > 0 else floor
     shown = {r: max(0.0, median(v)) for r, v in sorted(late.items())}
-    return GroupLateness(pg, len(common), interval, threshold, shown, first[common[0]], first[common[-1]])
+    held: dict[int, int] = {}
+    for s in common:
+        last = max(by_seq[s].values())
+        for rank, entered in by_seq[s].items():
+            held[rank] = held.get(rank, 0) + (entered >= last - threshold)
+    holding = {r: held.get(r, 0) / len(v) for r, v in late.items()}
+    return GroupLateness(pg, len(common), interval, threshold, shown, first[common[0]], first[common[-1]], holding)
 
 
 def _behind_peers(entered: Mapping[int, float]) -> dict[int, float]:
@@ -192,7 +207,12 @@ def judge(
             per_rank.setdefault(rank, []).append(g)
     ranks = {}
     for rank, groups in sorted(per_rank.items()):
-        straggler = all(g.sequences >= min_sequences and g.lateness[rank] > g.threshold for g in groups)
+        straggler = all(
+            g.sequences >= min_sequences
+            and g.lateness[rank] > g.threshold
+            and g.holding.get(rank, 1.0) >= HOLDING_SHARE  # it held its group up
+            for g in groups
+        )
         ranks[rank] = RankLateness(
             rank, min(g.lateness[rank] for g in groups), {g.pg: g.lateness[rank] for g in groups}, straggler
         )

@@ -82,6 +82,7 @@ RANK_KEYS = {
     "local_rank",
     "world_size",
     "pid",
+    "uid",
     "state",
     "step",
     "step_time_seconds",

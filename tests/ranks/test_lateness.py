@@ -41,6 +41,21 @@ def test_one_slow_rank_is_named_with_its_delay():
     assert v.groups[0].interval == pytest.approx(STEP, abs=0.003)
 
 
+def test_a_rank_released_late_while_its_peers_wait_for_the_straggler_is_not_named():
+    """Issue 48: beside a rank under a CPU quota (97 ms late), a healthy rank of another node was
+    named at 34 ms: on a busy machine the previous all-reduce's completion reached it later, so it
+    entered late too, but always before the straggler: nobody waited for it. A straggler holds its
+    group up: it enters within the threshold of the last member in most collectives."""
+    rng = random.Random(4)
+    v = judge(times(range(4), range(1, 41), lambda r, s: {2: 0.097, 3: 0.034}.get(r, 0) + rng.uniform(0, 0.004)))
+    assert v.ranks[3].seconds == pytest.approx(0.034, abs=0.005) and v.ranks[3].seconds > v.groups[0].threshold
+    assert v.stragglers == [2], (v.stragglers, v.groups[0].holding)
+    assert v.groups[0].holding[2] == 1.0 and v.groups[0].holding[3] == 0.0
+    # two ranks equally slow (within the threshold of each other) both hold the group up: both named
+    v = judge(times(range(8), range(1, 41), lambda r, s: (0.1 if r in (2, 5) else 0) + rng.uniform(0, 0.004)))
+    assert v.stragglers == [2, 5]
+
+
 def test_with_data_and_tensor_parallel_groups_only_the_slow_rank_is_named():
     """4 ranks: tensor parallel {0,1} {2,3}, data parallel {0,2} {1,3}. Rank 3 computes 80 ms longer
     before its tensor-parallel collective; rank 2 waits for it there, so it enters its data-parallel
