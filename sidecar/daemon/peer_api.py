@@ -46,25 +46,29 @@ async def _authorize(request: web.Request, body: bytes) -> tuple[str, str] | Non
     verifier = coordinator.verifier(job_id)
     if verifier is None:
         raise ApiError(404, "not_coordinator", f"job_id: no verified rank of job {job_id!r} registered on this node")
-    uid = await _local_uid(request)
-    if uid is not None and uid not in (0, coordinator.owner(job_id)):  # round 4, row 2 (docs/security.md)
-        raise ApiError(403, "forbidden", "a peer request from this node comes from its sidecar or the job's own user")
     nonce = verifier.check(request.method, request.path_qs, body, request.headers.get(auth.REQUEST_HEADER))
     if nonce is None:
         raise ApiError(401, "unauthorized", f"peer requests must be signed with the job's key ({auth.REQUEST_HEADER})")
+    if not await _a_peer_here(request, coordinator.owner(job_id)):  # round 4, row 2 (docs/security.md)
+        raise ApiError(403, "forbidden", "a peer request from this node comes from its sidecar or the job's own user")
     return verifier.key, nonce
 
 
-async def _local_uid(request: web.Request) -> int | None:
-    """The uid of the process behind a TCP connection from this node (its network namespace);
-    None from another host. Whoever on this node can read a job's c10d store can read its key:
-    that alone no longer makes a local user the job's peer."""
+async def _a_peer_here(request: web.Request, owner: int | None) -> bool:
+    """Whether a signed request may be the job's peer: from another host, yes (the signature
+    decides); from this node (a loopback or local source address), only from a process of root
+    (the node's sidecar) or of the job's owner that still holds its connection. Whoever on this
+    node can read a job's c10d store can read its key: that alone makes no local user its peer."""
     transport = request.transport
     client = transport.get_extra_info("peername") if transport is not None else None
     server = transport.get_extra_info("sockname") if transport is not None else None
     if not (isinstance(client, tuple) and isinstance(server, tuple)):
-        return None
-    return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_client_uid, client, server)
+        return False  # the connection is gone: nothing to tell who sent it
+    loop = asyncio.get_running_loop()
+    if not await loop.run_in_executor(None, procs.is_local_address, str(client[0])):
+        return True
+    uid = await loop.run_in_executor(None, procs.tcp_client_uid, client, server)
+    return uid is not None and uid in (0, owner)
 
 
 def _answer(payload: dict, signed: tuple[str, str] | None) -> web.Response:

@@ -204,10 +204,31 @@ def tcp_peer(client: tuple, server: tuple) -> tuple[int, int] | None:
     return None
 
 
+_TCP_LIVE = ("01", "08")  # ESTABLISHED, CLOSE_WAIT: a process still holds its end (not a TIME_WAIT minisock)
+
+
+def is_local_address(host: str) -> bool:
+    """Whether `host` is loopback or an address of this network namespace's interfaces (the kernel
+    drops packets from outside that claim such a source)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    ip = ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+    if ip.is_loopback:
+        return True
+    try:
+        found = psutil.net_if_addrs()
+    except (OSError, RuntimeError):
+        return True  # cannot tell: treat it as local (the caller then needs a live socket of an allowed uid)
+    return any(_same_host(a.address.split("%")[0], str(ip)) for addrs in found.values() for a in addrs)
+
+
 def tcp_client_uid(client: tuple, server: tuple) -> int | None:
-    """The uid owning the client end of a TCP connection from this node (the `uid` column of
-    /proc/net/tcp*: one read, no scan of processes), or None when its end is not in this network
-    namespace (another host, another namespace)."""
+    """The uid owning the client end of a live TCP connection from this node (the `uid` column of
+    /proc/net/tcp*, its creator's: one read, no scan of processes): a row ESTABLISHED or in
+    CLOSE_WAIT with an inode (a process holds it). None when there is none: the client closed or
+    reset its end (a TIME_WAIT row says uid 0 and inode 0: never taken), or /proc cannot be read."""
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             with open(f"{psutil.PROCFS_PATH}/net/{table}") as f:
@@ -217,6 +238,8 @@ def tcp_client_uid(client: tuple, server: tuple) -> int | None:
         for line in lines:
             fields = line.split()
             try:
+                if fields[3] not in _TCP_LIVE or int(fields[9]) == 0:
+                    continue
                 local, remote = _address(fields[1], family), _address(fields[2], family)
                 if local[1] == client[1] and remote[1] == server[1] and _same_host(local[0], client[0]):
                     if _same_host(remote[0], server[0]):

@@ -924,7 +924,7 @@ def test_a_forged_desync_report_cannot_keep_a_real_hang_from_being_remediated(us
                 report(socket=request("{path}", json.loads(body))[0],
                        tcp=tcp({sidecar.port}, "POST", "{path}", body)[0])
             """)  # fmt: skip
-            assert (out["socket"], out["tcp"]) == (403, 403), out  # no peer of alice's job (round 4, row 2)
+            assert (out["socket"], out["tcp"]) == (403, 401), out
             forger.start()
             started = time.monotonic()
             killed = True

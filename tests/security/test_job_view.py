@@ -121,8 +121,7 @@ def test_another_users_reports_for_a_job_are_refused_and_its_hang_is_killed_on_t
             finally:
                 kill_tree(forger)
             print(f"row 1/10: forged reports {first['codes']}; alice's hang killed {took:.1f}s after the watch began")
-            # a local user who is not the job's is no peer of it (round 4, row 2: 403 before the signature)
-            assert first["codes"] == [403, 403, 403], first
+            assert first["codes"] == [403, 401, 401], first
             full = killed_record(sidecar, "victim")
             assert full["outcome"] == "killed" and (full["blamed_rank"], full["blamed_node"]) == (0, "n1"), full
             assert not any("launcher_grace" in n for n in full["notes"]), full["notes"]
@@ -216,8 +215,7 @@ def test_without_a_token_loopback_gets_no_story_or_verdict_unsigned(users):
                        socket=request("/v1/jobs/victim/verdict", None, method="GET"))
                 """,
             )
-            # another local user: no peer of alice's job, signed or not (round 4, row 2; 401 before)
-            assert [out[k][0] for k in ("story", "verdict", "socket")] == [403, 403, 403], out
+            assert [out[k][0] for k in ("story", "verdict", "socket")] == [401, 401, 403], out
             assert "sleep" not in json.dumps(out), out  # no frame of alice's in any answer
         finally:
             kill_tree(victim)
@@ -539,3 +537,52 @@ def test_with_a_cluster_secret_the_jobs_key_alone_signs_nothing(users, tmp_path)
                           "--socket", str(tmp_path / "s.sock"), "--listen", "127.0.0.1:0"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and "job_view.cluster_key_file" in out.stderr and "chmod 600" in out.stderr, out
+
+
+HOLD_THEN_CLOSE = """
+    import socket
+    s = socket.create_connection(("127.0.0.1", PORT))
+    report(port=s.getsockname()[1])
+    sys.stdin.readline()  # held open until told
+    s.close()
+    report(closed=True)
+    time.sleep(30)
+"""
+
+
+def test_a_local_client_is_known_by_its_live_socket_and_a_closed_ones_row_is_never_taken(users):
+    """Review of row 2: the uid of a local peer came from the first /proc/net/tcp row of its
+    connection, in any state. A client end closed at once becomes a TIME_WAIT row that says uid 0
+    (root, the node's sidecar) and a reset one leaves no row, which read as "another host": a local
+    user who sent a signed report and dropped the connection at once passed. Now only a live row
+    (ESTABLISHED or CLOSE_WAIT, held by a process) names a uid, and a request from a local address
+    without one is refused (peer_api._a_peer_here)."""
+    import socket
+    import subprocess as sp
+
+    from sidecar.host import procs
+    from tests.security.rig import CLIENT
+    from tests.unpriv import UNPRIV_PYTHON, run_as
+
+    _, mallory = users
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = run_as(mallory, [UNPRIV_PYTHON, "-c", CLIENT + dedent(HOLD_THEN_CLOSE).replace("PORT", str(port))],
+                        stdin=sp.PIPE, stdout=sp.PIPE, text=True)  # fmt: skip
+        try:
+            conn, peer = server.accept()
+            assert client.stdout is not None and client.stdin is not None
+            json.loads(client.stdout.readline().split(" ", 1)[1])
+            assert procs.tcp_client_uid(peer, ("127.0.0.1", port)) == mallory.uid  # live: hers
+            client.stdin.write("\n")
+            client.stdin.flush()
+            assert json.loads(client.stdout.readline().split(" ", 1)[1]) == {"closed": True}
+            conn.recv(1)  # her FIN has come: her end is FIN_WAIT2, then TIME_WAIT (uid 0, inode 0)
+            assert procs.tcp_client_uid(peer, ("127.0.0.1", port)) is None
+            conn.close()
+            time.sleep(0.2)
+            assert procs.tcp_client_uid(peer, ("127.0.0.1", port)) is None
+        finally:
+            kill_tree(client)
+    assert procs.is_local_address("127.0.0.1") and procs.is_local_address("::1")
+    assert procs.is_local_address("::ffff:127.0.0.1") and not procs.is_local_address("203.0.113.5")
