@@ -9,9 +9,10 @@ and that user's real hang was judged by one node alone and blamed on a healthy w
 Now, when a report does not fit, the budget is split: each owner (the uid of the job's verified
 ranks here; unverified callers are one owner) present or asking gets an equal share, and each of an
 owner's jobs an equal part of it. A report that would take its job past its part is refused (429);
-otherwise the jobs most over their parts are evicted (their reports dropped, the largest excess
-first) until it fits. So with n owners present, one owner holds at most max_ranks/n once another
-asks, and a job that keeps within its part is never refused while others hold more than theirs.
+otherwise the jobs most over their parts give back their excess (their largest nodes' reports
+dropped first, the largest excess first) until it fits. So with n owners present, one owner holds
+at most max_ranks/n once another asks, and a job that keeps within its part is never refused while
+others hold more than theirs.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ def parts(holdings: Iterable[Holding], job: str, owner: int | None, budget: int)
     return {j: share // len(js) for js in jobs_of.values() for j in js}
 
 
-def make_room(holdings: list[Holding], job: str, owner: int | None, more: int, budget: int) -> list[str] | None:
-    """The jobs whose reports to drop so that `more` ranks of `job` fit in `budget`, the most over
-    their fair part first; None when `job` itself would be past its part (refuse it)."""
+def make_room(
+    holdings: list[Holding], job: str, owner: int | None, more: int, budget: int
+) -> list[tuple[str, int]] | None:
+    """(job, ranks it gives back) so that `more` ranks of `job` fit in `budget`, the most over
+    their fair part first, each at most its excess; None when `job` itself would be past its part
+    (refuse it) or the others' excess is not enough."""
     fair = parts(holdings, job, owner, budget)
     held = {h.job: h.ranks for h in holdings}
     if held.get(job, 0) + more > fair[job]:
@@ -50,6 +54,18 @@ def make_room(holdings: list[Holding], job: str, owner: int | None, more: int, b
     for h in sorted(over, key=lambda h: fair.get(h.job, 0) - h.ranks):  # the largest excess first
         if need <= 0:
             break
-        victims.append(h.job)
-        need -= h.ranks
+        given = min(need, h.ranks - fair.get(h.job, 0))
+        victims.append((h.job, given))
+        need -= given
     return victims if need <= 0 else None
+
+
+def largest_first(held_by_node: dict[str, int], ranks: int) -> list[str]:
+    """The nodes whose reports to drop, largest first, until at least `ranks` are freed."""
+    chosen, freed = [], 0
+    for node in sorted(held_by_node, key=held_by_node.__getitem__, reverse=True):
+        if freed >= ranks:
+            break
+        chosen.append(node)
+        freed += held_by_node[node]
+    return chosen

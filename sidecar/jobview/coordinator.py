@@ -219,8 +219,15 @@ class Coordinator:
             if victims is None:
                 raise CoordinatorError(429, "limit_exceeded", f"job_view.max_ranks ({self.max_ranks}): {name} "
                                        "would hold more than its fair part of the ranks reported here")  # fmt: skip
-            for victim in victims:
-                self._evict(self._jobs[victim])
+            for victim, ranks in victims:  # its largest nodes' reports go; they come again, within its part
+                drop = budget.largest_first(
+                    {n: self._jobs[victim].held_by(n) for n in self._jobs[victim].reports}, ranks
+                )
+                log.warning(
+                    "job %s: %d node reports dropped: over its fair part of job_view.max_ranks", victim, len(drop)
+                )
+                for node in drop:
+                    self._drop_node(self._jobs[victim], node)
 
     def _update(self, job: _Job, report: NodeReport, now: float) -> None:
         """O(the report's ranks): the judgement, which reads every node, runs at most every
@@ -363,25 +370,19 @@ class Coordinator:
         job.changed.set()
         job.changed = asyncio.Event()
 
-    def _evict(self, job: _Job) -> None:
-        """Drop a job's reports: it held more than its fair part of the budget when another needed it."""
-        log.warning("job %s: its nodes' reports (%d ranks) dropped: over its fair part of job_view.max_ranks",
-                    job.job_id, job.ranks_held)  # fmt: skip
-        self.ranks_held -= job.ranks_held
-        job.ranks_held = 0
-        job.reports.clear()
-        job.summaries.clear()
-
     def _forget_silent(self, job: _Job, now: float) -> None:
         for node in [n for n, (_, at) in job.reports.items() if now - at > FORGET_AFTER_SECONDS]:
-            held = job.held_by(node)
-            job.ranks_held -= held
-            self.ranks_held -= held
-            del job.reports[node]
-            job.summaries.pop(node, None)
-            job.troubled.discard(node)
-            job.lateness.forget_node(node)
-            job.golive.forget_node(node)
+            self._drop_node(job, node)
+
+    def _drop_node(self, job: _Job, node: str) -> None:
+        held = job.held_by(node)
+        job.ranks_held -= held
+        self.ranks_held -= held
+        del job.reports[node]
+        job.summaries.pop(node, None)
+        job.troubled.discard(node)
+        job.lateness.forget_node(node)
+        job.golive.forget_node(node)
 
     # ------------------------------------------------------------ waiting, probing
 

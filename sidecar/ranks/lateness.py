@@ -60,7 +60,8 @@ INTERVAL_RATIO = 0.1  # ... nor below this share of its group's median interval 
 # (a rank slowed by r x the step is late r/(1+r) of the interval: named from r = 11%; 0.25 named only from 33%)
 MIN_SEQUENCES = 8  # common sequences a group needs before it names a straggler
 # ... and a straggler holds its group up: in at least this share of its collectives it entered within the
-# threshold of the last member. A rank released late from the previous collective while its peers wait for
+# threshold of the last member (of the 90th percentile's in groups of 10 and more: one rank of a thousand
+# hiccups in most collectives). A rank released late from the previous collective while its peers wait for
 # a straggler (a ring's completion reaching it later on a busy machine) enters late too, before the
 # straggler: it delays no one (issue 48: named beside a rank under a CPU quota, 34 ms late to its 97 ms).
 HOLDING_SHARE = 0.5
@@ -155,7 +156,8 @@ def _group(
     shown = {r: max(0.0, median(v)) for r, v in sorted(late.items())}
     held: dict[int, int] = {}
     for s in common:
-        last = max(by_seq[s].values())
+        entered_at = sorted(by_seq[s].values(), reverse=True)
+        last = entered_at[len(entered_at) // 10]  # the last member's, or in a large group the 90th percentile's
         for rank, entered in by_seq[s].items():
             held[rank] = held.get(rank, 0) + (entered >= last - threshold)
     holding = {r: held.get(r, 0) / len(v) for r, v in late.items()}
