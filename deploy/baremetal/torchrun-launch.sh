@@ -10,10 +10,11 @@
 #   RDZV_ID         the job's id, the same on every node (default: training). A job id belongs to
 #                   the uid that registers it first on a node: give each run an id no other user
 #                   can guess, e.g. RDZV_ID=train-$(od -An -N8 -tx8 /dev/urandom | tr -d ' ')
-#   RDZV_IS_HOST    auto (default): this node hosts the rendezvous store when RDZV_ENDPOINT's host
-#                   is one of its names or addresses; 1 or 0 to say so. Passed to torchrun as
-#                   --rdzv-conf is_host=...: told, the host node fails the job when another process
-#                   (another local user) already listens on the port, instead of joining it
+#   RDZV_IS_HOST    auto (default): when RDZV_ENDPOINT's host is one of this node's names or
+#                   addresses, torchrun is told it hosts the rendezvous store (--rdzv-conf
+#                   is_host=true): it then fails the job when another process (another local user)
+#                   already listens on the port, instead of joining it; elsewhere torch guesses as
+#                   before. 1 or 0: say so on every node (0 on all but the host)
 #   MAX_RESTARTS    worker-group restarts torchrun allows (default: 3)
 #   SIDECAR_SOCKET  the node sidecar's socket (default: /run/sidecar/sidecar.sock)
 #   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  1 (default): each restart attempt gets a fresh store,
@@ -42,19 +43,25 @@ MAX_RESTARTS="${MAX_RESTARTS:-3}"
 [[ "$MAX_RESTARTS" =~ ^[1-9][0-9]*$ ]] || die "MAX_RESTARTS must be >= 1 (restarts are how a hung group heals), got '$MAX_RESTARTS'"
 PYTHON="${PYTHON:-python3}"
 rdzv_host="${RDZV_ENDPOINT%:*}"
+rdzv_host="${rdzv_host#[}"
+rdzv_host="${rdzv_host%]}"
+rdzv_host="${rdzv_host,,}"
 case "${RDZV_IS_HOST:-auto}" in
-  1 | true) is_host=true ;;
-  0 | false) is_host=false ;;
+  1 | true) is_host=(--rdzv-conf is_host=true) ;;
+  0 | false) is_host=(--rdzv-conf is_host=false) ;;
   auto)
-    is_host=false
+    is_host=()
     mine=" localhost $(hostname 2>/dev/null) $(hostname -f 2>/dev/null) $(hostname -s 2>/dev/null) $(hostname -I 2>/dev/null) "
-    [[ "$rdzv_host" =~ ^127\.|^::1$ ]] && is_host=true
-    [[ "$mine" == *" $rdzv_host "* ]] && is_host=true
-    if [ "$is_host" = false ] && command -v getent >/dev/null 2>&1; then
+    mine="${mine,,}"
+    found=0
+    [[ "$rdzv_host" =~ ^127\.|^::1$ ]] && found=1
+    [[ "$mine" == *" $rdzv_host "* ]] && found=1
+    if [ "$found" = 0 ] && command -v getent >/dev/null 2>&1; then
       for addr in $(getent ahosts "$rdzv_host" 2>/dev/null | awk '{print $1}' | sort -u); do
-        [[ "$mine" == *" $addr "* || "$addr" =~ ^127\. ]] && is_host=true
+        [[ "$mine" == *" $addr "* || "$addr" =~ ^127\.|^::1$ ]] && found=1
       done
     fi
+    [ "$found" = 1 ] && is_host=(--rdzv-conf is_host=true)
     ;;
   *) die "RDZV_IS_HOST must be auto, 1 or 0, got '$RDZV_IS_HOST'" ;;
 esac
@@ -97,7 +104,7 @@ fi
 # sharing the agent's, whose keys outlive the attempt (docs/architecture.md, "Restarts").
 cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "$PYTHON" -m torch.distributed.run
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
-  --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" --rdzv-conf "is_host=$is_host"
+  --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" "${is_host[@]}"
   --max-restarts "$MAX_RESTARTS"
   -m sidecar_trainer --config "$CONFIG" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then run "${cmd[@]}"; else exec "${cmd[@]}"; fi

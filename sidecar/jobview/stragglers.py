@@ -25,8 +25,8 @@ true offset by that report's one-way delay (LAN: well under a millisecond; the c
 node: 0), however late the others came. So a rank's lateness judged across nodes is off by at most
 the larger of the two nodes' least one-way delays, far below the 20 ms floor; one report held up
 on a loaded node moves nothing. A node's clock that steps forward is followed at its next report
-(a greater sample); one that steps back (NTP steps past 128 ms) shows as STEP_REPORTS reports in a
-row all below the estimate by more than STEP_SECONDS, and the window starts again from them
+(a greater sample); one that steps or slews back shows as STEP_REPORTS reports in a row all below
+the estimate by more than STEP_SECONDS (the lateness floor), and the window starts again from them
 (a busy coordinator that delays as many reports so much does the same: the estimate is then off by
 their least delay until the next quick report, never more).
 
@@ -61,7 +61,7 @@ MAX_STRAGGLERS = 8  # named in an answer, however many ranks are late
 MAX_ANSWER_RANKS = 4096  # a node's ranks' lateness in an answer
 OFFSET_REPORTS = 64  # reports a node's clock offset is the greatest sample over (~5 minutes at 5 s)
 STEP_REPORTS = 3  # ... in a row, all below the estimate by more than STEP_SECONDS: the clock stepped back
-STEP_SECONDS = 0.1
+STEP_SECONDS = 0.02  # the lateness floor: a clock stepped or slewed back by more is followed
 JUDGE_EVERY_SECONDS = 1.0  # a job's lateness is judged at most this often (when new entries came)
 JUDGE_SHARE = 20  # ... and no sooner than this many times what its last judgement took
 STALE_SECONDS = 60.0  # a rank whose entries have not moved this long is left out (it left, or its node did)

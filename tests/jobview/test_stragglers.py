@@ -247,6 +247,9 @@ def test_a_clock_that_steps_is_followed_and_late_reports_alone_are_no_step():
     for _ in range(stragglers.OFFSET_REPORTS):  # the window moves on: the old best ages out
         o.add(-0.2 - 0.001)
     assert o.estimate == pytest.approx(-0.201)
+    for i in range(1, 41):  # slewed back 1 ms a report (chrony): followed within the lateness floor
+        o.add(-0.201 - 0.001 * i)
+        assert o.estimate - (-0.201 - 0.001 * i) <= stragglers.STEP_SECONDS + 0.004, i
 
 
 def test_a_node_forgotten_takes_its_ranks_out_of_the_judgement():

@@ -43,6 +43,8 @@ FAKE_SRUN = """#!/bin/sh
 # srun's stand-in: prints what a step would get, then its arguments, one a line.
 echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-}"
 echo "SIDECAR_SOCKET=${SIDECAR_SOCKET:-}"
+echo "PET_RDZV_ID=${PET_RDZV_ID:-}"
+echo "PET_RDZV_ENDPOINT=${PET_RDZV_ENDPOINT:-}"
 for a in "$@"; do echo "$a"; done
 """
 
@@ -343,19 +345,22 @@ def batch_env(fakes, **extra: str) -> dict:
 
 def _step(out: subprocess.CompletedProcess) -> tuple[dict, list[str]]:
     lines = out.stdout.splitlines()
-    step_env = dict(line.split("=", 1) for line in lines[:2])
-    return step_env, lines[2:]
+    step_env = dict(line.split("=", 1) for line in lines[:4])
+    return step_env, lines[4:]
 
 
 def test_sbatch_runs_one_torchrun_per_node_with_the_slurm_job_id_and_the_first_node(fakes):
     out = run_script(SLURM / "train.sbatch", batch_env(fakes))
     assert out.returncode == 0, out.stderr
     step_env, argv = _step(out)
+    rdzv_id, endpoint = step_env.pop("PET_RDZV_ID"), step_env.pop("PET_RDZV_ENDPOINT")
     assert step_env == {"SRUN_CPUS_PER_TASK": "32", "SIDECAR_SOCKET": "/run/sidecar/sidecar.sock"}
     assert argv[:3] == ["--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     pairs = dict(zip(argv, argv[1:], strict=False))
-    assert re.fullmatch(rf"{JOB}\.[0-9a-f]{{16}}", pairs["--rdzv-id"]), pairs["--rdzv-id"]  # issue 43 row 4
-    host, port = pairs["--rdzv-endpoint"].split(":")
+    # issue 43 rows 1 and 4: in torchrun's environment (PET_*), not on a command line every user reads
+    assert "--rdzv-id" not in argv and "--rdzv-endpoint" not in argv and rdzv_id not in out.stderr
+    assert re.fullmatch(rf"{JOB}\.[0-9a-f]{{16}}", rdzv_id), rdzv_id
+    host, port = endpoint.split(":")
     assert host == "gpu07" and 20000 <= int(port) < 32768  # drawn at random (row 1)
     assert pairs["--rdzv-backend"] == "c10d" and pairs["--nnodes"] == "4" and pairs["--nproc-per-node"] == "8"
     assert argv[3:5] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] and argv[5:7] == ["bash", "-c"]
@@ -374,8 +379,7 @@ def test_sbatch_without_scontrol_takes_the_first_host_of_the_nodelist(fakes, nod
     assert shutil.which("scontrol", path="/usr/bin:/bin") is None
     out = run_script(SLURM / "train.sbatch", batch_env(fakes, SLURM_JOB_NODELIST=nodelist))
     assert out.returncode == 0, out.stderr
-    argv = _step(out)[1]
-    assert argv[argv.index("--rdzv-endpoint") + 1].split(":")[0] == first
+    assert _step(out)[0]["PET_RDZV_ENDPOINT"].split(":")[0] == first
 
 
 def test_sbatch_passes_the_training_program_and_refuses_to_run_outside_slurm(fakes):
@@ -387,8 +391,8 @@ def test_sbatch_passes_the_training_program_and_refuses_to_run_outside_slurm(fak
         timeout=30,
     )
     assert out.returncode == 0, out.stderr
-    argv = _step(out)[1]
-    assert argv[argv.index("--rdzv-endpoint") + 1] == "head:29400"
+    step_env, argv = _step(out)
+    assert step_env["PET_RDZV_ENDPOINT"] == "head:29400"
     assert argv[-3:] == ["my_train.py", "--lr", "3e-4"]
     env = batch_env(fakes)
     del env["SLURM_JOB_ID"]

@@ -128,13 +128,13 @@ def test_the_same_launch_trains_when_nobody_holds_the_port_and_draws_an_unpredic
     env = batch_env(tmp_path)
     env["PATH"] = env["PATH"].replace(str(tmp_path / "bin"), str(tmp_path / "echo"))
     (tmp_path / "echo").mkdir()
-    (tmp_path / "echo" / "srun").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (tmp_path / "echo" / "srun").write_text('#!/bin/sh\necho "$PET_RDZV_ENDPOINT"\n')
     (tmp_path / "echo" / "srun").chmod(0o755)
     shutil.copy(tmp_path / "bin" / "scontrol", tmp_path / "echo" / "scontrol")
     for _ in range(5):
         said = subprocess.run([str(SBATCH)], env={**env, "CONFIG": "x.yaml"}, capture_output=True, text=True,
                               timeout=30, check=True).stdout.splitlines()  # fmt: skip
-        endpoint = said[said.index("--rdzv-endpoint") + 1]
+        endpoint = said[0]  # torchrun's PET_RDZV_ENDPOINT: not on any command line
         host, port = endpoint.rsplit(":", 1)
         assert host == "localhost" and 20000 <= int(port) < 32768, endpoint
         ports.add(int(port))
