@@ -452,6 +452,8 @@ class JobViewSettings:
                 secret = f.read(4096).strip()
         except OSError as e:
             _fail("job_view.cluster_key_file", f"cannot read {self.cluster_key_file}: {e.strerror}")
+        if st.st_uid != os.geteuid():
+            _fail("job_view.cluster_key_file", f"{self.cluster_key_file} is not this user's (uid {os.geteuid()})")
         if st.st_mode & 0o077:
             _fail("job_view.cluster_key_file", f"{self.cluster_key_file} is readable by others: chmod 600 it")
         if len(secret) < 32:

@@ -201,7 +201,7 @@ class Drills:
 
     def _record(self) -> None:
         """STOPPED_FILE: the processes of the drills in flight, for the next start to continue."""
-        stopped = [{"drill": d.id, "pid": d.target.pid, "start_time": d.target.start_time}
+        stopped = [{"drill": d.id, "pid": d.target.pid, "start_time": d.target.start_time, "boot": boot_id()}
                    for d in self._drills.values() if d.finished is None]  # fmt: skip
         try:
             with diagfiles.opened(self.settings.diagnostics_dir) as root_fd:
@@ -219,10 +219,19 @@ class Drills:
         return figures(drill, self.incident_of(drill))
 
 
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def continue_left_stopped(diag_dir: Path | str) -> int:
     """At start: SIGCONT each process the previous run's drills left stopped (STOPPED_FILE, the
-    sidecar's own regular file), when it is still the same process (pid and start time, checked
-    after its pidfd is open); returns how many were continued. The file is emptied."""
+    sidecar's own regular file), when it is still the same process (this boot's, with the pid and
+    start time, checked after its pidfd is open); returns how many were continued. Then the file
+    is emptied. Never raises: a start goes on whatever the file says."""
     try:
         with diagfiles.opened(diag_dir) as root_fd:
             fd = os.open(STOPPED_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd)
@@ -232,32 +241,43 @@ def continue_left_stopped(diag_dir: Path | str) -> int:
                 raw = os.read(fd, MAX_STOPPED_FILE_BYTES) if ours else b""
             finally:
                 os.close(fd)
-            diagfiles.write_atomic(root_fd, STOPPED_FILE, b"[]", 0o600)
         entries = json.loads(raw or b"[]")
     except (OSError, ValueError) as e:
         if not isinstance(e, FileNotFoundError):
             log.warning("cannot read %s: %s", STOPPED_FILE, e)
         return 0
-    continued = 0
+    continued, boot = 0, boot_id()
     for entry in entries if isinstance(entries, list) else []:
-        pid, started = (entry.get("pid"), entry.get("start_time")) if isinstance(entry, dict) else (None, None)
-        if type(pid) is not int or pid <= 1 or not isinstance(started, (int, float)):
-            continue
         try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            continue  # gone
-        try:
-            if procs.start_time(pid) != started:
-                continue  # another process has the pid now
-            signal.pidfd_send_signal(pidfd, signal.SIGCONT)
-            continued += 1
-            log.warning("drill %s: continued pid %d, left stopped by the previous run", entry.get("drill"), pid)
-        except OSError:
-            pass
-        finally:
-            os.close(pidfd)
+            continued += _continue(entry, boot)
+        except Exception as e:  # one odd entry never stops the others, nor the start
+            log.warning("drill: cannot continue %r: %s", entry, e)
+    try:
+        with diagfiles.opened(diag_dir) as root_fd:
+            diagfiles.write_atomic(root_fd, STOPPED_FILE, b"[]", 0o600)
+    except OSError as e:
+        log.error("cannot empty %s: %s", STOPPED_FILE, e)
     return continued
+
+
+def _continue(entry: Any, boot: str) -> int:
+    pid, started = (entry.get("pid"), entry.get("start_time")) if isinstance(entry, dict) else (None, None)
+    if type(pid) is not int or not 1 < pid < 1 << 22 or not isinstance(started, (int, float)):
+        return 0
+    if entry.get("boot") != boot:
+        return 0  # another boot's pids and start times say nothing of this one's processes
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return 0  # gone
+    try:
+        if procs.start_time(pid) != started:
+            return 0  # another process has the pid now
+        signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+        log.warning("drill %s: continued pid %d, left stopped by the previous run", entry.get("drill"), pid)
+        return 1
+    finally:
+        os.close(pidfd)
 
 
 def _after(at: Any, start: float) -> float | None:
