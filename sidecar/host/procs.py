@@ -131,6 +131,12 @@ _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 def _tcp_sockets() -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int]]:
     """(local address, remote address, state, inode) of every TCP socket of this network
     namespace, from /proc/net/tcp and tcp6 (an inode of 0: no process holds it any more)."""
+    for local, remote, state, _, inode in _tcp_rows():
+        yield local, remote, state, inode
+
+
+def _tcp_rows() -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int, int]]:
+    """(local address, remote address, state, uid, inode) of every row of /proc/net/tcp and tcp6."""
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             with open(f"{psutil.PROCFS_PATH}/net/{table}") as f:
@@ -140,7 +146,8 @@ def _tcp_sockets() -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int]
         for line in lines:
             fields = line.split()
             try:
-                yield _address(fields[1], family), _address(fields[2], family), fields[3], int(fields[9])
+                local, remote = _address(fields[1], family), _address(fields[2], family)
+                yield local, remote, fields[3], int(fields[7]), int(fields[9])
             except (IndexError, ValueError, OSError):
                 continue
 
@@ -229,23 +236,11 @@ def tcp_client_uid(client: tuple, server: tuple) -> int | None:
     /proc/net/tcp*, its creator's: one read, no scan of processes): a row ESTABLISHED or in
     CLOSE_WAIT with an inode (a process holds it). None when there is none: the client closed or
     reset its end (a TIME_WAIT row says uid 0 and inode 0: never taken), or /proc cannot be read."""
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            with open(f"{psutil.PROCFS_PATH}/net/{table}") as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
+    for local, remote, state, uid, inode in _tcp_rows():
+        if state not in _TCP_LIVE or inode == 0 or local[1] != client[1] or remote[1] != server[1]:
             continue
-        for line in lines:
-            fields = line.split()
-            try:
-                if fields[3] not in _TCP_LIVE or int(fields[9]) == 0:
-                    continue
-                local, remote = _address(fields[1], family), _address(fields[2], family)
-                if local[1] == client[1] and remote[1] == server[1] and _same_host(local[0], client[0]):
-                    if _same_host(remote[0], server[0]):
-                        return int(fields[7])
-            except (IndexError, ValueError, OSError):
-                continue
+        if _same_host(local[0], client[0]) and _same_host(remote[0], server[0]):
+            return uid
     return None
 
 
