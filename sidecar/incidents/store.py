@@ -281,7 +281,13 @@ class IncidentStore:
         saves it later)."""
         now = time.time()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-        incident = cls(id=f"{stamp}-{_safe_name(job_id)}", time=now, job_id=job_id, node=self.node, **fields)
+        ident = base = f"{stamp}-{_safe_name(job_id)}"
+        taken = {i.id for i in self.recent}  # two of a job in one millisecond (a busy node decides exits late)
+        n = 1
+        while ident in taken:
+            n += 1
+            ident = f"{base}-{n}"
+        incident = cls(id=ident, time=now, job_id=job_id, node=self.node, **fields)
         incident.path = str(self.directory / f"{incident.id}.json")
         incident.event("detected", at=now)
         if incident.kind == "stall" and (drill := self.drills.claim(job_id, incident.id)) is not None:

@@ -128,3 +128,25 @@ def test_the_settings_are_checked():
 
     with pytest.raises(ConfigError, match="incident_retention_days"):
         make_settings(Path("/tmp"), incident_retention_days=-1)
+
+
+def test_two_incidents_of_a_job_opened_in_one_millisecond_get_two_records(tmp_path, monkeypatch):
+    """Beside a busy suite, both attempts' exits of a job were decided at one instant (the first
+    rank's exit seen only when the second's was): both incidents got the same id, the second
+    record replaced the first, and one exit was lost (tests/exits/test_torchrun.py, one run of
+    make test-under-load)."""
+    class OneMillisecond:  # the store's clock, stopped (time.time itself is the test runner's too)
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def time(self) -> float:
+            return 1796594400.1234
+
+    monkeypatch.setattr(store_module, "time", OneMillisecond())
+    store = IncidentStore(tmp_path)
+    fields = {"blamed_rank": 0, "blame_reason": "x", "timeout_seconds": 1.0, "observe_only": False, "ranks": []}
+    first, second = store.open("job", **fields), store.open("job", **fields)
+    assert first.id != second.id and first.id.endswith(".123Z-job") and second.id.startswith(first.id)
+    assert sorted(p.name for p in (tmp_path / "incidents").glob("*.json")) == sorted(
+        [f"{first.id}.json", f"{second.id}.json"]
+    )
