@@ -135,6 +135,7 @@ def test_two_incidents_of_a_job_opened_in_one_millisecond_get_two_records(tmp_pa
     rank's exit seen only when the second's was): both incidents got the same id, the second
     record replaced the first, and one exit was lost (tests/exits/test_torchrun.py, one run of
     make test-under-load)."""
+
     class OneMillisecond:  # the store's clock, stopped (time.time itself is the test runner's too)
         def __getattr__(self, name):
             return getattr(time, name)
