@@ -184,11 +184,14 @@ class CollectorRunner:
     def hung(self) -> dict[str, float]:
         """Collectors whose current run has lasted longer than `hung_after`: name -> seconds."""
         now = time.monotonic()
-        return {name: now - since for name, since in self._running_since.items() if now - since > self.hung_after}
+        # a copy (one C call under the GIL): /metrics renders in an executor thread while the loop's
+        # collectors start and end (beside the busy suite: "dictionary changed size during iteration", a 500)
+        running = list(self._running_since.items())
+        return {name: now - since for name, since in running if now - since > self.hung_after}
 
     def families(self) -> Iterable[Metric]:
         """The latest families of every collector plus the runner's own success/duration."""
-        for r in self.results.values():
+        for r in list(self.results.values()):
             yield from r.families
         yield from self.health_families()
 

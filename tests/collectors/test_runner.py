@@ -71,3 +71,33 @@ async def test_with_no_collectors_the_runner_is_ready_at_once():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_the_health_of_collectors_is_read_safely_while_runs_start_and_end():
+    """Make test, one of six runs: `/metrics` answered 500 ("dictionary changed size during
+    iteration"): it renders in an executor thread while the event loop's collectors start and end,
+    and `hung()` iterated the running ones' dict itself."""
+    import threading
+
+    from sidecar.collectors.base import CollectorResult, CollectorRunner
+
+    runner = CollectorRunner([], interval=1.0)
+    runner.results = {f"c{i}": CollectorResult() for i in range(64)}  # 64 collectors, each "hung" when running
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            runner._running_since[f"c{i % 64}"] = 0.0
+            runner._running_since.pop(f"c{(i + 32) % 64}", None)
+            i += 1
+
+    worker = threading.Thread(target=churn, daemon=True)
+    worker.start()
+    try:
+        for _ in range(20000):
+            runner.hung()
+            list(runner.families())
+    finally:
+        stop.set()
+        worker.join(5)
