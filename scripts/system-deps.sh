@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests start (Prometheus, promtool, Alertmanager, amtool,
-# node_exporter) when any is missing. `make test`, `make demo` and `.ci/run` call it, so the
+# node_exporter) and a C compiler (demo/node_clock.c: a simulated node's own wall clock) when any is missing. `make test`, `make demo` and `.ci/run` call it, so the
 # README's commands set up a fresh machine by themselves. Without root (and no passwordless
 # sudo) it stops with one line naming what to install instead of letting tests fail.
 set -euo pipefail
@@ -8,6 +8,7 @@ bins=(/usr/bin/prometheus /usr/bin/promtool /usr/bin/prometheus-alertmanager /us
 pkgs=(prometheus prometheus-alertmanager prometheus-node-exporter)
 missing=0
 for bin in "${bins[@]}"; do [ -x "$bin" ] || missing=1; done
+command -v cc >/dev/null || { pkgs+=(gcc libc6-dev); missing=1; }
 [ "$missing" = 0 ] && exit 0
 
 if [ "$(id -u)" = 0 ]; then
