@@ -103,7 +103,9 @@ def test_lightning_callback_reports_a_real_trainer_run(sidecar, tmp_path: Path):
     assert [c[2] for c in calls if c[:2] == ["event", "checkpoint_saved"]] == [4]
     assert_saves_inside_their_phase(calls, 1)
     assert calls[-1] == ["close"]
-    seen = wait_until(lambda: rank_status(sidecar, "adapter-lightning"), 10, what="rank in status")
+    # the run's end (its deregistration) reaches the sidecar a moment after the process exits
+    seen = wait_until(lambda: (s := rank_status(sidecar, "adapter-lightning")) and s["state"] == "gone" and s, 10,
+                      what="rank gone in status")  # fmt: skip
     assert seen["step"] == 6 and seen["loss"] > 0 and seen["state"] == "gone"
 
 
