@@ -8,9 +8,13 @@
 
 The hang itself comes from bench/cycles/chaos.py (CYCLE_HANG_MODE stop | spin | sleep), plus
 `desync`: at the hang step the hanging rank calls a barrier where its peers all-reduce (a program
-bug: different collectives at one sequence)."""
+bug: different collectives at one sequence); `crash`: the hanging rank raises an exception at the
+hang step while its peers wait in their all-reduce; `evaluate`: not a fault but a healthy job's
+pause, every rank evaluates for CYCLE_WORK_SECONDS (default 12) at the hang step, CPU-bound inside
+torch ops under `torch.no_grad()`, outside any collective, nothing declared, then trains on."""
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,16 @@ from bench.cycles.chaos import Chaos
 from trainer_hooks import Monitor
 
 SHAPE = os.environ.get("FAULT_SHAPE", "sync")
+
+
+def evaluate(seconds: float) -> None:
+    """A long evaluation as a user writes it: no phase declared, no `model.eval()`, the time in torch ops."""
+    weight = torch.randn(256, 256) / 16
+    end = time.monotonic() + seconds
+    with torch.no_grad():
+        x = torch.randn(64, 256)
+        while time.monotonic() < end:
+            x = torch.nn.functional.linear(x, weight).tanh_()
 
 
 def wait_for(work) -> None:
@@ -37,12 +51,21 @@ if SHAPE == "tp":
     tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
 mon, chaos, t = Monitor(), Chaos(), torch.ones(256)
 desync = chaos.mode == "desync" and chaos.rank == chaos.hang_rank and chaos.attempt < chaos.hangs
-if chaos.mode == "desync":
-    chaos.hangs = 0  # chaos.step never hangs: the desync below is the fault
+crash = chaos.mode == "crash" and chaos.rank == chaos.hang_rank and chaos.attempt < chaos.hangs
+pause = chaos.mode == "evaluate" and chaos.attempt < chaos.hangs
+if chaos.mode in ("desync", "crash", "evaluate"):
+    chaos.hangs = 0  # chaos.step never hangs: the fault (or the pause) below is it
 for step in range(1, chaos.hang_step + 41):
     if desync and step == chaos.hang_step + 1:
         chaos.record("hang", step=step)
         dist.barrier()  # its peers are in this step's all-reduce: never returns
+    if crash and step == chaos.hang_step + 1:
+        chaos.record("hang", step=step, pid=os.getpid())
+        raise RuntimeError("a bad batch (bench/cycles/train_faults.py crash)")
+    if pause and step == chaos.hang_step + 1:
+        chaos.record("hang", step=step)
+        evaluate(float(os.environ.get("CYCLE_WORK_SECONDS", "12")))
+        chaos.record("worked", step=step)
     if SHAPE == "async":
         wait_for(dist.all_reduce(t, async_op=True))
     elif SHAPE == "tp":

@@ -53,6 +53,44 @@ def cpu_seconds(pid: int, started: float | None) -> float | None:
         return None
 
 
+def state(pid: int, started: float | None) -> str | None:
+    """The process's state letter (field 3 of /proc/<pid>/stat: R, S, D, T, t, Z...) when it is still
+    the process that started at `started`; "F" for a task of a frozen freezer cgroup (v1 shows those
+    as D, v2 as S: it is stopped, not waiting on storage); None when it cannot be read."""
+    fields = _stat_fields(pid) if started is not None else None
+    try:
+        if fields is None or int(fields[19]) / _CLOCK_TICKS != started:
+            return None
+        letter = fields[0].decode()
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None
+    return "F" if letter in ("D", "S") and _frozen(pid) else letter
+
+
+def _frozen(pid: int) -> bool:
+    """Whether the process's freezer cgroup (v1) or its cgroup (v2, cgroup.freeze) is frozen."""
+    try:
+        with open(f"{psutil.PROCFS_PATH}/{int(pid)}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "freezer" in controllers.split(","):
+            where, name, frozen = f"/sys/fs/cgroup/freezer{path}", "freezer.state", "FROZEN"
+        elif controllers == "":
+            where, name, frozen = f"/sys/fs/cgroup{path}", "cgroup.freeze", "1"
+        else:
+            continue
+        try:
+            with open(os.path.join(where, name)) as f:
+                if f.read().strip() == frozen:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def is_same_process(pid: int, started: float | None) -> bool:
     """True when `pid` still runs and is the process that had that start time."""
     if started is None:

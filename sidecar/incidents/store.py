@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sidecar import safetext
+from sidecar import hang_kinds, safetext
 from sidecar.config import Settings
 from sidecar.host import diagfiles
 from sidecar.incidents.drills import DrillMarks
@@ -135,7 +135,7 @@ class Incident:
     def blamed(self) -> str:
         """Who is blamed, in words: "rank 2 on node-1", "node node-2 (lost)", "rank 0", "no local rank",
         "no rank (collective_stuck)"."""
-        if self.hang_kind in ("collective_stuck", "collective_mismatch"):
+        if self.blamed_rank is None and self.hang_kind in hang_kinds.NO_RANK_KINDS - {hang_kinds.NODE_LOST.name}:
             return f"no rank ({self.hang_kind})"
         if self.blamed_rank is None:
             return f"node {self.blamed_node}" if self.blamed_node else "no local rank"

@@ -79,11 +79,13 @@ class Finding:
     waiting: int = 0
     ops: dict[str, list[int]] = field(default_factory=dict)
     reason: str = ""
+    odd: dict[int, str] = field(default_factory=dict)  # a desync's odd ranks out -> their nodes
 
     def collective(self) -> dict:
         return {
             "pg": self.pg, "desc": self.desc or None, "seq": self.seq, "op": self.op, "nodes": self.nodes,
             "late": self.late, "waiting": self.waiting, "ops": self.ops, "repeat": False,
+            **({"odd": {str(r): n for r, n in self.odd.items()}} if self.odd else {}),
         }  # fmt: skip
 
     def to_culprit(self) -> Culprit:
@@ -274,14 +276,31 @@ def _mismatch(members: list[_Member]) -> Finding | None:
         ops = {sig: sorted(m.rank for m in ms)[:MAX_COLLECTIVE_NAMES] for sig, ms in sorted(sigs.items())[:8]}
         said = "; ".join(f"{sig} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:8]))}"
                          for sig, r in ops.items())  # fmt: skip
-        return Finding(
+        finding = Finding(
             "collective_mismatch", g.pg, g.desc, seq, None,
             nodes=sorted({m.node for ms in sigs.values() for m in ms})[:MAX_COLLECTIVE_NAMES],
             waiting=sum(len(ms) for ms in sigs.values()), ops=ops,
             reason=f"members of {_label(g)} called different collectives at sequence #{seq} ({said}): "
             "a desync in the program; a restart runs into it again",
         )  # fmt: skip
+        odd = _odd_ones(list(sigs.values()))
+        if odd:
+            first = min(odd, key=lambda m: m.rank)
+            finding.culprit = (first.node, first.view)
+            finding.odd = {m.rank: m.node for m in sorted(odd, key=lambda m: m.rank)[:MAX_COLLECTIVE_NAMES]}
+            where = ", ".join(f"rank {r} on {n}" for r, n in list(finding.odd.items())[:8])
+            finding.reason += f"; the odd one{'s' if len(odd) > 1 else ''} out: {where}"
+        return finding
     return None
+
+
+def _odd_ones(groups: list[list[_Member]]) -> list[_Member]:
+    """The members of the one smallest call at a desynced sequence (the minority op or size): its
+    odd ranks out. None when two calls tie for the fewest members (no minority to name)."""
+    sizes = sorted(len(ms) for ms in groups)
+    if sizes[0] == sizes[1]:
+        return []
+    return next(ms for ms in groups if len(ms) == sizes[0])
 
 
 def _culprit(

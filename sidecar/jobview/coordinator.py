@@ -13,28 +13,26 @@ a few closed incidents kept per job for their story.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.jobview import auth, budget
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
-from sidecar.jobview.golive import JobChecks, JobGoLive
-from sidecar.jobview.judge import Summary, judge_summaries, records_said, summarize
-from sidecar.jobview.report import MAX_NOT_DUMPED, NO_RANK_KINDS, Culprit, NodePart, NodeReport, Verdict
-from sidecar.jobview.stragglers import JobJudge, JobLateness
+from sidecar.jobview.golive import JobGoLive
+from sidecar.jobview.jobs import REFINED, Job, JobIncident, is_busy, rank_brief, repeats, where, who
+from sidecar.jobview.judge import judge_summaries, records_said, summarize
+from sidecar.jobview.report import MAX_NOT_DUMPED, Culprit, NodeReport, Verdict
+from sidecar.jobview.stragglers import JobLateness
 
 log = logging.getLogger(__name__)
 
 JUDGE_EVERY_SECONDS = 0.05  # a job is judged at most this often, however many nodes report
 JUDGE_SHARE = 10  # ... and no sooner than this many times what its last judgement took
 PROBE_SECONDS = 1.0  # how long a probe of a silent node's sidecar may take
-CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
 FORGET_AFTER_SECONDS = 600.0  # a node silent this long is no longer part of the job
 
 
@@ -44,44 +42,6 @@ class CoordinatorError(Exception):
     def __init__(self, status: int, code: str, message: str):
         super().__init__(message)
         self.status, self.code = status, code
-
-
-@dataclass
-class _Incident:
-    verdict: Verdict
-    parts: dict[str, NodePart] = field(default_factory=dict)
-    ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # node -> its ranks when troubled
-    opened_mono: float = 0.0  # monotonic, when it opened
-    node_set: set[str] = field(default_factory=set)  # the nodes that reported during it
-    order: list[str] = field(default_factory=list)  # the same, in the order they first reported
-    dumped_set: set[str] = field(default_factory=set)  # those whose stacks are dumped
-    untroubled_since: float | None = None  # monotonic: every report fine since
-
-
-@dataclass
-class _Job:
-    job_id: str
-    reports: dict[str, tuple[NodeReport, float]] = field(default_factory=dict)  # node -> (report, monotonic)
-    summaries: dict[str, Summary] = field(default_factory=dict)  # node -> its latest report, summarised
-    current: _Incident | None = None
-    closed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=CLOSED_KEPT))
-    unreachable: set[str] = field(default_factory=set)  # nodes whose sidecar did not answer a probe
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    version: int = 0
-    probing: asyncio.Task | None = None
-    troubled: set[str] = field(default_factory=set)  # nodes whose latest report is troubled
-    judged_at: float = -1e9  # monotonic, the last judgement
-    judge_cost: float = 0.0  # seconds the last judgement took
-    judge_pending: bool = False
-    ranks_held: int = 0  # ranks in its nodes' latest reports
-    lateness: JobJudge = field(default_factory=JobJudge)  # its ranks' entry times, judged (stragglers.py)
-    stragglers_logged: set[int] = field(default_factory=set)
-    golive: JobChecks = field(default_factory=JobChecks)  # its go-live checks over every node
-    drill: tuple[str, str] | None = None  # (id, node): a node of the job drills it now (`sidecar drill`)
-
-    def held_by(self, node: str) -> int:
-        got = self.reports.get(node)
-        return len(got[0].ranks) if got is not None else 0
 
 
 Probe = Callable[[str], Awaitable[bool]]  # url -> whether a sidecar answers there
@@ -110,7 +70,7 @@ class Coordinator:
         self.hosts, self.lost_after, self.verdict_wait = hosts, lost_after, verdict_wait
         self.max_nodes, self.probe, self.clock, self.wall = max_nodes, probe, clock, wall
         self.max_ranks, self.node, self.cluster_key = max_ranks, node, cluster_key
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, Job] = {}
         self._keys: dict[str, auth.JobKey] = {}
         self.reports_total = 0
         self.ranks_held = 0  # ranks in every job's latest reports
@@ -161,7 +121,7 @@ class Coordinator:
         size = None if world is True else int(world)
         job = self._jobs.get(report.job_id)
         if job is None:
-            job = self._jobs[report.job_id] = _Job(report.job_id)
+            job = self._jobs[report.job_id] = Job(report.job_id)
         now = self.clock()
         self._bound(job, report, size, now)
         held = len(report.ranks) - job.held_by(report.node)
@@ -188,7 +148,7 @@ class Coordinator:
         job = self._jobs.get(job_id)
         return job.golive.answer(self.clock(), self.wall(), self.lost_after) if job is not None else None
 
-    def _bound(self, job: _Job, report: NodeReport, size: int | None, now: float) -> None:
+    def _bound(self, job: Job, report: NodeReport, size: int | None, now: float) -> None:
         """Refuse a report past the job's world size or the coordinator's bounds (round 3, rows 1
         and 13: invented nodes of 1,024 ranks each grew one sidecar until the OOM killer came)."""
         name = f"job {report.job_id}"
@@ -229,7 +189,7 @@ class Coordinator:
                 for node in drop:
                     self._drop_node(self._jobs[victim], node)
 
-    def _update(self, job: _Job, report: NodeReport, now: float) -> None:
+    def _update(self, job: Job, report: NodeReport, now: float) -> None:
         """O(the report's ranks): the judgement, which reads every node, runs at most every
         JUDGE_EVERY_SECONDS per job (tick). Long-polls wake only for what a node acts on: an
         incident opened or closed, a culprit named, a node lost, every node's stacks dumped; a
@@ -259,7 +219,7 @@ class Coordinator:
             incident.node_set.add(report.node)
             incident.order.append(report.node)
         if report.troubled:
-            incident.ranks[report.node] = [_rank_brief(r) for r in report.ranks]
+            incident.ranks[report.node] = [rank_brief(r) for r in report.ranks]
         if report.dumped == v.job_incident:
             incident.dumped_set.add(report.node)
         v.nodes, v.dumped = len(incident.node_set), len(incident.dumped_set)
@@ -272,7 +232,7 @@ class Coordinator:
             self._bump(job)
         self._judge_soon(job, now)
 
-    def _judge_soon(self, job: _Job, now: float) -> None:
+    def _judge_soon(self, job: Job, now: float) -> None:
         wait = max(JUDGE_EVERY_SECONDS, JUDGE_SHARE * job.judge_cost) - (now - job.judged_at)
         if wait <= 0:
             self.tick(job.job_id)
@@ -287,57 +247,56 @@ class Coordinator:
         job.judge_pending = True
         loop.call_later(wait, self.tick, job.job_id)
 
-    def _open(self, job: _Job) -> _Incident:
+    def _open(self, job: Job) -> JobIncident:
         if job.current is not None:
             job.closed.append(job.current)
         wall = self.wall()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.job_id)[:60] or "job"
-        incident = _Incident(
+        incident = JobIncident(
             Verdict(job.job_id, f"{stamp}-{name}-{secrets.token_hex(3)}", 0, wall), opened_mono=self.clock()
         )
         log.warning("job %s: job incident %s opened", job.job_id, incident.verdict.job_incident)
         self._start_probes(job)
         return incident
 
-    def lost(self, job: _Job, now: float) -> list[str]:
+    def lost(self, job: Job, now: float) -> list[str]:
         """Nodes of the job gone silent past lost_after, or whose sidecar did not answer a probe."""
         late = {node for node, (_, at) in job.reports.items() if now - at > self.lost_after}
         return sorted(late | (job.unreachable & set(job.reports)))
 
-    def _judge(self, job: _Job, incident: _Incident, now: float) -> bool:
+    def _judge(self, job: Job, incident: JobIncident, now: float) -> bool:
         v = incident.verdict
         lost = self.lost(job, now)
         changed = lost != v.lost_nodes
         v.lost_nodes = lost[:64]
-        if v.culprit is not None and (v.culprit.rank is not None or not lost):
+        if v.culprit is not None and v.culprit.kind not in REFINED and (v.culprit.rank is not None or not lost):
             return self._busy_changed(job, v.culprit) or changed
         gone = set(lost)
         fresh = [s for node, s in job.summaries.items() if node not in gone]
         probing = job.probing is not None and not job.probing.done()
         force = now - incident.opened_mono >= self.verdict_wait + PROBE_SECONDS and not probing
         silent = [node for node, (_, at) in job.reports.items() if at < incident.opened_mono]
-        culprit = judge_summaries(fresh, lost, force=force, silent=silent, stale_after=self.stale_after, now=now)
+        offsets = {n: o for n in job.summaries if (o := job.lateness.offset(n)) is not None}
+        culprit = judge_summaries(fresh, lost, force, silent, self.stale_after, now, offsets)
         if culprit is not None:
-            culprit.busy = _busy(job, culprit)
-        if culprit is not None and culprit != v.culprit:
+            culprit.busy = is_busy(job, culprit)
+        same = culprit is not None and v.culprit is not None and who(culprit) == who(v.culprit)
+        if culprit is not None and not same:
             if culprit.kind == "collective_mismatch" and culprit.collective is not None:
-                culprit.collective["repeat"] = _repeats(job, culprit)
+                culprit.collective["repeat"] = repeats(job, culprit)
             v.culprit, v.decided = culprit, self.wall()
-            where = (
-                f"rank {culprit.rank} on {culprit.node}" if culprit.rank is not None
-                else f"no rank ({culprit.kind})" if culprit.kind in NO_RANK_KINDS else f"node {culprit.node}"
-            )  # fmt: skip
-            log.warning("job %s (%s): held up by %s: %s", job.job_id, v.job_incident, where, culprit.reason)
+            log.warning("job %s (%s): %s: %s: %s", job.job_id, v.job_incident, culprit.kind, where(culprit),
+                        culprit.reason)  # fmt: skip
             if culprit.evidence != "collectives" and any(s.recorded for s in fresh):
                 log.info("job %s: the collective records did not decide it: %s", job.job_id, records_said(fresh, now))
             return True
         return changed
 
-    def _busy_changed(self, job: _Job, culprit: Culprit) -> bool:
+    def _busy_changed(self, job: Job, culprit: Culprit) -> bool:
         """The named rank's node shows it alive, not judged hung (busy, or its CPU time growing while
         judged), or no longer: every node is told; none kills meanwhile (its node judges it, up to the ceiling)."""
-        busy = _busy(job, culprit)
+        busy = is_busy(job, culprit)
         if busy == culprit.busy:
             return False
         culprit.busy = busy
@@ -348,7 +307,7 @@ class Coordinator:
         )  # fmt: skip
         return True
 
-    def _maybe_close(self, job: _Job, incident: _Incident, now: float) -> bool:
+    def _maybe_close(self, job: Job, incident: JobIncident, now: float) -> bool:
         """An incident closes once every fresh report is untroubled for a report round, with
         progress after the incident opened (training again), or when no node reports ranks."""
         if any(now - job.reports[node][1] <= self.lost_after for node in job.troubled if node in job.reports):
@@ -363,18 +322,18 @@ class Coordinator:
         log.info("job %s: job incident %s closed", job.job_id, incident.verdict.job_incident)
         return True
 
-    def _bump(self, job: _Job) -> None:
+    def _bump(self, job: Job) -> None:
         job.version += 1
         if job.current is not None:
             job.current.verdict.version = job.version
         job.changed.set()
         job.changed = asyncio.Event()
 
-    def _forget_silent(self, job: _Job, now: float) -> None:
+    def _forget_silent(self, job: Job, now: float) -> None:
         for node in [n for n, (_, at) in job.reports.items() if now - at > FORGET_AFTER_SECONDS]:
             self._drop_node(job, node)
 
-    def _drop_node(self, job: _Job, node: str) -> None:
+    def _drop_node(self, job: Job, node: str) -> None:
         held = job.held_by(node)
         job.ranks_held -= held
         self.ranks_held -= held
@@ -415,7 +374,7 @@ class Coordinator:
             self._bump(job)
         job.judge_cost = time.perf_counter() - started
 
-    def _start_probes(self, job: _Job) -> None:
+    def _start_probes(self, job: Job) -> None:
         if self.probe is None or (job.probing is not None and not job.probing.done()):
             return
         try:
@@ -423,7 +382,7 @@ class Coordinator:
         except RuntimeError:  # no loop (tests calling accept() directly)
             job.probing = None
 
-    async def _probe_silent(self, job: _Job) -> None:
+    async def _probe_silent(self, job: Job) -> None:
         """Once an incident is open: nodes that have not reported within verdict_wait are asked
         whether their sidecar is there; one that does not answer is lost."""
         await asyncio.sleep(self.verdict_wait)
@@ -488,33 +447,3 @@ class Coordinator:
         if job.probing is not None:
             job.probing.cancel()
         job.changed.set()  # long-polls of it answer now
-
-
-def _busy(job: _Job, culprit: Culprit) -> bool:
-    s = job.summaries.get(culprit.node)
-    return s is not None and culprit.rank is not None and culprit.rank in s.busy
-
-
-def _repeats(job: _Job, culprit: Culprit) -> bool:
-    """A desync the job's previous incident already ran into: the same group and the same
-    collectives at odds (sequence numbers restart with the process group)."""
-    assert culprit.collective is not None
-    mine = (culprit.collective.get("pg"), sorted(culprit.collective.get("ops") or {}))
-    for past in job.closed:
-        c = past.verdict.culprit
-        if c is not None and c.kind == "collective_mismatch" and c.collective is not None:
-            if (c.collective.get("pg"), sorted(c.collective.get("ops") or {})) == mine:
-                return True
-    return False
-
-
-def _rank_brief(r: Any) -> dict[str, Any]:
-    return {
-        "rank": r.rank,
-        "state": r.state,
-        "step": r.step,
-        "phase": r.phase,
-        "waiting": r.waiting,
-        "stack_top": r.stack_top,
-        "collectives": r.collectives.brief() if r.collectives is not None else None,
-    }

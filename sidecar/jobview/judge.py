@@ -13,8 +13,16 @@ decide it, the late rank, a stuck collective or a desync is the verdict, whateve
 show; the stack rule above judges only where they do not (no record: an older torch, the recorder
 off). Every culprit says which evidence judged it (`evidence`: collectives, stacks, progress).
 
-When ranks exit instead (a crash, a lost peer), the first to exit is the cause and the others'
-exits its consequences, unless a node went silent: its loss is what made the others fail.
+Who waits on whom (docs/architecture.md, "Who waits on whom"): a rank waits on its peers when its
+stack shows it in a collective or its record holds one in flight. A rank that is not waiting is
+the end of the chain; what its node reads of its process (`RankView.activity`) names the kind
+(hang_kinds.CONDITION_KINDS: stopped, in D, on its DataLoader, spinning, deadlocked). No one
+waiting, no hang: when no rank waits and every troubled rank's CPU time grows, the job is paused
+(`job_paused`, report only; every node holds, none kills).
+
+When ranks exit instead (a crash, a lost peer), the first to exit on its own clock (brought to the
+coordinator's by its node's offset, stragglers.ClockOffset) is the cause and the others' exits its
+consequences (`rank_crashed`), unless a node went silent: its loss is what made the others fail.
 
 Each report is summarised once, when it arrives (`summarize`, linear in its ranks); a judgement
 reads the summaries (`judge_summaries`, linear in the nodes), so a coordinator of 1,000 nodes
@@ -26,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 
+from sidecar import hang_kinds
 from sidecar.jobview import collectives
 from sidecar.jobview.report import Culprit, NodeReport, RankView
 
@@ -45,10 +54,17 @@ class Summary:
     recorded: list[RankView] = field(default_factory=list)  # its live ranks with a collective record
     received: float | None = None  # the judge's clock when the report arrived (records' ages are as of then)
     busy: list[int] = field(default_factory=list)  # its ranks busy, not hung (RankView.busy)
+    troubled: int = 0  # its live troubled ranks
+    working: int = 0  # of them, those whose CPU time grows (busy, or activity "cpu")
 
 
 def _step(r: RankView) -> int:
     return NO_STEP if r.step is None else r.step
+
+
+def in_flight(r: RankView) -> bool:
+    """Its record holds a collective it entered and has not completed: it waits on its peers."""
+    return r.collectives is not None and any(g.enqueued > g.completed for g in r.collectives.groups)
 
 
 def summarize(report: NodeReport, received: float | None = None) -> Summary:
@@ -63,8 +79,11 @@ def summarize(report: NodeReport, received: float | None = None) -> Summary:
             s.lowest, s.behind = step, [r]
         elif step == s.lowest:
             s.behind.append(r)
-        s.waiting += bool(r.waiting)
+        s.waiting += bool(r.waiting) or in_flight(r)
         s.stalled = s.stalled or r.troubled
+        if r.troubled:
+            s.troubled += 1
+            s.working += r.busy or r.activity == "cpu"
         if r.busy:
             s.busy.append(r.rank)
         if r.collectives is not None:
@@ -86,9 +105,11 @@ def judge(
 def judge_summaries(
     summaries: Iterable[Summary], lost: Collection[str] = (), force: bool = False, silent: Collection[str] = (),
     stale_after: float = collectives.STALE_AFTER_SECONDS, now: float | None = None,
+    offsets: dict[str, float] | None = None,
 ) -> Culprit | None:  # fmt: skip
     """`now`: the clock the summaries' `received` times are on; each record's age is brought to it
-    (nodes report at different moments: their ages must be compared as of one instant)."""
+    (nodes report at different moments: their ages must be compared as of one instant). `offsets`:
+    each node's clock minus the coordinator's, to order exits on one clock."""
     summaries = list(summaries)
     live = [s for s in summaries if s.lowest is not None]
     exits = [s for s in summaries if s.first_exit is not None]
@@ -97,7 +118,10 @@ def judge_summaries(
     if any(s.stalled for s in live):
         finding = collectives.judge(_records_now(live, now), stale_after, force)
         if finding is not None:
-            return finding.to_culprit()
+            return _refined(finding.to_culprit(), live)
+        paused = _paused(live)
+        if paused is not None:
+            return paused
         # Records that do not decide it yet (a fresh one is on its way): the stacks only when forced.
         undecided = not force and not lost and any(s.recorded for s in live)
         found = None if undecided else _hang(live, lost, force)
@@ -107,9 +131,22 @@ def judge_summaries(
         return _lost(lost, "ranks of the job exit or wait")
     if silent and not force:
         return None  # a silent node may be the lost one: wait for it (or for its probe)
-    first = min(exits, key=lambda s: s.first_exit.exited_at or 0.0 if s.first_exit else 0.0)
+    shift = offsets or {}
+
+    def exited(s: Summary) -> float:
+        assert s.first_exit is not None
+        return (s.first_exit.exited_at or 0.0) - shift.get(s.node, 0.0)
+
+    ordered = sorted(exits, key=exited)
+    first = ordered[0]
     assert first.first_exit is not None
-    return _culprit(first.node, first.first_exit, "the first rank of the job to exit", "first_exit", "progress")
+    then = ", ".join(
+        f"rank {s.first_exit.rank} on {s.node} +{exited(s) - exited(first):.3f}s" for s in ordered[1:4] if s.first_exit
+    )
+    why = "the first rank of the job to exit, on its node's clock brought to the coordinator's" + (
+        f" (then {then})" if then else ""
+    )
+    return _culprit(first.node, first.first_exit, why, hang_kinds.RANK_CRASHED.name, "progress")
 
 
 def _records_now(live: list[Summary], now: float | None) -> list[tuple[str, RankView]]:
@@ -123,26 +160,75 @@ def _records_now(live: list[Summary], now: float | None) -> list[tuple[str, Rank
     return out
 
 
+def _paused(live: list[Summary]) -> Culprit | None:
+    """No one waits on anyone (no stack in a collective, no record with one in flight) and every
+    troubled rank's CPU time grows: a pause (an evaluation, a long op), not a hang."""
+    troubled, working = sum(s.troubled for s in live), sum(s.working for s in live)
+    if not troubled or working < troubled or any(s.waiting for s in live):
+        return None
+    lowest = min(s.lowest for s in live if s.lowest is not None)
+    where = "no step yet" if lowest < 0 else f"step {lowest}"
+    node = next(s.node for s in live if s.lowest == lowest)
+    return Culprit(
+        None, node, reason=f"no rank waits on another and all {troubled} troubled rank(s) use CPU (at {where}): "
+        "a pause, not a hang; reported, nothing killed", kind=hang_kinds.JOB_PAUSED.name, evidence="stacks",
+    )  # fmt: skip
+
+
+def _chain_end(running: list[tuple[str, RankView]], waiting: int) -> tuple[str, RankView]:
+    """Which of the ranks not waiting holds the others up: a stopped one or one in D first; where no
+    rank is seen waiting (a CUDA job's waiting rank sits in its own code, its record unknown), the
+    odd one out of working (CPU) and not working; else the oldest progress."""
+    halted = [nr for nr in running if nr[1].activity in ("stopped", "io")]
+    if halted:
+        return max(halted, key=lambda nr: nr[1].progress_age_seconds)
+    if not waiting:
+        working = [nr for nr in running if nr[1].activity == "cpu"]
+        idle = [nr for nr in running if nr[1].activity not in (None, "cpu")]
+        if working and idle and len(working) != len(idle):
+            running = min(working, idle, key=len)
+    return max(running, key=lambda nr: nr[1].progress_age_seconds)
+
+
 def _hang(live: list[Summary], lost: Collection[str], force: bool) -> Culprit | None:
     lowest = min(s.lowest for s in live if s.lowest is not None)
     where = "no step yet" if lowest < 0 else f"step {lowest}"
     behind = [(s.node, r) for s in live if s.lowest == lowest for r in s.behind]
     waiting = sum(s.waiting for s in live)
-    running = [(node, r) for node, r in behind if r.waiting is False and r.troubled]
+    running = [(node, r) for node, r in behind if r.waiting is False and r.troubled and not in_flight(r)]
     if running:
-        node, r = max(running, key=lambda nr: nr[1].progress_age_seconds)
+        node, r = _chain_end(running, waiting)
         others = f"{waiting} rank{'s' if waiting != 1 else ''} wait" if waiting else "no rank waits"
-        why = f"not waiting for its peers at the job's lowest step ({where}), while {others} in a collective"
-        return _culprit(node, r, why, "rank_running", "stacks")
+        kind = hang_kinds.CONDITION_KINDS.get(r.activity or "", hang_kinds.RANK_UNKNOWN.name)
+        doing = f"; its process: {r.activity}" if r.activity else ""
+        why = f"not waiting for its peers at the job's lowest step ({where}), while {others} in a collective{doing}"
+        return _culprit(node, r, why, kind, "stacks")
     unknown = [(node, r) for node, r in behind if r.waiting is None]
     if lost and not unknown:
         return _lost(lost, "every rank that reports waits in a collective")
     if force and behind:
         node, r = max(unknown or behind, key=lambda nr: nr[1].progress_age_seconds)
         known = "its stack was not known" if r.waiting is None else "every rank waits in a collective"
-        return _culprit(node, r, f"oldest progress at the job's lowest step ({where}); {known}", "oldest_progress",
-                        "progress")  # fmt: skip
+        return _culprit(node, r, f"oldest progress at the job's lowest step ({where}); {known}",
+                        hang_kinds.OLDEST_PROGRESS.name, "progress")  # fmt: skip
     return None
+
+
+# The record says who is late; what the late rank's process does names the kind where it is specific.
+_REFINES = {"stopped": hang_kinds.RANK_STOPPED.name, "io": hang_kinds.IO_STUCK.name,
+            "dataloader": hang_kinds.DATALOADER_STUCK.name}  # fmt: skip
+
+
+def _refined(c: Culprit, live: list[Summary]) -> Culprit:
+    """A late rank's kind from its process's condition, as its node reads it (the reason says so)."""
+    if c.kind != hang_kinds.RANK_LATE.name or c.rank is None:
+        return c
+    view = next((r for s in live if s.node == c.node for r in s.behind + s.recorded if r.rank == c.rank), None)
+    if view is None or view.activity is None:
+        return c
+    c.reason += f"; its process: {view.activity}"
+    c.kind = _REFINES.get(view.activity, c.kind)
+    return c
 
 
 def _lost(lost: Collection[str], what: str) -> Culprit:

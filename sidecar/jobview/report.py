@@ -16,6 +16,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from sidecar import hang_kinds
 from sidecar.config import NODE_NAME, check_url
 from sidecar.jobview.golive import parse_figures
 from sidecar.jobview.stragglers import RankEntries, parse_entries
@@ -49,6 +50,9 @@ class RankView:
     collectives: Collectives | None = None  # its Flight Recorder summary (sidecar/ranks/collectives.py)
     collectives_age: float | None = None  # seconds since its node received that record, at the report's time
     busy: bool = False  # alive, not judged hung: busy, or its CPU time growing while judged (Liveness.alive)
+    # what its node reads of its process while it is troubled (hang_kinds.CONDITIONS: stopped, io,
+    # dataloader, cpu, idle); None: not read (not troubled, or an unverified caller's pid)
+    activity: str | None = None
 
     @property
     def troubled(self) -> bool:
@@ -109,32 +113,26 @@ class NodeReport:
         return out
 
 
-# What held the job up (a verdict's `kind`), and what judged it (`evidence`): the backend's own
-# record first (collectives), then the ranks' Python stacks, then progress and exits alone.
-KINDS = (
-    "rank_late",  # a rank never entered the collective its peers wait in (collectives)
-    "collective_stuck",  # every member entered, none completed: the backend's or the network's
-    "collective_mismatch",  # members at one sequence with different ops or sizes: a desync
-    "rank_running",  # a rank not waiting in a collective while its peers wait (stacks)
-    "oldest_progress",  # no better evidence in time: the oldest progress at the lowest step
-    "node_lost",  # a node stopped reporting
-    "first_exit",  # ranks exited: the first one
-)
+# What held the job up (a verdict's `kind`: sidecar/hang_kinds.py, the one table), and what judged it
+# (`evidence`): the backend's own record first (collectives), then the ranks' Python stacks, then
+# progress and exits alone.
+KINDS = tuple(hang_kinds.KINDS)
 EVIDENCE = ("collectives", "stacks", "progress")
-NO_RANK_KINDS = frozenset({"collective_stuck", "collective_mismatch"})  # every node acts on its own ranks
+NO_RANK_KINDS = hang_kinds.NO_RANK_KINDS  # no rank named: no node blamed
 
 
 @dataclass
 class Culprit:
-    rank: int | None  # None: a whole node is gone, or the collective's (kind in NO_RANK_KINDS)
+    rank: int | None  # None: a whole node is gone, the collective's, or a pause (hang_kinds: blames)
     node: str
     step: int | None = None
     phase: str | None = None
     stack_top: str | None = None
     reason: str = ""
-    kind: str = "rank_running"
+    kind: str = "rank_not_waiting"  # a name of sidecar/hang_kinds.py (or a newer node's, carried)
     evidence: str = "stacks"
-    # kind rank_late/collective_*: {"pg", "desc", "seq", "op", "sizes", "nodes", "ranks", "ops", "repeat"}
+    # kind rank_late/collective_*: {"pg", "desc", "seq", "op", "sizes", "nodes", "ranks", "ops", "repeat"};
+    # a desync's also "odd": {"rank": node} of the odd ranks out
     collective: dict[str, Any] | None = None
     busy: bool = False  # its node finds it busy, not hung: no node kills while it is so (episode.Episode.hold)
 
@@ -211,12 +209,14 @@ def _well_formed(obj: Any) -> RankView | None:
     rank, local, state, step = obj.get("rank"), obj.get("local_rank"), obj.get("state"), obj.get("step")
     age, waiting, exited = obj.get("progress_age_seconds"), obj.get("waiting"), obj.get("exited_at")
     phase, top, busy = obj.get("phase"), obj.get("stack_top"), obj.get("busy", False)
+    activity = obj.get("activity")
     if not (
         type(rank) is int and 0 <= rank <= MAX_RANK and type(local) is int and 0 <= local <= MAX_RANK
         and state in _STATES and (step is None or (type(step) is int and 0 <= step <= _MAX_STEP))
         and _seconds_value(age) and (waiting is None or type(waiting) is bool)
         and (exited is None or _seconds_value(exited))
         and _plain_text(phase) and _plain_text(top) and type(busy) is bool
+        and (activity is None or activity in _CONDITIONS)
     ):  # fmt: skip
         return None
     assert isinstance(age, (int, float))  # _seconds_value checked it
@@ -225,7 +225,7 @@ def _well_formed(obj: Any) -> RankView | None:
         return None
     return RankView(
         rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited),
-        parse_collectives(obj.get("collectives")), None if coll_age is None else float(coll_age), busy,
+        parse_collectives(obj.get("collectives")), None if coll_age is None else float(coll_age), busy, activity,
     )  # fmt: skip
 
 
@@ -254,7 +254,16 @@ def _rank_view(obj: Any, where: str) -> RankView:
             else _seconds(obj, "collectives_age", f"{where}.collectives_age")
         ),
         busy=bool(_bool(obj, "busy", f"{where}.busy")),
+        activity=_activity(obj.get("activity")),
     )  # fmt: skip
+
+
+_CONDITIONS = frozenset(hang_kinds.CONDITIONS)
+
+
+def _activity(value: Any) -> str | None:
+    """A rank's condition; one a newer node reads that this version does not know is dropped, not refused."""
+    return value if value in _CONDITIONS else None
 
 
 def _part(obj: dict, where: str) -> NodePart | None:
@@ -335,6 +344,14 @@ def _choice(obj: dict, key: str, where: str, choices: tuple[str, ...], default: 
     return value
 
 
+def _kind(raw: dict) -> str:
+    """A verdict's kind: any well-formed name (a newer node's kind is carried, hang_kinds.OTHER)."""
+    value = raw.get("kind", hang_kinds.RANK_UNKNOWN.name)
+    if type(value) is not str or not hang_kinds.NAME_RE.fullmatch(value):
+        raise ProtocolError("culprit.kind: expected a kind's name (a-z, 0-9 and '_', at most 40)")
+    return value
+
+
 MAX_COLLECTIVE_NAMES = 64  # nodes or ranks named in a verdict's collective
 
 
@@ -369,6 +386,15 @@ def _collective(raw: Any) -> dict[str, Any] | None:
         ]
         for sig in ops
     }
+    odd = raw.get("odd")
+    if odd is not None:
+        if not isinstance(odd, dict) or len(odd) > MAX_COLLECTIVE_NAMES:
+            raise ProtocolError(f"{where}.odd: expected an object of at most {MAX_COLLECTIVE_NAMES} rank -> node")
+        out["odd"] = {
+            str(_int({"r": int(r) if isinstance(r, str) and r.isdigit() else r}, "r", f"{where}.odd", 0, MAX_RANK)):
+            _text(odd, r, f"{where}.odd[{r!r}]", max_len=253)
+            for r in odd
+        }  # fmt: skip
     return out
 
 
@@ -388,7 +414,7 @@ def parse_verdict(data: Any) -> Verdict | None:
             phase=_text(raw, "phase", "culprit.phase", nullable=True, max_len=MAX_TEXT),
             stack_top=_text(raw, "stack_top", "culprit.stack_top", nullable=True, max_len=MAX_TEXT),
             reason=_text(raw, "reason", "culprit.reason", default="", max_len=4 * MAX_TEXT),
-            kind=_choice(raw, "kind", "culprit.kind", KINDS, "rank_running"),
+            kind=_kind(raw),
             evidence=_choice(raw, "evidence", "culprit.evidence", EVIDENCE, "stacks"),
             collective=_collective(raw.get("collective")),
             busy=bool(_bool(raw, "busy", "culprit.busy")),

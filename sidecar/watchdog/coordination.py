@@ -22,10 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from sidecar import hang_kinds
 from sidecar.incidents.store import Incident
-from sidecar.jobview.report import NO_RANK_KINDS, Culprit, NodePart, RankView, Verdict
+from sidecar.jobview.report import Culprit, NodePart, RankView, Verdict
 
 PART_EVENTS = frozenset(
     {"detected", "dumps_requested", "dumps_received", "verdict", "sigterm", "sigkill", "exit_observed",
@@ -95,7 +96,8 @@ def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
     if c.rank != incident.blamed_rank or c.node != node:
         incident.notes.append(f"this node alone would have blamed {local_guess} ({incident.blame_reason})")
     incident.blamed_rank = c.rank
-    incident.blamed_node = None if c.kind in NO_RANK_KINDS else c.node  # no rank, no node to blame
+    kind = hang_kinds.of(c.kind)
+    incident.blamed_node = c.node if kind.names_a_rank or kind.blames == "node" else None  # no one blamed
     incident.blame_reason = c.reason
     incident.hang_kind, incident.evidence, incident.collective = c.kind, c.evidence, c.collective
     incident.culprit = {
@@ -113,8 +115,11 @@ def local_culprit(verdict: Verdict | None, node: str, local_ranks: set[int]) -> 
     if verdict is None or verdict.culprit is None:
         return None
     c: Culprit = verdict.culprit
-    if c.kind in NO_RANK_KINDS:
-        return True  # no rank to blame: every node of the job acts on its own ranks
+    acts = hang_kinds.of(c.kind).acts
+    if acts == "every_node":
+        return True  # every node of the job acts on its own ranks (a stuck collective, a desync, a lost node)
+    if acts == "nobody":
+        return False  # report only (a pause; ranks that exited are torchrun's)
     return c.node == node and (c.rank is None or c.rank in local_ranks)
 
 
@@ -164,3 +169,31 @@ def rank_view(
 def wall_of(clock_value: float, clock: Callable[[], float]) -> float:
     """The wall-clock time of a watchdog clock reading."""
     return time.time() - (clock() - clock_value)
+
+
+def culprit_here(ep: Any, verdict: Verdict | None, finding: Any, targets: list[Any]) -> bool:
+    """Whether an episode's node (episode.py) acts on the job's verdict: its culprit is here. Without
+    one in time, this node's own evidence decides (a local rank late or running: its collective
+    `finding`, its ranks' stacks), or the coordinator's silence."""
+    dog, incident, jv = ep.dog, ep.incident, ep.dog.job_view
+    assert jv is not None
+    here = local_culprit(verdict, dog.node, {t.rank for t in targets})
+    if here is not None:
+        return here
+    wait = dog.settings.job_view.verdict_wait_seconds
+    late_here = finding is not None and finding.culprit is not None
+    running = [s.rank for s in incident.ranks if s.in_collective is False]
+    here = late_here or bool(running) or not jv.reachable(ep.job_id)
+    incident.notes.append(
+        f"no culprit from the job's coordinator within job_view.verdict_wait_seconds ({wait:g}s); "
+        + (
+            "this node's collective records show a local rank late to its peers' collective"
+            if late_here
+            else "this node's own stacks show a rank not waiting for its peers"
+            if running
+            else "the coordinator does not answer"
+            if here
+            else "every local rank waits in a collective"
+        )  # fmt: skip
+    )
+    return here

@@ -22,23 +22,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from sidecar import hang_kinds
 from sidecar.collectors.nic import NicCollector, link_facts
 from sidecar.config import Settings
 from sidecar.host.signals import Target
 from sidecar.incidents.store import Incident, IncidentStore, RankSnapshot
 from sidecar.jobview.collectives import Finding
 from sidecar.jobview.collectives import stale_after as collectives_stale_after
-from sidecar.jobview.report import Verdict
 from sidecar.ranks.model import Rank, RankKey
+from sidecar.watchdog import pause
 from sidecar.watchdog.attribution import blame, judge_collectives, refine_blame
 from sidecar.watchdog.coordination import (
     JobView,
     Probe,
     adopt,
+    culprit_here,
     drill_of,
     everyone_dumped,
     has_culprit,
-    local_culprit,
 )
 from sidecar.watchdog.goodput import Goodput
 from sidecar.watchdog.liveness import Liveness
@@ -263,7 +264,10 @@ class Episode:
         try:
             await self.dump(targets)
             await self.attach_links()
-            outcome = "resumed" if await self.hold() else await self.kill(targets)
+            if pause.locally_paused(self) and await pause.hold_paused(self) == "resumed":
+                outcome = "resumed"
+            else:
+                outcome = "resumed" if await self.hold() else await self.kill(targets)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # remediation bugs must not take the watchdog down
@@ -286,8 +290,14 @@ class Episode:
             jv.wake(job_id)
             verdict = await jv.wait_for(job_id, has_culprit, wait)
             adopt(incident, verdict, dog.node)
+            if pause.paused(self, verdict):  # no one waits: hold, judge again if the pause ends without progress
+                if await pause.hold_paused(self) == "resumed":
+                    self.end("resumed")
+                    return
+                verdict = await jv.wait_for(job_id, lambda v: has_culprit(v) and not pause.verdict_paused(v), wait)
+                adopt(incident, verdict, dog.node)
             await self.attach_links()
-            here = self.culprit_here(verdict, finding, targets)
+            here = culprit_here(self, verdict, finding, targets)
             dog.store.save(incident)
             if here and await self.hold():
                 outcome = "resumed"
@@ -347,34 +357,6 @@ class Episode:
             incident.links = await asyncio.get_running_loop().run_in_executor(None, link_facts, collector)
         except Exception as e:  # a missing sysfs: the record says so, the remediation goes on
             incident.notes.append(f"this node's links could not be read: {type(e).__name__}: {e}")
-
-    # ------------------------------------------------------------ verdict: whose stall it is
-
-    def culprit_here(self, verdict: Verdict | None, finding: Finding | None, targets: list[Target]) -> bool:
-        """Whether this node acts on the job's verdict: its culprit is here. Without one in time, this
-        node's own evidence decides (a local rank late or running), or the coordinator's silence."""
-        dog, incident, jv = self.dog, self.incident, self.dog.job_view
-        assert jv is not None
-        here = local_culprit(verdict, dog.node, {t.rank for t in targets})
-        if here is not None:
-            return here
-        wait = dog.settings.job_view.verdict_wait_seconds
-        late_here = finding is not None and finding.culprit is not None
-        running = [s.rank for s in incident.ranks if s.in_collective is False]
-        here = late_here or bool(running) or not jv.reachable(self.job_id)
-        incident.notes.append(
-            f"no culprit from the job's coordinator within job_view.verdict_wait_seconds ({wait:g}s); "
-            + (
-                "this node's collective records show a local rank late to its peers' collective"
-                if late_here
-                else "this node's own stacks show a rank not waiting for its peers"
-                if running
-                else "the coordinator does not answer"
-                if here
-                else "every local rank waits in a collective"
-            )  # fmt: skip
-        )
-        return here
 
     # ------------------------------------------------------------ hold: busy, not hung
 
@@ -511,7 +493,7 @@ class Episode:
             dog.counters.drills[(self.job_id, outcome)] += 1
         else:
             dog.counters.remediations[(self.job_id, outcome)] += 1
-            kind = incident.hang_kind or ("rank_running" if incident.evidence == "stacks" else "oldest_progress")
+            kind = hang_kinds.metric_label(incident.hang_kind or hang_kinds.OLDEST_PROGRESS.name)
             dog.counters.verdicts[(self.job_id, kind, incident.evidence or "progress")] += 1
         if incident.job_incident is not None:
             dog.parts[self.job_id] = incident

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ INTERIM_LOOKS = 6  # stack looks between two checks of a rank whose CPU time gro
 # ones and the check's own); on a loaded node fewer come in time and more are taken past it: with 4, one
 # C-heavy preparation in 4 test runs beside the suite was all still and killed (tests/watchdog/test_busy_peer_waits.py)
 MIN_LOOKS = INTERIM_LOOKS + 1
+DATALOADER_FILE = re.compile(r"torch/utils/data/(dataloader|_utils/)")  # a rank waiting on its DataLoader's workers
+ACTIVITY_WINDOW_SECONDS = 1.0  # the CPU window `activity` judges a troubled rank's work by
 PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
 
 
@@ -86,6 +89,8 @@ class _Watch:
     seen: list[Probe] = field(default_factory=list)  # looks taken since `before` (INTERIM_LOOKS)
     next_look: float = 0.0  # watchdog clock: the next look in between, if its CPU time still grows
     checked_at: float | None = None  # the check's start (w.asked moves on with looks past the deadline)
+    sample: tuple[float, float] | None = None  # (watchdog clock, CPU seconds): `activity`'s window start
+    working: bool | None = None  # its CPU time grew over `activity`'s last window
 
 
 class Liveness:
@@ -204,6 +209,36 @@ class Liveness:
         cpu = self._cpu_at(w.rank, now)
         elapsed = now - w.at
         return cpu is not None and elapsed > 0 and (cpu - w.cpu) >= BUSY_CPU_SHARE * elapsed
+
+    def activity(self, rank: Rank, now: float, frames: Frames = ()) -> str | None:
+        """What the rank's process does while it is troubled, for the job's judgement (one of
+        hang_kinds.CONDITIONS): "stopped" (state T/t, or a frozen cgroup), "io" (state D), "cpu"
+        (its CPU time grew over the last ACTIVITY_WINDOW_SECONDS: busy, or spinning), "dataloader"
+        (no CPU, a DataLoader frame in its stack: it waits on its workers), "idle" (no CPU: a lock, a
+        sleep, a wait); None when it is not watched, not a verified caller's, or too soon to tell."""
+        if not rank.peer_verified or rank.pid_start_time is None:
+            return None
+        letter = procs.state(rank.pid, rank.pid_start_time)
+        if letter in ("T", "t", "F"):
+            return "stopped"
+        if letter == "D":
+            return "io"
+        w = self._watch.get(rank.key)
+        if w is None or w.rank is not rank or letter is None:
+            return None
+        if w.sample is None:
+            w.sample = (w.at, w.cpu)
+        at, before = w.sample
+        if now - at >= ACTIVITY_WINDOW_SECONDS:  # its CPU over the last window: a pause may end, a hang may start
+            cpu = self._cpu_at(rank, now)
+            if cpu is None:
+                return None
+            w.working, w.sample = cpu - before >= BUSY_CPU_SHARE * (now - at), (now, cpu)
+        if w.working is None:
+            return None
+        if w.working:
+            return "cpu"
+        return "dataloader" if any(DATALOADER_FILE.search(f[0]) for f in frames) else "idle"
 
     def _check(self, w: _Watch, now: float) -> float | None:
         """A check begins: the CPU first (a hang without CPU is declared now, without waiting for

@@ -248,7 +248,8 @@ class Watchdog:
             track.probe = None  # progress again: what its stack showed no longer holds
             track.rank.drop_fr_dump()
         elif new is RankState.GONE and reason in ("process exited", "exception"):
-            track.exited_wall = time.time()
+            gone_at = track.rank.gone_at  # when this sidecar heard it (the rank's deregistration, or its exit)
+            track.exited_wall = time.time() - (time.monotonic() - gone_at if gone_at is not None else 0.0)
         if self.job_view is not None:
             self.job_view.wake(track.rank.job_id)
         level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from sidecar import hang_kinds
 from sidecar.metric import MetricSpec, spec
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -84,10 +85,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog",
         "stall_verdicts",
         "counter",
-        "Stalls by what held the job up (kind: rank_late, collective_stuck, collective_mismatch, rank_running, "
-        "oldest_progress, node_lost, first_exit) and the evidence that judged it (collectives: the Flight "
+        hang_kinds.metric_help() + " and the evidence that judged it (collectives: the Flight "
         "Recorder; stacks: the ranks' Python stacks; progress: steps and exits alone). A collective_mismatch is a "
-        "desync in the program that a restart repeats.",
+        "desync in the program that a restart repeats; a job_paused is reported, never killed.",
         ["job_id", "kind", "evidence"],
     ),
     spec(

@@ -391,7 +391,8 @@ def test_nccl_members_at_one_sequence_with_different_collectives_are_a_desync(od
     recs = {rank.rank: record(rank) for rank in ranks}
 
     found = verdict(recs)
-    assert found is not None and found.kind == "collective_mismatch" and found.culprit is None
+    assert found is not None and found.kind == "collective_mismatch"
+    assert found.culprit is not None and found.culprit[1].rank == odd_rank and list(found.odd) == [odd_rank]
     assert (found.pg, found.seq, found.ops) == ("1", N, ops)
 
 

@@ -10,7 +10,7 @@ rendezvous, the middle node with two ranks) running the user's own loop with the
 - 2 x 2 data x tensor parallel (two kinds of subgroup), one rank SIGSTOPped.
 
 Each gives one job incident on every node with the verdict's kind and evidence `collectives`; where
-a rank is to blame it is named on every node and only its node kills; a desync names no rank and
+a rank is to blame it is named on every node and only its node kills; a desync names the odd rank out and its node, and
 every node acts on its own ranks."""
 
 from __future__ import annotations
@@ -102,15 +102,18 @@ def test_a_rank_spinning_outside_any_collective_is_the_late_one(shared_runs: Sha
         assert "never entered" in mine["node-2"]["blame_reason"], mine["node-2"]["blame_reason"]
 
 
-def test_a_desync_is_a_collective_mismatch_and_no_rank_is_blamed(tmp_path):
+def test_a_desync_is_a_collective_mismatch_naming_the_odd_rank_out_and_its_node(tmp_path):
+    """Before issue 42 no rank was named and `culprit.node` was the first node of the group (node-0)."""
     with Cluster(spec(tmp_path, "sync", "desync", three_nodes()), tmp_path) as cluster:
         codes = cluster.wait_agents(JOB_TIMEOUT)
         assert codes == [0, 0, 0], explain(cluster)
         mine = incidents(cluster)
+        odd = hang_record(tmp_path)["rank"]
         for name, record in mine.items():
             assert (record["hang_kind"], record["evidence"]) == ("collective_mismatch", "collectives"), (
                 name, record["summary"])  # fmt: skip
-            assert record["blamed_rank"] is None, record["summary"]
+            assert (record["blamed_rank"], record["blamed_node"]) == (odd, "node-1"), record["summary"]
+            assert record["culprit"]["node"] == "node-1" and record["collective"]["odd"] == {str(odd): "node-1"}
             ops = record["collective"]["ops"]
             assert "barrier" in ops and "all_reduce[256]" in ops and len(ops) == 2, ops
             assert ops["barrier"] == [hang_record(tmp_path)["rank"]], ops

@@ -96,7 +96,7 @@ def test_different_collectives_at_one_sequence_are_a_mismatch():
     found = collectives.judge(pairs(*members))
     assert found is not None and found.kind == "collective_mismatch"
     assert found.ops == {"all_reduce[256]": [0, 1, 3], "barrier": [2]}
-    assert found.to_culprit().rank is None
+    assert found.to_culprit().rank == 2  # the odd one out
 
 
 def test_shapes_differ_legitimately_where_the_op_allows_it():
@@ -147,7 +147,7 @@ def test_the_job_judge_prefers_the_record_and_waits_for_it_before_the_stacks():
 def test_without_records_the_stack_rule_judges_and_says_so():
     reports = [report("node-0", rank(0)), report("node-1", rank(1, waiting=False)), report("node-2", rank(2))]
     culprit = judge(reports)
-    assert culprit is not None and (culprit.rank, culprit.kind, culprit.evidence) == (1, "rank_running", "stacks")
+    assert culprit is not None and (culprit.rank, culprit.kind, culprit.evidence) == (1, "rank_not_waiting", "stacks")
 
 
 def test_a_desync_the_previous_incident_had_is_flagged_as_a_repeat():

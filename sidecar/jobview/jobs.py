@@ -1,0 +1,102 @@
+"""What the job's coordinator (coordinator.py) keeps per job: every node's latest report and its
+summary, the open job incident and a few closed ones, and the small rules over them that a verdict
+needs (who a verdict names, whether it may still change, whether a desync repeats the last one)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar import hang_kinds
+from sidecar.jobview.golive import JobChecks
+from sidecar.jobview.judge import Summary
+from sidecar.jobview.report import Culprit, NodePart, NodeReport, Verdict
+from sidecar.jobview.stragglers import JobJudge
+
+CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
+
+
+@dataclass
+class JobIncident:
+    verdict: Verdict
+    parts: dict[str, NodePart] = field(default_factory=dict)
+    ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # node -> its ranks when troubled
+    opened_mono: float = 0.0  # monotonic, when it opened
+    node_set: set[str] = field(default_factory=set)  # the nodes that reported during it
+    order: list[str] = field(default_factory=list)  # the same, in the order they first reported
+    dumped_set: set[str] = field(default_factory=set)  # those whose stacks are dumped
+    untroubled_since: float | None = None  # monotonic: every report fine since
+
+
+@dataclass
+class Job:
+    job_id: str
+    reports: dict[str, tuple[NodeReport, float]] = field(default_factory=dict)  # node -> (report, monotonic)
+    summaries: dict[str, Summary] = field(default_factory=dict)  # node -> its latest report, summarised
+    current: JobIncident | None = None
+    closed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=CLOSED_KEPT))
+    unreachable: set[str] = field(default_factory=set)  # nodes whose sidecar did not answer a probe
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    version: int = 0
+    probing: asyncio.Task | None = None
+    troubled: set[str] = field(default_factory=set)  # nodes whose latest report is troubled
+    judged_at: float = -1e9  # monotonic, the last judgement
+    judge_cost: float = 0.0  # seconds the last judgement took
+    judge_pending: bool = False
+    ranks_held: int = 0  # ranks in its nodes' latest reports
+    lateness: JobJudge = field(default_factory=JobJudge)  # its ranks' entry times, judged (stragglers.py)
+    stragglers_logged: set[int] = field(default_factory=set)
+    golive: JobChecks = field(default_factory=JobChecks)  # its go-live checks over every node
+    drill: tuple[str, str] | None = None  # (id, node): a node of the job drills it now (`sidecar drill`)
+
+    def held_by(self, node: str) -> int:
+        got = self.reports.get(node)
+        return len(got[0].ranks) if got is not None else 0
+
+
+# Verdicts later evidence may still change: a pause that turns out a hang, the first exit before an
+# earlier one (or the lost node) is heard of, the oldest progress before the stacks come.
+REFINED = hang_kinds.REPORT_ONLY | {hang_kinds.OLDEST_PROGRESS.name}
+
+
+def who(c: Culprit) -> tuple:
+    """What nodes act on in a verdict (its reason may be reworded as evidence comes, unannounced)."""
+    return c.kind, c.rank, c.node, c.evidence
+
+
+def where(c: Culprit) -> str:
+    if c.rank is not None:
+        return f"rank {c.rank} on {c.node}"
+    return f"node {c.node}" if hang_kinds.of(c.kind).blames == "node" else "no rank"
+
+
+def is_busy(job: Job, culprit: Culprit) -> bool:
+    s = job.summaries.get(culprit.node)
+    return s is not None and culprit.rank is not None and culprit.rank in s.busy
+
+
+def repeats(job: Job, culprit: Culprit) -> bool:
+    """A desync the job's previous incident already ran into: the same group and the same
+    collectives at odds (sequence numbers restart with the process group)."""
+    assert culprit.collective is not None
+    mine = (culprit.collective.get("pg"), sorted(culprit.collective.get("ops") or {}))
+    for past in job.closed:
+        c = past.verdict.culprit
+        if c is not None and c.kind == "collective_mismatch" and c.collective is not None:
+            if (c.collective.get("pg"), sorted(c.collective.get("ops") or {})) == mine:
+                return True
+    return False
+
+
+def rank_brief(r: Any) -> dict[str, Any]:
+    return {
+        "rank": r.rank,
+        "state": r.state,
+        "step": r.step,
+        "phase": r.phase,
+        "waiting": r.waiting,
+        "stack_top": r.stack_top,
+        "collectives": r.collectives.brief() if r.collectives is not None else None,
+    }

@@ -1,0 +1,101 @@
+"""No one waiting, no hang: an episode whose job is paused, not hung (hang_kinds.JOB_PAUSED).
+
+A job whose every troubled rank uses CPU while none waits on another (an evaluation no one
+declared, one long op, host-side preparation on every rank) makes no progress, and its ranks'
+stacks may look still (one long torch op shows the same innermost frame at every look), but
+nothing in it waits on something that cannot come. It is reported (its incident's kind
+`job_paused`, the SidecarJobNotProgressing alert past the job-level budget), never killed at the
+floor: the episode holds until the ranks step again, or until the pause ends without progress (a
+rank starts waiting on another, or stops using CPU: then it is a hang, judged as one).
+
+With the job view the coordinator's verdict says whether the job is paused (judge.py); without
+one in time, or alone, this node's own ranks say it (`locally_paused`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from sidecar import hang_kinds
+from sidecar.incidents.store import Incident
+from sidecar.jobview.report import Verdict
+from sidecar.watchdog.states import RankState
+
+
+class Episode(Protocol):
+    """What of an episode (episode.py) its pause reads: its watchdog, its job and its incident."""
+
+    dog: Any
+    job_id: str
+    incident: Incident
+
+
+log = logging.getLogger("sidecar.watchdog.machine")
+
+TROUBLED = (RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING)
+
+
+def _waits(t: Any) -> bool:
+    """Its stack shows it in a collective, or its record holds one in flight."""
+    if t.probe is not None and t.probe.waiting:
+        return True
+    record = t.rank.collectives
+    return record is not None and any(g.enqueued > g.completed for g in record.groups)
+
+
+def locally_paused(ep: Episode) -> bool:
+    """This node's own evidence: none of the job's ranks here waits, and every troubled one's CPU time grows."""
+    dog, now = ep.dog, ep.dog.clock()
+    tracks = dog.tracks_of(ep.job_id)
+    troubled = [t for t in tracks if t.state in TROUBLED]
+    if not troubled or any(_waits(t) for t in tracks):
+        return False
+    return all(
+        dog.liveness.activity(t.rank, now, t.probe.frames if t.probe is not None else ()) == "cpu" for t in troubled
+    )
+
+
+def verdict_paused(verdict: Verdict | None) -> bool | None:
+    """The job's verdict on it: True paused, False a hang, None no verdict with a culprit (yet)."""
+    if verdict is None or verdict.closed or verdict.culprit is None:
+        return None
+    return verdict.culprit.kind in hang_kinds.REPORT_ONLY and verdict.culprit.kind != hang_kinds.RANK_CRASHED.name
+
+
+def paused(ep: Episode, verdict: Verdict | None) -> bool:
+    said = verdict_paused(verdict)
+    return locally_paused(ep) if said is None else said
+
+
+async def hold_paused(ep: Episode) -> str | None:
+    """Hold the paused job's episode: "resumed" once none of its ranks here is stalled, None once the
+    pause ended without progress (now a hang: the caller judges and acts as for one)."""
+    dog, incident, interval = ep.dog, ep.incident, ep.dog.settings.watchdog.check_interval_seconds
+    jv = dog.job_view
+    started = dog.clock()
+    if incident.hang_kind is None:  # no verdict adopted: this node's own evidence
+        incident.hang_kind, incident.evidence = hang_kinds.JOB_PAUSED.name, "stacks"
+        incident.blamed_rank, incident.blamed_node = None, None
+        incident.blame_reason = "no rank of the job here waits on another and every troubled one uses CPU"
+    incident.event("paused")
+    incident.notes.append("paused, not hung: no rank waits on another and every troubled rank uses CPU; not killed")
+    dog.store.save(incident)
+    log.warning("job %s: paused, not hung (no rank waits on another, every troubled rank uses CPU): not killed",
+                ep.job_id)  # fmt: skip
+    while True:
+        await asyncio.sleep(interval)
+        mine = [t for t in dog.tracks_of(ep.job_id) if t.episode is ep]
+        if not any(t.state in (RankState.STALLED, RankState.REMEDIATING) for t in mine):
+            held = dog.clock() - started
+            incident.event("resumed_by_itself", held_seconds=round(held, 3))
+            incident.notes.append(f"the job stepped again {held:.1f}s into the pause")
+            log.warning("job %s: progressing again after a pause of %.1fs; not killed", ep.job_id, held)
+            return "resumed"
+        verdict = jv.verdict(ep.job_id) if jv is not None else None
+        if not paused(ep, verdict):
+            incident.event("pause_ended", held_seconds=round(dog.clock() - started, 3))
+            incident.notes.append("the pause ended without progress: a rank now waits on another, or stopped using CPU")
+            log.warning("job %s: the pause ended without progress: judged as a hang", ep.job_id)
+            return None

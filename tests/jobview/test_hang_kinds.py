@@ -1,0 +1,191 @@
+"""The one table of hang kinds (sidecar/hang_kinds.py) and the wait-for judgement over synthetic
+reports (sidecar/jobview/judge.py): each kind from the waits and the ranks' conditions that make
+it, the healthy pause that is none, and what the table drives (wire, docs, runbook, alerts)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sidecar import hang_kinds
+from sidecar.jobview import collectives
+from sidecar.jobview.judge import judge, judge_summaries, summarize
+from sidecar.jobview.report import Culprit, Verdict, parse_report, parse_verdict
+from sidecar.watchdog.coordination import local_culprit
+from tests.jobview.helpers import rank, report
+from tests.jobview.test_collectives import group, pairs, view
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def doing(r: int, activity: str | None, waiting: bool | None = False, state: str = "stalled", **kw):
+    v = rank(r, state=state, waiting=waiting, **kw)
+    v.activity = activity
+    return v
+
+
+def three(culprit_activity: str | None, others_wait: bool = True):
+    """Ranks 0 and 2 wait in a collective (or not); rank 1 on node-1 does `culprit_activity`."""
+    return [
+        report("node-0", doing(0, "idle" if others_wait else "cpu", waiting=others_wait)),
+        report("node-1", doing(1, culprit_activity)),
+        report("node-2", doing(2, "idle" if others_wait else "cpu", waiting=others_wait)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "activity, kind",
+    [("stopped", "rank_stopped"), ("io", "io_stuck"), ("dataloader", "dataloader_stuck"), ("cpu", "rank_spinning"),
+     ("idle", "rank_deadlocked"), (None, "rank_not_waiting")],
+)  # fmt: skip
+def test_the_end_of_the_wait_chain_names_the_kind_from_what_its_process_does(activity, kind):
+    c = judge(three(activity))
+    assert c is not None and (c.rank, c.node, c.kind) == (1, "node-1", kind), c
+    assert hang_kinds.of(c.kind).acts == "culprit_node"
+
+
+def test_no_one_waiting_and_every_rank_working_is_a_pause_that_nothing_acts_on():
+    c = judge(three("cpu", others_wait=False))
+    assert c is not None and c.kind == "job_paused" and c.rank is None, c
+    verdict = Verdict("j1", "inc", 1, 0.0, culprit=c)
+    assert not any(local_culprit(verdict, f"node-{i}", {i}) for i in range(3))  # no node acts
+
+
+def test_a_pause_is_no_pause_once_one_rank_waits_or_one_stops_working():
+    assert judge(three("idle", others_wait=False)).kind == "rank_deadlocked"  # type: ignore[union-attr]
+    reports = three("cpu", others_wait=False)
+    reports[0].ranks[0].waiting = True  # rank 0 entered a collective: it waits on rank 1 (and 2)
+    c = judge(reports)
+    assert c is not None and c.kind == "rank_spinning" and c.rank in (1, 2), c
+
+
+def test_a_record_in_flight_is_a_wait_though_the_stack_is_in_the_users_code():
+    """A CUDA job's waiting rank sits at its own sync point: its record, not its stack, shows the wait."""
+    reports = three("cpu", others_wait=False)
+    busy_rank = reports[0].ranks[0]
+    busy_rank.collectives = view(0, group(enqueued=6, completed=5)).collectives
+    assert judge(reports) is None  # the records decide it once they are fresh
+    c = judge(reports, force=True)
+    assert c is not None and c.kind != "job_paused", c
+
+
+def test_a_late_rank_whose_process_is_stopped_is_rank_stopped_from_the_record():
+    members = [view(r, group(enqueued=6, completed=5), waiting=False) for r in (0, 2, 3)]
+    late = view(1, group(enqueued=5, completed=5), age=30.0, waiting=False)
+    late.activity = "stopped"
+    found = collectives.judge(pairs(*members, late))
+    assert found is not None and found.kind == "rank_late"
+    reports = [report(f"node-{v.rank}", v) for v in (*members, late)]
+    c = judge_summaries([summarize(r) for r in reports])
+    assert c is not None and (c.rank, c.kind, c.evidence) == (1, "rank_stopped", "collectives"), c
+    assert "its process: stopped" in c.reason
+
+
+def test_a_desync_names_the_odd_rank_out_and_its_node():
+    members = [view(r, group(enqueued=6, completed=5)) for r in (0, 1, 3)]
+    members.append(view(2, group(enqueued=6, completed=5, op="barrier", sizes=())))
+    found = collectives.judge(pairs(*members, nodes={0: "node-0", 1: "node-0", 2: "node-2", 3: "node-1"}))
+    assert found is not None and found.kind == "collective_mismatch"
+    c = found.to_culprit()
+    assert (c.rank, c.node) == (2, "node-2") and c.collective is not None and c.collective["odd"] == {"2": "node-2"}
+    assert "the odd one out: rank 2 on node-2" in c.reason
+    assert hang_kinds.of(c.kind).acts == "every_node"  # a desync restarts every rank
+
+
+def test_a_desync_split_evenly_names_no_rank():
+    members = [view(r, group(enqueued=6, completed=5)) for r in (0, 1)]
+    members += [view(r, group(enqueued=6, completed=5, op="barrier", sizes=())) for r in (2, 3)]
+    found = collectives.judge(pairs(*members))
+    assert found is not None and found.to_culprit().rank is None
+
+
+def test_the_lost_node_is_named_before_any_survivor_exit():
+    reports = [
+        report("node-0", rank(0, state="gone", exited_at=100.0)),
+        report("node-1", rank(1, state="gone", exited_at=101.0)),
+    ]
+    assert judge(reports, silent=["node-2"]) is None  # the silent node may be the lost one: wait
+    c = judge(reports, lost=["node-2"])
+    assert c is not None and (c.kind, c.node, c.rank) == ("node_lost", "node-2", None), c
+
+
+def test_exits_are_ordered_on_one_clock():
+    """node-1's clock runs 2 s ahead: its rank's exit at 101.0 on its clock was at 99.0 on the coordinator's."""
+    reports = [
+        report("node-0", rank(0, state="gone", exited_at=100.0)),
+        report("node-1", rank(1, state="gone", exited_at=101.0)),
+    ]
+    summaries = [summarize(r) for r in reports]
+    assert judge_summaries(summaries).rank == 0  # type: ignore[union-attr]
+    c = judge_summaries(summaries, offsets={"node-1": 2.0})
+    assert c is not None and (c.rank, c.kind) == (1, "rank_crashed"), c
+
+
+# ---------------------------------------------------------------- the wire
+
+
+def verdict_wire(kind: str) -> dict:
+    return Verdict("j1", "inc", 3, 1.0, culprit=Culprit(1, "node-1", 29, reason="why", kind=kind)).to_wire()
+
+
+def test_a_newer_nodes_kind_is_carried_not_refused():
+    wire = verdict_wire("rank_haunted")
+    v = parse_verdict(wire)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "rank_haunted"
+    assert hang_kinds.of("rank_haunted") is hang_kinds.OTHER and hang_kinds.metric_label("rank_haunted") == "other"
+    assert local_culprit(v, "node-1", {1}) is True and local_culprit(v, "node-0", {0}) is False
+
+
+def test_a_rank_condition_survives_the_wire_and_an_unknown_one_is_dropped():
+    r = doing(1, "dataloader")
+    wire = report("node-1", r).to_wire()
+    assert parse_report(wire, 8).ranks[0].activity == "dataloader"
+    wire["ranks"][0]["activity"] = "levitating"
+    assert parse_report(wire, 8).ranks[0].activity is None
+
+
+def test_a_malformed_kind_is_refused_naming_the_field():
+    with pytest.raises(Exception, match="culprit.kind"):
+        parse_verdict(verdict_wire("Bad Kind!"))
+
+
+def test_one_culprit_round_trips_with_its_kind():
+    c = Culprit(2, "node-2", 29, reason="a desync", kind="collective_mismatch", evidence="collectives",
+                collective={"pg": "0", "seq": 3, "odd": {"2": "node-2"}})  # fmt: skip
+    v = parse_verdict(Verdict("j1", "inc", 1, 0.0, culprit=c).to_wire())
+    assert v is not None and v.culprit is not None and v.culprit.collective["odd"] == {"2": "node-2"}  # type: ignore[index]
+
+
+# ---------------------------------------------------------------- what the table drives
+
+
+def test_every_kind_has_a_runbook_section_and_an_alert_that_exists_or_a_reason_for_none():
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    sections = set(re.findall(r"^### (\S+)", runbook, re.M))
+    alerts = {
+        rule["alert"]
+        for path in (ROOT / "alerts").glob("*.rules.yml")
+        for g in yaml.safe_load(path.read_text())["groups"]
+        for rule in g["rules"]
+        if "alert" in rule
+    }
+    for kind in hang_kinds.KINDS.values():
+        assert kind.name in sections, f"docs/runbook.md has no '### {kind.name}'"
+        assert (kind.alert in alerts) if kind.alert else kind.no_alert, kind
+
+
+def test_the_architecture_doc_carries_the_generated_table():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert hang_kinds.table() in doc, "docs/architecture.md: paste `python -m sidecar.hang_kinds`"
+
+
+def test_the_metric_help_names_every_kind():
+    assert all(name in hang_kinds.metric_help() for name in hang_kinds.KINDS)
+
+
+def test_a_kind_without_an_alert_or_reason_is_refused():
+    with pytest.raises(ValueError, match="an alert, or the reason"):
+        hang_kinds.register(hang_kinds.HangKind("rank_mute", "x", "y", "rank", "culprit_node", None))

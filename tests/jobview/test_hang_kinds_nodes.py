@@ -1,0 +1,99 @@
+"""The faults of issue 42's table on three simulated nodes of one rank each (demo/cluster.py: one
+sidecar and one torchrun agent per node, one c10d rendezvous), the user's own loop waiting on its
+all-reduce asynchronously as a CUDA job does (bench/cycles/train_faults.py, shape `async`):
+
+- a healthy job: every rank evaluates for 12 s inside torch ops, outside any collective, nothing
+  declared. No one waits on anyone: the job is paused, not hung. Every node records `job_paused`,
+  nothing is signalled, nothing restarts (before: every node stalled with `rank_running`, one
+  killed the job, 3 of 3 runs);
+- a rank raises an exception while its peers wait in their all-reduce: `rank_crashed` names it,
+  on every node, and the others' exits are its consequences."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from demo.cluster import Cluster, NodeSpec
+from demo.job import wait_for
+from tests.jobview.clusters import JOB_TIMEOUT, NO_HANG, explain
+from tests.jobview.clusters import faults_spec as spec
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
+
+
+def one_rank_each(hang_node: int = 1) -> list[NodeSpec]:
+    return [
+        NodeSpec(f"node-{i}", 1, {"CYCLE_HANG_LOCAL_RANK": "0"} if i == hang_node else dict(NO_HANG)) for i in range(3)
+    ]
+
+
+def cycle(workdir) -> list[dict]:
+    path = workdir / "cycle.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def sigterms(record: dict) -> bool:
+    return any(e["event"] == "sigterm" and e.get("ranks") for e in record["timeline"])
+
+
+def test_every_rank_evaluating_for_12s_outside_any_collective_is_a_pause_and_nothing_is_killed(tmp_path):
+    nodes = [NodeSpec(f"node-{i}", 1) for i in range(3)]
+    job = spec(tmp_path, "async", "evaluate", nodes)
+    job.env["CYCLE_WORK_SECONDS"] = "12"
+    with Cluster(job, tmp_path) as cluster:
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+        assert codes == [0, 0, 0], explain(cluster)
+        records = cycle(tmp_path)
+        assert len([r for r in records if r["kind"] == "worked"]) == 3, records  # every rank did pause
+        assert {r["attempt"] for r in records} == {0}, explain(cluster)  # nothing was restarted
+        logs = {n.spec.name: cluster.log(n, "sidecar").read_text(errors="replace") for n in cluster.nodes}
+        assert not any("SIGTERM" in text for text in logs.values()), explain(cluster)
+        found = {n.spec.name: n.incidents() for n in cluster.nodes}
+        stalls = [r for records in found.values() for r in records]
+        assert stalls, explain(cluster)  # the ranks did stop stepping past the 3 s floor
+        for record in stalls:
+            assert record["hang_kind"] == "job_paused", record["summary"]
+            assert record["blamed_rank"] is None and not sigterms(record), record["summary"]
+            assert record["outcome"] in ("resumed", "paused"), record["outcome"]
+
+
+def test_a_rank_that_raises_while_its_peers_wait_is_the_crashed_one_on_every_node(tmp_path):
+    with Cluster(spec(tmp_path, "async", "crash", one_rank_each()), tmp_path) as cluster:
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+        assert codes == [0, 0, 0], explain(cluster)
+        crashed = next(r for r in cycle(tmp_path) if r["kind"] == "hang")["rank"]
+        exits = {n.spec.name: n.incidents(kind="exit") for n in cluster.nodes}
+        assert all(exits.values()), explain(cluster)
+        for name, records in exits.items():
+            for record in records:
+                for e in record["exits"]:
+                    if e["rank"] == crashed:
+                        assert e.get("role") == "cause" and not e.get("consequence_of"), (name, record["summary"])
+                    else:
+                        assert e.get("consequence_of") == f"rank {crashed} on node-1", (name, record["summary"])
+
+
+def test_a_lost_node_of_one_rank_is_named_and_no_survivor_is_blamed(tmp_path):
+    """Issue 42's case: one rank per node, waits asynchronous, the lost node's agent, rank and sidecar
+    SIGKILLed at once (before: every survivor named a healthy rank of another node, `first_exit`)."""
+    job = spec(tmp_path, "async", "stop", [NodeSpec(f"node-{i}", 1, dict(NO_HANG)) for i in range(3)])
+    job.env.update({"CYCLE_HANGS": "0", "CYCLE_HANG_STEP": "100"})
+    job.min_nodes = 2
+    with Cluster(job, tmp_path) as cluster:
+        assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
+        assert wait_for(lambda: all(n.status().get("jobs", {}).get("jv", {}).get("reachable") for n in cluster.nodes),
+                        60), explain(cluster)  # fmt: skip
+        spared = {n.spec.name for n in cluster.nodes if any(r["rank"] == 0 for r in n.ranks())}
+        spared.add(cluster.rendezvous_host() or "")
+        lost = next(n.spec.name for n in reversed(cluster.nodes) if n.spec.name not in spared)
+        cluster.lose_node(lost)
+        survivors = [n for n in cluster.nodes if n.spec.name != lost]
+        codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(JOB_TIMEOUT), strict=True)}
+        assert all(codes[n.spec.name] == 0 for n in survivors), (codes, explain(cluster))
+        exits = [r for n in survivors for r in n.incidents(kind="exit")]
+        assert exits, explain(cluster)
+        named = {e.get("consequence_of") for r in exits for e in r["exits"]}
+        assert named == {f"node {lost} lost"}, [r["summary"] for r in exits]
+        assert all(e["role"] == "consequence" for r in exits for e in r["exits"]), [r["summary"] for r in exits]
