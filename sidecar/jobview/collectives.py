@@ -157,7 +157,7 @@ def judge(
     for node, view in ranks:
         if view.collectives is None or view.state == "gone":
             continue
-        if stale(view, stale_after):
+        if stale(view, stale_after) or view.activity == "stopped":  # a stopped process's record is old for that
             stopped.add(view.rank)
         for g in view.collectives.groups:
             member = _Member(node, view, g)

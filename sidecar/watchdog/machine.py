@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Iterable
 from prometheus_client.core import Metric
 
 from sidecar.config import Settings
+from sidecar.host import procs
 from sidecar.host.procs import is_running
 from sidecar.incidents.store import Incident, IncidentStore
 from sidecar.jobview.report import NodeReport
@@ -208,6 +209,9 @@ class Watchdog:
             self._next_due = min(self._next_due, now + suspect_at - d.age)
         if (held := self.liveness.hold(rank, track.probe, d, suspect_at, now)) is not None:  # busy, not hung
             wanted, self._next_due = RankState.SUSPECT, min(self._next_due, held)
+        if wanted in (RankState.HEALTHY, RankState.STARTING) and track.state in (RankState.SUSPECT, RankState.STALLED):
+            if procs.state(rank.pid, rank.pid_start_time) in ("T", "t", "F"):  # stopped: no late push makes it healthy
+                wanted = track.state
         if wanted is RankState.STARTING and track.state is RankState.HEALTHY:
             wanted = RankState.HEALTHY  # a started rank never goes back to starting
         if track.state is RankState.STALLED and track.stalled_on == (rank.last_progress, rank.phase, d.timeout):

@@ -117,7 +117,7 @@ def node_report(dog: Watch, job_id: str, episode: Episode | None) -> NodeReport 
         age = now - r.last_progress
         busy = t.state is RankState.SUSPECT and dog.liveness.alive(r.key, now)
         view = rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited, busy)
-        if t.state in (RankState.SUSPECT, RankState.STALLED, RankState.REMEDIATING):
+        if t.state is not RankState.GONE:  # stopped or in D from /proc alone; CPU once it is watched (suspect)
             view.activity = dog.liveness.activity(r, now, t.probe.frames if t.probe is not None else ())
         if r.collectives is not None and t.state is not RankState.GONE:
             view.collectives, view.collectives_age = r.collectives, round(r.collectives_age(now) or 0.0, 3)

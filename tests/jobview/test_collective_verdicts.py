@@ -49,15 +49,17 @@ def signalled(record: dict) -> bool:
 
 
 def check_rank_late(
-    cluster: Cluster, workdir, hung_node: str, codes: list[int | None] | None = None
+    cluster: Cluster, workdir, hung_node: str, codes: list[int | None] | None = None, kind: str = "rank_late"
 ) -> dict[str, dict]:
+    """The late rank named on every node with `kind`: `rank_late` from the records, `rank_stopped` where
+    its node also read its process stopped (the record says who is late, the process why)."""
     codes = cluster.wait_agents(JOB_TIMEOUT) if codes is None else codes
     assert codes == [0] * len(cluster.nodes), explain(cluster)
     hung = hang_record(workdir)["rank"]
     mine = incidents(cluster)
     for name, record in mine.items():
         assert (record["blamed_rank"], record["blamed_node"]) == (hung, hung_node), (name, record["summary"])
-        assert (record["hang_kind"], record["evidence"]) == ("rank_late", "collectives"), (name, record["summary"])
+        assert (record["hang_kind"], record["evidence"]) == (kind, "collectives"), (name, record["summary"])
     assert len({r["job_incident"] for r in mine.values()}) == 1
     assert {name: signalled(r) for name, r in mine.items()} == {n.spec.name: n.spec.name == hung_node
                                                                  for n in cluster.nodes}  # fmt: skip
@@ -82,7 +84,7 @@ def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_th
 ):
     with stopped_rank(shared_runs, tmp_path, shape) as run:
         cluster = run.cluster
-        mine = check_rank_late(cluster, run.workdir, "node-1", run.codes)
+        mine = check_rank_late(cluster, run.workdir, "node-1", run.codes, kind="rank_stopped")
         reason = mine["node-0"]["blame_reason"]
         assert "never entered" in reason or "stopped" in reason, reason
         # the incident keeps the ranks' Flight Recorder dumps; its summary shows each rank's collective
@@ -92,7 +94,7 @@ def test_a_stopped_rank_is_the_late_one_whether_its_peers_wait_in_torch_or_in_th
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert "collectives (Flight Recorder)" in full.stdout and "all_reduce[256]" in full.stdout, full.stdout
         story = run.story  # `sidecar incidents --job jv` on node-2, read when the job ended
-        assert "kind      rank_late (judged from collectives)" in story.stdout, story.stdout
+        assert "kind      rank_stopped (judged from collectives)" in story.stdout, story.stdout
 
 
 def test_a_rank_spinning_outside_any_collective_is_the_late_one(shared_runs: SharedRuns):
@@ -133,4 +135,4 @@ def test_a_desync_is_a_collective_mismatch_naming_the_odd_rank_out_and_its_node(
 
 def test_with_data_and_tensor_parallel_groups_the_one_stopped_rank_is_named(tmp_path):
     with Cluster(spec(tmp_path, "tp", "stop", three_nodes(hang_local_rank=0)), tmp_path) as cluster:
-        check_rank_late(cluster, tmp_path, "node-1")
+        check_rank_late(cluster, tmp_path, "node-1", kind="rank_stopped")

@@ -194,7 +194,7 @@ def lying_coordinator(port: int) -> str:
         "job_id": "evil", "job_incident": f"lie{C1_AND_BIDI}-1", "version": 7, "opened": time.time(),
         "culprit": {"rank": 0, "node": "n1", "step": 3, "phase": f"fwd{C1_AND_BIDI}",
                     "stack_top": f"wait{C1_AND_BIDI} (x.py:1)", "reason": f"a lie{C1_AND_BIDI}",
-                    "kind": "rank_running", "evidence": "stacks"},
+                    "kind": "rank_spinning", "evidence": "stacks"},
         "nodes": 2, "dumped": 2, "lost_nodes": [f"m{C1_AND_BIDI}2"], "not_dumped": [],
     }  # fmt: skip
     story = {

@@ -313,7 +313,7 @@ async def test_a_frozen_rank_its_peers_wait_for_in_a_collective_is_stalled_at_th
         "this rank, rank_late": Culprit(1, dog.node, 7, kind="rank_late", evidence="collectives"),
         "another rank": Culprit(0, dog.node, 7, kind="rank_late", evidence="collectives"),
         "another node": Culprit(1, "elsewhere", 7, kind="rank_late", evidence="collectives"),
-        "stacks, not the record": Culprit(1, dog.node, 7, kind="rank_running", evidence="stacks"),
+        "stacks, not the record": Culprit(1, dog.node, 7, kind="rank_spinning", evidence="stacks"),
         "busy": Culprit(1, dog.node, 7, kind="rank_late", evidence="collectives", busy=True),
         "closed": Culprit(1, dog.node, 7, kind="rank_late", evidence="collectives"),
     }.get(named or "")
