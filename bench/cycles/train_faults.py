@@ -11,9 +11,12 @@ The hang itself comes from bench/cycles/chaos.py (CYCLE_HANG_MODE stop | spin | 
 bug: different collectives at one sequence); `crash`: the hanging rank raises an exception at the
 hang step while its peers wait in their all-reduce; `evaluate`: not a fault but a healthy job's
 pause, every rank evaluates for CYCLE_WORK_SECONDS (default 12) at the hang step, CPU-bound inside
-torch ops under `torch.no_grad()`, outside any collective, nothing declared, then trains on."""
+torch ops under `torch.no_grad()`, outside any collective, nothing declared, then trains on;
+`dataloader`: every rank reads its batches from a DataLoader with one worker, and at the hang step
+the hanging rank's worker is SIGSTOPped (the rank waits on its queue, its peers in their all-reduce)."""
 
 import os
+import signal
 import time
 
 import torch
@@ -50,10 +53,15 @@ if SHAPE == "tp":
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
 mon, chaos, t = Monitor(), Chaos(), torch.ones(256)
+batches = None
+if chaos.mode == "dataloader":
+    data = torch.utils.data.TensorDataset(torch.ones(20000, 4))
+    batches = iter(torch.utils.data.DataLoader(data, batch_size=4, num_workers=1, prefetch_factor=2))
+stall_worker = chaos.mode == "dataloader" and chaos.rank == chaos.hang_rank and chaos.attempt < chaos.hangs
 desync = chaos.mode == "desync" and chaos.rank == chaos.hang_rank and chaos.attempt < chaos.hangs
 crash = chaos.mode == "crash" and chaos.rank == chaos.hang_rank and chaos.attempt < chaos.hangs
 pause = chaos.mode == "evaluate" and chaos.attempt < chaos.hangs
-if chaos.mode in ("desync", "crash", "evaluate"):
+if chaos.mode in ("desync", "crash", "evaluate", "dataloader"):
     chaos.hangs = 0  # chaos.step never hangs: the fault (or the pause) below is it
 for step in range(1, chaos.hang_step + 41):
     if desync and step == chaos.hang_step + 1:
@@ -62,6 +70,12 @@ for step in range(1, chaos.hang_step + 41):
     if crash and step == chaos.hang_step + 1:
         chaos.record("hang", step=step, pid=os.getpid())
         raise RuntimeError("a bad batch (bench/cycles/train_faults.py crash)")
+    if stall_worker and step == chaos.hang_step + 1:
+        worker = batches._workers[0].pid  # type: ignore[union-attr]  # the loader's own worker process
+        chaos.record("hang", step=step, pid=worker)
+        os.kill(worker, signal.SIGSTOP)
+    if batches is not None:
+        next(batches)  # blocks once the stopped worker's prefetched batches are used up
     if pause and step == chaos.hang_step + 1:
         chaos.record("hang", step=step)
         evaluate(float(os.environ.get("CYCLE_WORK_SECONDS", "12")))

@@ -91,6 +91,23 @@ def _frozen(pid: int) -> bool:
     return False
 
 
+def a_child_runs(pid: int) -> bool:
+    """Whether a child of the process is running or runnable (R): a DataLoader worker at work."""
+    try:
+        return any(c.status() == psutil.STATUS_RUNNING for c in psutil.Process(pid).children())
+    except psutil.Error:
+        return False
+
+
+def a_child_halted(pid: int) -> bool:
+    """Whether a child of the process is stopped (T/t) or in uninterruptible sleep (D)."""
+    halted = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP)
+    try:
+        return any(c.status() in halted for c in psutil.Process(pid).children())
+    except psutil.Error:
+        return False
+
+
 def is_same_process(pid: int, started: float | None) -> bool:
     """True when `pid` still runs and is the process that had that start time."""
     if started is None:

@@ -24,7 +24,7 @@ from sidecar.jobview import auth, budget
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.golive import JobGoLive
 from sidecar.jobview.jobs import REFINED, Job, JobIncident, is_busy, rank_brief, repeats, where, who
-from sidecar.jobview.judge import judge_summaries, records_said, summarize
+from sidecar.jobview.judge import judge_summaries, records_said, refine, summarize
 from sidecar.jobview.report import MAX_NOT_DUMPED, Culprit, NodeReport, Verdict
 from sidecar.jobview.stragglers import JobLateness
 
@@ -271,6 +271,10 @@ class Coordinator:
         changed = lost != v.lost_nodes
         v.lost_nodes = lost[:64]
         if v.culprit is not None and v.culprit.kind not in REFINED and (v.culprit.rank is not None or not lost):
+            s = job.summaries.get(v.culprit.node)
+            if s is not None and refine(v.culprit, s):  # the same rank, its kind made specific
+                log.warning("job %s (%s): %s: %s", job.job_id, v.job_incident, v.culprit.kind, v.culprit.reason)
+                changed = True
             return self._busy_changed(job, v.culprit) or changed
         gone = set(lost)
         fresh = [s for node, s in job.summaries.items() if node not in gone]

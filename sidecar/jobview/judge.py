@@ -54,6 +54,8 @@ class Summary:
     recorded: list[RankView] = field(default_factory=list)  # its live ranks with a collective record
     received: float | None = None  # the judge's clock when the report arrived (records' ages are as of then)
     busy: list[int] = field(default_factory=list)  # its ranks busy, not hung (RankView.busy)
+    seen: int = 0  # its ranks the report accounts for (listed, or counted healthy)
+    world: int = 0  # the job's world size, as the report says
     troubled: int = 0  # its live troubled ranks
     working: int = 0  # of them, those whose CPU time grows (busy, or activity "cpu")
 
@@ -68,7 +70,7 @@ def in_flight(r: RankView) -> bool:
 
 
 def summarize(report: NodeReport, received: float | None = None) -> Summary:
-    s = Summary(report.node, received=received)
+    s = Summary(report.node, received=received, seen=len(report.ranks) + report.healthy, world=report.world_size)
     for r in report.ranks:
         if r.exited_at is not None and (s.first_exit is None or r.exited_at < (s.first_exit.exited_at or 0.0)):
             s.first_exit = r
@@ -124,13 +126,16 @@ def judge_summaries(
             return paused
         # Records that do not decide it yet (a fresh one is on its way): the stacks only when forced.
         undecided = not force and not lost and any(s.recorded for s in live)
-        found = None if undecided else _hang(live, lost, force)
+        unheard = [s.node for s in summaries if s.lowest is None and s.first_exit is None] + list(silent)
+        found = None if undecided else _hang(live, lost, force, unheard)
         if found is not None or not exits:
             return found
     if lost:
         return _lost(lost, "ranks of the job exit or wait")
     if silent and not force:
         return None  # a silent node may be the lost one: wait for it (or for its probe)
+    if not force and sum(s.seen for s in summaries) < max(s.world for s in summaries):
+        return None  # ranks of the job not heard of yet (their node has not reported): one may have exited first
     shift = offsets or {}
 
     def exited(s: Summary) -> float:
@@ -190,7 +195,10 @@ def _chain_end(running: list[tuple[str, RankView]], waiting: int) -> tuple[str, 
     return max(running, key=lambda nr: nr[1].progress_age_seconds)
 
 
-def _hang(live: list[Summary], lost: Collection[str], force: bool) -> Culprit | None:
+def _hang(live: list[Summary], lost: Collection[str], force: bool, unheard: Collection[str] = ()) -> Culprit | None:
+    """The stack rule. `unheard`: nodes of the job whose ranks the judge has not seen during the
+    incident (heartbeats only, or silent): when every rank seen waits, they are whom it waits on, and
+    no waiting rank is named in their place, forced or not."""
     lowest = min(s.lowest for s in live if s.lowest is not None)
     where = "no step yet" if lowest < 0 else f"step {lowest}"
     behind = [(s.node, r) for s in live if s.lowest == lowest for r in s.behind]
@@ -206,7 +214,7 @@ def _hang(live: list[Summary], lost: Collection[str], force: bool) -> Culprit | 
     unknown = [(node, r) for node, r in behind if r.waiting is None]
     if lost and not unknown:
         return _lost(lost, "every rank that reports waits in a collective")
-    if force and behind:
+    if force and behind and (unknown or not unheard):
         node, r = max(unknown or behind, key=lambda nr: nr[1].progress_age_seconds)
         known = "its stack was not known" if r.waiting is None else "every rank waits in a collective"
         return _culprit(node, r, f"oldest progress at the job's lowest step ({where}); {known}",
@@ -221,14 +229,27 @@ _REFINES = {"stopped": hang_kinds.RANK_STOPPED.name, "io": hang_kinds.IO_STUCK.n
 
 def _refined(c: Culprit, live: list[Summary]) -> Culprit:
     """A late rank's kind from its process's condition, as its node reads it (the reason says so)."""
-    if c.kind != hang_kinds.RANK_LATE.name or c.rank is None:
-        return c
-    view = next((r for s in live if s.node == c.node for r in s.behind + s.recorded if r.rank == c.rank), None)
-    if view is None or view.activity is None:
-        return c
-    c.reason += f"; its process: {view.activity}"
-    c.kind = _REFINES.get(view.activity, c.kind)
+    s = next((s for s in live if s.node == c.node), None)
+    if s is not None:
+        refine(c, s)
     return c
+
+
+def refine(c: Culprit, s: Summary) -> bool:
+    """A named rank's kind made specific by what its node now reads of its process (the rank and
+    node stay: what nodes act on does not change). True when it changed."""
+    if c.rank is None or s.node != c.node:
+        return False
+    table = _REFINES if c.kind == hang_kinds.RANK_LATE.name else {}
+    if c.kind == hang_kinds.RANK_UNKNOWN.name:
+        table = hang_kinds.CONDITION_KINDS
+    view = next((r for r in s.behind + s.recorded if r.rank == c.rank), None)
+    kind = table.get(view.activity or "") if view is not None else None
+    if kind is None or kind == c.kind:
+        return False
+    assert view is not None
+    c.kind, c.reason = kind, f"{c.reason}; its process: {view.activity}"
+    return True
 
 
 def _lost(lost: Collection[str], what: str) -> Culprit:

@@ -488,6 +488,15 @@ class Episode:
         dog, incident = self.dog, self.incident
         self.outcome = outcome
         incident.outcome = outcome
+        latest = dog.job_view.verdict(self.job_id) if dog.job_view is not None else None
+        c, known = (latest.culprit if latest is not None else None), incident.culprit or {}
+        if (
+            c is not None
+            and latest is not None
+            and latest.job_incident == incident.job_incident
+            and ((c.rank, c.node) == (known.get("rank"), known.get("node")) and c.kind != incident.hang_kind)
+        ):  # the same culprit, its kind made specific since this node adopted it
+            incident.hang_kind, incident.blame_reason, known["kind"] = c.kind, c.reason, c.kind
         dog.store.save(incident)
         if incident.drill is not None:
             dog.counters.drills[(self.job_id, outcome)] += 1

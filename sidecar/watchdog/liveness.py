@@ -212,10 +212,10 @@ class Liveness:
 
     def activity(self, rank: Rank, now: float, frames: Frames = ()) -> str | None:
         """What the rank's process does while it is troubled, for the job's judgement (one of
-        hang_kinds.CONDITIONS): "stopped" (state T/t, or a frozen cgroup), "io" (state D), "cpu"
-        (its CPU time grew over the last ACTIVITY_WINDOW_SECONDS: busy, or spinning), "dataloader"
-        (no CPU, a DataLoader frame in its stack: it waits on its workers), "idle" (no CPU: a lock, a
-        sleep, a wait); None when it is not watched, not a verified caller's, or too soon to tell."""
+        hang_kinds.CONDITIONS): "stopped" (state T/t, or a frozen cgroup), "io" (state D),
+        "dataloader" (asleep with a DataLoader frame in its stack: it waits on its workers), "cpu" (its
+        CPU time grew over the last ACTIVITY_WINDOW_SECONDS: busy, or spinning), "idle" (no CPU: a
+        lock, a sleep, a wait); None when it is not watched, not a verified caller's, or too soon to tell."""
         if not rank.peer_verified or rank.pid_start_time is None:
             return None
         letter = procs.state(rank.pid, rank.pid_start_time)
@@ -223,6 +223,9 @@ class Liveness:
             return "stopped"
         if letter == "D":
             return "io"
+        if letter == "S" and any(DATALOADER_FILE.search(f[0]) for f in frames):
+            # asleep on its DataLoader's queue: it waits on its workers; a worker at work is a data wait, not a hang
+            return "cpu" if procs.a_child_runs(rank.pid) else "dataloader"
         w = self._watch.get(rank.key)
         if w is None or w.rank is not rank or letter is None:
             return None
@@ -236,9 +239,7 @@ class Liveness:
             w.working, w.sample = cpu - before >= BUSY_CPU_SHARE * (now - at), (now, cpu)
         if w.working is None:
             return None
-        if w.working:
-            return "cpu"
-        return "dataloader" if any(DATALOADER_FILE.search(f[0]) for f in frames) else "idle"
+        return "cpu" if w.working else "idle"
 
     def _check(self, w: _Watch, now: float) -> float | None:
         """A check begins: the CPU first (a hang without CPU is declared now, without waiting for

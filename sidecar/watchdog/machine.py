@@ -283,7 +283,8 @@ class Watchdog:
                 t.rank.fr_dump_asked = True
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
-        return self.timeouts.deadline(rank, self.clock() if now is None else now, self._left_behind(rank))
+        now = self.clock() if now is None else now
+        return self.timeouts.deadline(rank, now, self._left_behind(rank), _loader_stuck(rank))
 
     def _left_behind(self, rank: Rank) -> bool:
         """The job view's open verdict names this rank of this node as the one its peers wait for,
@@ -475,6 +476,13 @@ class Watchdog:
 
     def incidents(self, limit: int = 5) -> list[dict]:
         return self.store.latest(limit)
+
+
+def _loader_stuck(rank: Rank) -> bool:
+    """A rank in a data_load phase (inferred by its hooks, or declared) whose DataLoader worker is
+    stopped or in D: the wait cannot end, so the phase's budget does not hold it (a hang kind,
+    dataloader_stuck, not a pause)."""
+    return rank.phase == "data_load" and rank.peer_verified and procs.a_child_halted(rank.pid)
 
 
 def _process_alive(rank: Rank) -> bool:

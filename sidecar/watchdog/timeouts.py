@@ -98,12 +98,13 @@ class Timeouts:
             horizon = max(horizon, rank.contact_at + self.push_gap)
         return horizon
 
-    def deadline(self, rank: Rank, now: float, left_behind: bool = False) -> Deadline:
+    def deadline(self, rank: Rank, now: float, left_behind: bool = False, no_phase: bool = False) -> Deadline:
+        """`no_phase`: the rank's phase cannot end (its DataLoader's worker is stopped): its steps judge it."""
         wd = self.settings
         progress = self.progress_horizon(rank, now, left_behind)
         known = self._learned.get(rank.job_id) if self._learned else None
         learned = known[1] if known is not None and known[0] == rank.owner_uid else None
-        if rank.phase is not None:
+        if rank.phase is not None and not no_phase:
             budget = rank.phase_timeout or wd.phase_timeouts.get(rank.phase) or wd.default_phase_timeout_seconds
             if learned:
                 budget = max(budget, learned.get(rank.phase, 0.0))

@@ -115,8 +115,8 @@ def test_the_lost_node_is_named_before_any_survivor_exit():
 def test_exits_are_ordered_on_one_clock():
     """node-1's clock runs 2 s ahead: its rank's exit at 101.0 on its clock was at 99.0 on the coordinator's."""
     reports = [
-        report("node-0", rank(0, state="gone", exited_at=100.0)),
-        report("node-1", rank(1, state="gone", exited_at=101.0)),
+        report("node-0", rank(0, state="gone", exited_at=100.0), world=2),
+        report("node-1", rank(1, state="gone", exited_at=101.0), world=2),
     ]
     summaries = [summarize(r) for r in reports]
     assert judge_summaries(summaries).rank == 0  # type: ignore[union-attr]
@@ -189,3 +189,20 @@ def test_the_metric_help_names_every_kind():
 def test_a_kind_without_an_alert_or_reason_is_refused():
     with pytest.raises(ValueError, match="an alert, or the reason"):
         hang_kinds.register(hang_kinds.HangKind("rank_mute", "x", "y", "rank", "culprit_node", None))
+
+
+def test_no_waiting_rank_is_named_while_a_node_of_the_job_has_only_sent_heartbeats():
+    """node-1's rank was healthy in its own eyes (an inferred data_load phase) and sent no ranks: the
+    ranks seen all wait, on it. Before, the forced judgement named the oldest of the waiting ranks."""
+    reports = [report("node-0", rank(0, state="stalled", age=9.0)), report("node-1", healthy=1),
+               report("node-2", rank(2, state="stalled", age=8.0))]  # fmt: skip
+    assert judge(reports, force=True) is None
+    assert judge([reports[0], reports[2]], force=True).kind == "oldest_progress"  # type: ignore[union-attr]
+
+
+def test_no_first_exit_is_named_while_ranks_of_the_job_are_unheard_of():
+    """Only node-0 has reported (the others had not learned the coordinator yet): its rank's exit may
+    be a consequence of one the coordinator has not heard of. Before, it was named the cause."""
+    alone = [report("node-0", rank(0, state="gone", exited_at=100.0), world=3)]
+    assert judge(alone) is None
+    assert judge(alone, force=True).kind == "rank_crashed"  # type: ignore[union-attr]

@@ -60,7 +60,9 @@ def test_every_rank_evaluating_for_12s_outside_any_collective_is_a_pause_and_not
 
 
 def test_a_rank_that_raises_while_its_peers_wait_is_the_crashed_one_on_every_node(tmp_path):
-    with Cluster(spec(tmp_path, "async", "crash", one_rank_each()), tmp_path) as cluster:
+    job = spec(tmp_path, "async", "crash", one_rank_each())
+    job.env["CYCLE_HANG_STEP"] = "150"  # mid-training (~8 s in): every node has learned the job's coordinator
+    with Cluster(job, tmp_path) as cluster:
         codes = cluster.wait_agents(JOB_TIMEOUT)
         assert codes == [0, 0, 0], explain(cluster)
         crashed = next(r for r in cycle(tmp_path) if r["kind"] == "hang")["rank"]
@@ -97,3 +99,17 @@ def test_a_lost_node_of_one_rank_is_named_and_no_survivor_is_blamed(tmp_path):
         named = {e.get("consequence_of") for r in exits for e in r["exits"]}
         assert named == {f"node {lost} lost"}, [r["summary"] for r in exits]
         assert all(e["role"] == "consequence" for r in exits for e in r["exits"]), [r["summary"] for r in exits]
+
+
+def test_a_stopped_dataloader_worker_is_named_dataloader_stuck_on_every_node_and_only_its_node_kills(tmp_path):
+    with Cluster(spec(tmp_path, "async", "dataloader", one_rank_each()), tmp_path) as cluster:
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+        assert codes == [0, 0, 0], explain(cluster)
+        hung = next(r for r in cycle(tmp_path) if r["kind"] == "hang")["rank"]
+        found = {n.spec.name: n.incidents() for n in cluster.nodes}
+        assert all(len(f) == 1 for f in found.values()), {k: [r["summary"] for r in v] for k, v in found.items()}
+        mine = {name: f[0] for name, f in found.items()}
+        for name, record in mine.items():
+            assert (record["blamed_rank"], record["blamed_node"]) == (hung, "node-1"), (name, record["summary"])
+            assert record["hang_kind"] == "dataloader_stuck", (name, record["blame_reason"])
+        assert {name: sigterms(r) for name, r in mine.items()} == {"node-0": False, "node-1": True, "node-2": False}

@@ -51,8 +51,8 @@ def test_a_healthy_job_has_no_culprit():
 
 def test_after_exits_the_first_rank_to_exit_is_the_cause():
     reports = [
-        report("node-0", rank(0, state="gone", exited_at=105.0)),
-        report("node-1", rank(1, state="gone", exited_at=100.0), rank(2, state="gone", exited_at=104.0)),
+        report("node-0", rank(0, state="gone", exited_at=105.0), world=3),
+        report("node-1", rank(1, state="gone", exited_at=100.0), rank(2, state="gone", exited_at=104.0), world=3),
     ]
     c = judge(reports)
     assert c is not None and (c.rank, c.node) == (1, "node-1") and "first rank of the job to exit" in c.reason
