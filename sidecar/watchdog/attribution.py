@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
+from sidecar import hang_kinds
 from sidecar.incidents.store import Incident
 from sidecar.jobview import collectives
 from sidecar.jobview.report import RankView
@@ -79,7 +80,9 @@ def judge_collectives(
                                      collectives=r.collectives, collectives_age=r.collectives_age(now))))  # fmt: skip
     incident.evidence = "stacks" if any(s.in_collective is not None for s in incident.ranks) else "progress"
     finding = collectives.judge(views, stale_after)
-    if finding is None:
+    if finding is None:  # this node's own guess, by name, until a verdict replaces it (one name everywhere)
+        stacks = incident.evidence == "stacks"
+        incident.hang_kind = (hang_kinds.RANK_UNKNOWN if stacks else hang_kinds.OLDEST_PROGRESS).name
         return None
     c = finding.to_culprit()
     world = max((r.world_size for r in ranks), default=0)

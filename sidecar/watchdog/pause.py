@@ -75,7 +75,7 @@ async def hold_paused(ep: Episode) -> str | None:
     dog, incident, interval = ep.dog, ep.incident, ep.dog.settings.watchdog.check_interval_seconds
     jv = dog.job_view
     started = dog.clock()
-    if incident.hang_kind is None:  # no verdict adopted: this node's own evidence
+    if incident.hang_kind != hang_kinds.JOB_PAUSED.name:  # no verdict says so: this node's own evidence
         incident.hang_kind, incident.evidence = hang_kinds.JOB_PAUSED.name, "stacks"
         incident.blamed_rank, incident.blamed_node = None, None
         incident.blame_reason = "no rank of the job here waits on another and every troubled one uses CPU"

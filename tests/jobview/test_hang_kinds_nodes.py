@@ -113,3 +113,36 @@ def test_a_stopped_dataloader_worker_is_named_dataloader_stuck_on_every_node_and
             assert (record["blamed_rank"], record["blamed_node"]) == (hung, "node-1"), (name, record["summary"])
             assert record["hang_kind"] == "dataloader_stuck", (name, record["blame_reason"])
         assert {name: sigterms(r) for name, r in mine.items()} == {"node-0": False, "node-1": True, "node-2": False}
+
+
+# ---------------------------------------------------------------- one node: the same judgement
+
+
+def test_on_one_node_the_healthy_evaluation_is_a_pause_too(tmp_path):
+    job = spec(tmp_path, "async", "evaluate", [NodeSpec("node-0", 2)])
+    job.env["CYCLE_WORK_SECONDS"] = "12"
+    with Cluster(job, tmp_path) as cluster:
+        assert cluster.wait_agents(JOB_TIMEOUT) == [0], explain(cluster)
+        records = cycle(tmp_path)
+        assert len([r for r in records if r["kind"] == "worked"]) == 2 and {r["attempt"] for r in records} == {0}
+        stalls = cluster.nodes[0].incidents()
+        assert stalls and all(r["hang_kind"] == "job_paused" and not sigterms(r) for r in stalls), [
+            (r["hang_kind"], r["summary"]) for r in stalls]  # fmt: skip
+
+
+def test_on_one_node_a_stopped_rank_is_named_from_its_record_not_its_stack(tmp_path):
+    """Issue 42: on one node the verdict came from the stacks (`rank_running`) though the record showed
+    the peer in its all-reduce and the stopped rank with nothing in flight; and the stopped rank showed
+    `healthy` for a while. Its record is old because it is stopped: that is evidence."""
+    job = spec(tmp_path, "async", "stop", [NodeSpec("node-0", 2, {"CYCLE_HANG_LOCAL_RANK": "1"})])
+    with Cluster(job, tmp_path) as cluster:
+        assert cluster.wait_agents(JOB_TIMEOUT) == [0], explain(cluster)
+        hung = next(r for r in cycle(tmp_path) if r["kind"] == "hang")["rank"]
+        (record,) = cluster.nodes[0].incidents()
+        found = (record["blamed_rank"], record["hang_kind"], record["evidence"])
+        assert found == (hung, "rank_stopped", "collectives"), record["summary"]
+        log = cluster.log(cluster.nodes[0], "sidecar").read_text(errors="replace")
+        assert f"rank jv/{hung} (pid" in log and not any(
+            f"rank jv/{hung} " in line and "-> healthy" in line and "suspect -> healthy" in line
+            for line in log.splitlines()
+        ), log[-3000:]
