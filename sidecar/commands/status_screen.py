@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar import hang_kinds
 from sidecar.commands import status_golive, status_stragglers
 from sidecar.commands.verdict import EXIT_HEALTHY, assess, dict_at, dicts_at
 
@@ -262,8 +263,12 @@ def _culprit(verdict: dict) -> dict | None:
 def _held_up_by(culprit: dict) -> str:
     """The culprit in words: its rank and node, step and kind (its frame is root's, by `sidecar
     incidents --job`: /v1/status does not carry it)."""
-    who = f"rank {culprit.get('rank')} on " if culprit.get("rank") is not None else "node "
-    held = who + str(culprit.get("node"))
+    if culprit.get("rank") is not None:
+        held = f"rank {culprit.get('rank')} on {culprit.get('node')}"
+    elif hang_kinds.of(str(culprit.get("kind"))).blames == "node":
+        held = f"node {culprit.get('node')}"
+    else:
+        held = "no rank"  # a stuck collective, a pause
     if culprit.get("step") is not None:
         held += f", step {culprit.get('step')}"
     return held + (f" ({culprit.get('kind')})" if culprit.get("kind") else "")

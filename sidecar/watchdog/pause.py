@@ -8,8 +8,8 @@ nothing in it waits on something that cannot come. It is reported (its incident'
 floor: the episode holds until the ranks step again, or until the pause ends without progress (a
 rank starts waiting on another, or stops using CPU: then it is a hang, judged as one).
 
-With the job view the coordinator's verdict says whether the job is paused (judge.py); without
-one in time, or alone, this node's own ranks say it (`locally_paused`).
+This node's own ranks must say it (`locally_paused`), and the coordinator's verdict, where there is
+one, must agree: a rank elsewhere may be the one its peers wait on (judge.py).
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def verdict_paused(verdict: Verdict | None) -> bool | None:
 
 
 def paused(ep: Episode, verdict: Verdict | None) -> bool:
-    said = verdict_paused(verdict)
-    return locally_paused(ep) if said is None else said
+    """Paused: this node's own ranks say so, and the job's verdict, where it has one, agrees (a
+    verdict alone never holds a node whose ranks wait or stopped working: docs/security.md)."""
+    return verdict_paused(verdict) is not False and locally_paused(ep)
 
 
 async def hold_paused(ep: Episode) -> str | None:
