@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from sidecar.hang_kinds import OLDEST_PROGRESS as _OLDEST
 from sidecar.jobview import auth, budget
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.golive import JobGoLive
@@ -285,7 +286,11 @@ class Coordinator:
         culprit = judge_summaries(fresh, lost, force, silent, self.stale_after, now, offsets)
         if culprit is not None:
             culprit.busy = is_busy(job, culprit)
-        same = culprit is not None and v.culprit is not None and who(culprit) == who(v.culprit)
+        same = (
+            culprit is not None
+            and v.culprit is not None
+            and (who(culprit) == who(v.culprit) or culprit.kind == v.culprit.kind == _OLDEST.name)
+        )  # a guess is not swapped for an equal guess: only better evidence changes it
         if culprit is not None and not same:
             if culprit.kind == "collective_mismatch" and culprit.collective is not None:
                 culprit.collective["repeat"] = repeats(job, culprit)

@@ -127,6 +127,8 @@ def judge_summaries(
         # Records that do not decide it yet (a fresh one is on its way): the stacks only when forced.
         undecided = not force and not lost and any(s.recorded for s in live)
         unheard = [s.node for s in summaries if s.lowest is None and s.first_exit is None] + list(silent)
+        if sum(s.seen for s in summaries) < max(s.world for s in summaries):
+            unheard.append("?")  # ranks of the job's world no report accounts for (a node not yet reporting)
         found = None if undecided else _hang(live, lost, force, unheard)
         if found is not None or not exits:
             return found

@@ -194,10 +194,13 @@ def test_a_kind_without_an_alert_or_reason_is_refused():
 def test_no_waiting_rank_is_named_while_a_node_of_the_job_has_only_sent_heartbeats():
     """node-1's rank was healthy in its own eyes (an inferred data_load phase) and sent no ranks: the
     ranks seen all wait, on it. Before, the forced judgement named the oldest of the waiting ranks."""
-    reports = [report("node-0", rank(0, state="stalled", age=9.0)), report("node-1", healthy=1),
-               report("node-2", rank(2, state="stalled", age=8.0))]  # fmt: skip
+    reports = [report("node-0", rank(0, state="stalled", age=9.0), world=3), report("node-1", healthy=1, world=3),
+               report("node-2", rank(2, state="stalled", age=8.0), world=3)]  # fmt: skip
     assert judge(reports, force=True) is None
-    assert judge([reports[0], reports[2]], force=True).kind == "oldest_progress"  # type: ignore[union-attr]
+    assert judge([reports[0], reports[2]], force=True) is None  # node-1 not reporting at all: its rank unheard of
+    whole = [report("node-0", rank(0, state="stalled", age=9.0), world=2),
+             report("node-2", rank(2, state="stalled", age=8.0), world=2)]  # fmt: skip
+    assert judge(whole, force=True).kind == "oldest_progress"  # type: ignore[union-attr]  # every rank seen waits
 
 
 def test_no_first_exit_is_named_while_ranks_of_the_job_are_unheard_of():

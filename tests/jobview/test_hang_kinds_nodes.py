@@ -17,6 +17,7 @@ import pytest
 
 from demo.cluster import Cluster, NodeSpec
 from demo.job import wait_for
+from tests import freezer
 from tests.jobview.clusters import JOB_TIMEOUT, NO_HANG, explain
 from tests.jobview.clusters import faults_spec as spec
 
@@ -32,6 +33,11 @@ def one_rank_each(hang_node: int = 1) -> list[NodeSpec]:
 def cycle(workdir) -> list[dict]:
     path = workdir / "cycle.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def verdict_in(node) -> bool:
+    """The node's stall record has the job's culprit."""
+    return any(r.get("culprit") for r in node.incidents())
 
 
 def sigterms(record: dict) -> bool:
@@ -146,3 +152,30 @@ def test_on_one_node_a_stopped_rank_is_named_from_its_record_not_its_stack(tmp_p
             f"rank jv/{hung} " in line and "-> healthy" in line and "suspect -> healthy" in line
             for line in log.splitlines()
         ), log[-3000:]
+
+
+def test_a_rank_frozen_in_its_cgroup_is_rank_stopped_on_every_node_and_recovers_once_thawed(tmp_path):
+    """A frozen cgroup (v1 shows its tasks in D: a rank in uninterruptible sleep) stops the rank as
+    SIGSTOP does, and no signal reaches it until it is thawed."""
+    if not freezer.available():
+        pytest.skip("no cgroup v1 freezer hierarchy to create cgroups in")
+    job = spec(tmp_path, "async", "stop", [NodeSpec(f"node-{i}", 1, dict(NO_HANG)) for i in range(3)])
+    job.env.update({"CYCLE_HANGS": "0", "CYCLE_HANG_STEP": "200"})
+    with Cluster(job, tmp_path) as cluster, freezer.frozen_cgroup() as cg:
+        assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
+        frozen = next(n for n in cluster.nodes if any(r["rank"] == 1 for r in n.ranks()))
+        pid = cluster.rank_pid(1)
+        assert pid is not None
+        cg.add(pid)
+        cg.freeze()
+        judged = wait_for(lambda: all(verdict_in(n) for n in cluster.nodes), 60)
+        found = {n.spec.name: n.incidents() for n in cluster.nodes}
+        cg.thaw()  # the kill its node sent is pending until then
+        assert judged, explain(cluster)
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+    for name, records in found.items():
+        assert len(records) == 1, (name, [r["summary"] for r in records])
+        record = records[0]
+        found_kind = (record["blamed_rank"], record["blamed_node"], record["hang_kind"])
+        assert found_kind == (1, frozen.spec.name, "rank_stopped"), record["summary"]
+    assert codes == [0, 0, 0], explain(cluster)
