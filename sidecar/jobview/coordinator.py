@@ -295,6 +295,7 @@ class Coordinator:
             if culprit.kind == "collective_mismatch" and culprit.collective is not None:
                 culprit.collective["repeat"] = repeats(job, culprit)
             v.culprit, v.decided = culprit, self.wall()
+            incident.paused = incident.paused or culprit.kind == "job_paused"
             log.warning("job %s (%s): %s: %s: %s", job.job_id, v.job_incident, culprit.kind, where(culprit),
                         culprit.reason)  # fmt: skip
             if culprit.evidence != "collectives" and any(s.recorded for s in fresh):

@@ -21,6 +21,7 @@ CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
 @dataclass
 class JobIncident:
     verdict: Verdict
+    paused: bool = False  # its verdict said job_paused: a rank still working when its peers wait is the pause's tail
     parts: dict[str, NodePart] = field(default_factory=dict)
     ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # node -> its ranks when troubled
     opened_mono: float = 0.0  # monotonic, when it opened
@@ -73,8 +74,15 @@ def where(c: Culprit) -> str:
 
 
 def is_busy(job: Job, culprit: Culprit) -> bool:
+    """Its node finds the named rank busy, not hung; or the job was paused in this incident and the
+    rank still works (CPU time growing) where its peers are done: the tail of the same pause."""
     s = job.summaries.get(culprit.node)
-    return s is not None and culprit.rank is not None and culprit.rank in s.busy
+    if s is None or culprit.rank is None:
+        return False
+    if culprit.rank in s.busy:
+        return True
+    tail = job.current is not None and job.current.paused
+    return tail and any(r.rank == culprit.rank and r.activity == "cpu" for r in s.behind + s.recorded)
 
 
 def repeats(job: Job, culprit: Culprit) -> bool:

@@ -6,7 +6,9 @@ stacks may look still (one long torch op shows the same innermost frame at every
 nothing in it waits on something that cannot come. It is reported (its incident's kind
 `job_paused`, the SidecarJobNotProgressing alert past the job-level budget), never killed at the
 floor: the episode holds until the ranks step again, or until the pause ends without progress (a
-rank starts waiting on another, or stops using CPU: then it is a hang, judged as one).
+rank starts waiting on another, or stops using CPU: then it is a hang, judged as one). The tail of a
+pause (one rank still working when its peers are done and wait on it: the verdict names it busy)
+is held the same way on its node, at most `watchdog.ceiling_seconds` from its last progress.
 
 This node's own ranks must say it (`locally_paused`), and the coordinator's verdict, where there is
 one, must agree: a rank elsewhere may be the one its peers wait on (judge.py).
@@ -61,7 +63,10 @@ def verdict_paused(verdict: Verdict | None) -> bool | None:
     """The job's verdict on it: True paused, False a hang, None no verdict with a culprit (yet)."""
     if verdict is None or verdict.closed or verdict.culprit is None:
         return None
-    return verdict.culprit.kind in hang_kinds.REPORT_ONLY and verdict.culprit.kind != hang_kinds.RANK_CRASHED.name
+    c = verdict.culprit
+    if c.busy and c.kind in (hang_kinds.RANK_LATE.name, hang_kinds.RANK_SPINNING.name):
+        return True  # a rank still working while its peers wait: its node holds, as for a pause (`busy`)
+    return c.kind in hang_kinds.REPORT_ONLY and c.kind != hang_kinds.RANK_CRASHED.name
 
 
 def paused(ep: Episode, verdict: Verdict | None) -> bool:
@@ -95,7 +100,9 @@ async def hold_paused(ep: Episode) -> str | None:
             log.warning("job %s: progressing again after a pause of %.1fs; not killed", ep.job_id, held)
             return "resumed"
         verdict = jv.verdict(ep.job_id) if jv is not None else None
-        if not paused(ep, verdict):
+        waited_on = verdict is not None and verdict.culprit is not None and verdict.culprit.busy
+        ceiling = dog.settings.watchdog.ceiling_seconds  # a rank its peers wait on is held this long at most
+        if not paused(ep, verdict) or (waited_on and max(dog.deadline(t.rank).age for t in mine) >= ceiling):
             incident.event("pause_ended", held_seconds=round(dog.clock() - started, 3))
             incident.notes.append("the pause ended without progress: a rank now waits on another, or stopped using CPU")
             log.warning("job %s: the pause ended without progress: judged as a hang", ep.job_id)
