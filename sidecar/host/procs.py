@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 
 import psutil
 
+from sidecar.host import cgroups
+
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -68,27 +70,17 @@ def state(pid: int, started: float | None) -> str | None:
 
 
 def _frozen(pid: int) -> bool:
-    """Whether the process's freezer cgroup (v1) or its cgroup (v2, cgroup.freeze) is frozen."""
-    try:
-        with open(f"{psutil.PROCFS_PATH}/{int(pid)}/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
+    """Whether the process's freezer cgroup (v1 `freezer.state`, or v2 `cgroup.freeze`) is frozen,
+    read through cgroups.cgroup_of (each directory opened below its mount, no path from the process)."""
+    found = cgroups.cgroup_of(pid, "freezer", psutil.PROCFS_PATH)
+    if found is None:
         return False
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "freezer" in controllers.split(","):
-            where, name, frozen = f"/sys/fs/cgroup/freezer{path}", "freezer.state", "FROZEN"
-        elif controllers == "":
-            where, name, frozen = f"/sys/fs/cgroup{path}", "cgroup.freeze", "1"
-        else:
-            continue
-        try:
-            with open(os.path.join(where, name)) as f:
-                if f.read().strip() == frozen:
-                    return True
-        except OSError:
-            continue
-    return False
+    try:
+        if found.version == 1:
+            return (found.read("freezer.state") or "").strip() == "FROZEN"
+        return (found.read("cgroup.freeze") or "").strip() == "1"
+    finally:
+        found.close()
 
 
 def a_child_runs(pid: int) -> bool:

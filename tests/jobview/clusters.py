@@ -38,6 +38,29 @@ def sidecars() -> SidecarSpec:
     )
 
 
+def node_to_lose(cluster: Cluster) -> str:
+    """A node whose loss the job survives: not the coordinator's (rank 0's) nor the rendezvous
+    store's host (torchrun cannot re-rendezvous without its store: that loss ends the job)."""
+    spared = {n.spec.name for n in cluster.nodes if any(r["rank"] == 0 for r in n.ranks())}
+    spared.add(cluster.rendezvous_host() or "")
+    return next(n.spec.name for n in reversed(cluster.nodes) if n.spec.name not in spared)
+
+
+def lose_a_node(cluster: Cluster) -> tuple[str, list[dict]]:
+    """Every node reaching the job's coordinator, one it can lose SIGKILLed whole (sidecar, agent,
+    ranks); the survivors' agents must end well. The lost node's name and the survivors' exit records."""
+    assert wait_for(lambda: all(n.status().get("jobs", {}).get("jv", {}).get("reachable") for n in cluster.nodes),
+                    60), explain(cluster)  # fmt: skip
+    lost = node_to_lose(cluster)
+    cluster.lose_node(lost)
+    survivors = [n for n in cluster.nodes if n.spec.name != lost]
+    codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(JOB_TIMEOUT), strict=True)}
+    assert all(codes[n.spec.name] == 0 for n in survivors), (codes, explain(cluster))
+    exits = [r for n in survivors for r in n.incidents(kind="exit")]
+    assert exits, explain(cluster)
+    return lost, exits
+
+
 def explain(cluster: Cluster) -> str:
     out = []
     for node in cluster.nodes:

@@ -18,7 +18,7 @@ import pytest
 from demo.cluster import Cluster, NodeSpec
 from demo.job import wait_for
 from tests import freezer
-from tests.jobview.clusters import JOB_TIMEOUT, NO_HANG, explain
+from tests.jobview.clusters import JOB_TIMEOUT, NO_HANG, explain, lose_a_node
 from tests.jobview.clusters import faults_spec as spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
@@ -33,6 +33,11 @@ def one_rank_each(hang_node: int = 1) -> list[NodeSpec]:
 def cycle(workdir) -> list[dict]:
     path = workdir / "cycle.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def reachable(node) -> bool:
+    """The node's sidecar knows the job's coordinator and hears from it (it learns it from its ranks)."""
+    return bool(node.status().get("jobs", {}).get("jv", {}).get("reachable"))
 
 
 def verdict_in(node) -> bool:
@@ -91,17 +96,7 @@ def test_a_lost_node_of_one_rank_is_named_and_no_survivor_is_blamed(tmp_path):
     job.min_nodes = 2
     with Cluster(job, tmp_path) as cluster:
         assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
-        assert wait_for(lambda: all(n.status().get("jobs", {}).get("jv", {}).get("reachable") for n in cluster.nodes),
-                        60), explain(cluster)  # fmt: skip
-        spared = {n.spec.name for n in cluster.nodes if any(r["rank"] == 0 for r in n.ranks())}
-        spared.add(cluster.rendezvous_host() or "")
-        lost = next(n.spec.name for n in reversed(cluster.nodes) if n.spec.name not in spared)
-        cluster.lose_node(lost)
-        survivors = [n for n in cluster.nodes if n.spec.name != lost]
-        codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(JOB_TIMEOUT), strict=True)}
-        assert all(codes[n.spec.name] == 0 for n in survivors), (codes, explain(cluster))
-        exits = [r for n in survivors for r in n.incidents(kind="exit")]
-        assert exits, explain(cluster)
+        lost, exits = lose_a_node(cluster)
         named = {e.get("consequence_of") for r in exits for e in r["exits"]}
         assert named == {f"node {lost} lost"}, [r["summary"] for r in exits]
         assert all(e["role"] == "consequence" for r in exits for e in r["exits"]), [r["summary"] for r in exits]
@@ -163,6 +158,7 @@ def test_a_rank_frozen_in_its_cgroup_is_rank_stopped_on_every_node_and_recovers_
     job.env.update({"CYCLE_HANGS": "0", "CYCLE_HANG_STEP": "200"})
     with Cluster(job, tmp_path) as cluster, freezer.frozen_cgroup() as cg:
         assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
+        assert wait_for(lambda: all(reachable(n) for n in cluster.nodes), 60), explain(cluster)
         frozen = next(n for n in cluster.nodes if any(r["rank"] == 1 for r in n.ranks()))
         pid = cluster.rank_pid(1)
         assert pid is not None

@@ -16,8 +16,17 @@ import secrets
 import pytest
 
 from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import wait_for
-from tests.jobview.clusters import HANG_STEP, JOB_TIMEOUT, STAGES, SharedRuns, explain, measured, sidecars, stage_table
+from tests.jobview.clusters import (
+    HANG_STEP,
+    JOB_TIMEOUT,
+    STAGES,
+    SharedRuns,
+    explain,
+    lose_a_node,
+    measured,
+    sidecars,
+    stage_table,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
 
@@ -87,24 +96,11 @@ def test_a_lost_node_is_named_by_the_survivors_and_the_job_comes_back_without_it
     spec.sidecar.extra = [*spec.sidecar.extra, f"job_view.cluster_key_file={secret}"]
     with Cluster(spec, tmp_path) as cluster:
         assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
-        # every node reports to the job's coordinator (it learns the node before the node is lost)
-        assert wait_for(lambda: all(n.status().get("jobs", {}).get("jv", {}).get("reachable") for n in cluster.nodes),
-                        60), explain(cluster)  # fmt: skip
-        # Not the coordinator's node (rank 0's) nor the rendezvous store's host: torchrun cannot
-        # re-rendezvous without its store (that loss ends the job, with the same record).
-        spared = {n.spec.name for n in cluster.nodes if any(r["rank"] == 0 for r in n.ranks())}
-        spared.add(cluster.rendezvous_host() or "")
-        lost = next(n.spec.name for n in reversed(cluster.nodes) if n.spec.name not in spared)
-        cluster.lose_node(lost)
-        survivors = [n for n in cluster.nodes if n.spec.name != lost]
-        codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(JOB_TIMEOUT), strict=True)}
-        assert all(codes[n.spec.name] == 0 for n in survivors), (codes, explain(cluster))
-        exits = [r for n in survivors for r in n.incidents(kind="exit")]
-        assert exits, explain(cluster)
+        lost, exits = lose_a_node(cluster)  # every node reporting to the coordinator first
         named = {e["exits"][0].get("consequence_of") for e in exits}
         assert named == {f"node {lost} lost"}, [e["summary"] for e in exits]
         assert len({e["job_incident"] for e in exits}) == 1
-        statuses = [n.status()["exits"]["recent"] for n in survivors]
+        statuses = [n.status()["exits"]["recent"] for n in cluster.nodes if n.spec.name != lost]
         failed = [r for recent in statuses for r in recent if r["job_id"] == "jv" and r["reason"] != "finished"]
         assert failed and all(r["role"] == "consequence" for r in failed), failed
 
