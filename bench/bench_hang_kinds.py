@@ -163,7 +163,8 @@ def run(fault: str, evidence: str, workdir: Path, extra: list[str], nodes_n: int
                     out.nodes.append({
                         "node": node.spec.name, "kind": "rank_crashed", "evidence": "exits", "blamed_rank": int(rank_s),
                         "blamed_node": node_s, "job_incident": r.get("job_incident") or first.get("job_incident"),
-                        "outcome": first.get("reason"), "to_verdict": None, "sigterm": False, "reason": r["summary"],
+                        "outcome": first.get("reason"), "to_verdict": None, "sigterm": False, "to_kill": None,
+                        "reason": r["summary"],
                     })  # fmt: skip
                     continue
                 event: dict = next((e for e in r.get("timeline", []) if e["event"] == "verdict"), {})
@@ -174,6 +175,8 @@ def run(fault: str, evidence: str, workdir: Path, extra: list[str], nodes_n: int
                     "job_incident": r.get("job_incident"), "outcome": r.get("outcome"),
                     "to_verdict": verdict - hang["time"] if verdict is not None and hang is not None else None,
                     "sigterm": any(e["event"] == "sigterm" and e.get("ranks") for e in r.get("timeline", [])),
+                    "to_kill": next((e["time"] - hang["time"] for e in r.get("timeline", [])
+                                     if e["event"] == "sigterm" and e.get("ranks") and hang is not None), None),
                     "reason": r.get("blame_reason"),
                 })  # fmt: skip
     return out
@@ -225,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         scratch.leave(root, args.keep)
     print(f"\n{args.nodes} node(s)")
-    print("fault        evidence     right  false kills  hang -> verdict (median, every node)  hang -> training again")
+    print(
+        "fault        evidence     right  false kills  hang -> verdict (median, every node)  hang -> kill  "
+        "hang -> training again"
+    )
     for fault in args.fault or list(FAULTS):
         for evidence in args.evidence or ["collectives", "stacks"]:
             mine = [r for r in runs if (r.fault, r.evidence) == (fault, evidence)]
@@ -236,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             v = f"{statistics.median(verdicts):.2f} s (max {max(verdicts):.2f})" if verdicts else "-"
             t = f"{statistics.median(recovers):.2f} s" if recovers else "-"
             kills = sum(r.false_kills for r in mine)
-            print(f"{fault:<12} {evidence:<12} {sum(r.right for r in mine)}/{len(mine):<4} {kills:<12} {v:<37} {t}")
+            killed = [n["to_kill"] for r in mine for n in r.nodes if n["to_kill"] is not None]
+            k = f"{statistics.median(killed):.2f} s" if killed else "-"
+            right = f"{sum(r.right for r in mine)}/{len(mine)}"
+            print(f"{fault:<12} {evidence:<12} {right:<6} {kills:<12} {v:<37} {k:<13} {t}")
     wanted = [r for r in runs if r.evidence == "collectives"]
     return 0 if all(r.right and r.finished for r in wanted) else 1
 

@@ -214,7 +214,8 @@ class Liveness:
         """What the rank's process does while it is troubled, for the job's judgement (one of
         hang_kinds.CONDITIONS): "stopped" (state T/t, or a frozen cgroup), "io" (state D),
         "dataloader" (asleep with a DataLoader frame in its stack: it waits on its workers), "cpu" (its
-        CPU time grew over the last ACTIVITY_WINDOW_SECONDS: busy, or spinning), "idle" (no CPU: a
+        CPU time grew over the last ACTIVITY_WINDOW_SECONDS, or it is running or runnable now: on a
+        loaded node a working rank may get less than BUSY_CPU_SHARE of a core), "idle" (no CPU: a
         lock, a sleep, a wait); None when it is not watched, not a verified caller's, or too soon to tell."""
         if not rank.peer_verified or rank.pid_start_time is None:
             return None
@@ -237,6 +238,8 @@ class Liveness:
             if cpu is None:
                 return None
             w.working, w.sample = cpu - before >= BUSY_CPU_SHARE * (now - at), (now, cpu)
+        if letter == "R":  # running or runnable now: working, however little CPU a loaded node gives it
+            return "cpu"
         if w.working is None:
             return None
         return "cpu" if w.working else "idle"

@@ -21,7 +21,7 @@ from tests import freezer
 from tests.jobview.clusters import JOB_TIMEOUT, NO_HANG, explain, lose_a_node
 from tests.jobview.clusters import faults_spec as spec
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hang-kinds-clusters")]  # beside jobview-clusters
 
 
 def one_rank_each(hang_node: int = 1) -> list[NodeSpec]:
