@@ -53,7 +53,12 @@ INTERIM_LOOKS = 6  # stack looks between two checks of a rank whose CPU time gro
 # C-heavy preparation in 4 test runs beside the suite was all still and killed (tests/watchdog/test_busy_peer_waits.py)
 MIN_LOOKS = INTERIM_LOOKS + 1
 DATALOADER_FILE = re.compile(r"torch/utils/data/(dataloader|_utils/)")  # a rank waiting on its DataLoader's workers
-ACTIVITY_WINDOW_SECONDS = 1.0  # the CPU window `activity` judges a troubled rank's work by
+# `activity` judges a troubled rank's work by its CPU over this window: working from this share of a core
+# on. A rank that only waits uses well under 1% (its hooks' thread); a working one on a 2-core node under
+# a load of 5 got 0.33 of a core on average and under 0.2 in some 1-s windows (a healthy pause read as
+# idle, and killed, under `make test-under-load`): a low share over a longer window tells them apart.
+ACTIVITY_WINDOW_SECONDS = 2.0
+ACTIVITY_SHARE = 0.05
 PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
 
 
@@ -214,8 +219,8 @@ class Liveness:
         """What the rank's process does while it is troubled, for the job's judgement (one of
         hang_kinds.CONDITIONS): "stopped" (state T/t, or a frozen cgroup), "io" (state D),
         "dataloader" (asleep with a DataLoader frame in its stack: it waits on its workers), "cpu" (its
-        CPU time grew over the last ACTIVITY_WINDOW_SECONDS, or it is running or runnable now: on a
-        loaded node a working rank may get less than BUSY_CPU_SHARE of a core), "idle" (no CPU: a
+        CPU time grew by ACTIVITY_SHARE of a core over the last ACTIVITY_WINDOW_SECONDS, or it is running
+        or runnable now), "idle" (no CPU: a
         lock, a sleep, a wait); None when it is not watched, not a verified caller's, or too soon to tell."""
         if not rank.peer_verified or rank.pid_start_time is None:
             return None
@@ -237,7 +242,7 @@ class Liveness:
             cpu = self._cpu_at(rank, now)
             if cpu is None:
                 return None
-            w.working, w.sample = cpu - before >= BUSY_CPU_SHARE * (now - at), (now, cpu)
+            w.working, w.sample = cpu - before >= ACTIVITY_SHARE * (now - at), (now, cpu)
         if letter == "R":  # running or runnable now: working, however little CPU a loaded node gives it
             return "cpu"
         if w.working is None:
