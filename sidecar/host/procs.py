@@ -41,16 +41,23 @@ def _stat_fields(pid: int) -> list[bytes] | None:
         return None
 
 
-def cpu_seconds(pid: int, started: float | None) -> float | None:
-    """The CPU time the process has used, all its threads, user and system (utime + stime, fields
-    14 and 15 of /proc/<pid>/stat), when it is still the process that started at `started`
-    (checked in the same read: pid reuse cannot lend it another's time); None otherwise, or when
-    it cannot be read. Its children's time is not in it."""
+def _own_stat(pid: int, started: float | None) -> list[bytes] | None:
+    """/proc/<pid>/stat's fields when it is still the process that started at `started` (checked in
+    the same read: pid reuse cannot lend it another's facts)."""
     fields = _stat_fields(pid) if started is not None else None
     try:
-        if fields is None or int(fields[19]) / _CLOCK_TICKS != started:
-            return None
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        return fields if fields is not None and int(fields[19]) / _CLOCK_TICKS == started else None
+    except (ValueError, IndexError):
+        return None
+
+
+def cpu_seconds(pid: int, started: float | None) -> float | None:
+    """The CPU time the process has used, all its threads, user and system (utime + stime, fields
+    14 and 15 of /proc/<pid>/stat), when it is still the process that started at `started`; None
+    otherwise, or when it cannot be read. Its children's time is not in it."""
+    fields = _own_stat(pid, started)
+    try:
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS if fields is not None else None
     except (ValueError, IndexError):
         return None
 
@@ -59,12 +66,12 @@ def state(pid: int, started: float | None) -> str | None:
     """The process's state letter (field 3 of /proc/<pid>/stat: R, S, D, T, t, Z...) when it is still
     the process that started at `started`; "F" for a task of a frozen freezer cgroup (v1 shows those
     as D, v2 as S: it is stopped, not waiting on storage); None when it cannot be read."""
-    fields = _stat_fields(pid) if started is not None else None
+    fields = _own_stat(pid, started)
     try:
-        if fields is None or int(fields[19]) / _CLOCK_TICKS != started:
-            return None
-        letter = fields[0].decode()
-    except (ValueError, IndexError, UnicodeDecodeError):
+        letter = fields[0].decode() if fields is not None else None
+    except (IndexError, UnicodeDecodeError):
+        return None
+    if letter is None:
         return None
     return "F" if letter in ("D", "S") and _frozen(pid) else letter
 
@@ -83,21 +90,16 @@ def _frozen(pid: int) -> bool:
         found.close()
 
 
-def a_child_runs(pid: int) -> bool:
-    """Whether a child of the process is running or runnable (R): a DataLoader worker at work."""
+def child_states(pid: int) -> set[str]:
+    """The states of the process's children (psutil's: "running", "stopped", "disk-sleep", ...):
+    a DataLoader's workers at work, stopped, or stuck in D."""
     try:
-        return any(c.status() == psutil.STATUS_RUNNING for c in psutil.Process(pid).children())
+        return {c.status() for c in psutil.Process(pid).children()}
     except psutil.Error:
-        return False
+        return set()
 
 
-def a_child_halted(pid: int) -> bool:
-    """Whether a child of the process is stopped (T/t) or in uninterruptible sleep (D)."""
-    halted = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP)
-    try:
-        return any(c.status() in halted for c in psutil.Process(pid).children())
-    except psutil.Error:
-        return False
+HALTED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP})
 
 
 def is_same_process(pid: int, started: float | None) -> bool:

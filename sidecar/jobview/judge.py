@@ -66,7 +66,7 @@ def _step(r: RankView) -> int:
 
 def in_flight(r: RankView) -> bool:
     """Its record holds a collective it entered and has not completed: it waits on its peers."""
-    return r.collectives is not None and any(g.enqueued > g.completed for g in r.collectives.groups)
+    return r.collectives is not None and r.collectives.waiting
 
 
 def summarize(report: NodeReport, received: float | None = None) -> Summary:

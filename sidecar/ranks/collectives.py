@@ -106,6 +106,11 @@ class Collectives:
     def group(self, pg: str) -> Group | None:
         return next((g for g in self.groups if g.pg == pg), None)
 
+    @property
+    def waiting(self) -> bool:
+        """The rank is inside a collective of some group (it waits on its peers)."""
+        return any(g.waiting for g in self.groups)
+
     def to_wire(self) -> dict[str, Any]:
         """The record as a job view report carries it: for a hang's verdict. `recent` stays home (the
         entry times a straggler is judged from; a job view of lateness would send its own summary)."""

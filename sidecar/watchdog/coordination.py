@@ -184,8 +184,7 @@ def culprit_here(ep: Any, verdict: Verdict | None, finding: Any, targets: list[A
     late_here = finding is not None and finding.culprit is not None
     # not waiting by its stack, and no collective in flight in its record (a CUDA job's waiting rank
     # sits in its own code: its record shows the wait)
-    in_flight = {t.rank.rank for t in dog.tracks_of(ep.job_id) if t.rank.collectives is not None
-                 and any(g.enqueued > g.completed for g in t.rank.collectives.groups)}  # fmt: skip
+    in_flight = {t.rank.rank for t in dog.tracks_of(ep.job_id) if t.rank.collectives and t.rank.collectives.waiting}
     running = [s.rank for s in incident.ranks if s.in_collective is False and s.rank not in in_flight]
     here = late_here or bool(running) or not jv.reachable(ep.job_id)
     incident.notes.append(

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
+
 from sidecar.config import Settings
 from sidecar.host import procs
 from sidecar.incidents.store import Incident
@@ -54,9 +56,8 @@ INTERIM_LOOKS = 6  # stack looks between two checks of a rank whose CPU time gro
 MIN_LOOKS = INTERIM_LOOKS + 1
 DATALOADER_FILE = re.compile(r"torch/utils/data/(dataloader|_utils/)")  # a rank waiting on its DataLoader's workers
 # `activity` judges a troubled rank's work by its CPU over this window: working from this share of a core
-# on. A rank that only waits uses well under 1% (its hooks' thread); a working one on a 2-core node under
-# a load of 5 got 0.33 of a core on average and under 0.2 in some 1-s windows (a healthy pause read as
-# idle, and killed, under `make test-under-load`): a low share over a longer window tells them apart.
+# on. A rank that only waits uses well under 1% (its hooks' thread); a working one on a loaded node may get
+# far less than its core, and under 20% in a 1-s window: a low share over a longer window tells them apart.
 ACTIVITY_WINDOW_SECONDS = 2.0
 ACTIVITY_SHARE = 0.05
 PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
@@ -231,7 +232,7 @@ class Liveness:
             return "io"
         if letter == "S" and any(DATALOADER_FILE.search(f[0]) for f in frames):
             # asleep on its DataLoader's queue: it waits on its workers; a worker at work is a data wait, not a hang
-            return "cpu" if procs.a_child_runs(rank.pid) else "dataloader"
+            return "cpu" if psutil.STATUS_RUNNING in procs.child_states(rank.pid) else "dataloader"
         w = self._watch.get(rank.key)
         if w is None or w.rank is not rank or letter is None:
             return None

@@ -79,6 +79,7 @@ class Watchdog:
         )
         self.counters = Counters()
         self._tracks: dict[RankKey, Track] = {}
+        self._loaders: dict[RankKey, tuple[Rank, float, bool]] = {}  # _loader_stuck: (rank, read at, stuck)
         self._episodes: dict[str, Episode] = {}
         # the hooks push at least every max(flush interval, KEEPALIVE_SECONDS); half a second for the way
         self.timeouts = Timeouts(settings.watchdog, max(settings.hooks_flush_interval_seconds, KEEPALIVE_SECONDS) + 0.5)
@@ -284,7 +285,20 @@ class Watchdog:
 
     def deadline(self, rank: Rank, now: float | None = None) -> Deadline:
         now = self.clock() if now is None else now
-        return self.timeouts.deadline(rank, now, self._left_behind(rank), _loader_stuck(rank))
+        return self.timeouts.deadline(rank, now, self._left_behind(rank), self._loader_stuck(rank, now))
+
+    def _loader_stuck(self, rank: Rank, now: float) -> bool:
+        """A rank in a data_load phase (inferred by its hooks, or declared) whose DataLoader worker is
+        stopped or in D: the wait cannot end, so the phase's budget does not hold it (dataloader_stuck,
+        not a pause). Read at most once a second per rank: deadlines are asked many times a tick."""
+        if rank.phase != "data_load" or not rank.peer_verified:
+            self._loaders.pop(rank.key, None)
+            return False
+        seen = self._loaders.get(rank.key)
+        if seen is None or seen[0] is not rank or now - seen[1] >= 1.0:
+            ours = procs.state(rank.pid, rank.pid_start_time) is not None  # still the rank's own process
+            seen = self._loaders[rank.key] = (rank, now, ours and bool(procs.child_states(rank.pid) & procs.HALTED))
+        return seen[2]
 
     def _left_behind(self, rank: Rank) -> bool:
         """The job view's open verdict names this rank of this node as the one its peers wait for,
@@ -476,13 +490,6 @@ class Watchdog:
 
     def incidents(self, limit: int = 5) -> list[dict]:
         return self.store.latest(limit)
-
-
-def _loader_stuck(rank: Rank) -> bool:
-    """A rank in a data_load phase (inferred by its hooks, or declared) whose DataLoader worker is
-    stopped or in D: the wait cannot end, so the phase's budget does not hold it (a hang kind,
-    dataloader_stuck, not a pause)."""
-    return rank.phase == "data_load" and rank.peer_verified and procs.a_child_halted(rank.pid)
 
 
 def _process_alive(rank: Rank) -> bool:

@@ -43,8 +43,7 @@ def _waits(t: Any) -> bool:
     """Its stack shows it in a collective, or its record holds one in flight."""
     if t.probe is not None and t.probe.waiting:
         return True
-    record = t.rank.collectives
-    return record is not None and any(g.enqueued > g.completed for g in record.groups)
+    return t.rank.collectives is not None and t.rank.collectives.waiting
 
 
 def locally_paused(ep: Episode) -> bool:
