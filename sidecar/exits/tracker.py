@@ -144,14 +144,19 @@ class ExitTracker:
 
     def left_to_launcher(self, rank: Rank, job_incident: str, culprit: str) -> None:
         """The watchdog left this rank to torchrun: its job's culprit is elsewhere, so however it
-        exits next, that is a consequence of the job incident."""
+        exits next, that is a consequence of the job incident, unless it steps again first (the
+        stall ended by itself: a later exit is its own)."""
         w = self._watches.get(id(rank))
         if w is not None:
-            w.consequence_of = (job_incident, culprit)
+            w.consequence_of, w.left_at_progress = (job_incident, culprit), rank.last_progress
+
+    def _left(self, w: _Watch) -> tuple[str, str] | None:
+        """Its mark of being left to the launcher, while it has not stepped since."""
+        return w.consequence_of if w.rank.last_progress == w.left_at_progress else None
 
     def _consequence(self, w: _Watch) -> tuple[str, str] | None:
-        if w.consequence_of is not None:
-            return w.consequence_of
+        if (left := self._left(w)) is not None:
+            return left
         if self.job_incident_of is None:
             return None
         job_incident, culprit, _ = self.job_incident_of(w.rank.job_id, w.rank.rank)
@@ -159,7 +164,7 @@ class ExitTracker:
 
     def _job_view_deciding(self, exits: list[_Watch], now: float) -> bool:
         """The job view may still name what made these exits happen (bounded: job_view_wait)."""
-        if self.job_incident_of is None or any(w.consequence_of is not None for w in exits):
+        if self.job_incident_of is None or any(self._left(w) is not None for w in exits):
             return False
         if now - min(w.exited_at or now for w in exits) >= self.job_view_wait:
             return False

@@ -44,6 +44,7 @@ class Watch:
     report: ExitReport | None = None
     remediated_by: str | None = None
     consequence_of: tuple[str, str] | None = None  # (job incident, culprit) when it was left to the launcher
+    left_at_progress: float = 0.0  # its last progress then: a step since makes the mark stale (it resumed)
     replaced: bool = False  # a later registration took its key
     exited_at: float | None = None  # monotonic, when the exit was noticed
     exited_wall: float | None = None

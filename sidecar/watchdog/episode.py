@@ -442,10 +442,14 @@ class Episode:
         while True:
             waiting = [t for t in self._mine() if t.state in (RankState.SUSPECT, RankState.STALLED)]
             if not waiting:
-                mine = self._mine()
-                if self.holding and mine and all(t.state is RankState.HEALTHY for t in mine):
+                mine = self._mine()  # a restart replaces them (GONE, new tracks): these stepped again themselves
+                if mine and all(t.state is RankState.HEALTHY for t in mine):
                     incident.event("resumed_by_itself")
-                    incident.notes.append("not killed: the job progressed again once its busy rank was done")
+                    incident.notes.append(
+                        "not killed: the job progressed again once its busy rank was done"
+                        if self.holding
+                        else "not killed: the ranks here stepped again before anyone killed them"
+                    )
                     return "resumed"
                 incident.event("restarted_by_launcher")
                 return "left_to_launcher"

@@ -330,3 +330,36 @@ async def test_a_frozen_rank_its_peers_wait_for_in_a_collective_is_stalled_at_th
         clock.advance(2.5)
         dog.tick()
         assert state(dog, r) == "stalled"
+
+
+async def test_ranks_left_to_the_launcher_that_step_again_by_themselves_resumed_and_were_not_restarted(
+    tmp_path, clock, spawn
+):
+    """Left to the launcher (the culprit on another node), the ranks here step again before anyone
+    killed anything (the tail of a healthy pause: the last rank done evaluating): the outcome is
+    `resumed`, not `left_to_launcher` (nothing restarted them; CI run of 2026-12-07, one node of the
+    3-node evaluation pause recorded `left_to_launcher` with its rank stepping on in attempt 0)."""
+    import asyncio
+
+    from sidecar.watchdog.remediation import target_of
+
+    s = make_settings(tmp_path, WATCHDOG, **{"watchdog.observe_only": True, "watchdog.check_interval_seconds": 0.05})
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    r = register(registry, spawn().pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    clock.advance(11)
+    dog.tick()
+    assert state(dog, r) == "stalled"
+    episode = dog._episodes["job"]
+    await asyncio.wait_for(episode.task, 10)  # observe-only: its stacks, no signal
+    episode.task = asyncio.get_running_loop().create_task(episode.leave_to_launcher([target_of(r)]))
+    await asyncio.sleep(0.1)  # it waits on the launcher: the rank is still stalled
+    assert not episode.task.done()
+    step(registry, r, 2, clock)
+    dog.tick()
+    assert state(dog, r) == "healthy"
+    assert await asyncio.wait_for(episode.task, 10) == "resumed"
+    events = [e["event"] for e in episode.incident.timeline]
+    assert "resumed_by_itself" in events and "restarted_by_launcher" not in events, events
