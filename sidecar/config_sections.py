@@ -399,6 +399,16 @@ class JobViewSettings:
         ),
     )
     max_nodes: int = field(default=4096, metadata=doc("Most nodes of one job a coordinator keeps (429 beyond)."))
+    crash_loop_repeats: int = field(
+        default=2,
+        metadata=doc(
+            "A crash loop: a job whose restarts met the same verdict at the same step (the same rank hung or "
+            "crashed there, or the same desync) this many times after its first is ended, not restarted again: "
+            "every node tells its ranks of the job to exit 93, and `python -m trainer_hooks.launch` then exits "
+            "93 (do not requeue; plain torchrun restarts them until --max-restarts, each exiting at once, and "
+            "exits 1). A fresh launch (restart 0) starts over. At most 15; 0: never."
+        ),
+    )
     straggler_exclude_after_seconds: float = field(
         default=0.0,
         metadata=doc(
@@ -465,6 +475,8 @@ class JobViewSettings:
             _positive(f"job_view.{name}", getattr(self, name), allow_zero=name != "report_interval_seconds")
         _positive("job_view.max_nodes", self.max_nodes)
         _positive("job_view.max_ranks", self.max_ranks)
+        if not 0 <= self.crash_loop_repeats <= 15:
+            _fail("job_view.crash_loop_repeats", f"expected 0 to 15, got {self.crash_loop_repeats}")
         _positive("job_view.forget_after_seconds", self.forget_after_seconds)
         _positive("job_view.straggler_exclude_after_seconds", self.straggler_exclude_after_seconds, allow_zero=True)
         _positive("job_view.straggler_exclude_hold_seconds", self.straggler_exclude_hold_seconds, allow_zero=True)

@@ -41,6 +41,13 @@ class HangKind:
     def names_a_rank(self) -> bool:
         return self.blames in ("rank", "ranks")
 
+    @property
+    def loops(self) -> bool:
+        """Met again at the same step after a restart, it is the program's (or that rank's input's),
+        and restarts repeat it: a crash loop (job_view.crash_loop_after). A node, the network or a
+        pause is not the program's: never counted."""
+        return self.names_a_rank
+
 
 KINDS: dict[str, HangKind] = {}
 
@@ -153,12 +160,16 @@ def metric_help() -> str:
 
 def table() -> str:
     """The kinds as a Markdown table (docs/architecture.md carries it; a test keeps it current)."""
-    rows = ["| kind | what it is | rests on | blames | acts | alert |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| kind | what it is | rests on | blames | acts | a crash loop when repeated | alert |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for k in KINDS.values():
         alert = f"`{k.alert}`" if k.alert else f"none: {k.no_alert}"
         acts = {"culprit_node": "the culprit's node", "every_node": "every node", "nobody": "nobody (report)"}[k.acts]
+        loops = "yes" if k.loops else "no"
         rows.append(f"| [`{k.name}`](runbook.md#{k.name}) | {k.description} | {k.evidence} | {k.blames} | {acts} | "
-                    f"{alert} |")  # fmt: skip
+                    f"{loops} | {alert} |")  # fmt: skip
     return "\n".join(rows)
 
 

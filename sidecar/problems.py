@@ -19,6 +19,7 @@ class Kind(enum.Enum):
     COLLECTOR = "collector"  # a collector failing
     NODE = "node"  # the node is unfit (sidecar/fitness.py): what outlives a job
     RESTART_TRAP = "restart_trap"  # a job whose process group would not come back after a torchrun restart
+    CRASH_LOOP = "crash_loop"  # a job ended on purpose: the same verdict at the same step after restarts
 
 
 @dataclass(frozen=True)

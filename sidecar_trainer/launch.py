@@ -30,7 +30,7 @@ import sys
 import threading
 from pathlib import Path
 
-from trainer_hooks import rendezvous
+from trainer_hooks import crashloop, rendezvous
 
 # What the server imports once for all attempts: torch, what the first optimizer step and DDP
 # would import (torch._dynamo), FSDP2 and DTensor, the trainer (its entry point and the demo model too:
@@ -73,11 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     forwarded = torchrun_argv(list(sys.argv[1:] if argv is None else argv))
     multiprocessing.set_forkserver_preload(PRELOAD)
     rendezvous.install()
+    crashloop.install()  # a worker the sidecar ended (exit 93): no restart, the launcher exits 93
     # The agent reports a function worker's failure with its traceback, and torch's log formatter
     # imports torch._dynamo for that (2-3 s here, at the first restart); import it while the
     # first attempt starts instead.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
-    torchrun.main(forwarded)
+    crashloop.run(lambda: torchrun.main(forwarded), "python -m sidecar_trainer.launch")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 
-from trainer_hooks import rendezvous, warm
+from trainer_hooks import crashloop, rendezvous, warm
 
 PROG = "python -m trainer_hooks.launch"
 
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
     forwarded, preload, path0 = torchrun_argv(list(sys.argv[1:] if argv is None else argv))
     rendezvous.install()
+    crashloop.install()  # a worker the sidecar ended (exit 93): no restart, the launcher exits 93
     if path0 is not None:  # the workers' sys.path is the agent's: [script's directory, ...] as `python script.py`
         sys.path[0] = path0
     if preload is not None:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         # The agent reports a function worker's failure with its traceback, and torch's log
         # formatter imports torch._dynamo for that (2-3 s, at the first restart): import it now.
         threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
-    torchrun.main(forwarded)
+    crashloop.run(lambda: torchrun.main(forwarded), PROG)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trainer_hooks import collectives, distributed
+from trainer_hooks import collectives, distributed, ending
 from trainer_hooks.environment import Endpoint, Identity, versions
 from trainer_hooks.errors import warn
 from trainer_hooks.gpu_values import GpuReader, pop_ready
@@ -126,6 +126,7 @@ class Sender:
         self.resend: deque[dict] = deque()  # events and phases of batches the sidecar did not answer
         self.job_view_enabled = True  # Monitor: SIDECAR_JOB_VIEW
         self.job_view_offer: dict | None = None  # the sidecar's offer to coordinate the job (rank 0's)
+        self.exit = os._exit  # how the job ends when the sidecar ends it (ending.py)
         self.job_view: CoordinatorExchange | None = None
         # The rank's Flight Recorder summary (collectives.py) goes with a push at most every
         # READ_EVERY_SECONDS, and with the next push at once when the sidecar's answer asks.
@@ -324,6 +325,7 @@ class Sender:
             return False
         self._last_contact = time.monotonic()
         if reply.status == 200:
+            ending.obey(reply.body, self.ident, self.exit)
             self._acknowledge(items)
             self._take_wants(reply.body.get("want"))
             self.clock_offset = collectives.clock_offset(reply.body.get("clock_offset"), self.clock_offset)
@@ -454,6 +456,7 @@ class Sender:
                 reply.error,
             )
             return False
+        ending.obey(reply.body, self.ident, self.exit)
         self.registered = True
         session = reply.body.get("session")
         self.session = session if isinstance(session, str) else None  # proves who we are over TCP

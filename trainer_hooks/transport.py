@@ -76,6 +76,18 @@ def post(
     read_timeout: float = READ_TIMEOUT,
 ) -> Reply:
     """POST a JSON body; the reply's status and JSON object (empty when the body is not one)."""
+    return request(endpoint, "POST", path, body, connect_timeout, read_timeout)
+
+
+def request(
+    endpoint: Endpoint,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    read_timeout: float = READ_TIMEOUT,
+) -> Reply:
+    """One request; the reply's status and JSON object (empty when the body is not one)."""
     conn: http.client.HTTPConnection
     if endpoint.socket_path is not None:
         conn = _UnixConnection(endpoint.socket_path, connect_timeout, read_timeout)
@@ -87,7 +99,7 @@ def post(
     if endpoint.token:
         headers["Authorization"] = f"Bearer {endpoint.token}"
     try:
-        conn.request("POST", endpoint.base_path + path, body=body, headers=headers)
+        conn.request(method, endpoint.base_path + path, body=body, headers=headers)
         resp = conn.getresponse()
         raw = resp.read(MAX_REPLY_BYTES)
         status = resp.status

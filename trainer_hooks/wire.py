@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import re
 
-# 7: a collective record group's optional `recent` (COLLECTIVES_MAX_RECENT; a sidecar of 6 ignores
+# 8: the optional `end` of a registration's or a push's answer (END, CRASH_LOOP_EXIT: the job was ended
+# for a crash loop; hooks of 7 ignore it and train on until the launcher gives up); 7: a collective
+# record group's optional `recent` (COLLECTIVES_MAX_RECENT; a sidecar of 6 ignores
 # it); 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
 # job's own key, sidecar/jobview/auth.py), STEP_GAP_SEND_SECONDS, a registration's optional
 # `observe_only` (OBSERVE_ONLY); 5: a push's optional `collectives` and `fr_dump` (the
@@ -23,7 +25,7 @@ import re
 # (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the
 # job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of earlier
 # versions stay valid.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # ---------------------------------------------------------------- names
 
@@ -106,6 +108,12 @@ RESTART_SAFE = "restart_safe"
 # `watchdog.allow_job_observe_only`, and answers what it did in the registration's `observe_only`);
 # false, null or absent: the sidecar's own mode.
 OBSERVE_ONLY = "observe_only"
+# The optional `end` of an answer to a registration or a push: {"exit_code": CRASH_LOOP_EXIT, "reason",
+# "job_incident"}: the job is in a crash loop (the same verdict at the same step after restarts;
+# sidecar/jobview/crashloop.py) and is ended on purpose: the hooks exit with that status at once, and
+# `python -m trainer_hooks.launch` exits with it too (a scheduler's "do not requeue"). Absent: go on.
+END = "end"
+CRASH_LOOP_EXIT = 93
 
 # A push's optional `collectives` (trainer_hooks/collectives.py): {"time": the rank's wall clock when
 # it read its Flight Recorder, "groups": [{"pg", "desc", "size", "ranks", "enqueued", "started",

@@ -21,14 +21,15 @@ from prometheus_client.exposition import choose_encoder
 from sidecar import __version__
 from sidecar.collectors.base import CollectorRunner
 from sidecar.config import NODE_NAME, Settings
-from sidecar.daemon import operations, status_document
+from sidecar.daemon import dumpfiles, operations, status_document
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Finding, Fitness, judge
 from sidecar.host import diagfiles, identity, procs, stackfiles
-from sidecar.jobview import auth
+from sidecar.jobview import auth, crashloop
 from sidecar.jobview.coordinator import Coordinator
+from sidecar.jobview.crashloop import CrashLoops
 from sidecar.jobview.reporter import Reporter
 from sidecar.metric import MetricSpec, spec
 from sidecar.ranks import golive, lateness, protocol
@@ -39,7 +40,7 @@ from sidecar.ranks.protocol import ProtocolError
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.drill import Drills
 from sidecar.watchdog.machine import Watchdog
-from trainer_hooks.wire import JOB_COORDINATOR_EVENT
+from trainer_hooks.wire import END, JOB_COORDINATOR_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Daemon:
     golive: golive.GoLive = field(default_factory=golive.GoLive)  # go-live checks (operations.py)
     tracker: lateness.Tracker = field(default_factory=lateness.Tracker)  # its ranks' lateness, judged once
     drills: Drills | None = None  # kill-and-resume drills, made at the first (operations.py)
+    crash_loops: CrashLoops = field(default_factory=CrashLoops)  # jobs ended on purpose (jobview/crashloop.py)
 
     def fitness(self) -> Fitness:
         """The node verdict now (sidecar/fitness.py); a failing source is logged, never fatal."""
@@ -138,6 +140,7 @@ METRICS: tuple[MetricSpec, ...] = (
     DAEMON_FDS,
     EVENT_LOOP_LAG,
     golive.GOLIVE_CHECK,
+    crashloop.CRASH_LOOP,
 )
 
 
@@ -285,9 +288,10 @@ async def register(request: web.Request) -> web.Response:
         owner_uid=claimed.uid,
         pidfd=claimed.pidfd,
     )
-    rank.stack_file = stack_file_for(d, rank, previous, peer is not None)
+    rank.stack_file = dumpfiles.stack_file_for(d.settings, d.dump_files, d.registry, rank, previous, peer is not None)
     if d.exits is not None:
         d.exits.watch(rank)
+    d.crash_loops.registered(rank)
     log.info(
         "registered rank %s pid %d%s uid %s (restart %d%s)",
         rank.label,
@@ -319,8 +323,15 @@ async def register(request: web.Request) -> web.Response:
             # Rank 0 names this sidecar as its job's coordinator (sidecar/jobview/); the others learn
             # where it is through the job's own store.
             "job_view": job_view_offer(d, rank, verified=peer is not None),
+            **_end(d, rank),
         }
     )
+
+
+def _end(d: Daemon, rank: Rank) -> dict:
+    """wire.END when the rank's job was ended on purpose (a crash loop: jobview/crashloop.py)."""
+    end = d.crash_loops.end_for(rank, d.settings.watchdog.observe_only)
+    return {END: end} if end is not None else {}
 
 
 def job_view_offer(d: Daemon, rank: Rank, verified: bool) -> dict | None:
@@ -333,37 +344,6 @@ def job_view_offer(d: Daemon, rank: Rank, verified: bool) -> dict | None:
     if verified:
         offer["key"] = d.coordinator.key_for(rank.job_id, rank.owner_uid)
     return offer
-
-
-def stack_file_for(d: Daemon, rank: Rank, previous: Rank | None, verified: bool) -> stackfiles.StackFile | None:
-    """The dump file of a rank that just registered: the one it already had when the same
-    process registers again, else a new one (within the per-uid bounds of stackfiles.DumpFiles).
-    None when it asked for no dumps, when its caller was not verified as the process (nothing
-    would be signalled anyway), or when the process is not visible."""
-    if not verified or rank.stack_signal is None or rank.pid_start_time is None:
-        return None
-    if (
-        previous is not None
-        and previous.stack_file is not None
-        and previous.pid == rank.pid
-        and previous.pid_start_time == rank.pid_start_time
-    ):
-        return previous.stack_file
-    uid = stackfiles.owner_uid(rank.pid)
-    if uid is None:
-        return None
-    try:
-        if d.dump_files is None:
-            return stackfiles.create(d.settings.diagnostics_dir, rank.job_id, rank.rank, rank.pid, uid)
-        return d.dump_files.create(rank.job_id, rank.rank, rank.pid, uid, lambda: held_dump_files(d.registry))
-    except OSError as e:
-        log.warning("no stack-dump file for rank %s: %s", rank.label, e)
-        return None
-
-
-def held_dump_files(registry: Registry) -> set[str]:
-    """The dump files of live ranks: never removed."""
-    return {r.stack_file.path for r in registry.ranks() if r.stack_file is not None and not r.gone}
 
 
 def check_sender(request: web.Request, rank) -> None:
@@ -396,7 +376,7 @@ async def push(request: web.Request) -> web.Response:
     answer: dict = {"ok": True, "accepted": accepted, **(d.reporter.clock_offset(rank.job_id) if d.reporter else {})}
     if rank.wants:
         answer["want"], rank.wants = sorted(rank.wants), set()
-    return web.json_response(answer)
+    return web.json_response({**answer, **_end(d, rank)})
 
 
 def _coordinators(batch: protocol.Push) -> list[tuple[str, str, str | None]]:
@@ -452,6 +432,7 @@ async def status(request: web.Request) -> web.Response:
         fitness=d.fitness(),
         golive=operations.golive_status(d, d.registry),
         lateness_tracker=d.tracker,
+        crash_loops=d.crash_loops.status(),
     )
     return web.json_response(body)
 
@@ -478,6 +459,13 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+async def job_ended(request: web.Request) -> web.Response:
+    """Whether the job was ended for a crash loop (jobview/crashloop.py), for its torchrun agent
+    (trainer_hooks/crashloop.py): what `/v1/status` shows every local user of it, no more."""
+    job_id = request.match_info["job_id"]
+    return web.json_response({"job_id": job_id, "ended": request.app[DAEMON].crash_loops.status().get(job_id)})
+
+
 def daemon_families(d: Daemon) -> Iterable[Metric]:
     build = BUILD_INFO.family()
     build.add_metric([__version__], 1)
@@ -494,6 +482,7 @@ def daemon_families(d: Daemon) -> Iterable[Metric]:
     lag = EVENT_LOOP_LAG.family()
     lag.add_metric([], d.loop_lag.worst())
     yield from (build, node, records, rejected, registrations, lag, *operations.golive_families(d))
+    yield from d.crash_loops.families()
     try:
         cpu = d.process.cpu_times()
         cpu_family, rss, fds = DAEMON_CPU.family(), DAEMON_RSS.family(), DAEMON_FDS.family()
@@ -510,6 +499,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/jobs/{job_id}/ended", job_ended)
     app.router.add_post("/v1/register", register)
     app.router.add_post("/v1/push", push)
     app.router.add_post("/v1/deregister", deregister)

@@ -163,6 +163,7 @@ def attach_job_view(daemon: api.Daemon) -> None:
         max_ranks=jv.max_ranks,
         node=settings.node_name,
         cluster_key=jv.cluster_key(),
+        crash_loop_repeats=jv.crash_loop_repeats,
     )
     golive_settings = (settings.watchdog.golive_steps, settings.watchdog.golive_imbalance_ratio)
     daemon.reporter = Reporter(
@@ -177,11 +178,13 @@ def attach_job_view(daemon: api.Daemon) -> None:
         ),
         cluster_key=jv.cluster_key(),
     )
+    daemon.reporter.on_verdict = daemon.crash_loops.see
     daemon.watchdog.job_view = daemon.reporter
     if daemon.exits is not None:
         daemon.exits.job_incident_of = exit_context(daemon.reporter, settings.node_name)
         daemon.exits.job_view_wait = jv.verdict_wait_seconds + 2.0
         daemon.watchdog.on_left_to_launcher = daemon.exits.left_to_launcher
+        daemon.exits.crash_loop_of = lambda job_id: daemon.crash_loops.status().get(job_id)
 
 
 def _hosted_world_size(registry: Registry, job_id: str, forget_after: float) -> int:

@@ -289,6 +289,7 @@ def build_status(
     fitness: Fitness | None = None,
     golive: dict | None = None,
     lateness_tracker: lateness.Tracker | None = None,
+    crash_loops: dict | None = None,
 ) -> dict:
     now, now_wall = time.monotonic(), time.time()
     lateness_tracker = lateness_tracker or lateness.Tracker()  # the daemon's one, which /metrics reads
@@ -307,6 +308,12 @@ def build_status(
     fitness = fitness or Fitness()
     problems += [Problem(Kind.NODE, f"node unfit ({f.reason.value}): {f.text}") for f in fitness.findings]
     problems += restart_trap_problems(ranks)
+    crash_loops = crash_loops or {}
+    problems += [
+        Problem(Kind.CRASH_LOOP, f"job {job_id} ended: {e['reason']} (job incident {e['job_incident']}): its ranks "
+                f"here exit {e['exit_code']}, it is not restarted again", job_id)
+        for job_id, e in sorted(crash_loops.items())
+    ]  # fmt: skip
 
     return {
         "version": __version__,
@@ -326,6 +333,8 @@ def build_status(
         "exits": exits.status() if exits is not None else None,
         # The job view (sidecar/jobview/): per local multi-node job, its coordinator and verdict.
         "jobs": jobs_section(reporter),
+        # Jobs ended on purpose for a crash loop (sidecar/jobview/crashloop.py): reason, job incident, exit code.
+        "crash_loops": crash_loops,
         # Per job with ranks here, its go-live checks (sidecar/ranks/golive.py): ranks joined, first batch,
         # GPU memory and throughput balanced across its ranks here, loss falling over its first steps.
         # Judged over the whole job by its coordinator when fresh (judged_by, sidecar/jobview/golive.py).

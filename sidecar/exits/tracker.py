@@ -30,7 +30,7 @@ from sidecar.host.procs import is_running
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.protocol import ExitReport
 from sidecar.safetext import printable
-from trainer_hooks.wire import THREAD_EXCEPTION_EVENT
+from trainer_hooks.wire import CRASH_LOOP_EXIT, THREAD_EXCEPTION_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class ExitTracker:
         self.counts: Counter = Counter()  # (job_id, reason, role)
         self.job_incident_of: JobIncidentOf | None = None  # the job view's answer, when it is on
         self.job_view_wait = JOB_VIEW_WAIT_SECONDS  # how long an exit may wait for the job view's verdict
+        self.crash_loop_of: Callable[[str], dict[str, Any] | None] | None = None  # a job ended on purpose
         self.failures: Counter = Counter()  # (job_id, reason of the first exit)
         self._remediations_counted: list[str] = []  # watchdog incidents already counted as a failure
         self.last_time: dict[tuple[str, str], float] = {}
@@ -417,6 +418,11 @@ class ExitTracker:
         }
         if consequence is not None:
             entry["job_incident"], entry["consequence_of"] = consequence
+        ended = self.crash_loop_of(rank.job_id) if self.crash_loop_of is not None else None
+        if ended is not None and ev.status is not None and os.WIFEXITED(ev.status):
+            if os.WEXITSTATUS(ev.status) == CRASH_LOOP_EXIT:  # it did as its sidecar told it (jobview/crashloop.py)
+                entry["crash_loop"] = ended
+                lines.append(f"the sidecar ended the job: {ended['reason']} (job incident {ended['job_incident']})")
         if ev.report is not None:
             entry["exception"] = {
                 "type": ev.report.type,

@@ -120,6 +120,9 @@ class Incident:
     unkillable: list[dict[str, Any]] = field(default_factory=list)
     # The kill-and-resume drill (`sidecar drill`, drills.py) this stall was: not a failure of the job.
     drill: str | None = None
+    # A crash loop (sidecar/jobview/crashloop.py): the same verdict at the same step came back this many
+    # times after its first, and the job is ended (its ranks exit 93), not restarted again. None: no loop.
+    crash_loop: dict[str, Any] | None = None
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""

@@ -24,7 +24,7 @@ from sidecar.hang_kinds import OLDEST_PROGRESS as _OLDEST
 from sidecar.jobview import auth, budget
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.golive import JobGoLive
-from sidecar.jobview.jobs import REFINED, Job, JobIncident, is_busy, rank_brief, repeats, where, who
+from sidecar.jobview.jobs import REFINED, Job, JobIncident, is_busy, rank_brief, repeat_count, signature, where, who
 from sidecar.jobview.judge import judge_summaries, records_said, refine, summarize
 from sidecar.jobview.report import MAX_NOT_DUMPED, Culprit, NodeReport, Verdict
 from sidecar.jobview.stragglers import JobLateness
@@ -66,7 +66,9 @@ class Coordinator:
         max_ranks: int = 16384,
         node: str = "",
         cluster_key: bytes | None = None,  # job_view.cluster_key_file's secret (auth.bind)
+        crash_loop_repeats: int = 2,  # job_view.crash_loop_repeats (0: never a crash loop)
     ):
+        self.crash_loop_repeats = crash_loop_repeats
         self.stale_after = stale_after  # a collective record this old says its rank's process stopped
         self.hosts, self.lost_after, self.verdict_wait = hosts, lost_after, verdict_wait
         self.max_nodes, self.probe, self.clock, self.wall = max_nodes, probe, clock, wall
@@ -249,8 +251,7 @@ class Coordinator:
         loop.call_later(wait, self.tick, job.job_id)
 
     def _open(self, job: Job) -> JobIncident:
-        if job.current is not None:
-            job.closed.append(job.current)
+        job.close_current()
         wall = self.wall()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.job_id)[:60] or "job"
@@ -275,7 +276,7 @@ class Coordinator:
             s = job.summaries.get(v.culprit.node)
             if s is not None and refine(v.culprit, s):  # the same rank, its kind made specific
                 log.warning("job %s (%s): %s: %s", job.job_id, v.job_incident, v.culprit.kind, v.culprit.reason)
-                changed = True
+                changed = self._repeats(job, incident) or True
             return self._busy_changed(job, v.culprit) or changed
         gone = set(lost)
         fresh = [s for node, s in job.summaries.items() if node not in gone]
@@ -292,9 +293,10 @@ class Coordinator:
             and (who(culprit) == who(v.culprit) or culprit.kind == v.culprit.kind == _OLDEST.name)
         )  # a guess is not swapped for an equal guess: only better evidence changes it
         if culprit is not None and not same:
-            if culprit.kind == "collective_mismatch" and culprit.collective is not None:
-                culprit.collective["repeat"] = repeats(job, culprit)
             v.culprit, v.decided = culprit, self.wall()
+            self._repeats(job, incident)
+            if culprit.kind == "collective_mismatch" and culprit.collective is not None:
+                culprit.collective["repeat"] = v.repeats > 0
             incident.paused = incident.paused or culprit.kind == "job_paused"
             log.warning("job %s (%s): %s: %s: %s", job.job_id, v.job_incident, culprit.kind, where(culprit),
                         culprit.reason)  # fmt: skip
@@ -302,6 +304,23 @@ class Coordinator:
                 log.info("job %s: the collective records did not decide it: %s", job.job_id, records_said(fresh, now))
             return True
         return changed
+
+    def _repeats(self, job: Job, incident: JobIncident) -> bool:
+        """The verdict met again at the same step (jobs.signature), and whether that makes a crash
+        loop: past job_view.crash_loop_repeats repeats the job is ended (every node tells its ranks
+        of the attempt to exit CRASH_LOOP_EXIT), not restarted to meet it again. Once said, kept."""
+        v = incident.verdict
+        if v.culprit is not None and v.drill is None:
+            incident.signature = signature(v.culprit, job.step())
+        n = repeat_count(job, incident.signature)
+        loop = v.crash_loop or (self.crash_loop_repeats > 0 and n >= self.crash_loop_repeats)
+        if (n, loop) == (v.repeats, v.crash_loop):
+            return False
+        if loop and not v.crash_loop and v.culprit is not None:
+            log.error("job %s (%s): a crash loop: the same verdict at the same step %d time(s) before (%s): the job "
+                      "is ended, not restarted", job.job_id, v.job_incident, n, where(v.culprit))  # fmt: skip
+        v.repeats, v.crash_loop = n, loop
+        return True
 
     def _busy_changed(self, job: Job, culprit: Culprit) -> bool:
         """The named rank's node shows it alive, not judged hung (busy, or its CPU time growing while

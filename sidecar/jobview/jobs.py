@@ -16,6 +16,7 @@ from sidecar.jobview.report import Culprit, NodePart, NodeReport, Verdict
 from sidecar.jobview.stragglers import JobJudge
 
 CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
+HISTORY_KEPT = 16  # what the job's newest closed incidents repeat (`signature`): a crash loop's count
 
 
 @dataclass
@@ -29,6 +30,7 @@ class JobIncident:
     order: list[str] = field(default_factory=list)  # the same, in the order they first reported
     dumped_set: set[str] = field(default_factory=set)  # those whose stacks are dumped
     untroubled_since: float | None = None  # monotonic: every report fine since
+    signature: tuple | None = None  # what a restart would repeat of its verdict (`signature`), once named
 
 
 @dataclass
@@ -51,6 +53,19 @@ class Job:
     stragglers_logged: set[int] = field(default_factory=set)
     golive: JobChecks = field(default_factory=JobChecks)  # its go-live checks over every node
     drill: tuple[str, str] | None = None  # (id, node): a node of the job drills it now (`sidecar drill`)
+    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY_KEPT))
+
+    def close_current(self) -> None:
+        """Its current incident joins the closed ones (a new one opens)."""
+        if self.current is not None:
+            self.closed.append(self.current)
+            self.history.append(self.current.signature if self.current.verdict.drill is None else None)
+
+    def step(self) -> int | None:
+        """The job's highest step its nodes report (exited ranks too): where the ranks that wait
+        stand, their pushes going on while they wait, where a stopped rank's last push may lag."""
+        steps = [r.step for report, _ in self.reports.values() for r in report.ranks if r.step is not None]
+        return max(steps) if steps else None
 
     def held_by(self, node: str) -> int:
         got = self.reports.get(node)
@@ -85,17 +100,21 @@ def is_busy(job: Job, culprit: Culprit) -> bool:
     return tail and any(r.rank == culprit.rank and r.activity == "cpu" for r in s.behind + s.recorded)
 
 
-def repeats(job: Job, culprit: Culprit) -> bool:
-    """A desync the job's previous incident already ran into: the same group and the same
-    collectives at odds (sequence numbers restart with the process group)."""
-    assert culprit.collective is not None
-    mine = (culprit.collective.get("pg"), sorted(culprit.collective.get("ops") or {}))
-    for past in job.closed:
-        c = past.verdict.culprit
-        if c is not None and c.kind == "collective_mismatch" and c.collective is not None:
-            if (c.collective.get("pg"), sorted(c.collective.get("ops") or {})) == mine:
-                return True
-    return False
+def signature(c: Culprit, step: int | None) -> tuple | None:
+    """What a crash loop repeats (hang_kinds.HangKind.loops): the same rank held the job up, hung or
+    crashed, with the job at the same step (Job.step); a desync's same group and collectives at odds
+    (sequence numbers restart with the process group). None: a kind a restart does not repeat."""
+    if not hang_kinds.of(c.kind).loops:
+        return None
+    if c.kind == hang_kinds.COLLECTIVE_MISMATCH.name:
+        coll = c.collective or {}
+        return (c.kind, coll.get("pg"), tuple(sorted(coll.get("ops") or {})), step)
+    return ("rank", c.rank, step)
+
+
+def repeat_count(job: Job, mine: tuple | None) -> int:
+    """How many of the job's closed incidents (the newest HISTORY_KEPT) were the same (`signature`)."""
+    return 0 if mine is None else sum(1 for past in job.history if past == mine)
 
 
 def rank_brief(r: Any) -> dict[str, Any]:

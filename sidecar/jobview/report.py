@@ -152,6 +152,10 @@ class Verdict:
     decided: float | None = None  # wall clock of the culprit decision
     closed: bool = False  # every rank progresses again (or the job is gone)
     drill: str | None = None  # a node of the job drills it (`sidecar drill`): a drill, not a real stall, on every node
+    # earlier incidents of the job with the same verdict at the same step (jobs.signature), and whether
+    # that makes a crash loop (job_view.crash_loop_after): the job is ended, not restarted again
+    repeats: int = 0
+    crash_loop: bool = False
 
     @property
     def all_dumped(self) -> bool:
@@ -439,5 +443,7 @@ def parse_verdict(data: Any) -> Verdict | None:
         not_dumped=names("not_dumped", MAX_NOT_DUMPED),
         decided=None if decided is None else _seconds(data, "decided", "verdict.decided"),
         closed=bool(_bool(data, "closed", "verdict.closed")),
+        repeats=_int(data, "repeats", "verdict.repeats", 0, 1 << 31, default=0),
+        crash_loop=bool(_bool(data, "crash_loop", "verdict.crash_loop")),
         drill=_drill(data, "verdict.drill"),
     )

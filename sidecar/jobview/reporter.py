@@ -91,6 +91,8 @@ class Reporter:
         self.sent = 0  # reports sent (HTTP or in-process)
         self.bytes_sent = 0  # their JSON bodies
         self.refused_urls = 0  # coordinator addresses refused (check_url, no job key)
+        self.on_verdict: Callable[[Verdict], None] | None = None  # every new verdict taken (crashloop.py)
+        self.foreign_verdicts = 0  # verdicts of another job than the one asked about: ignored
 
     # ------------------------------------------------------------ inputs
 
@@ -249,7 +251,7 @@ class Reporter:
             link.wake.clear()
             try:
                 verdict, judged, checks = await self._send(link, report)
-                self._take(link, verdict)
+                self._take(job_id, link, verdict)
                 link.sent.taken(report.lateness)
                 link.golive_sent.taken(report.golive, now)
                 link.lateness = judged or link.lateness
@@ -292,17 +294,25 @@ class Reporter:
             done, _ = await asyncio.wait({poll, woken}, timeout=TROUBLED_POLL_SECONDS + self.request_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if poll in done and poll.exception() is None:
-                self._take(link, poll.result())
+                self._take(job_id, link, poll.result())
         finally:
             for t in (poll, woken):
                 t.cancel()
             await asyncio.gather(poll, woken, return_exceptions=True)
 
-    def _take(self, link: _Link, verdict: Verdict | None) -> None:
+    def _take(self, job_id: str, link: _Link, verdict: Verdict | None) -> None:
         link.last_ok, link.failures = self.clock(), 0
+        if verdict is not None and verdict.job_id != job_id:  # a coordinator answers for its own job only
+            self.foreign_verdicts += 1
+            if self.foreign_verdicts in (1, 100) or self.foreign_verdicts % 10_000 == 0:
+                log.warning("job %s: coordinator %s answered a verdict of job %r: ignored (%d times)", job_id,
+                            link.node, verdict.job_id[:80], self.foreign_verdicts)  # fmt: skip
+            return
         if verdict is not None and (link.verdict is None or verdict.version != link.verdict.version
                                     or verdict.job_incident != link.verdict.job_incident):  # fmt: skip
             link.verdict = verdict
+            if self.on_verdict is not None:
+                self.on_verdict(verdict)
             self._changed.set()
             self._changed = asyncio.Event()
 

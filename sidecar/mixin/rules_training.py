@@ -82,6 +82,17 @@ def group(cfg: MixinConfig) -> Group:
                 "group, the sequence and each rank's collective; fix the code path that issues them.",
             ),
             Alert(
+                "SidecarJobCrashLoop",
+                "max by (namespace, cluster, job_id) (sidecar_job_crash_loop) > 0",
+                "critical",
+                "Job {{ $labels.job_id }} ended for a crash loop",
+                "Job {{ $labels.job_id }} met the same verdict at the same step after its restarts (the same rank "
+                "hung or crashed there, or the same desync), so the sidecar ended it: its ranks exit 93 and "
+                "`python -m trainer_hooks.launch` exits 93, which the scheduler should not requeue. Restarting it "
+                "unchanged meets it again: `sidecar incidents --job {{ $labels.job_id }}` has the verdict, the rank "
+                "and the step; fix the program or its data, then launch it afresh.",
+            ),
+            Alert(
                 "SidecarJobGoodputLow",
                 f"job_id:sidecar_goodput:ratio1h < {T['goodput_low_ratio']}",
                 "warning",

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from sidecar import hang_kinds
 from sidecar.incidents.store import Incident
 from sidecar.jobview.report import Culprit, NodePart, RankView, Verdict
+from trainer_hooks.wire import CRASH_LOOP_EXIT
 
 PART_EVENTS = frozenset(
     {"detected", "dumps_requested", "dumps_received", "verdict", "sigterm", "sigkill", "exit_observed",
@@ -108,6 +109,12 @@ def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
         incident.notes.append("the same collective mismatch as the job's previous incident: a restart repeats it")
     if verdict.lost_nodes:
         incident.notes.append(f"nodes lost during the incident: {', '.join(verdict.lost_nodes)}")
+    if verdict.crash_loop and incident.crash_loop is None:
+        incident.crash_loop = {"repeats": verdict.repeats, "exit_code": CRASH_LOOP_EXIT}
+        incident.notes.append(
+            f"a crash loop: the job met this verdict at this step {verdict.repeats} time(s) before; it is ended, "
+            f"not restarted again: its ranks are told to exit {CRASH_LOOP_EXIT} (job_view.crash_loop_repeats)"
+        )
 
 
 def local_culprit(verdict: Verdict | None, node: str, local_ranks: set[int]) -> bool | None:

@@ -28,6 +28,7 @@ FAKE_GPUS = {
 }
 
 STATUS_KEYS = {
+    "crash_loops",
     "version",
     "time",
     "uptime_seconds",

@@ -19,6 +19,7 @@ import yaml
 from sidecar.commands import deploygen
 from sidecar.config import DEFAULT_SOCKET, load_settings
 from tests.support import PYTHON, ROOT, Sidecar
+from trainer_hooks.wire import CRASH_LOOP_EXIT
 
 K8S = ROOT / "deploy" / "kubernetes"
 BAREMETAL = ROOT / "deploy" / "baremetal"
@@ -215,9 +216,11 @@ def _assert_training_pod(pod_spec: dict, container: dict | None = None, from_ope
     container = container or pod_spec["containers"][0]
     cmd = _torchrun_command(container)
     flags = {**(from_operator or {}), **_flags(cmd)}
-    assert cmd[0] == "torchrun" and flags["--rdzv-backend"] == "c10d"
+    launcher = cmd[:3] == ["python", "-m", "trainer_hooks.launch"]  # torchrun that exits 93 for a crash loop
+    assert (cmd[0] == "torchrun" or launcher) and flags["--rdzv-backend"] == "c10d"
     assert int(flags["--max-restarts"]) > 0
-    assert cmd[cmd.index("-m") + 1] == "sidecar_trainer" and any(a.startswith("--config=") for a in cmd)
+    script = cmd[3:] if launcher else cmd
+    assert script[script.index("-m") + 1] == "sidecar_trainer" and any(a.startswith("--config=") for a in cmd)
     env = {e["name"]: e.get("value") for e in container["env"]}
     # torch's own switch that brings restarts of unmodified scripts back (pytorch#135712).
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
@@ -272,6 +275,24 @@ def test_trainjob_runs_the_trainer_with_c10d_on_the_trainers_pet_variables():
     pod["containers"] = [container]
     _validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "node"}, "spec": pod})
     _assert_training_pod(pod)
+
+
+def test_jobset_ends_for_good_on_a_crash_loop_and_restarts_on_anything_else():
+    """The launcher's 93 (trainer_hooks/crashloop.py) fails the Job at once (podFailurePolicy, on the
+    trainer container), and a Job failed so fails the JobSet instead of being recreated."""
+    (jobset,) = BY_KIND["JobSet"]
+    policy = jobset["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] > 0  # other failures: recreated
+    fail = {"name": "crash-loop", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    assert fail in policy["rules"]
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        job = replicated["template"]["spec"]
+        assert job["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
+        container = job["template"]["spec"]["containers"][0]
+        assert _torchrun_command(container)[:3] == ["python", "-m", "trainer_hooks.launch"]
+        rule = {"action": "FailJob", "onExitCodes": {"containerName": container["name"], "operator": "In",
+                                                      "values": [CRASH_LOOP_EXIT]}}  # fmt: skip
+        assert rule in job["podFailurePolicy"]["rules"]
 
 
 def test_jobset_runs_the_trainer_with_c10d_and_the_socket():

@@ -13,7 +13,8 @@ from textwrap import dedent
 
 import pytest
 
-from tests.security.rig import attack, open_sidecar, ranks_of, start_as
+from demo.job import wait_for
+from tests.security.rig import attack, next_result, open_sidecar, ranks_of, start_as
 from tests.support import free_port, kill_tree, wait_until
 from tests.unpriv import unprivileged_user
 
@@ -342,8 +343,8 @@ def test_a_lying_coordinator_gets_no_other_users_process_signalled(users, tmp_pa
         liar = f"""
             import http.server, threading
             VERDICT = {{"job_id": "evil", "job_incident": "lie-1", "version": 7, "opened": time.time(),
-                        "culprit": {{"rank": 0, "node": "n1", "step": 1, "reason": "a lie"}},
-                        "nodes": ["n1"], "dumped": ["n1"], "lost_nodes": []}}
+                        "culprit": {{"rank": 0, "node": "n1", "step": 1, "phase": None, "stack_top": None,
+                                    "reason": "a lie"}}, "nodes": 1, "dumped": 1, "lost_nodes": []}}
             class Liar(http.server.BaseHTTPRequestHandler):
                 def answer(self):
                     body = json.dumps({{"ok": True, "verdict": VERDICT}}).encode()
@@ -362,7 +363,8 @@ def test_a_lying_coordinator_gets_no_other_users_process_signalled(users, tmp_pa
             server = http.server.ThreadingHTTPServer(("127.0.0.1", {port}), Liar)
             threading.Thread(target=server.serve_forever, daemon=True).start()
         """
-        own = HANGING_RANK.replace('offer["url"]', f'"http://127.0.0.1:{port}"')
+        # her coordinator on "another node" (this node's own name would be answered in-process)
+        own = HANGING_RANK.replace('offer["url"]', f'"http://127.0.0.1:{port}"').replace('offer["node"]', '"n9"')
         mine, minfo = start_job(mallory, sidecar, "evil", own, before=liar)
         try:
             wait_until(lambda: not alive(minfo["pid"]), 60, what="mallory's own stalled rank killed")
@@ -586,3 +588,69 @@ def test_a_local_client_is_known_by_its_live_socket_and_a_closed_ones_row_is_nev
             kill_tree(client)
     assert procs.is_local_address("127.0.0.1") and procs.is_local_address("::1")
     assert procs.is_local_address("::ffff:127.0.0.1") and not procs.is_local_address("203.0.113.5")
+
+
+@pytest.mark.parametrize("lie_for", ["alice-job", "evil"])
+def test_a_lying_coordinator_can_end_only_its_own_job_for_a_crash_loop(users, lie_for):
+    """Mallory's own coordinator answers her job's reports with a verdict that says `crash_loop`,
+    once naming alice's job id, once her own. A coordinator speaks for the job it was asked about
+    only: alice's ranks are never told to exit 93 and her job is never marked; Mallory can end her
+    own job, as she can anyway (docs/security.md, "A crash loop")."""
+    alice, mallory = users
+    with open_sidecar(*FAST) as sidecar:
+        healthy = """
+            rank = sleeper()
+            status, body = request("/v1/register", registration(rank.pid, "alice-job", world_size=2))
+            assert status == 200, body
+            report(pid=rank.pid)
+            step, told = 1, None
+            deadline = time.monotonic() + 25
+            while time.monotonic() < deadline and told is None:
+                status, body = request("/v1/push", {"job_id": "alice-job", "rank": 0, "pid": rank.pid,
+                                                    "items": [{"type": "step", "step": step}]})
+                told = body.get("end")
+                step += 1
+                time.sleep(0.3)
+            report(told=told, steps=step)
+            time.sleep(600)
+        """
+        victim, _ = start_as(alice, sidecar, healthy)
+        port = free_port()
+        liar = f"""
+            import http.server, threading
+            VERDICT = {{"job_id": {lie_for!r}, "job_incident": "lie-1", "version": 7, "opened": time.time(),
+                        "culprit": {{"rank": 0, "node": "n1", "step": 1, "phase": None, "stack_top": None,
+                                    "reason": "a lie", "kind": "rank_crashed"}},
+                        "nodes": 1, "dumped": 1, "lost_nodes": [], "repeats": 5, "crash_loop": True}}
+            class Liar(http.server.BaseHTTPRequestHandler):
+                def answer(self):
+                    body = json.dumps({{"ok": True, "verdict": VERDICT}}).encode()
+                    nonce = self.headers.get("X-Sidecar-Peer", "::").split(":")[1]
+                    self.send_response(200)
+                    self.send_header("X-Sidecar-Peer-Reply", sign_reply(offer["key"], nonce, body))  # her own key
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                def do_POST(self):
+                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                    self.answer()
+                do_GET = answer
+                def log_message(self, *a):
+                    pass
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", {port}), Liar)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+        """
+        # her coordinator on "another node" (this node's own name would be answered in-process)
+        own = HANGING_RANK.replace('offer["url"]', f'"http://127.0.0.1:{port}"').replace('offer["node"]', '"n9"')
+        mine, _ = start_job(mallory, sidecar, "evil", own, before=liar)
+        try:
+            wait_until(lambda: sidecar.status()["jobs"].get("evil", {}).get("reachable"), 30, what="her coordinator")
+            if lie_for == "evil":  # the control: her own job is marked
+                marked = lambda: "evil" in sidecar.status()["crash_loops"]  # noqa: E731
+                assert wait_for(marked, 30), sidecar.log.read_text()[-3000:]
+            told = next_result(victim, 60)
+            assert told["told"] is None and told["steps"] > 20, told  # alice trained on, never told to end
+            assert "alice-job" not in sidecar.status()["crash_loops"]
+        finally:
+            kill_tree(mine)
+            kill_tree(victim)
