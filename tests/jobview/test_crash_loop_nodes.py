@@ -90,6 +90,7 @@ def test_slurms_batch_script_exits_93_for_a_crash_loop_with_either_launcher(tmp_
         assert out.returncode == CRASH_LOOP_EXIT, (out.returncode, out.stderr[-4000:])
         crashes = sorted({r["attempt"] for r in cycle(tmp_path) if r["kind"] == "hang"})
         assert crashes[:2] == [0, 1] and len(crashes) <= 3, crashes
-        assert "the sidecar ended the job" in out.stderr, out.stderr[-4000:]
+        # the ranks of an attempt were told (`the sidecar ended the job`), or the agent asked first
+        assert "ended the job" in out.stderr, out.stderr[-4000:]
         if launcher == "torch.distributed.run":
             assert "was ended for a crash loop by its sidecar (sidecar status): exit 93" in out.stderr

@@ -49,6 +49,19 @@ HANGING_RANK = """
 """
 
 
+# The same rank, training on: a step every 0.3 s.
+STEPPING_RANK = HANGING_RANK.replace(
+    "    time.sleep(600)\n",
+    """    step = 4
+    while True:
+        request("/v1/push", {"job_id": job, "rank": 0, "pid": rank.pid, "items": [{"type": "step", "step": step}]})
+        step += 1
+        time.sleep(0.3)
+""",
+)
+assert STEPPING_RANK != HANGING_RANK
+
+
 def start_job(user, sidecar, job: str, code: str = HANGING_RANK, before: str = ""):
     return start_as(user, sidecar, dedent(before) + f"os.environ['JOB'] = {job!r}\n" + dedent(code))
 
@@ -230,8 +243,10 @@ def test_a_signed_report_cannot_be_replayed_to_another_node_or_later_in_the_wind
 
     alice, _ = users
     with open_sidecar(*FAST) as n1, open_sidecar(*FAST, "node_name=n2", name="n2") as n2:
-        victim, info = start_job(alice, n1, "victim")
-        other, _ = start_job(alice, n2, "victim")  # alice's job has a rank on n2 too: n2 has its own key
+        # her ranks train on (a hung one would be killed, and its job forgotten past forget_after_seconds
+        # while a loaded machine serves the 4,100 requests below: 404, not the 401 asked about)
+        victim, info = start_job(alice, n1, "victim", STEPPING_RANK)
+        other, _ = start_job(alice, n2, "victim", STEPPING_RANK)  # a rank on n2 too: n2 has its own key
         try:
             path = "/v1/jobs/victim/report"
             body = json.dumps({"job_id": "victim", "node": "n3", "world_size": 2, "time": time.time(),
