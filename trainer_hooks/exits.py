@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,7 @@ def report(exc: BaseException, thread: str | None = None) -> dict[str, Any]:
         "types": types,
         "message": _first_line(exc),
         "traceback": [_frame(f) for f in frames],
+        "time": time.time(),  # when it was reported, by this host's clock: exits are ordered by it (protocol 8)
     }
     if thread is not None:
         out["thread"] = str(thread)[:MAX_TEXT]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 
 # 8: the optional `end` of a registration's or a push's answer (END, CRASH_LOOP_EXIT: the job was ended
-# for a crash loop; hooks of 7 ignore it and train on until the launcher gives up); 7: a collective
+# for a crash loop; hooks of 7 ignore it and train on until the launcher gives up), a deregistration's
+# optional `exit.time` (when the hooks reported the exception, the host's wall clock); 7: a collective
 # record group's optional `recent` (COLLECTIVES_MAX_RECENT; a sidecar of 6 ignores
 # it); 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
 # job's own key, sidecar/jobview/auth.py), STEP_GAP_SEND_SECONDS, a registration's optional

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from sidecar import hang_kinds
 from sidecar.hang_kinds import OLDEST_PROGRESS as _OLDEST
 from sidecar.jobview import auth, budget
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
@@ -292,6 +293,14 @@ class Coordinator:
             and v.culprit is not None
             and (who(culprit) == who(v.culprit) or culprit.kind == v.culprit.kind == _OLDEST.name)
         )  # a guess is not swapped for an equal guess: only better evidence changes it
+        if v.culprit is not None and culprit is not None and v.culprit.kind == hang_kinds.JOB_PAUSED.name:
+            # still the pause; its tail (ranks done wait for the last ones at work: `busy`, which bounds
+            # the hold by watchdog.ceiling_seconds on every node) or no one waiting again
+            tail = not same and self._tail_of_pause(incident, culprit)
+            if tail or same:
+                changed |= v.culprit.busy != tail
+                v.culprit.busy = tail
+                return changed
         if culprit is not None and not same:
             v.culprit, v.decided = culprit, self.wall()
             self._repeats(job, incident)
@@ -304,6 +313,16 @@ class Coordinator:
                 log.info("job %s: the collective records did not decide it: %s", job.job_id, records_said(fresh, now))
             return True
         return changed
+
+    @staticmethod
+    def _tail_of_pause(incident: JobIncident, culprit: Culprit) -> bool:
+        """A paused job's last ranks still working (CPU time growing, `is_busy`) while the others,
+        done, wait for them in the next collective: no one waits on something that cannot come, so
+        the verdict stays `job_paused` (a chain of waits that ends in a working rank is no hang). It
+        is named once that rank stops working, or at watchdog.ceiling_seconds on its node."""
+        v = incident.verdict
+        paused = v.culprit is not None and v.culprit.kind == hang_kinds.JOB_PAUSED.name
+        return paused and culprit.busy and culprit.kind in (hang_kinds.RANK_LATE.name, hang_kinds.RANK_SPINNING.name)
 
     def _repeats(self, job: Job, incident: JobIncident) -> bool:
         """The verdict met again at the same step (jobs.signature), and whether that makes a crash

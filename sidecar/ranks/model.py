@@ -105,6 +105,7 @@ class Rank:
     gone: bool = False
     gone_reason: str | None = None
     gone_at: float | None = None  # monotonic
+    exit_time: float | None = None  # wall: when its hooks reported the exception it died of (its own clock)
     exit_reason: str | None = None  # why its process exited, once decided (sidecar/exits/tracker.py)
     # Declared phases as a stack of (name, started, timeout): phases may nest (eval inside
     # a checkpoint-load retry, compile inside eval).

@@ -125,6 +125,7 @@ class ExitReport:
     message: str  # the first line of str(exception)
     traceback: list[str]  # the innermost frames, "file:line in function", outermost first
     thread: str | None = None  # the thread it ended, when not the main thread
+    time: float | None = None  # wall clock, the rank's own: when its hooks reported it (protocol 8)
 
 
 @dataclass(slots=True)
@@ -463,7 +464,16 @@ def _exit_report(data: dict) -> ExitReport | None:
         message=_clip(raw.get("message", ""), "exit.message"),
         traceback=lists["traceback"],
         thread=None if thread is None else _clip(thread, "exit.thread"),
+        time=_exit_time(raw.get("time")),
     )
+
+
+def _exit_time(value: Any) -> float | None:
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value < MAX_TIME:
+        raise ProtocolError("exit.time: expected Unix seconds")
+    return float(value)
 
 
 def _session(data: dict) -> str | None:

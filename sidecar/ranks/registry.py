@@ -224,6 +224,8 @@ class Registry:
 
     def deregister(self, dereg: Deregistration, rank: Rank | None = None) -> Rank:
         r = self.lookup(dereg.job_id, dereg.rank, dereg.pid) if rank is None else rank
+        if dereg.exit is not None and not r.gone:
+            r.exit_time = dereg.exit.time
         self.mark_gone(r.key, dereg.reason or "deregistered")
         return r
 

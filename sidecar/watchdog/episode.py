@@ -457,9 +457,11 @@ class Episode:
             # bounded by the ceiling since this node's own ranks progressed: the word of another node
             # (whoever holds the job's key) may delay its own job's recovery, never forever
             below_ceiling = max(dog.deadline(t.rank).age for t in waiting) < dog.settings.watchdog.ceiling_seconds
-            if verdict is not None and verdict.culprit is not None and verdict.culprit.busy and below_ceiling:
+            # the rank they wait on works (busy), or the job is paused (the tail of a pause): no one acts
+            c = verdict.culprit if verdict is not None else None
+            if c is not None and (c.busy or pause.verdict_paused(verdict)) and below_ceiling:
                 if not self.holding:  # its node holds it (and so does this one): a pause, not a hang
-                    self._hold_begins([verdict.culprit.rank])
+                    self._hold_begins([c.rank])
                 deadline = dog.clock() + grace  # the grace counts from when it is no longer busy
             elif dog.clock() >= deadline:
                 break

@@ -59,6 +59,20 @@ DUE_SLACK_SECONDS = 0.002  # a tick woken for a threshold lands just past it, no
 EARLY_TICK_COST_RATIO = 10.0  # an early tick comes no sooner than 10x the last tick's cost: <= 10% of the loop
 
 
+OWN_EXIT_SLACK_SECONDS = 30.0  # how much earlier than this sidecar heard of it a rank may say it died
+
+
+def exited_wall(rank: Rank) -> float:
+    """When the rank died, on its node's wall clock: the time its hooks stamped on the exception
+    (the order of a job's exits on a loaded node: a crashing rank's deregistration can reach its
+    sidecar after its peers' consequences reached theirs), else when this sidecar heard of it.
+    A claim is taken within OWN_EXIT_SLACK_SECONDS before that (its own job's order only)."""
+    gone_at = rank.gone_at
+    heard = time.time() - (time.monotonic() - gone_at if gone_at is not None else 0.0)
+    own = rank.exit_time
+    return own if own is not None and heard - OWN_EXIT_SLACK_SECONDS <= own <= heard + 1.0 else heard
+
+
 class Watchdog:
     def __init__(
         self,
@@ -253,8 +267,7 @@ class Watchdog:
             track.probe = None  # progress again: what its stack showed no longer holds
             track.rank.drop_fr_dump()
         elif new is RankState.GONE and reason in ("process exited", "exception"):
-            gone_at = track.rank.gone_at  # when this sidecar heard it (the rank's deregistration, or its exit)
-            track.exited_wall = time.time() - (time.monotonic() - gone_at if gone_at is not None else 0.0)
+            track.exited_wall = exited_wall(track.rank)
         if self.job_view is not None:
             self.job_view.wake(track.rank.job_id)
         level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO

@@ -124,6 +124,45 @@ def test_exits_are_ordered_on_one_clock():
     assert c is not None and (c.rank, c.kind) == (1, "rank_crashed"), c
 
 
+@pytest.mark.parametrize("claimed, taken", [(-2.0, "own"), (-40.0, "heard"), (None, "heard"), (+5.0, "heard")])
+def test_an_exit_is_dated_by_the_ranks_own_report_within_its_bounds(claimed, taken):
+    """A crashing rank's deregistration may reach its loaded sidecar after its peers' consequences
+    reached theirs (CI, make test: rank 2's consequence named first on both incidents of a crash
+    loop): the exit is dated by the time its hooks stamped on the exception, when that is at most
+    30 s before its sidecar heard of it (and not in the future)."""
+    import time as clock
+
+    from sidecar.ranks.model import Rank
+    from sidecar.ranks.protocol import parse_deregistration
+    from sidecar.watchdog.machine import exited_wall
+
+    now = clock.time()
+    wire = {
+        "job_id": "j",
+        "rank": 1,
+        "pid": 7,
+        "reason": "exception",
+        "exit": {"type": "RuntimeError", "message": "boom", "time": None if claimed is None else now + claimed},
+    }
+    dereg = parse_deregistration(wire)
+    assert dereg.exit is not None and (dereg.exit.time is None) == (claimed is None)
+    r = Rank(job_id="j", rank=1, local_rank=1, world_size=2, local_world_size=1, pid=7, pid_start_time=None)
+    r.gone_at, r.exit_time = clock.monotonic(), dereg.exit.time
+    got = exited_wall(r)
+    if taken == "own":
+        assert got == pytest.approx(now + claimed, abs=1e-6)  # type: ignore[operator]
+    else:
+        assert got == pytest.approx(clock.time(), abs=0.5)
+
+
+def test_an_exit_time_that_is_not_unix_seconds_is_refused_naming_it():
+    from sidecar.ranks.protocol import ProtocolError, parse_deregistration
+
+    for bad in ("soon", -1, True, 1e13):
+        with pytest.raises(ProtocolError, match="exit.time"):
+            parse_deregistration({"job_id": "j", "rank": 1, "pid": 7, "exit": {"type": "E", "time": bad}})
+
+
 # ---------------------------------------------------------------- the wire
 
 
@@ -209,3 +248,31 @@ def test_no_first_exit_is_named_while_ranks_of_the_job_are_unheard_of():
     alone = [report("node-0", rank(0, state="gone", exited_at=100.0), world=3)]
     assert judge(alone) is None
     assert judge(alone, force=True).kind == "rank_crashed"  # type: ignore[union-attr]
+
+
+def test_the_tail_of_a_pause_stays_a_pause_until_its_last_rank_stops_working():
+    """Every rank evaluates (a pause); rank 0 is done first and waits in the next all-reduce while
+    ranks 1 and 2 still work: a chain of waits that ends in working ranks is no hang, the verdict
+    stays `job_paused` (before: `rank_spinning` on a rank its node held busy, recorded as a hang kind
+    on the waiting node: bench_hang_kinds' healthy evaluation, 9 of 10). Once they stop working with
+    rank 0 still waiting, it is a hang, named."""
+    from sidecar.jobview.coordinator import Coordinator
+
+    now = [1000.0]
+    c = Coordinator(lambda job: job == "j1", lost_after=15.0, verdict_wait=3.0, max_nodes=16, clock=lambda: now[0])
+    for r in three("cpu", others_wait=False):
+        v = c.accept(r)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "job_paused" and not v.culprit.busy, v
+    tail = three("cpu", others_wait=False)
+    tail[0].ranks[0].waiting, tail[0].ranks[0].activity = True, "idle"  # rank 0 done: it waits on 1 and 2
+    for r in tail:
+        now[0] += 0.5
+        v = c.accept(r)
+    # a tail: someone waits on working ranks (`busy`: every node holds it at most watchdog.ceiling_seconds)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "job_paused" and v.culprit.busy, v
+    hung = three("idle")  # 1 stops working, its peers wait: the end of the chain no longer works
+    for r in hung:
+        now[0] += 0.5
+        v = c.accept(r)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "rank_deadlocked", v
+    assert (v.culprit.rank, v.culprit.node) == (1, "node-1")

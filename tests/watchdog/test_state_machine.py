@@ -363,3 +363,39 @@ async def test_ranks_left_to_the_launcher_that_step_again_by_themselves_resumed_
     assert await asyncio.wait_for(episode.task, 10) == "resumed"
     events = [e["event"] for e in episode.incident.timeline]
     assert "resumed_by_itself" in events and "restarted_by_launcher" not in events, events
+
+
+async def test_ranks_left_to_the_launcher_while_the_job_is_paused_are_held_not_killed_past_the_grace(
+    tmp_path, clock, spawn
+):
+    """The job's verdict says `job_paused` (the tail of a pause: this node's rank is done and waits,
+    another node's still works): nobody acts, so this node holds its waiting rank past
+    job_view.launcher_grace_seconds (bounded by watchdog.ceiling_seconds) instead of killing it."""
+    import asyncio
+
+    from sidecar.jobview.report import Culprit, Verdict
+    from sidecar.watchdog.remediation import target_of
+
+    settings = {"watchdog.observe_only": True, "watchdog.check_interval_seconds": 0.05,
+                "job_view.launcher_grace_seconds": 0.2}  # fmt: skip
+    s = make_settings(tmp_path, WATCHDOG, **settings)
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    paused = Culprit(None, "node-9", None, reason="no rank waits on another", kind="job_paused", evidence="stacks")
+    dog.job_view = _JobView(Verdict("job", "incident-1", 3, opened=0.0, culprit=paused))
+    proc = spawn()
+    r = register(registry, proc.pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    clock.advance(11)
+    dog.tick()
+    episode = dog._episodes["job"]
+    await asyncio.wait_for(episode.task, 10)
+    episode.task = asyncio.get_running_loop().create_task(episode.leave_to_launcher([target_of(r)]))
+    for _ in range(10):  # five graces on the watchdog's clock
+        clock.advance(0.1)
+        await asyncio.sleep(0.06)
+    assert not episode.task.done() and proc.poll() is None  # held, not killed
+    step(registry, r, 2, clock)
+    dog.tick()
+    assert await asyncio.wait_for(episode.task, 10) == "resumed"
