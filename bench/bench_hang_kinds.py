@@ -17,7 +17,8 @@ fault: the 2x2 job trains about a minute; right when no node records a stall), `
 every rank evaluates 12 s inside torch ops, outside any collective; right when every stall recorded is
 `job_paused`, nothing is signalled and nothing restarts), `dataloader` (the rank's DataLoader worker
 SIGSTOPped: `dataloader_stuck`), `crash` (the rank raises while its peers wait: every exit record names
-it, `rank_crashed`). `--evidence
+it, `rank_crashed`), `deadlock` (its main thread and another take two locks in opposite orders:
+`rank_deadlocked`). `--evidence
 stacks` runs the same with SIDECAR_COLLECTIVES=0 in the ranks: no record, the stack rule alone.
 
 Printed per run and node: the verdict (kind, evidence, blamed rank), the time from the hang to the
@@ -59,6 +60,7 @@ FAULTS = {  # name -> (FAULT_SHAPE, CYCLE_HANG_MODE, the hanging node's local ra
     "evaluate": ("async", "evaluate", ""),  # no fault: every rank pauses 12 s in torch ops; right = job_paused
     "dataloader": ("async", "dataloader", "1"),
     "crash": ("async", "crash", "1"),
+    "deadlock": ("async", "deadlock", "1"),
 }
 # The kinds a right verdict may have, per fault and evidence (the record says who is late; the rank's
 # process, read by its node, says why where it can: stopped, a DataLoader that cannot deliver).
@@ -66,7 +68,7 @@ KINDS = {
     "sync-stop": {"rank_stopped", "rank_late"}, "async-stop": {"rank_stopped", "rank_late"},
     "tp-stop": {"rank_stopped", "rank_late"}, "spin": {"rank_late", "rank_spinning"},
     "desync": {"collective_mismatch"}, "link-cut": {"collective_stuck"}, "evaluate": {"job_paused"},
-    "dataloader": {"dataloader_stuck"}, "crash": {"rank_crashed"},
+    "dataloader": {"dataloader_stuck"}, "crash": {"rank_crashed"}, "deadlock": {"rank_deadlocked"},
 }  # fmt: skip
 
 

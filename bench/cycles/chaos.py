@@ -4,7 +4,8 @@ Environment: CYCLE_LOG (a file; one JSON line per record, appended), CYCLE_HANGS
 hang: attempts 0..CYCLE_HANGS-1 do), CYCLE_HANG_STEP (the first step after which rank CYCLE_HANG_RANK
 hangs, once it trained CYCLE_HANG_AFTER_SECONDS; or, with CYCLE_HANG_LOCAL_RANK set, that local rank
 of each node whose agent has the variable), CYCLE_HANG_MODE (`stop`: the rank SIGSTOPs itself;
-`sleep`: it sleeps forever; `spin`: a Python busy loop; `kill`: it SIGKILLs itself; `work`: not a hang
+`sleep`: it sleeps forever; `deadlock`: its main thread and another take two locks in opposite
+orders; `spin`: a Python busy loop; `kill`: it SIGKILLs itself; `work`: not a hang
 but a pause, the rank computes in Python alone for CYCLE_WORK_SECONDS (default 10) while its peers
 wait in their next collective, then trains on).
 
@@ -28,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 
@@ -108,6 +110,8 @@ class Chaos:
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if self.mode == "deadlock":
+                _deadlock()
             while self.mode == "spin":  # holds the GIL's share of a core, steps never advance
                 pass
             while True:
@@ -115,6 +119,23 @@ class Chaos:
 
     def done(self) -> None:
         self.record("done")
+
+
+def _deadlock() -> None:
+    """Two locks taken in opposite orders by two threads: the main thread blocks for good in
+    `acquire` (no CPU, its stack still), the other thread too."""
+    first, second = threading.Lock(), threading.Lock()
+    first.acquire()
+    taken = threading.Event()
+
+    def other() -> None:
+        second.acquire()
+        taken.set()
+        first.acquire()
+
+    threading.Thread(target=other, name="deadlocked", daemon=True).start()
+    taken.wait()
+    second.acquire()
 
 
 def _generation() -> int | None:

@@ -225,8 +225,11 @@ def _hang(live: list[Summary], lost: Collection[str], force: bool, unheard: Coll
 
 
 # The record says who is late; what the late rank's process does names the kind where it is specific.
+# A late rank's kind from its process: stopped, in D, on its DataLoader's queue, or without CPU (a
+# lock, a queue, a sleep: deadlocked). One whose CPU time grows stays rank_late (a slow step and a
+# spin look alike by CPU; its node's busy check holds it while it works).
 _REFINES = {"stopped": hang_kinds.RANK_STOPPED.name, "io": hang_kinds.IO_STUCK.name,
-            "dataloader": hang_kinds.DATALOADER_STUCK.name}  # fmt: skip
+            "dataloader": hang_kinds.DATALOADER_STUCK.name, "idle": hang_kinds.RANK_DEADLOCKED.name}  # fmt: skip
 
 
 def _refined(c: Culprit, live: list[Summary]) -> Culprit:

@@ -60,6 +60,10 @@ DATALOADER_FILE = re.compile(r"torch/utils/data/(dataloader|_utils/)")  # a rank
 # far less than its core, and under 20% in a 1-s window: a low share over a longer window tells them apart.
 ACTIVITY_WINDOW_SECONDS = 2.0
 ACTIVITY_SHARE = 0.05
+# A tracing stop (state t) this long is a stop: py-spy holds a rank in it for the moment it reads the
+# stack (make test: a spinning rank read `stopped` and judged rank_stopped); a debugger or a stopped
+# tracer holds it for good.
+TRACE_STOP_SECONDS = 2.0
 PROBE_POLL_SECONDS = 0.05  # how soon the watchdog looks again while a second probe is on its way
 
 
@@ -97,6 +101,7 @@ class _Watch:
     checked_at: float | None = None  # the check's start (w.asked moves on with looks past the deadline)
     sample: tuple[float, float] | None = None  # (watchdog clock, CPU seconds): `activity`'s window start
     working: bool | None = None  # its CPU time grew over `activity`'s last window
+    traced_since: float | None = None  # watchdog clock: in a tracing stop since (state t)
 
 
 class Liveness:
@@ -218,7 +223,7 @@ class Liveness:
 
     def activity(self, rank: Rank, now: float, frames: Frames = ()) -> str | None:
         """What the rank's process does while it is troubled, for the job's judgement (one of
-        hang_kinds.CONDITIONS): "stopped" (state T/t, or a frozen cgroup), "io" (state D),
+        hang_kinds.CONDITIONS): "stopped" (state T, t for TRACE_STOP_SECONDS, or a frozen cgroup), "io" (state D),
         "dataloader" (asleep with a DataLoader frame in its stack: it waits on its workers), "cpu" (its
         CPU time grew by ACTIVITY_SHARE of a core over the last ACTIVITY_WINDOW_SECONDS, or it is running
         or runnable now), "idle" (no CPU: a
@@ -226,7 +231,7 @@ class Liveness:
         if not rank.peer_verified or rank.pid_start_time is None:
             return None
         letter = procs.state(rank.pid, rank.pid_start_time)
-        if letter in ("T", "t", "F"):
+        if letter in ("T", "F"):
             return "stopped"
         if letter == "D":
             return "io"
@@ -236,6 +241,13 @@ class Liveness:
         w = self._watch.get(rank.key)
         if w is None or w.rank is not rank or letter is None:
             return None
+        if letter != "t":
+            w.traced_since = None
+        elif w.traced_since is None or now - w.traced_since < TRACE_STOP_SECONDS:
+            w.traced_since = now if w.traced_since is None else w.traced_since
+            return None  # a stack being read, or a tracer: too soon to tell
+        else:
+            return "stopped"
         if w.sample is None:
             w.sample = (w.at, w.cpu)
         at, before = w.sample

@@ -72,16 +72,24 @@ def test_a_record_in_flight_is_a_wait_though_the_stack_is_in_the_users_code():
     assert c is not None and c.kind != "job_paused", c
 
 
-def test_a_late_rank_whose_process_is_stopped_is_rank_stopped_from_the_record():
+@pytest.mark.parametrize(
+    "activity, kind",
+    [("stopped", "rank_stopped"), ("idle", "rank_deadlocked"), ("io", "io_stuck"), ("cpu", "rank_late"),
+     (None, "rank_late")],
+)  # fmt: skip
+def test_a_late_rank_is_named_from_the_record_and_its_kind_from_its_process(activity, kind):
+    """Its peers wait in a collective it never entered (the record); its node reads why: stopped, no
+    CPU (two locks, a queue: deadlocked), in D. Working, it stays late (slow and spinning look alike
+    by CPU)."""
     members = [view(r, group(enqueued=6, completed=5), waiting=False) for r in (0, 2, 3)]
     late = view(1, group(enqueued=5, completed=5), age=30.0, waiting=False)
-    late.activity = "stopped"
+    late.activity = activity
     found = collectives.judge(pairs(*members, late))
     assert found is not None and found.kind == "rank_late"
     reports = [report(f"node-{v.rank}", v) for v in (*members, late)]
     c = judge_summaries([summarize(r) for r in reports])
-    assert c is not None and (c.rank, c.kind, c.evidence) == (1, "rank_stopped", "collectives"), c
-    assert "its process: stopped" in c.reason
+    assert c is not None and (c.rank, c.kind, c.evidence) == (1, kind, "collectives"), c
+    assert (f"its process: {activity}" in c.reason) == (kind != "rank_late")
 
 
 def test_a_desync_names_the_odd_rank_out_and_its_node():

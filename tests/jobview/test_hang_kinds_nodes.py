@@ -116,6 +116,26 @@ def test_a_stopped_dataloader_worker_is_named_dataloader_stuck_on_every_node_and
         assert {name: sigterms(r) for name, r in mine.items()} == {"node-0": False, "node-1": True, "node-2": False}
 
 
+def test_a_rank_deadlocked_on_two_locks_is_rank_deadlocked_on_every_node_and_only_its_node_kills(tmp_path):
+    """Its main thread and another take two locks in opposite orders (bench/cycles/chaos.py
+    `deadlock`): no CPU, its stack still in `acquire`, outside any collective, while its peers wait
+    in their all-reduce. Floor 5 s, as issue 42's table: no CPU is read over a 2-s window that starts
+    when the rank turns suspect (half the floor); at 3 s its node killed it as `rank_late` first."""
+    job = spec(tmp_path, "async", "deadlock", one_rank_each())
+    job.sidecar.floor_seconds = 5.0
+    job.env["CYCLE_HANG_STEP"] = "150"  # mid-training: every node has learned the job's coordinator
+    with Cluster(job, tmp_path) as cluster:
+        codes = cluster.wait_agents(JOB_TIMEOUT)
+        assert codes == [0, 0, 0], explain(cluster)
+        hung = next(r for r in cycle(tmp_path) if r["kind"] == "hang")["rank"]
+        mine = {n.spec.name: n.incidents() for n in cluster.nodes}
+        assert all(len(f) == 1 for f in mine.values()), {k: [r["summary"] for r in v] for k, v in mine.items()}
+        for name, (record,) in mine.items():
+            assert (record["blamed_rank"], record["blamed_node"]) == (hung, "node-1"), (name, record["summary"])
+            assert record["hang_kind"] == "rank_deadlocked", (name, record["blame_reason"])
+        assert {name: sigterms(r) for name, (r,) in mine.items()} == {"node-0": False, "node-1": True, "node-2": False}
+
+
 # ---------------------------------------------------------------- one node: the same judgement
 
 
