@@ -297,6 +297,8 @@ class Coordinator:
             # still the pause; its tail (ranks done wait for the last ones at work: `busy`, which bounds
             # the hold by watchdog.ceiling_seconds on every node) or no one waiting again
             tail = not same and self._tail_of_pause(incident, culprit)
+            if culprit.kind == _OLDEST.name:  # a guess never replaces the pause's evidence (its end: steps again)
+                return changed
             if tail or same:
                 changed |= v.culprit.busy != tail
                 v.culprit.busy = tail

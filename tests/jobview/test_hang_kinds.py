@@ -284,3 +284,22 @@ def test_the_tail_of_a_pause_stays_a_pause_until_its_last_rank_stops_working():
         v = c.accept(r)
     assert v is not None and v.culprit is not None and v.culprit.kind == "rank_deadlocked", v
     assert (v.culprit.rank, v.culprit.node) == (1, "node-1")
+
+
+def test_a_pause_is_not_replaced_by_a_guess_as_it_ends():
+    """As a pause ends the ranks step again a moment apart; a judgement in between, with no rank
+    waiting on a known one, falls back to the oldest progress, a guess (bench_hang_kinds' healthy
+    evaluation: one node recorded `oldest_progress` on rank 1): the pause's verdict stays."""
+    from sidecar.jobview.coordinator import Coordinator
+
+    now = [1000.0]
+    c = Coordinator(lambda job: job == "j1", lost_after=15.0, verdict_wait=3.0, max_nodes=16, clock=lambda: now[0])
+    for r in three("cpu", others_wait=False):
+        v = c.accept(r)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "job_paused", v
+    ending = [report("node-0", doing(0, None, waiting=None, step=30)), report("node-1", doing(1, None, waiting=None)),
+              report("node-2", doing(2, None, waiting=None, step=30))]  # fmt: skip
+    for r in ending:
+        now[0] += 4.0  # past the verdict wait: the judgement may guess
+        v = c.accept(r)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "job_paused", v
