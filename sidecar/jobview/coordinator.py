@@ -25,7 +25,20 @@ from sidecar.hang_kinds import OLDEST_PROGRESS as _OLDEST
 from sidecar.jobview import auth, budget
 from sidecar.jobview.collectives import STALE_AFTER_SECONDS
 from sidecar.jobview.golive import JobGoLive
-from sidecar.jobview.jobs import REFINED, Job, JobIncident, is_busy, rank_brief, repeat_count, signature, where, who
+from sidecar.jobview.jobs import (
+    REFINED,
+    Job,
+    JobIncident,
+    exit_time,
+    is_busy,
+    later_exit,
+    rank_brief,
+    repeat_count,
+    signature,
+    tail_of_pause,
+    where,
+    who,
+)
 from sidecar.jobview.judge import judge_summaries, records_said, refine, summarize
 from sidecar.jobview.report import MAX_NOT_DUMPED, Culprit, NodeReport, Verdict
 from sidecar.jobview.stragglers import JobLateness
@@ -296,14 +309,18 @@ class Coordinator:
         if v.culprit is not None and culprit is not None and v.culprit.kind == hang_kinds.JOB_PAUSED.name:
             # still the pause; its tail (ranks done wait for the last ones at work: `busy`, which bounds
             # the hold by watchdog.ceiling_seconds on every node) or no one waiting again
-            tail = not same and self._tail_of_pause(incident, culprit)
+            tail = not same and tail_of_pause(incident, culprit)
             if culprit.kind == _OLDEST.name:  # a guess never replaces the pause's evidence (its end: steps again)
                 return changed
             if tail or same:
                 changed |= v.culprit.busy != tail
                 v.culprit.busy = tail
                 return changed
+        if culprit is not None and not same and later_exit(job, incident, culprit):
+            return changed  # the first exit stays first: its node moved on (a restart) and no longer lists it
         if culprit is not None and not same:
+            if culprit.kind == hang_kinds.RANK_CRASHED.name:
+                incident.exit_at = exit_time(job, culprit)
             v.culprit, v.decided = culprit, self.wall()
             self._repeats(job, incident)
             if culprit.kind == "collective_mismatch" and culprit.collective is not None:
@@ -315,16 +332,6 @@ class Coordinator:
                 log.info("job %s: the collective records did not decide it: %s", job.job_id, records_said(fresh, now))
             return True
         return changed
-
-    @staticmethod
-    def _tail_of_pause(incident: JobIncident, culprit: Culprit) -> bool:
-        """A paused job's last ranks still working (CPU time growing, `is_busy`) while the others,
-        done, wait for them in the next collective: no one waits on something that cannot come, so
-        the verdict stays `job_paused` (a chain of waits that ends in a working rank is no hang). It
-        is named once that rank stops working, or at watchdog.ceiling_seconds on its node."""
-        v = incident.verdict
-        paused = v.culprit is not None and v.culprit.kind == hang_kinds.JOB_PAUSED.name
-        return paused and culprit.busy and culprit.kind in (hang_kinds.RANK_LATE.name, hang_kinds.RANK_SPINNING.name)
 
     def _repeats(self, job: Job, incident: JobIncident) -> bool:
         """The verdict met again at the same step (jobs.signature), and whether that makes a crash

@@ -31,6 +31,7 @@ class JobIncident:
     dumped_set: set[str] = field(default_factory=set)  # those whose stacks are dumped
     untroubled_since: float | None = None  # monotonic: every report fine since
     signature: tuple | None = None  # what a restart would repeat of its verdict (`signature`), once named
+    exit_at: float | None = None  # a rank_crashed verdict's exit, on the coordinator's clock (`exit_time`)
 
 
 @dataclass
@@ -115,6 +116,35 @@ def signature(c: Culprit, step: int | None) -> tuple | None:
 def repeat_count(job: Job, mine: tuple | None) -> int:
     """How many of the job's closed incidents (the newest HISTORY_KEPT) were the same (`signature`)."""
     return 0 if mine is None else sum(1 for past in job.history if past == mine)
+
+
+def exit_time(job: Job, c: Culprit) -> float | None:
+    """When the named rank exited, on the coordinator's clock, while its node still reports it."""
+    s = job.summaries.get(c.node)
+    if s is None or s.first_exit is None or s.first_exit.rank != c.rank or s.first_exit.exited_at is None:
+        return None
+    return s.first_exit.exited_at - (job.lateness.offset(c.node) or 0.0)
+
+
+def later_exit(job: Job, incident: JobIncident, culprit: Culprit) -> bool:
+    """Another rank named first to exit, though the named one exited before it: a node's report
+    drops its exited rank once a restarted one takes its place (bench_crash_loop: the first of
+    four crashes renamed to a consequence a second later, so the loop was found one crash late)."""
+    v, crashed = incident.verdict, hang_kinds.RANK_CRASHED.name
+    if v.culprit is None or v.culprit.kind != crashed or culprit.kind != crashed or incident.exit_at is None:
+        return False
+    new = exit_time(job, culprit)
+    return new is None or new >= incident.exit_at
+
+
+def tail_of_pause(incident: JobIncident, culprit: Culprit) -> bool:
+    """A paused job's last ranks still working (CPU time growing, `is_busy`) while the others,
+    done, wait for them in the next collective: no one waits on something that cannot come, so
+    the verdict stays `job_paused` (a chain of waits that ends in a working rank is no hang). It
+    is named once that rank stops working, or at watchdog.ceiling_seconds on its node."""
+    v = incident.verdict
+    paused = v.culprit is not None and v.culprit.kind == hang_kinds.JOB_PAUSED.name
+    return paused and culprit.busy and culprit.kind in (hang_kinds.RANK_LATE.name, hang_kinds.RANK_SPINNING.name)
 
 
 def rank_brief(r: Any) -> dict[str, Any]:

@@ -303,3 +303,24 @@ def test_a_pause_is_not_replaced_by_a_guess_as_it_ends():
         now[0] += 4.0  # past the verdict wait: the judgement may guess
         v = c.accept(r)
     assert v is not None and v.culprit is not None and v.culprit.kind == "job_paused", v
+
+
+def test_the_first_exit_stays_first_when_its_node_no_longer_lists_it_but_an_earlier_one_replaces_it():
+    """A node's report drops its exited rank once the restarted one registers: the next judgement
+    must not rename a later exit the first (bench_crash_loop: a crash loop found one crash late). An
+    exit heard later that happened earlier still wins."""
+    from sidecar.jobview.coordinator import Coordinator
+
+    now = [1000.0]
+    c = Coordinator(lambda job: job == "j1", lost_after=15.0, verdict_wait=3.0, max_nodes=16, clock=lambda: now[0])
+    c.accept(report("node-2", rank(2), world=3))  # it waits
+    c.accept(report("node-0", rank(0, state="gone", exited_at=100.1), world=3))
+    v = c.accept(report("node-1", rank(1, state="gone", exited_at=100.0), world=3))
+    assert v is not None and v.culprit is not None and (v.culprit.rank, v.culprit.kind) == (1, "rank_crashed"), v
+    now[0] += 1.0
+    c.accept(report("node-1", rank(1, state="starting", step=None), world=3))  # the restarted rank 1
+    v = c.accept(report("node-2", rank(2, state="gone", exited_at=100.2), world=3))
+    assert v is not None and v.culprit is not None and v.culprit.rank == 1, v
+    now[0] += 1.0
+    v = c.accept(report("node-2", rank(2, state="gone", exited_at=99.0), world=3))  # it was first after all
+    assert v is not None and v.culprit is not None and (v.culprit.rank, v.culprit.node) == (2, "node-2"), v
