@@ -24,6 +24,7 @@ from sidecar.config import NODE_NAME, Settings
 from sidecar.daemon import dumpfiles, operations, status_document
 from sidecar.daemon.exposition import MetricsEndpoint
 from sidecar.daemon.looplag import LoopLag
+from sidecar.exits.reasons import exception_kind
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Finding, Fitness, judge
 from sidecar.host import diagfiles, identity, procs, stackfiles
@@ -400,6 +401,7 @@ async def deregister(request: web.Request) -> web.Response:
     check_session(request, rank, dereg.session)
     check_sender(request, rank)
     rank = d.registry.deregister(dereg, rank)
+    rank.exit_kind = exception_kind(dereg.exit) if dereg.exit is not None else rank.exit_kind
     if d.exits is not None:
         d.exits.deregistered(rank, dereg.reason, dereg.exit)
     log.info("rank %s deregistered: %s", rank.label, dereg.reason)

@@ -11,7 +11,7 @@ from typing import Any
 
 from sidecar import hang_kinds
 from sidecar.jobview.golive import JobChecks
-from sidecar.jobview.judge import Summary
+from sidecar.jobview.judge import Summary, exit_order
 from sidecar.jobview.report import Culprit, NodePart, NodeReport, Verdict
 from sidecar.jobview.stragglers import JobJudge
 
@@ -123,7 +123,7 @@ def exit_time(job: Job, c: Culprit) -> float | None:
     s = job.summaries.get(c.node)
     if s is None or s.first_exit is None or s.first_exit.rank != c.rank or s.first_exit.exited_at is None:
         return None
-    return s.first_exit.exited_at - (job.lateness.offset(c.node) or 0.0)
+    return exit_order(s.first_exit) - (job.lateness.offset(c.node) or 0.0)
 
 
 def later_exit(job: Job, incident: JobIncident, culprit: Culprit) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from sidecar import hang_kinds
 from sidecar.jobview import collectives
-from sidecar.jobview.report import Culprit, NodeReport, RankView
+from sidecar.jobview.report import PEER_FAILURES, Culprit, NodeReport, RankView
 
 NO_STEP = -1
 
@@ -69,10 +69,20 @@ def in_flight(r: RankView) -> bool:
     return r.collectives is not None and r.collectives.waiting
 
 
+# A peer failure (a communication error, a collective timeout) counts as this much later among a
+# job's exits: it usually follows another rank's, and a loaded node may hear the cause's last.
+PEER_FAILURE_SECONDS = 5.0
+
+
+def exit_order(r: RankView) -> float:
+    """Its place among the job's exits, on its own node's clock (`exited_at`)."""
+    return (r.exited_at or 0.0) + (PEER_FAILURE_SECONDS if r.exit_kind in PEER_FAILURES else 0.0)
+
+
 def summarize(report: NodeReport, received: float | None = None) -> Summary:
     s = Summary(report.node, received=received, seen=len(report.ranks) + report.healthy, world=report.world_size)
     for r in report.ranks:
-        if r.exited_at is not None and (s.first_exit is None or r.exited_at < (s.first_exit.exited_at or 0.0)):
+        if r.exited_at is not None and (s.first_exit is None or exit_order(r) < exit_order(s.first_exit)):
             s.first_exit = r
         if r.state == "gone":
             continue
@@ -144,7 +154,7 @@ def judge_summaries(
         assert s.first_exit is not None
         return (s.first_exit.exited_at or 0.0) - shift.get(s.node, 0.0)
 
-    ordered = sorted(exits, key=exited)
+    ordered = sorted(exits, key=lambda s: exit_order(s.first_exit) - shift.get(s.node, 0.0))  # type: ignore[arg-type]
     first = ordered[0]
     assert first.first_exit is not None
     then = ", ".join(

@@ -53,6 +53,9 @@ class RankView:
     # what its node reads of its process while it is troubled (hang_kinds.CONDITIONS: stopped, io,
     # dataloader, cpu, idle); None: not read (not troubled, or an unverified caller's pid)
     activity: str | None = None
+    # a gone rank's exception, as its hooks reported it (EXIT_KINDS: sidecar/exits/reasons.py); a
+    # communication error or a collective timeout usually follows another rank's failure
+    exit_kind: str | None = None
 
     @property
     def troubled(self) -> bool:
@@ -112,6 +115,10 @@ class NodeReport:
             out["golive"] = self.golive.to_wire()
         return out
 
+
+# A gone rank's exception kind (sidecar/exits/reasons.py EXCEPTION_KINDS); the peer failures among them
+EXIT_KINDS = ("cuda_oom", "collective_timeout", "communication", "nonfinite", "other")
+PEER_FAILURES = frozenset({"communication", "collective_timeout"})
 
 # What held the job up (a verdict's `kind`: sidecar/hang_kinds.py, the one table), and what judged it
 # (`evidence`): the backend's own record first (collectives), then the ranks' Python stacks, then
@@ -214,6 +221,7 @@ def _well_formed(obj: Any) -> RankView | None:
     age, waiting, exited = obj.get("progress_age_seconds"), obj.get("waiting"), obj.get("exited_at")
     phase, top, busy = obj.get("phase"), obj.get("stack_top"), obj.get("busy", False)
     activity = obj.get("activity")
+    exit_kind = obj.get("exit_kind")
     if not (
         type(rank) is int and 0 <= rank <= MAX_RANK and type(local) is int and 0 <= local <= MAX_RANK
         and state in _STATES and (step is None or (type(step) is int and 0 <= step <= _MAX_STEP))
@@ -230,6 +238,7 @@ def _well_formed(obj: Any) -> RankView | None:
     return RankView(
         rank, local, state, step, phase, float(age), waiting, top, None if exited is None else float(exited),
         parse_collectives(obj.get("collectives")), None if coll_age is None else float(coll_age), busy, activity,
+        exit_kind if exit_kind in EXIT_KINDS else None,  # a newer node's kind: dropped, never refused
     )  # fmt: skip
 
 
@@ -258,6 +267,7 @@ def _rank_view(obj: Any, where: str) -> RankView:
             else _seconds(obj, "collectives_age", f"{where}.collectives_age")
         ),
         busy=bool(_bool(obj, "busy", f"{where}.busy")),
+        exit_kind=obj.get("exit_kind") if obj.get("exit_kind") in EXIT_KINDS else None,
         activity=_activity(obj.get("activity")),
     )  # fmt: skip
 

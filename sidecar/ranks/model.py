@@ -106,6 +106,7 @@ class Rank:
     gone_reason: str | None = None
     gone_at: float | None = None  # monotonic
     exit_time: float | None = None  # wall: when its hooks reported the exception it died of (its own clock)
+    exit_kind: str | None = None  # that exception's kind (sidecar/exits/reasons.py exception_kind)
     exit_reason: str | None = None  # why its process exited, once decided (sidecar/exits/tracker.py)
     # Declared phases as a stack of (name, started, timeout): phases may nest (eval inside
     # a checkpoint-load retry, compile inside eval).

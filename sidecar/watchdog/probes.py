@@ -117,6 +117,8 @@ def node_report(dog: Watch, job_id: str, episode: Episode | None) -> NodeReport 
         age = now - r.last_progress
         busy = t.state is RankState.SUSPECT and dog.liveness.alive(r.key, now)
         view = rank_view(r.rank, r.local_rank, t.state.value, r.step, r.phase, age, t.probe, exited, busy)
+        if exited is not None:
+            view.exit_kind = r.exit_kind  # a peer failure is ordered after a cause
         if t.state is not RankState.GONE:  # stopped or in D from /proc alone; CPU once it is watched (suspect)
             view.activity = dog.liveness.activity(r, now, t.probe.frames if t.probe is not None else ())
         if r.collectives is not None and t.state is not RankState.GONE:

@@ -22,13 +22,19 @@ from trainer_hooks.wire import CRASH_LOOP_EXIT
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hang-kinds-clusters")]
 
 
-def test_a_rank_that_crashes_at_the_same_step_every_attempt_ends_the_job_with_93_on_every_node(tmp_path):
-    job = spec(tmp_path, "async", "crash", one_rank_each())
-    job.env.update({"CYCLE_HANG_STEP": "150", "CYCLE_HANGS": "6"})  # every attempt would crash at step 150
+def looping(tmp_path, mode: str):
+    """Rank 1 on node-1 meets `mode` at step 150 of every attempt; restarts to spare (5), agents of
+    trainer_hooks.launch, a crash loop at the first repeat."""
+    job = spec(tmp_path, "async", mode, one_rank_each())
+    job.env.update({"CYCLE_HANG_STEP": "150", "CYCLE_HANGS": "6"})
     job.max_restarts = 5
     job.launcher = "trainer_hooks.launch"
     job.sidecar.extra.append("job_view.crash_loop_repeats=1")
-    with Cluster(job, tmp_path) as cluster:
+    return job
+
+
+def test_a_rank_that_crashes_at_the_same_step_every_attempt_ends_the_job_with_93_on_every_node(tmp_path):
+    with Cluster(looping(tmp_path, "crash"), tmp_path) as cluster:
         codes = cluster.wait_agents(JOB_TIMEOUT)
         assert codes == [CRASH_LOOP_EXIT] * 3, explain(cluster)
         crashes = sorted({r["attempt"] for r in cycle(tmp_path) if r["kind"] == "hang"})
@@ -46,12 +52,7 @@ def test_a_rank_that_crashes_at_the_same_step_every_attempt_ends_the_job_with_93
 def test_a_hang_met_again_at_the_same_step_ends_the_job_with_93_on_every_node(tmp_path, mode):
     """A stopped rank (its node kills it: its agent, told by no exit code, asks its sidecar before it
     restarts) and a desync (every node kills its own ranks), each at step 150 of every attempt."""
-    job = spec(tmp_path, "async", mode, one_rank_each())
-    job.env.update({"CYCLE_HANG_STEP": "150", "CYCLE_HANGS": "6"})
-    job.max_restarts = 5
-    job.launcher = "trainer_hooks.launch"
-    job.sidecar.extra.append("job_view.crash_loop_repeats=1")
-    with Cluster(job, tmp_path) as cluster:
+    with Cluster(looping(tmp_path, mode), tmp_path) as cluster:
         codes = cluster.wait_agents(JOB_TIMEOUT)
         assert codes == [CRASH_LOOP_EXIT] * 3, explain(cluster)
         hangs = sorted({r["attempt"] for r in cycle(tmp_path) if r["kind"] == "hang"})

@@ -324,3 +324,26 @@ def test_the_first_exit_stays_first_when_its_node_no_longer_lists_it_but_an_earl
     now[0] += 1.0
     v = c.accept(report("node-2", rank(2, state="gone", exited_at=99.0), world=3))  # it was first after all
     assert v is not None and v.culprit is not None and (v.culprit.rank, v.culprit.node) == (2, "node-2"), v
+
+
+def test_a_peer_failure_is_ordered_after_the_exit_that_caused_it():
+    """A rank that died of a communication error usually died of another's exit; on a loaded machine
+    (make test, two runs) it was heard first, on its node's clock or through the clock offsets, and
+    named the crashed one. A peer failure counts 5 s later among the job's exits; alone, it is first."""
+    from sidecar.jobview.report import parse_report
+
+    def exits(comm_at: float, other_at: float):
+        comm = rank(0, state="gone", exited_at=comm_at)
+        comm.exit_kind = "communication"
+        other = rank(1, state="gone", exited_at=other_at)
+        other.exit_kind = "other"
+        return [report("node-0", comm, world=2), report("node-1", other, world=2)]
+
+    c = judge_summaries([summarize(r) for r in exits(100.0, 100.3)])
+    assert c is not None and (c.rank, c.kind) == (1, "rank_crashed"), c
+    c = judge_summaries([summarize(r) for r in exits(100.0, 106.0)])  # long after: the peer failure was first
+    assert c is not None and c.rank == 0, c
+    wire = exits(100.0, 100.3)[0].to_wire()
+    assert parse_report(wire, 16).ranks[0].exit_kind == "communication"
+    wire["ranks"][0]["exit_kind"] = "a_newer_kind"
+    assert parse_report(wire, 16).ranks[0].exit_kind is None  # dropped, never refused

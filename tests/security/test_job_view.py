@@ -335,6 +335,37 @@ def test_invented_nodes_of_ones_own_job_are_bounded_and_the_job_forgotten(users)
         wait_until(forgotten, 60, what="mallory's job forgotten")
 
 
+def liar(port: int, verdict: dict) -> str:
+    """Mallory's own coordinator on `port`: it answers every request with `verdict`, signed with her
+    job's key (`offer`, from her rank's registration), as a real coordinator signs."""
+    return f"""
+        import http.server, threading
+        VERDICT = json.loads({json.dumps(verdict)!r})
+        class Liar(http.server.BaseHTTPRequestHandler):
+            def answer(self):
+                body = json.dumps({{"ok": True, "verdict": VERDICT}}).encode()
+                nonce = self.headers.get("X-Sidecar-Peer", "::").split(":")[1]
+                self.send_response(200)
+                self.send_header("X-Sidecar-Peer-Reply", sign_reply(offer["key"], nonce, body))  # her own key
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.answer()
+            do_GET = answer
+            def log_message(self, *a):
+                pass
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", {port}), Liar)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    """
+
+
+def coordinated_by(port: int) -> str:
+    """HANGING_RANK naming her coordinator on "another node" (this node's own name is answered in-process)."""
+    return HANGING_RANK.replace('offer["url"]', f'"http://127.0.0.1:{port}"').replace('offer["node"]', '"n9"')
+
+
 def test_a_lying_coordinator_gets_no_other_users_process_signalled(users, tmp_path):
     """Mallory points her own job at a coordinator she runs, which blames rank 0 of node n1 (the
     rank number alice's job uses too) with a verdict that says every node has dumped. Her job's
@@ -355,32 +386,10 @@ def test_a_lying_coordinator_gets_no_other_users_process_signalled(users, tmp_pa
         """
         victim, vinfo = start_as(alice, sidecar, healthy)
         port = free_port()
-        liar = f"""
-            import http.server, threading
-            VERDICT = {{"job_id": "evil", "job_incident": "lie-1", "version": 7, "opened": time.time(),
-                        "culprit": {{"rank": 0, "node": "n1", "step": 1, "phase": None, "stack_top": None,
-                                    "reason": "a lie"}}, "nodes": 1, "dumped": 1, "lost_nodes": []}}
-            class Liar(http.server.BaseHTTPRequestHandler):
-                def answer(self):
-                    body = json.dumps({{"ok": True, "verdict": VERDICT}}).encode()
-                    nonce = self.headers.get("X-Sidecar-Peer", "::").split(":")[1]
-                    self.send_response(200)
-                    self.send_header("X-Sidecar-Peer-Reply", sign_reply(offer["key"], nonce, body))  # her own key
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                def do_POST(self):
-                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                    self.answer()
-                do_GET = answer
-                def log_message(self, *a):
-                    pass
-            server = http.server.ThreadingHTTPServer(("127.0.0.1", {port}), Liar)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-        """
-        # her coordinator on "another node" (this node's own name would be answered in-process)
-        own = HANGING_RANK.replace('offer["url"]', f'"http://127.0.0.1:{port}"').replace('offer["node"]', '"n9"')
-        mine, minfo = start_job(mallory, sidecar, "evil", own, before=liar)
+        verdict = {"job_id": "evil", "job_incident": "lie-1", "version": 7, "opened": time.time(),
+                   "culprit": {"rank": 0, "node": "n1", "step": 1, "phase": None, "stack_top": None, "reason": "a lie"},
+                   "nodes": 1, "dumped": 1, "lost_nodes": []}  # fmt: skip
+        mine, minfo = start_job(mallory, sidecar, "evil", coordinated_by(port), before=liar(port, verdict))
         try:
             wait_until(lambda: not alive(minfo["pid"]), 60, what="mallory's own stalled rank killed")
             assert alive(vinfo["pid"]), "alice's process was signalled"
@@ -631,33 +640,11 @@ def test_a_lying_coordinator_can_end_only_its_own_job_for_a_crash_loop(users, li
         """
         victim, _ = start_as(alice, sidecar, healthy)
         port = free_port()
-        liar = f"""
-            import http.server, threading
-            VERDICT = {{"job_id": {lie_for!r}, "job_incident": "lie-1", "version": 7, "opened": time.time(),
-                        "culprit": {{"rank": 0, "node": "n1", "step": 1, "phase": None, "stack_top": None,
-                                    "reason": "a lie", "kind": "rank_crashed"}},
-                        "nodes": 1, "dumped": 1, "lost_nodes": [], "repeats": 5, "crash_loop": True}}
-            class Liar(http.server.BaseHTTPRequestHandler):
-                def answer(self):
-                    body = json.dumps({{"ok": True, "verdict": VERDICT}}).encode()
-                    nonce = self.headers.get("X-Sidecar-Peer", "::").split(":")[1]
-                    self.send_response(200)
-                    self.send_header("X-Sidecar-Peer-Reply", sign_reply(offer["key"], nonce, body))  # her own key
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                def do_POST(self):
-                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                    self.answer()
-                do_GET = answer
-                def log_message(self, *a):
-                    pass
-            server = http.server.ThreadingHTTPServer(("127.0.0.1", {port}), Liar)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-        """
-        # her coordinator on "another node" (this node's own name would be answered in-process)
-        own = HANGING_RANK.replace('offer["url"]', f'"http://127.0.0.1:{port}"').replace('offer["node"]', '"n9"')
-        mine, _ = start_job(mallory, sidecar, "evil", own, before=liar)
+        verdict = {"job_id": lie_for, "job_incident": "lie-1", "version": 7, "opened": time.time(),
+                   "culprit": {"rank": 0, "node": "n1", "step": 1, "phase": None, "stack_top": None,
+                               "reason": "a lie", "kind": "rank_crashed"},
+                   "nodes": 1, "dumped": 1, "lost_nodes": [], "repeats": 5, "crash_loop": True}  # fmt: skip
+        mine, _ = start_job(mallory, sidecar, "evil", coordinated_by(port), before=liar(port, verdict))
         try:
             wait_until(lambda: sidecar.status()["jobs"].get("evil", {}).get("reachable"), 30, what="her coordinator")
             if lie_for == "evil":  # the control: her own job is marked
