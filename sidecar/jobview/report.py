@@ -118,7 +118,7 @@ class NodeReport:
 
 # A gone rank's exception kind (sidecar/exits/reasons.py EXCEPTION_KINDS); the peer failures among them
 EXIT_KINDS = ("cuda_oom", "collective_timeout", "communication", "nonfinite", "other")
-PEER_FAILURES = frozenset({"communication", "collective_timeout"})
+PEER_FAILURES = frozenset({"communication"})  # a peer closed the connection: it died first
 
 # What held the job up (a verdict's `kind`: sidecar/hang_kinds.py, the one table), and what judged it
 # (`evidence`): the backend's own record first (collectives), then the ranks' Python stacks, then
