@@ -115,12 +115,14 @@ def test_rank_0s_node_lost_ends_the_job_on_every_survivor_and_each_records_its_r
         assert cluster.wait_steps(8, JOB_TIMEOUT), explain(cluster)
         assert wait_for(lambda: all(reachable(n) for n in cluster.nodes), 60), explain(cluster)
         zero = next(n.spec.name for n in cluster.nodes if any(r["rank"] == 0 for r in n.ranks()))
-        if cluster.rendezvous_host() != zero:
-            pytest.skip("rank 0 did not land on the store's host this time")
+        store_lost = cluster.rendezvous_host() == zero  # rank 0 may land elsewhere: the store then lives on
         cluster.lose_node(zero)
         survivors = [n for n in cluster.nodes if n.spec.name != zero]
-        codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(60), strict=True)}
-        assert all(codes[n.spec.name] not in (None, 0) for n in survivors), (codes, explain(cluster))
+        codes = {n.spec.name: c for n, c in zip(cluster.nodes, cluster.wait_agents(JOB_TIMEOUT), strict=True)}
+        if store_lost:  # the job ends on every survivor
+            assert all(codes[n.spec.name] not in (None, 0) for n in survivors), (codes, explain(cluster))
+        else:  # the coordinator alone is lost: the survivors re-form the job and train to its end
+            assert all(codes[n.spec.name] == 0 for n in survivors), (codes, explain(cluster))
         for node in survivors:
             exits = wait_for(lambda node=node: node.incidents(kind="exit"), 30)
             assert exits, (node.spec.name, explain(cluster))
