@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from sidecar import hang_kinds
 from sidecar.collectors.nic import NicCollector, link_facts
@@ -98,7 +98,6 @@ class Watch(Protocol):
     counters: Counters
     liveness: Liveness
     shadow: Shadow
-    replaced: dict[Any, Track]  # exited tracks a new registration replaced (their exits still reported)
     goodput: Goodput
     recoveries: Recoveries
     job_view: JobView | None

@@ -93,7 +93,6 @@ class Watchdog:
         )
         self.counters = Counters()
         self._tracks: dict[RankKey, Track] = {}
-        self.replaced: dict[RankKey, Track] = {}  # the exited track a new registration of its key replaced
         self._loaders: dict[RankKey, tuple[Rank, float, bool]] = {}  # _loader_stuck: (rank, read at, stuck)
         self._episodes: dict[str, Episode] = {}
         # the hooks push at least every max(flush interval, KEEPALIVE_SECONDS); half a second for the way
@@ -194,7 +193,6 @@ class Watchdog:
             return track
         if track is not None:
             self._transition(track, RankState.GONE, now, "replaced by a new registration")
-            self.replaced[rank.key] = track  # its exit stays in the job's reports a while (probes.node_report)
         # A registration that carries a step is a rank re-registering (the sidecar restarted):
         # it is watched as healthy, with a fresh timer, never as a stall.
         state = RankState.HEALTHY if rank.step is not None else RankState.STARTING

@@ -107,13 +107,6 @@ def node_report(dog: Watch, job_id: str, episode: Episode | None) -> NodeReport 
         return None
     now, wall = dog.clock(), time.time()
     recent = dog.settings.job_view.lost_after_seconds
-    # a rank that exited and was restarted at once: its exit is the job's evidence still (the first
-    # exit of a crash may be replaced before any report carried it, on a loaded node)
-    for key, old in list(dog.replaced.items()):
-        if old.exited_wall is None or wall - old.exited_wall > recent:
-            del dog.replaced[key]
-        elif key[0] == job_id:
-            tracks = [*tracks, old]
     ranks: list[RankView] = []
     lateness: list[stragglers.RankEntries] = []
     for t in sorted(tracks, key=lambda t: t.rank.rank):
