@@ -25,6 +25,7 @@ RankKey = tuple[str, int]
 # parses into ~25 MiB of Python objects): each field clipped to MAX_FIELD_CHARS of JSON, at most
 # EVENTS_MAX (the newest) and EVENT_BYTES_PER_RANK of them per rank.
 EVENTS_MAX = 32
+OWN_EXIT_SLACK_SECONDS = 30.0  # how much earlier than its sidecar heard of it a rank may say it died
 EVENT_BYTES_PER_RANK = 32 * 1024
 
 # The well-known metric and phase names are the wire contract's (trainer_hooks/wire.py): any
@@ -118,6 +119,15 @@ class Rank:
             self.last_progress = self.registered_at
         if not self.last_progress_wall:
             self.last_progress_wall = self.registered_wall
+
+    def exited_wall(self) -> float:
+        """When it died, on its node's wall clock: the time its hooks stamped on the exception (the
+        order of a job's exits on a loaded node: a crashing rank's deregistration can reach its
+        sidecar after its peers' consequences reached theirs), else when this sidecar heard of it.
+        A claim is taken within OWN_EXIT_SLACK_SECONDS before that (its own job's order only)."""
+        heard = time.time() - (time.monotonic() - self.gone_at if self.gone_at is not None else 0.0)
+        own = self.exit_time
+        return own if own is not None and heard - OWN_EXIT_SLACK_SECONDS <= own <= heard + 1.0 else heard
 
     def take_collectives(self, record: Collectives | None, fr_dump: bytes | None, now: float) -> None:
         """A dump is kept only when the sidecar asked for it (an incident of its job), once."""

@@ -59,20 +59,6 @@ DUE_SLACK_SECONDS = 0.002  # a tick woken for a threshold lands just past it, no
 EARLY_TICK_COST_RATIO = 10.0  # an early tick comes no sooner than 10x the last tick's cost: <= 10% of the loop
 
 
-OWN_EXIT_SLACK_SECONDS = 30.0  # how much earlier than this sidecar heard of it a rank may say it died
-
-
-def exited_wall(rank: Rank) -> float:
-    """When the rank died, on its node's wall clock: the time its hooks stamped on the exception
-    (the order of a job's exits on a loaded node: a crashing rank's deregistration can reach its
-    sidecar after its peers' consequences reached theirs), else when this sidecar heard of it.
-    A claim is taken within OWN_EXIT_SLACK_SECONDS before that (its own job's order only)."""
-    gone_at = rank.gone_at
-    heard = time.time() - (time.monotonic() - gone_at if gone_at is not None else 0.0)
-    own = rank.exit_time
-    return own if own is not None and heard - OWN_EXIT_SLACK_SECONDS <= own <= heard + 1.0 else heard
-
-
 class Watchdog:
     def __init__(
         self,
@@ -93,6 +79,7 @@ class Watchdog:
         )
         self.counters = Counters()
         self._tracks: dict[RankKey, Track] = {}
+        self.replaced: dict[RankKey, Track] = {}  # exited tracks whose restart has not stepped (probes.reported)
         self._loaders: dict[RankKey, tuple[Rank, float, bool]] = {}  # _loader_stuck: (rank, read at, stuck)
         self._episodes: dict[str, Episode] = {}
         # the hooks push at least every max(flush interval, KEEPALIVE_SECONDS); half a second for the way
@@ -173,6 +160,7 @@ class Watchdog:
                 log.exception("evaluating rank %s failed", rank.label)
         for key in (forgotten := [k for k in self._tracks if k not in present]):
             del self._tracks[key]  # the registry forgot it (retention): so do we
+            self.replaced.pop(key, None)
             self.timeouts.forget(key)
             self.liveness.forget(key)
         if forgotten:
@@ -192,7 +180,11 @@ class Watchdog:
         if track is not None and track.rank is rank:
             return track
         if track is not None:
-            self._transition(track, RankState.GONE, now, "replaced by a new registration")
+            old = track.rank  # its exit, if it went before a tick saw it, is its evidence still
+            why = (old.gone_reason or "deregistered") if old.gone else "replaced by a new registration"
+            self._transition(track, RankState.GONE, now, why)
+            if track.exited_wall is not None:
+                self.replaced[rank.key] = track
         # A registration that carries a step is a rank re-registering (the sidecar restarted):
         # it is watched as healthy, with a fresh timer, never as a stall.
         state = RankState.HEALTHY if rank.step is not None else RankState.STARTING
@@ -267,7 +259,7 @@ class Watchdog:
             track.probe = None  # progress again: what its stack showed no longer holds
             track.rank.drop_fr_dump()
         elif new is RankState.GONE and reason in ("process exited", "exception"):
-            track.exited_wall = exited_wall(track.rank)
+            track.exited_wall = track.rank.exited_wall()
         if self.job_view is not None:
             self.job_view.wake(track.rank.job_id)
         level = logging.WARNING if new in (RankState.STALLED, RankState.REMEDIATING) else logging.INFO

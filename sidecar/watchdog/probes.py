@@ -99,14 +99,33 @@ class Probes:
                 await asyncio.shield(running)
 
 
+def reported(dog: Watch, job_id: str, wall: float) -> list[Track]:
+    """The job's ranks as its coordinator is told of them: a rank that exited and whose restart
+    registered but has not stepped yet is its exit still, for job_view.lost_after_seconds at most (on a
+    loaded node a crashed rank's restart can register before any report carried the crash: its
+    peers' later exits were then the first the coordinator heard of, and one was named). A restart
+    resumed from a snapshot registers with its step (healthy at once): it has stepped once its
+    progress moved past its registration."""
+    recent = dog.settings.job_view.lost_after_seconds
+    out = []
+    for t in dog.tracks_of(job_id):
+        old = dog.replaced.get(t.rank.key)
+        fresh = t.state in (RankState.STARTING, RankState.HEALTHY) and t.rank.last_progress <= t.rank.registered_at
+        if old is not None and (not fresh or wall - (old.exited_wall or 0.0) > recent):
+            del dog.replaced[t.rank.key]
+            old = None
+        out.append(old or t)
+    return out
+
+
 def node_report(dog: Watch, job_id: str, episode: Episode | None) -> NodeReport | None:
     """This node's picture of the job for its coordinator (None: no rank of it here); `episode`: the
     job's open episode here, if any."""
-    tracks = dog.tracks_of(job_id)
-    if not tracks:
-        return None
     now, wall = dog.clock(), time.time()
     recent = dog.settings.job_view.lost_after_seconds
+    tracks = reported(dog, job_id, wall)
+    if not tracks:
+        return None
     ranks: list[RankView] = []
     lateness: list[stragglers.RankEntries] = []
     for t in sorted(tracks, key=lambda t: t.rank.rank):

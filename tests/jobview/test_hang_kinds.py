@@ -142,7 +142,6 @@ def test_an_exit_is_dated_by_the_ranks_own_report_within_its_bounds(claimed, tak
 
     from sidecar.ranks.model import Rank
     from sidecar.ranks.protocol import parse_deregistration
-    from sidecar.watchdog.machine import exited_wall
 
     now = clock.time()
     wire = {
@@ -156,7 +155,7 @@ def test_an_exit_is_dated_by_the_ranks_own_report_within_its_bounds(claimed, tak
     assert dereg.exit is not None and (dereg.exit.time is None) == (claimed is None)
     r = Rank(job_id="j", rank=1, local_rank=1, world_size=2, local_world_size=1, pid=7, pid_start_time=None)
     r.gone_at, r.exit_time = clock.monotonic(), dereg.exit.time
-    got = exited_wall(r)
+    got = r.exited_wall()
     if taken == "own":
         assert got == pytest.approx(now + claimed, abs=1e-6)  # type: ignore[operator]
     else:

@@ -399,3 +399,32 @@ async def test_ranks_left_to_the_launcher_while_the_job_is_paused_are_held_not_k
     step(registry, r, 2, clock)
     dog.tick()
     assert await asyncio.wait_for(episode.task, 10) == "resumed"
+
+
+@pytest.mark.parametrize("resumed", [None, 3], ids=["from-scratch", "resumed-at-its-step"])
+@pytest.mark.parametrize("ticked", [True, False], ids=["seen-gone", "replaced-at-once"])
+async def test_a_crashed_rank_restarted_before_its_node_reported_stays_its_exit_until_the_restart_steps(
+    world, clock, spawn, ticked, resumed
+):
+    """Under make test-under-load a crashed rank's restart registered 0.2 s after its exception, before
+    any report to the job's coordinator carried the exit: its peers' later exits were the first the
+    coordinator heard of, and a consequence rank was named the crashed one (issue 48). Its node reports
+    the exit in its place until the restart steps (whether or not a tick saw it gone first; a restart
+    resumed from a snapshot registers with its step: healthy at once, not stepped yet)."""
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 3, clock)
+    dog.tick()
+    registry.deregister(Deregistration("job", 0, pid, "exception"))
+    if ticked:
+        dog.tick()
+    new = register(registry, spawn().pid, restart_count=1, step=resumed)
+    clock.advance(0.5)
+    dog.tick()
+    report = dog.node_report("job")
+    assert report is not None and [(v.rank, v.state) for v in report.ranks] == [(0, "gone")], report
+    assert report.ranks[0].exited_at is not None and report.troubled, report
+    step(registry, new, 4, clock)
+    dog.tick()
+    report = dog.node_report("job")
+    assert report is not None and [(v.rank, v.state, v.exited_at) for v in report.ranks] == [(0, "healthy", None)]
