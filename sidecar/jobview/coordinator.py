@@ -309,7 +309,7 @@ class Coordinator:
         if v.culprit is not None and culprit is not None and v.culprit.kind == hang_kinds.JOB_PAUSED.name:
             # still the pause; its tail (ranks done wait for the last ones at work: `busy`, which bounds
             # the hold by watchdog.ceiling_seconds on every node) or no one waiting again
-            tail = not same and tail_of_pause(incident, culprit)
+            tail = not same and tail_of_pause(job, incident, culprit)
             if culprit.kind == _OLDEST.name:  # a guess never replaces the pause's evidence (its end: steps again)
                 return changed
             if tail or same:

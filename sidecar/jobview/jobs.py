@@ -137,14 +137,20 @@ def later_exit(job: Job, incident: JobIncident, culprit: Culprit) -> bool:
     return new is None or new >= incident.exit_at
 
 
-def tail_of_pause(incident: JobIncident, culprit: Culprit) -> bool:
+def tail_of_pause(job: Job, incident: JobIncident, culprit: Culprit) -> bool:
     """A paused job's last ranks still working (CPU time growing, `is_busy`) while the others,
     done, wait for them in the next collective: no one waits on something that cannot come, so
     the verdict stays `job_paused` (a chain of waits that ends in a working rank is no hang). It
-    is named once that rank stops working, or at watchdog.ceiling_seconds on its node."""
+    is named once its node reads that rank stopped working (stopped, idle, in D, on its DataLoader),
+    or at watchdog.ceiling_seconds on its node; a moment its node cannot read it (its stack being
+    read: state t) says nothing either way."""
     v = incident.verdict
     paused = v.culprit is not None and v.culprit.kind == hang_kinds.JOB_PAUSED.name
-    return paused and culprit.busy and culprit.kind in (hang_kinds.RANK_LATE.name, hang_kinds.RANK_SPINNING.name)
+    if not paused or culprit.kind not in (hang_kinds.RANK_LATE.name, hang_kinds.RANK_SPINNING.name):
+        return False
+    s = job.summaries.get(culprit.node)
+    doing = next((r.activity for r in (s.behind + s.recorded if s else []) if r.rank == culprit.rank), None)
+    return culprit.busy or doing in (None, "cpu")
 
 
 def rank_brief(r: Any) -> dict[str, Any]:

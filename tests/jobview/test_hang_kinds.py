@@ -285,6 +285,38 @@ def test_the_tail_of_a_pause_stays_a_pause_until_its_last_rank_stops_working():
     assert (v.culprit.rank, v.culprit.node) == (1, "node-1")
 
 
+def test_the_tail_of_a_pause_stays_a_pause_while_its_working_rank_cannot_be_read():
+    """The pause's tail seen by the records: ranks 0 and 2 are done and wait in the next all-reduce,
+    rank 1 never entered it (the record says `rank_late`) and its node cannot tell for a moment what
+    its process does (its stack is being read: state t, `activity` None). Nothing says it stopped
+    working: the verdict stays `job_paused` (before: `rank_late` replaced it, bench_hang_kinds'
+    healthy evaluation, 2 of 7 runs). Once its node reads it idle, it is named."""
+    from sidecar.jobview.coordinator import Coordinator
+
+    now = [1000.0]
+    c = Coordinator(lambda job: job == "j1", lost_after=15.0, verdict_wait=3.0, max_nodes=16, clock=lambda: now[0])
+    for r in three("cpu", others_wait=False):
+        v = c.accept(r)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "job_paused", v
+
+    def tail(activity: str | None) -> list:
+        views = [view(0, group(enqueued=6, completed=5, size=3)), view(1, group(enqueued=5, completed=5, size=3)),
+                 view(2, group(enqueued=6, completed=5, size=3))]  # fmt: skip
+        for v, did in zip(views, ("idle", activity, "idle"), strict=True):
+            v.activity, v.waiting = did, v.rank != 1
+        return [report(f"node-{v.rank}", v) for v in views]
+
+    for r in tail(None):
+        now[0] += 0.5
+        v = c.accept(r)
+    assert v is not None and v.culprit is not None and v.culprit.kind == "job_paused" and v.culprit.busy, v
+    for r in tail("idle"):  # rank 1 stops working, its peers wait on it: a hang, named
+        now[0] += 0.5
+        v = c.accept(r)
+    assert v is not None and v.culprit is not None and (v.culprit.rank, v.culprit.node) == (1, "node-1"), v
+    assert v.culprit.kind == "rank_deadlocked", v
+
+
 def test_a_pause_is_not_replaced_by_a_guess_as_it_ends():
     """As a pause ends the ranks step again a moment apart; a judgement in between, with no rank
     waiting on a known one, falls back to the oldest progress, a guess (bench_hang_kinds' healthy
