@@ -31,6 +31,7 @@ from sidecar.jobview.jobs import (
     JobIncident,
     exit_time,
     is_busy,
+    kept_exit,
     later_exit,
     rank_brief,
     repeat_count,
@@ -228,6 +229,7 @@ class Coordinator:
                     past.parts[report.node] = report.part
         if incident is None or incident.verdict.closed:
             return
+        kept_exit(job, incident, report.node)
         v = incident.verdict
         if v.drill is None and job.drill is not None:  # the drilling node said so: a drill on every node
             v.drill, changed = job.drill[0], True

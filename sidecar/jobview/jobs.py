@@ -12,7 +12,7 @@ from typing import Any
 from sidecar import hang_kinds
 from sidecar.jobview.golive import JobChecks
 from sidecar.jobview.judge import Summary, exit_order
-from sidecar.jobview.report import Culprit, NodePart, NodeReport, Verdict
+from sidecar.jobview.report import Culprit, NodePart, NodeReport, RankView, Verdict
 from sidecar.jobview.stragglers import JobJudge
 
 CLOSED_KEPT = 4  # closed job incidents kept per job (their stories)
@@ -32,6 +32,7 @@ class JobIncident:
     untroubled_since: float | None = None  # monotonic: every report fine since
     signature: tuple | None = None  # what a restart would repeat of its verdict (`signature`), once named
     exit_at: float | None = None  # a rank_crashed verdict's exit, on the coordinator's clock (`exit_time`)
+    exits: dict[str, RankView] = field(default_factory=dict)  # node -> its first exit reported during it (`kept_exit`)
 
 
 @dataclass
@@ -124,6 +125,21 @@ def exit_time(job: Job, c: Culprit) -> float | None:
     if s is None or s.first_exit is None or s.first_exit.rank != c.rank or s.first_exit.exited_at is None:
         return None
     return exit_order(s.first_exit) - (job.lateness.offset(c.node) or 0.0)
+
+
+def kept_exit(job: Job, incident: JobIncident, node: str) -> None:
+    """The first exit a node reported during the incident stays its first (`Summary.first_exit`)
+    though its later reports drop it: a node lists an exited rank only until its restart takes its
+    place, and the coordinator may not have judged meanwhile (a node of the job not heard of yet).
+    One rank view per node of the incident."""
+    s = job.summaries.get(node)
+    if s is None:
+        return
+    kept = incident.exits.get(node)
+    if s.first_exit is not None and (kept is None or exit_order(s.first_exit) < exit_order(kept)):
+        incident.exits[node] = s.first_exit
+    elif kept is not None:
+        s.first_exit = kept
 
 
 def later_exit(job: Job, incident: JobIncident, culprit: Culprit) -> bool:

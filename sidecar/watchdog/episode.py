@@ -98,7 +98,7 @@ class Watch(Protocol):
     counters: Counters
     liveness: Liveness
     shadow: Shadow
-    replaced: dict[RankKey, Track]  # exited tracks whose restart has not stepped yet (probes.reported)
+    replaced: dict[RankKey, Track]  # exited, then replaced: reported once more (probes.reported)
     goodput: Goodput
     recoveries: Recoveries
     job_view: JobView | None

@@ -79,7 +79,7 @@ class Watchdog:
         )
         self.counters = Counters()
         self._tracks: dict[RankKey, Track] = {}
-        self.replaced: dict[RankKey, Track] = {}  # exited tracks whose restart has not stepped (probes.reported)
+        self.replaced: dict[RankKey, Track] = {}  # exited, then replaced: reported once more (probes.reported)
         self._loaders: dict[RankKey, tuple[Rank, float, bool]] = {}  # _loader_stuck: (rank, read at, stuck)
         self._episodes: dict[str, Episode] = {}
         # the hooks push at least every max(flush interval, KEEPALIVE_SECONDS); half a second for the way

@@ -101,20 +101,18 @@ class Probes:
 
 def reported(dog: Watch, job_id: str, wall: float) -> list[Track]:
     """The job's ranks as its coordinator is told of them: a rank that exited and whose restart
-    registered but has not stepped yet is its exit still, for job_view.lost_after_seconds at most (on a
-    loaded node a crashed rank's restart can register before any report carried the crash: its
-    peers' later exits were then the first the coordinator heard of, and one was named). A restart
-    resumed from a snapshot registers with its step (healthy at once): it has stepped once its
-    progress moved past its registration."""
+    registered before any report carried the exit (a loaded node: a restart resumed from a snapshot
+    registered 0.3 s after the crash) is its exit in the next report, once, if its restart has not
+    stepped yet and the exit is within job_view.lost_after_seconds; the coordinator keeps a node's
+    first exit for the incident (jobs.kept_exit). Else its peers' later exits were the first the
+    coordinator heard of, and one was named the crashed rank."""
     recent = dog.settings.job_view.lost_after_seconds
     out = []
     for t in dog.tracks_of(job_id):
-        old = dog.replaced.get(t.rank.key)
+        old = dog.replaced.pop(t.rank.key, None)
         fresh = t.state in (RankState.STARTING, RankState.HEALTHY) and t.rank.last_progress <= t.rank.registered_at
-        if old is not None and (not fresh or wall - (old.exited_wall or 0.0) > recent):
-            del dog.replaced[t.rank.key]
-            old = None
-        out.append(old or t)
+        exited = old is not None and old.exited_wall is not None and wall - old.exited_wall <= recent
+        out.append(old if old is not None and fresh and exited else t)
     return out
 
 

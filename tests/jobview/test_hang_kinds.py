@@ -357,6 +357,30 @@ def test_the_first_exit_stays_first_when_its_node_no_longer_lists_it_but_an_earl
     assert v is not None and v.culprit is not None and (v.culprit.rank, v.culprit.node) == (2, "node-2"), v
 
 
+def test_a_nodes_first_exit_is_kept_for_the_incident_when_it_was_dropped_before_the_judgement():
+    """The crashed rank's node reported its exit once, then its restart (make test-under-load: the
+    restart registered 0.3 s after the crash); the coordinator could not judge yet (node-2 not heard
+    of), and the peers' later exits were all it had left when it did: a consequence was named the
+    crashed one (issue 48). The first exit a node reported stays its own for the incident."""
+    from sidecar.jobview.coordinator import Coordinator
+
+    def gone(r: int, at: float, kind: str):
+        v = rank(r, state="gone", exited_at=at)
+        v.exit_kind = kind
+        return v
+
+    now = [1000.0]
+    c = Coordinator(lambda job: job == "j1", lost_after=15.0, verdict_wait=3.0, max_nodes=16, clock=lambda: now[0])
+    v = c.accept(report("node-1", gone(1, 100.0, "other"), world=3))
+    assert v is not None and v.culprit is None, v  # two ranks of the world not heard of: one may have exited first
+    now[0] += 0.2
+    c.accept(report("node-1", rank(1, state="starting", step=None), world=3))  # its restart, not stepped
+    c.accept(report("node-0", gone(0, 100.1, "communication"), world=3))
+    v = c.accept(report("node-2", gone(2, 100.1, "communication"), world=3))
+    assert v is not None and v.culprit is not None and (v.culprit.rank, v.culprit.node) == (1, "node-1"), v
+    assert v.culprit.kind == "rank_crashed", v
+
+
 def test_a_peer_failure_is_ordered_after_the_exit_that_caused_it():
     """A rank that died of a communication error usually died of another's exit; on a loaded machine
     (make test, two runs) it was heard first, on its node's clock or through the clock offsets, and
