@@ -13,6 +13,7 @@ a few closed incidents kept per job for their story.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import secrets
@@ -50,6 +51,7 @@ JUDGE_EVERY_SECONDS = 0.05  # a job is judged at most this often, however many n
 JUDGE_SHARE = 10  # ... and no sooner than this many times what its last judgement took
 PROBE_SECONDS = 1.0  # how long a probe of a silent node's sidecar may take
 FORGET_AFTER_SECONDS = 600.0  # a node silent this long is no longer part of the job
+CLOSE_AFTER_SECONDS = 1.0  # an incident closes once every node's latest report is untroubled this long
 
 
 class CoordinatorError(Exception):
@@ -367,19 +369,25 @@ class Coordinator:
         return True
 
     def _maybe_close(self, job: Job, incident: JobIncident, now: float) -> bool:
-        """An incident closes once every fresh report is untroubled for a report round, with
-        progress after the incident opened (training again), or when no node reports ranks."""
+        """An incident closes once every node's latest report has been untroubled for
+        CLOSE_AFTER_SECONDS (training again; a timer, not a next report: a node that waits on the
+        verdict's long poll reports again only when it changes), or when no node reports ranks."""
         if any(now - job.reports[node][1] <= self.lost_after for node in job.troubled if node in job.reports):
             incident.untroubled_since = None
             return False
         if incident.untroubled_since is None:
             incident.untroubled_since = now
+            self._tick_later(job, CLOSE_AFTER_SECONDS)  # no report need come: a node long-polls meanwhile
             return False
-        if now - incident.untroubled_since < 1.0:
+        if now - incident.untroubled_since < CLOSE_AFTER_SECONDS:
             return False
         incident.verdict.closed = True
         log.info("job %s: job incident %s closed", job.job_id, incident.verdict.job_incident)
         return True
+
+    def _tick_later(self, job: Job, wait: float) -> None:
+        with contextlib.suppress(RuntimeError):  # no loop (a direct call): the next report decides
+            asyncio.get_running_loop().call_later(wait, self.tick, job.job_id)
 
     def _bump(self, job: Job) -> None:
         job.version += 1

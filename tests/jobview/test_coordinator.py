@@ -410,3 +410,25 @@ def test_a_drill_named_after_the_incident_opened_reaches_its_verdict():
     known = first.version
     later = c.accept(report("node-1", rank(1), drill=DRILL))
     assert later is not None and later.drill == DRILL and later.version > known  # long-polls wake for it
+
+
+async def test_an_incident_closes_once_its_nodes_are_fine_without_waiting_for_another_report():
+    """A crash loop's restarts train about 2 s before the next crash (make test-under-load,
+    train.sbatch): a node's report after its restart was fine, but it reported again only when the
+    verdict's long poll answered, so the incident never closed and every next crash fell into it (5
+    crashes, no crash loop found, exit 1). It closes CLOSE_AFTER_SECONDS after every report is fine."""
+    from sidecar.jobview.coordinator import CLOSE_AFTER_SECONDS
+
+    c = coordinator(lambda: asyncio.get_running_loop().time())
+    v = c.accept(report("node-0", rank(0, state="gone", exited_at=100.0), world=1))
+    assert v is not None and not v.closed
+    c.accept(report("node-0", rank(0, state="healthy"), world=1))  # its restart trains
+
+    async def closed():
+        got = c.verdict("j1")
+        while got is not None and not got.closed:  # as a node long-polls the verdict: no report meanwhile
+            got = await c.wait_change("j1", got.version, timeout=30.0)
+        return got
+
+    got = await asyncio.wait_for(closed(), CLOSE_AFTER_SECONDS + 2.0)
+    assert got is not None and got.closed, got
