@@ -371,15 +371,19 @@ class Coordinator:
     def _maybe_close(self, job: Job, incident: JobIncident, now: float) -> bool:
         """An incident closes once every node's latest report has been untroubled for
         CLOSE_AFTER_SECONDS (training again; a timer, not a next report: a node that waits on the
-        verdict's long poll reports again only when it changes), or when no node reports ranks."""
+        verdict's long poll reports again only when it changes), or when no node reports ranks. A
+        crash's at once: its ranks are back, and a crash on the first batch after a restart (a crash
+        loop) comes within a second."""
         if any(now - job.reports[node][1] <= self.lost_after for node in job.troubled if node in job.reports):
             incident.untroubled_since = None
             return False
+        c = incident.verdict.culprit
+        hold = 0.0 if c is not None and c.kind == hang_kinds.RANK_CRASHED.name else CLOSE_AFTER_SECONDS
         if incident.untroubled_since is None:
             incident.untroubled_since = now
-            self._tick_later(job, CLOSE_AFTER_SECONDS)  # no report need come: a node long-polls meanwhile
-            return False
-        if now - incident.untroubled_since < CLOSE_AFTER_SECONDS:
+            if hold:
+                self._tick_later(job, hold)  # no report need come: a node long-polls meanwhile
+        if now - incident.untroubled_since < hold:
             return False
         incident.verdict.closed = True
         log.info("job %s: job incident %s closed", job.job_id, incident.verdict.job_incident)

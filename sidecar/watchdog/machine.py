@@ -190,6 +190,8 @@ class Watchdog:
         state = RankState.HEALTHY if rank.step is not None else RankState.STARTING
         track = Track(rank, state, now)
         self._tracks[rank.key] = track
+        if self.job_view is not None:  # news for the job's coordinator: an incident it holds may close
+            self.job_view.wake(rank.job_id)
         log.info("watching rank %s (pid %d) as %s", rank.label, rank.pid, state.value)
         return track
 

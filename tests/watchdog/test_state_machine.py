@@ -430,3 +430,24 @@ async def test_a_crashed_rank_restarted_before_its_node_reported_is_its_exit_in_
     dog.tick()
     report = dog.node_report("job")
     assert report is not None and [(v.rank, v.state, v.exited_at) for v in report.ranks] == [(0, "healthy", None)]
+
+
+async def test_a_new_registration_wakes_the_job_views_reporter(world, clock, spawn):
+    """A restarted rank is news for the job's coordinator: its node's last report said its ranks
+    exited, and the incident stays open until a report says otherwise. The reporter waits on the
+    verdict's long poll meanwhile; without a wake, a crash loop's restarts crashed again before the
+    node reported them, and the first incident swallowed every next crash (make test-under-load)."""
+    from types import SimpleNamespace
+
+    _, registry, dog, pid = world
+    woken: list[str] = []
+    dog.job_view = SimpleNamespace(wake=woken.append, verdict=lambda job_id: None)
+    old = register(registry, pid)
+    step(registry, old, 3, clock)
+    dog.tick()
+    registry.deregister(Deregistration("job", 0, pid, "exception"))
+    dog.tick()
+    woken.clear()
+    register(registry, spawn().pid, restart_count=1, step=3)  # resumed: healthy at once, no transition
+    dog.tick()
+    assert woken == ["job"], woken
