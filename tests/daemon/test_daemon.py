@@ -368,3 +368,8 @@ def test_port_0_tcp_beyond_loopback_with_a_token_and_a_clean_stop(tmp_path):
             raise
         finally:
             notify.close()
+
+
+def test_the_start_up_line_is_written_once(daemon):
+    assert daemon.log.read_text(errors="replace").count(" listening on ") == 1
+
