@@ -97,6 +97,27 @@ def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):
     assert "DEGRADED" in lines[0]
 
 
+def test_after_a_stall_was_killed_status_counts_it_instead_of_saying_no_stall_yet(tmp_path, ranks):
+    settings = (
+        "watchdog.check_interval_seconds=0.2",
+        "watchdog.floor_seconds=1",
+        "watchdog.ceiling_seconds=2",
+        "hooks_flush_interval_seconds=0.2",
+        "job_view.enabled=false",
+        "remediation.py_spy=false",
+        "remediation.dump_wait_seconds=0.2",
+        "remediation.grace_seconds=1",
+    )
+    killed = 'sidecar_watchdog_remediations_total{job_id="run-8",outcome="killed"} 1.0'
+    with Sidecar(tmp_path, *settings) as sidecar:
+        rank = ranks(sidecar, "run-8", 2)
+        rank.push_step()
+        wait_until(lambda: killed in sidecar.metrics(), 60, interval=0.2, what="the stalled rank killed")
+        out = run_cli("status", "--socket", sidecar.socket)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("Would-be kills and false alarms"))
+    assert line == "Would-be kills and false alarms: none: 1 stall since start, 1 killed", out.stdout
+
+
 def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):
     spec = {
         "driver_version": "550.54.15",
