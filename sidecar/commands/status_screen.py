@@ -379,7 +379,9 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
         ("memory available", f"{fmt_bytes(mem_avail)} of {fmt_bytes(mem_total)}"),
         (
             "checkpoints",
-            f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)",
+            f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)"
+            if node.get("checkpoint_dir")
+            else "not set (checkpoint_dir)",
         ),
         ("driver", fmt_text(node.get("driver_version"))),
         ("cuda", fmt_text(node.get("cuda_version"))),

@@ -118,6 +118,20 @@ def test_after_a_stall_was_killed_status_counts_it_instead_of_saying_no_stall_ye
     assert line == "Would-be kills and false alarms: none: 1 stall since start, 1 killed", out.stdout
 
 
+def checkpoints_fact(out: subprocess.CompletedProcess) -> str:
+    """The `checkpoints: ...` fact of the status screen's facts line."""
+    facts = out.stdout.splitlines()[1]
+    return facts[facts.index("checkpoints: ") :].split("  ")[0]
+
+
+def test_a_relative_checkpoint_dir_is_shown_as_the_directory_it_names(tmp_path):
+    with Sidecar(tmp_path, "checkpoint_dir=.") as sidecar:  # the sidecar starts in ROOT
+        doc = sidecar.status()
+        out = run_cli("status", "--socket", sidecar.socket)
+    assert doc["node"]["checkpoint_dir"] == str(ROOT)
+    assert checkpoints_fact(out).startswith(f"checkpoints: {ROOT} ("), out.stdout
+
+
 def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):
     spec = {
         "driver_version": "550.54.15",
