@@ -13,6 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import yaml
 
 from sidecar.commands.client import resolve_endpoint
 from sidecar.watchdog.stackdumps import py_spy_path
@@ -130,6 +131,17 @@ def test_a_relative_checkpoint_dir_is_shown_as_the_directory_it_names(tmp_path):
         out = run_cli("status", "--socket", sidecar.socket)
     assert doc["node"]["checkpoint_dir"] == str(ROOT)
     assert checkpoints_fact(out).startswith(f"checkpoints: {ROOT} ("), out.stdout
+
+
+def test_the_shipped_configmap_sets_no_checkpoint_dir_and_status_says_it_is_not_set(tmp_path):
+    configmap = yaml.safe_load((ROOT / "deploy/kubernetes/base/configmap.yaml").read_text())
+    shipped = yaml.safe_load(configmap["data"]["sidecar.yaml"])["checkpoint_dir"]
+    with Sidecar(tmp_path, f"checkpoint_dir={shipped}") as sidecar:
+        wait_until(lambda: "sidecar_node_memory_total_bytes " in sidecar.metrics(), 30, what="a node collector round")
+        metrics = sidecar.metrics()
+        out = run_cli("status", "--socket", sidecar.socket)
+    assert checkpoints_fact(out) == "checkpoints: not set (checkpoint_dir)", out.stdout
+    assert not [line for line in metrics.splitlines() if line.startswith("sidecar_checkpoint_filesystem")]
 
 
 def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):
