@@ -80,7 +80,12 @@ class Settings:
         ),
     )
     checkpoint_dir: str = field(
-        default=".", metadata=doc("The training checkpoint directory; its filesystem's free space is exported.")
+        default=".",
+        metadata=doc(
+            "The training checkpoint directory; its filesystem's size and free space are exported. A relative "
+            "path is taken from the directory the sidecar runs in (`sidecar status` shows it resolved). Empty: "
+            "none (no checkpoint series; `sidecar status` says `not set`)."
+        ),
     )
     diag_dir: str = field(
         default="",

@@ -365,7 +365,8 @@ class JobViewSettings:
         metadata=doc(
             "Where the other nodes' sidecars reach this one (`http://HOST:PORT`), told to the ranks so that "
             "rank 0 can name its node's sidecar as the job's coordinator. Empty: from `listen` (a wildcard "
-            "address is replaced by the hostname). The DaemonSet sets it from the pod's host IP."
+            "address is replaced by the hostname, port 0 by the port bound). The DaemonSet sets it from the "
+            "pod's host IP."
         ),
     )
     report_interval_seconds: float = field(

@@ -95,10 +95,10 @@ class NodeCollector:
         if (online := online_cpus(self.sysfs_root)) is not None:
             cpus.add_metric([], online)
         try:
-            fs = os.statvfs(self.checkpoint_dir)
+            fs = os.statvfs(self.checkpoint_dir) if self.checkpoint_dir else None
         except OSError:
-            pass  # no checkpoint directory (yet): no series
-        else:
+            fs = None  # no checkpoint directory (yet): no series
+        if fs is not None:
             ckpt_size.add_metric([], fs.f_blocks * fs.f_frsize)
             ckpt_avail.add_metric([], fs.f_bavail * fs.f_frsize)
         driver, cuda = self.driver_versions()

@@ -1,5 +1,7 @@
 """The small HTTP client of a sidecar's read API (`/v1/status`, `/metrics`): where a sidecar
-listens (`Endpoint`: a Unix socket or a URL) and GET with one-line errors.
+listens (`Endpoint`: a Unix socket or a URL) and GET with one-line errors. Behind a TLS proxy that
+wants a bearer token (components/kube-rbac-proxy), an https URL's endpoint carries the token's file
+(read at every request: a projected token rotates) and the CA that signed the proxy's certificate.
 
 `sidecar status` reads its node's sidecar with it, `sidecar preflight` its own and its peers'.
 """
@@ -11,8 +13,10 @@ import http.client
 import json
 import os
 import socket
+import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from sidecar.config import DEFAULT_SOCKET
@@ -30,10 +34,13 @@ class Unreachable(StatusError):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a sidecar listens: a Unix socket path or an http(s):// URL."""
+    """Where a sidecar listens: a Unix socket path or an http(s):// URL; for a URL, optionally a
+    file holding a bearer token to send and a CA bundle to verify its TLS certificate with."""
 
     socket: str | None = None
     url: str | None = None
+    token_file: str | None = None
+    cacert: str | None = None
 
     def __str__(self) -> str:
         return self.socket or self.url or "?"
@@ -65,6 +72,18 @@ def resolve_endpoint(
     return Endpoint(socket=DEFAULT_SOCKET)
 
 
+def with_credentials(endpoint: Endpoint, token_file: str | None, cacert: str | None) -> Endpoint:
+    """The endpoint with a bearer token's file and a CA bundle (`--token-file`, `--cacert`), which
+    only an http(s) URL takes (the CA only an https one); StatusError names the misuse."""
+    if not (token_file or cacert):
+        return endpoint
+    if not endpoint.url:
+        raise StatusError(f"--token-file and --cacert go with --url, not the socket {endpoint}")
+    if cacert and not endpoint.url.startswith("https://"):
+        raise StatusError(f"--cacert needs an https:// URL, not {endpoint.url}")
+    return replace(endpoint, token_file=token_file or None, cacert=cacert or None)
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP/1.1 over a Unix stream socket."""
 
@@ -94,11 +113,36 @@ def _connection(endpoint: Endpoint, timeout: float) -> tuple[http.client.HTTPCon
         port = parts.port
     except ValueError:
         raise StatusError(f"bad URL {endpoint.url!r}: the port is not a number") from None
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    return cls(parts.hostname, port, timeout=timeout), parts.path.rstrip("/")
+    prefix = parts.path.rstrip("/")
+    if parts.scheme == "http":
+        return http.client.HTTPConnection(parts.hostname, port, timeout=timeout), prefix
+    try:
+        context = ssl.create_default_context(cafile=endpoint.cacert)
+    except (OSError, ssl.SSLError) as e:
+        raise StatusError(f"cannot use --cacert {endpoint.cacert}: {e.strerror or e}") from None
+    return http.client.HTTPSConnection(parts.hostname, port, timeout=timeout, context=context), prefix
+
+
+def _headers(endpoint: Endpoint) -> dict[str, str]:
+    headers = {"Accept": "application/json"}
+    if endpoint.token_file:
+        try:
+            token = Path(endpoint.token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise StatusError(
+                f"cannot read --token-file {endpoint.token_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
+        if not token:
+            raise StatusError(f"--token-file {endpoint.token_file} is empty")
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
 
 
 def _reason(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate not trusted: {exc.verify_message}; give the CA that signed it with --cacert"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}"
     if isinstance(exc, FileNotFoundError):
         return "no such socket"
     if isinstance(exc, ConnectionRefusedError):
@@ -116,11 +160,14 @@ def _reason(exc: BaseException, timeout: float) -> str:
 
 def fetch(endpoint: Endpoint, path: str, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> bytes:
     """GET `path` from the sidecar; the body of a 200 answer, else `StatusError`."""
+    headers = _headers(endpoint)
     conn, prefix = _connection(endpoint, timeout)
     try:
-        conn.request("GET", prefix + path, headers={"Accept": "application/json"})
+        conn.request("GET", prefix + path, headers=headers)
         resp = conn.getresponse()
         body = resp.read()
+    except ssl.SSLError as e:  # something answered: the TLS handshake failed
+        raise StatusError(f"GET {path} at {endpoint} failed ({_reason(e, timeout)})") from None
     except (OSError, http.client.HTTPException) as e:
         raise Unreachable(f"no sidecar at {endpoint} ({_reason(e, timeout)})") from None
     finally:
@@ -129,6 +176,8 @@ def fetch(endpoint: Endpoint, path: str, timeout: float = DEFAULT_TIMEOUT_SECOND
         detail = body[:200].decode("utf-8", "replace").strip()
         with contextlib.suppress(ValueError, TypeError, KeyError):
             detail = str(json.loads(body)["error"])
+        if resp.status in (401, 403) and not endpoint.token_file:
+            detail += " (a proxy that wants a bearer token? give it with --token-file)"
         raise StatusError(f"GET {path} at {endpoint} answered HTTP {resp.status}: {detail}")
     return body
 

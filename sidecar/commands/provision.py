@@ -1,7 +1,8 @@
 """`sidecar provision`: push the dashboards and the Prometheus datasource into Grafana, or
 write them as files for those who deploy by files.
 
-Against Grafana's HTTP API (with grafana-client) it creates the folder if missing, creates or
+Against Grafana's HTTP API (with grafana-client, the `provision` extra: `pip install
+'training-sidecar[provision]'`; `--write-files` needs none) it creates the folder if missing, creates or
 updates the datasource when `--datasource-url` is given and saves every dashboard of
 `dashboards/` into the folder. It compares before it writes: a second run changes nothing and
 says "unchanged" for every object.
@@ -21,7 +22,7 @@ into the Prometheus behind the datasource either way.
 Credentials never go on the command line (it shows in `ps`): a token from GRAFANA_TOKEN or
 `--token-file`, or basic auth from GRAFANA_USER and GRAFANA_PASSWORD or `--basic-auth-file`
 (one line `user:password`). Exit status: 0 done, 1 Grafana refused or is unreachable, 2 bad
-usage.
+usage or grafana-client not installed.
 """
 
 from __future__ import annotations
@@ -382,6 +383,12 @@ def write_files(out_dir: Path, o: Options, dashboards_path: str, out: Callable[[
 # ------------------------------------------------------------------ command line
 
 
+MISSING_CLIENT = (
+    "talking to Grafana needs grafana-client, which the daemon's install leaves out: "
+    "pip install 'training-sidecar[provision]' (--write-files works without it)"
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # No prefix matching: `--token SECRET` must fail, not become `--token-file SECRET`.
     parser.allow_abbrev = False
@@ -473,8 +480,11 @@ def main(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int
     except UsageError as e:
         print(f"sidecar provision: error: {e}", file=sys.stderr)
         return 2
-    from grafana_client import GrafanaApi
-
+    try:
+        from grafana_client import GrafanaApi
+    except ImportError:
+        print(f"sidecar provision: error: {MISSING_CLIENT}", file=sys.stderr)
+        return 2
     # grafana-client appends "api" to the URL's path as is: a sub-path needs its trailing slash.
     api = GrafanaApi.from_url(url + "/" if urlsplit(url).path else url, credential=cred, timeout=args.timeout)
     provisioner = Provisioner(api, url)

@@ -36,6 +36,7 @@ from sidecar.commands.client import (
     Unreachable,
     fetch_json,
     resolve_endpoint,
+    with_credentials,
 )
 from sidecar.commands.status_screen import (  # noqa: F401  (build_screen and the model: tests import them from here)
     Cell,
@@ -156,6 +157,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--socket", help=f"the sidecar's Unix socket (also SIDECAR_SOCKET; default {DEFAULT_SOCKET})")
     parser.add_argument("--url", help="the sidecar's HTTP address, e.g. http://127.0.0.1:9402 (also SIDECAR_URL)")
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="send the token in FILE as `Authorization: Bearer` to --url (a proxy in front of the sidecar, "
+        "such as components/kube-rbac-proxy's; read at every request)",
+    )
+    parser.add_argument(
+        "--cacert",
+        metavar="FILE",
+        help="verify an https --url's certificate with the CA certificates in FILE (PEM) instead of the system's",
+    )
     parser.add_argument(
         "--json",
         action="store_true",
@@ -284,7 +296,11 @@ def node_check(reading: Reading) -> tuple[int, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    endpoint = resolve_endpoint(args.socket, args.url)
+    try:
+        endpoint = with_credentials(resolve_endpoint(args.socket, args.url), args.token_file, args.cacert)
+    except StatusError as e:
+        print(printable(f"sidecar status: {e}"), file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE
     if args.check == "node":
         code, line = node_check(read(endpoint, args.timeout))
         print(line, flush=True)

@@ -334,6 +334,21 @@ def _shadow_rows(shadow: dict) -> list[list[Cell]]:
     return rows
 
 
+def _no_shadow_rows(watchdog: dict) -> str:
+    """What an empty table of would-be kills and false alarms means: no stall yet, or stalls each
+    acted on, counted by outcome (`none` alone from a sidecar whose status has no such count)."""
+    stalls = _number(watchdog.get("stalls"))
+    if stalls is None:
+        return "none"
+    if not stalls:
+        return "none (no stall yet)"
+    outcomes = {str(k): n for k, v in dict_at(watchdog, "outcomes").items() if (n := _number(v))}
+    pending = stalls - sum(outcomes.values())
+    ends = [f"{fmt_float(n)} {outcome}" for outcome, n in outcomes.items()]
+    ends += [f"{fmt_float(pending)} being handled"] if pending > 0 else []
+    return f"none: {fmt_float(stalls)} stall{'' if stalls == 1 else 's'} since start, " + ", ".join(ends)
+
+
 def _last_exit(last: Any) -> str:
     if not isinstance(last, dict):
         return "-"
@@ -364,7 +379,9 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
         ("memory available", f"{fmt_bytes(mem_avail)} of {fmt_bytes(mem_total)}"),
         (
             "checkpoints",
-            f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)",
+            f"{fmt_text(node.get('checkpoint_dir'))} ({fmt_bytes(node.get('checkpoint_avail_bytes'))} free)"
+            if node.get("checkpoint_dir")
+            else "not set (checkpoint_dir)",
         ),
         ("driver", fmt_text(node.get("driver_version"))),
         ("cuda", fmt_text(node.get("cuda_version"))),
@@ -435,7 +452,7 @@ def build_screen(status: Mapping[str, Any]) -> Screen:
             "Would-be kills and false alarms",
             ["JOB", "MODE", "WOULD KILL", "FALSE ALARMS", "LONGEST PAUSE (PHASE)", "FLOOR KILLING NONE", "LEARNED"],
             _shadow_rows(dict_at(watchdog, "shadow")),
-            "none (no stall yet)",
+            _no_shadow_rows(watchdog),
         ),
         Section(
             "Collectors",

@@ -391,6 +391,7 @@ async def serve(settings: Settings) -> None:
     socket_inode = None
     try:
         await listen_tcp(runner, settings)
+        advertise_bound_port(app[api.DAEMON], runner)
         if settings.socket:
             try:
                 await web.UnixSite(runner, settings.socket).start()
@@ -440,6 +441,19 @@ async def listen_tcp(runner: web.AppRunner, settings: Settings) -> None:
                 "%s; retrying for %.0f s more (listen_retry_seconds)", message, max(0.0, deadline - loop.time())
             )
         await asyncio.sleep(LISTEN_RETRY_INTERVAL_SECONDS)
+
+
+def advertise_bound_port(daemon: api.Daemon, runner: web.AppRunner) -> None:
+    """With port 0 in `listen`, the setting takes the port the kernel picked, so that the address
+    the job view advertises (Settings.peer_url) is one that answers."""
+    settings = daemon.settings
+    if settings.listen_port != 0:
+        return
+    port = next(address[1] for address in runner.addresses if isinstance(address, tuple))
+    host = settings.listen_host
+    settings.listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if daemon.reporter is not None:
+        daemon.reporter.own_url = settings.peer_url
 
 
 def main(args: argparse.Namespace) -> int:

@@ -123,6 +123,8 @@ def remove_own_socket(path: str, inode: int) -> None:
 
 
 def announce(runner: web.AppRunner, settings: Settings) -> None:
+    """The start-up line, once, on standard output whatever log_level is (logging, on standard
+    error, would write it a second time where both go to one journal or file)."""
     urls = []
     for address in runner.addresses:
         if isinstance(address, tuple):  # (host, port[, flowinfo, scope])
@@ -134,7 +136,6 @@ def announce(runner: web.AppRunner, settings: Settings) -> None:
     if settings.watchdog.observe_only:
         line += " (watchdog observe-only)"
     print(line, flush=True)
-    log.info("%s", line)
 
 
 class PrintableFormatter(logging.Formatter):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import platform
 import socket
 import time
@@ -108,7 +109,8 @@ def node_section(settings: Settings, s: Samples) -> dict:
         "cpu_utilization_ratio": s.value("sidecar_node_cpu_utilization_ratio"),
         "memory_total_bytes": _int(s.value("sidecar_node_memory_total_bytes")),
         "memory_available_bytes": _int(s.value("sidecar_node_memory_available_bytes")),
-        "checkpoint_dir": settings.checkpoint_dir,
+        # absolute (a relative setting names a directory from the sidecar's own), None when unset
+        "checkpoint_dir": os.path.abspath(settings.checkpoint_dir) if settings.checkpoint_dir else None,
         "diag_dir": str(settings.diagnostics_dir),  # where its incidents are (`sidecar incidents` reads it)
         "checkpoint_avail_bytes": _int(s.value("sidecar_checkpoint_filesystem_avail_bytes")),
         "gpu_source": settings.collectors.gpu_source,  # "dcgm": dcgm-exporter reads the GPUs, not this daemon

@@ -217,6 +217,11 @@ def _check_marker(directory: Path, spec: str) -> Result:
 
 
 def check_checkpoint_disk(ctx: Context) -> Iterable[Result]:
+    if not (ctx.args.checkpoint_dir or ctx.settings.checkpoint_dir):
+        yield Result(
+            "checkpoint-disk", SKIP, "no checkpoint directory (--checkpoint-dir, or the checkpoint_dir setting)"
+        )
+        return
     directory = Path(ctx.args.checkpoint_dir or ctx.settings.checkpoint_dir).absolute()
     existing = next((p for p in [directory, *directory.parents] if p.exists()), Path("/"))
     usage = shutil.disk_usage(existing)

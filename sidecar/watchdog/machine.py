@@ -453,6 +453,7 @@ class Watchdog:
                 {"job_id": e.job_id, "incident": e.incident.id, "outcome": e.outcome} for e in self._episodes.values()
             ],
             "shadow": self.shadow.status(),  # per job: would-be kills, false alarms, what they taught (shadow.py)
+            **self.counters.stall_outcomes(),  # stalls since start and what became of them
         }
 
     def rank_state(self, rank: Rank) -> str:

@@ -110,3 +110,11 @@ class Counters:
     verdicts: Counter = field(default_factory=Counter)  # (job_id, kind, evidence)
     drills: Counter = field(default_factory=Counter)  # (job_id, outcome): a drill's stall, counted apart
     last_incident: float | None = None
+
+    def stall_outcomes(self) -> dict:
+        """For `/v1/status`: the stalls since the sidecar started (drills apart) and how many ended
+        in each outcome (a stall still being handled has none yet)."""
+        outcomes: Counter = Counter()
+        for (_, outcome), n in self.remediations.items():
+            outcomes[outcome] += n
+        return {"stalls": sum(self.stalls.values()), "outcomes": dict(sorted(outcomes.items()))}

@@ -368,3 +368,31 @@ def test_port_0_tcp_beyond_loopback_with_a_token_and_a_clean_stop(tmp_path):
             raise
         finally:
             notify.close()
+
+
+def test_the_start_up_line_is_written_once(daemon):
+    assert daemon.log.read_text(errors="replace").count(" listening on ") == 1
+
+
+def test_port_0_advertises_the_port_it_bound_to_the_job_view(tmp_path, rank_process):
+    log = tmp_path / "sidecar.log"
+    sock = str(tmp_path / "sidecar.sock")
+    cmd = [PYTHON, "-m", "sidecar", "run", "--listen", "127.0.0.1:0", "--socket", sock]
+    cmd += ["--set", "collectors.enabled=[]", "--set", f"diag_dir={tmp_path / 'diag'}"]
+    with spawned(cmd, log):
+        try:
+            url = listening_url(log)
+            assert not url.endswith(":0")
+            status, body = post(sock, "/v1/register", registration(rank_process.pid, job="port-0", world_size=2))
+            assert status == 200, body
+            assert body["job_view"]["url"] == url
+            # The hooks hand the offer back as the job's coordinator: taken, not refused.
+            offer = {k: body["job_view"][k] for k in ("url", "node", "key")}
+            event = {"type": "event", "name": "job_coordinator", "time": time.time(), "fields": offer}
+            status, body = post(sock, "/v1/push", push_body(rank_process.pid, [event], job="port-0"))
+            assert status == 200, body
+            wait_until(lambda: "coordinator is" in log.read_text(errors="replace"), 30, what="the coordinator taken")
+            assert "refused" not in log.read_text(errors="replace")
+        except BaseException:
+            print(tail(log))
+            raise

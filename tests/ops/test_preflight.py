@@ -63,6 +63,14 @@ def test_every_check_runs_and_reports_without_a_gpu(tmp_path):
     assert out.returncode == doc["exit_code"] == (1 if failed else 0), failed
 
 
+def test_with_no_checkpoint_dir_the_checkpoint_disk_check_is_skipped():
+    (result,) = _run(node_checks.check_checkpoint_disk, load_settings(overrides={"checkpoint_dir": ""}, environ={}))
+    assert (result.outcome, result.detail) == (
+        "SKIP",
+        "no checkpoint directory (--checkpoint-dir, or the checkpoint_dir setting)",
+    )
+
+
 def test_plain_output_is_one_line_per_check_with_hints(tmp_path):
     out = run_cli("preflight", "--checkpoint-dir", str(tmp_path), "--min-free-gb", "1e9")
     assert out.returncode == 1

@@ -13,6 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import yaml
 
 from sidecar.commands.client import resolve_endpoint
 from sidecar.watchdog.stackdumps import py_spy_path
@@ -95,6 +96,52 @@ def test_a_stalled_rank_exits_1_and_names_the_rank(tmp_path, ranks):
     problems = [line for line in lines[lines.index("Problems:") + 1 :] if line.startswith("  - ")]
     assert any("run-7/3" in p and "stalled" in p for p in problems), problems
     assert "DEGRADED" in lines[0]
+
+
+def test_after_a_stall_was_killed_status_counts_it_instead_of_saying_no_stall_yet(tmp_path, ranks):
+    settings = (
+        "watchdog.check_interval_seconds=0.2",
+        "watchdog.floor_seconds=1",
+        "watchdog.ceiling_seconds=2",
+        "hooks_flush_interval_seconds=0.2",
+        "job_view.enabled=false",
+        "remediation.py_spy=false",
+        "remediation.dump_wait_seconds=0.2",
+        "remediation.grace_seconds=1",
+    )
+    killed = 'sidecar_watchdog_remediations_total{job_id="run-8",outcome="killed"} 1.0'
+    with Sidecar(tmp_path, *settings) as sidecar:
+        rank = ranks(sidecar, "run-8", 2)
+        rank.push_step()
+        wait_until(lambda: killed in sidecar.metrics(), 60, interval=0.2, what="the stalled rank killed")
+        out = run_cli("status", "--socket", sidecar.socket)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("Would-be kills and false alarms"))
+    assert line == "Would-be kills and false alarms: none: 1 stall since start, 1 killed", out.stdout
+
+
+def checkpoints_fact(out: subprocess.CompletedProcess) -> str:
+    """The `checkpoints: ...` fact of the status screen's facts line."""
+    facts = out.stdout.splitlines()[1]
+    return facts[facts.index("checkpoints: ") :].split("  ")[0]
+
+
+def test_a_relative_checkpoint_dir_is_shown_as_the_directory_it_names(tmp_path):
+    with Sidecar(tmp_path, "checkpoint_dir=.") as sidecar:  # the sidecar starts in ROOT
+        doc = sidecar.status()
+        out = run_cli("status", "--socket", sidecar.socket)
+    assert doc["node"]["checkpoint_dir"] == str(ROOT)
+    assert checkpoints_fact(out).startswith(f"checkpoints: {ROOT} ("), out.stdout
+
+
+def test_the_shipped_configmap_sets_no_checkpoint_dir_and_status_says_it_is_not_set(tmp_path):
+    configmap = yaml.safe_load((ROOT / "deploy/kubernetes/base/configmap.yaml").read_text())
+    shipped = yaml.safe_load(configmap["data"]["sidecar.yaml"])["checkpoint_dir"]
+    with Sidecar(tmp_path, f"checkpoint_dir={shipped}") as sidecar:
+        wait_until(lambda: "sidecar_node_memory_total_bytes " in sidecar.metrics(), 30, what="a node collector round")
+        metrics = sidecar.metrics()
+        out = run_cli("status", "--socket", sidecar.socket)
+    assert checkpoints_fact(out) == "checkpoints: not set (checkpoint_dir)", out.stdout
+    assert not [line for line in metrics.splitlines() if line.startswith("sidecar_checkpoint_filesystem")]
 
 
 def test_a_failing_collector_exits_1_and_names_the_collector(tmp_path):

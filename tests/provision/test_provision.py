@@ -3,9 +3,11 @@ idempotent runs, clear one-line errors, and the file mode."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
+import tomllib
 import yaml
 
 from sidecar import cli
@@ -287,6 +289,54 @@ def test_the_console_script_runs_provision(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "prometheus/training-sidecar.rules.yml").exists()
+
+
+# `sidecar ARGS...` in an interpreter where importing grafana_client fails as it does where the
+# package is not installed (the daemon's install, without the `provision` extra).
+WITHOUT_GRAFANA_CLIENT = """
+import sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "grafana_client":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+from sidecar.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def without_grafana_client(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-c", WITHOUT_GRAFANA_CLIENT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_without_grafana_client_provision_exits_2_naming_the_extra_to_install():
+    out = without_grafana_client("provision", "--url", f"http://127.0.0.1:{free_port()}", env={"GRAFANA_TOKEN": TOKEN})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("sidecar provision: error: ")
+    assert "pip install 'training-sidecar[provision]'" in out.stderr
+
+
+def test_without_grafana_client_write_files_still_works(tmp_path):
+    out = without_grafana_client("provision", "--write-files", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "prometheus/training-sidecar.rules.yml").exists()
+
+
+def test_grafana_client_is_installed_only_with_the_provision_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("grafana-client")]
+    assert [d for d in project["optional-dependencies"]["provision"] if d.startswith("grafana-client")]
 
 
 def test_dashboards_preselect_the_provisioned_datasource(grafana):
