@@ -29,11 +29,19 @@ def render(path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def _failure(tmp_path, overlay: str, edit) -> str:
+# Settings read only by an opt-in component: the overlay is rendered with it to check them.
+COMPONENT_SETTINGS = {"prometheus_namespace": "network-policy", "grafana_namespace": "network-policy"}
+
+
+def _failure(tmp_path, overlay: str, edit, components: tuple[str, ...] = ()) -> str:
     tree = tmp_path / "kubernetes"
     shutil.copytree(K8S, tree)
     settings = tree / "overlays" / overlay / "settings.yaml"
     settings.write_text(edit(settings.read_text()))
+    path = tree / "overlays" / overlay / "kustomization.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["components"] += [f"../../components/{c}" for c in components]
+    path.write_text(yaml.safe_dump(doc))
     out = subprocess.run(
         [KUBECTL, "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True, timeout=120
     )
@@ -128,7 +136,8 @@ def pod_env(container: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize("overlay, key", [(o, k) for o in OVERLAYS for k in _settings(o)])
 def test_a_missing_or_misspelled_setting_stops_the_build_naming_it(tmp_path, overlay, key):
-    err = _failure(tmp_path, overlay, lambda text: text.replace(f"  {key}:", f"  {key.upper()}x:", 1))
+    components = (COMPONENT_SETTINGS[key],) if key in COMPONENT_SETTINGS else ()
+    err = _failure(tmp_path, overlay, lambda text: text.replace(f"  {key}:", f"  {key.upper()}x:", 1), components)
     assert f"fieldPath `data.{key}` is missing" in err and "sidecar-overlay-settings" in err, err
 
 
