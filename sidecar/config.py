@@ -121,8 +121,9 @@ class Settings:
     incident_retention_megabytes: float = field(
         default=512.0,
         metadata=doc(
-            "Most disk the incident records may use (the default diagnostics directory is on tmpfs: memory); "
-            "the oldest go first; 0: no limit."
+            "Most disk the incident records may use; the oldest go first; 0: no limit. The default diagnostics "
+            "directory is on tmpfs: memory, counted against the sidecar's memory limit (the DaemonSet's 1Gi, the "
+            "unit's MemoryMax=1G), which must exceed this and the daemon's own (under 100 MiB)."
         ),
     )
     incident_retention_days: float = field(

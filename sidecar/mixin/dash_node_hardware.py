@@ -7,6 +7,7 @@ from sidecar.mixin.config import MixinConfig
 from sidecar.mixin.panels import (
     CLUSTER,
     GPUS,
+    NAMESPACE,
     NODE,
     cluster_var,
     dashboard,
@@ -324,13 +325,13 @@ def node_hardware(cfg: MixinConfig) -> dict:
         cluster_var(),
         namespace_var(),
         job_var(include_all=True),
-        # Every node when Job is All (job_id=~".*" also matches build_info's missing job_id),
-        # else the nodes where the job has ranks.
+        # Every node when Namespace and Job are All (".*" also matches build_info's missing
+        # namespace and job_id), else the nodes where the namespace's jobs (or the job) have ranks.
         query_var(
             "instance",
             "Node",
             'label_values({__name__=~"sidecar_build_info|sidecar_training_ranks_registered", '
-            f'{CLUSTER}, job_id=~"$job_id"}}, instance)',
+            f'{CLUSTER}, {NAMESPACE}, job_id=~"$job_id"}}, instance)',
         ),
         query_var("gpu", "GPU", f"label_values(gpu:sidecar_gpu_info{{{NODE}}}, gpu)", multi=True, include_all=True),
         query_var("device", "NIC", f"label_values(sidecar_network_up{{{NODE}}}, device)", multi=True, include_all=True),

@@ -7,7 +7,6 @@ from sidecar.mixin.config import MixinConfig
 from sidecar.mixin.panels import (
     GPUS,
     JOB,
-    NAMESPACE,
     RANK,
     cluster_var,
     dashboard,
@@ -126,7 +125,7 @@ def rank_drilldown(cfg: MixinConfig) -> dict:
         cluster_var(),
         namespace_var(),
         job_var(),
-        query_var("rank", "Rank", f"label_values(sidecar_training_step{{{JOB}, {NAMESPACE}}}, rank)"),
+        query_var("rank", "Rank", f"label_values(sidecar_training_step{{{JOB}}}, rank)"),
         query_var("instance", "Node", f"label_values(sidecar_training_step{{{RANK}}}, instance)"),
         # The rank's GPUs, from the memory its processes hold; all of the node's when unknown.
         query_var(

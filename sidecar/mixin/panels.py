@@ -6,8 +6,9 @@ conventions), `$job_id`, `$instance` (the node), `$rank`, `$gpu` and `$device`, 
 `${datasource}` variable (any Prometheus). Every selector names `$cluster` (the label a
 multi-cluster setup adds, Thanos/Mimir external labels, `cluster_label` in the config; its All
 value also matches series without it, as on a single cluster). `$namespace` is the training pods'
-namespace: it narrows the jobs offered (the ranks' series carry it,
-docs/operator-guide.md#pod-labels) and the per-rank panels that read the ranks' own series.
+namespace: every selector of a job's series names it (they carry it,
+docs/operator-guide.md#pod-labels; a job id may repeat in another namespace), and the node's
+series, which carry none, are picked by a `$instance` (and `$gpu`) whose query names it.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 # Selectors used throughout: one place to change how a cluster, job, node, rank or GPU is picked.
 CLUSTER = 'cluster=~"$cluster"'
 NAMESPACE = 'namespace=~"$namespace"'
-JOB = f'{CLUSTER}, job_id="$job_id"'
+# A job is its id in its namespace: every series labelled job_id carries the namespace (the ranks'
+# pod labels, the job's own series, the recording rules'), and ids repeat across teams.
+JOB = f'{CLUSTER}, {NAMESPACE}, job_id="$job_id"'
 NODES = 'instance=~"$instance"'
-RANKS = f'{JOB}, {NAMESPACE}, {NODES}, rank=~"$rank"'  # the ranks' own series: they carry the namespace
+RANKS = f'{JOB}, {NODES}, rank=~"$rank"'
 NODE = f'{CLUSTER}, instance="$instance"'
 GPUS = f'{NODE}, gpu=~"$gpu"'
 RANK = f'{JOB}, rank="$rank"'

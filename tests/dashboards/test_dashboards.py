@@ -118,3 +118,49 @@ def test_every_query_is_valid_promql_on_a_real_prometheus(tmp_path):
             for name, selector, _label in variable_queries(d):
                 answer = prom.api("series", **{"match[]": substitute(selector, values)})
                 assert answer["status"] == "success", f"variable {name}: {answer.get('error')}"
+
+
+# ---------------------------------------------------------------- the namespace variable
+
+NAMESPACE_MATCHER = 'namespace=~"$namespace"'
+
+
+def _uses_namespace(selector: str, definitions: dict[str, str], seen: frozenset[str] = frozenset()) -> bool:
+    """A selector is narrowed by the namespace variable when it names it, or when it selects no
+    job's series (those carry the namespace: every series labelled job_id, the recording rules'
+    too) and picks its series by a variable (the node, a GPU) whose own query is narrowed by it."""
+    if NAMESPACE_MATCHER in selector:
+        return True
+    if "job_id" in selector:
+        return False  # the same job id in two namespaces: only the namespace tells them apart
+    variables = set(re.findall(r"\$\{?(\w+)", selector)) - {"cluster", "namespace"} - seen
+    return any(
+        all(_uses_namespace(s, definitions, seen | {v}) for s in _selectors(definitions[v]))
+        for v in variables
+        if v in definitions
+    )
+
+
+def _selectors(expr: str) -> list[str]:
+    return re.findall(r"\{([^{}]*)\}", expr)
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_query_of_a_dashboard_with_a_namespace_variable_uses_it(path):
+    """Two teams' jobs of one name never mix: every selector of every panel, annotation and variable
+    query (but the cluster's and the namespace's own) is narrowed by the namespace variable."""
+    d = load(path)
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    if "namespace" not in variables:
+        pytest.skip("no namespace variable")
+    definitions = {name: v["definition"] for name, v in variables.items() if v["type"] == "query"}
+    checked = [*queries(d)] + [
+        (f"{d['uid']}: variable {name}", text)
+        for name, text in definitions.items()
+        if name not in ("cluster", "namespace")
+    ]
+    unnarrowed = [
+        f"{where}: {{{s}}}" for where, expr in checked for s in _selectors(expr) if not _uses_namespace(s, definitions)
+    ]
+    wheres = {u.split(": {")[0] for u in unnarrowed}
+    assert not unnarrowed, f"{len(wheres)} of {len(checked)} queries:\n" + "\n".join(unnarrowed)

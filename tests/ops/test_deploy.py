@@ -352,6 +352,26 @@ def test_deploy_gen_check_names_a_stale_file_and_write_fixes_it(tmp_path, capsys
     assert deploygen.main(args("--write")) == 0 and deploygen.main(args("--check")) == 0
 
 
+def test_the_kube_prometheus_stack_alertmanager_files_follow_alertmanager_yml(tmp_path, capsys):
+    """deploy/kube-prometheus-stack/ is generated from deploy/alertmanager/alertmanager.yml: an
+    edit of its inhibit rules makes both files stale, and --write carries it into them."""
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy", ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("alerts", "dashboards"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    source = tmp_path / "deploy" / "alertmanager" / "alertmanager.yml"
+    source.write_text(source.read_text().replace("equal: [cluster, instance, gpu]", "equal: [cluster, instance]"))
+    args = argparse.Namespace(write=None, check=True, root=tmp_path)
+    assert deploygen.main(args) == 1
+    stale = capsys.readouterr().err
+    assert "stale: deploy/kube-prometheus-stack/values-sidecar.yaml" in stale
+    assert "stale: deploy/kube-prometheus-stack/alertmanagerconfig.yaml" in stale
+    assert deploygen.main(argparse.Namespace(write="", check=False, root=tmp_path)) == 0
+    values = yaml.safe_load((tmp_path / "deploy" / "kube-prometheus-stack" / "values-sidecar.yaml").read_text())
+    assert values["alertmanager"]["config"]["inhibit_rules"][-1]["equal"] == ["cluster", "instance"]
+    obj = yaml.safe_load((tmp_path / "deploy" / "kube-prometheus-stack" / "alertmanagerconfig.yaml").read_text())
+    assert obj["spec"]["inhibitRules"][-1]["equal"] == ["cluster", "instance"]
+
+
 def test_deploy_gen_names_a_broken_source(tmp_path, capsys):
     (tmp_path / "alerts").mkdir()
     (tmp_path / "dashboards").mkdir()

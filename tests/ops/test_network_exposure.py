@@ -32,12 +32,16 @@ def render_with(tmp_path: Path, *components: str, onto: str = "base") -> list[di
         shutil.copytree(K8S, tree)
     overlay = tree / "overlays" / ("with-" + "-".join(components))
     overlay.mkdir()
+    resources = [f"../../{onto}"]
+    if onto == "base":  # an operator's overlay carries the settings, as the shipped ones do
+        shutil.copy(tree / "overlays" / "kube-prometheus-stack" / "settings.yaml", overlay / "settings.yaml")
+        resources.append("settings.yaml")
     (overlay / "kustomization.yaml").write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
-                "resources": [f"../../{onto}"],
+                "resources": resources,
                 "components": [f"../../components/{c}" for c in components],
             }
         )
@@ -115,7 +119,7 @@ def test_the_network_policy_selects_the_daemonsets_pods_and_its_port(tmp_path):
     labels = pod_of(docs)["metadata"]["labels"]
     assert _matches(policy["podSelector"], labels)
     assert policy["policyTypes"] == ["Ingress"]
-    prometheus, peers, training = policy["ingress"]
+    prometheus, grafana, peers, training = policy["ingress"]
     ports = named_ports(docs)
     port = sidecar_listen_port(docs)
     # Prometheus: kube-prometheus-stack's Prometheus pods in `monitoring`, on the sidecar's port
@@ -125,6 +129,11 @@ def test_the_network_policy_selects_the_daemonsets_pods_and_its_port(tmp_path):
     assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
     assert [p["port"] for p in prometheus["ports"]] == ["metrics", "https-metrics"]
     assert ports["metrics"] == port
+    # Grafana (kube-prometheus-stack's, in `monitoring`) reading /v1/status: the same ports.
+    (source,) = grafana["from"]
+    assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+    assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "grafana"}
+    assert [p["port"] for p in grafana["ports"]] == ["metrics", "https-metrics"]
     # The job view's peers: the DaemonSet's other pods, in this namespace (no namespaceSelector).
     (source,) = peers["from"]
     assert set(source) == {"podSelector"} and _matches(source["podSelector"], labels)
@@ -140,7 +149,7 @@ def test_the_network_policy_selects_the_daemonsets_pods_and_its_port(tmp_path):
 def test_the_peers_advertise_the_port_the_policy_opens_to_them(tmp_path):
     docs = render_with(tmp_path, "network-policy")
     env = {e["name"]: e.get("value") for e in container(docs, "sidecar")["env"]}
-    _, peers, _ = one(docs, "NetworkPolicy", "sidecar")["spec"]["ingress"]
+    _, _, peers, _ = one(docs, "NetworkPolicy", "sidecar")["spec"]["ingress"]
     assert env["SIDECAR_JOB_VIEW_ADVERTISE_URL"].endswith(f":{named_ports(docs)[peers['ports'][0]['port']]}")
 
 
@@ -213,8 +222,27 @@ def test_the_kube_rbac_proxy_may_review_tokens_and_access_and_prometheus_may_get
 
 def test_with_the_proxy_prometheus_may_reach_only_the_proxys_port(tmp_path):
     docs = render_with(tmp_path, "network-policy", "kube-rbac-proxy")
-    prometheus, peers, training = one(docs, "NetworkPolicy", "sidecar")["spec"]["ingress"]
-    assert [p["port"] for p in prometheus["ports"]] == ["https-metrics"]
+    prometheus, grafana, peers, training = one(docs, "NetworkPolicy", "sidecar")["spec"]["ingress"]
+    assert [p["port"] for p in prometheus["ports"]] == [p["port"] for p in grafana["ports"]] == ["https-metrics"]
     assert named_ports(docs)["https-metrics"] == container(docs, "kube-rbac-proxy")["ports"][0]["containerPort"]
     # The job view's peers and TCP push keep the sidecar's own port (plain HTTP, their own checks).
     assert [p["port"] for p in peers["ports"]] == [p["port"] for p in training["ports"]] == ["metrics"]
+
+
+@pytest.mark.parametrize("overlay", ["kube-prometheus-stack", "gpu-operator"])
+def test_the_namespaces_of_prometheus_and_grafana_are_one_setting_each_of_the_overlay(tmp_path, overlay):
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    settings = tree / "overlays" / overlay / "settings.yaml"
+    doc = yaml.safe_load(settings.read_text())
+    assert doc["data"]["prometheus_namespace"] == doc["data"]["grafana_namespace"] == "monitoring"
+    settings.write_text(
+        settings.read_text()
+        .replace("prometheus_namespace: monitoring", "prometheus_namespace: observability")
+        .replace("grafana_namespace: monitoring", "grafana_namespace: dashboards")
+    )
+    docs = render_with(tmp_path, "network-policy", "kube-rbac-proxy", onto=f"overlays/{overlay}")
+    prometheus, grafana, _, _ = one(docs, "NetworkPolicy", "sidecar")["spec"]["ingress"]
+    assert prometheus["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "observability"}
+    assert grafana["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "dashboards"}
+    assert [p["port"] for p in prometheus["ports"]] == [p["port"] for p in grafana["ports"]] == ["https-metrics"]

@@ -29,11 +29,19 @@ def render(path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def _failure(tmp_path, overlay: str, edit) -> str:
+# Settings read only by an opt-in component: the overlay is rendered with it to check them.
+COMPONENT_SETTINGS = {"prometheus_namespace": "network-policy", "grafana_namespace": "network-policy"}
+
+
+def _failure(tmp_path, overlay: str, edit, components: tuple[str, ...] = ()) -> str:
     tree = tmp_path / "kubernetes"
     shutil.copytree(K8S, tree)
     settings = tree / "overlays" / overlay / "settings.yaml"
     settings.write_text(edit(settings.read_text()))
+    path = tree / "overlays" / overlay / "kustomization.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["components"] += [f"../../components/{c}" for c in components]
+    path.write_text(yaml.safe_dump(doc))
     out = subprocess.run(
         [KUBECTL, "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True, timeout=120
     )
@@ -128,7 +136,8 @@ def pod_env(container: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize("overlay, key", [(o, k) for o in OVERLAYS for k in _settings(o)])
 def test_a_missing_or_misspelled_setting_stops_the_build_naming_it(tmp_path, overlay, key):
-    err = _failure(tmp_path, overlay, lambda text: text.replace(f"  {key}:", f"  {key.upper()}x:", 1))
+    components = (COMPONENT_SETTINGS[key],) if key in COMPONENT_SETTINGS else ()
+    err = _failure(tmp_path, overlay, lambda text: text.replace(f"  {key}:", f"  {key.upper()}x:", 1), components)
     assert f"fieldPath `data.{key}` is missing" in err and "sidecar-overlay-settings" in err, err
 
 
@@ -340,3 +349,69 @@ def test_a_name_prefix_keeps_the_scrape_job_sidecar_down_selects(overlay, tmp_pa
     assert [d["metadata"]["name"] for d in prefixed if d["kind"] == "Service"] == ["team-a-sidecar"]
     assert _scrape_job(prefixed) == _scrape_job(plain) == "sidecar"
     assert build.SELECTORS["sidecar_targets"] == f'job="{_scrape_job(prefixed)}"'
+
+
+# ---------------------------------------------------------------- which nodes run the sidecar
+
+# The labels every node has: no GPU feature discovery (nor NFD, nor the GPU Operator) ran on it.
+PLAIN_NODE = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64", "kubernetes.io/hostname": "gpu-node-7"}
+# What GPU feature discovery (deployed by the GPU Operator) adds to a GPU node.
+GFD_NODE = {**PLAIN_NODE, "nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": "8"}
+
+
+def _daemonset_pods(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] == "DaemonSet"}
+
+
+def _schedules_on(pod: dict, node_labels: dict[str, str]) -> bool:
+    """The scheduler's node filter for the fields these files may set: nodeSelector, and no
+    required node affinity (a test of its own would be needed for one)."""
+    affinity = pod.get("affinity", {}).get("nodeAffinity", {})
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in affinity
+    return (pod.get("nodeSelector") or {}).items() <= node_labels.items()
+
+
+def _with_components(tree: Path, kustomization: str, components: list[str]) -> list[dict]:
+    path = tree / kustomization / "kustomization.yaml"
+    doc = yaml.safe_load(path.read_text())
+    up = "../" * len(Path(kustomization).parts)
+    doc["components"] = doc.get("components", []) + [f"{up}components/{c}" for c in components]
+    path.write_text(yaml.safe_dump(doc))
+    return render(tree / kustomization)
+
+
+@pytest.mark.parametrize("kustomization", ["", "base", "overlays/kube-prometheus-stack"])
+def test_without_gpu_feature_discovery_every_node_runs_the_sidecar(kustomization, tmp_path):
+    """The guide does not require GPU feature discovery: a selector on its labels would leave such
+    a cluster with no sidecar pod at all, and nothing would say so."""
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    pods = _daemonset_pods(_with_components(tree, kustomization, ["node-problem-detector"]))
+    assert set(pods) == {"sidecar", "sidecar-node-problem-detector"}
+    for name, pod in pods.items():
+        assert _schedules_on(pod, PLAIN_NODE), (name, pod.get("nodeSelector"))
+
+
+def test_the_gpu_operator_overlay_runs_on_the_gpu_nodes_its_feature_discovery_labels(tmp_path):
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    pods = _daemonset_pods(_with_components(tree, "overlays/gpu-operator", ["node-problem-detector"]))
+    assert set(pods) == {"sidecar", "sidecar-node-problem-detector"}
+    for name, pod in pods.items():
+        assert _schedules_on(pod, GFD_NODE) and not _schedules_on(pod, PLAIN_NODE), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_nodes_that_run_the_sidecar_are_one_setting_of_the_overlay(overlay, tmp_path):
+    """node-selector.yaml places both DaemonSets (the sidecar and node-problem-detector, which asks it)."""
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    path = tree / "overlays" / overlay / "node-selector.yaml"
+    patch = yaml.safe_load(path.read_text())
+    patch["spec"]["template"]["spec"]["nodeSelector"] = {"node.example.com/pool": "training"}
+    path.write_text(yaml.safe_dump(patch))
+    pods = _daemonset_pods(_with_components(tree, f"overlays/{overlay}", ["node-problem-detector"]))
+    assert {name: pod["nodeSelector"] for name, pod in pods.items()} == {
+        "sidecar": {"node.example.com/pool": "training"},
+        "sidecar-node-problem-detector": {"node.example.com/pool": "training"},
+    }
