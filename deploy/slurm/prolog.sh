@@ -17,6 +17,8 @@
 #   SIDECAR_PROLOG_TIMEOUT  seconds preflight may take, in all (default 60)
 #   SIDECAR_PROLOG_PYTHON   the training environment's interpreter, for the torch/CUDA/NCCL check
 #                           (default: the sidecar's own interpreter)
+#   SIDECAR_PROLOG_TORCH    0: skip the torch/CUDA/NCCL check (importing torch takes seconds per job
+#                           and node; default 1)
 #   SIDECAR_PROLOG_ARGS     more preflight flags, e.g. "--shared-dir /mnt/shared --min-free-gb 200"
 #                           or "--strict" (a WARN fails too)
 #   SIDECAR_SLURM_SYSLOG    0: do not write to syslog (default 1)
@@ -60,7 +62,9 @@ if [ -z "$sidecar" ] || [ ! -x "$sidecar" ]; then
 fi
 
 set -- preflight
-if [ -n "${SIDECAR_PROLOG_PYTHON:-}" ]; then
+if [ "${SIDECAR_PROLOG_TORCH:-1}" = 0 ]; then
+  set -- "$@" --skip-torch
+elif [ -n "${SIDECAR_PROLOG_PYTHON:-}" ]; then
   # torch's import gets half the budget: the other checks run beside it.
   set -- "$@" --python "$SIDECAR_PROLOG_PYTHON" --torch-timeout "$((limit / 2 + 1))"
 fi

@@ -105,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long importing torch may take (default 120)",
     )
+    parser.add_argument(
+        "--skip-torch",
+        action="store_true",
+        help="do not import torch (the torch and torch-cuda checks): the slowest check, seconds per run",
+    )
     parser.add_argument("--kernel-log", metavar="FILE", help="read Xids from FILE instead of `dmesg`")
     parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous endpoint to reach")
     parser.add_argument("--shared-dir", metavar="DIR", help="shared storage that must be mounted and writable")

@@ -176,6 +176,9 @@ def check_xids(ctx: Context) -> Iterable[Result]:
 
 
 def check_torch(ctx: Context) -> Iterable[Result]:
+    if ctx.args.skip_torch:
+        yield Result("torch", SKIP, "not checked (--skip-torch): importing torch takes seconds")
+        return
     t = read_torch(ctx.args.python, ctx.args.torch_timeout)
     if t.error:
         yield Result("torch", WARN, t.error, "pass --python with the training environment's interpreter")
