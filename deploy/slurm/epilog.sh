@@ -8,7 +8,7 @@
 # SLURM_JOB_USER, SLURMD_NODENAME, SLURM_JOB_GPUS, ... set. It asks the node's sidecar
 # (`python -m sidecar.commands.slurm`, reading /v1/status) for what outlived the job, waiting a few
 # seconds for the sidecar to see the processes go:
-#   - a rank registered under the job's id (SLURM_JOB_ID, or SLURM_JOB_ID.<suffix>: the sbatch
+#   - a rank in the job's cgroup (job_<SLURM_JOB_ID>), or registered under the job's id (SLURM_JOB_ID, or SLURM_JOB_ID.<suffix>: the sbatch
 #     example's torchrun --rdzv-id, the hooks' job id) whose process, running as the job's user
 #     (SLURM_JOB_UID), is still alive: another user's process registered under the id is not the job's;
 #   - GPU memory above the budget on a GPU of the job (SLURM_JOB_GPUS);

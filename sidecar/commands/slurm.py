@@ -4,8 +4,9 @@ After a job ends, slurmd runs the Epilog on each of its nodes; a non-zero exit d
 command asks the node's sidecar (`/v1/status`) whether anything of the job outlived it, waiting up
 to `--wait` seconds for the sidecar to see the job's processes go (Slurm has just killed them):
 
-- a rank registered under the job's id (the hooks' job id: torchrun's `--rdzv-id`, which the
-  sbatch example sets to SLURM_JOB_ID) whose process the sidecar still sees alive;
+- a rank of the job whose process the sidecar still sees alive: in the job's cgroup (`job_<id>`,
+  the rank's `slurm_job_id` in /v1/status), or registered under the job's id (the hooks' job id:
+  torchrun's `--rdzv-id`, which the sbatch example sets to SLURM_JOB_ID.<suffix>);
 - GPU memory above `--gpu-memory-budget-mib` on a GPU the job had (`--gpus`, from SLURM_JOB_GPUS),
   read by a GPU collector round that ran after the epilog started;
 - the node verdict's findings about what outlives jobs (sidecar/fitness.py: `unkillable`,
@@ -50,12 +51,14 @@ def of_slurm_job(rank_job: str, job_id: str) -> bool:
 
 
 def leftover_ranks(status: Mapping[str, Any], job_id: str, uid: int | None = None) -> list[str]:
-    """The job's ranks still alive; with `uid` (SLURM_JOB_UID) only those whose process runs as the
-    job's user: another user's process registered under the job's id is not the job's."""
+    """The job's ranks still alive: registered under the job's id, or in the job's cgroup whatever
+    their job id (`slurm_job_id`, which the sidecar reads from the kernel); with `uid` (SLURM_JOB_UID)
+    only those whose process runs as the job's user: another user's process registered under the
+    job's id is not the job's."""
     return [
         f"rank {r.get('rank')} of job {r.get('job_id')} (pid {r.get('pid')}, {r.get('state')}) is still alive"
         for r in sorted(dicts_at(status, "ranks"), key=lambda r: str(r.get("rank")))
-        if of_slurm_job(str(r.get("job_id")), job_id)
+        if (of_slurm_job(str(r.get("job_id")), job_id) or r.get("slurm_job_id") == job_id)
         and r.get("state") != "gone"
         and (uid is None or r.get("uid") == uid)
     ]

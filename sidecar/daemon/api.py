@@ -27,7 +27,7 @@ from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.reasons import exception_kind
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Finding, Fitness, judge
-from sidecar.host import diagfiles, identity, procs, stackfiles
+from sidecar.host import cgroups, diagfiles, identity, procs, stackfiles
 from sidecar.jobview import auth, crashloop
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.crashloop import CrashLoops
@@ -290,6 +290,8 @@ async def register(request: web.Request) -> web.Response:
         pidfd=claimed.pidfd,
     )
     rank.stack_file = dumpfiles.stack_file_for(d.settings, d.dump_files, d.registry, rank, previous, peer is not None)
+    if peer is not None:  # the Slurm job of a process it verified (the epilog's), never of a pid a caller names
+        rank.slurm_job_id = await loop.run_in_executor(None, cgroups.slurm_job_of, rank.pid)
     if d.exits is not None:
         d.exits.watch(rank)
     d.crash_loops.registered(rank)

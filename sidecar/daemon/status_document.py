@@ -206,6 +206,7 @@ def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
         "world_size": r.world_size,
         "pid": r.pid,
         "uid": r.owner_uid,  # the uid its process runs as (None: an unverified TCP caller)
+        "slurm_job_id": r.slurm_job_id,  # the Slurm job whose cgroup holds it (None: not a Slurm job's)
         "state": state,
         "step": r.step,
         "step_time_seconds": finite(m.get("step_time_seconds")),

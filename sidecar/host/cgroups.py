@@ -24,6 +24,7 @@ MOUNTS_MAX_AGE = 60.0  # seconds; mountinfo can be long on a busy node, and cgro
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 UNIFIED = ""  # the controller name of the unified (v2) hierarchy, as /proc/<pid>/cgroup writes it
+SLURM_JOB_CGROUP = re.compile(r"job_([0-9]{1,20})")  # slurmstepd's job_<SLURM_JOB_ID> directory
 
 
 @dataclass
@@ -146,3 +147,23 @@ def _open(mount: tuple[str, str], path: str, version: int, pid: int) -> CgroupDi
         os.close(fd)
         return None
     return CgroupDir(os.path.join(point, *parts), fd, version)
+
+
+def slurm_job_of(pid: int, procfs: str = "/proc") -> str | None:
+    """The Slurm job whose cgroup holds `pid` (the kernel's record, /proc/<pid>/cgroup, not the
+    process's word), or None. slurmstepd puts a job's tasks under `job_<id>`: cgroup v1
+    `/slurm/uid_<uid>/job_<id>/step_<s>/task_<t>`, v2 `/system.slice/slurmstepd.scope/job_<id>/step_<s>/...`.
+    The outermost `job_<id>` below a directory whose name holds "slurm" counts: a subtree Slurm
+    delegates to the job's user lies deeper, so names the user chooses come after it."""
+    try:
+        with open(f"{procfs}/{int(pid)}/cgroup") as f:
+            lines = f.read(65536).splitlines()
+    except (OSError, ValueError):
+        return None
+    for line in lines:
+        parts = [p for p in line.split(":", 2)[-1].split("/") if p]
+        for i, part in enumerate(parts):
+            found = SLURM_JOB_CGROUP.fullmatch(part)
+            if found and any("slurm" in p for p in parts[:i]):
+                return found.group(1)
+    return None
