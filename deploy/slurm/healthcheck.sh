@@ -16,6 +16,10 @@
 #     a node drained for another reason (an admin's, NHC's) is never resumed nor re-labelled.
 # The reason is also printed, with the sidecar's one line.
 #
+# Run by NHC (an NHC check calling this script; NHC exports NHC_PID to its checks: `nhc`'s
+# nhcmain_init_env), it never drains nor resumes: it prints the reason and exits 1, and NHC, which
+# owns the node's state then, drains it with its own reason. deploy/slurm/nhc/sidecar.nhc is that check.
+#
 # Exit status: 0 fit, 1 unfit or no sidecar (the node is drained), 2 a bad setting.
 #
 # Settings (from the environment, after /etc/sidecar/sidecar.env, the unit's own settings file):
@@ -64,6 +68,7 @@ node_reason() {
 drain() {
   reason=$(printf 'sidecar: %.240s' "$1")
   echo "$tag: $node: $reason"
+  if [ -n "${NHC_PID:-}" ]; then exit 1; fi  # NHC drains (see above)
   if ! have_scontrol; then
     echo "$tag: no scontrol on PATH: $node not drained" >&2
     exit 1
@@ -81,7 +86,7 @@ drain() {
 }
 
 resume_if_ours() {
-  if [ "${SIDECAR_HC_RESUME:-1}" = 0 ] || ! have_scontrol; then return 0; fi
+  if [ "${SIDECAR_HC_RESUME:-1}" = 0 ] || [ -n "${NHC_PID:-}" ] || ! have_scontrol; then return 0; fi
   case "$(node_state)" in *DRAIN*) ;; *) return 0 ;; esac
   case "$(node_reason)" in
     sidecar:*)

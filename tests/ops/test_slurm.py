@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.hooks.helpers import RankProcess, rank_env, rank_status
-from tests.support import PYTHON, ROOT, Sidecar, kill_tree, wait_until
+from tests.hooks.helpers import RankProcess, rank_command, rank_env, rank_status
+from tests.support import PYTHON, ROOT, Sidecar, kill_tree, spawned, wait_until
 
 SLURM = ROOT / "deploy" / "slurm"
 SIDECAR_BIN = str(Path(PYTHON).parent / "sidecar")
@@ -91,6 +91,7 @@ def slurmd_env(fakes, tmp_path: Path, context: str, settings: dict | None = None
         "SIDECAR_ENV_FILE": str(env_file),
         "SIDECAR_BIN": SIDECAR_BIN,
         "FAKE_LOG_DIR": str(logs),
+        "PYTHONPATH": str(ROOT),  # the tree under test, whichever tree the venv's `sidecar` was installed from
     }
     env.update(extra)
     return env
@@ -419,4 +420,133 @@ def test_the_scripts_are_shellcheck_clean():
     assert shellcheck is not None, "shellcheck missing: make venv installs it (pyproject.toml, dev extra)"
     scripts = [str(p) for p in sorted(SLURM.iterdir()) if p.suffix in (".sh", ".sbatch")]
     out = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+# ---------------------------------------------------------------- the issue of the Slurm owners
+
+
+def test_prolog_skips_the_torch_import_when_told_and_says_what_it_costs(sidecar, fakes, tmp_path):
+    """SIDECAR_PROLOG_TORCH=0: preflight never starts the training interpreter (a stand-in that
+    records each start, then runs the real one); without it, it does. Prints both durations."""
+    marker = tmp_path / "python-started"
+    python = tmp_path / "training-python"
+    python.write_text(f'#!/bin/sh\necho started >> {marker}\nexec {PYTHON} "$@"\n')
+    python.chmod(0o755)
+    took = {}
+    for torch in ("1", "0"):
+        env = slurmd_env(fakes, tmp_path, "prolog_slurmd", {"SIDECAR_SOCKET": sidecar.socket},
+                         SIDECAR_PROLOG_PYTHON=str(python), SIDECAR_PROLOG_TORCH=torch)  # fmt: skip
+        started = time.monotonic()
+        out = run_script(SLURM / "prolog.sh", env)
+        took[torch] = time.monotonic() - started
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert marker.exists() == (torch == "1"), (torch, out.stdout)
+        marker.unlink(missing_ok=True)
+    print(f"prolog with the torch check {took['1']:.1f}s, SIDECAR_PROLOG_TORCH=0 {took['0']:.1f}s")
+
+
+def _slurm_job_cgroup(job: str) -> Path:
+    """A cgroup as slurmstepd makes one for a job's task (cgroup v1: slurm/uid_U/job_J/step_0/task_0),
+    in the memory hierarchy: the kernel's record of the job, whatever the rank calls its job."""
+    if os.geteuid() != 0 or not Path("/sys/fs/cgroup/memory/cgroup.procs").exists():
+        pytest.skip("needs root and cgroup v1's memory hierarchy")
+    top = Path("/sys/fs/cgroup/memory") / f"slurm-test-{os.getpid()}"
+    task = top / f"uid_{os.getuid()}" / f"job_{job}" / "step_0" / "task_0"
+    task.mkdir(parents=True)
+    return task
+
+
+def _remove_cgroup(task: Path) -> None:
+    for d in (task, *task.parents):
+        if d == Path("/sys/fs/cgroup/memory"):
+            break
+        for _ in range(50):
+            try:
+                d.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_epilog_finds_a_rank_of_the_job_by_its_cgroup_whatever_its_rendezvous_id(sidecar, fakes, tmp_path):
+    rdzv = f"my-own-rdzv-{os.getpid()}"  # torchrun --rdzv-id chosen by the user, not the Slurm job id
+    task = _slurm_job_cgroup(JOB)
+    ready, stop = tmp_path / "cg.ready", tmp_path / "cg.stop"
+    env = rank_env(sidecar, rdzv, RANK="5", LOCAL_RANK="5", WORLD_SIZE="8")
+    cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(task / "cgroup.procs"),
+           *rank_command(tmp_path / "cg.json", "--ready", str(ready), "--run-until", str(stop), "--steps", "0",
+                         "--sleep", "0.05")]  # fmt: skip
+    try:
+        with spawned(cmd, tmp_path / "cg.log", env=env) as proc:
+            wait_until(lambda: (rank_status(sidecar, rdzv, 5) or {}).get("state") not in (None, "gone"), 30,
+                       what="the rank registered")  # fmt: skip
+            settings = {"SIDECAR_SOCKET": sidecar.socket}
+            env = slurmd_env(fakes, tmp_path, "epilog_slurmd", settings, SIDECAR_EPILOG_WAIT="2",
+                             SLURM_JOB_UID=str(os.getuid()))  # fmt: skip
+            out = run_script(SLURM / "epilog.sh", env)
+            other = run_script(SLURM / "epilog.sh", {**env, "SLURM_JOB_ID": "4243"})
+            pid = proc.pid
+    finally:
+        _remove_cgroup(task)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"left behind: rank 5 of job {rdzv} (pid {pid}, " in out.stderr
+    assert other.returncode == 0, other.stdout + other.stderr  # another job's epilog: not its rank
+
+
+# What NHC (`nhc`, github.com/mej/nhc) exports to the checks it runs: NHC_PID in nhcmain_init_env,
+# NHC_SID, NHC_RM, NAME, OFFLINE_NODE, ... in nhcmain_finalize_env. NHC itself is not installable here.
+NHC_ENV = {"NHC_PID": "4711", "NHC_SID": "-4711", "NHC_RM": "slurm", "NAME": "nhc",
+           "OFFLINE_NODE": "/usr/libexec/nhc/node-mark-offline"}  # fmt: skip
+NHC_SCRIPT = SLURM / "nhc" / "sidecar.nhc"
+
+
+@pytest.fixture(scope="module")
+def unfit_sidecar(tmp_path_factory):
+    """A sidecar that judges its node unfit: 2 GPUs expected, NVML (the stand-in) shows 1."""
+    tmp = tmp_path_factory.mktemp("slurm-unfit")
+    with Sidecar(tmp / "sidecar", "collectors.expected_gpus=2", env=fake_nvml(tmp, {**NVML, "gpu_count": 1})) as s:
+        wait_until(lambda: s.status()["fitness"]["fit"] is False, 30, what="the node unfit")
+        yield s
+
+
+def test_healthcheck_run_by_nhc_leaves_draining_to_nhc(unfit_sidecar, fakes, tmp_path):
+    settings = {"SIDECAR_SOCKET": unfit_sidecar.socket}
+    line = f"NodeName={NODE} State=IDLE+DRAIN Reason=sidecar: unfit (gpu_missing) [root@2025-01-01T00:00:00]"
+    for extra in ({}, {"FAKE_NODE_LINE": line}):  # unfit: no drain; and a node it drained once: no resume
+        env = slurmd_env(fakes, tmp_path, "healthcheck", settings, **NHC_ENV, **extra)
+        out = run_script(SLURM / "healthcheck.sh", env)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"sidecar-healthcheck: {NODE}: sidecar: unfit (gpu_missing)" in out.stdout
+    assert not [c for c in calls(fakes[1], "scontrol") if c.startswith("update")]
+
+
+def _nhc_check(sidecar_socket: str, fakes, tmp_path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """check_sidecar as NHC runs it: sidecar.nhc sourced into bash, with a stand-in for NHC's `die`
+    (it records its arguments), NHC's PATH and exported variables."""
+    died = tmp_path / "died"
+    died.unlink(missing_ok=True)
+    script = f'die() {{ printf "%s|%s\\n" "$1" "$2" >> {died}; return 1; }}\n. {NHC_SCRIPT}\ncheck_sidecar\n'
+    env = slurmd_env(fakes, tmp_path, "nhc", {"SIDECAR_SOCKET": sidecar_socket}, **NHC_ENV,
+                     PATH="/sbin:/usr/sbin:/bin:/usr/bin", SIDECAR_HC_RETRY_DELAY="0")  # fmt: skip
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT)
+    return out, died.read_text().splitlines() if died.exists() else []
+
+
+def test_the_nhc_check_dies_with_the_sidecars_line_when_unfit(sidecar, unfit_sidecar, fakes, tmp_path):
+    out, died = _nhc_check(sidecar.socket, fakes, tmp_path)
+    assert out.returncode == 0 and died == [], out.stdout + out.stderr
+    out, died = _nhc_check(unfit_sidecar.socket, fakes, tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    (line,) = died
+    assert line.startswith("1|check_sidecar: sidecar: unfit (gpu_missing)"), line
+    out, died = _nhc_check(str(tmp_path / "none.sock"), fakes, tmp_path)
+    assert out.returncode == 1 and died and died[0].startswith("1|check_sidecar: sidecar: unknown: no sidecar at"), died
+    assert not calls(fakes[1], "scontrol")
+
+
+def test_the_nhc_check_is_shellcheck_clean_bash():
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    assert shellcheck is not None
+    out = subprocess.run([shellcheck, "-s", "bash", str(NHC_SCRIPT)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
