@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-under-load bytecode lint fmt bench gpu-check venv clean docs system-deps
+# (lock, image: see below)
+.PHONY: lock image demo test test-fast test-under-load bytecode lint fmt bench gpu-check venv clean docs system-deps
 
 # Prometheus, promtool, Alertmanager and amtool from Debian's packages (the tests start them).
 system-deps:
@@ -17,6 +18,30 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# deploy/container/requirements.lock: the sidecar image's dependencies (pyproject.toml's, with the
+# `stacks` extra) and build backend, each pinned with its hashes; the Dockerfile installs from it
+# with --require-hashes. Run it after changing the dependencies (tests/ops/test_image.py says when
+# the lock is stale); it needs PyPI.
+LOCK := deploy/container/requirements.lock
+lock: $(STAMP)
+	CUSTOM_COMPILE_COMMAND="make lock" $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe \
+		--build-deps-for wheel --extra stacks --strip-extras --no-emit-index-url --no-emit-find-links \
+		--output-file $(LOCK) pyproject.toml
+
+# The images deploy/kubernetes names, built and pushed to your registry (needs Docker and a login
+# to REGISTRY): `make image REGISTRY=registry.example/ml [TAG=0.1.0]`. It ends with the line that
+# sets them in the kustomization you apply (MAKE-IMAGE-REGISTRY there is a placeholder).
+TAG ?= 0.1.0
+image:
+	@test -n "$(REGISTRY)" || { echo "make image REGISTRY=<registry/path>: where to push the images" >&2; exit 2; }
+	docker build -f deploy/container/Dockerfile --target sidecar -t $(REGISTRY)/training-sidecar:$(TAG) .
+	docker build -f deploy/container/Dockerfile --target node-problem-detector -t $(REGISTRY)/training-sidecar-npd:$(TAG) .
+	docker push $(REGISTRY)/training-sidecar:$(TAG)
+	docker push $(REGISTRY)/training-sidecar-npd:$(TAG)
+	@echo "In the kustomization you apply (deploy/kubernetes or an overlay), run:"
+	@echo "  kustomize edit set image MAKE-IMAGE-REGISTRY/training-sidecar=$(REGISTRY)/training-sidecar:$(TAG) \\"
+	@echo "    MAKE-IMAGE-REGISTRY/training-sidecar-npd=$(REGISTRY)/training-sidecar-npd:$(TAG)"
 
 demo: $(STAMP)
 	$(BIN)/python -m demo

@@ -213,8 +213,8 @@ def test_the_daemonsets_tolerations_are_one_setting_of_the_overlay(overlay, tmp_
     assert _daemonset_pod(render(tree / "overlays" / overlay))["tolerations"] == only
 
 
-SIDECAR_IMAGE = "ghcr.io/training-sidecar/training-sidecar"
-NPD_IMAGE = "ghcr.io/training-sidecar/training-sidecar-npd"
+SIDECAR_IMAGE = "MAKE-IMAGE-REGISTRY/training-sidecar"
+NPD_IMAGE = "MAKE-IMAGE-REGISTRY/training-sidecar-npd"
 # Another project's image an opt-in component brings, pinned to a release by that component's own
 # `images:` (an overlay's entry of the same name overrides it; see the test below).
 THIRD_PARTY = {"quay.io/brancz/kube-rbac-proxy"}
