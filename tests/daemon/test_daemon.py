@@ -99,6 +99,7 @@ RANK_KEYS = {
     "exit_reason",
     "restart_safe",
     "observe_only",
+    "slurm_job_id",
 }
 COLLECTOR_KEYS = {"success", "duration_seconds", "age_seconds", "error"}
 
@@ -309,7 +310,7 @@ def test_a_tcp_port_in_use_exits_1_and_leaves_no_socket(tmp_path):
 
 def listening_url(log) -> str:
     found = wait_until(
-        lambda: re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace")),
+        lambda: log.exists() and re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace")),
         30,
         what="the listening line",
     )
