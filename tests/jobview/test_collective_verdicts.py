@@ -120,7 +120,10 @@ def test_a_desync_is_a_collective_mismatch_naming_the_odd_rank_out_and_its_node(
             assert "barrier" in ops and "all_reduce[256]" in ops and len(ops) == 2, ops
             assert ops["barrier"] == [hang_record(tmp_path)["rank"]], ops
         assert len({r["job_incident"] for r in mine.values()}) == 1
-        assert all(signalled(r) for r in mine.values())  # no culprit: every node acts on its own ranks
+        # no culprit: every node acts on its own ranks (a node whose rank a peer failure ended first, as the
+        # others' kills closed its connections, finds none left to signal: make test, 1 run in 7)
+        assert all(any(e["event"] == "sigterm" for e in r["timeline"]) for r in mine.values()), mine
+        assert any(signalled(r) for r in mine.values())
         # every rank's Flight Recorder dump, gathered from the nodes' incidents, reads in torch's fr_trace
         gathered = tmp_path / "fr"
         gathered.mkdir()
