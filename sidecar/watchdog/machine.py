@@ -457,11 +457,11 @@ class Watchdog:
         }
 
     def rank_state(self, rank: Rank) -> str:
+        if rank.gone:  # it said goodbye (or its exit was seen): gone now, not at the next tick
+            return RankState.GONE.value
         track = self._tracks.get(rank.key)
         if track is not None and track.rank is rank:
             return track.state.value
-        if rank.gone:
-            return RankState.GONE.value
         return (RankState.HEALTHY if rank.step is not None else RankState.STARTING).value
 
     def timeout_for(self, rank: Rank) -> float | None:

@@ -49,4 +49,5 @@ monitor: {{enabled: true}}
         out = run_cli("status", "--socket", sidecar.socket, "--json")
     ranks = {r["rank"]: r for r in json.loads(out.stdout)["status"]["ranks"] if r["job_id"] == "launch-test"}
     assert sorted(ranks) == [0, 1], out.stdout
-    assert all(r["state"] == "gone" and r["step"] == STEPS and r["loss"] is not None for r in ranks.values()), ranks
+    seen = {k: (r["state"], r["step"], r["loss"] is not None) for k, r in ranks.items()}
+    assert seen == {0: ("gone", STEPS, True), 1: ("gone", STEPS, True)}

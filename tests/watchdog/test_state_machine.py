@@ -118,6 +118,18 @@ async def test_a_deregistered_rank_is_gone_without_incident(world, clock):
     assert dog.incidents() == []
 
 
+async def test_a_deregistered_rank_is_gone_in_status_before_the_next_tick(world, clock):
+    # CI: `sidecar status` read right after torchrun exited showed its ranks healthy: the watchdog's
+    # track moves at its next tick, but the registry already knew the rank had said goodbye.
+    _, registry, dog, pid = world
+    r = register(registry, pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    registry.deregister(Deregistration("job", 0, pid, "finished"))
+    assert state(dog, r) == "gone"
+    assert dog.timeout_for(r) is None
+
+
 async def test_a_rank_whose_process_died_is_gone_without_incident(world, clock, spawn):
     _, registry, dog, _ = world
     p = spawn()
