@@ -407,7 +407,7 @@ class JobViewSettings:
             "crashed there, or the same desync) this many times after its first is ended, not restarted again: "
             "every node tells its ranks of the job to exit 93, and `python -m trainer_hooks.launch` then exits "
             "93 (do not requeue; plain torchrun restarts them until --max-restarts, each exiting at once, and "
-            "exits 1). A fresh launch (restart 0) starts over. At most 15; 0: never."
+            "exits 1). A fresh launch (restart 0 from a new torchrun) starts over. At most 15; 0: never."
         ),
     )
     straggler_exclude_after_seconds: float = field(

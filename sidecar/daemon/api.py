@@ -294,7 +294,7 @@ async def register(request: web.Request) -> web.Response:
         rank.slurm_job_id = await loop.run_in_executor(None, cgroups.slurm_job_of, rank.pid)
     if d.exits is not None:
         d.exits.watch(rank)
-    d.crash_loops.registered(rank)
+    d.crash_loops.registered(rank, procs.parent(rank.pid, rank.pid_start_time) if peer is not None else None)
     log.info(
         "registered rank %s pid %d%s uid %s (restart %d%s)",
         rank.label,

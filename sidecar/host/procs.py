@@ -31,6 +31,18 @@ def start_time(pid: int) -> float | None:
         return None
 
 
+def parent(pid: int, started: float | None) -> tuple[int, float] | None:
+    """The process's parent as (pid, start time): the process that launched it (torchrun's agent,
+    or the forkserver the agent started), or None when it is gone or not the process `started` names."""
+    fields = _own_stat(pid, started)
+    try:
+        ppid = int(fields[1]) if fields is not None else 0
+    except (ValueError, IndexError):
+        return None
+    born = start_time(ppid) if ppid > 0 else None
+    return None if born is None else (ppid, born)
+
+
 def _stat_fields(pid: int) -> list[bytes] | None:
     """The fields of /proc/<pid>/stat after the command name (field 3 first), or None."""
     try:

@@ -11,14 +11,19 @@ docs/kubernetes.md), as NVRx's launchers exit 93 after 3 cycles without progress
 
 Only the sidecar the hooks talk to tells them (its socket is root's), only for the job whose
 verdict it took from the job's own coordinator (whose reports are signed with the job's key), and
-never a rank that asked to be observed only. A fresh launch of the same job id (restart 0, after
-the mark) starts over: the user fixed something, or the scheduler was told to run it again.
+never a rank that asked to be observed only. A fresh launch of the same job id starts over: the
+user fixed something, or the scheduler was told to run it again. Fresh means restart 0 *and* a
+launcher (the rank's parent process: torchrun's agent, or its forkserver) this node has not seen
+start the job's ranks: torch's agent restarts a group for a membership change (another node's
+agent re-joining) without counting it, so a rank of the ended job comes back with restart 0 from
+the same agent. A rank whose parent cannot be read (an unverified TCP caller) is taken as fresh.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,7 @@ from trainer_hooks.wire import CRASH_LOOP_EXIT
 log = logging.getLogger("sidecar.jobview.crashloop")
 
 MAX_ENDED = 1024  # jobs marked on one node at most
+MAX_LAUNCHERS = 8  # launchers remembered per job (a node runs one agent per job; a relaunch adds one)
 KEPT_SECONDS = 3600.0  # a mark's life (a fresh launch lifts it sooner): the alert pages, then resolves
 
 CRASH_LOOP = spec(
@@ -67,6 +73,7 @@ class CrashLoops:
     def __init__(self, clock=time.time) -> None:
         self.clock = clock
         self._ended: dict[str, Ended] = {}
+        self._launchers: OrderedDict[str, list[tuple[int, float]]] = OrderedDict()  # job -> parents seen
 
     def see(self, verdict: Verdict) -> None:
         """Every verdict this node takes (jobview/reporter.py): a crash loop marks its job."""
@@ -87,10 +94,19 @@ class CrashLoops:
             verdict.job_incident, CRASH_LOOP_EXIT,
         )  # fmt: skip
 
-    def registered(self, rank: Rank) -> None:
-        """A rank of a fresh launch (restart 0) of a job marked ended: the mark is lifted."""
-        if rank.restart_count == 0 and self._ended.pop(rank.job_id, None) is not None:
-            log.warning("job %s: a fresh launch (restart 0): its crash-loop mark is lifted", rank.job_id)
+    def registered(self, rank: Rank, launcher: tuple[int, float] | None) -> None:
+        """A rank registered here, `launcher` its parent process (pid, start time; None: unknown).
+        A rank of a fresh launch of a job marked ended lifts the mark."""
+        seen = self._launchers.setdefault(rank.job_id, [])
+        self._launchers.move_to_end(rank.job_id)
+        fresh = rank.restart_count == 0 and (launcher is None or launcher not in seen)
+        if launcher is not None and launcher not in seen:
+            seen.append(launcher)
+            del seen[:-MAX_LAUNCHERS]
+        while len(self._launchers) > MAX_ENDED:
+            self._launchers.popitem(last=False)
+        if fresh and self._ended.pop(rank.job_id, None) is not None:
+            log.warning("job %s: a fresh launch (restart 0, new launcher): its crash-loop mark is lifted", rank.job_id)
 
     def _expire(self) -> None:
         now = self.clock()

@@ -7,6 +7,7 @@ and a verdict without them (an older coordinator) reads as no loop."""
 from __future__ import annotations
 
 import json
+import os
 import types
 
 import pytest
@@ -143,10 +144,27 @@ def test_a_node_tells_the_ranks_of_an_ended_job_to_exit_93_until_a_fresh_launch(
     assert loops.end_for(rank_of("j1", 2), observe_only=True) is None  # the node's observe-only mode
     [family] = loops.families()
     assert [(s.labels, s.value) for s in family.samples] == [({"job_id": "j1"}, 1)]
-    loops.registered(rank_of("j1", 3))  # the ended attempt's restart: still ended
+    loops.registered(rank_of("j1", 3), AGENT)  # the ended attempt's restart: still ended
     assert loops.end_for(rank_of("j1", 3), observe_only=False) is not None
-    loops.registered(rank_of("j1", 0))  # a fresh launch of the same job id
+    loops.registered(rank_of("j1", 0), (4242, 9.5))  # a fresh launch of the same job id: a new agent
     assert loops.end_for(rank_of("j1", 0), observe_only=False) is None and loops.status() == {}
+
+
+AGENT = (4141, 7.25)  # torchrun's agent of the ended launch: (pid, start time)
+
+
+@pytest.mark.parametrize("launcher", [AGENT, None], ids=["same agent", "parent unknown"])
+def test_a_restart_for_a_membership_change_keeps_the_mark_and_only_a_new_launcher_lifts_it(launcher):
+    """bench_crash_loop, 1 run of 4: node-2's agent restarted its group each time for a membership
+    change (the other agents re-joining), which torch does not count: its rank came back with
+    restart 0 after the mark, was taken for a fresh launch, lifted the mark, failed in its
+    rendezvous with exit 1, and its agent exited 1 instead of 93."""
+    loops = CrashLoops()
+    loops.registered(rank_of("j1", 0), AGENT)  # the job's first launch, before the loop
+    loops.see(loop_verdict())
+    loops.registered(rank_of("j1", 0), launcher)
+    kept = loops.end_for(rank_of("j1", 0), observe_only=False) is not None
+    assert kept == (launcher is not None)  # an unknown parent is taken for a fresh launch
 
 
 def test_the_hooks_exit_93_on_the_end_and_take_no_other_status(capsys):
@@ -161,3 +179,12 @@ def test_the_hooks_exit_93_on_the_end_and_take_no_other_status(capsys):
     assert codes == [CRASH_LOOP_EXIT]
     err = capsys.readouterr().err
     assert "job j1 rank 3: the sidecar ended the job: a crash loop: x (job incident inc-2); exiting 93" in err
+
+
+def test_a_ranks_launcher_is_its_parent_process_named_by_pid_and_start_time(spawn):
+    from sidecar.host import procs
+
+    child = spawn()
+    born = procs.start_time(child.pid)
+    assert procs.parent(child.pid, born) == (os.getpid(), procs.start_time(os.getpid()))
+    assert procs.parent(child.pid, (born or 0) + 1.0) is None  # not the process that start time names
