@@ -27,7 +27,7 @@ from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.reasons import exception_kind
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Finding, Fitness, judge
-from sidecar.host import cgroups, diagfiles, identity, procs, stackfiles
+from sidecar.host import cgroups, diagfiles, identity, podnet, procs, stackfiles
 from sidecar.jobview import auth, crashloop
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.crashloop import CrashLoops
@@ -249,7 +249,7 @@ async def tcp_peer(request: web.Request) -> tuple[int, int] | None:
     client, server = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
     if not (isinstance(client, tuple) and isinstance(server, tuple)):
         return None
-    return await asyncio.get_running_loop().run_in_executor(None, procs.tcp_peer, client, server)
+    return await asyncio.get_running_loop().run_in_executor(None, podnet.caller, client, server)
 
 
 async def registering_peer(request: web.Request) -> identity.Peer | None:

@@ -207,13 +207,13 @@ def _tcp_rows() -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int, in
         for line in lines:
             fields = line.split()
             try:
-                local, remote = _address(fields[1], family), _address(fields[2], family)
+                local, remote = address(fields[1], family), address(fields[2], family)
                 yield local, remote, fields[3], int(fields[7]), int(fields[9])
             except (IndexError, ValueError, OSError):
                 continue
 
 
-def _address(text: str, family: int) -> tuple[str, int]:
+def address(text: str, family: int) -> tuple[str, int]:
     """ "0100007F:1F90" -> ("127.0.0.1", 8080): each 32-bit word in the host's byte order."""
     host, _, port = text.partition(":")
     raw = bytes.fromhex(host)
@@ -222,7 +222,7 @@ def _address(text: str, family: int) -> tuple[str, int]:
     return socket.inet_ntop(family, raw), int(port, 16)
 
 
-def _same_host(a: str, b: str) -> bool:
+def same_host(a: str, b: str) -> bool:
     try:
         x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
     except ValueError:
@@ -265,8 +265,8 @@ def tcp_peer(client: tuple, server: tuple) -> tuple[int, int] | None:
     descriptors, so callers run it off the event loop and only for rare requests
     (registration); identity.process_peer then checks the process still holds the socket."""
     for local, remote, _, inode in _tcp_sockets():
-        if local[1] == client[1] and remote[1] == server[1] and _same_host(local[0], client[0]):
-            if _same_host(remote[0], server[0]) and inode:
+        if local[1] == client[1] and remote[1] == server[1] and same_host(local[0], client[0]):
+            if same_host(remote[0], server[0]) and inode:
                 pid = _holder(inode)
                 return None if pid is None else (pid, inode)
     return None
@@ -289,7 +289,7 @@ def is_local_address(host: str) -> bool:
         found = psutil.net_if_addrs()
     except (OSError, RuntimeError):
         return True  # cannot tell: treat it as local (the caller then needs a live socket of an allowed uid)
-    return any(_same_host(a.address.split("%")[0], str(ip)) for addrs in found.values() for a in addrs)
+    return any(same_host(a.address.split("%")[0], str(ip)) for addrs in found.values() for a in addrs)
 
 
 def tcp_client_uid(client: tuple, server: tuple) -> int | None:
@@ -300,7 +300,7 @@ def tcp_client_uid(client: tuple, server: tuple) -> int | None:
     for local, remote, state, uid, inode in _tcp_rows():
         if state not in _TCP_LIVE or inode == 0 or local[1] != client[1] or remote[1] != server[1]:
             continue
-        if _same_host(local[0], client[0]) and _same_host(remote[0], server[0]):
+        if same_host(local[0], client[0]) and same_host(remote[0], server[0]):
             return uid
     return None
 
