@@ -21,6 +21,7 @@ PINNED = {
     6: "ea85157531a62a1e",  # (6 had not landed when STEP_GAP_SEND_SECONDS, then OBSERVE_ONLY joined it)
     7: "f6f85674e615ff73",
     8: "e957f3738b00dd4f",
+    9: "3bfa4a306ed3e63c",
 }
 
 
