@@ -24,7 +24,7 @@ def _registration(environ: dict) -> dict:
         os.getpid(), None, 1.0, False,
     )  # fmt: skip
     sent: list[dict] = []
-    sender._post = lambda path, body, deadline: sent.append(json.loads(body))  # type: ignore[method-assign,assignment,return-value]
+    sender._post = lambda path, body, deadline: sent.append(json.loads(body))
     sender.register()
     (body,) = sent
     return body
