@@ -38,6 +38,7 @@ from sidecar.config_sections import (  # noqa: F401  (re-exported)
     ExitSettings,
     JobViewSettings,
     LimitSettings,
+    MetricsSettings,
     RemediationSettings,
     WatchdogSettings,
 )
@@ -161,6 +162,7 @@ class Settings:
     remediation: RemediationSettings = field(default_factory=RemediationSettings)
     exits: ExitSettings = field(default_factory=ExitSettings)
     job_view: JobViewSettings = field(default_factory=JobViewSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     def __post_init__(self) -> None:
         if not self.node_name:

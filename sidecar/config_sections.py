@@ -1,4 +1,4 @@
-"""The settings' sections (`collectors`, `limits`, `watchdog`, `remediation`, `exits`, `job_view`):
+"""The settings' sections (`collectors`, `limits`, `watchdog`, `remediation`, `exits`, `job_view`, `metrics`):
 one dataclass each, every field documented in its metadata and checked in `__post_init__`
 (sidecar/config.py holds the top-level `Settings` that gathers them, and the loading)."""
 
@@ -491,3 +491,15 @@ class JobViewSettings:
             why = check_url(self.advertise_url)
             if why is not None:
                 _fail("job_view.advertise_url", f"{why}, got {self.advertise_url!r}")
+
+
+@dataclass
+class MetricsSettings:
+    slurm_labels: bool = field(
+        default=True,
+        metadata=doc(
+            "Put a Slurm job's `slurm_job_id`, `slurm_user`, `slurm_account` and `slurm_partition` on its ranks' "
+            "series and its own series (docs/slurm.md#the-jobs-owner-on-its-series-and-incidents); they add no "
+            "series. Off: none on the series; `/v1/status` and the incidents keep them."
+        ),
+    )

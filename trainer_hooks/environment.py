@@ -16,6 +16,7 @@ Every variable read by the hooks is listed here, so this file is their reference
 | `SIDECAR_FLUSH_INTERVAL` | seconds between batches sent to the sidecar (default: what the sidecar says at registration, 2 s unless configured; 0.5 before that) |
 | `SIDECAR_HOOKS_DISABLED` | `1` makes every hook a no-op |
 | `SIDECAR_POD_NAMESPACE`, `SIDECAR_POD_NAME`, `SIDECAR_CONTAINER_NAME` | the rank's pod (Kubernetes downward API): `namespace`, `pod`, `container` labels on its series; unset means no label |
+| `SLURM_JOB_ID`, `SLURM_JOB_ACCOUNT`, `SLURM_JOB_PARTITION` | set by Slurm: with `SLURM_JOB_ID` set, the registration's `slurm` carries the account and partition (`slurm_account`, `slurm_partition` labels, docs/slurm.md); the user is not read: the sidecar names the uid it verified |
 | `TORCHELASTIC_USE_AGENT_STORE` | set by torchrun; `True` means the workers share the agent's store across restarts (`distributed.py`) |
 | `SIDECAR_ATTACH` | `1` with `autoattach/` on PYTHONPATH attaches every torchrun worker (`attach.py`) |
 | `SIDECAR_ATTACHED_PID` | set by the attach switch in the attached process; its children do not attach again |
@@ -43,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from trainer_hooks.wire import POD_LABEL_RULES, PROTOCOL_VERSION
+from trainer_hooks.wire import POD_LABEL_RULES, PROTOCOL_VERSION, SLURM_LABEL_RULES
 
 log = logging.getLogger("trainer_hooks")
 
@@ -81,6 +82,9 @@ class Identity:
     local_world_size: int
     restart_count: int
     kubernetes: tuple[tuple[str, str], ...] = ()  # (label, value) of the rank's pod, from the downward API
+    slurm: tuple[tuple[str, str], ...] | None = (
+        None  # (key, value) of its Slurm job's account, partition; None: no Slurm
+    )
     launcher: Launcher = NO_LAUNCHER
     observe_only: bool = False  # ask that the job's stalls be observed, never killed (wire.OBSERVE_ONLY)
 
@@ -138,6 +142,7 @@ def identity(
         ),
         restart_count=(_int(environ, "TORCHELASTIC_RESTART_COUNT", 0) if restart_count is None else int(restart_count)),
         kubernetes=kubernetes(environ),
+        slurm=slurm(environ),
         launcher=launcher(environ),
         observe_only=(
             environ.get("SIDECAR_OBSERVE_ONLY", "").strip().lower() in _TRUE
@@ -180,6 +185,29 @@ def kubernetes(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
             log.warning("trainer_hooks: ignoring %s=%r (not a Kubernetes %s name)", variable, value[:64], label)
             continue
         out.append((label, value))
+    return tuple(out)
+
+
+# Slurm's variables of the job's environment -> the registration's `slurm` key (wire.SLURM_LABEL_RULES;
+# the sidecar checks them again and refuses a registration that breaks them).
+SLURM_VARIABLES = (("SLURM_JOB_ACCOUNT", "account"), ("SLURM_JOB_PARTITION", "partition"))
+
+
+def slurm(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...] | None:
+    """The rank's Slurm account and partition from the set, well-formed variables (others are left
+    out); None outside a Slurm job (no SLURM_JOB_ID): the registration then carries no `slurm`."""
+    if not environ.get("SLURM_JOB_ID", "").strip():
+        return None
+    out = []
+    for variable, key in SLURM_VARIABLES:
+        value = environ.get(variable, "").strip()
+        if not value:
+            continue
+        pattern, max_len, what = SLURM_LABEL_RULES[key]
+        if len(value) > max_len or not pattern.match(value):
+            log.warning("trainer_hooks: ignoring %s=%r (not %s)", variable, value[:64], what)
+            continue
+        out.append((key, value))
     return tuple(out)
 
 

@@ -441,6 +441,8 @@ class Sender:
         }
         if self.ident.kubernetes:
             body["kubernetes"] = dict(self.ident.kubernetes)
+        if self.ident.slurm is not None:
+            body["slurm"] = dict(self.ident.slurm)  # protocol 9: its Slurm job's account and partition
         if self.ident.observe_only:
             body[OBSERVE_ONLY] = True  # protocol 6: never kill this job's ranks, only report their stalls
         reply = self._post("/v1/register", _dumps(body), deadline)

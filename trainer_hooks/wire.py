@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import re
 
-# 8: the optional `end` of a registration's or a push's answer (END, CRASH_LOOP_EXIT: the job was ended
-# for a crash loop; hooks of 7 ignore it and train on until the launcher gives up), a deregistration's
-# optional `exit.time` (when the hooks reported the exception, the host's wall clock); 7: a collective
+# 9: a registration's optional `slurm` (SLURM_LABEL_RULES: the account and partition its environment
+# names; a sidecar of 8 ignores it); 8: the optional `end` of a registration's or a push's answer (END,
+# CRASH_LOOP_EXIT: the job was ended for a crash loop; hooks of 7 ignore it and train on until the
+# launcher gives up), a deregistration's optional `exit.time` (when the hooks reported the exception,
+# the host's wall clock); 7: a collective
 # record group's optional `recent` (COLLECTIVES_MAX_RECENT; a sidecar of 6 ignores
 # it); 6: the job view offer's and the `job_coordinator` event's `key` (JOB_KEY_CHARS hex digits: the
 # job's own key, sidecar/jobview/auth.py), STEP_GAP_SEND_SECONDS, a registration's optional
@@ -26,7 +28,7 @@ import re
 # (RESTART_SAFE), WELL_KNOWN_EVENTS and CHECKPOINT_SOURCES; 3: the `job_coordinator` event (the
 # job view); 2: a registration's optional `launcher` (LAUNCHERS). Registrations of earlier
 # versions stay valid.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # ---------------------------------------------------------------- names
 
@@ -155,6 +157,20 @@ POD_LABEL_RULES: dict[str, tuple[re.Pattern, int, str]] = {
     "namespace": (re.compile(_DNS_LABEL + r"\Z"), 63, "a DNS-1123 label"),
     "pod": (re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*\Z"), 253, "a DNS-1123 subdomain"),
     "container": (re.compile(_DNS_LABEL + r"\Z"), 63, "a DNS-1123 label"),
+}
+
+# ---------------------------------------------------------------- Slurm labels
+
+# A rank's Slurm job as its environment names it (`slurm` of a registration, protocol 9: the hooks send
+# it where SLURM_JOB_ID is set, with each key whose variable is set and well-formed: SLURM_JOB_ACCOUNT,
+# SLURM_JOB_PARTITION): key -> (pattern, most characters, what it is). Slurm's account and partition
+# names are words of letters, digits, '_', '.' and '-'. No `user`: the sidecar names the uid of the
+# process it verified, never a name the rank sends (sidecar/ranks/slurmjob.py).
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+SLURM_LABEL_KEYS = ("account", "partition")
+SLURM_LABEL_RULES: dict[str, tuple[re.Pattern, int, str]] = {
+    "account": (_SLURM_NAME, 64, "a Slurm account name"),
+    "partition": (_SLURM_NAME, 64, "a Slurm partition name"),
 }
 
 # ---------------------------------------------------------------- the exit report

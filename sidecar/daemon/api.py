@@ -27,13 +27,13 @@ from sidecar.daemon.looplag import LoopLag
 from sidecar.exits.reasons import exception_kind
 from sidecar.exits.tracker import ExitTracker
 from sidecar.fitness import Finding, Fitness, judge
-from sidecar.host import cgroups, diagfiles, identity, podnet, procs, stackfiles
+from sidecar.host import diagfiles, identity, podnet, procs, stackfiles
 from sidecar.jobview import auth, crashloop
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.crashloop import CrashLoops
 from sidecar.jobview.reporter import Reporter
 from sidecar.metric import MetricSpec, spec
-from sidecar.ranks import golive, lateness, protocol
+from sidecar.ranks import golive, lateness, protocol, slurmjob
 from sidecar.ranks.collectives import parse_collectives, parse_fr_dump
 from sidecar.ranks.errors import RegistryError
 from sidecar.ranks.model import Rank
@@ -290,8 +290,8 @@ async def register(request: web.Request) -> web.Response:
         pidfd=claimed.pidfd,
     )
     rank.stack_file = dumpfiles.stack_file_for(d.settings, d.dump_files, d.registry, rank, previous, peer is not None)
-    if peer is not None:  # the Slurm job of a process it verified (the epilog's), never of a pid a caller names
-        rank.slurm_job_id = await loop.run_in_executor(None, cgroups.slurm_job_of, rank.pid)
+    if peer is not None:  # the Slurm job and user of a process it verified, never of a pid or name a caller sends
+        rank.slurm_job_id, rank.slurm_user = await loop.run_in_executor(None, slurmjob.verified, rank)
     if d.exits is not None:
         d.exits.watch(rank)
     d.crash_loops.registered(rank, procs.parent(rank.pid, rank.pid_start_time) if peer is not None else None)

@@ -49,7 +49,7 @@ from sidecar.host import procs, stackfiles
 from sidecar.jobview import collectives, straggler_incidents
 from sidecar.jobview.coordinator import Coordinator
 from sidecar.jobview.reporter import Reporter
-from sidecar.ranks import ownership, podlabels, straggler_cause
+from sidecar.ranks import ownership, podlabels, slurmjob, straggler_cause
 from sidecar.ranks.golive import memory_of
 from sidecar.ranks.registry import Registry
 from sidecar.ranks.training_metrics import TrainingCollector
@@ -89,7 +89,7 @@ def build_app(settings: Settings) -> web.Application:
         settings, ranks=watched, job_versions=registry.versions_by_job, live_ranks=registry.verified_live_pids
     )
     runner = CollectorRunner(collectors, settings.collectors.interval_seconds)
-    runner.relabel = lambda families: podlabels.attach(families, registry.pod_labels)
+    runner.relabel = lambda families: podlabels.attach(families, registry.series_labels)
     daemon = api.Daemon(
         settings=settings,
         registry=registry,
@@ -99,6 +99,9 @@ def build_app(settings: Settings) -> web.Application:
         protected_pids=procs.protected_pids(),
     )
     limits = settings.limits
+    daemon.watchdog.store.slurm_of = lambda job_id: slurmjob.job_facts(
+        r for r in registry.ranks() if r.job_id == job_id
+    )
     daemon.dump_files = stackfiles.DumpFiles(
         settings.diagnostics_dir, limits.max_ranks_per_user + stackfiles.KEPT_PER_UID, 2 * limits.max_ranks
     )
@@ -120,7 +123,7 @@ def build_app(settings: Settings) -> web.Application:
         daemon.watchdog,
         [daemon.exits.families, lambda: api.daemon_families(daemon), lambda: fitness.families(daemon.fitness())],
         settings.limits.max_series,
-        relabel=lambda families: podlabels.attach(families, registry.pod_labels),
+        relabel=lambda families: podlabels.attach(families, registry.series_labels),
         reuse_seconds=settings.metrics_reuse_seconds,
     )
     app[api.METRICS_ENDPOINT] = endpoint

@@ -66,6 +66,8 @@ def reference_markdown(specs: list[MetricSpec] | None = None) -> str:
         "training rank, `gpu` a GPU index, `device` a network interface or InfiniBand device.",
         "In Kubernetes, every series labelled `rank` also carries the rank's `namespace`, `pod` and",
         "`container` (docs/operator-guide.md#pod-labels); they are absent elsewhere.",
+        "On Slurm, every series labelled `job_id` also carries the job's `slurm_job_id`, `slurm_user`,",
+        "`slurm_account` and `slurm_partition` where known (docs/slurm.md, `metrics.slurm_labels`).",
         f"{len(specs)} metric families.",
         "",
     ]

@@ -28,7 +28,7 @@ from sidecar.jobview import straggler_incidents, stragglers
 from sidecar.jobview.golive import shown as golive_shown
 from sidecar.jobview.reporter import Reporter
 from sidecar.problems import Kind, Problem, merged, restart_trap
-from sidecar.ranks import lateness
+from sidecar.ranks import lateness, slurmjob
 from sidecar.ranks.model import Rank
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
@@ -207,6 +207,7 @@ def rank_entry(r: Rank, watchdog: Watchdog, now: float) -> dict:
         "pid": r.pid,
         "uid": r.owner_uid,  # the uid its process runs as (None: an unverified TCP caller)
         "slurm_job_id": r.slurm_job_id,  # the Slurm job whose cgroup holds it (None: not a Slurm job's)
+        "slurm": slurmjob.facts(r),  # its Slurm job, user, account, partition (ranks/slurmjob.py); None: no Slurm
         "state": state,
         "step": r.step,
         "step_time_seconds": finite(m.get("step_time_seconds")),

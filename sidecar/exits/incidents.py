@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.incidents.store import Incident, IncidentStore, document
+from sidecar.incidents.store import Incident, IncidentStore, document, slurm_lines
 
 MAX_INLINE_EXITS = 32  # exits kept in full per incident; the rest are counted by reason
 
@@ -61,6 +61,7 @@ class ExitIncident(Incident):
         lines = [
             f"Incident {self.id}",
             f"  exit of   job {self.job_id} on {self.node}, {when}",
+            *slurm_lines(self.slurm),
             f"  summary   {self.summary}",
             "",
         ]

@@ -22,6 +22,7 @@ import pickle
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,9 @@ class Incident:
     # A crash loop (sidecar/jobview/crashloop.py): the same verdict at the same step came back this many
     # times after its first, and the job is ended (its ranks exit 93), not restarted again. None: no loop.
     crash_loop: dict[str, Any] | None = None
+    # The job's Slurm job id, user, account and partition, from its ranks on this node when the incident
+    # opened (sidecar/ranks/slurmjob.py job_facts: each where they name one); None: not a Slurm job's.
+    slurm: dict[str, str] | None = None
 
     def event(self, name: str, at: float | None = None, **detail: Any) -> None:
         """Record an action with its Unix time and its offset from detection."""
@@ -172,6 +176,7 @@ class Incident:
             "summary": self.summary,
             "path": self.path,
             "drill": self.drill,
+            "slurm": self.slurm,
         }
 
     def text(self) -> str:
@@ -180,6 +185,7 @@ class Incident:
             f"Incident {self.id}",
             f"  detected  {when} on {self.node}",
             f"  job       {self.job_id}",
+            *slurm_lines(self.slurm),
             f"  blamed    {self.blamed} ({self.blame_reason})",
             *([f"  kind      {self.hang_kind} (judged from {self.evidence})"] if self.hang_kind else []),
             *(
@@ -231,6 +237,16 @@ def document(lines: list[str]) -> str:
     return "".join(printable(line) + "\n" for line in lines)
 
 
+def slurm_lines(slurm: dict[str, str] | None) -> list[str]:
+    """The summary's line on the job's Slurm job and owner (none for a job that is no Slurm job's)."""
+    if not slurm:
+        return []
+    return [
+        "  slurm     "
+        + ", ".join(f"{key} {slurm[key]}" for key in ("job_id", "user", "account", "partition") if key in slurm)
+    ]
+
+
 def unkillable_lines(processes: list[dict[str, Any]]) -> list[str]:
     """The summary's section on processes that outlived SIGKILL."""
     if not processes:
@@ -271,6 +287,8 @@ class IncidentStore:
         self.retention = retention or Retention()
         self._pruned_at = -RETENTION_CHECK_SECONDS
         self.drills = DrillMarks()  # the job being drilled now (`sidecar drill`): its stall is recorded as a drill
+        # job_id -> its Slurm facts (set by the daemon: sidecar/ranks/slurmjob.py job_facts), for each incident
+        self.slurm_of: Callable[[str], dict[str, str] | None] = lambda job_id: None
 
     @classmethod
     def for_settings(cls, settings: Settings) -> IncidentStore:
@@ -291,6 +309,7 @@ class IncidentStore:
             n += 1
             ident = f"{base}-{n}"
         incident = cls(id=ident, time=now, job_id=job_id, node=self.node, **fields)
+        incident.slurm = self.slurm_of(job_id)
         incident.path = str(self.directory / f"{incident.id}.json")
         incident.event("detected", at=now)
         if incident.kind == "stall" and (drill := self.drills.claim(job_id, incident.id)) is not None:

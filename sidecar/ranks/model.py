@@ -62,6 +62,8 @@ class Rank:
     claimed_pid: int | None = None  # the pid the rank calls itself (its own pid namespace's); None: `pid`
     owner_uid: int | None = None  # the uid its process runs as (None: unknown, an unverified TCP caller)
     slurm_job_id: str | None = None  # the Slurm job whose cgroup holds its process (host/cgroups.slurm_job_of)
+    slurm_user: str | None = None  # the name of owner_uid, for a Slurm job's rank (ranks/slurmjob.py)
+    slurm: dict[str, str] | None = None  # its Slurm account and partition, as it says (None: it names no Slurm job)
     pidfd: PidFd | None = field(default=None, repr=False)  # of the process, where the kernel has pidfds
     # Returned at registration; pushes and deregistrations over TCP must carry it (the Unix
     # socket checks the caller's pid instead), so another local user cannot forge progress.

@@ -16,6 +16,10 @@ A job's own series (labelled `job_id` but no `rank`: `sidecar_training_world_siz
 when the job's ranks on this node name one namespace (a Kubernetes job runs in one); ranks that
 name several, or none, leave it off. So alerts and recording rules keep the tenant for job-level
 alerts as for rank-level ones (issue 31, item 3). Never `pod` or `container`: a job has many.
+
+A Slurm job's ranks carry its `slurm_job_id`, `slurm_user`, `slurm_account` and `slurm_partition`
+(sidecar/ranks/slurmjob.py: where each comes from) the same way: on the rank's series, and each on the
+job's own series when its ranks here name one value of it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from sidecar.ranks.slurmjob import LABELS as SLURM_LABELS
 from trainer_hooks.wire import POD_LABEL_KEYS as KEYS
 from trainer_hooks.wire import POD_LABEL_RULES as RULES
 
@@ -56,22 +61,29 @@ def parse(value: Any) -> dict[str, str]:
     return out
 
 
-def job_namespaces(lookup: dict[tuple[str, str], dict[str, str]]) -> dict[str, str]:
-    """job_id -> its namespace, for the jobs whose ranks here name exactly one."""
-    seen: dict[str, set[str]] = {}
+# The rank labels a job's own series carry too, each where the job's ranks here name one value of it.
+JOB_LABELS = ("namespace", *SLURM_LABELS)
+
+
+def job_labels(lookup: dict[tuple[str, str], dict[str, str]]) -> dict[str, dict[str, str]]:
+    """job_id -> its job-level labels (JOB_LABELS): each that its ranks here name exactly one value of."""
+    seen: dict[str, dict[str, set[str]]] = {}
     for (job_id, _), labels in lookup.items():
-        if "namespace" in labels:
-            seen.setdefault(job_id, set()).add(labels["namespace"])
-    return {job_id: names.pop() for job_id, names in seen.items() if len(names) == 1}
+        for key in JOB_LABELS:
+            if key in labels:
+                seen.setdefault(job_id, {}).setdefault(key, set()).add(labels[key])
+    out = {job_id: {k: v.pop() for k, v in keys.items() if len(v) == 1} for job_id, keys in seen.items()}
+    return {job_id: labels for job_id, labels in out.items() if labels}
 
 
 def attach(families: Iterable[Metric], labels_of: Callable[[], dict[tuple[str, str], dict[str, str]]]) -> list[Metric]:
-    """`families` with each rank's pod labels added to its samples (those labelled job_id and rank),
-    and its job's namespace to the job's own samples (labelled job_id, no rank). `labels_of()` maps
-    (job_id, rank as text) to the labels; it is called once, only when needed."""
+    """`families` with each rank's labels added to its samples (those labelled job_id and rank), and
+    its job's (JOB_LABELS) to the job's own samples (labelled job_id, no rank), never over a label a
+    sample has. `labels_of()` maps (job_id, rank as text) to the labels; it is called once, only when
+    needed."""
     families = list(families)
     lookup: dict[tuple[str, str], dict[str, str]] | None = None
-    namespaces: dict[str, str] = {}
+    of_job: dict[str, dict[str, str]] = {}
     for family in families:
         if not family.samples or "job_id" not in family.samples[0].labels:
             continue
@@ -79,7 +91,7 @@ def attach(families: Iterable[Metric], labels_of: Callable[[], dict[tuple[str, s
             lookup = labels_of()
             if not lookup:
                 return families
-            namespaces = job_namespaces(lookup)
+            of_job = job_labels(lookup)
         if "rank" in family.samples[0].labels:
             family.samples = [
                 s._replace(labels={**s.labels, **extra})
@@ -87,10 +99,10 @@ def attach(families: Iterable[Metric], labels_of: Callable[[], dict[tuple[str, s
                 else s
                 for s in family.samples
             ]
-        elif namespaces:
+        elif of_job:
             family.samples = [
-                s._replace(labels={**s.labels, "namespace": ns})
-                if "namespace" not in s.labels and (ns := namespaces.get(s.labels.get("job_id", ""))) is not None
+                s._replace(labels={**s.labels, **{k: v for k, v in extra.items() if k not in s.labels}})
+                if (extra := of_job.get(s.labels.get("job_id", "")))
                 else s
                 for s in family.samples
             ]

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.ranks import podlabels
+from sidecar.ranks import podlabels, slurmjob
 from trainer_hooks.wire import (
     EXIT_MAX_FRAMES,
     EXIT_MAX_TEXT,
@@ -79,6 +79,7 @@ class Registration:
     launcher: Launcher | None = None  # None: not said (hooks of protocol 1)
     restart_safe: bool | None = None  # None: not said (no torchrun, or hooks of protocol 1 and 2)
     observe_only: bool = False  # the job asks that its stalls be observed, never killed (wire.OBSERVE_ONLY)
+    slurm: dict[str, str] | None = None  # account, partition of its Slurm job, as it says (protocol 9; slurmjob.py)
 
 
 @dataclass(slots=True)
@@ -355,7 +356,8 @@ def parse_registration(data: dict) -> Registration:
     stack = _object(data, "stack_dump", "stack_dump")
     try:
         kubernetes = podlabels.parse(data.get("kubernetes"))
-    except podlabels.PodLabelError as e:
+        slurm = slurmjob.parse(data.get("slurm"))
+    except (podlabels.PodLabelError, slurmjob.SlurmLabelError) as e:
         raise ProtocolError(str(e)) from None
     return Registration(
         job_id=job_id,
@@ -376,6 +378,7 @@ def parse_registration(data: dict) -> Registration:
         launcher=_launcher(data),
         restart_safe=_flag(data, RESTART_SAFE),
         observe_only=bool(_flag(data, OBSERVE_ONLY)),
+        slurm=slurm,
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from sidecar.config import Settings
 from sidecar.host import procs
 from sidecar.host.identity import PidFd
+from sidecar.ranks import slurmjob
 from sidecar.ranks.admission import Admission, JobNames
 from sidecar.ranks.errors import StepNotIncreasing, UnknownRank
 from sidecar.ranks.model import Rank, RankKey
@@ -43,9 +44,16 @@ class Registry:
     def ranks(self) -> list[Rank]:
         return list(self._ranks.values())
 
-    def pod_labels(self) -> dict[tuple[str, str], dict[str, str]]:
-        """(job_id, rank as text) -> the rank's Kubernetes labels, for ranks that sent them."""
-        return {(r.job_id, str(r.rank)): r.kubernetes for r in self.ranks() if r.kubernetes}
+    def series_labels(self) -> dict[tuple[str, str], dict[str, str]]:
+        """(job_id, rank as text) -> the labels its series carry: its pod's (podlabels.py) and, while
+        metrics.slurm_labels, its Slurm job's (slurmjob.py); ranks with none are left out."""
+        slurm = self.settings.metrics.slurm_labels
+        out = {}
+        for r in self.ranks():
+            labels = {**r.kubernetes, **slurmjob.labels(r)} if slurm else r.kubernetes
+            if labels:
+                out[(r.job_id, str(r.rank))] = labels
+        return out
 
     def get(self, job_id: str, rank: int) -> Rank | None:
         return self._ranks.get((job_id, rank))
@@ -126,6 +134,7 @@ class Registry:
             pushes_promised=_promises_pushes(reg.versions),
             hooks_version=reg.hooks_version,
             kubernetes=dict(reg.kubernetes),
+            slurm=None if reg.slurm is None else dict(reg.slurm),
             launcher=reg.launcher,
             restart_safe=reg.restart_safe,
             observe_only=reg.observe_only and self.settings.watchdog.allow_job_observe_only,

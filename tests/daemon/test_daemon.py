@@ -100,6 +100,7 @@ RANK_KEYS = {
     "restart_safe",
     "observe_only",
     "slurm_job_id",
+    "slurm",
 }
 COLLECTOR_KEYS = {"success", "duration_seconds", "age_seconds", "error"}
 

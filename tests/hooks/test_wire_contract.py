@@ -21,6 +21,7 @@ PINNED = {
     6: "ea85157531a62a1e",  # (6 had not landed when STEP_GAP_SEND_SECONDS, then OBSERVE_ONLY joined it)
     7: "f6f85674e615ff73",
     8: "e957f3738b00dd4f",
+    9: "3bfa4a306ed3e63c",
 }
 
 
@@ -56,7 +57,7 @@ def test_the_fingerprint_sees_every_kind_of_constant(monkeypatch):
 
 def test_both_sides_use_the_one_contract():
     from sidecar import config
-    from sidecar.ranks import podlabels, protocol, registry
+    from sidecar.ranks import podlabels, protocol, registry, slurmjob
     from trainer_hooks import environment, exits, records
 
     assert protocol.NAME_RE is records.NAME_RE is wire.NAME_RE
@@ -64,6 +65,8 @@ def test_both_sides_use_the_one_contract():
     assert registry.WELL_KNOWN_METRICS is records.WELL_KNOWN_METRICS is wire.WELL_KNOWN_METRICS
     assert registry.WELL_KNOWN_PHASES is wire.WELL_KNOWN_PHASES
     assert podlabels.RULES is wire.POD_LABEL_RULES and podlabels.KEYS is wire.POD_LABEL_KEYS
+    assert slurmjob.RULES is wire.SLURM_LABEL_RULES and slurmjob.KEYS is wire.SLURM_LABEL_KEYS
+    assert {key for _, key in environment.SLURM_VARIABLES} == set(wire.SLURM_LABEL_KEYS)
     assert {label: n for _, label, n in environment.POD_VARIABLES} == {
         k: rule[1] for k, rule in wire.POD_LABEL_RULES.items()
     }
