@@ -126,8 +126,12 @@ def test_rank_0s_node_lost_ends_the_job_on_every_survivor_and_each_records_its_r
         for node in survivors:
             exits = wait_for(lambda node=node: node.incidents(kind="exit"), 30)
             assert exits, (node.spec.name, explain(cluster))
+            # Its rank raised the communication error (in a collective when rank 0 died), or its own
+            # agent, whose store connection failed first, ended it with SIGTERM (between collectives:
+            # make test, 1 run of 4; torchrun's log "Sending process N closing signal SIGTERM").
             reasons = {e["reason"] for r in exits for e in r["exits"]}
-            assert reasons == {"exception/communication"}, (node.spec.name, [r["summary"] for r in exits])
+            assert reasons and reasons <= {"exception/communication", "signal"}, (
+                node.spec.name, [r["summary"] for r in exits])  # fmt: skip
             assert node.status()["health"] is not None  # its sidecar lives on
 
 
