@@ -2,12 +2,14 @@
 --check node` as a custom plugin (the NodeCondition SidecarNodeUnfit), and `expected-gpus`, which
 sets collectors.expected_gpus from a node label. Each renders into an overlay with the base and
 validates; the plugin's own command, run as its rule says, answers by node-problem-detector's
-protocol (0 fit, 1 unfit, 2 unknown); the init container's script, run against a stand-in of the
-Kubernetes API over TLS, writes settings the sidecar accepts."""
+protocol (0 fit, 1 unfit, 2 unknown); the detector's probes ask the server its arguments start;
+the init container's script, run against a stand-in of the Kubernetes API over TLS, writes
+settings the sidecar accepts."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import ssl
 import subprocess
@@ -106,6 +108,57 @@ def test_node_problem_detector_watches_the_sidecar_s_socket_with_its_custom_plug
     socket = rule["args"][rule["args"].index("--socket") + 1]
     assert Path(socket).parent == Path(mounts["run-sidecar"])
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def npd_flag(command: list[str], name: str, default: str) -> str:
+    """The value of node-problem-detector's flag --`name` in `command`, else its default."""
+    given = [a.partition("=")[2] for a in command if a.startswith(f"--{name}=")]
+    return given[-1] if given else default
+
+
+class _Healthz(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+        self.send_response(200 if self.path == "/healthz" else 404)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_node_problem_detector_s_probes_ask_the_server_its_arguments_start(tmp_path):
+    """Upstream serves /healthz on --address:--port (defaults 127.0.0.1:20256, cmd/options), after
+    waiting for the API server up to --apiserver-wait-timeout (5m): the probes ask that URL from
+    inside the container (loopback is out of the kubelet's reach), the startup probe long enough."""
+    docs = render_with(tmp_path, "node-problem-detector")
+    (container,) = named(docs, "DaemonSet", "sidecar-node-problem-detector")["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    address, port = npd_flag(command, "address", "127.0.0.1"), npd_flag(command, "port", "20256")
+    assert address == "127.0.0.1" and int(port) > 0  # 0 turns the server off
+    assert "readinessProbe" not in container  # ready when the startup probe passes
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > 5 * 60
+    assert npd_flag(command, "apiserver-wait-timeout", "5m0s") == "5m0s"
+    for probe in (startup, liveness):
+        assert set(probe) - {"periodSeconds", "timeoutSeconds", "failureThreshold"} == {"exec"}
+        python, flag, script = probe["exec"]["command"]
+        assert (python, flag) == ("python", "-c")  # the sidecar image's, which this one is built on
+        (url,) = re.findall(r"http://[^\"]+", script)
+        assert url == f"http://{address}:{port}/healthz"
+        assert probe["timeoutSeconds"] > float(re.search(r"timeout=(\d+)", script)[1])
+    # The probe's own command, against a stand-in of the detector's server on a free port.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    moved = script.replace(f":{port}/", f":{server.server_port}/")
+    try:
+        up = subprocess.run([sys.executable, "-c", moved], capture_output=True, text=True, timeout=30)
+        assert up.returncode == 0, up.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+    down = subprocess.run([sys.executable, "-c", moved], capture_output=True, text=True, timeout=30)
+    assert down.returncode == 1 and down.stderr.startswith("node-problem-detector /healthz: ")
 
 
 def node_check(rule_args: list[str], socket: str) -> subprocess.CompletedProcess:
