@@ -4,7 +4,9 @@ sets collectors.expected_gpus from a node label. Each renders into an overlay wi
 validates; the plugin's own command, run as its rule says, answers by node-problem-detector's
 protocol (0 fit, 1 unfit, 2 unknown); the detector's probes ask the server its arguments start;
 the init container's script, run against a stand-in of the Kubernetes API over TLS, writes
-settings the sidecar accepts."""
+settings the sidecar accepts. For a node-problem-detector the cluster already runs
+(deploy/node-problem-detector: Helm values for the deliveryhero chart), the same condition from a
+bash script over TCP, which answers as the sidecar CLI does."""
 
 from __future__ import annotations
 
@@ -15,17 +17,20 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from socket import create_server
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from sidecar.config import load_settings
-from tests.support import ROOT, Sidecar, wait_until
+from tests.support import ROOT, Sidecar, free_port, wait_until
 
 K8S = ROOT / "deploy" / "kubernetes"
+EXISTING = ROOT / "deploy" / "node-problem-detector"  # for a node-problem-detector already running
 KUBECTL = shutil.which("kubectl")
 NAMESPACE = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["namespace"]
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
@@ -167,10 +172,35 @@ def node_check(rule_args: list[str], socket: str) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, timeout=60)
 
 
-def test_the_plugin_rule_answers_by_node_problem_detector_s_protocol(tmp_path):
+def chart_mount(tmp_path: Path) -> Path:
+    """helm-values.yaml's custom_monitor_definitions as the chart mounts them: its ConfigMap's
+    files, mode 0755 (defaultMode 493), at the directory standing for /custom-config."""
+    mount = tmp_path / "custom-config"
+    mount.mkdir()
+    values = yaml.safe_load((EXISTING / "helm-values.yaml").read_text())
+    for name, text in values["settings"]["custom_monitor_definitions"].items():
+        (mount / name).write_text(text)
+        (mount / name).chmod(0o755)
+    return mount
+
+
+def existing_check(mount: Path, port: int, **env: str) -> subprocess.CompletedProcess:
+    """The existing detector's rule as it runs it (its args, the port changed to a test sidecar's),
+    with HOST_IP as the downward API sets it, and no PATH to find a program on: bash builtins only."""
+    (rule,) = json.loads((mount / "sidecar-node-fit.json").read_text())["rules"]
+    path = mount / Path(rule["path"]).relative_to("/custom-config")
+    args = [str(port) if a == "9402" else a for a in rule["args"]]
+    env = {"HOST_IP": "127.0.0.1", "PATH": "/nonexistent", **env}
+    return subprocess.run([str(path), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_the_plugin_rules_answer_by_node_problem_detector_s_protocol(tmp_path):
+    """The component's rule (`sidecar status --check node` over the socket) and an existing
+    detector's (the bash script over TCP) give the same answers."""
     plugin = json.loads((K8S / "components" / "node-problem-detector" / "sidecar-node-fit.json").read_text())
     (rule,) = plugin["rules"]
     limit = plugin["pluginConfig"]["max_output_length"]
+    mount = chart_mount(tmp_path)
     spec = tmp_path / "nvml.json"
     spec.write_text(json.dumps({"gpu_count": 2}))
     fake = ("collectors.nvml_module=sidecar.testing.fake_nvml_lib", "collectors.expected_gpus=4")
@@ -179,13 +209,168 @@ def test_the_plugin_rule_answers_by_node_problem_detector_s_protocol(tmp_path):
         unfit = node_check(rule["args"], sidecar.socket)
         assert unfit.returncode == 1, unfit.stderr  # NonOK: the condition turns True
         assert unfit.stdout[:limit].startswith("unfit (gpu_missing): gpu_missing: 2 of 4 expected GPUs usable")
+        script = existing_check(mount, sidecar.port)
+        assert (script.returncode, script.stdout, script.stderr) == (1, unfit.stdout, "")
         spec.write_text(json.dumps({"gpu_count": 4}))  # NVML keeps its GPU count until it starts again:
     with Sidecar(tmp_path / "fixed", *fake, env={"SIDECAR_FAKE_NVML": str(spec)}) as sidecar:  # a reboot
         wait_until(lambda: sidecar.status()["gpus"], 30, what="the GPUs read")
         fit = node_check(rule["args"], sidecar.socket)
         assert (fit.returncode, fit.stdout) == (0, "fit\n")  # OK: the condition turns False
+        script = existing_check(mount, sidecar.port)
+        assert (script.returncode, script.stdout, script.stderr) == (0, "fit\n", "")
     gone = node_check(rule["args"], str(tmp_path / "no-sidecar.sock"))
     assert gone.returncode == 2 and gone.stdout.startswith("unknown: ")  # Unknown
+    port = free_port()
+    script = existing_check(mount, port)
+    assert (script.returncode, script.stdout) == (2, f"unknown: no sidecar at 127.0.0.1:{port}\n")
+
+
+# ---------------------------------------------------- a node-problem-detector already running
+
+
+def test_the_helm_values_mount_the_plugin_and_its_script_as_the_chart_runs_them():
+    """deliveryhero/node-problem-detector (2.x) puts settings.custom_monitor_definitions in a
+    ConfigMap mounted at /custom-config (mode 0755) and passes settings.custom_plugin_monitors as
+    --config.custom-plugin-monitor; the container's `env` reaches the plugin (it inherits it)."""
+    values = yaml.safe_load((EXISTING / "helm-values.yaml").read_text())
+    files = values["settings"]["custom_monitor_definitions"]
+    for name, text in files.items():  # copies of the files beside it, for other ways of installing
+        assert text == (EXISTING / name).read_text(), f"copy deploy/node-problem-detector/{name} into helm-values.yaml"
+    assert values["settings"]["custom_plugin_monitors"] == ["/custom-config/sidecar-node-fit.json"]
+    (rule,) = json.loads(files["sidecar-node-fit.json"])["rules"]
+    assert rule["path"] == "/custom-config/sidecar-node-fit.sh" and rule["args"] == ["9402"]
+    assert files["sidecar-node-fit.sh"].startswith("#!/bin/bash\n")  # the image's bash (no curl, no python)
+    assert (EXISTING / "sidecar-node-fit.sh").stat().st_mode & 0o111
+    assert values["env"] == [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
+    # The port it asks is the one components/push-over-tcp publishes on the node's addresses.
+    patch = yaml.safe_load((K8S / "components" / "push-over-tcp" / "kustomization.yaml").read_text())["patches"][0]
+    (ports,) = [c["ports"] for c in yaml.safe_load(patch["patch"])["spec"]["template"]["spec"]["containers"]]
+    assert [p["hostPort"] for p in ports] == [int(rule["args"][0])]
+
+
+def test_the_existing_detector_s_plugin_reports_the_component_s_condition():
+    """The same condition, reason, message, interval and limits: only the command differs."""
+    ours = json.loads((K8S / "components" / "node-problem-detector" / "sidecar-node-fit.json").read_text())
+    theirs = json.loads((EXISTING / "sidecar-node-fit.json").read_text())
+    command = ("path", "args")
+    assert {k: v for k, v in theirs.items() if k != "rules"} == {k: v for k, v in ours.items() if k != "rules"}
+    assert [{k: v for k, v in r.items() if k not in command} for r in theirs["rules"]] == [
+        {k: v for k, v in r.items() if k not in command} for r in ours["rules"]
+    ]
+
+
+def stand_in(body: bytes, status: int = 200) -> ThreadingHTTPServer:
+    """An HTTP server answering every GET with `body` (a /v1/status the sidecar might send)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def fitness(fit: bool, *findings: tuple[str, str]) -> bytes:
+    doc = {
+        "version": "x",
+        "problems": ['a [quoted] "problem" {here}'],
+        "fitness": {
+            "fit": fit,
+            "reasons": sorted({r for r, _ in findings}),
+            "findings": [{"reason": r, "text": text, "pids": [1, 2]} for r, text in findings],
+        },
+        "ranks": [{"reason": "not a finding", "text": "after the verdict"}],
+    }
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "code", "line"),
+    [
+        (200, fitness(True), 0, "fit"),
+        (
+            200,
+            fitness(False, ("unkillable", 'pid 7 "tr\\ainer"  [D]\tstate;'), ("gpu_held", "GPU 0: 1 GiB {held}\x1b/ ")),
+            1,
+            'unfit (gpu_held, unkillable): unkillable: pid 7 "tr\\ainer" [D]\\x09state;; '
+            "gpu_held: GPU 0: 1 GiB {held}\\x1b/",
+        ),
+        (200, fitness(False), 1, "unfit (?): unfit, no reason given"),
+        (
+            200,
+            b'{"version": "0.0.1", "health": "healthy"}',
+            2,
+            "unknown: no node verdict in the answer of the sidecar at ",
+        ),
+        (503, b'{"error": "busy"}', 2, "unknown: the sidecar at "),
+    ],
+    ids=["fit", "unfit-escapes", "unfit-no-findings", "no-verdict", "http-503"],
+)
+def test_the_check_script_reads_the_verdict_as_the_cli_does(tmp_path, status, body, code, line):
+    """Against a stand-in answering what a sidecar might: the script's line and exit status, and,
+    for a verdict, the same line as `sidecar status --check node --url` (escapes, order, spaces)."""
+    mount = chart_mount(tmp_path)
+    server = stand_in(body, status)
+    try:
+        out = existing_check(mount, server.server_port)
+        url = f"http://127.0.0.1:{server.server_port}"
+        cli = subprocess.run(
+            [sys.executable, "-m", "sidecar", "status", "--check", "node", "--url", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (out.returncode, out.stderr) == (code, "")
+    assert out.stdout.startswith(line) and out.stdout.count("\n") == 1, out.stdout
+    if code < 2:
+        assert (out.returncode, out.stdout) == (cli.returncode, cli.stdout)
+        assert out.stdout == line + "\n"
+
+
+def test_the_check_script_reads_a_long_status_in_time(tmp_path):
+    """Busy node: 100 kB of problems before the verdict, 400 kB in all, well within the rule's
+    timeout (20 s; a pattern removal over the text took 8 s here)."""
+    doc = json.loads(fitness(False, ("gpu_held", "GPU 0: 1 GiB held")))
+    doc["problems"] = [f"rank {i} of job j is stalled" + " for a while" * 8 for i in range(1000)]
+    doc["ranks"] = [{"rank": i, "job_id": "j" * 30, "state": "running", "steps": list(range(20))} for i in range(2000)]
+    server = stand_in(json.dumps(doc).encode())
+    try:
+        started = time.monotonic()
+        out = existing_check(chart_mount(tmp_path), server.server_port)
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (out.returncode, out.stdout) == (1, "unfit (gpu_held): gpu_held: GPU 0: 1 GiB held\n")
+    assert took < 5, took
+
+
+def test_the_check_script_is_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    assert shellcheck is not None, "shellcheck missing: make venv installs it (pyproject.toml, dev extra)"
+    out = subprocess.run([shellcheck, str(EXISTING / "sidecar-node-fit.sh")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_the_check_script_gives_up_on_a_silent_port_and_without_an_address(tmp_path):
+    mount = chart_mount(tmp_path)
+    with create_server(("127.0.0.1", 0)) as silent:  # connects (the backlog), never answers
+        port = silent.getsockname()[1]
+        out = existing_check(mount, port, SIDECAR_TIMEOUT="1")
+    assert (out.returncode, out.stdout) == (2, f"unknown: no answer from the sidecar at 127.0.0.1:{port} within 1s\n")
+    out = existing_check(mount, 9402, HOST_IP="")
+    assert out.returncode == 2 and out.stdout.startswith("unknown: no sidecar address: set HOST_IP")
 
 
 # ---------------------------------------------------------------- expected-gpus
