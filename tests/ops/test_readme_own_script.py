@@ -102,7 +102,7 @@ def rank_rows(status: str) -> dict[int, dict[str, str]]:
     lines = status.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("Ranks:"))
     header = lines[at + 1].split()
-    assert header[:5] == ["JOB", "RANK", "PID", "STATE", "STEP"], lines[at + 1]
+    assert header[:5] == ["JOB", "RANK", "PID", "STATE", "STEP"], f"no ranks:\n{lines[at]}\n{lines[at + 1]}"
     rows = {}
     for line in lines[at + 2 :]:
         if not line.strip():
