@@ -75,10 +75,12 @@ def test_every_runtime_dependency_is_pinned_with_hashes_in_the_lock():
     assert stale(ROOT / "pyproject.toml", LOCK) == []
 
 
-def test_the_sidecar_image_installs_from_the_lock_with_hashes_and_the_package_without_deps():
+@pytest.mark.parametrize("target", ["sidecar", "trainer"])
+def test_each_image_installs_from_the_lock_with_hashes_and_the_package_without_deps(target):
     text = DOCKERFILE.read_text()
-    sidecar = text.split("AS sidecar\n", 1)[1].split("\nFROM ", 1)[0]
-    installs = [re.sub(r"\s+", " ", line) for line in re.findall(r"pip install[^\n]*(?:\\\n[^\n]*)*", sidecar)]
+    stage = text.split(f"AS {target}\n", 1)[1].split("\nFROM ", 1)[0]
+    stage = "\n".join(line for line in stage.splitlines() if not line.lstrip().startswith("#"))
+    installs = [re.sub(r"\s+", " ", line) for line in re.findall(r"pip install[^\n]*(?:\\\n[^\n]*)*", stage)]
     lock = "-r /src/deploy/container/requirements.lock"
     assert any("--require-hashes" in i and lock in i for i in installs), installs
     # Everything else pip installs in the image comes without dependencies: nothing unpinned.
