@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import socket
-from collections.abc import Iterator
 
 import psutil
 
@@ -93,22 +91,6 @@ def _is_host_address(host: str, addresses: set[str]) -> bool:
     return ip.is_loopback or ip.is_unspecified or str(ip) in addresses
 
 
-def _rows(pid: int) -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int]]:
-    """(local, remote, state, inode) of every TCP row of `pid`'s network namespace."""
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            with open(f"{psutil.PROCFS_PATH}/{pid}/net/{table}") as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            try:
-                yield procs.address(fields[1], family), procs.address(fields[2], family), fields[3], int(fields[9])
-            except (IndexError, ValueError, OSError):
-                continue
-
-
 def tcp_peer(client: tuple, server: tuple) -> tuple[int, int] | None:
     """The process (host pid) holding the client end of a connection from another network
     namespace of this node, and that socket's inode; None when it cannot be proven (see the
@@ -122,7 +104,7 @@ def tcp_peer(client: tuple, server: tuple) -> tuple[int, int] | None:
         if ns in (own, host):
             continue
         for pid in members[:4]:  # the first member whose table can be read speaks for the namespace
-            rows = list(_rows(pid))
+            rows = [(local, remote, state, inode) for local, remote, state, _, inode in procs.tcp_rows(pid)]
             if rows:
                 break
         for local, remote, state, inode in rows:

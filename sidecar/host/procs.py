@@ -192,15 +192,17 @@ _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 def _tcp_sockets() -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int]]:
     """(local address, remote address, state, inode) of every TCP socket of this network
     namespace, from /proc/net/tcp and tcp6 (an inode of 0: no process holds it any more)."""
-    for local, remote, state, _, inode in _tcp_rows():
+    for local, remote, state, _, inode in tcp_rows():
         yield local, remote, state, inode
 
 
-def _tcp_rows() -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int, int]]:
-    """(local address, remote address, state, uid, inode) of every row of /proc/net/tcp and tcp6."""
+def tcp_rows(pid: int | None = None) -> Iterator[tuple[tuple[str, int], tuple[str, int], str, int, int]]:
+    """(local address, remote address, state, uid, inode) of every row of /proc/net/tcp and tcp6:
+    this network namespace's, or the one the process `pid` is in (/proc/<pid>/net/tcp)."""
+    where = psutil.PROCFS_PATH if pid is None else f"{psutil.PROCFS_PATH}/{int(pid)}"
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
-            with open(f"{psutil.PROCFS_PATH}/net/{table}") as f:
+            with open(f"{where}/net/{table}") as f:
                 lines = f.read().splitlines()[1:]
         except OSError:
             continue
@@ -297,7 +299,7 @@ def tcp_client_uid(client: tuple, server: tuple) -> int | None:
     /proc/net/tcp*, its creator's: one read, no scan of processes): a row ESTABLISHED or in
     CLOSE_WAIT with an inode (a process holds it). None when there is none: the client closed or
     reset its end (a TIME_WAIT row says uid 0 and inode 0: never taken), or /proc cannot be read."""
-    for local, remote, state, uid, inode in _tcp_rows():
+    for local, remote, state, uid, inode in tcp_rows():
         if state not in _TCP_LIVE or inode == 0 or local[1] != client[1] or remote[1] != server[1]:
             continue
         if same_host(local[0], client[0]) and same_host(remote[0], server[0]):
