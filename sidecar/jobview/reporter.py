@@ -101,7 +101,7 @@ class Reporter:
         address is refused (or another node's coordinator comes without a key: hooks older than
         wire protocol 6)."""
         why = check_url(url)
-        if why is None and node != self.node and not auth.valid_key(key):
+        if why is None and not self._is_local(_Link(url.rstrip("/"), node, key)) and not auth.valid_key(key):
             why = "no job key to sign reports with (the job's hooks predate wire protocol 6)"
         if why is not None:
             self.refused_urls += 1
@@ -317,7 +317,9 @@ class Reporter:
             self._changed = asyncio.Event()
 
     def _is_local(self, link: _Link) -> bool:
-        return self.local is not None and link.node == self.node
+        """The coordinator is this node: its name and its address (two sidecars of one host may share
+        a name; each would judge the job alone from its own ranks)."""
+        return self.local is not None and link.node == self.node and link.url == self.own_url.rstrip("/")
 
     # ------------------------------------------------------------ requests
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 
 import pytest
 
@@ -444,3 +445,19 @@ def test_a_crash_incident_closes_as_soon_as_its_ranks_are_back():
     clock.now += 0.1
     v = c.accept(report("node-0", rank(0, state="healthy"), world=1))  # its restart
     assert v is not None and v.closed, v
+
+
+def test_a_node_sharing_the_coordinators_name_at_another_address_asks_it_over_http_not_itself():
+    """make test: two sidecars on one host, both named after it ('vm'), one rank each. The second
+    took the coordinator's name for its own and judged the job in-process from its own rank alone:
+    with no rank seen waiting, a sleeping rank read once as runnable was a `job_paused`, and the kill
+    came at the ceiling, blamed on no rank. Only the same name *and* address is this node."""
+    from sidecar.jobview.reporter import Reporter
+
+    c = Coordinator(lambda job: job == "j1", lost_after=15.0, verdict_wait=3.0, max_nodes=16, probe=None)
+    me = Reporter("vm", "http://127.0.0.1:20117", 5.0, lambda job: None, local=c)
+    assert not me.set_coordinator("j1", "http://127.0.0.1:20116", "vm", None)  # not this node: signed reports only
+    assert me.set_coordinator("j1", "http://127.0.0.1:20116", "vm", secrets.token_hex(32))  # another sidecar, same name
+    assert not me._is_local(me._links["j1"])
+    me.set_coordinator("j1", "http://127.0.0.1:20117/", "vm", None)  # this one
+    assert me._is_local(me._links["j1"])
