@@ -171,7 +171,9 @@ def judge(
         top = max(m.group.enqueued for m in members)
         if all(m.group.completed >= top for m in members):
             continue  # nothing in flight in this group
-        mismatch = _mismatch(members)
+        mismatch = _mismatch(members, force)
+        if mismatch is _UNDECIDED:
+            return None  # a desync with no minority yet among the records heard: wait for the rest
         if mismatch is not None:
             return mismatch
         # A collective a member completed, every member entered: a record below that is old, not late.
@@ -257,8 +259,10 @@ def _op_at(members: list[_Member], seq: int) -> str | None:
     return None
 
 
-def _mismatch(members: list[_Member]) -> Finding | None:
-    """Members holding different collectives at one sequence."""
+def _mismatch(members: list[_Member], force: bool = False) -> Finding | None:
+    """Members holding different collectives at one sequence. `_UNDECIDED` when the calls tie and
+    members have yet to show theirs at that sequence (a record read before its rank entered): the
+    rest may make one call the minority. Forced, a tie is a desync with no one to name."""
     # each member's whole claim at a sequence: a coalesced group is several entries at one sequence
     claims: dict[tuple[int, int], list[str]] = defaultdict(list)
     for m in members:
@@ -284,6 +288,9 @@ def _mismatch(members: list[_Member]) -> Finding | None:
             "a desync in the program; a restart runs into it again",
         )  # fmt: skip
         odd = _odd_ones(list(sigs.values()))
+        size = max((m.group.size or 0) for m in members)
+        if not odd and not force and finding.waiting < max(size, len(members)):
+            return _UNDECIDED
         if odd:
             first = min(odd, key=lambda m: m.rank)
             finding.culprit = (first.node, first.view)
@@ -292,6 +299,9 @@ def _mismatch(members: list[_Member]) -> Finding | None:
             finding.reason += f"; the odd one{'s' if len(odd) > 1 else ''} out: {where}"
         return finding
     return None
+
+
+_UNDECIDED = Finding("collective_mismatch", "", "", 0, None)  # a sentinel: not yet decided
 
 
 def _odd_ones(groups: list[list[_Member]]) -> list[_Member]:

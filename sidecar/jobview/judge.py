@@ -58,6 +58,7 @@ class Summary:
     world: int = 0  # the job's world size, as the report says
     troubled: int = 0  # its live troubled ranks
     working: int = 0  # of them, those whose CPU time grows (busy, or activity "cpu")
+    unread: int = 0  # of them, those whose activity its node cannot tell now (a stack being read: state t)
 
 
 def _step(r: RankView) -> int:
@@ -96,6 +97,7 @@ def summarize(report: NodeReport, received: float | None = None) -> Summary:
         if r.troubled:
             s.troubled += 1
             s.working += r.busy or r.activity == "cpu"
+            s.unread += not r.busy and r.activity is None
         if r.busy:
             s.busy.append(r.rank)
         if r.collectives is not None:
@@ -128,10 +130,11 @@ def judge_summaries(
     if not any(s.stalled for s in live) and not exits and not lost:
         return None
     if any(s.stalled for s in live):
-        finding = collectives.judge(_records_now(live, now), stale_after, force)
+        records = _records_now(live, now)
+        finding = collectives.judge(records, stale_after, force)
         if finding is not None:
             return _refined(finding.to_culprit(), live)
-        paused = _paused(live)
+        paused = _paused(live, _nobody_waits(summaries, records, stale_after))
         if paused is not None:
             return paused
         # Records that do not decide it yet (a fresh one is on its way): the stacks only when forced.
@@ -177,10 +180,23 @@ def _records_now(live: list[Summary], now: float | None) -> list[tuple[str, Rank
     return out
 
 
-def _paused(live: list[Summary]) -> Culprit | None:
+def _nobody_waits(summaries: list[Summary], records: list[tuple[str, RankView]], stale_after: float) -> bool:
+    """The records prove that no rank waits: every rank of the job's world (two or more) has a fresh
+    one with nothing in flight. A rank its node cannot read for a moment then counts as working."""
+    world = max(s.world for s in summaries)
+    if world < 2 or len(records) < world or sum(s.seen for s in summaries) < world:
+        return False
+    return not any(in_flight(r) or collectives.stale(r, stale_after) or r.activity == "stopped" for _, r in records)
+
+
+def _paused(live: list[Summary], unread_work: bool = False) -> Culprit | None:
     """No one waits on anyone (no stack in a collective, no record with one in flight) and every
-    troubled rank's CPU time grows: a pause (an evaluation, a long op), not a hang."""
+    troubled rank's CPU time grows: a pause (an evaluation, a long op), not a hang. `unread_work`:
+    the records prove no rank waits (`_nobody_waits`); a rank whose activity is unread counts as
+    working (make test: a healthy evaluation, one rank's stack being read, was named `rank_not_waiting`
+    and killed)."""
     troubled, working = sum(s.troubled for s in live), sum(s.working for s in live)
+    working += sum(s.unread for s in live) if unread_work else 0
     if not troubled or working < troubled or any(s.waiting for s in live):
         return None
     lowest = min(s.lowest for s in live if s.lowest is not None)

@@ -99,6 +99,20 @@ def test_different_collectives_at_one_sequence_are_a_mismatch():
     assert found.to_culprit().rank == 2  # the odd one out
 
 
+def test_a_desync_two_records_show_waits_for_the_rest_before_naming_none():
+    """make test: ranks 0 and 3 read their records before entering #6; rank 1's all_reduce against
+    rank 2's barrier tied 1-1 and the verdict named no one, killed."""
+    before = [view(r, group(enqueued=5, completed=5), age=0.1) for r in (0, 3)]
+    one = view(1, group(enqueued=6, completed=5))
+    odd = view(2, group(enqueued=6, completed=5, op="barrier", sizes=()))
+    assert collectives.judge(pairs(*before, one, odd)) is None  # the others may yet make a minority
+    forced = collectives.judge(pairs(*before, one, odd), force=True)
+    assert forced is not None and forced.kind == "collective_mismatch" and forced.culprit is None
+    renewed = [view(r, group(enqueued=6, completed=5)) for r in (0, 3)]
+    found = collectives.judge(pairs(*renewed, one, odd))
+    assert found is not None and found.to_culprit().rank == 2
+
+
 def test_shapes_differ_legitimately_where_the_op_allows_it():
     members = [view(r, group(enqueued=6, completed=5, op="all_to_all", sizes=((r + 1, 8),), inside=0.01))
                for r in range(4)]  # fmt: skip
@@ -157,8 +171,8 @@ def test_a_desync_the_previous_incident_had_is_flagged_as_a_repeat():
     def mismatch() -> NodeReport:
         return report(
             "node-0",
-            view(0, group(enqueued=6, completed=5)),
-            view(1, group(enqueued=6, completed=5, op="barrier", sizes=())),
+            view(0, group(enqueued=6, completed=5, size=2)),
+            view(1, group(enqueued=6, completed=5, op="barrier", sizes=(), size=2)),
             world=2,
         )
 

@@ -62,6 +62,27 @@ def test_a_pause_is_no_pause_once_one_rank_waits_or_one_stops_working():
     assert c is not None and c.kind == "rank_spinning" and c.rank in (1, 2), c
 
 
+def test_records_that_prove_no_one_waits_keep_a_pause_while_a_rank_cannot_be_read():
+    """make test (3 nodes, every rank evaluating): one rank's node could not tell what its process
+    did (its stack being read, state t: activity None) and the forced judgement named rank 2
+    `rank_not_waiting`; its node killed it. Every rank's fresh record held nothing in flight: no
+    one waited, so it is a pause. Without records the unread rank is not taken for working."""
+
+    def recorded(activity_1: str | None, completed: int = 5):
+        views = [view(r, group(enqueued=5, completed=completed, size=3), state="stalled") for r in range(3)]
+        for v, did in zip(views, ("cpu", activity_1, "cpu"), strict=True):
+            v.activity, v.waiting = did, False
+        return [report(f"node-{v.rank}", v, world=3) for v in views]
+
+    for force in (False, True):
+        c = judge(recorded(None), force=force)
+        assert c is not None and c.kind == "job_paused" and c.rank is None, c
+    c = judge(recorded("idle"), force=True)  # one rank does not work: not a pause
+    assert c is not None and c.kind != "job_paused", c
+    c = judge(three(None, others_wait=False), force=True)  # no records: nothing proves no one waits
+    assert c is not None and c.kind != "job_paused", c
+
+
 def test_a_record_in_flight_is_a_wait_though_the_stack_is_in_the_users_code():
     """A CUDA job's waiting rank sits at its own sync point: its record, not its stack, shows the wait."""
     reports = three("cpu", others_wait=False)
