@@ -70,7 +70,7 @@ TEST_WORKERS ?= 5
 # project; without its bytecode each compiles it again (0.3 CPU-s to import the sidecar with it,
 # 1.1 without): a fresh clone has none, and none is written where PYTHONDONTWRITEBYTECODE is set.
 # pip compiles what it installs; this does the same for the checkout (docs/suite-times.md).
-BYTECODE_DIRS := sidecar trainer_hooks sidecar_trainer alerts dashboards bench demo scripts tests
+BYTECODE_DIRS := sidecar trainer_hooks sidecar_trainer alerts dashboards bench demo harness scripts tests
 
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 $(BYTECODE_DIRS)

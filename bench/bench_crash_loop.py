@@ -1,5 +1,5 @@
 """A crash loop ended on purpose (job_view.crash_loop_repeats) against the same job left to
-torchrun's restarts: three simulated nodes of one rank each (demo/cluster.py), rank 1 raises at the
+torchrun's restarts: three simulated nodes of one rank each (harness/cluster.py), rank 1 raises at the
 same step of every attempt (bench/cycles/train_faults.py `crash`), --max-restarts 5, the agents
 `python -m trainer_hooks.launch`.
 
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from bench import scratch
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
+from harness.cluster import Cluster, ClusterSpec, NodeSpec
+from harness.job import SidecarSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_RESTARTS = 5

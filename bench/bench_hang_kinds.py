@@ -1,5 +1,5 @@
 """The kinds of hang (sidecar/hang_kinds.py), judged from the backend's own record (the Flight
-Recorder) and from the Python stacks alone, on three simulated nodes (1, 2, 1 ranks; demo/cluster.py)
+Recorder) and from the Python stacks alone, on three simulated nodes (1, 2, 1 ranks; harness/cluster.py)
 or on one node of 4 ranks (`--nodes 1`), running the user's own gloo loop with the hooks
 (bench/cycles/train_faults.py):
 
@@ -11,7 +11,7 @@ Faults: `sync-stop` (a rank SIGSTOPs itself between two blocking all-reduces), `
 same with the all-reduce launched async and waited in the user's own function, as a CUDA job
 waits), `spin` (a Python busy loop outside any collective), `desync` (a barrier where its peers
 all-reduce), `tp-stop` (2 x 2 data x tensor parallel groups, one rank SIGSTOPped), `link-cut`
-(each node a host of its own, demo/cluster.py `netns`; node-1's training link cut after 20 steps
+(each node a host of its own, harness/cluster.py `netns`; node-1's training link cut after 20 steps
 and restored once every node has its verdict: no rank to blame, `collective_stuck`), `healthy` (no
 fault: the 2x2 job trains about a minute; right when no node records a stall), `evaluate` (no fault:
 every rank evaluates 12 s inside torch ops, outside any collective; right when every stall recorded is
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import scratch
-from demo import netns
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec, wait_for
+from harness import netns
+from harness.cluster import Cluster, ClusterSpec, NodeSpec
+from harness.job import SidecarSpec, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SECONDS = 5.0

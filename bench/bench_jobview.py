@@ -5,7 +5,7 @@ sidecar records and does about it, next to the same script on one node.
     python -m bench.bench_jobview --mode spin     # the hung rank spins in a Python loop instead
     python -m bench.bench_jobview --runs 3        # more runs of each
 
-Each run: sidecars and torchrun agents in one c10d rendezvous (demo/cluster.py), the user's
+Each run: sidecars and torchrun agents in one c10d rendezvous (harness/cluster.py), the user's
 own gloo loop with the hooks (bench/cycles/train_plain.py), floor 5 s, grace 5 s; after 20 steps
 local rank 1 of the middle node hangs (on one node: local rank 1). Printed per run: each node's
 record (blamed rank and node, outcome, job incident), hang -> training again (the first step
@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import scratch
-from demo.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
+from harness.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
+from harness.job import SidecarSpec
 from sidecar.commands.recovery_table import recovery_table
 
 FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0
 HANG_STEP = 20
 JOB_TIMEOUT = 240.0
-# the agents: torchrun, or torchrun whose agent re-forms a multi-node job faster (demo/cluster.py)
+# the agents: torchrun, or torchrun whose agent re-forms a multi-node job faster (harness/cluster.py)
 LAUNCHERS = {name: AGENTS[name][0] for name in ("torchrun", "hooks")}
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from demo.job import PYTHON, SidecarClient, wait_for
-from demo.processes import Processes, free_port
+from harness.job import PYTHON, SidecarClient, wait_for
+from harness.processes import Processes, free_port
 
 RANKS_PER_NODE = 8
 JOB = "scale"

@@ -49,8 +49,8 @@ if str(ROOT) not in sys.path:  # `python bench/bench_metrics.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench import nvml_calls  # noqa: E402
-from tests.load import scrape_and_probe, start_loaders, wait_loaded  # noqa: E402
 from tests.support import PYTHON, Sidecar, free_port, http_get, spawned, tail, wait_until  # noqa: E402
+from tests.support.load import scrape_and_probe, start_loaders, wait_loaded  # noqa: E402
 
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
 FIXTURE_SYSFS = ROOT / "tests" / "collectors" / "fixtures" / "sys"

@@ -22,7 +22,7 @@ side can tell from a slow one until its timeout has passed.
            stopped times out together, the healthy ones blocked in the collective first as often
            as not, and the frozen rank then goes in the group's stop)
 
-Both: the same c10d rendezvous on this machine (demo/cluster.py; --standalone's store on one
+Both: the same c10d rendezvous on this machine (harness/cluster.py; --standalone's store on one
 node), torchrun's monitor interval (0.1 s), --max-restarts 3. Measured from the script's own
 records: hang (just before the SIGSTOP) -> killed (the frozen rank's process gone, polled every
 10 ms) and hang -> training again (every rank of the job past its first step after the hang).
@@ -47,13 +47,13 @@ from pathlib import Path
 import psutil
 
 from bench import nvrx, scratch
-from demo.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
+from harness.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
+from harness.job import SidecarSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "cycles" / "train_race.py"
 HANG_STEP = 20
-CHECK_SECONDS = 0.25  # ours: watchdog.check_interval_seconds (demo/job.py); NVRx: workload_check_interval
+CHECK_SECONDS = 0.25  # ours: watchdog.check_interval_seconds (harness/job.py); NVRx: workload_check_interval
 GRACE_SECONDS = 1.0  # ours: remediation.grace_seconds; NVRx: --workers-stop-timeout (SIGTERM -> SIGKILL)
 JOB_TIMEOUT = 240.0
 TARGET = 0.7

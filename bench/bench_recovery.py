@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.recovery_anatomy import STAGES, Anatomy, anatomy, fmt, incidents_in, print_anatomies  # noqa: F401
-from demo.job import JobSpec, LogEvent, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
-from demo.processes import Processes, free_port
+from harness.job import JobSpec, LogEvent, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
+from harness.processes import Processes, free_port
 
 FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0

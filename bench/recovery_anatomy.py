@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.job import LogEvent, event_time
+from harness.job import LogEvent, event_time
 from sidecar_trainer.startup import MILESTONES
 
 POINTS = ("hang", "detected", "sigterm", "ranks_gone", *MILESTONES)

@@ -13,8 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from demo.job import JobSpec, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
-from demo.processes import Processes, free_port
+from harness.job import JobSpec, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
+from harness.processes import Processes, free_port
 
 DEADLINE_SECONDS = 240.0  # the whole demo gives up after this (it takes well under 90 s)
 STACK_LINES_SHOWN = 6

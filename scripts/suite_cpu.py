@@ -1,4 +1,4 @@
-"""Sum the CPU time per test that `SUITE_CPU_DIR=<dir> make test` recorded (tests/cpu_account.py):
+"""Sum the CPU time per test that `SUITE_CPU_DIR=<dir> make test` recorded (tests/support/cpu_account.py):
 the total, the time per area (the tests' first directory) and the N costliest tests.
 
     python scripts/suite_cpu.py <dir> [N]

@@ -33,12 +33,12 @@ def spawn():
 # process under test was once taken meanwhile by another worker's sidecar (torchrun's rendezvous
 # store then pinged an HTTP server). Each worker takes its ports in turn from its own slice of
 # 20000-32000, below Linux's ephemeral range (32768-60999), which port-0 binds and outgoing
-# connections use (demo.processes.free_port, DEMO_PORTS).
+# connections use (harness.processes.free_port, DEMO_PORTS).
 PORTS = (20000, 32000)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from tests.cpu_account import register
+    from tests.support.cpu_account import register
 
     register(config)
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
@@ -53,10 +53,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def warm_agents() -> None:
     """torchrun agents and sidecars forked from servers that imported torch or the daemon once
-    (demo/zygote.py): about 1.5-2 CPU-s less per agent (over a hundred in the suite) and 0.3 per
+    (harness/zygote.py): about 1.5-2 CPU-s less per agent (over a hundred in the suite) and 0.3 per
     sidecar (hundreds). Each test process has its own servers, each started on its first request;
     `SIDECAR_TEST_COLD_AGENTS=1` starts every one of them as a new interpreter."""
-    from demo import zygote
+    from harness import zygote
 
     if os.environ.get("SIDECAR_TEST_COLD_AGENTS", "") not in ("", "0"):
         return
@@ -67,7 +67,7 @@ def warm_agents() -> None:
 
 
 def _end_warm_agents(directory: str) -> None:
-    from demo import zygote
+    from harness import zygote
 
     zygote.stop()
     shutil.rmtree(directory, ignore_errors=True)

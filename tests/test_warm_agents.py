@@ -1,4 +1,4 @@
-"""The suite's warm torchrun agents and sidecars (demo/zygote.py) behave as ones started cold: an
+"""The suite's warm torchrun agents and sidecars (harness/zygote.py) behave as ones started cold: an
 agent's workers see the same directory, arguments and environment, the same restarts happen, the
 same exit statuses come back, and SIGTERM ends an agent and its workers the same way; a sidecar
 serves, takes its settings and ends on SIGTERM as a cold one does."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from demo import zygote
+from harness import zygote
 from tests.support import COLD_RANKS, ROOT, Sidecar, spawned, wait_until
 
 pytestmark = pytest.mark.slow
@@ -152,7 +152,7 @@ def ranks_run(tmp_path: Path, cold_ranks: bool) -> dict:
 
 
 def test_a_warm_agents_workers_forked_warm_see_do_and_end_as_new_interpreters(tmp_path):
-    """demo/zygote_ranks.py: the same directory, arguments, sys.path, `__main__`, session, signals,
+    """harness/zygote_ranks.py: the same directory, arguments, sys.path, `__main__`, session, signals,
     environment and thread count (OMP_NUM_THREADS=1 from torchrun for two workers) as workers
     started cold; the same output, uncaught exception, exit status, restart, atexit and thread join."""
     warm, cold = ranks_run(tmp_path, cold_ranks=False), ranks_run(tmp_path, cold_ranks=True)
@@ -214,7 +214,7 @@ def test_a_warm_worker_ends_with_its_ddp_model_alive_without_hanging(tmp_path):
 
 ZOMBIE = textwrap.dedent("""
     import os, sys, time
-    from demo import zygote, zygote_ranks
+    from harness import zygote, zygote_ranks
     zygote.IMPORTED_WITH.update(os.environ)
     zygote.BASE_PATH[:] = sys.path[1:]
     path, _ = zygote_ranks.start_server(sys.argv[1])
@@ -251,7 +251,7 @@ def test_a_worker_that_ended_stays_to_be_signalled_until_its_agent_reads_its_sta
 
 
 def test_what_a_warm_agent_cannot_fork_warm_starts_cold(tmp_path):
-    from demo import zygote_ranks
+    from harness import zygote_ranks
 
     cmd = [sys.executable, "-u", str(tmp_path / "rank.py"), "x"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -339,7 +339,7 @@ def test_only_the_process_that_set_the_servers_up_uses_them(tmp_path):
     namespace cases) got its sidecar forked outside the namespace, which saw host pids. Only the
     process OWNER_ENV names (its pid and pid namespace) is served."""
     code = (
-        "import sys; from demo import zygote; "
+        "import sys; from harness import zygote; "
         "import os; env = {**os.environ, 'PYTHONUNBUFFERED': '1'}; "
         "print(zygote.spawn([sys.executable, '-m', 'sidecar', 'run', '--bad'], env, '.', sys.argv[1]))"
     )

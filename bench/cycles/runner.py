@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demo.job import SidecarClient, SidecarSpec, wait_for
-from demo.processes import Processes, free_port
+from harness.job import SidecarClient, SidecarSpec, wait_for
+from harness.processes import Processes, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("plain", "readme", "hf", "lightning", "unmodified")

@@ -22,8 +22,8 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.field.environment import Cgroups, SlowStorage
-from demo.job import PYTHON, SidecarClient, wait_for
-from demo.processes import Processes, free_port
+from harness.job import PYTHON, SidecarClient, wait_for
+from harness.processes import Processes, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

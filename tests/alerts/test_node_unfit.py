@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from alerts import build as alerts_build
-from tests import freezer
 from tests.alerts.realstack import Prometheus
 from tests.ops.helpers import run_cli
-from tests.support import Sidecar, tail, wait_until
+from tests.support import Sidecar, freezer, tail, wait_until
 
 pytestmark = [
     pytest.mark.system,

@@ -1,4 +1,4 @@
-"""What the job-view tests on simulated nodes (demo/cluster.py) share: the sidecars' settings, a
+"""What the job-view tests on simulated nodes (harness/cluster.py) share: the sidecars' settings, a
 cluster's logs for a failed assertion, and the runs several tests judge.
 
 A run of a job is what the tests pay for (each rank a new interpreter importing torch, and again
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec, wait_for
+from harness.cluster import Cluster, ClusterSpec, NodeSpec
+from harness.job import SidecarSpec, wait_for
 from tests.support import PYTHON
 
 JOB_TIMEOUT = 200.0

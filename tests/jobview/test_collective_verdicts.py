@@ -1,5 +1,5 @@
 """The job view judging from the backend's own record (the Flight Recorder, on gloo as on NCCL),
-on three simulated nodes (demo/cluster.py: three sidecars, three torchrun agents in one c10d
+on three simulated nodes (harness/cluster.py: three sidecars, three torchrun agents in one c10d
 rendezvous, the middle node with two ranks) running the user's own loop with the hooks
 (bench/cycles/train_faults.py), in the shapes the field's hangs come in:
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.cluster import Cluster
+from harness.cluster import Cluster
 from tests.jobview.clusters import JOB_TIMEOUT, Run, SharedRuns, explain, story_of, three_nodes
 from tests.jobview.clusters import faults_spec as spec
 from tests.support import PYTHON

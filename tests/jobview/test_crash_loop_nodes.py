@@ -1,5 +1,5 @@
 """A crash loop ended on purpose (issue 42, item 5) on three simulated nodes of one rank each
-(demo/cluster.py: one sidecar and one agent per node, one c10d rendezvous): rank 1 raises at the
+(harness/cluster.py: one sidecar and one agent per node, one c10d rendezvous): rank 1 raises at the
 same step in every attempt, torchrun has restarts to spare (--max-restarts 5), and
 job_view.crash_loop_repeats is 1. The second time the job meets the same verdict at the same step,
 every node marks the job, its ranks exit 93, and every `trainer_hooks.launch` agent exits 93 without
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from demo.cluster import Cluster
-from demo.job import wait_for
+from harness.cluster import Cluster
+from harness.job import wait_for
 from tests.jobview.clusters import JOB_TIMEOUT, explain
 from tests.jobview.clusters import faults_spec as spec
 from tests.jobview.test_hang_kinds_nodes import cycle, one_rank_each

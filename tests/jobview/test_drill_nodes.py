@@ -1,4 +1,4 @@
-"""`sidecar drill` on a job of three simulated nodes (demo/cluster.py, one rank each): the drilled
+"""`sidecar drill` on a job of three simulated nodes (harness/cluster.py, one rank each): the drilled
 node says so in its job-view reports, the job incident's verdict carries the drill to every node, and
 every node records its stall as the drill's. Before, the drilled node alone knew: node-0 and node-2
 counted a real stall (sidecar_watchdog_stalls_total 1, the stall alerts) for a drill."""
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
+from harness.cluster import Cluster, ClusterSpec, NodeSpec
+from harness.job import SidecarSpec
 from tests.jobview.clusters import explain
 from tests.support import PYTHON
 

@@ -1,4 +1,4 @@
-"""The faults of issue 42's table on three simulated nodes of one rank each (demo/cluster.py: one
+"""The faults of issue 42's table on three simulated nodes of one rank each (harness/cluster.py: one
 sidecar and one torchrun agent per node, one c10d rendezvous), the user's own loop waiting on its
 all-reduce asynchronously as a CUDA job does (bench/cycles/train_faults.py, shape `async`):
 
@@ -15,11 +15,11 @@ import json
 
 import pytest
 
-from demo.cluster import Cluster, NodeSpec
-from demo.job import wait_for
-from tests import freezer
+from harness.cluster import Cluster, NodeSpec
+from harness.job import wait_for
 from tests.jobview.clusters import JOB_TIMEOUT, NO_HANG, explain, lose_a_node
 from tests.jobview.clusters import faults_spec as spec
+from tests.support import freezer
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hang-kinds-clusters")]  # beside jobview-clusters
 

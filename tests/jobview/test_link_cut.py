@@ -1,5 +1,5 @@
 """The network between two nodes fails (issue 27): three simulated nodes, each a host of its own
-(demo/cluster.py with `netns=True`: a network namespace per node, a management link for the
+(harness/cluster.py with `netns=True`: a network namespace per node, a management link for the
 sidecars, the c10d store and the job view, a training link for gloo), the middle node with two
 ranks, the user's own gloo loop with the hooks (bench/cycles/train_plain.py).
 
@@ -18,9 +18,9 @@ import time
 import psutil
 import pytest
 
-from demo import netns
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import wait_for
+from harness import netns
+from harness.cluster import Cluster, ClusterSpec, NodeSpec
+from harness.job import wait_for
 from tests.jobview.clusters import JOB_TIMEOUT, explain, sidecars
 
 pytestmark = [

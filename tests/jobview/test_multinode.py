@@ -1,4 +1,4 @@
-"""The job view on several simulated nodes (demo/cluster.py): three sidecars with their own
+"""The job view on several simulated nodes (harness/cluster.py): three sidecars with their own
 node_name, socket, port and diagnostics directory, three torchrun agents in one c10d rendezvous,
 the middle node with two ranks; the user's own gloo loop with the hooks (bench/cycles/train_plain.py,
 or train_faults.py's `sync` shape, the same loop: the hung-rank cases share their runs with
@@ -15,7 +15,7 @@ import secrets
 
 import pytest
 
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
+from harness.cluster import Cluster, ClusterSpec, NodeSpec
 from tests.jobview.clusters import (
     HANG_STEP,
     JOB_TIMEOUT,

@@ -15,10 +15,9 @@ import time
 
 import pytest
 
-from tests import cgroup_cpu
 from tests.hooks.test_collectives_lateness import GLOO_RANK, Job
 from tests.ops.helpers import run_cli
-from tests.support import PYTHON, ROOT, Sidecar
+from tests.support import PYTHON, ROOT, Sidecar, cgroup_cpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lateness")]
 

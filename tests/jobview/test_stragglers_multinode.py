@@ -1,4 +1,4 @@
-"""A straggler across nodes, with real sidecars (demo/cluster.py): three simulated nodes of 1, 2 and
+"""A straggler across nodes, with real sidecars (harness/cluster.py): three simulated nodes of 1, 2 and
 1 ranks in one c10d rendezvous, the user's own gloo loop with the hooks (bench/cycles/train_plain.py).
 
 Local rank 1 of node-1 sleeps CYCLE_SLOW_SECONDS more per step before its next all-reduce
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from demo.cluster import Cluster, ClusterSpec, NodeSpec
-from demo.job import SidecarSpec
-from tests import cgroup_cpu
+from harness.cluster import Cluster, ClusterSpec, NodeSpec
+from harness.job import SidecarSpec
 from tests.jobview.clusters import explain
+from tests.support import cgroup_cpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jobview-clusters")]
 

@@ -1,7 +1,7 @@
 """README.md's "Your own script in three commands", run as written by a user without root.
 
 The section's ```sh block is the script: every line of it runs unchanged, with bash, as a
-throw-away unprivileged user (tests/unpriv.py) whose HOME is a fresh directory and whose working
+throw-away unprivileged user (tests/support/unpriv.py) whose HOME is a fresh directory and whose working
 directory is a checkout (what the commands read of one: examples/own_script.py). One line is
 substituted: `pip install ...` would need the network and minutes, so it becomes a no-op, and the
 user's PATH starts with a virtual environment that already holds what that install gives:
@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from tests.support import ROOT, free_port, kill_tree, wait_until
-from tests.unpriv import UNPRIV_PYTHON, User, run_as, run_as_sync, unprivileged_user, world_dir
+from tests.support.unpriv import UNPRIV_PYTHON, User, run_as, run_as_sync, unprivileged_user, world_dir
 
 HEADING = "## Your own script in three commands"
 EXAMPLE = "examples/own_script.py"

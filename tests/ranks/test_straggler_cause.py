@@ -16,7 +16,7 @@ import pytest
 from sidecar.host import cgroups, procs
 from sidecar.ranks.model import Rank
 from sidecar.ranks.straggler_cause import Causes
-from tests import cgroup_cpu
+from tests.support import cgroup_cpu
 
 
 def _rank(pid: int, verified: bool = True) -> Rank:

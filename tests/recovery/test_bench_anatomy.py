@@ -5,7 +5,7 @@ recovery's milestones (it did: one hang showed a 60 s restart and -60 s of impor
 from __future__ import annotations
 
 from bench.bench_recovery import anatomy
-from demo.job import LogEvent
+from harness.job import LogEvent
 
 
 def startup(t: float, milestone: str, **fields) -> LogEvent:

@@ -12,7 +12,7 @@ import subprocess
 import textwrap
 
 from tests.support import Sidecar
-from tests.unpriv import UNPRIV_PYTHON, User, run_as_sync, world_dir
+from tests.support.unpriv import UNPRIV_PYTHON, User, run_as_sync, world_dir
 
 # Fast watchdog for tests that need stalls; 0666 socket as shipped.
 OPEN_SOCKET = ("socket_mode=0666", "remediation.py_spy=false")
@@ -187,7 +187,7 @@ def next_result(proc, timeout: float) -> dict:
 
 
 def run_as_user_background(user: User, sidecar: Sidecar, code: str) -> subprocess.Popen:
-    from tests.unpriv import run_as
+    from tests.support.unpriv import run_as
 
     return run_as(
         user,
@@ -261,7 +261,7 @@ def start_healthy_rank(user: User, sidecar: Sidecar) -> subprocess.Popen:
     """HEALTHY_RANK as `user` (the caller stops it with tests.support.kill_tree), once the
     sidecar watches it as healthy."""
     from tests.support import wait_until
-    from tests.unpriv import run_as, stage_hooks
+    from tests.support.unpriv import run_as, stage_hooks
 
     hooks = stage_hooks(sidecar.workdir)
     proc = run_as(

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from tests.load import HEALTHY, Latencies, scrape_and_probe, start_loaders, wait_loaded
 from tests.support import PYTHON, Sidecar, http_json, spawned, tail, wait_until
+from tests.support.load import HEALTHY, Latencies, scrape_and_probe, start_loaders, wait_loaded
 
 pytestmark = pytest.mark.slow  # a load test: 35 s of probing by design
 JOBS, RANKS_PER_JOB, CUSTOMS = 4, 500, 32
@@ -34,7 +34,7 @@ def test_thousands_of_ranks_neither_slow_health_nor_kill_a_healthy_rank(tmp_path
             f"limits.max_series={MAX_SERIES}",
             "log_level=warning",
             "metrics_reuse_seconds=0.5",
-        )  # the default, which tests/support.py turns off
+        )  # the default, which tests/support/__init__.py turns off
         sc.start()
         stack.callback(sc.stop)
         healthy = stack.enter_context(spawned([PYTHON, "-c", HEALTHY], tmp_path / "healthy.log", env=sc.hook_env()))

@@ -39,7 +39,7 @@ import pytest
 from sidecar.safetext import printable, unsafe
 from tests.security.rig import CLIENT, LoopProbe, attack, next_result, open_sidecar, ranks_of, result_of, start_as
 from tests.support import PYTHON, Sidecar, http_get, kill_tree, wait_until
-from tests.unpriv import UNPRIV_PYTHON, User, run_as, run_as_sync, unprivileged_user
+from tests.support.unpriv import UNPRIV_PYTHON, User, run_as, run_as_sync, unprivileged_user
 
 STALLS = (
     "node_name=n1",

@@ -11,7 +11,7 @@ import pytest
 
 from tests.security.rig import attack, open_sidecar, start_as
 from tests.support import kill_tree
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 # A rank of a torchrun job (so nothing but the caller would stop a drill) that trained two steps.
 RANK = """

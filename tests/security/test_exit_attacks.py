@@ -11,7 +11,7 @@ import signal
 from tests.exits.helpers import RANK, exits_of, incidents, rank_env, wait_for_exit
 from tests.security.rig import attack, open_sidecar
 from tests.support import PYTHON, spawned, tail, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 OOM_REPORT = {
     "type": "torch.OutOfMemoryError",

@@ -1,5 +1,5 @@
 """Issue 9, rows 1-4: an unprivileged local user turns the sidecar's file handling against the
-node. Each attack runs as a throw-away user (tests/unpriv.py) with the standard library only,
+node. Each attack runs as a throw-away user (tests/support/unpriv.py) with the standard library only,
 against a real sidecar whose socket is open to everyone (mode 0666, as shipped), and must get
 nothing: no file it could not read lands in an incident, nothing root owns is written, and no
 path it names can block the sidecar. docs/security.md, "Files the sidecar opens and writes"."""
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import PYTHON, Sidecar, tail, wait_until
-from tests.unpriv import (
+from tests.support.unpriv import (
     UNPRIV_PYTHON,
     run_as,
     stage_hooks,

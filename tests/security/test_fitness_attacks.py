@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.ops.helpers import run_cli
 from tests.security.rig import attack, open_sidecar, ranks_of, start_as
 from tests.support import Sidecar, kill_tree, wait_until
-from tests.unpriv import User, run_as, unprivileged_user
+from tests.support.unpriv import User, run_as, unprivileged_user
 
 GIB = 1 << 30
 SETTINGS = (

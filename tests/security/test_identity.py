@@ -15,12 +15,12 @@ import pytest
 from tests.security.namespaces import in_new_pid_namespace, start_in_new_pid_namespace
 from tests.security.rig import OPEN_SOCKET, attack, open_sidecar, ranks_of
 from tests.support import kill_tree
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 ROW_5 = r"""
     import pwd, select
     from tests.security.rig import OpenSidecar as Sidecar
-    from tests.unpriv import run_as, UNPRIV_PYTHON, world_dir
+    from tests.support.unpriv import run_as, UNPRIV_PYTHON, world_dir
     from tests.security.rig import CLIENT
     ATTACK = CLIENT + '''
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,7 +186,7 @@ def test_pid_reuse_inside_a_namespace_is_never_signalled():
 ROW_5_TCP = r"""
     import pwd
     from tests.security.rig import OpenSidecar as Sidecar
-    from tests.unpriv import UNPRIV_PYTHON, world_dir
+    from tests.support.unpriv import UNPRIV_PYTHON, world_dir
     ATTACK = CLIENT + '''
     import resource
     s = socket.create_connection(("127.0.0.1", int(os.environ["PORT"])))

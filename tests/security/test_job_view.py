@@ -13,10 +13,10 @@ from textwrap import dedent
 
 import pytest
 
-from demo.job import wait_for
+from harness.job import wait_for
 from tests.security.rig import attack, next_result, open_sidecar, ranks_of, start_as
 from tests.support import free_port, kill_tree, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 FAST = (
     "node_name=n1",
@@ -588,7 +588,7 @@ def test_a_local_client_is_known_by_its_live_socket_and_a_closed_ones_row_is_nev
 
     from sidecar.host import procs
     from tests.security.rig import CLIENT
-    from tests.unpriv import UNPRIV_PYTHON, run_as
+    from tests.support.unpriv import UNPRIV_PYTHON, run_as
 
     _, mallory = users
     with socket.create_server(("127.0.0.1", 0)) as server:

@@ -22,7 +22,7 @@ from tests.security.rig import (
     start_healthy_rank,
 )
 from tests.support import http_get, http_json, kill_tree, tail, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 WATCHDOG = (
     "watchdog.floor_seconds=5",

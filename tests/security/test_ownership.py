@@ -14,7 +14,7 @@ import pytest
 
 from tests.security.rig import attack, open_sidecar, ranks_of, start_as
 from tests.support import kill_tree, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 VICTIM = """
     rank = sleeper()

@@ -28,7 +28,7 @@ import pytest
 
 from tests.security.rig import CLIENT, next_result
 from tests.support import PYTHON, ROOT, Sidecar, kill_tree, spawned, tail, wait_until
-from tests.unpriv import UNPRIV_PYTHON, User, stage_hooks, unprivileged_user, world_dir
+from tests.support.unpriv import UNPRIV_PYTHON, User, stage_hooks, unprivileged_user, world_dir
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("unshare") and shutil.which("setpriv")),

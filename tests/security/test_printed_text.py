@@ -20,7 +20,7 @@ import subprocess
 
 from tests.security.rig import attack, open_sidecar, start_as
 from tests.support import PYTHON, kill_tree, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 STALLS = (
     "watchdog.startup_timeout_seconds=2",

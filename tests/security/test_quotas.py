@@ -9,7 +9,7 @@ import textwrap
 
 from tests.security.rig import attack, open_sidecar, register_as_root, start_as
 from tests.support import kill_tree, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 FILL_JOBS = """
     kept, replies = [], []

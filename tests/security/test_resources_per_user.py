@@ -15,7 +15,7 @@ import psutil
 
 from tests.security.rig import open_sidecar, ranks_of, start_as
 from tests.support import kill_tree, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 # ---------------------------------------------------------------- row 3: event fields
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from demo.processes import free_port
+from harness.processes import free_port
 from tests.support import ROOT, kill_tree
-from tests.unpriv import UNPRIV_PYTHON, run_as, unprivileged_user
+from tests.support.unpriv import UNPRIV_PYTHON, run_as, unprivileged_user
 
 pytestmark = pytest.mark.slow
 

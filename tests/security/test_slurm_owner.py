@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tests.security.rig import attack, open_sidecar, ranks_of, start_as
 from tests.support import kill_tree, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 MALLORY_RANK = """
     rank = sleeper()

@@ -1,6 +1,6 @@
 """Issue 28, rows 4 and 12: another local user against the bundled trainer's memory snapshots,
 which live in a directory every user shares (`checkpoint.memory_dir`, /dev/shm). Each attack runs
-as a throw-away user (tests/unpriv.py, standard library only); the victim is a real 2-rank
+as a throw-away user (tests/support/unpriv.py, standard library only); the victim is a real 2-rank
 torchrun job of the trainer (root's, as the tests run) whose rank 1 is SIGKILLed at step 13 and
 restarted, and it must train to its end and resume as it would without the attacker.
 docs/security.md, "The bundled trainer's memory snapshots"."""
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.unpriv import UNPRIV_PYTHON, run_as_sync, unprivileged_user, world_dir
 from tests.trainer.helpers import Run, torchrun
-from tests.unpriv import UNPRIV_PYTHON, run_as_sync, unprivileged_user, world_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer_torchrun")]
 

@@ -19,7 +19,7 @@ import time
 
 from tests.security.rig import open_sidecar, start_as
 from tests.support import kill_tree, wait_until
-from tests.unpriv import unprivileged_user
+from tests.support.unpriv import unprivileged_user
 
 SQUAT = """
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -15,7 +15,7 @@ import json
 
 from tests.security.rig import attack, open_sidecar, ranks_of, register_as_root
 from tests.support import kill_tree, wait_until
-from tests.unpriv import run_as, unprivileged_user
+from tests.support.unpriv import run_as, unprivileged_user
 
 STALLS = (
     "watchdog.startup_timeout_seconds=2",

@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demo.job import JobSpec
+from harness.job import JobSpec
 from tests.support import spawned, tail, wait_until
 
 STEPS = 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from demo.processes import free_port
+from harness.processes import free_port
 from tests.support import Sidecar, wait_until
 from tests.watchdog import jobs
 

@@ -20,8 +20,7 @@ from sidecar.fitness import Reason
 from sidecar.host import stuck
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.machine import Watchdog
-from tests import freezer
-from tests.support import ROOT, make_settings, wait_until
+from tests.support import ROOT, freezer, make_settings, wait_until
 from tests.watchdog.helpers import WATCHDOG, register_hung
 from tests.watchdog.test_outcomes import GROUP_WITH_STUBBORN_WORKER, register
 from tests.watchdog.test_remediation import events, finish, stall

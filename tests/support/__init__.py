@@ -17,14 +17,14 @@ from typing import Any
 
 import psutil
 
-from demo.processes import (
+from harness.processes import (
     free_port,  # noqa: F401  (the tests' own: each worker's range, tests/conftest.py)
     start_logged,
 )
 from sidecar.config import Settings, load_settings
 
-ROOT = Path(__file__).resolve().parent.parent
-# The suite's warm agents fork their workers from a process that imported torch (demo/zygote_ranks.py);
+ROOT = Path(__file__).resolve().parents[2]
+# The suite's warm agents fork their workers from a process that imported torch (harness/zygote_ranks.py);
 # the tests of the restart paths (the user's own scripts: plain, HF, Lightning, the README's, attach)
 # have torchrun start them as it does on a cluster, new interpreters.
 COLD_RANKS = {"SIDECAR_TEST_COLD_RANKS": "1"}

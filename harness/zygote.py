@@ -3,26 +3,26 @@
 `python -m torch.distributed.run ...` spends about 2.3 CPU-s importing torch and torchrun before
 its agent does anything, and `python -m sidecar run` 0.4 CPU-s importing the daemon; the suite
 starts over a hundred agents and hundreds of sidecars (docs/suite-times.md). A server
-(`python -m demo.zygote SOCKET MODULE`) imports what its MODULE needs once; for each request it
+(`python -m harness.warm_server SOCKET MODULE`) imports what its MODULE needs once; for each request it
 forks a child that becomes the process asked for: a session of its own, output appended to the
 log, stdin /dev/null, the request's working directory, environment and `sys.path` (the
 directory, then PYTHONPATH's, then the interpreter's own), and then the module the request names
 (MODULE, or one of the modules its server also runs) run as `__main__`, as `python -m` runs it.
 What the process does from there is its own code: for an agent, torchrun's rendezvous, its
 workers, their restarts and the exit status (torchrun starts its workers as new interpreters, or
-from a rank server of the agent where `demo/zygote_ranks.py` can honour them); for a sidecar,
+from a rank server of the agent where `harness/zygote_ranks.py` can honour them); for a sidecar,
 `sidecar run` from its argument parsing on.
 
 What differs from a cold start: the modules were imported with the server's environment, so a
 request whose environment differs in what is read at import or at the process's start (`PYTHON*`
-other than PYTHONPATH, `LD_*` and demo/node_clock.c's `NODE_CLOCK_*`, and each kind's own: LOGLEVEL for
+other than PYTHONPATH, `LD_*` and harness/node_clock.c's `NODE_CLOCK_*`, and each kind's own: LOGLEVEL for
 torchrun's loggers, `TORCH_LOGS` and C++ logging; aiohttp's `AIOHTTP_*`) is answered "cold" and
 started as a new interpreter; the process's parent is the server (which reaps it and reports its
 exit status); its command line is the server's.
 
 Used only where ENV names a directory (tests/conftest.py sets it for each test worker, which
 starts each server on its first request; `SIDECAR_TEST_COLD_AGENTS=1` turns it off), by
-`demo.processes.Processes.start` and `tests.support.spawned`, for commands that are exactly
+`harness.processes.Processes.start` and `tests.support.spawned`, for commands that are exactly
 `[sys.executable, "-m", "torch.distributed.run", ...]` (or the project's two torchruns,
 `trainer_hooks.launch` and `sidecar_trainer.launch`, which import the rest of what they need in the
 child) or `[sys.executable, "-m", "sidecar", "run", ...]`: one run under `ip netns exec`, `runuser`,
@@ -35,7 +35,6 @@ import gc
 import importlib
 import json
 import os
-import runpy
 import selectors
 import signal
 import socket
@@ -195,7 +194,7 @@ def ask(sock: socket.socket, request: dict) -> WarmProcess | None:
             reply += data
     except OSError as e:
         sock.close()
-        print(f"demo.zygote: {e}; starting {request['argv'][2]} cold", file=sys.stderr)
+        print(f"harness.zygote: {e}; starting {request['argv'][2]} cold", file=sys.stderr)
         return None
     first, _, after = reply.partition(b"\n")
     word, _, rest = first.decode().strip().partition(" ")
@@ -216,7 +215,7 @@ def _connect(directory: str, module: str) -> socket.socket | None:
     server = _servers.get(module)
     if server is None:
         server = _servers[module] = subprocess.Popen(
-            [sys.executable, "-m", "demo.zygote", path, module],
+            [sys.executable, "-m", "harness.warm_server", path, module],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.DEVNULL,
@@ -226,7 +225,8 @@ def _connect(directory: str, module: str) -> socket.socket | None:
     started = connect(path, START_TIMEOUT, lambda: server.poll() is None)
     if started is None:
         print(
-            f"demo.zygote: the server at {path} did not start (see {path}.log); starting {module} cold", file=sys.stderr
+            f"harness.zygote: the server at {path} did not start (see {path}.log); starting {module} cold",
+            file=sys.stderr,
         )
     return started
 
@@ -261,7 +261,7 @@ def refusal(request: dict, module: str) -> str | None:
     env = request.get("env")
     if not isinstance(env, dict) or eligible(request.get("argv") or []) != module:
         return f"not {module}"
-    # Python's own, and what the process's start reads (the dynamic loader's LD_PRELOAD, demo/node_clock.c's offset)
+    # Python's own, and what the process's start reads (the dynamic loader's LD_PRELOAD, harness/node_clock.c's offset)
     started = ("PYTHON", "LD_", "NODE_CLOCK_")
     keys = {*KINDS[module].import_env, *(k for k in (*env, *os.environ) if k.startswith(started))}
     keys -= {"PYTHONPATH", "PYTHONUNBUFFERED"}
@@ -408,7 +408,7 @@ def _reap(children: dict[int, socket.socket | None]) -> None:
             # the client reads the status, then closes; the server forgets the connection then
 
 
-def _become(request: dict) -> None:
+def become(request: dict) -> None:
     """In the forked child (a session of its own already): the agent's output, directory, environment and path."""
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -424,24 +424,3 @@ def _become(request: dict) -> None:
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.path.abspath(cwd), *extra, *BASE_PATH]
     sys.argv = [request["argv"][0], *request["argv"][3:]]  # argv[0] becomes the module's file
-
-
-def main() -> None:
-    if len(sys.argv) != 3 or sys.argv[2] not in KINDS:
-        raise SystemExit(f"usage: python -m demo.zygote SOCKET {{{'|'.join(KINDS)}}}")
-    path, module = sys.argv[1], sys.argv[2]
-    request = serve(path, KINDS[module].preload, lambda r: refusal(r, module))  # returns only in a child
-    sys.modules.pop(module, None)  # run as __main__, as `python -m` does (runpy warns otherwise)
-    _become(request)
-    if module == "torch.distributed.run":
-        from demo import zygote_ranks
-
-        zygote_ranks.install(os.path.dirname(path))
-    runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    # Run as `demo.zygote`, not as `__main__`: one copy of the module's state, shared with demo.zygote_ranks.
-    from demo import zygote
-
-    zygote.main()

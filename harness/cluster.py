@@ -6,7 +6,7 @@ workers find their node's sidecar through SIDECAR_SOCKET. A node can be hung in 
 (SIGSTOP from outside, or the script's own hang), or lost whole (its sidecar, agent and ranks
 SIGKILLed at once).
 
-With `ClusterSpec(netns=True)` every node is a host of its own (demo/netns.py): its sidecar, its
+With `ClusterSpec(netns=True)` every node is a host of its own (harness/netns.py): its sidecar, its
 agent and its ranks run in the node's network namespace, which has a management link (the sidecar
 listens there, with a push token of its own; the c10d rendezvous and the workers' store; the job view's
 peer requests) and a training link (gloo, pinned with GLOO_SOCKET_IFNAME). `cut_link(node)` drops
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import psutil
 
-from demo import netns
-from demo.job import PYTHON, SidecarClient, SidecarSpec, wait_for
-from demo.processes import Processes, free_port
+from harness import netns
+from harness.job import PYTHON, SidecarClient, SidecarSpec, wait_for
+from harness.processes import Processes, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ class NodeSpec:
     nproc: int = 1  # ranks on this node
     env: dict[str, str] = field(default_factory=dict)  # for this node's agent only
     # seconds this node's wall clock is ahead of the machine's (behind if negative): its sidecar, agent
-    # and ranks all read it (demo/node_clock.c, preloaded)
+    # and ranks all read it (harness/node_clock.c, preloaded)
     clock_offset: float = 0.0
 
     def clock_env(self) -> dict[str, str]:
@@ -62,7 +62,7 @@ class NodeSpec:
 
 
 def node_clock_library() -> Path:
-    """demo/node_clock.c built once per content (the machine's C compiler), under the temp directory."""
+    """harness/node_clock.c built once per content (the machine's C compiler), under the temp directory."""
     source = Path(__file__).with_name("node_clock.c")
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     built = Path(tempfile.gettempdir()) / f"sidecar-node-clock-{digest}.so"
@@ -88,7 +88,7 @@ class ClusterSpec:
     sidecar: SidecarSpec = field(default_factory=SidecarSpec)
     env: dict[str, str] = field(default_factory=dict)  # for every agent (and so every worker)
     with_sidecars: bool = True
-    # a network namespace per node, with a management and a training link (demo/netns.py; root)
+    # a network namespace per node, with a management and a training link (harness/netns.py; root)
     netns: bool = False
     # the agents' module: torchrun itself, or `trainer_hooks.launch` (torchrun whose agent re-forms
     # a multi-node job faster: trainer_hooks/rendezvous.py)

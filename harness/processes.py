@@ -1,5 +1,5 @@
-"""Processes the demo starts: each in its own session with its output in a log file, and all of
-them (with everything they started, torchrun's workers included) killed on the way out."""
+"""Processes the demo, the benchmarks and the tests start: each in its own session with its output
+in a log file, and all of them (with everything they started, torchrun's workers included) killed on the way out."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from demo import zygote
+from harness import zygote
 
 PORTS_ENV = "DEMO_PORTS"  # "LOW-HIGH": take free ports from this range, in turn
 _turn = random.randrange(1 << 16)  # where this process starts in the range (its children start elsewhere)
@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def start_logged(cmd: Sequence[str], env: dict[str, str], cwd: str | Path, log_path: str | Path) -> subprocess.Popen:
     """`cmd` in a session of its own, its output appended to `log_path`: forked warm where the test
-    suite set that up for it (a torchrun agent, a sidecar: demo/zygote.py), else a new process."""
+    suite set that up for it (a torchrun agent, a sidecar: harness/zygote.py), else a new process."""
     proc = zygote.spawn(cmd, env, cwd, log_path)
     if proc is None:
         with open(log_path, "ab") as log:

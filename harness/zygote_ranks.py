@@ -2,7 +2,7 @@
 
 A rank started as torchrun starts it (`python -u script.py ...`, a new interpreter) spends about
 2.4 CPU-s importing torch before its script does anything, and the suite starts hundreds
-(docs/suite-times.md). A torchrun agent forked by `demo/zygote.py` has torch imported already; before
+(docs/suite-times.md). A torchrun agent forked by `harness/zygote.py` has torch imported already; before
 torchrun's code runs (one thread, nothing of torchrun's own started), `install` forks it into a
 rank server (`zygote.serve`, the agent its owner) and routes torchrun's worker start
 (`SubprocessHandler._popen`, where torchrun calls `subprocess.Popen`) there. For each worker the
@@ -47,7 +47,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from demo import zygote
+from harness import zygote
 
 COLD_ENV = "SIDECAR_TEST_COLD_RANKS"
 # Read by torch or torchrun when used, not at import: torchrun's worker environment and the suite's.
@@ -56,7 +56,7 @@ LAZY = ("TORCHELASTIC_", "TORCH_FR_", "TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CH
 # sets it to 1 for more than one worker a node) becomes torch's intra-op thread count.
 THREADS = "OMP_NUM_THREADS"
 # Read at import (by torch, its OpenMP runtime, Python itself), or when the process starts (the dynamic
-# loader's LD_PRELOAD, demo/node_clock.c's offset): a worker whose value differs starts cold.
+# loader's LD_PRELOAD, harness/node_clock.c's offset): a worker whose value differs starts cold.
 AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "LOGLEVEL", "LD_", "NODE_CLOCK_")
 CUSTOMIZE = ("sitecustomize.py", "usercustomize.py")
 
@@ -79,7 +79,7 @@ def install(directory: str) -> None:
             if proc is not None:
                 return proc
             why = "the rank server did not answer"
-        print(f"demo.zygote_ranks: worker {self.local_rank_id} started cold: {why}", file=sys.stderr, flush=True)
+        print(f"harness.zygote_ranks: worker {self.local_rank_id} started cold: {why}", file=sys.stderr, flush=True)
         return cold(self, args, env)
 
     handler._popen = _popen  # type: ignore[method-assign]
