@@ -61,15 +61,14 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 # Five workers on two cores: much of the suite's time is waiting (step floors, restarts, rule
-# `for:` windows), so more workers than cores fill it (docs/suite-times.md: 1100 s with two, 834 s
-# with three, 745-786 s with four, 690-714 s with five; the CPUs 62%, 80%, 90% and 93% busy).
+# `for:` windows), so more workers than cores fill it (on 2 cores five keep the CPUs about 90% busy).
 # `TEST_WORKERS=N` to change it.
 TEST_WORKERS ?= 5
 
 # The tests start hundreds of Python processes (sidecars, CLI calls, ranks) that import the
 # project; without its bytecode each compiles it again (0.3 CPU-s to import the sidecar with it,
 # 1.1 without): a fresh clone has none, and none is written where PYTHONDONTWRITEBYTECODE is set.
-# pip compiles what it installs; this does the same for the checkout (docs/suite-times.md).
+# pip compiles what it installs; this does the same for the checkout.
 BYTECODE_DIRS := sidecar trainer_hooks sidecar_trainer alerts dashboards bench demo harness scripts tests
 
 bytecode: $(STAMP)
@@ -84,7 +83,7 @@ test: lint system-deps bytecode
 
 # The inner loop: nothing of ten seconds or more (`slow`: torchrun jobs, training runs, load
 # tests), nothing that needs the Debian packages (`system`), no lint. About 3 minutes on 2
-# cores (docs/suite-times.md); `make test` before you push.
+# cores; `make test` before you push.
 test-fast: $(STAMP) bytecode
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not system"
 

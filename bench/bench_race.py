@@ -5,7 +5,7 @@ the same hang, the same timeout, interleaved, on one node and on three simulated
     python -m bench.bench_race --runs 1 --layouts 2
     python -m bench.bench_race --ours torchrun    # ours with plain torchrun as the agent
 
-The script is bench/cycles/train_race.py: the README's `Monitor` example plus NVRx's heartbeat
+The script is bench/cycles/train_race.py: the `Monitor` example of docs/guide.md plus NVRx's heartbeat
 (sent only under ft_launcher, which starts the rank monitor it goes to). After 20 steps and 1.5 s
 of training, the last local rank of the middle node SIGSTOPs itself: a frozen rank, which neither
 side can tell from a slow one until its timeout has passed.

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VERSION = "0.4.1"  # the release the figures in the README were measured with
+VERSION = "0.4.1"  # the release the figures in docs/benchmarks.md were measured with
 TARGET = ROOT / "build" / "nvrx"
 MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"  # ft_launcher's entry point, run with -m
 

@@ -2,7 +2,7 @@
 
 `python -m torch.distributed.run ...` spends about 2.3 CPU-s importing torch and torchrun before
 its agent does anything, and `python -m sidecar run` 0.4 CPU-s importing the daemon; the suite
-starts over a hundred agents and hundreds of sidecars (docs/suite-times.md). A server
+starts over a hundred agents and hundreds of sidecars. A server
 (`python -m harness.warm_server SOCKET MODULE`) imports what its MODULE needs once; for each request it
 forks a child that becomes the process asked for: a session of its own, output appended to the
 log, stdin /dev/null, the request's working directory, environment and `sys.path` (the

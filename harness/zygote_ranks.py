@@ -2,7 +2,7 @@
 
 A rank started as torchrun starts it (`python -u script.py ...`, a new interpreter) spends about
 2.4 CPU-s importing torch before its script does anything, and the suite starts hundreds
-(docs/suite-times.md). A torchrun agent forked by `harness/zygote.py` has torch imported already; before
+(CONTRIBUTING.md, "The suite"). A torchrun agent forked by `harness/zygote.py` has torch imported already; before
 torchrun's code runs (one thread, nothing of torchrun's own started), `install` forks it into a
 rank server (`zygote.serve`, the agent its owner) and routes torchrun's worker start
 (`SubprocessHandler._popen`, where torchrun calls `subprocess.Popen`) there. For each worker the

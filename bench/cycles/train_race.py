@@ -1,4 +1,4 @@
-"""The race's script (bench/bench_race.py): the README's `Monitor` example with NVIDIA's heartbeat
+"""The race's script (bench/bench_race.py): the `Monitor` example of docs/guide.md with NVIDIA's heartbeat
 added, as a user who tried both tools would leave it. One file, run unchanged under either
 launcher: the hooks report to the sidecar (without one they drop their records and cost nothing),
 and the NVRx heartbeat is sent when ft_launcher started the rank (it sets

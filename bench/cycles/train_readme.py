@@ -1,4 +1,4 @@
-"""The README's `Monitor` example as a user writes it: the hooks' Monitor and a plain
+"""The `Monitor` example of docs/guide.md as a user writes it: the hooks' Monitor and a plain
 `torch.distributed.init_process_group`, nothing else of trainer_hooks. Importing trainer_hooks
 makes the group restart-safe under torchrun (trainer_hooks.distributed)."""
 

@@ -2,7 +2,7 @@
 cluster's logs for a failed assertion, and the runs several tests judge.
 
 A run of a job is what the tests pay for (each rank a new interpreter importing torch, and again
-after the restart: docs/suite-times.md); where two tests start the same job with the same fault and
+after the restart); where two tests start the same job with the same fault and
 prove different things about it, they take one run (`SharedRuns`): the first to ask starts it and
 waits for its end, each test asserts what it proves on it (its sidecars still up: the incidents'
 command line reads them), and the last to give it back ends it. The job's story across its nodes is

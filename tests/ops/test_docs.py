@@ -49,7 +49,7 @@ def test_the_guide_links_the_runbook_for_each_troubleshooting_case():
 # A Python file of the repository, named from one of its top-level directories (not the tail of
 # a longer path such as `/run/sidecar/...`); `{a,b}` stands for both names, as in a shell.
 SOURCE_PATH = re.compile(
-    r"(?<![\w./~-])((?:sidecar|trainer_hooks|trainer|tests|alerts|dashboards|bench|demo|scripts|packaging|examples)"
+    r"(?<![\w./~-])((?:sidecar|trainer_hooks|trainer|tests|alerts|dashboards|bench|demo|harness|scripts|packaging|examples)"
     r"/[\w./{},-]*?\.py)\b"
 )
 

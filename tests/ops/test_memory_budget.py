@@ -31,7 +31,7 @@ MIB = 1024 * 1024
 TMPFS_HOST_PATHS = ("/run", "/var/run", "/dev/shm")
 
 # The daemon's own memory, apart from its files: 72 MB resident with 2,000 ranks registered
-# (README, bench_metrics item 9; 49 MB on a busy 8-GPU node), plus the job view's reports when
+# (docs/benchmarks.md, bench_metrics item 9; 49 MB on a busy 8-GPU node), plus the job view's reports when
 # this node coordinates jobs up to job_view.max_ranks (about 2 KiB each, docs/configuration.md);
 # twice that, for what the benchmarks did not see.
 MEASURED_RSS = 80 * MIB
