@@ -355,7 +355,7 @@ class JobViewSettings:
     enabled: bool = field(
         default=True,
         metadata=doc(
-            'Share the job\'s picture with the other nodes of each job (docs/architecture.md, "The job view"): '
+            "Share the job's picture with the other nodes of each job (docs/architecture/job-view.md): "
             "one culprit, one job incident, and only the culprit's node kills. Off: every node judges its own "
             "ranks alone."
         ),

@@ -1,11 +1,11 @@
 """The one table of hang kinds: what a verdict may say held a job up, and what follows from it.
 
-A verdict (sidecar/jobview/judge.py) is the end of a chain of waits (docs/architecture.md, "Who
+A verdict (sidecar/jobview/judge.py) is the end of a chain of waits (docs/architecture/hang-kinds.md, "Who
 waits on whom"): the kind names what that end is. Everything that keys on a verdict reads this
 table: who is blamed (a rank, a node, the odd ranks of a desync, or no one), who acts (the
 culprit's node, every node of the job on its own ranks, or nobody: report only), the alert that
 pages for it and its runbook section, the wire's accepted values, the incident's `hang_kind`, the
-metric's label values and help, and the generated table in docs/architecture.md (`python -m
+metric's label values and help, and the generated table in docs/architecture/hang-kinds.md (`python -m
 sidecar.hang_kinds`). A kind registers itself here; the judgement decides when it holds.
 
 An unknown kind (a verdict from a newer node) is carried with its name and treated as OTHER:
@@ -159,7 +159,7 @@ def metric_help() -> str:
 
 
 def table() -> str:
-    """The kinds as a Markdown table (docs/architecture.md carries it; a test keeps it current)."""
+    """The kinds as a Markdown table (docs/architecture/hang-kinds.md carries it; a test keeps it current)."""
     rows = [
         "| kind | what it is | rests on | blames | acts | a crash loop when repeated | alert |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -168,7 +168,7 @@ def table() -> str:
         alert = f"`{k.alert}`" if k.alert else f"none: {k.no_alert}"
         acts = {"culprit_node": "the culprit's node", "every_node": "every node", "nobody": "nobody (report)"}[k.acts]
         loops = "yes" if k.loops else "no"
-        rows.append(f"| [`{k.name}`](runbook.md#{k.name}) | {k.description} | {k.evidence} | {k.blames} | {acts} | "
+        rows.append(f"| [`{k.name}`](../runbook.md#{k.name}) | {k.description} | {k.evidence} | {k.blames} | {acts} | "
                     f"{loops} | {alert} |")  # fmt: skip
     return "\n".join(rows)
 

@@ -55,7 +55,7 @@ RESTART_TRAP_FIX = (
 
 def restart_trap(job_id: str, ranks: list[int]) -> Problem:
     """The job's ranks that said their process group would not come back after a torchrun restart
-    (the registration's `restart_safe: false`, docs/architecture.md "Restarts and the agent's store")."""
+    (the registration's `restart_safe: false`, docs/architecture/restarts.md "Restarts and the agent's store")."""
     ranks = sorted(ranks)
     shown = ", ".join(str(r) for r in ranks[:4]) + (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
     return Problem(

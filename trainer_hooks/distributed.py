@@ -13,7 +13,7 @@ across restarts, and the workers use it without any per-attempt prefix. A restar
 finds the previous attempt's keys: gloo's full-mesh connect reads a dead peer's address
 (`default_pg/0//cpu//0/<rank>`) before the new peer has written its own, and fails with
 "Gloo connectFullMesh failed ... Connection refused"; NCCL's unique-id exchange reads the same
-way. `docs/architecture.md` ("Restarts and the agent's store") has the details.
+way. `docs/architecture/restarts.md` ("Restarts and the agent's store") has the details.
 
 The remedy is a store namespace per attempt. The restart count cannot name the attempt (agents on
 different nodes count differently), so rank 0 draws a new generation number from the store and

@@ -55,7 +55,7 @@ def _frame(f: traceback.FrameSummary) -> str:
 
 
 def report(exc: BaseException, thread: str | None = None) -> dict[str, Any]:
-    """The wire form of an exception (docs/architecture.md, `/v1/deregister`)."""
+    """The wire form of an exception (docs/architecture/wire-protocol.md, `/v1/deregister`)."""
     types = [_name(c) for c in type(exc).__mro__ if c is not object][:MAX_TYPES]
     try:
         frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]

@@ -1,7 +1,7 @@
 """Where the job's coordinating sidecar is, told through the job's own c10d store.
 
 The sidecars of a multi-node job need one of them to gather the job's picture during a hang
-(docs/architecture.md, "The job view"). Rank 0's sidecar offers itself at rank 0's registration;
+(docs/architecture/job-view.md, "The job view"). Rank 0's sidecar offers itself at rank 0's registration;
 rank 0's hooks write that offer under one key of the store the process group was formed with
 (`torch.distributed`'s default store), and every rank's hooks read it and tell their own sidecar.
 The offer holds the job's own key (wire protocol 6): the job's sidecars sign what they tell each

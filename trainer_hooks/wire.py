@@ -1,4 +1,4 @@
-"""The wire contract between the hooks and the sidecar (docs/architecture.md, "the wire
+"""The wire contract between the hooks and the sidecar (docs/architecture/wire-protocol.md, "the wire
 protocol"): names, patterns and limits both sides must agree on, defined once.
 
 The hooks shape what they send with these (`records.py`, `exits.py`, `environment.py`); the

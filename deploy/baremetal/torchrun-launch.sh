@@ -101,7 +101,7 @@ if [ "${LEAVE_IF_UNFIT:-0}" = 1 ]; then
 fi
 
 # torchrun reads it: the workers of each restart attempt get a store of their own instead of
-# sharing the agent's, whose keys outlive the attempt (docs/architecture.md, "Restarts").
+# sharing the agent's, whose keys outlive the attempt (docs/architecture/restarts.md, "Restarts").
 cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "$PYTHON" -m torch.distributed.run
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
   --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" "${is_host[@]}"

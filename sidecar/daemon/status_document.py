@@ -1,4 +1,4 @@
-"""The `/v1/status` document (docs/architecture.md): the node at a glance, built from the
+"""The `/v1/status` document (docs/architecture/wire-protocol.md): the node at a glance, built from the
 settings, the rank registry, the collectors' latest families and the watchdog.
 
 Hardware facts are read back out of the families the collectors already produced (by

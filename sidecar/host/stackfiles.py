@@ -11,7 +11,7 @@ So no path a rank names is ever opened with root's authority: not a symlink swap
 right moment, not a FIFO that blocks the opening thread, not `/proc/<pid>/environ`. The rank
 cannot replace the file (the directory is not writable by it) and cannot make it anything
 but a regular file; it can only write into it, which is all it could do before. The field
-`stack_dump.path` of a register request is ignored (docs/architecture.md).
+`stack_dump.path` of a register request is ignored (docs/architecture/wire-protocol.md).
 
 Bounds (a rank may register again and again, and writes into its file what it likes):
 `DumpFiles` counts the files it creates per owner uid, at most limits.max_ranks_per_user +

@@ -13,7 +13,7 @@ decide it, the late rank, a stuck collective or a desync is the verdict, whateve
 show; the stack rule above judges only where they do not (no record: an older torch, the recorder
 off). Every culprit says which evidence judged it (`evidence`: collectives, stacks, progress).
 
-Who waits on whom (docs/architecture.md, "Who waits on whom"): a rank waits on its peers when its
+Who waits on whom (docs/architecture/hang-kinds.md, "Who waits on whom"): a rank waits on its peers when its
 stack shows it in a collective or its record holds one in flight. A rank that is not waiting is
 the end of the chain; what its node reads of its process (`RankView.activity`) names the kind
 (hang_kinds.CONDITION_KINDS: stopped, in D, on its DataLoader, spinning, deadlocked). No one

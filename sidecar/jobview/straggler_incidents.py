@@ -1,5 +1,5 @@
 """Straggler incidents: one incident of kind `straggler` per episode of a rank of this node being
-its job's straggler (docs/architecture.md#stragglers-lateness-per-rank), in the watchdog's incident
+its job's straggler (docs/architecture/stragglers.md#stragglers-lateness-per-rank), in the watchdog's incident
 store, so that `sidecar incidents` lists it with the stalls and the exits.
 
 An episode opens when a local rank is first named straggler, by the job's coordinator (over the

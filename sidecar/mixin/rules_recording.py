@@ -90,7 +90,7 @@ def group(cfg: MixinConfig) -> Group:
                 "job_id_state:sidecar_rank_state:count",
                 "count by (namespace, cluster, job_id, state) (sidecar_rank_state == 1)",
             ),
-            # The job view without the sidecars (docs/architecture.md): every rank of a hung job soon
+            # The job view without the sidecars (docs/architecture/job-view.md): every rank of a hung job soon
             # waits for the culprit in a collective, so the rank holding the job up is the one at the
             # job's lowest step, suspect or stalled, whose latest stack does not wait; `node` names its
             # node (sidecar_node_info).
@@ -104,7 +104,7 @@ def group(cfg: MixinConfig) -> Group:
                 "  / sum by (namespace, cluster, job_id, instance) (rate(sidecar_job_seconds_total[1h]))\n"
                 ")",
             ),
-            # From the backend's own record first (PyTorch's Flight Recorder, docs/architecture.md): per
+            # From the backend's own record first (PyTorch's Flight Recorder, docs/architecture/hang-kinds.md): per
             # job and process group, how many collectives a rank's last enqueued one is below the
             # group's highest, kept only while some member waits in one (enqueued > completed). A rank
             # behind while its peers wait is late to the collective they wait in.

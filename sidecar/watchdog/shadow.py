@@ -1,5 +1,5 @@
 """Shadow mode and false alarms: the kills the watchdog would have made, and the stalls that ended
-by themselves (docs/architecture.md, "Shadow mode and false alarms").
+by themselves (docs/architecture/watchdog.md, "Shadow mode and false alarms").
 
 - Observe-only: the node's (`watchdog.observe_only`), or a job's own, asked at registration
   (`observe_only: true`; honoured while `watchdog.allow_job_observe_only`). A stall of such a job is

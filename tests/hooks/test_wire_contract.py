@@ -35,7 +35,7 @@ def test_the_contract_does_not_change_without_a_new_protocol_version():
     assert pinned == got, (
         f"the wire contract (trainer_hooks/wire.py) has fingerprint {got}, but protocol version "
         f"{wire.PROTOCOL_VERSION} is pinned to {pinned}. If the change is meant, bump PROTOCOL_VERSION in "
-        f"trainer_hooks/wire.py, describe it in docs/architecture.md (the wire protocol) and add "
+        f"trainer_hooks/wire.py, describe it in docs/architecture/wire-protocol.md (the wire protocol) and add "
         f"{{{wire.PROTOCOL_VERSION + 1 if pinned else wire.PROTOCOL_VERSION}: {got!r}}} to PINNED in "
         f"tests/hooks/test_wire_contract.py; a pinned version's contract never changes."
     )

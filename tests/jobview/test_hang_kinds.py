@@ -245,8 +245,8 @@ def test_every_kind_has_a_runbook_section_and_an_alert_that_exists_or_a_reason_f
 
 
 def test_the_architecture_doc_carries_the_generated_table():
-    doc = (ROOT / "docs" / "architecture.md").read_text()
-    assert hang_kinds.table() in doc, "docs/architecture.md: paste `python -m sidecar.hang_kinds`"
+    doc = (ROOT / "docs" / "architecture" / "hang-kinds.md").read_text()
+    assert hang_kinds.table() in doc, "docs/architecture/hang-kinds.md: paste `python -m sidecar.hang_kinds`"
 
 
 def test_the_metric_help_names_every_kind():

@@ -34,6 +34,22 @@ def test_every_link_of_the_operator_guide_resolves():
     assert broken == []
 
 
+def test_every_relative_link_of_every_doc_resolves():
+    """README, CONTRIBUTING and docs/ (its pages in docs/architecture/ too): files exist, anchors name headings."""
+    docs = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = []
+    for doc in docs:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http", "mailto")):
+                continue
+            file, _, anchor = target.partition("#")
+            path = doc.parent / file if file else doc
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
 def test_the_guide_links_the_runbook_for_each_troubleshooting_case():
     section = GUIDE.read_text().split("## Troubleshooting", 1)[1]
     for case in (
@@ -62,7 +78,7 @@ def _expand(path: str) -> list[str]:
 
 
 def test_every_python_file_the_docs_name_exists():
-    docs = [ROOT / "README.md", *ROOT.glob("CONTRIBUTING.md"), *sorted((ROOT / "docs").glob("*.md"))]
+    docs = [ROOT / "README.md", *ROOT.glob("CONTRIBUTING.md"), *sorted((ROOT / "docs").rglob("*.md"))]
     missing = [
         f"{doc.relative_to(ROOT)}: {path}"
         for doc in docs
