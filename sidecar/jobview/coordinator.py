@@ -151,7 +151,8 @@ class Coordinator:
         job.summaries[report.node] = summarize(report, received=now)
         job.unreachable.discard(report.node)
         self.reports_total += 1
-        job.lateness.take(report.node, report.time, self.wall(), report.lateness, now, size or self.max_ranks)
+        wall, bound = self.wall(), size or self.max_ranks
+        job.lateness.take(report.node, report.time, wall, report.lateness, now, bound, report.rtt)
         job.golive.take(report.node, report.golive, size or report.world_size, now)
         if job.lateness.judge(now, self.wall(), self.node):
             job.stragglers_logged = job.lateness.log_changes(job.job_id, self.node, job.stragglers_logged)

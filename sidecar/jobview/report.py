@@ -99,13 +99,16 @@ class NodeReport:
     # since the coordinator last took them (or every golive.REFRESH_SECONDS); None: unchanged or none
     golive: JobFigures | None = None
     drill: str | None = None  # a drill of the job armed on this node (`sidecar drill`): its id
+    # the round trip (seconds) of this node's previous report to the coordinator, when it was answered:
+    # the bound on that report's one-way delay, so on its clock offset sample (stragglers.ClockOffset)
+    rtt: float | None = None
 
     @property
     def troubled(self) -> bool:
         return any(r.troubled for r in self.ranks)
 
     def to_wire(self) -> dict[str, Any]:
-        skip = ("ranks", "part", "lateness", "golive")
+        skip = ("ranks", "part", "lateness", "golive", "rtt")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["ranks"] = [r.to_wire() for r in self.ranks]  # each once, not converted twice
         out["part"] = asdict(self.part) if self.part is not None else None
@@ -113,6 +116,8 @@ class NodeReport:
             out["lateness"] = [e.to_wire() for e in self.lateness]
         if self.golive is not None:  # absent likewise: a coordinator that predates it reads none
             out["golive"] = self.golive.to_wire()
+        if self.rtt is not None:  # absent likewise
+            out["rtt"] = round(self.rtt, 6)
         return out
 
 
@@ -336,6 +341,7 @@ def parse_report(data: dict, max_ranks: int) -> NodeReport:
         lateness=parse_entries(data.get("lateness"), max_ranks),
         golive=parse_figures(data.get("golive"), max_ranks),
         drill=_drill(data, "drill"),
+        rtt=None if data.get("rtt") is None else _seconds(data, "rtt", "rtt"),
     )
 
 

@@ -63,6 +63,7 @@ class _Link:
     golive: JobGoLive | None = None  # the job's go-live checks as the coordinator last judged them (golive.py)
     golive_at: float = 0.0  # monotonic: when that answer came
     golive_sent: job_golive.Sent = field(default_factory=job_golive.Sent)  # the figures it took
+    rtt: float | None = None  # the last report's round trip (seconds), when it was answered
 
 
 class Reporter:
@@ -243,14 +244,14 @@ class Reporter:
                 await self._sleep(link, self.report_interval)
                 continue
             link.absent_since = None
-            report.node, report.url, report.time = self.node, self.own_url, time.time()
+            report.node, report.url, report.rtt = self.node, self.own_url, link.rtt
             if not report.troubled and (link.verdict is None or link.verdict.closed):
                 report.healthy, report.ranks = len(report.ranks), []  # a heartbeat: the coordinator needs no more
             report.lateness = link.sent.due(report.lateness)  # only entries that moved since it took them
             report.golive = link.golive_sent.due(self._figures(job_id), now)  # when changed (or every minute)
             link.wake.clear()
             try:
-                verdict, judged, checks = await self._send(link, report)
+                verdict, judged, checks = await self._exchange(link, report)
                 self._take(job_id, link, verdict)
                 link.sent.taken(report.lateness)
                 link.golive_sent.taken(report.golive, now)
@@ -322,6 +323,18 @@ class Reporter:
         return self.local is not None and link.node == self.node and link.url == self.own_url.rstrip("/")
 
     # ------------------------------------------------------------ requests
+
+    async def _exchange(
+        self, link: _Link, report: NodeReport
+    ) -> tuple[Verdict | None, JobLateness | None, JobGoLive | None]:
+        """`_send`, the report's `time` stamped last and its round trip kept for the next report (the
+        bound on this one's one-way delay; none after a failure: a later answer may not be this report's)."""
+        link.rtt = None
+        started = time.monotonic()
+        report.time = time.time()
+        answer = await self._send(link, report)
+        link.rtt = 0.0 if self._is_local(link) else time.monotonic() - started
+        return answer
 
     async def _send(
         self, link: _Link, report: NodeReport

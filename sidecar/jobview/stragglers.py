@@ -24,7 +24,11 @@ greatest sample over the node's last OFFSET_REPORTS reports, the least-delayed r
 true offset by that report's one-way delay (LAN: well under a millisecond; the coordinator's own
 node: 0), however late the others came. So a rank's lateness judged across nodes is off by at most
 the larger of the two nodes' least one-way delays, far below the 20 ms floor; one report held up
-on a loaded node moves nothing. A node's clock that steps forward is followed at its next report
+on a loaded node moves nothing. How far, the coordinator knows: each report carries its node's round
+trip of the report before (`rtt`, measured from the moment it stamped `time` to the answer), a bound
+on that report's delay, so the true offset lies in [sample, sample + rtt]; the estimate's error bound
+is the least such upper end minus the estimate (`JobLateness.clock_offset_error`, shown in status as
+`clock_offset_error_seconds`). A node's clock that steps forward is followed at its next report
 (a greater sample); one that steps or slews back shows as STEP_REPORTS reports in a row all below
 the estimate by more than STEP_SECONDS (the lateness floor), and the window starts again from them
 (a busy coordinator that delays as many reports so much does the same: the estimate is then off by
@@ -128,6 +132,7 @@ class JobLateness:
     ranks: dict[int, float] = field(default_factory=dict)  # the asking node's ranks -> lateness
     clock_offset: float | None = None  # the asking node's clock offset estimate (its clock - the coordinator's)
     judged_ranks: int = 0  # ranks of the job judged
+    clock_offset_error: float | None = None  # how far below the true offset the estimate may be (None: unknown)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -136,6 +141,7 @@ class JobLateness:
             "ranks": [[r, round(s, 6)] for r, s in sorted(self.ranks.items())],
             "clock_offset": None if self.clock_offset is None else round(self.clock_offset, 6),
             "judged_ranks": self.judged_ranks,
+            **({} if self.clock_offset_error is None else {"clock_offset_error": round(self.clock_offset_error, 6)}),
         }
 
 
@@ -239,7 +245,7 @@ def parse_answer(raw: Any, where: str = "lateness") -> JobLateness | None:
         ranks[_rank(item[0], f"{where}.ranks[{i}]")] = _number(
             item[1], f"{where}.ranks[{i}]", 0, MAX_TIME, "seconds >= 0"
         )
-    offset = raw.get("clock_offset")
+    offset, error = raw.get("clock_offset"), raw.get("clock_offset_error")
     judged = raw.get("judged_ranks", 0)
     if type(judged) is not int or not 0 <= judged <= MAX_RANK + 1:
         raise ProtocolError(f"{where}.judged_ranks: expected a count of ranks")
@@ -249,6 +255,7 @@ def parse_answer(raw: Any, where: str = "lateness") -> JobLateness | None:
         ranks=ranks,
         clock_offset=None if offset is None else _number(offset, f"{where}.clock_offset", -MAX_TIME, MAX_TIME, "s"),
         judged_ranks=judged,
+        clock_offset_error=None if error is None else _number(error, f"{where}.clock_offset_error", 0, MAX_TIME, "s"),
     )
 
 
@@ -285,21 +292,30 @@ class ClockOffset:
     (the report's `time` - the coordinator's wall clock when it took it): the module's "Clocks"."""
 
     def __init__(self) -> None:
-        self.samples: collections.deque[float] = collections.deque(maxlen=OFFSET_REPORTS)
+        # [sample, its report's round trip or None]: the round trip comes with the node's next report
+        self.samples: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=OFFSET_REPORTS)
         self.estimate: float | None = None
+        self.error: float | None = None  # the bound on how far below the true offset it is (None: unknown)
         self.below = 0  # the newest samples in a row below the estimate by more than STEP_SECONDS
         self.steps = 0  # times the window started again (the clock stepped back)
 
-    def add(self, sample: float) -> None:
+    def add(self, sample: float, previous_rtt: float | None = None) -> None:
+        """A report's sample; `previous_rtt`: the round trip of the node's report before it (the
+        bound on that report's one-way delay), as this one carries it."""
+        if previous_rtt is not None and self.samples and self.samples[-1][1] is None:
+            self.samples[-1] = (self.samples[-1][0], previous_rtt)
         below = self.estimate is not None and self.estimate - sample > STEP_SECONDS
         self.below = self.below + 1 if below else 0
-        self.samples.append(sample)
+        self.samples.append((sample, None))
         if self.below >= STEP_REPORTS:  # stepped back: what came before no longer holds
             recent = list(self.samples)[-STEP_REPORTS:]
             self.samples.clear()
             self.samples.extend(recent)
             self.below, self.steps = 0, self.steps + 1
-        self.estimate = max(self.samples)  # OFFSET_REPORTS floats at most
+        # each sample is offset - d with 0 <= d <= its round trip: the offset lies in [sample, sample + rtt]
+        self.estimate = max(s for s, _ in self.samples)  # OFFSET_REPORTS pairs at most
+        above = min((s + r for s, r in self.samples if r is not None), default=None)
+        self.error = None if above is None else max(0.0, above - self.estimate)
 
 
 class JobJudge:
@@ -318,11 +334,13 @@ class JobJudge:
         self.wall: float = 0.0  # when it judged (the coordinator's wall clock)
 
     def take(
-        self, node: str, sent_at: float, received_wall: float, entries: list[RankEntries], now: float, size: int
-    ) -> None:
-        """A report of `node` sent at its wall clock `sent_at`, taken at `received_wall`; ranks of
-        the job numbered below `size` (its world size, or the coordinator's bound) only."""
-        self.offsets.setdefault(node, ClockOffset()).add(sent_at - received_wall)
+        self, node: str, sent_at: float, received_wall: float, entries: list[RankEntries], now: float, size: int,
+        previous_rtt: float | None = None,
+    ) -> None:  # fmt: skip
+        """A report of `node` sent at its wall clock `sent_at`, taken at `received_wall` (`previous_rtt`:
+        the round trip of the node's report before it); ranks of the job numbered below `size` (its
+        world size, or the coordinator's bound) only."""
+        self.offsets.setdefault(node, ClockOffset()).add(sent_at - received_wall, previous_rtt)
         for e in entries:
             if e.rank >= size:
                 continue
@@ -337,6 +355,10 @@ class JobJudge:
     def offset(self, node: str) -> float | None:
         seen = self.offsets.get(node)
         return None if seen is None else seen.estimate
+
+    def offset_error(self, node: str) -> float | None:
+        seen = self.offsets.get(node)
+        return None if seen is None else seen.error
 
     def forget_node(self, node: str) -> None:
         self.offsets.pop(node, None)
@@ -379,7 +401,9 @@ class JobJudge:
         named = [_named(v, rank, self.ranks[rank].node if rank in self.ranks else "") for rank in v.stragglers]
         named.sort(key=lambda s: -s.seconds)
         mine = {rank: r.seconds for rank, r in v.ranks.items() if rank in self.ranks and self.ranks[rank].node == node}
-        return JobLateness(self.wall, named[:MAX_STRAGGLERS], mine, self.offset(node), len(v.ranks))
+        return JobLateness(
+            self.wall, named[:MAX_STRAGGLERS], mine, self.offset(node), len(v.ranks), self.offset_error(node)
+        )
 
 
 def _named(v: lateness.Verdict, rank: int, node: str) -> Straggler:
@@ -419,6 +443,9 @@ def status(
                 "job_id": job_id, "judged_by": "coordinator", "judged_on": where[0],
                 "ranks_judged": answer.judged_ranks, "age_seconds": round(age, 3),
                 "clock_offset_seconds": None if answer.clock_offset is None else round(answer.clock_offset, 6),
+                "clock_offset_error_seconds": (
+                    None if answer.clock_offset_error is None else round(answer.clock_offset_error, 6)
+                ),
                 "stragglers": [_shown(s) for s in answer.stragglers],
             })  # fmt: skip
         v = mine.get(job_id)

@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.jobview import stragglers
 from sidecar.jobview.coordinator import Coordinator
-from sidecar.jobview.report import parse_report
+from sidecar.jobview.report import NodeReport, parse_report
 from sidecar.jobview.stragglers import RankEntries, Sent, parse_answer, parse_entries
 from sidecar.ranks.protocol import ProtocolError
 from tests.jobview.helpers import rank, report
@@ -250,6 +250,42 @@ def test_a_clock_that_steps_is_followed_and_late_reports_alone_are_no_step():
     for i in range(1, 41):  # slewed back 1 ms a report (chrony): followed within the lateness floor
         o.add(-0.201 - 0.001 * i)
         assert o.estimate - (-0.201 - 0.001 * i) <= stragglers.STEP_SECONDS + 0.004, i
+
+
+def test_the_estimates_error_is_bounded_by_the_round_trips_its_node_measured():
+    """make test on a saturated machine: every report of a node took 50-65 ms to be taken, so the
+    estimate was 50-65 ms below the true offset, which the product promises (the least one-way
+    delay) but did not show. Each report now carries its node's round trip of the report before it
+    (a bound on that one's one-way delay): the offset lies in [sample, sample + rtt] for each, and
+    the estimate's error bound is the least such upper end minus the estimate."""
+    o, truth = stragglers.ClockOffset(), 3.0
+    o.add(truth - 0.060)  # the first report: its round trip is known only at the next one
+    assert o.estimate == pytest.approx(truth - 0.060) and o.error is None  # nothing bounds it yet
+    o = stragglers.ClockOffset()
+    delays, rtts = (0.060, 0.055, 0.052, 0.090, 0.058), (0.125, 0.070, 0.061, 0.200, 0.080)
+    previous = None
+    for delay, rtt in zip(delays, rtts, strict=True):
+        o.add(truth - delay, previous_rtt=previous)
+        previous = rtt
+        assert o.estimate <= truth  # a sample is never above the true offset
+        if o.error is not None:
+            assert truth - o.estimate <= o.error + 1e-9, (o.estimate, o.error)
+    assert o.estimate == pytest.approx(truth - 0.052)
+    assert o.error == pytest.approx(0.061)  # the 52 ms report's round trip: the offset <= 2.948 + 0.061
+    wire = stragglers.JobLateness(1.0, clock_offset=o.estimate, clock_offset_error=o.error).to_wire()
+    back = stragglers.parse_answer(json.loads(json.dumps(wire)))
+    assert back is not None and back.clock_offset_error == pytest.approx(0.061)
+    older = stragglers.parse_answer({k: v for k, v in wire.items() if k != "clock_offset_error"})
+    assert older is not None and older.clock_offset_error is None  # a coordinator that predates it
+
+
+def test_a_reports_round_trip_survives_the_wire_and_a_bad_one_is_refused_naming_it():
+    wire = NodeReport("j1", "node-1", 4, 100.0, [], rtt=0.0123456789).to_wire()
+    assert parse_report(json.loads(json.dumps(wire)), 16).rtt == pytest.approx(0.012346)
+    assert "rtt" not in NodeReport("j1", "node-1", 4, 100.0, []).to_wire()  # absent when unknown: older peers
+    for bad in (-1.0, "1", True, float("inf")):
+        with pytest.raises(ProtocolError, match="^rtt"):
+            parse_report({**wire, "rtt": bad}, 16)
 
 
 def test_a_node_forgotten_takes_its_ranks_out_of_the_judgement():

@@ -78,6 +78,18 @@ def nothing_killed(cluster: Cluster, straggler: int | None = None) -> None:
         assert all(r["restart_count"] == 0 for r in node.ranks()), node.ranks()
 
 
+def offset_as_promised(judged: dict, truth: float) -> bool:
+    """The node's clock offset estimate as the product promises it (jobview/stragglers.py, "Clocks"):
+    never above the true offset (each sample is the offset less a delay), and below it by no more
+    than the bound its round trips give (`clock_offset_error_seconds`; none before the first round
+    trip is known). Not a machine's timing: a saturated 2-core machine delayed every report of a
+    node 50-65 ms (make test beside other work). 1 ms for the wire's rounding and the two clocks'
+    reads; within 1 s whatever the bound, as a check on the estimate's arithmetic."""
+    estimate, bound = judged["clock_offset_seconds"], judged.get("clock_offset_error_seconds")
+    slack = 0.001
+    return estimate <= truth + slack and truth - estimate <= min(1.0, bound if bound is not None else 1.0) + slack
+
+
 def test_a_straggler_on_node_1_is_named_on_every_node_with_its_delay_and_never_killed(tmp_path):
     with Cluster(cluster_spec(tmp_path, slow=True), tmp_path) as cluster:
         deadline = time.monotonic() + 60.0
@@ -99,7 +111,7 @@ def test_a_straggler_on_node_1_is_named_on_every_node_with_its_delay_and_never_k
             named = j["stragglers"]
             assert [(s["rank"], s["node"]) for s in named] == [(straggler, "node-1")], (node, j)
             assert named[0]["lateness_seconds"] == pytest.approx(SLOW_SECONDS, abs=0.03), (node, j)
-            assert j["judged_on"] == "node-0" and abs(j["clock_offset_seconds"]) < 0.05, (node, j)
+            assert j["judged_on"] == "node-0" and offset_as_promised(j, 0.0), (node, j)
         # node-1 judges its own two ranks as well, and names the same rank (its own judgement comes
         # from its own window of entries: not always at the same look as the coordinator's, under load)
         deadline = time.monotonic() + 30.0
@@ -159,8 +171,8 @@ def test_a_healthy_job_across_nodes_names_no_straggler_with_one_nodes_clock_3_s_
             if len(judged) == 3:
                 named = {n: j["stragglers"] for n, j in judged.items() if j["stragglers"]}
                 assert not named, (named, {n: j.get("lateness") for n, j in judged.items()}, explain(cluster))
-                offsets = {n: j["clock_offset_seconds"] for n, j in judged.items()}
-                assert abs(offsets["node-2"] - skew) < 0.05 and abs(offsets["node-1"]) < 0.05, offsets
+                offsets = {n: (j["clock_offset_seconds"], j["clock_offset_error_seconds"]) for n, j in judged.items()}
+                assert offset_as_promised(judged["node-2"], skew) and offset_as_promised(judged["node-1"], 0.0), offsets
                 clean += 1  # judged across the job, none named: again over a few seconds
             time.sleep(1.0)
         assert clean >= 6, (judged, explain(cluster))
