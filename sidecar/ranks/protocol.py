@@ -43,6 +43,20 @@ from trainer_hooks.wire import (
     STACK_SIGNAL_RANGE,
 )
 
+# Re-exported: the wire's users import every record and refusal from here, the push's records and
+# decoder (push.py) and what every parser shares (refusal.py) too. (Not a list of this module's own.)
+__all__ = [
+    "CONTROL_RE",
+    "EventItem",
+    "Item",
+    "PhaseItem",
+    "ProtocolError",
+    "Push",
+    "StepItem",
+    "decode_push",
+    "parse_push",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Launcher:
@@ -98,20 +112,6 @@ class Deregistration:
 
 # ---------------------------------------------------------------- decoding
 
-
-# What the other modules import from here: the push's records and decoder (push.py), and what
-# every parser shares (refusal.py).
-__all__ = [
-    "CONTROL_RE",
-    "EventItem",
-    "Item",
-    "PhaseItem",
-    "ProtocolError",
-    "Push",
-    "StepItem",
-    "decode_push",
-    "parse_push",
-]
 
 decode = strict_json_object  # every request's body but a push's (push.decode_push reads its own)
 
