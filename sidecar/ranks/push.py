@@ -4,14 +4,15 @@ decoded by one typed decoder (msgspec) on the ingest hot path.
 The records are `msgspec.Struct`s tagged by their `type` ("step", "phase", "event"): the decoder
 checks every field's type and bounds (`Meta`) while it parses, and names the field it refuses
 (`items[3].step`). What a schema cannot say is checked after it, in one pass over the records:
-a job_id's control characters and reserved names, metric names and non-finite values (which
-travel as strings), integers sent as integral floats, the per-push item limit (a setting), and
-an absent time (when the sidecar read it).
+a job_id's control characters and reserved names, metric names (remembered once checked),
+integers sent as integral floats, the per-push item limit (a setting), and an absent time (when
+the sidecar read it).
 
-A body msgspec cannot parse, or refuses where JSON would not (a lone surrogate, 1e400, UTF-16),
-is parsed again by the standard library, which either refuses it as strict JSON always was, or
-reads it for the same types and checks through `msgspec.convert`; a body the schema refuses is
-refused as bad JSON if it is that too, as before.
+A body msgspec cannot parse, or refuses where JSON would not (a lone surrogate, 1e400, UTF-16,
+a metric value that is no number: "nan" as strict JSON sends it, or a bad one to be named by its
+key), is parsed again by the standard library, which either refuses it as strict JSON always
+was, or reads it for the same types and checks through `msgspec.convert`. A body the schema
+refuses is refused as bad JSON if it is that too, as before.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class StepItem(msgspec.Struct, tag="step", tag_field="type"):
     else:  # as the wire may carry it; `_finish` makes it the above
         step: Count | float  # 3.0 is an integer to everyone but JSON
         time: UnixTime | None = None  # absent or null: when the sidecar read it
-        # Non-finite values travel as "nan"/"inf"/"-inf" (strict JSON): such a batch, rare, is read
-        # by the standard library, its values made floats before the schema sees them (_matchable).
+        # Non-finite values travel as "nan"/"inf"/"-inf" (strict JSON): a batch with one is read
+        # again by the second decoder, into _StepWithText, then made floats (_finish).
         metrics: dict[str, float] | None = {}
 
 
@@ -113,7 +114,26 @@ class _Body(msgspec.Struct):
     fr_dump: Any = None
 
 
+class _StepWithText(msgspec.Struct, tag="step", tag_field="type"):
+    """A step record whose metrics may hold text ("nan"): read by the second decoder only, and
+    made a StepItem by `_finish` (a reader never sees it)."""
+
+    step: Count | float
+    time: UnixTime | None = None
+    metrics: dict[str, float | str] | None = {}
+
+    def checked(self, i: int) -> StepItem:
+        metrics = self.metrics or {}
+        values = {k: v if type(v) is float else _metric_value(v, f"items[{i}].metrics.{k}") for k, v in metrics.items()}
+        return StepItem(self.step, self.time, values)  # type: ignore[arg-type]  # _finish checks step, time next
+
+
+class _BodyWithText(_Body):
+    items: list[_StepWithText | PhaseItem | EventItem]  # type: ignore[assignment]
+
+
 _DECODER = msgspec.json.Decoder(_Body)
+_TEXT_DECODER = msgspec.json.Decoder(_BodyWithText)
 
 
 # ---------------------------------------------------------------- decoding
@@ -123,7 +143,7 @@ def decode_push(body: bytes, max_items: int) -> Push:
     """Decode and check a push's body; ProtocolError names the field it refuses."""
     if body.isascii() or _utf8(body):
         try:
-            return _finish(_DECODER.decode(body), max_items)
+            return _finish(_decode(body), max_items)
         except msgspec.ValidationError as e:
             if not _READ_AGAIN.search(str(e)):
                 strict_json_object(body)  # JSON that breaks further on is refused as such, as before
@@ -133,8 +153,20 @@ def decode_push(body: bytes, max_items: int) -> Push:
     return parse_push(strict_json_object(body), max_items)
 
 
+def _decode(body: bytes) -> _Body:
+    """Most pushes hold numbers only; one with a metric sent as text ("nan") is read again by the
+    decoder that takes text there."""
+    try:
+        return _DECODER.decode(body)
+    except msgspec.ValidationError as e:
+        if not _METRIC_TEXT.search(str(e)):
+            raise
+    return _TEXT_DECODER.decode(body)
+
+
+_METRIC_TEXT = re.compile(r"got `str` - at `\$\.items\[\d+\]\.metrics\[\.\.\.\]`$")
 # What the standard library reads where msgspec refuses: 1e400 (JSON's inf, which a metric or an
-# event's field takes), and a metric value that is no number ("nan"; or a bad one, to be named).
+# event's field takes), and a metric value that is neither number nor text (to be named by its key).
 _READ_AGAIN = re.compile(r"^Number out of range|\.metrics\[\.\.\.\]`$")
 
 
@@ -224,6 +256,8 @@ def _finish(body: _Body, max_items: int) -> Push:
         )
     now = time.time()
     for i, item in enumerate(items):
+        if type(item) is _StepWithText:
+            item = items[i] = item.checked(i)
         if type(item) is StepItem:
             if type(item.step) is not int:
                 item.step = _integral(item.step, f"items[{i}].step", 0, MAX_COUNT)

@@ -18,8 +18,9 @@ from trainer_hooks.wire import MAX_COUNT, MAX_PID, MAX_RANK, MAX_TIME, NAME_RE
 MAX_ITEMS = 10
 
 
-def good_batch() -> dict:
-    return {
+def good_batch(nan: bool = True) -> dict:
+    """Three good records; `nan`: the step's metrics hold a value sent as text (the second decoder)."""
+    batch = {
         "job_id": "run-42",
         "rank": 1,
         "pid": 4242,
@@ -31,11 +32,14 @@ def good_batch() -> dict:
             {"type": "event", "name": "checkpoint_saved", "time": 12.0, "fields": {"step": 1, "path": "/c/1"}},
         ],
     }
+    if not nan:
+        del batch["items"][0]["metrics"]["acc"]
+    return batch
 
 
-def with_field(path: tuple, value) -> dict:
+def with_field(path: tuple, value, nan: bool = True) -> dict:
     """The good batch with the field at `path` set to `value` (deleted when value is ...)."""
-    batch = good_batch()
+    batch = good_batch(nan)
     *parents, last = path
     node = batch
     for key in parents:
@@ -130,11 +134,12 @@ BAD_FIELDS = [
 ]
 
 
+@pytest.mark.parametrize("nan", [False, True], ids=["numbers only", "a metric as text"])
 @pytest.mark.parametrize(
     "path, value, named", BAD_FIELDS, ids=[f"{n}={'absent' if v is ... else repr(v)[:20]}" for _, v, n in BAD_FIELDS]
 )
-def test_each_bad_field_is_refused_by_name(path, value, named):
-    error = refusals(with_field(path, value))[0]
+def test_each_bad_field_is_refused_by_name(path, value, named, nan):
+    error = refusals(with_field(path, value, nan))[0]
     assert (error.code, error.status) == ("bad_field", 400)
     message = str(error)
     assert message.startswith(named + ":") or message.startswith(named + " "), message
@@ -189,6 +194,15 @@ def test_a_number_past_a_double_is_infinite_where_a_field_takes_it_as_before():
     with pytest.raises(ProtocolError) as info:
         decode_push(body.replace(b"10.0", b"1e400"), MAX_ITEMS)
     assert info.value.code == "bad_field" and str(info.value).startswith("items[0].time:")
+
+
+def test_metrics_sent_as_text_arrive_as_floats_in_step_records():
+    batch = good_batch(nan=False)
+    batch["items"][0]["metrics"] |= {"a": "inf", "b": "-inf", "c": "NaN", "d": "+Inf"}
+    step = decode_push(json.dumps(batch).encode(), MAX_ITEMS).items[0]
+    assert type(step) is StepItem and all(type(v) is float for v in step.metrics.values())
+    assert (step.metrics["a"], step.metrics["b"], step.metrics["d"]) == (math.inf, -math.inf, math.inf)
+    assert math.isnan(step.metrics["c"]) and step.metrics["loss"] == 2.5
 
 
 def test_unknown_fields_are_ignored_as_before():
@@ -302,7 +316,7 @@ def test_random_mutations_of_a_good_batch_raise_only_protocol_errors():
     rng = random.Random(46)
     seen = set()
     for _ in range(3000):
-        batch = good_batch()
+        batch = good_batch(nan=rng.random() < 0.5)
         for _ in range(rng.randint(1, 3)):
             batch = mutate(rng, batch)
         body = json.dumps(batch).encode()
