@@ -5,7 +5,11 @@ and POST batches of step records, as the hooks do. The figure that counts is rec
 second of the sidecar's own CPU time (psutil), i.e. what one core sustains; wall-clock
 throughput is printed too but depends on what else the machine runs.
 
-    python -m bench.bench_ingest [--ranks 2] [--batches 200] [--batch-size 500]
+The push decoder alone (sidecar/ranks/push.py: the body's bytes to checked records, in this
+process) is measured too, in records decoded per CPU-second for batches of DECODER_BATCH_SIZES
+records of the same shape: `--decoder-only` prints just that.
+
+    python -m bench.bench_ingest [--ranks 2] [--batches 200] [--batch-size 500] [--decoder-only]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RECORDS_PER_CPU_SECOND = 20_000
+DECODER_BATCH_SIZES = (20, 200)
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -47,6 +52,40 @@ def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> dict:
     return json.loads(data)
 
 
+def batch_body(rank: int, pid: int, t0: float, b: int, batch_size: int) -> bytes:
+    """The b-th push of a rank: step records with the metrics a training loop reports."""
+    items = [
+        {
+            "type": "step",
+            "step": b * batch_size + i + 1,
+            "time": t0 + (b * batch_size + i) * 0.001,
+            "metrics": {"loss": 2.0 - i * 1e-4, "grad_norm": 0.9, "lr": 3e-4, "samples": 64, "tokens": 32768},
+        }
+        for i in range(batch_size)
+    ]
+    return json.dumps({"job_id": "bench", "rank": rank, "pid": pid, "dropped": 0, "items": items}).encode()
+
+
+def decoder_rate(batch_size: int, min_cpu_seconds: float = 1.0) -> float:
+    """Records the push decoder turns into checked records per CPU-second of this process."""
+    from sidecar.ranks.push import decode_push
+
+    bodies = [batch_body(0, os.getpid(), time.time(), b, batch_size) for b in range(50)]
+    records, cpu0 = 0, time.process_time()
+    while (cpu := time.process_time() - cpu0) < min_cpu_seconds:
+        for body in bodies:
+            decode_push(body, 1000)
+        records += len(bodies) * batch_size
+    return records / cpu
+
+
+def print_decoder_rates() -> None:
+    for size in DECODER_BATCH_SIZES:
+        rate = decoder_rate(size)
+        per_record = f"{1e6 / rate:.2f} us per record"
+        print(f"decoder alone, batches of {size:<4} {rate:,.0f} records per CPU-second ({per_record})")
+
+
 def client(socket_path: str, rank: int, ranks: int, batches: int, batch_size: int) -> None:
     """One rank: register, then push pre-encoded batches back to back (keep-alive)."""
     pid = os.getpid()
@@ -66,18 +105,7 @@ def client(socket_path: str, rank: int, ranks: int, batches: int, batch_size: in
         ).encode(),
     )
     t0 = time.time()
-    bodies = []
-    for b in range(batches):
-        items = [
-            {
-                "type": "step",
-                "step": b * batch_size + i + 1,
-                "time": t0 + (b * batch_size + i) * 0.001,
-                "metrics": {"loss": 2.0 - i * 1e-4, "grad_norm": 0.9, "lr": 3e-4, "samples": 64, "tokens": 32768},
-            }
-            for i in range(batch_size)
-        ]
-        bodies.append(json.dumps({"job_id": "bench", "rank": rank, "pid": pid, "dropped": 0, "items": items}).encode())
+    bodies = [batch_body(rank, pid, t0, b, batch_size) for b in range(batches)]
     print("ready", flush=True)
     sys.stdin.readline()  # the go signal: every client starts together
     for body in bodies:
@@ -106,10 +134,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batches", type=int, default=200, help="batches per rank")
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--decoder-only", action="store_true", help="measure the push decoder alone")
     parser.add_argument("--client", nargs=2, metavar=("SOCKET", "RANK"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
         client(args.client[0], int(args.client[1]), args.ranks, args.batches, args.batch_size)
+        return 0
+    if args.decoder_only:
+        print_decoder_rates()
         return 0
 
     with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
@@ -197,6 +229,7 @@ def main(argv: list[str]) -> int:
     print(f"sidecar CPU time:          {cpu:.2f} s  ->  {per_cpu:,.0f} records per CPU-second")
     print(f"sidecar CPU per record:    {cpu / records * 1e6:.1f} us")
     print(f"sidecar resident memory:   {rss / 2**20:.0f} MiB")
+    print_decoder_rates()
     ok = per_cpu >= TARGET_RECORDS_PER_CPU_SECOND
     print(
         f"target >= {TARGET_RECORDS_PER_CPU_SECOND:,} records per CPU-second: "

@@ -211,6 +211,11 @@ def _is_tcp(request: web.Request) -> bool:
 
 
 async def read_json(request: web.Request) -> dict:
+    return protocol.decode(await read_body(request))
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, bounded by limits.max_body_bytes and timed by idle_timeout_seconds."""
     limit = request.app[DAEMON].settings.limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
@@ -223,7 +228,7 @@ async def read_json(request: web.Request) -> dict:
         raise ApiError(413, "too_large", f"body exceeds limits.max_body_bytes ({limit})") from None
     except asyncio.TimeoutError:
         raise ApiError(408, "timeout", f"body not received within idle_timeout_seconds ({timeout:g})") from None
-    return protocol.decode(body)
+    return body
 
 
 def check_session(request: web.Request, rank, session: str | None) -> None:
@@ -360,9 +365,8 @@ def check_sender(request: web.Request, rank) -> None:
 
 async def push(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    data = await read_json(request)
-    batch = protocol.parse_push(data, d.settings.limits.max_items_per_push)
-    record, fr_dump = parse_collectives(data.get("collectives")), parse_fr_dump(data.get("fr_dump"))
+    batch = protocol.decode_push(await read_body(request), d.settings.limits.max_items_per_push)
+    record, fr_dump = parse_collectives(batch.collectives), parse_fr_dump(batch.fr_dump)
     rank = d.registry.lookup(batch.job_id, batch.rank, batch.pid)  # unknown_rank first: the hooks re-register
     check_session(request, rank, batch.session)
     check_sender(request, rank)

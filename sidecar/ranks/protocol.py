@@ -1,28 +1,35 @@
-"""The hooks' wire protocol (docs/architecture.md): strict JSON bodies validated into typed
+"""The hooks' wire protocol (docs/architecture/wire-protocol.md): strict JSON bodies validated into typed
 records, against the contract both sides import (trainer_hooks/wire.py: names, patterns,
 limits, the protocol version). Every refusal is a `ProtocolError` whose message names the
 field and what is wrong with it; the API turns it into a 4xx JSON answer.
 
-Validation is hand-written rather than schema-driven because it sits on the ingest hot
-path (tens of thousands of step records per second on one core).
+A push (the batch of records, the ingest hot path) is decoded by a typed decoder in push.py;
+its record types are re-exported here. Registrations and deregistrations (once per rank and
+restart) and the peers' reports that reuse these helpers (sidecar/jobview/report.py) are
+checked by hand below.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.ranks import podlabels, slurmjob
+from sidecar.ranks.push import EventItem, Item, PhaseItem, Push, StepItem, decode_push, parse_push
+from sidecar.ranks.refusal import (
+    CONTROL_RE,
+    ProtocolError,
+    printable_text,
+    strict_json_object,
+    unreserved_job_id,
+)
+from sidecar.ranks.refusal import kind_of as _kind
 from trainer_hooks.wire import (
     EXIT_MAX_FRAMES,
     EXIT_MAX_TEXT,
     EXIT_MAX_TYPES,
     LAUNCHERS,
     MAX_COUNT,
-    MAX_EVENT_FIELDS,
     MAX_NAME,
     MAX_PID,
     MAX_RANK,
@@ -31,25 +38,24 @@ from trainer_hooks.wire import (
     MAX_TIMEOUT_SECONDS,
     MAX_VERSIONS,
     NAME_RE,
-    NONFINITE_VALUES,
     OBSERVE_ONLY,
-    PHASE_ACTIONS,
-    RESERVED_JOB_IDS,
     RESTART_SAFE,
     STACK_SIGNAL_RANGE,
 )
 
-NONFINITE = {text: float(text) for text in NONFINITE_VALUES}
-CONTROL_RE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")  # controls, and lone surrogates (unprintable)
-
-
-class ProtocolError(ValueError):
-    """A request body the protocol refuses. `code` is the machine code of the error body."""
-
-    def __init__(self, message: str, code: str = "bad_field", status: int = 400):
-        super().__init__(message)
-        self.code = code
-        self.status = status
+# Re-exported: the wire's users import every record and refusal from here, the push's records and
+# decoder (push.py) and what every parser shares (refusal.py) too. (Not a list of this module's own.)
+__all__ = [
+    "CONTROL_RE",
+    "EventItem",
+    "Item",
+    "PhaseItem",
+    "ProtocolError",
+    "Push",
+    "StepItem",
+    "decode_push",
+    "parse_push",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,41 +89,6 @@ class Registration:
 
 
 @dataclass(slots=True)
-class StepItem:
-    step: int
-    time: float
-    metrics: dict[str, float]
-
-
-@dataclass(slots=True)
-class PhaseItem:
-    name: str
-    action: str  # "start" | "end"
-    time: float
-    timeout_seconds: float | None = None
-
-
-@dataclass(slots=True)
-class EventItem:
-    name: str
-    time: float
-    fields: dict[str, Any]
-
-
-Item = StepItem | PhaseItem | EventItem
-
-
-@dataclass(slots=True)
-class Push:
-    job_id: str
-    rank: int
-    pid: int
-    dropped: int
-    items: list[Item]
-    session: str | None = None
-
-
-@dataclass(slots=True)
 class ExitReport:
     """The exception a rank is dying of, as its hooks saw it (its own claim about itself)."""
 
@@ -142,38 +113,7 @@ class Deregistration:
 # ---------------------------------------------------------------- decoding
 
 
-def _refuse_constant(token: str) -> Any:
-    raise ProtocolError(
-        f"body is not strict JSON: bare {token} is not allowed "
-        f'(send a non-finite metric value as the string "nan", "inf" or "-inf")',
-        code="bad_json",
-    )
-
-
-def decode(body: bytes) -> dict:
-    """Parse a strict-JSON object body."""
-    try:
-        data = json.loads(body, parse_constant=_refuse_constant)
-    except ProtocolError:
-        raise
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ProtocolError(f"body is not valid JSON: {e}", code="bad_json") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(f"body must be a JSON object, got {_kind(data)}", code="bad_json")
-    return data
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        return f"the string {value[:40]!r}"
-    kinds: dict[type, str] = {dict: "an object", list: "an array"}
-    return kinds.get(type(value), type(value).__name__)
+decode = strict_json_object  # every request's body but a push's (push.decode_push reads its own)
 
 
 def _missing(where: str) -> ProtocolError:
@@ -211,24 +151,13 @@ def _int(
     return value
 
 
-def _time(obj: dict, where: str, default: float) -> float:
-    value = obj.get("time")
-    if value is None:
-        return default
-    if type(value) not in (int, float) or not 0 <= value < MAX_TIME:
-        raise ProtocolError(f"{where}: expected Unix seconds (a finite number >= 0), got {_kind(value)}")
-    return float(value)
-
-
 def _text(obj: dict, key: str, where: str, default: Any = ..., nullable: bool = False, max_len: int = MAX_NAME) -> Any:
     given, value = _given(obj, key, where, default, nullable)
     if not given:
         return value
     if not isinstance(value, str):
         raise ProtocolError(f"{where}: expected a string, got {_kind(value)}")
-    if not value or len(value) > max_len or CONTROL_RE.search(value):
-        raise ProtocolError(f"{where}: expected 1 to {max_len} printable characters, got {value[:40]!r}")
-    return value
+    return printable_text(value, where, max_len)
 
 
 def _name(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
@@ -261,53 +190,9 @@ def _object(obj: dict, key: str, where: str) -> dict:
     return value
 
 
-def _metric_value(value: Any, where: str) -> float:
-    t = type(value)
-    if t is float:
-        return value
-    if t is int and -1e308 < value < 1e308:  # beyond, float() overflows
-        return float(value)
-    if t is str:
-        v = NONFINITE.get(value.lower())
-        if v is not None:
-            return v
-    raise ProtocolError(f'{where}: expected a number or "nan"/"inf"/"-inf", got {_kind(value)}')
-
-
-_CHECKED_NAMES: set[str] = set()  # metric names already matched against NAME_RE (hot path)
-_CHECKED_NAMES_MAX = 4096
-
-
-def _metrics(obj: dict, where: str) -> dict[str, float]:
-    raw = obj.get("metrics")
-    if raw is None:
-        return {}
-    if type(raw) is not dict:
-        raise ProtocolError(f"{where}.metrics: expected an object, got {_kind(raw)}")
-    out = {}
-    for k, v in raw.items():
-        if k not in _CHECKED_NAMES:
-            if not NAME_RE.match(k):
-                raise ProtocolError(
-                    f"{where}.metrics: metric name {k[:40]!r} is not a name of letters, "
-                    f"digits and _.:/- (at most {MAX_NAME}, starting with a letter or _)"
-                )
-            if len(_CHECKED_NAMES) < _CHECKED_NAMES_MAX:
-                _CHECKED_NAMES.add(k)
-        out[k] = v if type(v) is float else _metric_value(v, f"{where}.metrics.{k}")
-    return out
-
-
 def _job_id(data: dict) -> str:
-    """A job_id names the job's directory under the diag dir (sidecar/host/diagfiles.py): it may not
-    be one of the sidecar's own directories, nor a dot name."""
-    job_id = _text(data, "job_id", "job_id")
-    if job_id.startswith(".") or job_id.lower() in RESERVED_JOB_IDS:
-        raise ProtocolError(
-            f"job_id: {job_id[:40]!r} is reserved (it may not start with '.' nor be "
-            f"{', '.join(sorted(RESERVED_JOB_IDS))})"
-        )
-    return job_id
+    """A job_id: printable, at most MAX_NAME, not reserved (refusal.unreserved_job_id)."""
+    return unreserved_job_id(_text(data, "job_id", "job_id"))
 
 
 def _identity(data: dict) -> tuple[str, int, int]:
@@ -380,57 +265,6 @@ def parse_registration(data: dict) -> Registration:
         observe_only=bool(_flag(data, OBSERVE_ONLY)),
         slurm=slurm,
     )
-
-
-def parse_push(data: dict, max_items: int) -> Push:
-    job_id, rank, pid = _identity(data)
-    dropped = _int(data, "dropped", "dropped", 0, MAX_COUNT, default=0, nullable=True) or 0
-    raw = data.get("items")
-    if type(raw) is not list:
-        raise ProtocolError(f"items: expected an array, got {_kind(raw) if 'items' in data else 'nothing'}")
-    if len(raw) > max_items:
-        raise ProtocolError(
-            f"items: at most {max_items} per push (limits.max_items_per_push), got {len(raw)}",
-            code="too_large",
-            status=413,
-        )
-    now = time.time()
-    items: list[Item] = []
-    append = items.append
-    for i, obj in enumerate(raw):
-        where = f"items[{i}]"
-        if type(obj) is not dict:
-            raise ProtocolError(f"{where}: expected an object, got {_kind(obj)}")
-        kind = obj.get("type")
-        if kind == "step":
-            # Inline fast path for the common, well-formed step record.
-            step = obj.get("step")
-            if type(step) is not int or not 0 <= step <= MAX_COUNT:
-                step = _int(obj, "step", f"{where}.step", 0, MAX_COUNT)
-            t = obj.get("time")
-            if type(t) is not float or not 0 <= t < MAX_TIME:
-                t = _time(obj, f"{where}.time", now)
-            append(StepItem(step, t, _metrics(obj, where)))
-        elif kind == "phase":
-            action = obj.get("action")
-            if action not in PHASE_ACTIONS:
-                raise ProtocolError(f'{where}.action: expected "start" or "end", got {_kind(action)}')
-            append(
-                PhaseItem(
-                    _name(obj, "name", f"{where}.name"),
-                    action,
-                    _time(obj, f"{where}.time", now),
-                    _timeout(obj, "timeout_seconds", f"{where}.timeout_seconds"),
-                )
-            )
-        elif kind == "event":
-            fields = _object(obj, "fields", f"{where}.fields")
-            if len(fields) > MAX_EVENT_FIELDS:
-                raise ProtocolError(f"{where}.fields: at most {MAX_EVENT_FIELDS} fields, got {len(fields)}")
-            append(EventItem(_name(obj, "name", f"{where}.name"), _time(obj, f"{where}.time", now), fields))
-        else:
-            raise ProtocolError(f'{where}.type: expected "step", "phase" or "event", got {_kind(kind)}')
-    return Push(job_id, rank, pid, dropped, items, _session(data))
 
 
 def parse_deregistration(data: dict) -> Deregistration:

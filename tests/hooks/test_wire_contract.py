@@ -57,11 +57,11 @@ def test_the_fingerprint_sees_every_kind_of_constant(monkeypatch):
 
 def test_both_sides_use_the_one_contract():
     from sidecar import config
-    from sidecar.ranks import podlabels, protocol, registry, slurmjob
+    from sidecar.ranks import podlabels, protocol, push, registry, slurmjob
     from trainer_hooks import environment, exits, records
 
-    assert protocol.NAME_RE is records.NAME_RE is wire.NAME_RE
-    assert protocol.MAX_EVENT_FIELDS == records.MAX_EVENT_FIELDS == wire.MAX_EVENT_FIELDS
+    assert protocol.NAME_RE is push.NAME_RE is records.NAME_RE is wire.NAME_RE
+    assert push.MAX_EVENT_FIELDS == records.MAX_EVENT_FIELDS == wire.MAX_EVENT_FIELDS
     assert registry.WELL_KNOWN_METRICS is records.WELL_KNOWN_METRICS is wire.WELL_KNOWN_METRICS
     assert registry.WELL_KNOWN_PHASES is wire.WELL_KNOWN_PHASES
     assert podlabels.RULES is wire.POD_LABEL_RULES and podlabels.KEYS is wire.POD_LABEL_KEYS
@@ -87,7 +87,7 @@ def test_the_contract_needs_only_the_standard_library():
     code = (
         f"import sys; sys.path.insert(0, {root!r}); import trainer_hooks.wire; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('sidecar', 'aiohttp', 'prometheus_client', "
-        "'yaml', 'psutil')]; print(bad); sys.exit(1 if bad else 0)"
+        "'yaml', 'psutil', 'msgspec')]; print(bad); sys.exit(1 if bad else 0)"
     )
     done = subprocess.run(["/usr/bin/python3", "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
