@@ -1,4 +1,4 @@
-"""A push: the batch of records a rank's hooks send (docs/architecture.md, "the wire protocol"),
+"""A push: the batch of records a rank's hooks send (docs/architecture/wire-protocol.md),
 decoded by one typed decoder (msgspec) on the ingest hot path.
 
 The records are `msgspec.Struct`s tagged by their `type` ("step", "phase", "event"): the decoder
