@@ -5,7 +5,8 @@ job's own c10d store) aggregates small per-node reports, judges who holds the jo
 every node the same verdict and job incident id.
 
 `report.py` the per-node report and the verdict on the wire, `judge.py` the culprit rule,
-`coordinator.py` the aggregating side, `reporter.py` the reporting side (the peer HTTP client),
+`coordinator.py` the aggregating side (its books, what it holds of each job and within which bounds:
+`ledger.py`), `reporter.py` the reporting side (the peer HTTP client),
 `auth.py` how sidecars prove themselves to each other (HMAC with the push token, which never
 leaves the node).
 

@@ -1,10 +1,8 @@
 """One stall of one job on this node, from detection until its ranks recover or go: an `Episode`,
-whose steps read in the order of its life.
+and the steps it takes, in the order of its life (how it opens and which way it goes through them:
+episode_course.py).
 
-    open       blame one rank, open the incident, decide what this node may do about it
-    start      which way it goes, as its own task: observed only, with the job view, or alone
     dump       the ranks' stacks (remediation.py), blame refined, their collective records, the links
-    verdict    with the job view: the job's culprit and job incident (coordination.py)
     hold       a rank it waits for is busy, not hung: no signal while it is judged
     kill       SIGTERM, the grace, SIGKILL (remediation.py) ... or leave the ranks to the launcher
     end        the outcome, counted and saved; after a kill, the recovery is followed (recovery.py)
@@ -31,22 +29,13 @@ from sidecar.jobview.collectives import Finding
 from sidecar.jobview.collectives import stale_after as collectives_stale_after
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.watchdog import pause
-from sidecar.watchdog.attribution import blame, judge_collectives, refine_blame
-from sidecar.watchdog.coordination import (
-    JobView,
-    Probe,
-    adopt,
-    culprit_here,
-    drill_of,
-    everyone_dumped,
-    has_culprit,
-)
+from sidecar.watchdog.attribution import judge_collectives, refine_blame
+from sidecar.watchdog.coordination import JobView, Probe
 from sidecar.watchdog.goodput import Goodput
 from sidecar.watchdog.liveness import Liveness
 from sidecar.watchdog.metrics import Counters
 from sidecar.watchdog.recovery import Recoveries
-from sidecar.watchdog.remediation import Remediator, target_of
-from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no_restart_reasons
+from sidecar.watchdog.remediation import Remediator
 from sidecar.watchdog.shadow import Shadow
 from sidecar.watchdog.states import RankState
 from sidecar.watchdog.stormcap import OwnerStormCaps
@@ -133,194 +122,12 @@ class Episode:
     suppressed: bool = False
     stacks_done: bool = False  # this node's stacks of the stall are dumped (the job view waits for it)
     holding: bool = False  # a rank of the job here is busy, not hung: no kill while it is judged
-    # what `open` decided, for `start`
+    # what `open` decided, for `start` (episode_course.py)
     why: str = field(default="", repr=False)
     observe_only: bool = field(default=False, repr=False)
     verified: bool = field(default=True, repr=False)
     spare: bool = field(default=False, repr=False)  # nothing would restart its ranks: not killed
     full: str | None = field(default=None, repr=False)  # the storm cap it reached
-
-    # ------------------------------------------------------------ open: blame and the incident
-
-    @classmethod
-    def open(cls, dog: Watch, job_id: str, members: list[Track], now: float) -> Episode:
-        """Blame one of the job's watched ranks here, open the stall's incident and count it, and
-        decide what this node may do: observe only (the node's mode or the job's), nothing when the
-        storm cap is reached, no signal to ranks no verified caller registered, no kill that nothing
-        would restart."""
-        blamed, why = blame([t.rank for t in members], {t.rank.key for t in members if t.state is RankState.STALLED})
-        stalled_deadline = dog.deadline(blamed, now) if blamed is not None else None
-        observe_only = dog.shadow.observing(t.rank for t in members)  # the node's mode, or the job's own
-        # A kill that nothing restarts turns the hang into a failed job: by default, don't.
-        no_restart = [] if observe_only else no_restart_reasons(t.rank for t in members)
-        spare = bool(no_restart) and not dog.settings.remediation.kill_without_restart
-        owner = members[0].rank.owner_uid if members else None
-        # Ranks no verified caller registered are never signalled, so their stall spends no slot
-        # of the storm cap (a slot another job's real hang may need) and gets no remediation.
-        verified = any(t.rank.peer_verified for t in members)
-        full = None if observe_only or spare or not verified else dog.storm_cap.allow(owner)
-        incident = dog.store.open(
-            job_id,
-            blamed_rank=blamed.rank if blamed else None,
-            blame_reason=why,
-            timeout_seconds=stalled_deadline.timeout if stalled_deadline else None,
-            observe_only=observe_only,
-            ranks=[t.snapshot(dog.deadline(t.rank, now)) for t in members],
-        )
-        dog.liveness.annotate(incident, [t.rank for t in members])  # the checks that found a rank busy
-        if incident.drill is None and (drill := drill_of(dog.job_view, job_id)) is not None:
-            incident.drill = drill  # another node of the job drills it: its stall here is the drill's too
-            incident.notes.append(f"a drill of the job on another node ({drill}), not a real stall")
-        episode = cls(
-            dog, job_id, incident, [t.rank.key for t in members], suppressed=full is not None, why=why,
-            observe_only=observe_only, verified=verified, spare=spare, full=full,
-        )  # fmt: skip
-        if incident.drill is None:  # a drill's stall is counted apart (finish), so no alert fires for it
-            dog.counters.stalls[job_id] += 1
-        dog.counters.last_incident = incident.time
-        dog.goodput.stalled(job_id, incident.time)
-        if no_restart:
-            incident.notes.append(no_restart_note(no_restart, killing=not spare))
-        if observe_only and dog.shadow.observed(job_id, [t.rank for t in members], verified):
-            incident.notes.append("observe-only: a would-be kill (sidecar_watchdog_would_kill_total)")
-        return episode
-
-    # ------------------------------------------------------------ start: which way it goes
-
-    def start(self, members: list[Track], now: float) -> None:
-        """The episode's task (the watchdog keeps ticking meanwhile): `observe` when this node may
-        not kill, `coordinate` when the job's coordinator answers, else `remediate` alone."""
-        dog, job_id, incident = self.dog, self.job_id, self.incident
-        observe_only, suppressed, verified, spare = self.observe_only, self.suppressed, self.verified, self.spare
-        targets = [target_of(t.rank) for t in members]
-        if observe_only or suppressed or not verified or spare:
-            self.outcome = (
-                "observe_only"
-                if observe_only
-                else "suppressed"
-                if suppressed
-                else "unverified"
-                if not verified
-                else NOT_KILLED_NO_RESTART
-            )
-            if suppressed:
-                incident.notes.append(f"storm cap: {self.full} reached; not killing")
-            elif not verified and not observe_only:
-                incident.notes.append(
-                    "no rank of this job was registered by a verified caller: never signalled, no py-spy, "
-                    "no storm-cap slot spent"
-                )
-            log.error(
-                "job %s stalled (%s); %s",
-                job_id,
-                incident.summary,
-                "observe-only mode: not killing"
-                if observe_only
-                else "storm cap reached: not killing"
-                if suppressed
-                else "registered by unverified callers: not killing"
-                if not verified
-                else "nothing would restart its ranks: not killing",
-            )
-            self.task = asyncio.get_running_loop().create_task(self.observe(targets), name=f"observe-{job_id}")
-            return
-        if self._coordinated():
-            log.error("job %s stalled: %s; asking the job's coordinator who holds it up", job_id, self.why)
-            self.task = asyncio.get_running_loop().create_task(self.coordinate(targets), name=f"coordinate-{job_id}")
-            return
-        log.error("job %s stalled: %s; remediating %d local rank(s)", job_id, self.why, len(members))
-        if not any(dog.liveness.alive(t.rank.key, now) for t in members):
-            dog.begin_kill(self, now)  # else the task holds first (`hold`)
-        self.task = asyncio.get_running_loop().create_task(self.remediate(targets), name=f"remediate-{job_id}")
-
-    def _coordinated(self) -> bool:
-        """The job's coordinator is known and answers: the stall is handled as the job's."""
-        jv = self.dog.job_view
-        return jv is not None and jv.coordinator(self.job_id) is not None and jv.reachable(self.job_id)
-
-    async def observe(self, targets: list[Target]) -> None:
-        """Stalls left alive: stacks, the incident (with the job's verdict, when the job view has one),
-        the count; no signal that ends a process. Observe-only and storm-capped stalls get py-spy's
-        stacks only (it reads memory and never signals); a stall nothing would restart also gets the
-        ranks' own dump signal."""
-        dog = self.dog
-        try:
-            await self.dump(targets, signal_ranks=self.outcome == NOT_KILLED_NO_RESTART)
-            dog.probes_from(self.incident)
-            self.stacks_done = True
-            if self._coordinated():
-                assert dog.job_view is not None
-                dog.job_view.wake(self.job_id)
-                wait = dog.settings.job_view.verdict_wait_seconds
-                adopt(self.incident, await dog.job_view.wait_for(self.job_id, has_culprit, wait), dog.node)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("collecting stacks of job %s failed", self.job_id)
-        self.finish(self.outcome)
-
-    async def remediate(self, targets: list[Target]) -> None:
-        """Alone (no job view, or its coordinator unknown or silent): dump, then kill unless a busy
-        rank here holds the stall until the job progresses again."""
-        try:
-            await self.dump(targets)
-            await self.attach_links()
-            if pause.locally_paused(self) and await pause.hold_paused(self) == "resumed":
-                outcome = "resumed"
-            else:
-                outcome = "resumed" if await self.hold() else await self.kill(targets)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # remediation bugs must not take the watchdog down
-            log.exception("remediation of job %s failed", self.job_id)
-            self.incident.notes.append(f"remediation error: {type(e).__name__}: {e}")
-            outcome = "failed"
-        self.end(outcome)
-
-    async def coordinate(self, targets: list[Target]) -> None:
-        """A stall the job's other nodes share (module docstring of coordination.py): dump, take
-        the verdict, then kill if the culprit is here, else leave the ranks to torchrun."""
-        dog, job_id, incident, jv = self.dog, self.job_id, self.incident, self.dog.job_view
-        assert jv is not None  # only coordinated episodes come here
-        wait = dog.settings.job_view.verdict_wait_seconds
-        try:
-            finding = await self.dump(targets)
-            dog.probes_from(incident)
-            self.stacks_done = True
-            dog.store.save(incident)
-            jv.wake(job_id)
-            verdict = await jv.wait_for(job_id, has_culprit, wait)
-            adopt(incident, verdict, dog.node)
-            if pause.paused(self, verdict):  # no one waits: hold, judge again if the pause ends without progress
-                if await pause.hold_paused(self) == "resumed":
-                    self.end("resumed")
-                    return
-                verdict = await jv.wait_for(job_id, lambda v: has_culprit(v) and not pause.verdict_paused(v), wait)
-                adopt(incident, verdict, dog.node)
-            await self.attach_links()
-            here = culprit_here(self, verdict, finding, targets)
-            dog.store.save(incident)
-            if here and await self.hold():
-                outcome = "resumed"
-            elif here:
-                dumped = await jv.wait_for(job_id, everyone_dumped, wait)
-                if not everyone_dumped(dumped):
-                    missing = dumped.not_dumped if dumped is not None else []
-                    incident.notes.append(
-                        f"killing before every node had dumped its stacks (waited {wait:g}s"
-                        + (f"; missing: {', '.join(missing[:8])}" if missing else "")
-                        + ")"
-                    )
-                outcome = await self.kill(targets)
-            else:
-                outcome = await self.leave_to_launcher(targets)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # coordination bugs must not take the watchdog down
-            log.exception("remediation of job %s failed", job_id)
-            incident.notes.append(f"remediation error: {type(e).__name__}: {e}")
-            outcome = "failed"
-        self.end(outcome)
 
     # ------------------------------------------------------------ dump: stacks, records, links
 

@@ -37,6 +37,7 @@ from sidecar.ranks.model import Rank, RankKey
 from sidecar.ranks.registry import Registry
 from sidecar.watchdog.coordination import JobView, open_verdict
 from sidecar.watchdog.episode import Episode, Track
+from sidecar.watchdog.episode_course import open_episode, start_episode
 from sidecar.watchdog.goodput import Goodput
 from sidecar.watchdog.liveness import Liveness
 from sidecar.watchdog.metrics import METRICS, Counters
@@ -331,11 +332,11 @@ class Watchdog:
                 continue  # already being handled; its incident covers this rank too
             members = [t for t in self._tracks.values() if t.rank.job_id == job_id and t.state in WATCHING]
             members.sort(key=lambda t: t.rank.rank)
-            episode = Episode.open(self, job_id, members, now)  # blame and the incident (episode.py)
+            episode = open_episode(self, job_id, members, now)  # blame and the incident (episode_course.py)
             self._episodes[job_id] = episode
             for t in members:
                 t.episode = episode
-            episode.start(members, now)
+            start_episode(episode, members, now)
 
     def begin_kill(self, episode: Episode, now: float) -> None:
         """An episode's kill begins: its ranks still watched go REMEDIATING (the exit tracker told)."""
