@@ -25,15 +25,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import psutil
 
 from harness.job import PYTHON, SidecarClient, wait_for
 from harness.processes import Processes, free_port
+from sidecar.jobview import auth
 
 RANKS_PER_NODE = 8
 JOB = "scale"
+COORDINATOR = "coordinator"  # the coordinator's node_name: every peer request is signed for it
 REPORT_INTERVAL = 5.0
 LONG_POLL = 1.0
 
@@ -47,6 +50,7 @@ class Node:
     bytes_received: int = 0
     culprit_at: float | None = None
     world: int = 1  # the job's world size
+    key: str = ""  # the job's key (its registration's job view offer), which signs every request
 
     def report(self, hung_at: float | None, culprit_rank: int) -> dict:
         base = {"job_id": JOB, "node": self.name, "world_size": self.world, "time": time.time()}
@@ -93,11 +97,19 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
+def _path_qs(url: str) -> str:
+    """What a request's signature covers: its path and query (sidecar/daemon/peer_api.py)."""
+    parts = urlsplit(url)
+    return parts.path + (f"?{parts.query}" if parts.query else "")
+
+
 async def post(session: aiohttp.ClientSession, url: str, node: Node, body: dict) -> dict:
     data = json.dumps(body, separators=(",", ":")).encode()
     node.requests += 1
     node.bytes_sent += len(data)
-    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
+    header, _ = auth.sign_request(node.key, "POST", _path_qs(url), data, COORDINATOR)
+    headers = {"Content-Type": "application/json", auth.REQUEST_HEADER: header}
+    async with session.post(url, data=data, headers=headers) as resp:
         raw = await resp.read()
         node.bytes_received += len(raw)
         if resp.status != 200:
@@ -107,7 +119,8 @@ async def post(session: aiohttp.ClientSession, url: str, node: Node, body: dict)
 
 async def get(session: aiohttp.ClientSession, url: str, node: Node) -> dict:
     node.requests += 1
-    async with session.get(url) as resp:
+    header, _ = auth.sign_request(node.key, "GET", _path_qs(url), b"", COORDINATOR)
+    async with session.get(url, headers={auth.REQUEST_HEADER: header}) as resp:
         raw = await resp.read()
         node.bytes_received += len(raw)
         return json.loads(raw)
@@ -143,8 +156,8 @@ async def node_loop(session, base, node: Node, state: State, culprit_rank: int) 
         await asyncio.sleep(REPORT_INTERVAL)
 
 
-async def drive(base: str, n: int, steady: float, sidecar_pid: int) -> Result:
-    nodes = [Node(f"sim-{i:04d}", i, world=n * RANKS_PER_NODE) for i in range(n)]
+async def drive(base: str, n: int, steady: float, sidecar_pid: int, key: str) -> Result:
+    nodes = [Node(f"sim-{i:04d}", i, world=n * RANKS_PER_NODE, key=key) for i in range(n)]
     culprit_rank = (n // 2) * RANKS_PER_NODE + 3
     state = State()
     timeout = aiohttp.ClientTimeout(total=30)
@@ -207,30 +220,40 @@ def run(n: int, steady: float, workdir: Path) -> Result:
     with Processes(workdir) as procs:
         port, sock = free_port(), str(workdir / "sidecar.sock")
         cmd = [PYTHON, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{port}", "--socket", sock,
-               "--set", f"diag_dir={workdir / 'diag'}", "--set", "node_name=coordinator",
+               "--set", f"diag_dir={workdir / 'diag'}", "--set", f"node_name={COORDINATOR}",
+               "--set", f"job_view.max_ranks={max(16384, 2 * n * RANKS_PER_NODE)}",
                "--set", f"job_view.report_interval_seconds={REPORT_INTERVAL:g}",
                "--set", "collectors.enabled=node", "--set", "log_level=warning"]  # fmt: skip
         sidecar = procs.start("sidecar", cmd)
         if not wait_for(SidecarClient(port).ready, 60):
             raise RuntimeError(f"sidecar did not start: {procs.log('sidecar')}")
         # One rank of the job on the coordinator's node: a sidecar coordinates only jobs it hosts.
-        holder = procs.start("rank", [PYTHON, "-c", HOLDER, sock, JOB])
-        if not wait_for(lambda: (SidecarClient(port).status() or {}).get("ranks"), 30):
-            raise RuntimeError("the job's rank did not register")
+        holder = procs.start("rank", [PYTHON, "-c", HOLDER, sock, JOB, str(n * RANKS_PER_NODE)])
+        offer = wait_for(lambda: procs.log("rank").read_text().partition("\n")[1] and procs.log("rank").read_text(), 30)
+        if not offer:
+            raise RuntimeError(f"the job's rank did not register: {procs.log('rank').read_text()[-2000:]}")
+        key = json.loads(offer.splitlines()[0])["key"]
         try:
-            return asyncio.run(drive(f"http://127.0.0.1:{port}", n, steady, sidecar.pid))
+            return asyncio.run(drive(f"http://127.0.0.1:{port}", n, steady, sidecar.pid, key))
         finally:
             procs.stop(holder)
 
 
 HOLDER = """
-import sys, time
-from trainer_hooks import Monitor
-mon = Monitor(job_id=sys.argv[2], rank=0, world_size=2, local_world_size=1, socket=sys.argv[1], flush_interval=0.5)
+import json, os, sys, time
+from trainer_hooks.environment import Endpoint
+from trainer_hooks.transport import post
+endpoint, job, world = Endpoint(socket_path=sys.argv[1]), sys.argv[2], int(sys.argv[3])
+reg = {"job_id": job, "rank": 0, "local_rank": 0, "world_size": world, "local_world_size": 1,
+       "restart_count": 0, "pid": os.getpid(), "step": None, "phase": None}
+reply = post(endpoint, "/v1/register", json.dumps(reg).encode())
+assert reply.status == 200, reply.body
+print(json.dumps(reply.body["job_view"]), flush=True)
 step = 0
 while True:
     step += 1
-    mon.step(step)
+    items = [{"type": "step", "step": step, "time": time.time()}]
+    post(endpoint, "/v1/push", json.dumps({"job_id": job, "rank": 0, "pid": os.getpid(), "items": items}).encode())
     time.sleep(0.5)
 """
 
