@@ -43,9 +43,11 @@ from sidecar.commands import alertmanager_kps, generated
 from sidecar.mixin import config as mixin_config
 from sidecar.mixin import dashboards as mixin_dashboards
 from sidecar.mixin import rules as mixin_rules
+from sidecar.mixin import scale as mixin_scale
 
 ROOT = assets.ROOT  # holds alerts/, dashboards/ and deploy/ (in a checkout: links to the top level)
 OUTPUT = Path("deploy/kubernetes/base/generated")
+SCALE = Path("deploy/scale")  # the cluster-scale stack (sidecar/mixin/scale.py)
 BASE_KUSTOMIZATION = Path("deploy/kubernetes/base/kustomization.yaml")
 COMMON_LABELS = {"app.kubernetes.io/name": "training-sidecar", "app.kubernetes.io/part-of": "training-sidecar"}
 # The Grafana folder; the chart's sidecar reads the `grafana_folder` annotation (`dashboards.folder` in the config).
@@ -187,36 +189,60 @@ def kube_prometheus_stack_files(root: Path = ROOT) -> dict[str, str]:
 def stale_files(root: Path = ROOT) -> list[str]:
     """Generated files that are missing, different, or left over from a removed source."""
     kps = alertmanager_kps.OUTPUT
-    return [
-        str(OUTPUT / sub / name)
-        for sub, files in generate(root).items()
-        for name in generated.stale(root / OUTPUT / sub, files, leftovers="*.yaml")
-    ] + [str(kps / name) for name in generated.stale(root / kps, kube_prometheus_stack_files(root), leftovers="*.yaml")]
+    return (
+        [
+            str(OUTPUT / sub / name)
+            for sub, files in generate(root).items()
+            for name in generated.stale(root / OUTPUT / sub, files, leftovers="*.yaml")
+        ]
+        + [
+            str(kps / name)
+            for name in generated.stale(root / kps, kube_prometheus_stack_files(root), leftovers="*.yaml")
+        ]
+        + [str(SCALE / name) for name in generated.stale(root / SCALE, mixin_scale.files(), leftovers="*.yml")]
+    )
 
 
-def write(root: Path = ROOT, out: Path | None = None, folder: str = DASHBOARD_FOLDER) -> list[str]:
+def write(
+    root: Path = ROOT,
+    out: Path | None = None,
+    folder: str = DASHBOARD_FOLDER,
+    cfg: mixin_config.MixinConfig = mixin_config.DEFAULT,
+) -> list[str]:
     """Bring the generated files under `out` (default: root's deploy/) up to date; the paths changed."""
     deploy = root / "deploy" if out is None else out
     base = deploy / OUTPUT.relative_to("deploy")
     kps = alertmanager_kps.OUTPUT
-    return [
-        str(OUTPUT / sub / path.name)
-        for sub, files in generate(root, folder).items()
-        for path in generated.write(base / sub, files, leftovers="*.yaml")
-    ] + [
-        str(kps / path.name)
-        for path in generated.write(
-            deploy / kps.relative_to("deploy"), kube_prometheus_stack_files(root), leftovers="*.yaml"
-        )
-    ]
+    return (
+        [
+            str(OUTPUT / sub / path.name)
+            for sub, files in generate(root, folder).items()
+            for path in generated.write(base / sub, files, leftovers="*.yaml")
+        ]
+        + [
+            str(kps / path.name)
+            for path in generated.write(
+                deploy / kps.relative_to("deploy"), kube_prometheus_stack_files(root), leftovers="*.yaml"
+            )
+        ]
+        + [
+            str(SCALE / path.name)
+            for path in generated.write(deploy / SCALE.relative_to("deploy"), mixin_scale.files(cfg), leftovers="*.yml")
+        ]
+    )
 
 
-def write_tree(directory: Path, root: Path = ROOT, folder: str = DASHBOARD_FOLDER) -> list[str]:
+def write_tree(
+    directory: Path,
+    root: Path = ROOT,
+    folder: str = DASHBOARD_FOLDER,
+    cfg: mixin_config.MixinConfig = mixin_config.DEFAULT,
+) -> list[str]:
     """The whole deploy tree into `directory` (its kubernetes/, baremetal/, alertmanager/, ...),
     with the generated objects made afresh from the rules, dashboards and alertmanager.yml; the
     files written."""
     shutil.copytree(root / "deploy", directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    write(root, directory, folder)
+    write(root, directory, folder, cfg)
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
@@ -243,7 +269,7 @@ def write_configured(directory: Path, cfg: mixin_config.MixinConfig, root: Path 
     """The rules (DIR/alerts/), dashboards (DIR/dashboards/) and deploy tree rendered with `cfg`
     into `directory`; the files written."""
     with configured_root(cfg, root) as top:
-        write_tree(directory, top, cfg.dashboards.folder)
+        write_tree(directory, top, cfg.dashboards.folder, cfg)
         for sub in ("alerts", "dashboards"):
             shutil.copytree(top / sub, directory / sub, dirs_exist_ok=True)
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())

@@ -8,6 +8,7 @@
     runbook_base_url: https://wiki.example.com/sidecar/runbook
     cluster_label: k8s_cluster
     dashboards: {refresh: 1m}
+    scale: {shards: 4, store_url: http://vm.example:8428}
 
 An unknown key or a value of the wrong type raises `MixinConfigError`, whose message names the
 file and the key. `commented_yaml()` is the full file with every default and what it means
@@ -118,6 +119,29 @@ DASHBOARD_DOCS = {
 
 
 @dataclass(frozen=True)
+class ScaleSettings:
+    """The cluster-scale stack (deploy/scale/, sidecar/mixin/scale.py; what each means: SCALE_DOCS)."""
+
+    shards: int = 2
+    scrape_interval: str = "15s"
+    evaluation_interval: str = "15s"
+    targets_file: str = "/etc/sidecar-scale/targets/*.yml"
+    store_url: str = "http://127.0.0.1:8428"
+    alertmanager_url: str = "http://127.0.0.1:9093"
+
+
+SCALE_DOCS = {
+    "shards": "scraping shards (Prometheus agents or vmagents); shard N keeps the targets whose hashmod of "
+    "__address__ is N",
+    "scrape_interval": "how often each shard scrapes each sidecar",
+    "evaluation_interval": "how often the global ruler (vmalert) evaluates the rules",
+    "targets_file": "the file_sd files (a glob) that list every sidecar as host:port; every shard reads them all",
+    "store_url": "the scale-out store (victoria-metrics): shards remote-write to it, the ruler queries it",
+    "alertmanager_url": "where the ruler sends its alerts",
+}
+
+
+@dataclass(frozen=True)
 class MixinConfig:
     thresholds: Mapping[str, float | str] = field(default_factory=_threshold_defaults)
     selectors: Mapping[str, str] = field(default_factory=_selector_defaults)
@@ -126,6 +150,7 @@ class MixinConfig:
     # dashboards select with it (`$cluster`).
     cluster_label: str = "cluster"
     dashboards: DashboardSettings = field(default_factory=DashboardSettings)
+    scale: ScaleSettings = field(default_factory=ScaleSettings)
 
     def window(self, key: str) -> str:
         """A threshold that is a PromQL duration ("1h")."""
@@ -221,7 +246,27 @@ def from_mapping(data: object, source: str = "config") -> MixinConfig:
         elif not isinstance(value, str) or (key != "datasource_regex" and not value):
             fail(f"dashboards.{key}", f"expected text, got {value!r}")
         board = replace(board, **{key: value})
-    return MixinConfig(thresholds, selectors, runbook, label, board)
+    return MixinConfig(thresholds, selectors, runbook, label, board, _scale(data.get("scale", {}), fail))
+
+
+def _scale(data: object, fail) -> ScaleSettings:
+    given = _section(data, "scale", fail)
+    _unknown(given, list(SCALE_DOCS), "scale.", fail)
+    scale = ScaleSettings()
+    for key, value in given.items():
+        if key == "shards":
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 256:
+                fail("scale.shards", f"expected a whole number from 1 to 256, got {value!r}")
+        elif key.endswith("_interval"):
+            if not isinstance(value, str) or not DURATION.fullmatch(value):
+                fail(f"scale.{key}", f"expected a Prometheus duration like 15s, got {value!r}")
+        elif key.endswith("_url"):
+            if not isinstance(value, str) or not re.fullmatch(r"https?://[^/\s]+:\d+", value):
+                fail(f"scale.{key}", f"expected http(s)://HOST:PORT, got {value!r}")
+        elif not isinstance(value, str) or not value.startswith("/"):
+            fail(f"scale.{key}", f"expected an absolute path, got {value!r}")
+        scale = replace(scale, **{key: value})
+    return scale
 
 
 def load(path: str | Path) -> MixinConfig:
@@ -268,4 +313,7 @@ def commented_yaml(cfg: MixinConfig = DEFAULT) -> str:
     for key, doc in DASHBOARD_DOCS.items():
         value = getattr(cfg.dashboards, key)
         out += [f"  # {doc}", f"  {key}: {_scalar(list(value) if isinstance(value, tuple) else value)}"]
+    out += ["# The cluster-scale stack: sharded scrapers, the store, the global ruler (deploy/scale/).", "scale:"]
+    for key, doc in SCALE_DOCS.items():
+        out += [f"  # {doc}", f"  {key}: {_scalar(getattr(cfg.scale, key))}"]
     return "\n".join(out) + "\n"

@@ -36,6 +36,9 @@ cluster_label: k8s_cluster
 dashboards:
   refresh: 1m
   folder: ML platform
+scale:
+  shards: 3
+  store_url: http://vm.example:8428
 """
 
 
@@ -95,6 +98,17 @@ def test_the_dashboards_and_their_configmaps_carry_the_dashboard_settings(render
     assert maps and {m["metadata"]["annotations"]["grafana_folder"] for m in maps} == {"ML platform"}
     embedded = next(m for m in maps if "training-job.json" in m["data"])["data"]["training-job.json"]
     assert embedded == (rendered / "dashboards" / "training-job.json").read_text()
+
+
+def test_the_scale_stack_follows_the_configured_shards_store_and_rules(rendered):
+    scale = rendered / "scale"
+    assert sorted(p.name for p in scale.glob("scrape-shard-*.yml")) == [f"scrape-shard-{n}.yml" for n in range(3)]
+    shard = yaml.safe_load((scale / "scrape-shard-2.yml").read_text())
+    assert shard["remote_write"][0]["url"] == "http://vm.example:8428/api/v1/write"
+    assert shard["scrape_configs"][0]["job_name"] == "gpu-sidecars"  # the configured selector's job
+    assert shard["scrape_configs"][0]["relabel_configs"][0]["modulus"] == 3
+    assert _rules(scale / "shard.rules.yml")["SidecarRankStalled"]["for"] == "7m"
+    assert "k8s_cluster" in _rules(scale / "global.rules.yml")["SidecarJobHungOnRank"]["expr"]
 
 
 def test_the_prometheus_rule_objects_carry_the_configured_rules(rendered):
@@ -157,6 +171,11 @@ def test_promtool_accepts_the_rendered_rules_and_they_aggregate_by_the_configure
         ("dashboards: {tags: one}", "dashboards.tags: expected a non-empty list"),
         ("thresholds: [1, 2]", "thresholds: expected a mapping"),
         ("thresholds: {a: [1}", "line 1: not valid YAML"),
+        ("scale: {shards: 0}", "scale.shards: expected a whole number from 1 to 256"),
+        ("scale: {replicas: 2}", "scale.replicas: unknown key (known: shards"),
+        ("scale: {scrape_interval: 15}", "scale.scrape_interval: expected a Prometheus duration"),
+        ("scale: {store_url: vm:8428}", "scale.store_url: expected http(s)://HOST:PORT"),
+        ("scale: {targets_file: targets.yml}", "scale.targets_file: expected an absolute path"),
     ],
 )
 def test_a_bad_config_fails_naming_the_file_and_key_and_writes_nothing(tmp_path, capsys, text, message):
@@ -231,6 +250,7 @@ def test_the_operator_guide_documents_every_setting():
         *mixin_config.THRESHOLD_DOCS,
         *mixin_config.SELECTOR_DOCS,
         *mixin_config.DASHBOARD_DOCS,
+        *mixin_config.SCALE_DOCS,
     ]
     assert not [k for k in keys if not re.search(rf"\b{k}\b", section)]
 
