@@ -18,6 +18,7 @@ def group(cfg: MixinConfig) -> Group:
     GROUP_MOVED = f"changes({ENQUEUED}[{T['collective_still_for']}]) > 0\nor changes({COMPLETED}[{T['collective_still_for']}]) > 0"
     # Some rank of the job advanced its step within the window.
     JOB_STEPPED = f"changes(sidecar_training_step[{T['collective_still_for']}]) > 0"
+    JOB_STEPPED_5M = "sum by (namespace, cluster, job_id) (rate(sidecar_training_step_duration_seconds_count[5m])) > 0"
     return Group(
         "sidecar-recording",
         [
@@ -48,11 +49,12 @@ def group(cfg: MixinConfig) -> Group:
                 "job_id:sidecar_training_tokens:rate5m",
                 "sum by (namespace, cluster, job_id) (rate(sidecar_training_tokens_total[5m]))",
             ),
-            # Each rank's mean step time over 5m, from the histogram's sum and count.
+            # Each rank's mean step time over 5m, from the histogram's sum and count; a rank without a step
+            # in 5m has none (not NaN: MetricsQL drops NaN results, PromQL keeps them, so both leave it out).
             Record(
                 "job_id_rank:sidecar_training_step_duration_seconds:mean5m",
                 "sum by (namespace, cluster, job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_sum[5m]))\n"
-                "/ sum by (namespace, cluster, job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m]))",
+                "/ (sum by (namespace, cluster, job_id, rank, instance) (rate(sidecar_training_step_duration_seconds_count[5m])) > 0)",
             ),
             Record(
                 "job_id_instance:sidecar_training_step_duration_seconds:max_mean5m",
@@ -68,14 +70,17 @@ def group(cfg: MixinConfig) -> Group:
                 "max by (namespace, cluster, job_id) (job_id_rank:sidecar_training_step_duration_seconds:mean5m)\n"
                 "/ job_id:sidecar_training_step_duration_seconds:median_mean5m",
             ),
-            # Step-time quantiles of the whole job from the buckets (spikes a scrape interval would hide).
+            # Step-time quantiles of the whole job from the buckets (spikes a scrape interval would hide); a
+            # job without a step in 5m has none (as for mean5m: no NaN, which MetricsQL would drop).
             Record(
                 "job_id:sidecar_training_step_duration_seconds:p50_5m",
-                "histogram_quantile(0.5, sum by (namespace, cluster, job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
+                "histogram_quantile(0.5, sum by (namespace, cluster, job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))\n"
+                f"and on (namespace, cluster, job_id) ({JOB_STEPPED_5M})",
             ),
             Record(
                 "job_id:sidecar_training_step_duration_seconds:p99_5m",
-                "histogram_quantile(0.99, sum by (namespace, cluster, job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))",
+                "histogram_quantile(0.99, sum by (namespace, cluster, job_id, le) (rate(sidecar_training_step_duration_seconds_bucket[5m])))\n"
+                f"and on (namespace, cluster, job_id) ({JOB_STEPPED_5M})",
             ),
             Record("job_id:sidecar_training_loss:avg", "avg by (namespace, cluster, job_id) (sidecar_training_loss)"),
             Record(
