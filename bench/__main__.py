@@ -25,6 +25,7 @@ ORDER = [
     "bench_hang_kinds",
     "bench_field_pauses",
     "bench_stragglers",
+    "bench_scale",
 ]
 
 

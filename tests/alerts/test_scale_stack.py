@@ -15,13 +15,13 @@ import time
 
 import pytest
 
+from alerts import build as alerts_build
 from bench.scale_nodes import RANKS_PER_NODE, Node, Nodes
 from bench.scale_stack import Stack, prometheus_shard
-from alerts import build as alerts_build
 from tests.alerts.realstack import Alertmanager, Prometheus, Webhook, alertmanager_config
 from tests.support import free_port, wait_until
 
-pytestmark = [pytest.mark.system, pytest.mark.xdist_group("scale-stack")]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.xdist_group("scale-stack")]
 
 CULPRIT = 11  # the hung job's rank on its second node (local rank 3), in the other shard
 STRAGGLER = 45  # the slow job's rank on its second node (local rank 5), in the other shard
