@@ -4,6 +4,7 @@ job_view.report_interval_seconds while healthy; at a hang, a report and a long-p
 
     python -m bench.bench_jobview_scale                 # N = 10, 100, 1000
     python -m bench.bench_jobview_scale --nodes 1000 --steady 20
+    python -m bench.bench_jobview_scale --nodes 2000 --remote-peers   # as root: peers from another address
 
 Printed per N: per node, bytes and requests per second while the job is healthy; the shared
 channel's load (the coordinator: requests per second, CPU share of a core, resident memory); and
@@ -11,18 +12,30 @@ at a hang (every rank turns suspect and waits in a collective except one, which 
 time from the hang to each node holding the verdict that names the culprit (p50, p99, max), and
 the requests it took per node. Targets: per-node cost independent of N; time-to-culprit p99 under
 2 s at 1,000 nodes (on this 2-core machine the simulated nodes share the CPU with the coordinator).
+
+By default the simulated nodes connect over loopback, so the coordinator takes them for peers on its
+own node and checks each request's owner in /proc/net/tcp (sidecar/daemon/peer_api.py), a read that
+grows with every open loopback connection. `--remote-peers` puts the coordinator in a network
+namespace of its own, reached over a veth pair, so they are peers from another address, as the
+nodes of a real job are.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import resource
+import secrets
 import signal
 import statistics
+import subprocess
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -30,7 +43,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
-from harness.job import PYTHON, SidecarClient, wait_for
+from harness.job import PYTHON, wait_for
 from harness.processes import Processes, free_port
 from sidecar.jobview import auth
 
@@ -215,18 +228,63 @@ async def drive(base: str, n: int, steady: float, sidecar_pid: int, key: str) ->
     return result
 
 
-def run(n: int, steady: float, workdir: Path) -> Result:
+NETNS, HOST_ADDRESS, COORDINATOR_ADDRESS = "jvscale", "10.245.0.2", "10.245.0.1"
+
+
+@contextlib.contextmanager
+def coordinator_netns() -> Iterator[str]:
+    """A network namespace for the coordinator, linked to this one by a veth pair: the simulated
+    nodes reach it from another address, as peers on other hosts do (a peer on the coordinator's
+    own node is checked against /proc/net/tcp, a cost that grows with every loopback connection)."""
+    name = f"{NETNS}{os.getpid()}"
+    host, inner = f"jvh{os.getpid() % 100000}", f"jvc{os.getpid() % 100000}"
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", host, "type", "veth", "peer", "name", inner],
+        ["ip", "link", "set", inner, "netns", name],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{COORDINATOR_ADDRESS}/24", "dev", inner],
+        ["ip", "netns", "exec", name, "ip", "link", "set", inner, "up"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+        ["ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", host],
+        ["ip", "link", "set", host, "up"],
+    ]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True, text=True)
+        yield name
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"--remote-peers needs root and iproute2: {' '.join(e.cmd)}: {e.stderr.strip()}") from None
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", host], capture_output=True)
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=3) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def run(n: int, steady: float, workdir: Path, remote_peers: bool = False) -> Result:
     workdir.mkdir(parents=True, exist_ok=True)
-    with Processes(workdir) as procs:
+    with contextlib.ExitStack() as stack:
+        procs = stack.enter_context(Processes(workdir))
         port, sock = free_port(), str(workdir / "sidecar.sock")
-        cmd = [PYTHON, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{port}", "--socket", sock,
+        address, prefix = "127.0.0.1", []
+        if remote_peers:
+            address, prefix = COORDINATOR_ADDRESS, ["ip", "netns", "exec", stack.enter_context(coordinator_netns())]
+        cmd = [*prefix, PYTHON, "-m", "sidecar", "run", "--listen", f"{address}:{port}", "--socket", sock,
                "--set", f"diag_dir={workdir / 'diag'}", "--set", f"node_name={COORDINATOR}",
                "--set", f"job_view.max_ranks={max(16384, 2 * n * RANKS_PER_NODE)}",
                "--set", f"job_view.report_interval_seconds={REPORT_INTERVAL:g}",
                "--set", "collectors.enabled=node", "--set", "log_level=warning"]  # fmt: skip
-        sidecar = procs.start("sidecar", cmd)
-        if not wait_for(SidecarClient(port).ready, 60):
-            raise RuntimeError(f"sidecar did not start: {procs.log('sidecar')}")
+        base = f"http://{address}:{port}"
+        # Listening beyond loopback, the push API wants a token (the peers sign with the job's key instead).
+        sidecar = procs.start("sidecar", cmd, env={"SIDECAR_TOKEN": secrets.token_hex(16)} if remote_peers else None)
+        if not wait_for(lambda: _ready(base), 60):
+            raise RuntimeError(f"sidecar did not start: {procs.log('sidecar').read_text()[-2000:]}")
         # One rank of the job on the coordinator's node: a sidecar coordinates only jobs it hosts.
         holder = procs.start("rank", [PYTHON, "-c", HOLDER, sock, JOB, str(n * RANKS_PER_NODE)])
         offer = wait_for(lambda: procs.log("rank").read_text().partition("\n")[1] and procs.log("rank").read_text(), 30)
@@ -234,7 +292,7 @@ def run(n: int, steady: float, workdir: Path) -> Result:
             raise RuntimeError(f"the job's rank did not register: {procs.log('rank').read_text()[-2000:]}")
         key = json.loads(offer.splitlines()[0])["key"]
         try:
-            return asyncio.run(drive(f"http://127.0.0.1:{port}", n, steady, sidecar.pid, key))
+            return asyncio.run(drive(base, n, steady, sidecar.pid, key))
         finally:
             procs.stop(holder)
 
@@ -262,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_jobview_scale", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="10,100,1000", help="simulated node counts (default 10,100,1000)")
     p.add_argument("--steady", type=float, default=15.0, help="seconds of healthy reporting measured (default 15)")
+    p.add_argument(
+        "--remote-peers",
+        action="store_true",
+        help="run the coordinator in its own network namespace (root, iproute2), so the simulated nodes are "
+        "peers from another address, as on other hosts; without it they connect over loopback, as local peers",
+    )
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -269,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-jobview-scale-"))
     results = []
     for n in (int(x) for x in args.nodes.split(",")):
-        r = run(n, args.steady, root / f"n{n}")
+        r = run(n, args.steady, root / f"n{n}", args.remote_peers)
         results.append(r)
         print(
             f"{n:>5} nodes x {RANKS_PER_NODE} ranks: per node {r.steady_requests_per_node_s:.3f} req/s, "
