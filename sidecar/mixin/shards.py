@@ -63,8 +63,9 @@ def not_per_node(expr: str) -> str | None:
         labels = _labels(m[2])
         if (m[1] == "on") != (NODE_LABEL in labels):
             return f"`{m[1]} ({m[2].strip()})` matches series of different nodes"
-    if m := _WHOLE_VECTOR.search(expr):
-        return f"`{m[1]}` judges every node's series at once"
+    whole = _WHOLE_VECTOR.search(expr)
+    if whole:
+        return f"`{whole[1]}` judges every node's series at once"
     return None
 
 
