@@ -16,8 +16,8 @@ the requests it took per node. Targets: per-node cost independent of N; time-to-
 By default the simulated nodes connect over loopback, so the coordinator takes them for peers on its
 own node and checks each request's owner in /proc/net/tcp (sidecar/daemon/peer_api.py), a read that
 grows with every open loopback connection. `--remote-peers` puts the coordinator in a network
-namespace of its own, reached over a veth pair, so they are peers from another address, as the
-nodes of a real job are.
+namespace of its own (harness/netns.py), so they are peers from another address, as the nodes of a
+real job are.
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import resource
 import secrets
 import signal
 import statistics
-import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -44,6 +41,7 @@ import aiohttp
 import psutil
 
 from harness.job import PYTHON, wait_for
+from harness.netns import Network
 from harness.processes import Processes, free_port
 from sidecar.jobview import auth
 
@@ -228,37 +226,6 @@ async def drive(base: str, n: int, steady: float, sidecar_pid: int, key: str) ->
     return result
 
 
-NETNS, HOST_ADDRESS, COORDINATOR_ADDRESS = "jvscale", "10.245.0.2", "10.245.0.1"
-
-
-@contextlib.contextmanager
-def coordinator_netns() -> Iterator[str]:
-    """A network namespace for the coordinator, linked to this one by a veth pair: the simulated
-    nodes reach it from another address, as peers on other hosts do (a peer on the coordinator's
-    own node is checked against /proc/net/tcp, a cost that grows with every loopback connection)."""
-    name = f"{NETNS}{os.getpid()}"
-    host, inner = f"jvh{os.getpid() % 100000}", f"jvc{os.getpid() % 100000}"
-    steps = [
-        ["ip", "netns", "add", name],
-        ["ip", "link", "add", host, "type", "veth", "peer", "name", inner],
-        ["ip", "link", "set", inner, "netns", name],
-        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{COORDINATOR_ADDRESS}/24", "dev", inner],
-        ["ip", "netns", "exec", name, "ip", "link", "set", inner, "up"],
-        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
-        ["ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", host],
-        ["ip", "link", "set", host, "up"],
-    ]
-    try:
-        for step in steps:
-            subprocess.run(step, check=True, capture_output=True, text=True)
-        yield name
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"--remote-peers needs root and iproute2: {' '.join(e.cmd)}: {e.stderr.strip()}") from None
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        subprocess.run(["ip", "link", "del", host], capture_output=True)
-
-
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=3) as answer:
@@ -273,8 +240,9 @@ def run(n: int, steady: float, workdir: Path, remote_peers: bool = False) -> Res
         procs = stack.enter_context(Processes(workdir))
         port, sock = free_port(), str(workdir / "sidecar.sock")
         address, prefix = "127.0.0.1", []
-        if remote_peers:
-            address, prefix = COORDINATOR_ADDRESS, ["ip", "netns", "exec", stack.enter_context(coordinator_netns())]
+        if remote_peers:  # the coordinator on a host of its own (harness/netns.py), reached over a bridge
+            net = stack.enter_context(Network(1))
+            address, prefix = net.mgmt_addr(0), net.enter(0)
         cmd = [*prefix, PYTHON, "-m", "sidecar", "run", "--listen", f"{address}:{port}", "--socket", sock,
                "--set", f"diag_dir={workdir / 'diag'}", "--set", f"node_name={COORDINATOR}",
                "--set", f"job_view.max_ranks={max(16384, 2 * n * RANKS_PER_NODE)}",

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from demo.processes import Processes
-from demo.processes import free_port as any_free_port
+from harness.processes import Processes
+from harness.processes import free_port as any_free_port
 from sidecar.mixin import scale
 from sidecar.mixin.config import DEFAULT, MixinConfig
 
