@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests start (Prometheus, promtool, Alertmanager, amtool,
-# node_exporter, and victoria-metrics with vmagent and vmalert for the cluster-scale stack) and a C compiler (demo/node_clock.c: a simulated node's own wall clock) when any is missing. `make test`, `make demo` and `.ci/run` call it, so the
+# node_exporter, and victoria-metrics with vmagent and vmalert for the cluster-scale stack) and a C compiler (harness/node_clock.c: a simulated node's own wall clock) when any is missing. `make test`, `make demo` and `.ci/run` call it, so the
 # README's commands set up a fresh machine by themselves. Without root (and no passwordless
 # sudo) it stops with one line naming what to install instead of letting tests fail.
 set -euo pipefail
