@@ -131,7 +131,7 @@ class Nodes(BackgroundServer):
         return f"127.0.0.1:{self.ports[i]}"
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        port = request.transport.get_extra_info("sockname")[1] if request.transport else None
+        port: int = request.transport.get_extra_info("sockname")[1] if request.transport else -1
         node = self.by_port.get(port)
         if node is None:
             raise web.HTTPNotFound(text=f"no simulated node on port {port}")
