@@ -13,11 +13,14 @@ as it was read then."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness.cluster import Cluster, ClusterSpec, NodeSpec
@@ -68,6 +71,21 @@ def explain(cluster: Cluster) -> str:
             log = cluster.log(node, what)
             tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
             out.append(f"--- {node.spec.name} {what}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+def stacks_of_live_agents(cluster: Cluster) -> str:
+    """The Python stacks of every agent still running and of its workers (py-spy), for a failure
+    where agents did not end: what a restarted worker waits on (a rendezvous, a store key, gloo)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out = []
+    for node in cluster.nodes:
+        if node.agent is None or node.agent.poll() is not None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            for proc in [psutil.Process(node.agent.pid), *psutil.Process(node.agent.pid).children(recursive=True)]:
+                dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=30)
+                out.append(f"--- {node.spec.name} pid {proc.pid}\n{(dump.stdout or dump.stderr)[-3000:]}")
     return "\n".join(out)
 
 
