@@ -6,7 +6,9 @@ the agent collects each worker's result before the process exits."""
 import sys
 
 from sidecar_trainer.__main__ import main
+from trainer_hooks.warm import fresh_start_method
 
+fresh_start_method()  # its DataLoader's workers fork from it, as under plain torchrun
 code = main(sys.argv[1:])
 if code:
     raise SystemExit(code)

@@ -17,6 +17,8 @@ starts, and every worker of every attempt is a fork of it that runs the user's s
   per worker, as the server imported the hooks without it; so every worker gets it, also one
   whose script never imports the hooks (its restarted group forms: under plain torchrun about
   half do not; SIDECAR_ATTEMPT_STORE=0 and SIDECAR_COLLECTIVES=0 turn them off);
+- multiprocessing's default start method a fresh interpreter has (`fresh_start_method`), not the
+  server's: a DataLoader's workers fork from the worker as under plain torchrun;
 - the exit: an exception or `sys.exit(n)` (n != 0) fails the worker as under plain torchrun (the
   traceback on stderr, exit status 1 or n); `sys.exit()` / `sys.exit(0)` is a success (torch's
   `--run-path` alone would hang its agent on `sys.exit()`); atexit handlers run at the end;
@@ -107,6 +109,7 @@ def run_worker(target: list[str]) -> None:
             "(by a --preload module?); workers cannot use it: preload modules that do not touch the GPU"
         )
     _replay_hooks_import()
+    fresh_start_method()
     try:
         if target[0] in ("-m", "--module"):
             module, args = target[1], target[2:]
@@ -125,6 +128,16 @@ def run_worker(target: list[str]) -> None:
     finally:
         sys.stdout.flush()
         atexit._run_exitfuncs()
+
+
+def fresh_start_method() -> None:
+    """multiprocessing's default start method as a fresh interpreter has it. The forkserver's child
+    inherits `forkserver` as its default, so a DataLoader's workers would start through the server
+    and import the script again as `__mp_main__`: its top-level code runs in every data worker, and
+    a script without an `if __name__ == "__main__"` guard fails there."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
 
 
 def _run_file(script: str, args: list[str]) -> None:

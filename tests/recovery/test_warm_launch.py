@@ -21,7 +21,7 @@ from trainer_hooks.launch import torchrun_argv
 PROBE = """
 import sys
 TORCH_BEFORE = "torch" in sys.modules  # the point of warm mode: already imported
-import atexit, json, os
+import atexit, json, multiprocessing, os
 import torch
 import torch.distributed.rendezvous
 import trainer_hooks.distributed
@@ -37,6 +37,7 @@ record = {
     "main": sys.modules["__main__"].__dict__ is globals(),
     "attempt_store": trainer_hooks.distributed.installed(),  # what `import trainer_hooks` does under torchrun
     "annotation": str(__annotations__["ANNOTATED"]),
+    "start_method": multiprocessing.get_start_method(),  # a DataLoader's workers start with it
 }
 with open(os.path.join(out, f"{attempt}-{rank}.json"), "w") as f:
     json.dump(record, f)
@@ -82,6 +83,10 @@ def test_warm_workers_run_the_script_as_plain_torchrun_would_in_every_attempt(tm
     assert rc == 0, explain
     seen = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     assert sorted(seen) == ["0-0", "0-1", "1-0", "1-1"], explain
+    # what a fresh interpreter starts with (fork on Linux before 3.14): not the server's forkserver,
+    # which re-imports the script in every DataLoader worker (an error without a __main__ guard)
+    probe = [PYTHON, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"]
+    plain = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
     for key, record in seen.items():
         attempt, rank = key.split("-")
         assert record == {
@@ -96,6 +101,7 @@ def test_warm_workers_run_the_script_as_plain_torchrun_would_in_every_attempt(tm
             "main": True,
             "attempt_store": True,
             "annotation": "<class 'int'>",
+            "start_method": plain,
         }, key
     assert sorted(p.name for p in out.glob("atexit-*")) == ["atexit-0-0", "atexit-0-1", "atexit-1-0", "atexit-1-1"]
 
