@@ -20,7 +20,7 @@ kill it. With the job view:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -117,9 +117,26 @@ def adopt(incident: Incident, verdict: Verdict | None, node: str) -> None:
         )
 
 
-def local_culprit(verdict: Verdict | None, node: str, local_ranks: set[int]) -> bool | None:
-    """Whether the verdict puts the culprit on this node (None: no culprit in it)."""
-    if verdict is None or verdict.culprit is None:
+def before_restart(verdict: Verdict | None, registered: Mapping[int, float]) -> bool:
+    """The verdict was decided before the local processes it would act on registered (wall clock,
+    `registered`: local rank -> its current process's registration): it judged their processes of
+    before a restart, and acting on it would kill new processes for what old ones did. The rank it
+    names where it names one here, else every local rank. A coordinator's clock ahead of this node's
+    by more than the restart's seconds hides this (the verdict then acts, as before)."""
+    c = verdict.culprit if verdict is not None else None
+    if verdict is None or c is None or verdict.decided is None or not registered:
+        return False
+    if c.rank is not None and c.rank in registered:
+        return registered[c.rank] > verdict.decided
+    return all(at > verdict.decided for at in registered.values())
+
+
+def local_culprit(
+    verdict: Verdict | None, node: str, local_ranks: set[int], registered: Mapping[int, float] | None = None
+) -> bool | None:
+    """Whether the verdict puts the culprit on this node (None: no culprit in it, or none about the
+    local processes of now: `before_restart`)."""
+    if verdict is None or verdict.culprit is None or before_restart(verdict, registered or {}):
         return None
     c: Culprit = verdict.culprit
     acts = hang_kinds.of(c.kind).acts
@@ -178,15 +195,31 @@ def wall_of(clock_value: float, clock: Callable[[], float]) -> float:
     return time.time() - (clock() - clock_value)
 
 
+def registered_walls(dog: Any, job_id: str) -> dict[int, float]:
+    """Local rank -> the wall clock its current process registered at."""
+    return {t.rank.rank: t.rank.registered_wall for t in dog.tracks_of(job_id)}
+
+
+def current_culprit(dog: Any, job_id: str) -> Callable[[Verdict | None], bool]:
+    """A verdict with a culprit decided since the local ranks of now registered (`before_restart`)."""
+    return lambda v: has_culprit(v) and not before_restart(v, registered_walls(dog, job_id))
+
+
 def culprit_here(ep: Any, verdict: Verdict | None, finding: Any, targets: list[Any]) -> bool:
     """Whether an episode's node (episode.py) acts on the job's verdict: its culprit is here. Without
     one in time, this node's own evidence decides (a local rank late or running: its collective
     `finding`, its ranks' stacks), or the coordinator's silence."""
     dog, incident, jv = ep.dog, ep.incident, ep.dog.job_view
     assert jv is not None
-    here = local_culprit(verdict, dog.node, {t.rank for t in targets})
+    registered = registered_walls(dog, ep.job_id)
+    here = local_culprit(verdict, dog.node, {t.rank for t in targets}, registered)
     if here is not None:
         return here
+    if before_restart(verdict, registered):
+        incident.notes.append(
+            "the job's verdict was decided before this node's ranks of now registered (a restart came between): "
+            "not acted on; this node's own evidence decides"
+        )
     wait = dog.settings.job_view.verdict_wait_seconds
     late_here = finding is not None and finding.culprit is not None
     # not waiting by its stack, and no collective in flight in its record (a CUDA job's waiting rank

@@ -19,7 +19,16 @@ import logging
 from sidecar.host.signals import Target
 from sidecar.watchdog import pause
 from sidecar.watchdog.attribution import blame
-from sidecar.watchdog.coordination import adopt, culprit_here, drill_of, everyone_dumped, has_culprit
+from sidecar.watchdog.coordination import (
+    adopt,
+    before_restart,
+    culprit_here,
+    current_culprit,
+    drill_of,
+    everyone_dumped,
+    has_culprit,
+    registered_walls,
+)
 from sidecar.watchdog.episode import Episode, Track, Watch
 from sidecar.watchdog.remediation import target_of
 from sidecar.watchdog.restarts import NOT_KILLED_NO_RESTART, no_restart_note, no_restart_reasons
@@ -184,8 +193,9 @@ async def coordinate(ep: Episode, targets: list[Target]) -> None:
         ep.stacks_done = True
         dog.store.save(incident)
         jv.wake(job_id)
-        verdict = await jv.wait_for(job_id, has_culprit, wait)
-        adopt(incident, verdict, dog.node)
+        verdict = await jv.wait_for(job_id, current_culprit(dog, job_id), wait)
+        if not before_restart(verdict, registered_walls(dog, job_id)):
+            adopt(incident, verdict, dog.node)
         if pause.paused(ep, verdict):  # no one waits: hold, judge again if the pause ends without progress
             if await pause.hold_paused(ep) == "resumed":
                 ep.end("resumed")

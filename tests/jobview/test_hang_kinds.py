@@ -14,7 +14,7 @@ from sidecar import hang_kinds
 from sidecar.jobview import collectives
 from sidecar.jobview.judge import judge, judge_summaries, summarize
 from sidecar.jobview.report import Culprit, Verdict, parse_report, parse_verdict
-from sidecar.watchdog.coordination import local_culprit
+from sidecar.watchdog.coordination import before_restart, local_culprit
 from tests.jobview.helpers import rank, report
 from tests.jobview.test_collectives import group, pairs, view
 
@@ -423,3 +423,20 @@ def test_a_peer_failure_is_ordered_after_the_exit_that_caused_it():
     assert parse_report(wire, 16).ranks[0].exit_kind == "communication"
     wire["ranks"][0]["exit_kind"] = "a_newer_kind"
     assert parse_report(wire, 16).ranks[0].exit_kind is None  # dropped, never refused
+
+
+def test_a_verdict_decided_before_a_restart_does_not_act_on_the_new_processes():
+    """bench_race --field, 3 nodes, floor 1 s: the job incident of a stopped rank 1 was still open
+    when the restarted rank 1 (a new process) paused 1 s in its first steps; its node took the open
+    verdict (rank 1 stopped, decided before the new process registered) and killed the new process,
+    three times, until torchrun's restarts ran out."""
+    c = Culprit(1, "node-1", step=74, kind="rank_stopped", evidence="collectives")
+    verdict = Verdict("j1", "inc", 3, 100.0, culprit=c, decided=101.0)
+    assert local_culprit(verdict, "node-1", {1}, {1: 100.5}) is True  # its process of then: acts
+    assert local_culprit(verdict, "node-1", {1}, {1: 105.0}) is None  # a new process: not about it
+    assert local_culprit(verdict, "node-1", {1}) is True  # no registrations known: as before
+    # a kind every node acts on: stale once every local process is newer than the decision
+    stuck = Verdict("j1", "inc", 3, 100.0, culprit=Culprit(None, "node-1", kind="collective_stuck"), decided=101.0)
+    assert local_culprit(stuck, "node-0", {0, 2}, {0: 105.0, 2: 100.0}) is True
+    assert local_culprit(stuck, "node-0", {0, 2}, {0: 105.0, 2: 106.0}) is None
+    assert before_restart(stuck, {0: 105.0}) and not before_restart(None, {0: 105.0})
