@@ -4,6 +4,7 @@ the same hang, the same timeout, interleaved, on one node and on three simulated
     python -m bench.bench_race                    # 5 runs of each contender on each layout
     python -m bench.bench_race --runs 1 --layouts 2
     python -m bench.bench_race --ours torchrun    # ours with plain torchrun as the agent
+    python -m bench.bench_race --field            # the race at equal safety, a real job's pauses (bench/race_field.py)
 
 The script is bench/cycles/train_race.py: the `Monitor` example of docs/guide.md plus NVRx's heartbeat
 (sent only under ft_launcher, which starts the rank monitor it goes to). After 20 steps and 1.5 s
@@ -223,15 +224,25 @@ def summary(runs: list[Run], layouts: list[list[int]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_race", description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=5, help="runs of each contender on each layout (default 5)")
+    p.add_argument("--runs", type=int, help="runs of each contender on each layout (default 5; --field: 3)")
     p.add_argument("--layouts", default="2;1,1,1", help="ranks per node, layouts split by ';' (default: 2;1,1,1)")
     p.add_argument("--timeout", type=float, default=5.0, help="the effective timeout T of both (default 5 s)")
     p.add_argument("--ours", choices=sorted(AGENTS), default="warm", help="our agent (default warm)")
     p.add_argument("--nvrx-interval", type=float, default=CHECK_SECONDS,
                    help=f"NVRx's workload_check_interval (default {CHECK_SECONDS}, ours; its own is 5)")  # fmt: skip
+    p.add_argument("--field", action="store_true",
+                   help="the race at equal safety: a job with a real job's pauses under ours (shipped, lowest "
+                        "floor) and NVRx (heartbeat, sections); bench/race_field.py (default 3 runs)")  # fmt: skip
+    p.add_argument("--settings", default="abcd", help="--field: which settings run (default abcd)")
+    p.add_argument("--floor", type=float, help="--field: ours' lowered floor (default: found by pauses-only runs)")
     p.add_argument("--keep", action="store_true", help="keep the working directory")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if args.field:
+        from bench import race_field
+
+        layouts = [[int(x) for x in part.split(",")] for part in args.layouts.split(";")]
+        return race_field.main(args.runs or 3, layouts, args.floor, args.keep, args.settings)
     path = nvrx.ensure()
     if path is None:
         print("bench_race: NVRx is not available; nothing to race (FAIL)")
@@ -241,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     ours = " ".join([AGENTS[args.ours][0], *AGENTS[args.ours][1]])
     print(f"timeout {args.timeout:g} s each; ours: {ours} + sidecar, check every {CHECK_SECONDS:g} s; "
           f"NVRx {nvrx.VERSION} from {path}, check every {args.nvrx_interval:g} s; "
-          f"{args.runs} interleaved runs per layout; {os.cpu_count()} CPUs")  # fmt: skip
+          f"{args.runs or 5} interleaved runs per layout; {os.cpu_count()} CPUs")  # fmt: skip
     runs: list[Run] = []
     try:
-        for i in range(args.runs):
+        for i in range(args.runs or 5):
             for layout in layouts:
                 order = ("ours", "NVRx") if i % 2 == 0 else ("NVRx", "ours")  # neither always goes first
                 for contender in order:
