@@ -21,6 +21,7 @@ ORDER = [
     "bench_cycles",
     "bench_jobview",
     "bench_race",
+    "bench_race --field",
     "bench_jobview_scale",
     "bench_hang_kinds",
     "bench_field_pauses",
@@ -30,16 +31,17 @@ ORDER = [
 
 
 def main(argv: list[str]) -> int:
-    names = argv or [n for n in ORDER if (HERE / f"{n}.py").exists()]
+    names = argv or [n for n in ORDER if (HERE / f"{n.split()[0]}.py").exists()]
     results = []
     for name in names:
         print(f"\n=== {name} ===", flush=True)
         start = time.monotonic()
-        rc = subprocess.call([sys.executable, "-m", f"bench.{name}"], cwd=HERE.parent)
+        module, *args = name.split()  # an entry may carry its options: "bench_race --field"
+        rc = subprocess.call([sys.executable, "-m", f"bench.{module}", *args], cwd=HERE.parent)
         results.append((name, rc, time.monotonic() - start))
     print("\n=== summary ===")
     for name, rc, seconds in results:
-        print(f"{name:<16} {'PASS' if rc == 0 else f'FAIL (exit {rc})':<14} {seconds:6.1f} s")
+        print(f"{name:<20} {'PASS' if rc == 0 else f'FAIL (exit {rc})':<14} {seconds:6.1f} s")
     return 0 if all(rc == 0 for _, rc, _ in results) else 1
 
 
