@@ -134,9 +134,12 @@ def judge_summaries(
         finding = collectives.judge(records, stale_after, force)
         if finding is not None:
             return _refined(finding.to_culprit(), live)
-        paused = _paused(live, _nobody_waits(summaries, records, stale_after))
+        nobody = _nobody_waits(summaries, records, stale_after)
+        paused = _paused(live, nobody)
         if paused is not None:
             return paused
+        if not force and _pausing(live, nobody):
+            return None  # working ranks no one waits on, the rest still stepping or unheard: not yet anything
         # Records that do not decide it yet (a fresh one is on its way): the stacks only when forced.
         undecided = not force and not lost and any(s.recorded for s in live)
         unheard = [s.node for s in summaries if s.lowest is None and s.first_exit is None] + list(silent)
@@ -191,7 +194,7 @@ def _nobody_waits(summaries: list[Summary], records: list[tuple[str, RankView]],
 
 def _paused(live: list[Summary], unread_work: bool = False) -> Culprit | None:
     """No one waits on anyone (no stack in a collective, no record with one in flight) and every
-    troubled rank's CPU time grows: a pause (an evaluation, a long op), not a hang. `unread_work`:
+    rank of the job's world is troubled and its CPU time grows: a pause (an evaluation, a long op), not a hang. `unread_work`:
     the records prove no rank waits (`_nobody_waits`); a rank whose activity is unread counts as
     working (make test: a healthy evaluation, one rank's stack being read, was named `rank_not_waiting`
     and killed)."""
@@ -199,6 +202,8 @@ def _paused(live: list[Summary], unread_work: bool = False) -> Culprit | None:
     working += sum(s.unread for s in live) if unread_work else 0
     if not troubled or working < troubled or any(s.waiting for s in live):
         return None
+    if troubled < max(s.world for s in live):
+        return None  # a job pauses on every rank (`_pausing`)
     lowest = min(s.lowest for s in live if s.lowest is not None)
     where = "no step yet" if lowest < 0 else f"step {lowest}"
     node = next(s.node for s in live if s.lowest == lowest)
@@ -206,6 +211,16 @@ def _paused(live: list[Summary], unread_work: bool = False) -> Culprit | None:
         None, node, reason=f"no rank waits on another and all {troubled} troubled rank(s) use CPU (at {where}): "
         "a pause, not a hang; reported, nothing killed", kind=hang_kinds.JOB_PAUSED.name, evidence="stacks",
     )  # fmt: skip
+
+
+def _pausing(live: list[Summary], unread_work: bool = False) -> bool:
+    """Every troubled rank works and none waits, but not every rank of the world is troubled (yet):
+    the start of a pause on every rank, or one rank working late while its peers still step (a
+    spinning rank, before they wait on it). Neither a pause nor a hang can be told; forced, the
+    stacks judge (bench_recovery --faults mixed: a lone spinning rank was called a pause)."""
+    troubled, working = sum(s.troubled for s in live), sum(s.working for s in live)
+    working += sum(s.unread for s in live) if unread_work else 0
+    return bool(troubled) and working >= troubled and not any(s.waiting for s in live)
 
 
 def _chain_end(running: list[tuple[str, RankView]], waiting: int) -> tuple[str, RankView]:

@@ -30,9 +30,9 @@ def doing(r: int, activity: str | None, waiting: bool | None = False, state: str
 def three(culprit_activity: str | None, others_wait: bool = True):
     """Ranks 0 and 2 wait in a collective (or not); rank 1 on node-1 does `culprit_activity`."""
     return [
-        report("node-0", doing(0, "idle" if others_wait else "cpu", waiting=others_wait)),
-        report("node-1", doing(1, culprit_activity)),
-        report("node-2", doing(2, "idle" if others_wait else "cpu", waiting=others_wait)),
+        report("node-0", doing(0, "idle" if others_wait else "cpu", waiting=others_wait), world=3),
+        report("node-1", doing(1, culprit_activity), world=3),
+        report("node-2", doing(2, "idle" if others_wait else "cpu", waiting=others_wait), world=3),
     ]
 
 
@@ -440,3 +440,18 @@ def test_a_verdict_decided_before_a_restart_does_not_act_on_the_new_processes():
     assert local_culprit(stuck, "node-0", {0, 2}, {0: 105.0, 2: 100.0}) is True
     assert local_culprit(stuck, "node-0", {0, 2}, {0: 105.0, 2: 106.0}) is None
     assert before_restart(stuck, {0: 105.0}) and not before_restart(None, {0: 105.0})
+
+
+def test_one_working_rank_while_its_peers_still_step_is_no_pause():
+    """bench_recovery --faults mixed, 3 nodes: rank 0 spun in a Python loop; the first report had it
+    troubled and using CPU while ranks 1 and 2 were still healthy (not yet waiting long enough), and
+    the coordinator called the job paused; the verdict stayed job_paused once they waited on it (a
+    pause's tail), and nothing killed the spinning rank. A job pauses on every rank."""
+    spinning = doing(0, "cpu", state="suspect")
+    lone = [report("node-0", spinning, world=3), report("node-1", world=3, healthy=1),
+            report("node-2", world=3, healthy=1)]  # fmt: skip
+    c = judge(lone)
+    assert c is None or c.kind != "job_paused", c
+    every = [report(f"node-{i}", doing(i, "cpu", state="suspect"), world=3) for i in range(3)]
+    c = judge(every)
+    assert c is not None and c.kind == "job_paused", c  # every rank working: still a pause
