@@ -51,6 +51,7 @@ class Fault:
     at_step: int | None = None  # a request's step
     pid: int | None = None  # the process signalled
     fired: float | None = None  # a request: when the rank logged that it fired it
+    rank_pid: int | None = None  # the victim rank's process
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -124,7 +125,8 @@ def live_rank(cluster: Cluster, rank: int) -> tuple[str, int] | None:
 
 
 def dataloader_workers(pid: int) -> list[psutil.Process]:
-    """The rank's DataLoader worker processes: its children (forked; no multiprocessing helper)."""
+    """The rank's DataLoader worker processes: its children (forked, so its command line; no multiprocessing
+    helper such as a resource tracker)."""
     try:
         children = psutil.Process(pid).children()
     except psutil.Error:
@@ -132,7 +134,7 @@ def dataloader_workers(pid: int) -> list[psutil.Process]:
     out = []
     for child in children:
         with contextlib.suppress(psutil.Error):
-            if not any("resource_tracker" in part or "forkserver" in part for part in child.cmdline()):
+            if not any("resource_tracker" in part for part in child.cmdline()):
                 out.append(child)
     return out
 
@@ -163,7 +165,7 @@ class Injector:
         if kind in IN_PROCESS:
             at = last_step + STEPS_AHEAD[kind]
             write_request(self.request_file, FaultRequest(f"f{index}", kind, rank, at))
-            return Fault(index, kind, rank, node, now, at_step=at, pid=pid)
+            return Fault(index, kind, rank, node, now, at_step=at, pid=pid, rank_pid=pid)
         if kind == "dataloader":
             workers = dataloader_workers(pid)
             if not workers:
@@ -176,8 +178,15 @@ class Injector:
             target.send_signal(signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
             if kind != "crash":
                 self.signalled.append(target)
-            return Fault(index, kind, rank, node, time.time(), pid=target.pid)
+            return Fault(index, kind, rank, node, time.time(), pid=target.pid, rank_pid=pid)
         return None
+
+    def rescue(self, fault: Fault, seconds: float) -> None:
+        """The job made no step for `seconds` after `fault`: the product did not recover it. SIGKILL the
+        victim rank so that the run goes on, and say so (the fault's notes: a problem in the report)."""
+        fault.notes.append(f"no step for {seconds:.0f}s after it: not recovered; the bench SIGKILLed the rank to go on")
+        with contextlib.suppress(psutil.Error, TypeError):
+            psutil.Process(fault.rank_pid).send_signal(signal.SIGKILL)
 
     def leftovers(self) -> list[str]:
         """Signalled processes still alive (the same process: pid and start time): each SIGKILLed."""
@@ -217,7 +226,8 @@ def run(
         injector = Injector(cluster, workdir / "fault-request.json", floor)
         first: float | None = None
         next_at: float | None = None
-        last_step = 0
+        last_step, stepped = 0, 0.0
+        rescue_after = max(30.0, 6 * floor + GRACE_SECONDS)  # no fault's recovery takes this long
         deadline = time.monotonic() + minutes * 60 * 3 + 300
         try:
             while time.monotonic() < deadline:
@@ -226,7 +236,13 @@ def run(
                     events += new
                     for e in new:
                         if e.kind == "step" and e.fields["from_rank"] == 0:
-                            last_step, first = e.fields["step"], first or e.time
+                            last_step, first, stepped = e.fields["step"], first or e.time, e.time
+                hit = faults[-1] if faults else None
+                if hit is not None and hit.rank is not None and not hit.notes:
+                    still = time.time() - max(stepped, hit.requested)
+                    if still > rescue_after:
+                        injector.rescue(hit, still)
+                        progress(f"  {time.strftime('%H:%M:%S')} fault {hit.label}: {hit.notes[-1]}")
                 if first is not None and next_at is None:
                     next_at = first + every
                 if all(n.agent is not None and n.agent.poll() is not None for n in cluster.nodes):

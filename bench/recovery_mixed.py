@@ -72,6 +72,7 @@ def analyse(run: MixedRun) -> Report:
     for n, f in enumerate(run.faults):
         o = Outcome(f)
         outcomes.append(o)
+        o.problems += f.notes
         begin = starts[n]
         end = starts[n + 1] if n + 1 < len(starts) else float("inf")
         if f.start is None:
