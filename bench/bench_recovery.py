@@ -4,6 +4,9 @@ next to torchrun on its own.
     python -m bench.bench_recovery            # 3 runs with the sidecar + 1 with torchrun alone (~3 min)
     python -m bench.bench_recovery --runs 5   # more runs
     python -m bench.bench_recovery --long     # also: goodput of a ~5.5-minute job hit by a hang every minute (5 hangs)
+    python -m bench.bench_recovery --long --nodes 3 --faults mixed   # only: 3 simulated nodes, >= 10 minutes,
+                                  # a fault a minute in rotation: stop, deadlock, spin, crash, DataLoader worker
+                                  # stopped, a healthy all-rank pause (bench/mixed_faults.py, recovery_mixed.py)
     python -m bench.bench_recovery --pid-namespace   # as root: each run also with torchrun in its own
                                                      # pid namespace (a pod without hostPID)
 
@@ -33,7 +36,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import mixed_faults, recovery_mixed
+from bench.mixed_faults import KINDS
 from bench.recovery_anatomy import STAGES, Anatomy, anatomy, fmt, incidents_in, print_anatomies  # noqa: F401
+from bench.recovery_goodput import account, cpu_times, live_goodput, steal_share  # noqa: F401
 from harness.job import JobSpec, LogEvent, SidecarClient, SidecarSpec, TrainerLog, event_time, load_incident, wait_for
 from harness.processes import Processes, free_port
 
@@ -187,40 +193,6 @@ class Goodput:
     live: dict[str, float]  # the sidecar's own sidecar_job_seconds_total{state} for the job at its end
 
 
-def cpu_times() -> list[int] | None:
-    """The `cpu` line of /proc/stat (user nice system idle iowait irq softirq steal ...), in ticks."""
-    try:
-        with open("/proc/stat") as f:
-            return [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-
-
-def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
-    if not before or not after or len(before) < 8:
-        return None
-    spent = [b - a for a, b in zip(before, after, strict=False)]
-    total = sum(spent[:8])  # guest time is already counted in user
-    return spent[7] / total if total > 0 else None
-
-
-def live_goodput(client: SidecarClient) -> dict[str, float]:
-    """sidecar_job_seconds_total{state} from the sidecar's /metrics for the one job it saw (a
-    --standalone torchrun names its job with a fresh id): the goodput the product reports, next
-    to the benchmark's own measure."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    code, body = client.get("/metrics", timeout=10)
-    if code != 200:
-        return {}
-    jobs: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            if sample.name == "sidecar_job_seconds_total":
-                jobs.setdefault(sample.labels["job_id"], {})[sample.labels["state"]] = sample.value
-    return max(jobs.values(), key=lambda states: sum(states.values()), default={})
-
-
 def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
     """A job of about `minutes` minutes under the sidecar whose rank 1 is SIGSTOPped once a
     minute (from outside: a frozen process, as a stuck driver call looks)."""
@@ -281,15 +253,8 @@ def goodput_run(workdir: Path, minutes: int, launcher: str) -> Goodput:
         if train.poll() != 0:
             raise RuntimeError(f"the goodput job did not finish (exit {train.poll()}); see {workdir}")
         live = live_goodput(client)
-    pairs = [(b[0], b[1] - a[1]) for a, b in zip(step_times, step_times[1:], strict=False) if b[0] == a[0] + 1]
-    gaps = [gap for _, gap in pairs]
-    healthy = statistics.median(gaps)
-    wall = step_times[-1][1] - step_times[0][1]
-    # The steps a hang delays: the hung one, and the first after the resume (which waited for the restart).
-    hung = {step for step, gap in pairs if gap > 1.0}
-    hung |= {step + 1 for step in hung}
-    hang_seconds = sum(gap - healthy for step, gap in pairs if step in hung)
-    slow_seconds = sum(gap - healthy for step, gap in pairs if step not in hung and gap > healthy)
+    spent = account(step_times)
+    healthy, wall, hang_seconds, slow_seconds = spent.healthy, spent.wall, spent.fault_seconds, spent.slow_seconds
     incidents = incidents_in(workdir / "diag")
     anatomies = []
     for hang in hang_times:
@@ -334,6 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, incidents)")
     p.add_argument(
+        "--faults",
+        choices=("sigstop", "mixed"),
+        default="sigstop",
+        help="--long's faults: `sigstop` (one node, rank 1 SIGSTOPped each minute; the default) or `mixed` (only "
+        "this run: --nodes simulated nodes, the field's faults in rotation, bench/mixed_faults.py)",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="simulated nodes of --faults mixed (3 in the issue)")
+    p.add_argument(
+        "--minutes", type=float, default=10.0, help="--faults mixed: minutes of faults (the target needs >= 10)"
+    )
+    p.add_argument("--every", type=float, default=60.0, help="--faults mixed: seconds between faults (default 60)")
+    p.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"--faults mixed: the faults, in rotation (default {','.join(KINDS)})",
+    )
+    p.add_argument(
+        "--floor", type=float, default=FLOOR_SECONDS, help="--faults mixed: the watchdog's floor (pause: twice it)"
+    )
+    p.add_argument(
         "--launcher",
         choices=("warm", "torchrun"),
         default="warm",
@@ -346,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         help="each run also with torchrun in its own pid namespace (needs root and unshare)",
     )
     args = p.parse_args(argv)
+    if args.faults == "mixed":
+        kinds = tuple(k for k in args.kinds.split(",") if k)
+        if not args.long or args.nodes < 1 or not kinds or set(kinds) - set(KINDS):
+            p.error(f"--faults mixed needs --long, --nodes >= 1 and --kinds from {','.join(KINDS)}")
+        return mixed_main(args, kinds)
+    if args.nodes != 1:
+        p.error("--nodes needs --faults mixed (the one-node runs are one node)")
     # Ctrl-C and SIGTERM end in the cleanup of every process started (the `with` blocks).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -425,6 +417,30 @@ def main(argv: list[str] | None = None) -> int:
                 + ")"
             )
     return 0 if all(r.passed for r in runs) and (runs or goodput is not None) else 1
+
+
+def mixed_main(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
+    """`--long --faults mixed`: the mixed run alone; 0 when the target is met (under 10 minutes: when
+    every hang was killed and recovered and nothing was killed falsely)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    root = Path(tempfile.mkdtemp(prefix="bench-recovery-mixed-"))
+    try:
+        run = mixed_faults.run(root, args.minutes, args.floor, args.nodes, args.every, kinds, progress=print_flush)
+        report = recovery_mixed.analyse(run)
+        recovery_mixed.print_report(report, "warm")
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if args.keep:
+            print(f"working directory kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0 if (report.passed if report.judged else report.behaved) else 1
+
+
+def print_flush(line: str) -> None:
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

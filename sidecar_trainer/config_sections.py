@@ -4,6 +4,7 @@ checkpoint, monitor, faults): one dataclass each, documented per field and check
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -359,8 +360,36 @@ class FaultConfig:
         ),
     )
 
+    request_file: str = field(
+        default="",
+        metadata=doc(
+            "Path of a JSON fault request, looked at (one stat) at the start of every step; empty: none. A "
+            'request {"id", "kind": deadlock | spin | pause, "rank": R or "all", "at_step", "seconds"} is fired '
+            "by the rank it names (every rank with `all`, all at the same at_step, which must lie ahead) at the "
+            "start of step at_step: `deadlock` (two threads take two locks in opposite orders), `spin` (a "
+            "pure-Python busy loop in the main thread), `pause` (seconds of evaluation-like compute outside any "
+            "collective, undeclared; then training goes on). Each rank takes a request once (a one-rank "
+            "request is renamed away to `<file>.<id>.rank<R>.taken`; for `all`, each rank creates that "
+            "marker), so a restarted worker does not fire it again; any attempt may take one. Write it "
+            "atomically (sidecar_trainer.fault_requests.write_request). The directory must exist."
+        ),
+    )
+
     def __post_init__(self) -> None:
         _one_of("faults.kind", self.kind, FAULT_KINDS)
+        if self.request_file:
+            _check(
+                "faults.request_file",
+                os.path.isabs(self.request_file),
+                f"must be an absolute path (every rank reads it), got {self.request_file!r}",
+            )
+            _check(
+                "faults.request_file",
+                not self.request_file.endswith("/") and not os.path.isdir(self.request_file),
+                f"must name a file, not a directory: {self.request_file!r}",
+            )
+            parent = os.path.dirname(self.request_file)
+            _check("faults.request_file", os.path.isdir(parent), f"its directory {parent!r} does not exist")
         _at_least("faults.rank", self.rank, 0)
         _at_least("faults.at_step", self.at_step, 1)
         _at_least("faults.sleep_seconds", self.sleep_seconds, 0)

@@ -4,6 +4,9 @@ The hooks sit where real faults happen: a dead or frozen process at the start of
 inside the step before its gradient all-reduce (the other ranks then wait in the collective, as
 they do behind a real straggler), a data fetch that never returns, a crash half-way through
 writing a checkpoint. Configured by the `faults` section (see sidecar_trainer/config.py).
+
+Faults asked for while the job runs (deadlock, spin, a pause on every rank), through
+`faults.request_file`, are sidecar_trainer/fault_requests.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from sidecar_trainer.config import FaultConfig
+from sidecar_trainer.fault_requests import RequestWatch, spin
 
 log = logging.getLogger("sidecar_trainer")
 
@@ -28,6 +32,7 @@ class FaultInjector:
         first_attempt = restart_count == 0 and generation == 1
         self.armed = cfg.kind != "none" and rank == cfg.rank and (first_attempt or not cfg.only_first_attempt)
         self.rank = rank
+        self.requests = RequestWatch(cfg.request_file, rank) if cfg.request_file else None
 
     def _fires(self, kind: str, step: int) -> bool:
         if self.armed and self.cfg.kind == kind and step == self.cfg.at_step:
@@ -36,6 +41,8 @@ class FaultInjector:
         return False
 
     def step_start(self, step: int) -> None:
+        if self.requests is not None:
+            self.requests.step_start(step)
         if self._fires("sigkill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires("sigstop", step):
@@ -51,7 +58,7 @@ class FaultInjector:
                 "1.02 GiB is free. (fault injection)"
             )
         if self._fires("loop", step):
-            _busy_loop_forever()
+            spin()
         if self._fires("sleep", step):
             time.sleep(self.cfg.sleep_seconds)
 
@@ -86,12 +93,6 @@ class FaultInjector:
     def checkpoint_delay(self) -> None:
         if self.cfg.checkpoint_delay_seconds:
             time.sleep(self.cfg.checkpoint_delay_seconds)
-
-
-def _busy_loop_forever() -> None:
-    n = 0
-    while True:  # pure Python, holds the GIL between bytecodes: a livelock, not a sleep
-        n = (n + 1) % 1_000_003
 
 
 def _dataloader_never_returns() -> None:

@@ -83,3 +83,15 @@ def test_a_worker_killed_under_the_launcher_restarts_without_imports_and_resumes
     cpu = [float(c) for c in re.findall(r"startup: imports_done t=[\d.]+ cpu_s=([\d.]+)", run.log)]
     assert len(cpu) == 2, run.log[-3000:]
     assert cpu[1] < 0.5, cpu
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("trainer_torchrun")
+def test_a_worker_under_the_launcher_loads_its_data_in_dataloader_worker_processes(tmp_path):
+    # A forkserver child is left with forkserver as its default start method and mid-bootstrap: a
+    # DataLoader's workers started from it failed ("An attempt has been made to start a new process
+    # before the current process has finished its bootstrapping phase") at every attempt.
+    run = torchrun(tmp_path, "data.num_workers=1", nproc=1, max_restarts=0, launcher="sidecar_trainer.launch")
+
+    assert run.returncode == 0, run.log[-3000:]
+    assert "training finished" in run.log
