@@ -194,10 +194,10 @@ def _nobody_waits(summaries: list[Summary], records: list[tuple[str, RankView]],
 
 def _paused(live: list[Summary], unread_work: bool = False) -> Culprit | None:
     """No one waits on anyone (no stack in a collective, no record with one in flight) and every
-    rank of the job's world is troubled and its CPU time grows: a pause (an evaluation, a long op), not a hang. `unread_work`:
-    the records prove no rank waits (`_nobody_waits`); a rank whose activity is unread counts as
-    working (make test: a healthy evaluation, one rank's stack being read, was named `rank_not_waiting`
-    and killed)."""
+    rank of the job's world is troubled and its CPU time grows: a pause (an evaluation, a long
+    op), not a hang. `unread_work`: the records prove no rank waits (`_nobody_waits`); a rank
+    whose activity is unread counts as working (make test: a healthy evaluation, one rank's stack
+    being read, was named `rank_not_waiting` and killed)."""
     troubled, working = sum(s.troubled for s in live), sum(s.working for s in live)
     working += sum(s.unread for s in live) if unread_work else 0
     if not troubled or working < troubled or any(s.waiting for s in live):
