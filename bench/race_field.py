@@ -23,11 +23,14 @@ hang -> training again. Target: hang -> training again of ours' best setting wit
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import json
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from bench import nvrx, scratch
@@ -61,6 +64,7 @@ class FieldRun:
     layout: str
     hang: str | None
     floor: float | None = None
+    detected: float | None = None  # hang -> the side decided: ours' incident `detected`, NVRx's "FT timeout elapsed"
     killed: float | None = None  # hang -> the hung rank's process gone
     again: float | None = None  # hang -> every rank trained a step after it
     false_kills: list[str] = field(default_factory=list)  # the pause (or "training") each cut
@@ -166,6 +170,8 @@ def run_one(spec: ClusterSpec, work: Path, run: FieldRun, world: int) -> FieldRu
         return run
     if watch.killed_at is not None:
         run.killed = watch.killed_at - hang["time"]
+    found = detected_at(work, hang["time"], watch.killed_at)
+    run.detected = found - hang["time"] if found is not None else None
     firsts: dict[int, float] = {}
     for r in recs:
         if r["kind"] == "first_step" and r["time"] > hang["time"]:
@@ -173,6 +179,28 @@ def run_one(spec: ClusterSpec, work: Path, run: FieldRun, world: int) -> FieldRu
     if len(firsts) == world:
         run.again = max(firsts.values()) - hang["time"]
     return run
+
+
+def detected_at(work: Path, after: float, before: float | None) -> float | None:
+    """When the side running in `work` decided on the hang: the first stall incident a sidecar
+    opened after it (its `detected` event), or the first "FT timeout elapsed" of NVRx's rank monitors
+    (their log lines' local time). None: neither found before the kill."""
+    until = before if before is not None else float("inf")
+    times = []
+    for path in work.glob("node-*/diag/incidents/*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            for e in json.loads(path.read_text()).get("timeline", []):
+                if e.get("event") == "detected" and after <= e["time"] <= until:
+                    times.append(e["time"])
+    for path in work.glob("node-*-torchrun.log"):
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                if "FT timeout elapsed" in line and line.startswith("["):
+                    with contextlib.suppress(ValueError):
+                        t = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                        if after <= t <= until:
+                            times.append(t)
+    return min(times, default=None)
 
 
 def find_floor(layout: list[int], nvrx_path: str, root: Path, floors: tuple[float, ...]) -> float | None:
@@ -207,8 +235,8 @@ def code_change() -> str:
 
 def summary(runs: list[FieldRun], layouts: list[list[int]]) -> bool:
     met = True
-    print("\nper setting (medians over its runs): false kills over the pauses | hang -> killed | "
-          "hang -> training again | kill -> training again")  # fmt: skip
+    print("\nper setting (medians over its runs): false kills over the pauses | hang -> killed | hang -> training "
+          "again | where it went: hang -> decided, decided -> killed, killed -> training again")  # fmt: skip
     for layout in layouts:
         name = label(layout)
         nodes = f"{len(layout)} node" + ("s" if len(layout) > 1 else "")
@@ -220,10 +248,13 @@ def summary(runs: list[FieldRun], layouts: list[list[int]]) -> bool:
             fk = sum(len(r.false_kills) for r in mine)
             k, a = median([r.killed for r in mine]), median([r.again for r in mine])
             after = median([r.again - r.killed for r in mine if r.again is not None and r.killed is not None])
+            decided = median([r.detected for r in mine])
+            kill = median([r.killed - r.detected for r in mine if r.killed is not None and r.detected is not None])
             safe = fk == 0 and all(r.finished for r in mine) and a is not None and all(r.again for r in mine)
             floor = f" (floor {mine[0].floor:g} s)" if s == "b" and mine[0].floor is not None else ""
             print(f"  {nodes:<8} {s} {NAMES[s] + floor:<32} {len(mine)} runs: false kills {fk} | "
-                  f"{_s(k)} | {_s(a)} | {_s(after)}{'' if safe else '  (not safe: excluded)'}")  # fmt: skip
+                  f"{_s(k)} | {_s(a)} | {_s(decided)}, {_s(kill)}, {_s(after)}"
+                  f"{'' if safe else '  (not safe: excluded)'}")  # fmt: skip
             side = "ours" if s in ("a", "b") else "nvrx"
             if safe and a is not None and (side not in best or a < best[side][1]):
                 best[side] = (s, a)
