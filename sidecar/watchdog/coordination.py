@@ -205,6 +205,16 @@ def current_culprit(dog: Any, job_id: str) -> Callable[[Verdict | None], bool]:
     return lambda v: has_culprit(v) and not before_restart(v, registered_walls(dog, job_id))
 
 
+def names_here_now(dog: Any, job_id: str, verdict: Verdict | None, targets: list[Any]) -> bool:
+    """The job's open verdict names a hang to act on here, about the local processes of now: not a
+    pause, not a rank its node holds busy (episode.leave_to_launcher: a verdict that changed to a
+    rank here after this node left its ranks to the launcher)."""
+    c = verdict.culprit if verdict is not None and not verdict.closed else None
+    if c is None or c.busy:
+        return False
+    return local_culprit(verdict, dog.node, {t.rank for t in targets}, registered_walls(dog, job_id)) is True
+
+
 def culprit_here(ep: Any, verdict: Verdict | None, finding: Any, targets: list[Any]) -> bool:
     """Whether an episode's node (episode.py) acts on the job's verdict: its culprit is here. Without
     one in time, this node's own evidence decides (a local rank late or running: its collective

@@ -30,7 +30,7 @@ from sidecar.jobview.collectives import stale_after as collectives_stale_after
 from sidecar.ranks.model import Rank, RankKey
 from sidecar.watchdog import pause
 from sidecar.watchdog.attribution import judge_collectives, refine_blame
-from sidecar.watchdog.coordination import JobView, Probe
+from sidecar.watchdog.coordination import JobView, Probe, adopt, names_here_now
 from sidecar.watchdog.goodput import Goodput
 from sidecar.watchdog.liveness import Liveness
 from sidecar.watchdog.metrics import Counters
@@ -262,6 +262,12 @@ class Episode:
                 incident.event("restarted_by_launcher")
                 return "left_to_launcher"
             verdict = dog.job_view.verdict(self.job_id) if dog.job_view is not None else None
+            if names_here_now(dog, self.job_id, verdict, targets):
+                adopt(incident, verdict, dog.node)
+                incident.notes.append(
+                    "the job's verdict came to name a rank here while its ranks were left to the launcher: killed here"
+                )
+                return await self.kill(targets)
             # bounded by the ceiling since this node's own ranks progressed: the word of another node
             # (whoever holds the job's key) may delay its own job's recovery, never forever
             below_ceiling = max(dog.deadline(t.rank).age for t in waiting) < dog.settings.watchdog.ceiling_seconds

@@ -413,6 +413,46 @@ async def test_ranks_left_to_the_launcher_while_the_job_is_paused_are_held_not_k
     assert await asyncio.wait_for(episode.task, 10) == "resumed"
 
 
+async def test_ranks_left_to_the_launcher_are_killed_at_once_when_the_verdict_comes_to_name_a_rank_here(
+    tmp_path, clock, spawn
+):
+    """bench_race --field, 1 node, floor 1 s: the first verdict said `job_paused` (the deadlocked
+    rank's CPU time had grown until the hang, its peer's record was a second old), which nobody acts
+    on, so the node left its ranks to the launcher; 2.6 s later the verdict named rank 1 here
+    (`rank_deadlocked`), but the node waited out job_view.launcher_grace_seconds (30 s) before it
+    killed. A verdict that comes to name a rank here is acted on at once."""
+    import asyncio
+    import time as wall
+
+    from sidecar.jobview.report import Culprit, Verdict
+    from sidecar.watchdog.remediation import target_of
+
+    settings = {"watchdog.observe_only": True, "watchdog.check_interval_seconds": 0.05,
+                "job_view.launcher_grace_seconds": 30.0}  # fmt: skip
+    s = make_settings(tmp_path, WATCHDOG, **settings)
+    registry = Registry(s)
+    dog = Watchdog(s, registry, clock=clock)
+    paused = Culprit(None, dog.node, None, reason="no rank waits on another", kind="job_paused", evidence="stacks")
+    view = _JobView(Verdict("job", "incident-1", 3, opened=0.0, culprit=paused, decided=wall.time()))
+    dog.job_view = view
+    r = register(registry, spawn().pid)
+    step(registry, r, 1, clock)
+    dog.tick()
+    clock.advance(11)
+    dog.tick()
+    episode = dog._episodes["job"]
+    await asyncio.wait_for(episode.task, 10)
+    episode.task = asyncio.get_running_loop().create_task(episode.leave_to_launcher([target_of(r)]))
+    await asyncio.sleep(0.2)
+    assert not episode.task.done()  # a pause: nobody acts
+    named = Culprit(0, dog.node, 1, reason="never entered the all-reduce", kind="rank_deadlocked",
+                    evidence="collectives")  # fmt: skip
+    view._verdict = Verdict("job", "incident-1", 4, opened=0.0, culprit=named, decided=wall.time() + 0.01)
+    await asyncio.wait_for(episode.task, 5)  # long before the 30 s grace
+    assert any("came to name a rank here" in n for n in episode.incident.notes), episode.incident.notes
+    assert episode.incident.blamed_rank == 0 and episode.incident.hang_kind == "rank_deadlocked"
+
+
 @pytest.mark.parametrize("resumed", [None, 3], ids=["from-scratch", "resumed-at-its-step"])
 @pytest.mark.parametrize("ticked", [True, False], ids=["seen-gone", "replaced-at-once"])
 async def test_a_crashed_rank_restarted_before_its_node_reported_is_its_exit_in_the_next_report(
