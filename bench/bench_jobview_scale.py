@@ -30,7 +30,6 @@ import resource
 import secrets
 import signal
 import statistics
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
+from bench import scratch
 from harness.job import PYTHON, wait_for
 from harness.netns import Network
 from harness.processes import Processes, free_port
@@ -298,25 +298,28 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    root = Path(tempfile.mkdtemp(prefix="bench-jobview-scale-"))
+    root = scratch.make("bench-jobview-scale-")
     results = []
-    for n in (int(x) for x in args.nodes.split(",")):
-        r = run(n, args.steady, root / f"n{n}", args.remote_peers)
-        results.append(r)
-        print(
-            f"{n:>5} nodes x {RANKS_PER_NODE} ranks: per node {r.steady_requests_per_node_s:.3f} req/s, "
-            f"{r.steady_bytes_per_node_s:.0f} B/s healthy; coordinator {r.coordinator_requests_s:.0f} req/s, "
-            f"{100 * r.coordinator_cpu:.1f}% of a core, {r.coordinator_rss_mb:.0f} MB; hang -> culprit known on "
-            f"every node p50 {r.culprit_p50:.3f} s, p99 {r.culprit_p99:.3f} s, max {r.culprit_max:.3f} s "
-            f"({r.hang_requests_per_node:.1f} requests per node, {r.missing} nodes without it)",
-            flush=True,
-        )
-        print(
-            f"      during the hang: coordinator {r.extra['coordinator_cpu_s']:.2f} s of CPU, the simulated nodes "
-            f"{r.extra['simulator_cpu_s']:.2f} s (both on this machine's 2 cores)"
-        )
-        if r.extra["errors"]:
-            print(f"      errors: {r.extra['errors']}")
+    try:
+        for n in (int(x) for x in args.nodes.split(",")):
+            r = run(n, args.steady, root / f"n{n}", args.remote_peers)
+            results.append(r)
+            print(
+                f"{n:>5} nodes x {RANKS_PER_NODE} ranks: per node {r.steady_requests_per_node_s:.3f} req/s, "
+                f"{r.steady_bytes_per_node_s:.0f} B/s healthy; coordinator {r.coordinator_requests_s:.0f} req/s, "
+                f"{100 * r.coordinator_cpu:.1f}% of a core, {r.coordinator_rss_mb:.0f} MB; hang -> culprit known on "
+                f"every node p50 {r.culprit_p50:.3f} s, p99 {r.culprit_p99:.3f} s, max {r.culprit_max:.3f} s "
+                f"({r.hang_requests_per_node:.1f} requests per node, {r.missing} nodes without it)",
+                flush=True,
+            )
+            print(
+                f"      during the hang: coordinator {r.extra['coordinator_cpu_s']:.2f} s of CPU, the simulated nodes "
+                f"{r.extra['simulator_cpu_s']:.2f} s (both on this machine's 2 cores)"
+            )
+            if r.extra["errors"]:
+                print(f"      errors: {r.extra['errors']}")
+    finally:
+        scratch.leave(root, False)
     big = max(results, key=lambda r: r.nodes)
     ok = big.missing == 0 and big.culprit_p99 < 2.0
     small = min(results, key=lambda r: r.nodes)

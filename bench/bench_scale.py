@@ -21,7 +21,6 @@ import re
 import resource
 import signal
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -31,6 +30,7 @@ from pathlib import Path
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import scratch
 from bench.scale_nodes import RANKS_PER_NODE, Node, Nodes, load_fixture
 from bench.scale_stack import Stack
 from sidecar.mixin.scale import seconds
@@ -239,13 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    root = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    root = scratch.make("bench-scale-")
     results = []
-    for n in counts:
-        start = time.monotonic()
-        results.append(measure(n, args.interval, root / f"n{n}", args.rounds))
-        print(f"{n} nodes measured in {time.monotonic() - start:.0f} s:\n{HEAD}\n{row(results[-1])}", flush=True)
-        print("".join(f"  {g} {1000 * t:.1f} ms" for g, t in sorted(results[-1].groups.items())), flush=True)
+    try:
+        for n in counts:
+            start = time.monotonic()
+            results.append(measure(n, args.interval, root / f"n{n}", args.rounds))
+            print(f"{n} nodes measured in {time.monotonic() - start:.0f} s:\n{HEAD}\n{row(results[-1])}", flush=True)
+            print("".join(f"  {g} {1000 * t:.1f} ms" for g, t in sorted(results[-1].groups.items())), flush=True)
+    finally:
+        scratch.leave(root, False)
     report(results)
     ok = all(f.series >= f.nodes * len(load_fixture()) and not f.errors for f in results)
     print(f"every node's series stored, every rule evaluated: {'PASS' if ok else 'FAIL'}")
