@@ -18,6 +18,7 @@ ORDER = [
     "bench_metrics",
     "bench_trainer",
     "bench_recovery",
+    "bench_recovery --long --nodes 3 --faults mixed",
     "bench_cycles",
     "bench_jobview",
     "bench_race",

@@ -45,6 +45,9 @@ from harness.processes import Processes, free_port
 
 FLOOR_SECONDS = 5.0
 GRACE_SECONDS = 5.0
+# --faults mixed: a floor a user can keep (bench_race --field found 1 s killing none of a real job's
+# pauses: a 20 s evaluation, a 10 s checkpoint, 5 s data waits), with margin for a loaded machine
+MIXED_FLOOR_SECONDS = 3.0
 JOB_TIMEOUT_SECONDS = 300.0
 
 
@@ -316,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         help=f"--faults mixed: the faults, in rotation (default {','.join(KINDS)})",
     )
     p.add_argument(
-        "--floor", type=float, default=FLOOR_SECONDS, help="--faults mixed: the watchdog's floor (pause: twice it)"
+        "--floor",
+        type=float,
+        default=MIXED_FLOOR_SECONDS,
+        help=f"--faults mixed: the watchdog's floor (default {MIXED_FLOOR_SECONDS:g} s; the pause: twice it)",
     )
     p.add_argument(
         "--launcher",
