@@ -161,26 +161,36 @@ def run_one(spec: ClusterSpec, workdir: Path, contender: str, layout: list[int])
     spec.env = {**spec.env, "CYCLE_LOG": str(log)}
     result = Run(contender, "+".join(map(str, layout)) + " rank" + ("s" if sum(layout) > 1 else ""))
     result.load = os.getloadavg()[0]
-    watch = KillWatch(log)
-    with Cluster(spec, workdir) as cluster:
-        watch.start()
-        codes = cluster.wait_agents(JOB_TIMEOUT)
-        watch.stop.set()
-        watch.join(5)
-        result.finished = all(c == 0 for c in codes)
+    result.finished, killed_at = watched(spec, workdir, log, JOB_TIMEOUT)
     recs = records(log)
     hang = next((r for r in recs if r["kind"] == "hang"), None)
     if hang is None:
         return result
-    if watch.killed_at is not None:
-        result.killed = watch.killed_at - hang["time"]
+    if killed_at is not None:
+        result.killed = killed_at - hang["time"]
+    result.again = training_again(recs, hang["time"], sum(layout))
+    return result
+
+
+def watched(spec: ClusterSpec, workdir: Path, log: Path, timeout: float) -> tuple[bool, float | None]:
+    """Run the cluster until its agents end (at most `timeout`), watching for the hung rank's
+    process to go: (every agent exited 0, when the hung process went)."""
+    watch = KillWatch(log)
+    with Cluster(spec, workdir) as cluster:
+        watch.start()
+        codes = cluster.wait_agents(timeout)
+        watch.stop.set()
+        watch.join(5)
+    return all(c == 0 for c in codes), watch.killed_at
+
+
+def training_again(recs: list[dict], hang_time: float, world: int) -> float | None:
+    """Hang -> every rank of the job past its first step after it (None: not all came back)."""
     firsts: dict[int, float] = {}
     for r in recs:
-        if r["kind"] == "first_step" and r["time"] > hang["time"]:
+        if r["kind"] == "first_step" and r["time"] > hang_time:
             firsts.setdefault(r["rank"], r["time"])
-    if len(firsts) == sum(layout):
-        result.again = max(firsts.values()) - hang["time"]
-    return result
+    return max(firsts.values()) - hang_time if len(firsts) == world else None
 
 
 def median(values: list[float | None]) -> float | None:

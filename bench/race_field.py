@@ -34,9 +34,9 @@ from datetime import datetime
 from pathlib import Path
 
 from bench import nvrx, scratch
-from bench.bench_race import KillWatch, records
+from bench.bench_race import records, training_again, watched
 from bench.field.environment import SlowStorage
-from harness.cluster import AGENTS, Cluster, ClusterSpec, NodeSpec
+from harness.cluster import AGENTS, ClusterSpec, NodeSpec
 from harness.job import SidecarSpec
 from sidecar.config import Settings
 
@@ -151,15 +151,9 @@ def run_one(spec: ClusterSpec, work: Path, run: FieldRun, world: int) -> FieldRu
     (work / "state").mkdir(parents=True)
     storage = SlowStorage(work / "storage", world, MODEL_BYTES / CKPT_SECONDS)
     log = work / "cycle.jsonl"
-    watch = KillWatch(log)
     started = time.monotonic()
     try:
-        with Cluster(spec, work) as cluster:
-            watch.start()
-            codes = cluster.wait_agents(JOB_TIMEOUT)
-            watch.stop.set()
-            watch.join(5)
-            run.finished = all(c == 0 for c in codes)
+        run.finished, killed_at = watched(spec, work, log, JOB_TIMEOUT)
     finally:
         storage.close()
     run.seconds = time.monotonic() - started
@@ -168,16 +162,11 @@ def run_one(spec: ClusterSpec, work: Path, run: FieldRun, world: int) -> FieldRu
     run.false_kills = false_kills(recs, hang["time"] if hang else None)
     if hang is None:
         return run
-    if watch.killed_at is not None:
-        run.killed = watch.killed_at - hang["time"]
-    found = detected_at(work, hang["time"], watch.killed_at)
+    if killed_at is not None:
+        run.killed = killed_at - hang["time"]
+    found = detected_at(work, hang["time"], killed_at)
     run.detected = found - hang["time"] if found is not None else None
-    firsts: dict[int, float] = {}
-    for r in recs:
-        if r["kind"] == "first_step" and r["time"] > hang["time"]:
-            firsts.setdefault(r["rank"], r["time"])
-    if len(firsts) == world:
-        run.again = max(firsts.values()) - hang["time"]
+    run.again = training_again(recs, hang["time"], world)
     return run
 
 

@@ -81,3 +81,12 @@ def test_the_sections_script_is_the_plain_one_plus_the_change_a_user_makes():
         assert call in sections
     added, removed = (int(x) for x in race_field.code_change().replace("+", "").replace("-", "").split()[:2])
     assert added > 20 and removed > 5
+
+
+def test_training_again_is_the_last_rank_back_after_the_hang_and_none_until_all_are():
+    from bench.bench_race import training_again
+
+    recs = [*firsts(10, ranks=3), rec("hang", 1, 40), rec("first_step", 0, 45), rec("first_step", 2, 46)]
+    assert training_again(recs, 40, 3) is None  # rank 1 not back yet
+    recs.append(rec("first_step", 1, 47.5))
+    assert training_again(recs, 40, 3) == 7.5
