@@ -198,12 +198,9 @@ def _paused(live: list[Summary], unread_work: bool = False) -> Culprit | None:
     op), not a hang. `unread_work`: the records prove no rank waits (`_nobody_waits`); a rank
     whose activity is unread counts as working (make test: a healthy evaluation, one rank's stack
     being read, was named `rank_not_waiting` and killed)."""
-    troubled, working = sum(s.troubled for s in live), sum(s.working for s in live)
-    working += sum(s.unread for s in live) if unread_work else 0
-    if not troubled or working < troubled or any(s.waiting for s in live):
-        return None
-    if troubled < max(s.world for s in live):
-        return None  # a job pauses on every rank (`_pausing`)
+    troubled = sum(s.troubled for s in live)
+    if not _pausing(live, unread_work) or troubled < max(s.world for s in live):
+        return None  # a job pauses on every rank
     lowest = min(s.lowest for s in live if s.lowest is not None)
     where = "no step yet" if lowest < 0 else f"step {lowest}"
     node = next(s.node for s in live if s.lowest == lowest)

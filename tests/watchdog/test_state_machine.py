@@ -377,24 +377,22 @@ async def test_ranks_left_to_the_launcher_that_step_again_by_themselves_resumed_
     assert "resumed_by_itself" in events and "restarted_by_launcher" not in events, events
 
 
-async def test_ranks_left_to_the_launcher_while_the_job_is_paused_are_held_not_killed_past_the_grace(
-    tmp_path, clock, spawn
-):
-    """The job's verdict says `job_paused` (the tail of a pause: this node's rank is done and waits,
-    another node's still works): nobody acts, so this node holds its waiting rank past
-    job_view.launcher_grace_seconds (bounded by watchdog.ceiling_seconds) instead of killing it."""
+async def _left_to_launcher(tmp_path, clock, spawn, grace, culprit_for):
+    """A rank stalled past the floor under an observe-only watchdog whose job view holds the verdict
+    `culprit_for(dog)` gives; its episode, done with its stacks, then left to the launcher."""
     import asyncio
+    import time as wall
 
-    from sidecar.jobview.report import Culprit, Verdict
+    from sidecar.jobview.report import Verdict
     from sidecar.watchdog.remediation import target_of
 
     settings = {"watchdog.observe_only": True, "watchdog.check_interval_seconds": 0.05,
-                "job_view.launcher_grace_seconds": 0.2}  # fmt: skip
+                "job_view.launcher_grace_seconds": grace}  # fmt: skip
     s = make_settings(tmp_path, WATCHDOG, **settings)
     registry = Registry(s)
     dog = Watchdog(s, registry, clock=clock)
-    paused = Culprit(None, "node-9", None, reason="no rank waits on another", kind="job_paused", evidence="stacks")
-    dog.job_view = _JobView(Verdict("job", "incident-1", 3, opened=0.0, culprit=paused))
+    view = _JobView(Verdict("job", "incident-1", 3, opened=0.0, culprit=culprit_for(dog), decided=wall.time()))
+    dog.job_view = view
     proc = spawn()
     r = register(registry, proc.pid)
     step(registry, r, 1, clock)
@@ -404,6 +402,23 @@ async def test_ranks_left_to_the_launcher_while_the_job_is_paused_are_held_not_k
     episode = dog._episodes["job"]
     await asyncio.wait_for(episode.task, 10)
     episode.task = asyncio.get_running_loop().create_task(episode.leave_to_launcher([target_of(r)]))
+    return dog, view, registry, r, proc, episode
+
+
+async def test_ranks_left_to_the_launcher_while_the_job_is_paused_are_held_not_killed_past_the_grace(
+    tmp_path, clock, spawn
+):
+    """The job's verdict says `job_paused` (the tail of a pause: this node's rank is done and waits,
+    another node's still works): nobody acts, so this node holds its waiting rank past
+    job_view.launcher_grace_seconds (bounded by watchdog.ceiling_seconds) instead of killing it."""
+    import asyncio
+
+    from sidecar.jobview.report import Culprit
+
+    def paused(dog):
+        return Culprit(None, "node-9", None, reason="no rank waits on another", kind="job_paused", evidence="stacks")
+
+    dog, _, registry, r, proc, episode = await _left_to_launcher(tmp_path, clock, spawn, 0.2, paused)
     for _ in range(10):  # five graces on the watchdog's clock
         clock.advance(0.1)
         await asyncio.sleep(0.06)
@@ -425,24 +440,11 @@ async def test_ranks_left_to_the_launcher_are_killed_at_once_when_the_verdict_co
     import time as wall
 
     from sidecar.jobview.report import Culprit, Verdict
-    from sidecar.watchdog.remediation import target_of
 
-    settings = {"watchdog.observe_only": True, "watchdog.check_interval_seconds": 0.05,
-                "job_view.launcher_grace_seconds": 30.0}  # fmt: skip
-    s = make_settings(tmp_path, WATCHDOG, **settings)
-    registry = Registry(s)
-    dog = Watchdog(s, registry, clock=clock)
-    paused = Culprit(None, dog.node, None, reason="no rank waits on another", kind="job_paused", evidence="stacks")
-    view = _JobView(Verdict("job", "incident-1", 3, opened=0.0, culprit=paused, decided=wall.time()))
-    dog.job_view = view
-    r = register(registry, spawn().pid)
-    step(registry, r, 1, clock)
-    dog.tick()
-    clock.advance(11)
-    dog.tick()
-    episode = dog._episodes["job"]
-    await asyncio.wait_for(episode.task, 10)
-    episode.task = asyncio.get_running_loop().create_task(episode.leave_to_launcher([target_of(r)]))
+    def paused(dog):
+        return Culprit(None, dog.node, None, reason="no rank waits on another", kind="job_paused", evidence="stacks")
+
+    dog, view, _, _, _, episode = await _left_to_launcher(tmp_path, clock, spawn, 30.0, paused)
     await asyncio.sleep(0.2)
     assert not episode.task.done()  # a pause: nobody acts
     named = Culprit(0, dog.node, 1, reason="never entered the all-reduce", kind="rank_deadlocked",
